@@ -1,0 +1,75 @@
+"""``autodeploy(model)``: the one call from a checkpoint to a generating model."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from autodeploy.auto_settings import resolve_auto_settings
+from autodeploy.config import load_settings
+from autodeploy.models.factory import ModelFactory
+from autodeploy.models.source import resolve_model_source
+from autodeploy.pipeline import Pipeline
+from autodeploy.runtime.llm import LLM
+from autodeploy.transforms.registry import TransformContext
+
+logger = logging.getLogger(__name__)
+
+
+def deployment_settings(
+    model: str | None = None,
+    config: str | Path | Iterable[str | Path] | None = None,
+    set_arguments: Iterable[str] = (),
+    **overrides: Any,
+) -> tuple[DictConfig, ModelFactory]:
+    """Merged, validated and auto-resolved settings for ``model`` (what ``autodeploy config show`` prints)."""
+    config_files = [config] if isinstance(config, (str, Path)) else list(config or [])
+    if model is not None:
+        overrides["model"] = str(model)
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    settings = load_settings(config_files, overrides, set_arguments)
+    source = resolve_model_source(settings.model, settings.weights)
+    factory = ModelFactory.from_source(source, settings.trust_remote_code)
+    return resolve_auto_settings(settings, factory.hf_config), factory
+
+
+def _eos_token_ids(factory: ModelFactory) -> list[int]:
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(factory.source.directory).eos_token_id
+    except OSError:  # no generation_config.json: fall back to the model config
+        eos = getattr(factory.hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def autodeploy(
+    model: str | None = None,
+    *,
+    config: str | Path | Iterable[str | Path] | None = None,
+    set_arguments: Iterable[str] = (),
+    **overrides: Any,
+) -> LLM:
+    """Build a generating model from a checkpoint folder, hub id, shipped config name or config.json.
+
+    ``config`` names YAML files merged over ``configs/default.yaml``; keyword ``overrides`` (any
+    setting, e.g. ``weights="random"``, ``device="cpu"``, ``transforms={"cleanup_noop": {"enabled": False}}``)
+    win over YAML; ``set_arguments`` are ``key=value`` strings as on the CLI and win over everything.
+    With no model, the embedded demo model is used.
+
+    >>> from autodeploy import autodeploy, SamplingParams
+    >>> llm = autodeploy()
+    >>> out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0))
+    """
+    settings, factory = deployment_settings(model, config, set_arguments, **overrides)
+    pipeline = Pipeline.from_settings(settings)
+    context = TransformContext(settings=settings, model_factory=factory)
+    graph = pipeline.run(context, dump_dir=settings.dump_graphs)
+    tokenizer = factory.load_tokenizer(settings.tokenizer)
+    return LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records)

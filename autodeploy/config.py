@@ -1,0 +1,159 @@
+"""Deployment settings: OmegaConf, merged with a fixed precedence and validated when loaded.
+
+Precedence (later wins): dataclass defaults < ``configs/default.yaml`` < user YAML files (in
+order) < Python keyword overrides < CLI ``--set key=value``. Every ``transforms.<name>`` entry is
+checked against that transform's config dataclass: unknown names, unknown keys and wrong types
+are ``ConfigError``s that say what to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from autodeploy.errors import ConfigError
+from autodeploy.transforms.registry import STAGES, TransformConfig, registered_transforms
+
+DEVICES = ("auto", "cpu", "cuda", "meta")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHTS = ("checkpoint", "random")
+
+
+@dataclass
+class DeploySettings:
+    """Top-level settings. ``auto`` values are resolved from the model and hardware (see auto_settings)."""
+
+    model: Optional[str] = None
+    weights: str = "checkpoint"  # "checkpoint" | "random" (benchmark without a checkpoint)
+    tokenizer: Optional[str] = None  # default: the checkpoint's own
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "meta"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    max_seq_len: Optional[int] = None  # default: the model's max_position_embeddings
+    max_batch_size: int = 32
+    seed: int = 0
+    trust_remote_code: bool = False
+    backends: List[str] = field(default_factory=list)  # kernel backends; empty = all usable on the device
+    dump_graphs: Optional[str] = None  # folder: write the graph after every transform
+    transforms: Dict[str, Any] = field(default_factory=dict)
+
+
+def default_yaml_path() -> Path:
+    return Path(str(resources.files("autodeploy.configs").joinpath("default.yaml")))
+
+
+def _load_yaml(path: str | Path) -> DictConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass the path of a YAML pipeline config")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as error:  # yaml.YAMLError and OmegaConf errors alike
+        raise ConfigError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from error
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping of settings, got a {type(loaded).__name__}")
+    return loaded
+
+
+def parse_set_arguments(assignments: Iterable[str]) -> DictConfig:
+    """``["transforms.cleanup_noop.enabled=false", "max_batch_size=8"]`` → a config."""
+    assignments = list(assignments)
+    for assignment in assignments:
+        key, sep, _ = assignment.partition("=")
+        if not sep or not key.strip() or " " in key.strip():
+            raise ConfigError(f"--set expects key=value (e.g. --set transforms.cleanup_noop.enabled=false), got {assignment!r}")
+    try:
+        return OmegaConf.from_dotlist(assignments)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"--set could not parse {assignments}: {str(error).splitlines()[0]}") from error
+
+
+def _unknown_key_message(error: OmegaConfBaseException, where: str, options: Iterable[str]) -> str:
+    key = getattr(error, "key", None) or ""
+    text = str(error).splitlines()[0]
+    close = difflib.get_close_matches(str(key), list(options), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(options))}"
+    return f"{where}: {text}{hint}"
+
+
+def validate_transform_entry(name: str, entry: Any) -> TransformConfig:
+    """Check one ``transforms.<name>`` mapping against the transform's config dataclass."""
+    registry = registered_transforms()
+    if name not in registry:
+        close = difflib.get_close_matches(name, list(registry), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"registered transforms: {', '.join(sorted(registry))}"
+        raise ConfigError(f"unknown transform {name!r} in config; {hint} (register your own with @register_transform)")
+    config_class = registry[name].config_class
+    if entry is None:
+        entry = {}
+    if not isinstance(entry, (Mapping, DictConfig)):
+        raise ConfigError(f"transforms.{name} must be a mapping of options, got {entry!r}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(config_class), entry)
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        fields = [f.name for f in dataclasses.fields(config_class)]
+        raise ConfigError(_unknown_key_message(error, f"transforms.{name}", fields)) from error
+    if config.stage not in STAGES:
+        raise ConfigError(f"transforms.{name}.stage is {config.stage!r}; stages are {', '.join(STAGES)}")
+    return config
+
+
+def load_settings(
+    config_files: Iterable[str | Path] = (),
+    overrides: Mapping[str, Any] | None = None,
+    set_arguments: Iterable[str] = (),
+) -> DictConfig:
+    """Merge and validate settings. Returns a DictConfig whose ``transforms`` are validated mappings.
+
+    >>> settings = load_settings(set_arguments=["max_batch_size=4"])
+    >>> settings.max_batch_size
+    4
+    """
+    layers = [_load_yaml(default_yaml_path())]
+    layers += [_load_yaml(path) for path in config_files]
+    if overrides:
+        try:
+            layers.append(OmegaConf.create(dict(overrides)))
+        except OmegaConfBaseException as error:
+            raise ConfigError(f"invalid keyword override: {str(error).splitlines()[0]}") from error
+    layers.append(parse_set_arguments(set_arguments))
+    try:
+        settings = OmegaConf.merge(OmegaConf.structured(DeploySettings), *layers)
+    except OmegaConfBaseException as error:
+        fields = [f.name for f in dataclasses.fields(DeploySettings)]
+        raise ConfigError(_unknown_key_message(error, "settings", fields)) from error
+    _check_choices(settings)
+    for name, entry in settings.transforms.items():
+        validate_transform_entry(name, entry)
+    return settings
+
+
+def _check_choices(settings: DictConfig) -> None:
+    device = settings.device
+    if device not in DEVICES and not str(device).startswith("cuda:"):
+        raise ConfigError(f"device is {device!r}; use one of {', '.join(DEVICES)} or cuda:N")
+    if settings.dtype not in DTYPES:
+        raise ConfigError(f"dtype is {settings.dtype!r}; use one of {', '.join(DTYPES)}")
+    if settings.weights not in WEIGHTS:
+        raise ConfigError(f"weights is {settings.weights!r}; use one of {', '.join(WEIGHTS)}")
+    if settings.max_batch_size < 1:
+        raise ConfigError(f"max_batch_size must be ≥ 1, got {settings.max_batch_size}")
+    if settings.max_seq_len is not None and settings.max_seq_len < 1:
+        raise ConfigError(f"max_seq_len must be ≥ 1, got {settings.max_seq_len}")
+
+
+def transform_configs(settings: DictConfig) -> dict[str, TransformConfig]:
+    """The validated config dataclass of every transform named in the settings, in YAML order."""
+    return {name: validate_transform_entry(name, entry) for name, entry in settings.transforms.items()}
+
+
+def settings_to_yaml(settings: DictConfig) -> str:
+    return OmegaConf.to_yaml(settings)

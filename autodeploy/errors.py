@@ -1,0 +1,36 @@
+"""Typed errors. Each says what was wrong and what to do about it.
+
+The CLI prints ``str(error)`` as one line; ``--debug`` shows the traceback.
+"""
+
+
+class AutoDeployError(Exception):
+    """Base class of every error autodeploy raises on purpose."""
+
+
+class ModelNotFoundError(AutoDeployError):
+    """The model id or path does not resolve to a checkpoint or config."""
+
+
+class UnsupportedModelError(AutoDeployError):
+    """The checkpoint exists but its architecture cannot be built."""
+
+
+class CheckpointError(AutoDeployError):
+    """The checkpoint's tensors do not fit the model (missing keys, wrong shapes)."""
+
+
+class ConfigError(AutoDeployError):
+    """A YAML file, keyword override or ``--set`` argument is invalid."""
+
+
+class ExportError(AutoDeployError):
+    """``torch.export`` could not capture the model."""
+
+
+class TransformError(AutoDeployError):
+    """A pipeline transform failed."""
+
+
+class InvalidRequestError(AutoDeployError, ValueError):
+    """A generate() call has invalid prompts or sampling parameters."""

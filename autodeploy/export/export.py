@@ -1,0 +1,136 @@
+"""Capture a model as a ``torch.fx.GraphModule`` of aten ops with ``torch.export``.
+
+The causal-LM graph takes ``input_ids`` and ``position_ids`` of shape ``[batch, seq]`` (both
+dimensions dynamic: one export serves every shape) and returns logits ``[batch, seq, vocab]``.
+Models are exported on the meta device, so no weight memory is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import logging
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from autodeploy.errors import AutoDeployError, ExportError
+from autodeploy.export.patches import apply_export_patches
+from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
+
+logger = logging.getLogger(__name__)
+
+CAUSAL_LM_INPUTS: tuple[str, ...] = ("input_ids", "position_ids")
+
+
+class CausalLMLogits(nn.Module):
+    """The exported function: token ids and positions in, logits out (no HF output objects, no cache)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+@contextlib.contextmanager
+def _module_call_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
+    """Track which submodules are executing, so an export failure can name the innermost one."""
+
+    def enter(name):
+        return lambda module, args: stack.append(f"{name} ({type(module).__name__})")
+
+    def leave(module, args, output):
+        stack.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(name or "<root>")))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _failing_source_line(error: BaseException) -> str:
+    """The innermost traceback frame outside torch itself: usually the model line that broke export."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+    return f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} `{line}`"
+
+
+def export_to_graph_module(
+    module: nn.Module,
+    args: tuple,
+    dynamic_shapes=None,
+    patches: list[str] = (),
+    strict: bool = False,
+) -> GraphModule:
+    """Export ``module`` and return the unlifted ``GraphModule`` (parameters as attributes).
+
+    >>> gm = export_to_graph_module(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+    """
+    stack: list[str] = []
+    try:
+        with torch.no_grad(), apply_export_patches(module, list(patches)), _module_call_stack(module, stack):
+            program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=strict)
+    except AutoDeployError:
+        raise
+    except Exception as error:  # torch.export raises many unrelated types; all mean "could not capture"
+        where = stack[-1] if stack else type(module).__name__
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ExportError(
+            f"torch.export failed in module {where}{_failing_source_line(error)}: {type(error).__name__}: "
+            f"{first_line[:300]} — register an export patch for this code (autodeploy.export.register_export_patch) "
+            f"and list it under transforms.export_to_fx.patches"
+        ) from error
+    return program.module()
+
+
+def export_causal_lm(
+    model: nn.Module,
+    max_batch_size: int,
+    max_seq_len: int,
+    patches: list[str] = (),
+    strict: bool = False,
+) -> GraphModule:
+    """Export a HF causal LM (usually on the meta device) with dynamic batch and sequence dims."""
+    device = next(model.parameters()).device
+    batch = torch.export.Dim("batch", min=1, max=max(max_batch_size, 2))
+    seq = torch.export.Dim("seq", min=1, max=max(max_seq_len, 2))
+    # Example sizes above 1 so export does not specialise the dynamic dims to 1; real positions
+    # (not zeros) because HF mask builders derive packed-sequence masks from them.
+    input_ids = torch.zeros((2, 4), dtype=torch.long, device=device)
+    position_ids = torch.arange(4, device=device).expand(2, 4)
+    dynamic = ({0: batch, 1: seq}, {0: batch, 1: seq})
+    return export_to_graph_module(CausalLMLogits(model), (input_ids, position_ids), dynamic, patches, strict)
+
+
+@dataclass
+class ExportConfig(TransformConfig):
+    stage: str = "export"
+    patches: list[str] = field(default_factory=lambda: ["hf_no_kv_cache", "hf_sdpa_attention", "hf_moe_batched_experts"])
+    strict: bool = False
+
+
+@register_transform("export_to_fx")
+class ExportToFX(Transform):
+    """nn.Module (meta) → GraphModule of aten ops with dynamic batch and sequence dims."""
+
+    config_class = ExportConfig
+
+    def apply(self, module: nn.Module, context) -> TransformResult:
+        settings = context.settings
+        gm = export_causal_lm(module, settings.max_batch_size, settings.max_seq_len, self.config.patches, self.config.strict)
+        context.graph_inputs = CAUSAL_LM_INPUTS
+        return TransformResult(changed=True, module=gm, notes=f"inputs: {', '.join(CAUSAL_LM_INPUTS)}")

@@ -1,0 +1,107 @@
+"""Export patches: context managers active while ``torch.export`` traces a model.
+
+A patch makes model code that does not export as is (cache objects, attention backends that
+call into custom kernels, data-dependent branches) take an exportable path. Patches are
+registered by name and enabled with ``transforms.export_to_fx.patches`` in YAML.
+
+```python
+import contextlib
+from autodeploy.export import register_export_patch
+
+@register_export_patch("my_model_no_dropout")
+@contextlib.contextmanager
+def no_dropout(model):
+    old = model.config.attention_dropout
+    model.config.attention_dropout = 0.0
+    try:
+        yield
+    finally:
+        model.config.attention_dropout = old
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import ContextManager
+
+from torch import nn
+
+from autodeploy.errors import ConfigError
+
+ExportPatch = Callable[[nn.Module], ContextManager[None]]
+
+_PATCHES: dict[str, ExportPatch] = {}
+
+
+def register_export_patch(name: str) -> Callable[[ExportPatch], ExportPatch]:
+    """Register ``patch(model) -> context manager`` under ``name``."""
+
+    def decorate(patch: ExportPatch) -> ExportPatch:
+        _PATCHES[name] = patch
+        return patch
+
+    return decorate
+
+
+def registered_export_patches() -> list[str]:
+    return sorted(_PATCHES)
+
+
+@contextlib.contextmanager
+def apply_export_patches(model: nn.Module, names: list[str]) -> Iterator[None]:
+    unknown = [name for name in names if name not in _PATCHES]
+    if unknown:
+        raise ConfigError(
+            f"unknown export patch(es) {', '.join(unknown)}; registered patches: {', '.join(registered_export_patches())}"
+        )
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(_PATCHES[name](model))
+        yield
+
+
+def _hf_configs(model: nn.Module) -> list:
+    """Every distinct Hugging Face config object reachable from the model's modules."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def _override_config_attribute(model: nn.Module, attribute: str, value) -> Iterator[None]:
+    saved = [(config, getattr(config, attribute)) for config in _hf_configs(model) if hasattr(config, attribute)]
+    for config, _ in saved:
+        setattr(config, attribute, value)
+    try:
+        yield
+    finally:
+        for config, old in saved:
+            setattr(config, attribute, old)
+
+
+@register_export_patch("hf_no_kv_cache")
+def hf_no_kv_cache(model: nn.Module) -> ContextManager[None]:
+    """HF models build ``DynamicCache`` objects when ``config.use_cache`` is set, also in code paths
+    that ignore the ``use_cache`` argument; cache objects are Python state export cannot return."""
+    return _override_config_attribute(model, "use_cache", False)
+
+
+@register_export_patch("hf_sdpa_attention")
+def hf_sdpa_attention(model: nn.Module) -> ContextManager[None]:
+    """flash-attention and flex-attention backends call opaque kernels; SDPA exports to one aten op
+    that the pattern library understands. Eager attention is kept (it exports as plain matmuls)."""
+    configs = _hf_configs(model)
+    if all(getattr(c, "_attn_implementation", None) in (None, "eager", "sdpa") for c in configs):
+        return contextlib.nullcontext()
+    return _override_config_attribute(model, "_attn_implementation", "sdpa")
+
+
+@register_export_patch("hf_moe_batched_experts")
+def hf_moe_batched_experts(model: nn.Module) -> ContextManager[None]:
+    """HF's default grouped-GEMM experts pick ops by the device they are traced on (``histc`` on int
+    inputs works on CUDA, not CPU), so a graph exported on meta would fail on CPU. The batched path
+    gathers each token's expert weights with plain indexing: one graph for every device."""
+    if not any(type(m).__name__.endswith("Experts") for m in model.modules()):
+        return contextlib.nullcontext()
+    return _override_config_attribute(model, "_experts_implementation", "batched_mm")

@@ -1,0 +1,69 @@
+"""Read checkpoint tensors one at a time (safetensors, single or sharded; legacy ``.bin`` via mmap)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from autodeploy.errors import CheckpointError
+
+
+class CheckpointReader:
+    """Lazy access to a checkpoint folder's tensors: ``keys()``, ``read(key, device)``."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._file_of: dict[str, Path] = {}
+        self._open: dict[Path, object] = {}
+        self._index_files()
+
+    def _index_files(self) -> None:
+        index = self.directory / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as error:
+                raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map')") from error
+            for key, file_name in weight_map.items():
+                self._file_of[key] = self.directory / file_name
+            missing = sorted({p.name for p in self._file_of.values() if not p.is_file()})
+            if missing:
+                raise CheckpointError(f"{index} names shard(s) that are not in the folder: {', '.join(missing[:4])}")
+            return
+        files = sorted(self.directory.glob("*.safetensors")) or sorted(self.directory.glob("pytorch_model*.bin"))
+        if not files:
+            raise CheckpointError(
+                f"no *.safetensors (or pytorch_model*.bin) weights in {self.directory}; pass weights='random' "
+                f"(--set weights=random) to run the architecture with random weights"
+            )
+        for file in files:
+            for key in self._handle(file).keys():
+                self._file_of[key] = file
+
+    def _handle(self, file: Path):
+        handle = self._open.get(file)
+        if handle is None:
+            try:
+                if file.suffix == ".safetensors":
+                    from safetensors import safe_open
+
+                    handle = safe_open(str(file), framework="pt", device="cpu")
+                else:
+                    handle = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as error:  # safetensors raises its own SafetensorError; torch.load many kinds
+                raise CheckpointError(f"cannot read checkpoint file {file}: {str(error).splitlines()[0][:160]}") from error
+            self._open[file] = handle
+        return handle
+
+    def keys(self) -> list[str]:
+        return list(self._file_of)
+
+    def read(self, key: str) -> torch.Tensor:
+        handle = self._handle(self._file_of[key])
+        return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)

@@ -1,0 +1,144 @@
+"""Model factory: HF config → HF model with parameters on the meta device (no weight memory).
+
+Non-persistent buffers (RoPE ``inv_freq`` and the like) are computed for real while the model is
+built, kept aside, and put back into the graph by ``load_weights``; everything is then moved to
+meta so export traces a single-device model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from autodeploy.errors import ConfigError, UnsupportedModelError
+from autodeploy.models.source import ModelSource
+from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device while buffers are computed on the CPU.
+
+    ``torch.device("meta")`` would put buffers on meta too, losing values (RoPE frequencies) that no
+    checkpoint stores.
+    """
+    register_parameter = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register_parameter(module, name, param)
+        if param is not None and not param.is_meta:  # re-registering a meta param (weight tying) keeps it
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register_parameter
+
+
+def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> PretrainedConfig:
+    try:
+        config = AutoConfig.from_pretrained(source.config_file, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as error:
+        model_type = _read_model_type(source)
+        raise UnsupportedModelError(
+            f"{source.name}: transformers does not know model type {model_type!r} ({str(error).splitlines()[0][:120]}); "
+            f"upgrade transformers, or pass trust_remote_code=True if the checkpoint ships its own code"
+        ) from error
+    except OSError as error:
+        raise UnsupportedModelError(f"{source.name}: cannot read {source.config_file}: {error}") from error
+    return config
+
+
+def _read_model_type(source: ModelSource) -> str | None:
+    import json
+
+    try:
+        return json.loads(source.config_file.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def config_dtype(config: PretrainedConfig) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+@dataclass
+class ModelFactory:
+    """Everything model-specific the pipeline needs: config, meta model, real buffers, checkpoint, tokenizer."""
+
+    source: ModelSource
+    hf_config: PretrainedConfig
+    trust_remote_code: bool = False
+    meta_model: nn.Module | None = None
+    buffers: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def from_source(cls, source: ModelSource, trust_remote_code: bool = False) -> ModelFactory:
+        return cls(source, load_hf_config(source, trust_remote_code), trust_remote_code)
+
+    def build_meta_model(self, dtype: torch.dtype) -> nn.Module:
+        """The HF model with every parameter and buffer on meta; real buffer values in ``self.buffers``."""
+        config = self.hf_config
+        config.use_cache = False
+        try:
+            with parameters_on_meta():
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=self.trust_remote_code
+                )
+        except ValueError as error:
+            raise UnsupportedModelError(
+                f"{self.source.name}: {type(config).__name__} ({config.model_type}) is not a causal language model "
+                f"transformers can build: {str(error).splitlines()[0][:160]}"
+            ) from error
+        model.eval()
+        self.buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        # Parameters are already on meta; move only the buffers (``model.to`` would untie tied weights).
+        for submodule in model.modules():
+            for name, buffer in submodule._buffers.items():
+                if buffer is not None:
+                    submodule._buffers[name] = buffer.to("meta")
+        self.meta_model = model
+        return model
+
+    def load_tokenizer(self, tokenizer: str | None = None):
+        """The checkpoint's tokenizer (or ``tokenizer``), or None when there are no tokenizer files."""
+        from transformers import AutoTokenizer
+
+        location = tokenizer or str(self.source.directory)
+        try:
+            return AutoTokenizer.from_pretrained(location, trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError, TypeError) as error:
+            if tokenizer is not None:
+                raise ConfigError(f"cannot load tokenizer {tokenizer!r}: {str(error).splitlines()[0][:160]}") from error
+            logger.info("no tokenizer in %s (%s)", location, error)
+            return None
+
+
+@dataclass
+class BuildModelConfig(TransformConfig):
+    stage: str = "factory"
+
+
+@register_transform("build_model")
+class BuildModel(Transform):
+    """HF config → HF model on the meta device, in the deployment dtype."""
+
+    config_class = BuildModelConfig
+
+    def apply(self, module, context) -> TransformResult:
+        factory: ModelFactory = context.model_factory
+        model = factory.build_meta_model(getattr(torch, context.settings.dtype))
+        n_params = sum(p.numel() for p in model.parameters())
+        return TransformResult(
+            changed=True, module=model, notes=f"{type(model).__name__}, {n_params / 1e9:.3g}B params, {context.settings.dtype}"
+        )

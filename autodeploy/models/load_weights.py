@@ -1,0 +1,220 @@
+"""The load_weights stage: stream checkpoint tensors into the final graph's parameters.
+
+Each parameter is allocated on the target device once and filled tensor by tensor, so peak host
+memory stays near one tensor (or one fused group, e.g. a layer's MoE experts), not one model.
+Checkpoint names are mapped to the model's with transformers' own conversion rules (renamings and
+fusions such as Mixtral's per-expert ``w1/w3`` → ``gate_up_proj``), so every format transformers
+loads, loads here.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from tqdm import tqdm
+
+from autodeploy.errors import CheckpointError
+from autodeploy.models.checkpoint import CheckpointReader
+from autodeploy.models.factory import ModelFactory
+from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
+
+logger = logging.getLogger(__name__)
+
+# The exported graph wraps the HF model as attribute ``model`` (see autodeploy.export.CausalLMLogits).
+GRAPH_PREFIX = "model."
+
+
+def _set_attribute(root: nn.Module, dotted: str, value) -> None:
+    *path, leaf = dotted.split(".")
+    owner = root
+    for part in path:
+        owner = getattr(owner, part)
+    if isinstance(value, nn.Parameter):
+        owner._parameters[leaf] = value
+    elif leaf in owner._buffers:
+        owner._buffers[leaf] = value
+    else:
+        setattr(owner, leaf, value)
+
+
+def move_graph_to_device(gm: fx.GraphModule, device: torch.device) -> int:
+    """Rewrite device arguments baked into graph nodes at export (e.g. ``arange(device=meta)``)."""
+    moved = 0
+
+    def retarget(value):
+        nonlocal moved
+        if isinstance(value, torch.device) and value != device:
+            moved += 1
+            return device
+        return value
+
+    for node in gm.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, retarget)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, retarget)
+    gm.recompile()
+    return moved
+
+
+def _allocate_parameters(gm: fx.GraphModule, device: torch.device) -> dict[str, list[str]]:
+    """Give each distinct parameter real storage; tied parameters keep sharing it. Returns name → aliases."""
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in gm.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    groups = {}
+    for key, names in aliases.items():
+        meta = params[key]
+        real = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=False)
+        for name in names:
+            _set_attribute(gm, name, real)
+            groups[name] = names
+    return groups
+
+
+class _NameMapper:
+    """Checkpoint key → HF model key, with transformers' per-architecture conversion rules."""
+
+    def __init__(self, hf_model: nn.Module):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        mapping = get_model_conversion_mapping(hf_model)
+        self.renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        self.converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        self.by_pattern = {pattern: c for c in self.converters for pattern in c.source_patterns}
+        self.prefix = getattr(hf_model, "base_model_prefix", None)
+        self.model_keys = dict(hf_model.state_dict())
+        # Tied weights: every name of a shared tensor, since the graph keeps only one of them.
+        names_of: dict[int, list[str]] = {}
+        for name, param in hf_model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(param), []).append(name)
+        self.aliases = {name: names for names in names_of.values() for name in names}
+
+    def graph_name(self, model_key: str, groups) -> str | None:
+        """The graph attribute holding ``model_key`` (or a tied alias); None when the graph does not use it."""
+        for alias in self.aliases.get(model_key, [model_key]):
+            if GRAPH_PREFIX + alias in groups:
+                return GRAPH_PREFIX + alias
+        return None
+
+    def rename(self, key: str) -> tuple[str, str | None]:
+        from transformers.core_model_loading import rename_source_key
+
+        renamed, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.model_keys)
+        if renamed not in self.model_keys and key in self.model_keys:
+            renamed, pattern = rename_source_key(key, [], [], self.prefix, self.model_keys)
+        return renamed, pattern
+
+
+def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, groups, filled: set[str], source: str) -> None:
+    if name is None:  # a tensor the graph no longer uses (dead code removed it)
+        return
+    target = gm.get_parameter(name)
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(
+            f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)} but the model expects {tuple(target.shape)} "
+            f"for {name.removeprefix(GRAPH_PREFIX)!r}; does config.json match these weights?"
+        )
+    with torch.no_grad():
+        target.copy_(tensor)
+    filled.update(groups[name])
+
+
+def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: CheckpointReader, groups) -> int:
+    mapper = _NameMapper(factory.meta_model)
+    filled: set[str] = set()
+    pending: dict[str, object] = {}  # fused targets: a converter collecting lazy reads of its sources
+    unexpected = []
+    for key in tqdm(sorted(reader.keys()), desc="loading weights", unit="tensor", leave=False, mininterval=2.0):
+        renamed, pattern = mapper.rename(key)
+        if renamed not in mapper.model_keys:
+            unexpected.append(key)
+            continue
+        if pattern is None:
+            _copy_into(gm, mapper.graph_name(renamed, groups), reader.read(key), groups, filled, key)
+            continue
+        converter = pending.setdefault(renamed, copy.deepcopy(mapper.by_pattern[pattern]))
+        converter.collected_tensors[pattern].append(lambda key=key: reader.read(key))
+    for target, converter in pending.items():
+        try:
+            converted = converter.convert(target, model=factory.meta_model, config=factory.hf_config)
+        except Exception as error:  # transformers' conversion ops raise plain exceptions on bad inputs
+            raise CheckpointError(f"cannot build {target!r} from the checkpoint's tensors: {error}") from error
+        for name, tensor in converted.items():
+            tensor = tensor[0] if isinstance(tensor, list) else tensor
+            _copy_into(gm, mapper.graph_name(name, groups), tensor, groups, filled, target)
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
+    missing = sorted({name for name in groups if name not in filled})
+    if missing:
+        shown = ", ".join(n.removeprefix(GRAPH_PREFIX) for n in missing[:4])
+        raise CheckpointError(
+            f"checkpoint {reader.directory} lacks {len(missing)} tensor(s) the model needs: {shown}"
+            f"{' …' if len(missing) > 4 else ''}; is it a checkpoint of a different model variant?"
+        )
+    return len(filled)
+
+
+def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed: int) -> int:
+    """Random weights for benchmarking: N(0, initializer_range) matrices, unit norms, zero biases."""
+    std = getattr(factory.hf_config, "initializer_range", 0.02)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    done = set()
+    for name in groups:
+        if name in done:
+            continue
+        param = gm.get_parameter(name)
+        with torch.no_grad():
+            if param.ndim == 1 and "norm" in name:
+                param.fill_(1.0)
+            elif param.ndim == 1:
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * std)
+        done.update(groups[name])
+    return len(done)
+
+
+def restore_buffers(gm: fx.GraphModule, factory: ModelFactory, device: torch.device) -> None:
+    for name, _ in list(gm.named_buffers()):
+        value = factory.buffers.get(name.removeprefix(GRAPH_PREFIX))
+        if value is not None:
+            _set_attribute(gm, name, value.to(device))
+    on_meta = [n for n, t in list(gm.named_buffers()) + list(gm.named_parameters()) if t.is_meta]
+    on_meta += [n for n, v in vars(gm).items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if on_meta:
+        raise CheckpointError(f"graph tensors {on_meta[:4]} have no values after loading (no checkpoint entry, no buffer)")
+
+
+@dataclass
+class LoadWeightsConfig(TransformConfig):
+    stage: str = "load_weights"
+
+
+@register_transform("load_weights")
+class LoadWeights(Transform):
+    """Materialise the graph on the target device from the checkpoint (or random values)."""
+
+    config_class = LoadWeightsConfig
+
+    def apply(self, gm: fx.GraphModule, context) -> TransformResult:
+        settings = context.settings
+        device = torch.device(settings.device)
+        if device.type == "meta":
+            return TransformResult(notes="device is meta: weights not loaded")
+        factory: ModelFactory = context.model_factory
+        moved = move_graph_to_device(gm, device)
+        groups = _allocate_parameters(gm, device)
+        if settings.weights == "random":
+            count = initialize_randomly(gm, factory, groups, settings.seed)
+            notes = f"{count} random tensors"
+        else:
+            count = load_checkpoint(gm, factory, CheckpointReader(factory.source.directory), groups)
+            notes = f"{count} tensors from {factory.source.directory.name}"
+        restore_buffers(gm, factory, device)
+        return TransformResult(matches=count, changed=True, notes=f"{notes} on {device}; {moved} device args retargeted")

@@ -1,0 +1,132 @@
+"""The pipeline engine: runs the transforms named in the settings, in stage order, and records each run.
+
+```python
+from autodeploy.config import load_settings
+from autodeploy.pipeline import Pipeline
+pipeline = Pipeline.from_settings(load_settings())
+print([t.name for t in pipeline.transforms])
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import fx, nn
+
+from autodeploy.config import transform_configs
+from autodeploy.errors import AutoDeployError, TransformError
+from autodeploy.transforms.registry import STAGES, Transform, TransformContext, registered_transforms
+
+logger = logging.getLogger(__name__)
+
+
+def op_name(node: fx.Node) -> str:
+    """``aten.linear.default`` → ``aten.linear``; other callables by their name."""
+    target = node.target
+    if hasattr(target, "_schema"):  # an OpOverload
+        namespace, _, rest = str(target).partition(".")
+        return f"{namespace}.{rest.split('.')[0]}"
+    return getattr(target, "__name__", str(target))
+
+
+def op_histogram(module: nn.Module) -> dict[str, int]:
+    if not isinstance(module, fx.GraphModule):
+        return {}
+    counts = Counter(op_name(n) for n in module.graph.nodes if n.op == "call_function")
+    return dict(counts.most_common())
+
+
+def node_count(module: nn.Module) -> int | None:
+    return len(module.graph.nodes) if isinstance(module, fx.GraphModule) else None
+
+
+@dataclass
+class TransformRecord:
+    """One transform run: what ``autodeploy inspect`` and ``llm.pipeline_report()`` show."""
+
+    name: str
+    stage: str
+    seconds: float
+    matches: int
+    changed: bool
+    nodes_before: int | None
+    nodes_after: int | None
+    notes: str = ""
+    ops_after: dict[str, int] = field(default_factory=dict)
+
+
+class Pipeline:
+    def __init__(self, transforms: list[Transform]):
+        self.transforms = transforms
+        self.records: list[TransformRecord] = []
+
+    @classmethod
+    def from_settings(cls, settings) -> Pipeline:
+        """Instantiate the enabled transforms, ordered by stage and then by their order in the settings."""
+        configs = transform_configs(settings)
+        registry = registered_transforms()
+        enabled = [(name, config) for name, config in configs.items() if config.enabled]
+        ordered = sorted(enabled, key=lambda item: STAGES.index(item[1].stage))  # stable: keeps YAML order
+        return cls([registry[name](config) for name, config in ordered])
+
+    def run(self, context: TransformContext, module: nn.Module | None = None, dump_dir: str | Path | None = None) -> nn.Module:
+        self.records = []
+        for index, transform in enumerate(self.transforms):
+            before = node_count(module) if module is not None else None
+            start = time.perf_counter()
+            try:
+                result = transform.apply(module, context)
+            except AutoDeployError:
+                raise
+            except Exception as error:
+                raise TransformError(
+                    f"transform {transform.name!r} (stage {transform.config.stage}) failed: {type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''} — disable it with "
+                    f"--set transforms.{transform.name}.enabled=false to check whether it is the cause"
+                ) from error
+            seconds = time.perf_counter() - start
+            if result.module is not None:
+                module = result.module
+            record = TransformRecord(
+                name=transform.name,
+                stage=transform.config.stage,
+                seconds=seconds,
+                matches=result.matches,
+                changed=result.changed,
+                nodes_before=before,
+                nodes_after=node_count(module),
+                notes=result.notes,
+                ops_after=op_histogram(module),
+            )
+            self.records.append(record)
+            logger.info("%-20s %-12s %7.3fs matches=%d nodes %s→%s", record.name, record.stage, seconds,
+                        record.matches, before, record.nodes_after)
+            if dump_dir is not None and isinstance(module, fx.GraphModule):
+                path = Path(dump_dir) / f"{index:02d}_{record.stage}_{record.name}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(str(module.graph))
+        return module
+
+
+def format_report(records: list[TransformRecord], top_ops: int = 8) -> str:
+    """A human table: one line per transform, then the op histogram after each stage."""
+    lines = [f"{'transform':<22}{'stage':<14}{'time (s)':>9}{'matches':>9}{'nodes':>15}  notes"]
+    for r in records:
+        nodes = f"{r.nodes_before if r.nodes_before is not None else '-'}→{r.nodes_after if r.nodes_after is not None else '-'}"
+        lines.append(f"{r.name:<22}{r.stage:<14}{r.seconds:>9.3f}{r.matches:>9}{nodes:>15}  {r.notes}")
+    lines.append(f"{'total':<36}{sum(r.seconds for r in records):>9.3f}")
+    last_by_stage: dict[str, TransformRecord] = {}
+    for r in records:
+        last_by_stage[r.stage] = r
+    for stage, r in last_by_stage.items():
+        if r.ops_after:
+            total = sum(r.ops_after.values())
+            shown = ", ".join(f"{name}×{count}" for name, count in list(r.ops_after.items())[:top_ops])
+            more = len(r.ops_after) - top_ops
+            lines.append(f"after {stage}: {r.nodes_after} nodes, {total} ops: {shown}{f', … {more} more' if more > 0 else ''}")
+    return "\n".join(lines)

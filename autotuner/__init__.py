@@ -1,0 +1,1 @@
+"""autotuner: see ARCHITECTURE.md."""

@@ -1,0 +1,1 @@
+"""Pipeline presets and model configs (installed as autodeploy.configs)."""

@@ -1,0 +1,1 @@
+"""custom_ops: see ARCHITECTURE.md."""
