@@ -1,0 +1,5 @@
+import sys
+
+from autodeploy.cli.main import main
+
+sys.exit(main())
