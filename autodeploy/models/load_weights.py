@@ -130,7 +130,7 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
     filled: set[str] = set()
     pending: dict[str, object] = {}  # fused targets: a converter collecting lazy reads of its sources
     unexpected = []
-    for key in tqdm(sorted(reader.keys()), desc="loading weights", unit="tensor", leave=False, mininterval=2.0):
+    for key in tqdm(sorted(reader.keys()), desc="loading weights", unit="tensor", leave=False, mininterval=2.0, disable=None):
         renamed, pattern = mapper.rename(key)
         if renamed not in mapper.model_keys:
             unexpected.append(key)
