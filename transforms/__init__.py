@@ -1,0 +1,24 @@
+"""Graph transforms: one module per pass family, each registered by name."""
+
+from autodeploy.transforms.registry import (
+    STAGES,
+    Transform,
+    TransformConfig,
+    TransformContext,
+    TransformResult,
+    get_transform_class,
+    register_transform,
+    registered_transforms,
+)
+from autodeploy.transforms import cleanup_dead_code, cleanup_noop, cleanup_transposes  # noqa: F401  (registers the cleanup passes)
+
+__all__ = [
+    "STAGES",
+    "Transform",
+    "TransformConfig",
+    "TransformContext",
+    "TransformResult",
+    "get_transform_class",
+    "register_transform",
+    "registered_transforms",
+]

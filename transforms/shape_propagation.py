@@ -1,0 +1,71 @@
+"""Recompute every node's ``meta["val"]`` (a fake tensor, sizes symbolic) after a graph rewrite.
+
+Passes read shapes, dtypes and strides from ``node.meta["val"]``. A transform that adds nodes calls
+``propagate_shapes`` so the new nodes, and everything downstream of them, carry correct values again.
+The graph runs once on fake tensors: the placeholders' existing values are the inputs, and their
+``FakeTensorMode`` (with its ``ShapeEnv``) is reused, so the ``batch``/``seq`` dims stay the same symbols
+instead of being re-specialised to example sizes.
+
+```python
+import torch
+from autodeploy.export.export import export_to_graph_module
+from autodeploy.transforms.shape_propagation import propagate_shapes
+
+gm = export_to_graph_module(
+    torch.nn.Linear(4, 8), (torch.randn(3, 4),), dynamic_shapes=({0: torch.export.Dim("batch")},)
+)
+linear = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+del linear.meta["val"]
+propagate_shapes(gm)
+print(linear.meta["val"].shape)  # torch.Size([s31, 8]): the batch dim is still a symbol
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import GraphModule
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from autodeploy.errors import TransformError
+
+
+class _FakeTensorPropWithAttributes(FakeTensorProp):
+    """``FakeTensorProp`` that also fakes ``get_attr`` tensors (real, on any device, or on meta).
+
+    The stock interpreter hands parameters to the ops as they are, and a ``FakeTensorMode`` refuses
+    real tensor inputs. Attributes keep static shapes: only inputs carry dynamic dims.
+    """
+
+    def get_attr(self, target: str, args: tuple, kwargs: dict) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            value = self._mode.from_tensor(value, static_shapes=True)
+        return value
+
+
+def propagate_shapes(gm: GraphModule) -> GraphModule:
+    """Set ``node.meta["val"]`` of every node of ``gm`` from its placeholders' fake values; returns ``gm``.
+
+    Raises ``TransformError`` when a placeholder has no ``meta["val"]`` (the graph did not come from
+    ``torch.export`` or a pass dropped it), since there is then no shape environment to reuse.
+    """
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    missing = [node.name for node in placeholders if "val" not in node.meta]
+    if missing:
+        raise TransformError(
+            f"cannot propagate shapes: placeholder(s) {', '.join(missing)} carry no meta['val']; "
+            "export the model with autodeploy.export (torch.export) so inputs have fake values"
+        )
+    inputs = [node.meta["val"] for node in placeholders]
+    fake_mode = detect_fake_mode(inputs)
+    if fake_mode is None:
+        raise TransformError(
+            "cannot propagate shapes: no placeholder holds a fake tensor, so there is no FakeTensorMode to reuse"
+        )
+    _FakeTensorPropWithAttributes(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+    return gm
