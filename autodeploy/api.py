@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
+from autodeploy.models.checkpoint import CheckpointReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
 from autodeploy.pipeline import Pipeline
@@ -68,6 +69,8 @@ def autodeploy(
     >>> out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0))
     """
     settings, factory = deployment_settings(model, config, set_arguments, **overrides)
+    if settings.weights == "checkpoint" and settings.device != "meta":
+        CheckpointReader(factory.source.directory)  # fail on a folder without weights before exporting
     pipeline = Pipeline.from_settings(settings)
     context = TransformContext(settings=settings, model_factory=factory)
     graph = pipeline.run(context, dump_dir=settings.dump_graphs)

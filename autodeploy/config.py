@@ -59,6 +59,11 @@ def _load_yaml(path: str | Path) -> DictConfig:
         raise ConfigError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from error
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping of settings, got a {type(loaded).__name__}")
+    transforms = loaded.get("transforms")
+    if transforms is not None and not isinstance(transforms, DictConfig):
+        raise ConfigError(
+            f"config file {path}: transforms must be a mapping of transform name → options, got a {type(transforms).__name__}"
+        )
     return loaded
 
 
@@ -76,8 +81,14 @@ def parse_set_arguments(assignments: Iterable[str]) -> DictConfig:
 
 
 def _unknown_key_message(error: OmegaConfBaseException, where: str, options: Iterable[str]) -> str:
+    """Name the offending key; suggest a close match only for keys that do not exist."""
+    options = list(options)
     key = getattr(error, "key", None) or ""
     text = str(error).splitlines()[0]
+    if key in options:  # a known key with a value of the wrong type
+        return f"{where}.{key}: {text}"
+    if "did you mean" in str(error).lower():  # OmegaConf already suggested one
+        return f"{where}: {' '.join(str(error).split())}"
     close = difflib.get_close_matches(str(key), list(options), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(options))}"
     return f"{where}: {text}{hint}"
@@ -127,6 +138,8 @@ def load_settings(
     layers.append(parse_set_arguments(set_arguments))
     try:
         settings = OmegaConf.merge(OmegaConf.structured(DeploySettings), *layers)
+    except TypeError as error:  # OmegaConf: "Cannot merge incompatible container types"
+        raise ConfigError(f"settings have the wrong structure: {error}; transforms must be a mapping of name → options") from error
     except OmegaConfBaseException as error:
         fields = [f.name for f in dataclasses.fields(DeploySettings)]
         raise ConfigError(_unknown_key_message(error, "settings", fields)) from error

@@ -65,5 +65,12 @@ class CheckpointReader:
         handle = self._handle(self._file_of[key])
         return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The tensor's shape, read from the file header (no data is loaded for safetensors)."""
+        handle = self._handle(self._file_of[key])
+        if hasattr(handle, "get_slice"):
+            return tuple(handle.get_slice(key).get_shape())
+        return tuple(handle[key].shape)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)

@@ -89,6 +89,13 @@ class ModelFactory:
     def build_meta_model(self, dtype: torch.dtype) -> nn.Module:
         """The HF model with every parameter and buffer on meta; real buffer values in ``self.buffers``."""
         config = self.hf_config
+        if getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", None) is False:
+            # e.g. BertLMHeadModel is in the causal-LM mapping but attends bidirectionally unless is_decoder.
+            raise UnsupportedModelError(
+                f"{self.source.name}: {type(config).__name__} is not a causal language model autodeploy can serve "
+                f"(it needs a decoder-only model; this one has "
+                f"is_decoder={getattr(config, 'is_decoder', None)}, is_encoder_decoder={getattr(config, 'is_encoder_decoder', False)})"
+            )
         config.use_cache = False
         try:
             with parameters_on_meta():

@@ -125,6 +125,32 @@ def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, group
     filled.update(groups[name])
 
 
+def _check_fused_sources(target: str, meta_tensor: torch.Tensor, hf_model: nn.Module, reader: CheckpointReader) -> None:
+    """Name missing or mis-shaped checkpoint tensors of a fused target (e.g. one expert's ``w1``) before
+    fusing, instead of surfacing a ``torch.cat`` size mismatch."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        expected = revert_weight_conversion(hf_model, {target: meta_tensor})
+    except Exception:  # a conversion transformers cannot revert: fall back to the conversion's own errors
+        return
+    available = set(reader.keys())
+    if not any(key in available for key in expected):  # another naming convention: nothing to compare
+        return
+    missing = [key for key in expected if key not in available]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {reader.directory} lacks {len(missing)} tensor(s) needed to build {target!r}: "
+            f"{', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}"
+        )
+    for key, tensor in expected.items():
+        if reader.shape(key) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint tensor {key!r} has shape {reader.shape(key)} but the model expects {tuple(tensor.shape)}; "
+                f"does config.json match these weights?"
+            )
+
+
 def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: CheckpointReader, groups) -> int:
     mapper = _NameMapper(factory.meta_model)
     filled: set[str] = set()
@@ -141,6 +167,7 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
         converter = pending.setdefault(renamed, copy.deepcopy(mapper.by_pattern[pattern]))
         converter.collected_tensors[pattern].append(lambda key=key: reader.read(key))
     for target, converter in pending.items():
+        _check_fused_sources(target, mapper.model_keys[target], factory.meta_model, reader)
         try:
             converted = converter.convert(target, model=factory.meta_model, config=factory.hf_config)
         except Exception as error:  # transformers' conversion ops raise plain exceptions on bad inputs

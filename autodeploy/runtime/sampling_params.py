@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from autodeploy.errors import InvalidRequestError
@@ -30,19 +31,27 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        """Raise ``InvalidRequestError`` naming the first invalid field."""
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_real(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_real(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number ≥ 0 (0 = greedy), got {self.temperature!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer ≥ 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")

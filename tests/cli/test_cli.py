@@ -1,0 +1,156 @@
+"""The ``autodeploy`` command line: run, config show, inspect, and one-line errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from autodeploy.cli.main import main
+from autodeploy.config import load_settings, transform_configs
+from autodeploy.errors import ModelNotFoundError
+
+MISSING_MODEL = "/nonexistent/autodeploy-test-model"
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def unknown_transform_yaml(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli-config") / "mine.yaml"
+    path.write_text("transforms:\n  cleanup_nop: {enabled: true}\n")
+    return path
+
+
+def assert_one_error_line(err: str, fragment: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and fragment in lines[0]
+    assert "Traceback" not in err
+
+
+# --- config show ------------------------------------------------------------------------------
+
+def test_config_show_prints_the_pipeline_and_reflects_set(capsys):
+    code, out, _ = run_cli(capsys, "config", "show", "--set", "max_batch_size=7", "--set", "transforms.cleanup_noop.enabled=false")
+    assert code == 0
+    shown = OmegaConf.create(out)
+    assert list(shown.transforms) == list(load_settings().transforms)
+    assert shown.max_batch_size == 7
+    assert shown.transforms.cleanup_noop.enabled is False
+
+
+def test_config_show_reflects_config_files(capsys, tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("max_batch_size: 3\ntransforms:\n  export_to_fx: {strict: true}\n")
+    code, out, _ = run_cli(capsys, "config", "show", "--config", path)
+    shown = OmegaConf.create(out)
+    assert (code, shown.max_batch_size, shown.transforms.export_to_fx.strict) == (0, 3, True)
+
+
+def test_config_show_with_a_model_resolves_auto_settings(capsys, monkeypatch, llama_dir):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, _ = run_cli(capsys, "config", "show", llama_dir)
+    shown = OmegaConf.create(out)
+    assert code == 0
+    assert (shown.device, shown.dtype, shown.max_seq_len, shown.model) == ("cpu", "float32", 512, str(llama_dir))
+
+
+# --- inspect and run --------------------------------------------------------------------------
+
+def test_inspect_prints_every_transform_and_node_counts(capsys, llama_dir):
+    code, out, _ = run_cli(capsys, "inspect", llama_dir)
+    assert code == 0
+    enabled = [name for name, config in transform_configs(load_settings()).items() if config.enabled]
+    report_names = [line.split()[0] for line in out.splitlines()[1 : len(enabled) + 1]]
+    assert report_names == enabled
+    assert "nodes" in out and "device meta" in out
+
+
+def test_run_prints_prompt_and_completion(capsys, llama_dir):
+    code, out, err = run_cli(capsys, "run", llama_dir, "--prompt", "def f(x):", "--max-tokens", "4")
+    assert code == 0
+    assert out.startswith("def f(x):")
+    assert re.search(r"^--- [1-4] tokens, finish: (length|stop)$", out, re.MULTILINE)
+    assert "tokens in" in err and "cpu" in err
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["run", MISSING_MODEL], "not a local path"),
+        (["config", "show", "--set", "foo"], "key=value"),
+        (["config", "show", "--config", "/nonexistent/mine.yaml"], "does not exist"),
+        (["config", "show", "--set", "max_batch_sise=2"], "'max_batch_size'"),
+        (["config", "show", "--config", "UNKNOWN_TRANSFORM_YAML"], "unknown transform 'cleanup_nop'"),
+        (["run", "LLAMA_DIR", "--max-tokens", "0"], "max_tokens"),
+    ],
+    ids=["missing-model", "bad-set", "missing-config", "unknown-key", "unknown-transform", "bad-request"],
+)
+def test_errors_print_one_line_and_exit_1(capsys, hf_offline, llama_dir, unknown_transform_yaml, argv, fragment):
+    substitutions = {"LLAMA_DIR": llama_dir, "UNKNOWN_TRANSFORM_YAML": unknown_transform_yaml}
+    code, out, err = run_cli(capsys, *[substitutions.get(arg, arg) for arg in argv])
+    assert code == 1 and out == ""
+    assert_one_error_line(err, fragment)
+
+
+def test_debug_raises_the_typed_error(capsys, hf_offline):
+    with pytest.raises(ModelNotFoundError):
+        main(["--debug", "run", MISSING_MODEL])
+
+
+# --- the real process: exit codes and stderr --------------------------------------------------
+
+SUBPROCESS_CASES = {
+    "missing-model": ["run", MISSING_MODEL],
+    "bad-set": ["run", MISSING_MODEL, "--set", "a b=1"],
+    "unknown-transform": ["config", "show", "--config", "UNKNOWN_TRANSFORM_YAML"],
+    "debug": ["--debug", "run", MISSING_MODEL],
+}
+
+
+@pytest.fixture(scope="module")
+def subprocess_results(unknown_transform_yaml, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every case in its own ``python -m autodeploy`` process, started together (each imports torch: ~3 s)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cwd = tmp_path_factory.mktemp("cli-cwd")
+    processes = {}
+    for name, argv in SUBPROCESS_CASES.items():
+        argv = [str(unknown_transform_yaml) if arg == "UNKNOWN_TRANSFORM_YAML" else arg for arg in argv]
+        processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "autodeploy", *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    results = {}
+    for name, process in processes.items():
+        out, err = process.communicate(timeout=120)
+        results[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    return results
+
+
+@pytest.mark.parametrize(
+    "case, fragment",
+    [("missing-model", MISSING_MODEL), ("bad-set", "'a b=1'"), ("unknown-transform", "cleanup_nop")],
+)
+def test_process_exits_1_with_one_error_line(subprocess_results, case, fragment):
+    result = subprocess_results[case]
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert_one_error_line(result.stderr, fragment)
+
+
+def test_process_debug_shows_the_traceback(subprocess_results):
+    result = subprocess_results["debug"]
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "ModelNotFoundError" in result.stderr and MISSING_MODEL in result.stderr

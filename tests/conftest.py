@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny checkpoints written once per session, one deployed tiny Llama, an offline hub.
+
+The tiny checkpoints are deterministic (``tests/tiny_models.py``, seed 0), so a test can rebuild the
+matching HF reference model with ``tiny_hf_model(arch)`` instead of keeping one alive per checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import write_tiny_checkpoint
+
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core runner a second thread that
+# is descheduled stalls every op at its barrier (measured: 4-token generate 10 ms → 1 s under load).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Callable[..., Path]:
+    """``tiny_checkpoint("llama")`` → folder with config.json, model.safetensors and tokenizer files.
+
+    Each (arch, max_shard_size) is written once per session; treat the folder as read-only
+    (copy it with ``shutil.copytree`` before editing).
+    """
+    written: dict[tuple[str, str | None], Path] = {}
+
+    def get(arch: str, max_shard_size: str | None = None) -> Path:
+        key = (arch, max_shard_size)
+        if key not in written:
+            suffix = f"-sharded-{max_shard_size}" if max_shard_size else ""
+            directory = tmp_path_factory.mktemp(f"tiny-{arch}{suffix}")
+            write_tiny_checkpoint(arch, directory, max_shard_size=max_shard_size)
+            written[key] = directory
+        return written[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def llama_llm(llama_dir):
+    """The tiny Llama deployed on CPU with the default pipeline; shared, so do not mutate it."""
+    from autodeploy import autodeploy
+
+    return autodeploy(str(llama_dir), device="cpu")
+
+
+@pytest.fixture
+def hf_offline(monkeypatch, tmp_path) -> Path:
+    """Hub look-ups see only an empty local cache (returned) and never the network.
+
+    huggingface_hub parses HF_HUB_OFFLINE and HF_HUB_CACHE once, at import, so the parsed
+    constants are patched as well as the environment (which subprocesses inherit).
+    """
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
