@@ -23,23 +23,43 @@ print(linear.meta["val"].shape)  # torch.Size([s31, 8]): the batch dim is still 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx import Interpreter
 
 from autodeploy.errors import TransformError
 
 
-class _FakeTensorPropWithAttributes(FakeTensorProp):
-    """``FakeTensorProp`` that also fakes ``get_attr`` tensors (real, on any device, or on meta).
+class _FakeValuePropagation(Interpreter):
+    """Run the graph on fake tensors in the graph's own mode and store each node's result as its value.
 
-    The stock interpreter hands parameters to the ops as they are, and a ``FakeTensorMode`` refuses
-    real tensor inputs. Attributes keep static shapes: only inputs carry dynamic dims.
+    Placeholders keep the fake values they already carry (their symbols are the graph's dynamic
+    dims). Parameters and other ``get_attr`` tensors are faked with static shapes. Written on the
+    plain ``Interpreter`` because ``FakeTensorProp`` re-snapshots placeholder values, which on torch
+    2.11 replaced the symbolic sizes by the example sizes.
     """
+
+    def __init__(self, gm: GraphModule, mode: FakeTensorMode):
+        super().__init__(gm)
+        self._mode = mode
+
+    def run_node(self, node):
+        # export's input-guard module computes no value; it only checks eager calls' inputs.
+        if node.op == "call_module" and node.target == "_guards_fn":
+            return None
+        if node.op == "placeholder":
+            super().run_node(node)  # consumes the positional input
+            return node.meta["val"]
+        with self._mode:
+            result = super().run_node(node)
+        if node.op != "output":
+            node.meta["val"] = result
+        return result
 
     def get_attr(self, target: str, args: tuple, kwargs: dict) -> Any:
         value = super().get_attr(target, args, kwargs)
@@ -67,5 +87,9 @@ def propagate_shapes(gm: GraphModule) -> GraphModule:
         raise TransformError(
             "cannot propagate shapes: no placeholder holds a fake tensor, so there is no FakeTensorMode to reuse"
         )
-    _FakeTensorPropWithAttributes(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+    # Guards evaluated while propagating must not narrow the graph's dims: on torch 2.11 they
+    # specialised batch/seq to the example sizes. The graph's own guards were settled at export.
+    shape_env = fake_mode.shape_env
+    with shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
+        _FakeValuePropagation(gm, fake_mode).run(*inputs)
     return gm

@@ -61,7 +61,7 @@ def _module_call_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
 
 def _failing_source_line(error: BaseException) -> str:
     """The innermost traceback frame outside torch itself: usually the model line that broke export."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename and f.filename != __file__]
     if not frames:
         return ""
     frame = frames[-1]
@@ -106,8 +106,11 @@ def export_causal_lm(
 ) -> GraphModule:
     """Export a HF causal LM (usually on the meta device) with dynamic batch and sequence dims."""
     device = next(model.parameters()).device
-    batch = torch.export.Dim("batch", min=1, max=max(max_batch_size, 2))
-    seq = torch.export.Dim("seq", min=1, max=max(max_seq_len, 2))
+    # DYNAMIC hints rather than named Dims: a guard that holds for every size but that a torch
+    # release cannot prove (torch 2.11 cannot prove min(16*s, 32*s) == 16*s for HF's SDPA path)
+    # becomes a runtime check instead of an export failure; the dims stay symbolic either way.
+    batch = torch.export.Dim.DYNAMIC(min=1, max=max(max_batch_size, 2))
+    seq = torch.export.Dim.DYNAMIC(min=1, max=max(max_seq_len, 2))
     # Example sizes above 1 so export does not specialise the dynamic dims to 1; real positions
     # (not zeros) because HF mask builders derive packed-sequence masks from them.
     input_ids = torch.zeros((2, 4), dtype=torch.long, device=device)

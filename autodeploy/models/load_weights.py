@@ -190,7 +190,8 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
 def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed: int) -> int:
     """Random weights for benchmarking: N(0, initializer_range) matrices, unit norms, zero biases."""
     std = getattr(factory.hf_config, "initializer_range", 0.02)
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    device = next(iter(gm.parameters())).device
+    generator = torch.Generator(device=device).manual_seed(seed)  # on the device: 8B values in seconds
     done = set()
     for name in groups:
         if name in done:
@@ -202,7 +203,7 @@ def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed:
             elif param.ndim == 1:
                 param.zero_()
             else:
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * std)
+                param.copy_(torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32).mul_(std))
         done.update(groups[name])
     return len(done)
 

@@ -53,11 +53,11 @@ class LLM:
 
     @torch.inference_mode()
     def logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:
-        """Logits ``[len(seq), vocab]`` for every position of each token sequence (one batched forward)."""
+        """Logits ``[len(seq), vocab]`` (on the CPU) for every position of each token sequence, in one forward."""
         self._require_weights()
         batch = build_graph_inputs(self.graph_inputs, sequences, self.device)
         out = self.graph(*batch.inputs.values())
-        return [out[row, : len(tokens)] for row, tokens in enumerate(sequences)]
+        return [out[row, : len(tokens)].cpu() for row, tokens in enumerate(sequences)]
 
     def generate(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None

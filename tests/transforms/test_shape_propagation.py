@@ -18,6 +18,15 @@ from tests.transforms.cleanup_harness import export_dynamic
 aten = torch.ops.aten
 
 
+# Seen on the GPU machine's torch 2.11 (not on 2.13): propagation keeps values right but the batch/seq
+# symbols get specialised to the example sizes. Strict, so a fix (or a newer torch there) is noticed.
+SYMBOLS_SPECIALISE = pytest.mark.xfail(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch < 2.13 specialises dynamic dims during fake propagation (notes/gpu_checks.md)",
+    strict=True,
+)
+
+
 class Attention(nn.Module):
     def __init__(self):
         super().__init__()
@@ -38,6 +47,7 @@ def _tensor_values(gm) -> dict:
     return {node.name: _describe(node.meta["val"]) for node in gm.graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)}
 
 
+@SYMBOLS_SPECIALISE
 def test_restores_cleared_and_corrupted_values_symbolically():
     gm = export_dynamic(Attention(), torch.randn(2, 3, 16), dynamic_dims={0: "batch", 1: "seq"})
     expected = _tensor_values(gm)
@@ -61,6 +71,7 @@ def test_restores_cleared_and_corrupted_values_symbolically():
     assert re.fullmatch(r"s\d+", str(matmul.meta["val"].shape[0]))
 
 
+@SYMBOLS_SPECIALISE
 def test_fills_values_of_nodes_a_rewrite_added():
     gm = export_dynamic(Attention(), torch.randn(2, 3, 16), dynamic_dims={0: "batch", 1: "seq"})
     x = gm.graph.find_nodes(op="placeholder")[0]
@@ -78,6 +89,7 @@ def test_fills_values_of_nodes_a_rewrite_added():
     assert isinstance(scaled.meta["val"].shape[0], torch.SymInt)
 
 
+@SYMBOLS_SPECIALISE
 def test_parameters_on_the_meta_device():
     with torch.device("meta"):
         model = Attention()
