@@ -1,0 +1,86 @@
+"""``torch.ops.autodeploy.attention``: causal self-attention with GQA, sliding window, soft-capping and sinks."""
+
+from typing import Optional
+
+import torch
+
+from .compute_dtype import compute_dtype
+from .registry import register_op
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    logit_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Causal attention of ``q[B, S, Hq, D]`` over ``k[B, S, Hkv, D]``, ``v[B, S, Hkv, Dv]`` → ``[B, S, Hq, Dv]``.
+
+    - logits: ``scale · q_i · k_j`` per head, in float32 (float64 for float64 inputs).
+    - GQA: ``Hq`` must be a multiple of ``Hkv``; query head ``h`` uses kv head ``h // (Hq // Hkv)``.
+    - soft-capping (``logit_cap``, > 0): ``logits = cap · tanh(logits / cap)``, applied before masking.
+    - mask: query ``i`` sees key ``j`` iff ``j ≤ i`` and, with ``sliding_window = W`` (≥ 1), ``i - W < j``.
+    - sinks (``sinks[Hq]``): one logit per head that joins the softmax denominator only:
+      ``p_ij = exp(l_ij) / (exp(sink_h) + Σ_j' exp(l_ij'))``; it has no value, so the weights sum to < 1.
+    - ``out_i = Σ_j p_ij · v_j``, returned in ``q``'s dtype.
+
+    q, k and v share ``B`` and ``S``: this is the un-cached form; the cache stage replaces it.
+    """
+    batch, seq, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    if k.shape != (batch, seq, kv_heads, head_dim) or v.shape[:3] != (batch, seq, kv_heads):
+        raise ValueError(
+            f"attention: expected k [B, S, Hkv, D] and v [B, S, Hkv, Dv] matching q {tuple(q.shape)}; "
+            f"got k {tuple(k.shape)} and v {tuple(v.shape)}."
+        )
+    if q_heads % kv_heads != 0:
+        raise ValueError(f"attention: query heads Hq={q_heads} must be a multiple of kv heads Hkv={kv_heads}.")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"attention: sliding_window must be ≥ 1 (or None for no window); got {sliding_window}.")
+    if logit_cap is not None and not logit_cap > 0:
+        raise ValueError(f"attention: logit_cap must be > 0 (or None for no capping); got {logit_cap}.")
+    if sinks is not None and sinks.shape != (q_heads,):
+        raise ValueError(f"attention: sinks must be [Hq={q_heads}]; got {tuple(sinks.shape)}.")
+
+    dtype = compute_dtype(q.dtype)
+    kv_head_of = torch.arange(q_heads, device=q.device) // (q_heads // kv_heads)
+    keys = k.to(dtype)[:, :, kv_head_of]  # [B, S, Hq, D]
+    values = v.to(dtype)[:, :, kv_head_of]  # [B, S, Hq, Dv]
+    logits = torch.einsum("bihd,bjhd->bhij", q.to(dtype), keys) * scale  # [B, Hq, S_query, S_key]
+    if logit_cap is not None:
+        logits = logit_cap * torch.tanh(logits / logit_cap)
+
+    query_pos = torch.arange(seq, device=q.device)[:, None]
+    key_pos = torch.arange(seq, device=q.device)[None, :]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    logits = logits.masked_fill(~visible, float("-inf"))
+
+    if sinks is not None:
+        sink_logits = sinks.to(dtype).view(1, q_heads, 1, 1).expand(batch, q_heads, seq, 1)
+        probs = torch.softmax(torch.cat((logits, sink_logits), dim=-1), dim=-1)[..., :seq]
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhij,bjhd->bihd", probs, values)
+    return out.to(q.dtype).contiguous()
+
+
+def attention_fake(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+attention = register_op(
+    "attention",
+    attention_reference,
+    attention_fake,
+    example_inputs=(
+        torch.ones(1, 3, 4, 8, dtype=torch.bfloat16),
+        torch.ones(1, 3, 2, 8, dtype=torch.bfloat16),
+        torch.ones(1, 3, 2, 6, dtype=torch.bfloat16),
+        8**-0.5,
+    ),
+)

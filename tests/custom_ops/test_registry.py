@@ -1,0 +1,156 @@
+"""register_op / canonical_ops / add_backend: the one-call way to add a canonical op, and its guards."""
+
+import uuid
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autodeploy.custom_ops import OpRegistrationError, add_backend, canonical_ops, register_op
+from autodeploy.custom_ops import registry
+
+# The contract in notes/canonical_ops_spec.md; torch writes `int` arguments as SymInt.
+SPEC_SCHEMAS = {
+    "linear": "autodeploy::linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    "rms_norm": "autodeploy::rms_norm(Tensor x, Tensor weight, float eps, float weight_offset=0.) -> Tensor",
+    "layer_norm": "autodeploy::layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor",
+    "rope": "autodeploy::rope(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",
+    "attention": (
+        "autodeploy::attention(Tensor q, Tensor k, Tensor v, float scale, SymInt? sliding_window=None, "
+        "float? logit_cap=None, Tensor? sinks=None) -> Tensor"
+    ),
+    "gated_mlp": (
+        "autodeploy::gated_mlp(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, str activation) "
+        "-> Tensor"
+    ),
+    "mlp": (
+        "autodeploy::mlp(Tensor x, Tensor up_weight, Tensor? up_bias, Tensor down_weight, Tensor? down_bias, "
+        "str activation) -> Tensor"
+    ),
+    "moe": (
+        "autodeploy::moe(Tensor x, Tensor router_logits, Tensor gate_up_weight, Tensor down_weight, SymInt top_k, "
+        'str scoring="softmax", bool renormalize=True, str activation="silu") -> Tensor'
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def private_registry(monkeypatch):
+    """Ops registered by a test leave canonical_ops() as it was (torch keeps them, under unique names)."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+
+@pytest.fixture
+def name() -> str:
+    return f"user_op_{uuid.uuid4().hex[:8]}"
+
+
+def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``tanh(x · scale)``, in float32, returned in x's dtype."""
+    return torch.tanh(x.float() * scale).to(x.dtype)
+
+
+def scaled_tanh_fake(x, scale):
+    return torch.empty_like(x)
+
+
+EXAMPLE = (torch.ones(2, 3), 0.5)
+
+
+def test_builtin_ops_are_listed_with_the_spec_signatures():
+    ops = canonical_ops()
+    assert {name: ops[name].schema for name in SPEC_SCHEMAS} == SPEC_SCHEMAS
+    for name in SPEC_SCHEMAS:
+        assert ops[name].op is getattr(torch.ops.autodeploy, name).default
+        assert "float32" in ops[name].doc, f"{name}'s docstring should state the precision it computes in"
+        assert isinstance(ops[name].backends, list)
+
+
+def test_a_registered_op_runs_through_torch_ops_and_is_listed(name):
+    register_op(name, scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)
+
+    x = torch.randn(4, 5).to(torch.bfloat16)
+    out = getattr(torch.ops.autodeploy, name)(x, 2.0)
+    torch.testing.assert_close(out, torch.tanh(x.float() * 2.0).to(torch.bfloat16), rtol=0, atol=0)
+    with FakeTensorMode() as mode:
+        fake_out = getattr(torch.ops.autodeploy, name)(mode.from_tensor(x), 2.0)
+    assert (fake_out.shape, fake_out.dtype) == ((4, 5), torch.bfloat16)
+
+    info = canonical_ops()[name]
+    assert info.schema == f"autodeploy::{name}(Tensor x, float scale) -> Tensor"
+    assert info.reference is scaled_tanh and info.fake is scaled_tanh_fake
+    assert info.doc.startswith("``tanh(x · scale)``") and info.backends == []
+
+
+def test_an_explicit_schema_overrides_type_hints(name):
+    def untyped_reference(x, scale):
+        return scaled_tanh(x, scale)
+
+    schema = "(Tensor x, float scale) -> Tensor"
+    register_op(name, untyped_reference, scaled_tanh_fake, example_inputs=EXAMPLE, schema=schema)
+    assert canonical_ops()[name].schema == f"autodeploy::{name}(Tensor x, float scale) -> Tensor"
+
+
+@pytest.mark.parametrize(
+    ("fake", "message"),
+    [
+        (lambda x, scale: x.new_empty(2, 4), r"fake gives \(2, 4\) torch.float32, reference gives \(2, 3\)"),
+        (lambda x, scale: torch.empty_like(x, dtype=torch.float16), r"fake gives \(2, 3\) torch.float16"),
+        (lambda x, scale: (torch.empty_like(x),), "fake of '.*' returns"),
+        (lambda x, scale: x.shape[0], "returns int as output 0; the reference returns Tensor"),
+        (lambda x, scale: torch.full_like(x, x.sum().item()), "never tensor data"),
+    ],
+    ids=["shape", "dtype", "structure", "not-a-tensor", "reads-data"],
+)
+def test_a_fake_that_disagrees_with_the_reference_is_rejected_and_nothing_is_registered(name, fake, message):
+    with pytest.raises(OpRegistrationError, match=message):
+        register_op(name, scaled_tanh, fake, example_inputs=EXAMPLE)
+    assert name not in canonical_ops() and not hasattr(torch.ops.autodeploy, name)
+
+    register_op(name, scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)  # the name is still free
+    assert name in canonical_ops()
+
+
+def test_a_reference_that_fails_on_its_examples_is_rejected(name):
+    with pytest.raises(OpRegistrationError, match="reference of .* failed on the example inputs"):
+        register_op(name, scaled_tanh, scaled_tanh_fake, example_inputs=(torch.ones(2),))
+
+
+def test_a_duplicate_name_is_rejected(name):
+    register_op(name, scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)
+    with pytest.raises(OpRegistrationError, match=f"torch.ops.autodeploy.{name} is already registered"):
+        register_op(name, scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)
+    with pytest.raises(OpRegistrationError, match="already registered"):
+        register_op("rms_norm", scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)
+    assert canonical_ops()["rms_norm"].reference is not scaled_tanh
+
+
+def test_a_name_taken_by_a_plain_torch_library_op_is_rejected(name):
+    torch.library.custom_op(f"autodeploy::{name}", scaled_tanh, mutates_args=())
+    with pytest.raises(OpRegistrationError, match="already registered"):
+        register_op(name, scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)
+
+
+def test_a_name_that_is_not_an_identifier_is_rejected():
+    with pytest.raises(OpRegistrationError, match="not a Python identifier"):
+        register_op("my-op", scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)
+
+
+def test_registration_errors_are_value_errors():
+    assert issubclass(OpRegistrationError, ValueError)
+
+
+def test_backends_are_recorded_per_op_and_names_are_unique(name):
+    register_op(name, scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)
+
+    def fast_scaled_tanh(x, scale):
+        return torch.tanh(x * scale)
+
+    add_backend(name, "fast", fast_scaled_tanh)
+    backends = canonical_ops()[name].backends
+    assert [(b.name, b.fn) for b in backends] == [("fast", fast_scaled_tanh)]
+
+    with pytest.raises(OpRegistrationError, match="already has a backend named 'fast'"):
+        add_backend(name, "fast", fast_scaled_tanh)
+    with pytest.raises(OpRegistrationError, match="unknown canonical op 'no_such_op'"):
+        add_backend("no_such_op", "fast", fast_scaled_tanh)
