@@ -10,6 +10,8 @@ print(llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32, temperat
 from autodeploy import errors
 from autodeploy.transforms import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 from autodeploy.export import register_export_patch
+from autodeploy.custom_ops import register_op
+from autodeploy.patterns import register_pattern
 from autodeploy.models import factory as _factory, load_weights as _load_weights  # noqa: F401  (register transforms)
 from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams
@@ -28,5 +30,7 @@ __all__ = [
     "deployment_settings",
     "errors",
     "register_export_patch",
+    "register_op",
+    "register_pattern",
     "register_transform",
 ]

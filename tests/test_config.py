@@ -259,7 +259,7 @@ def test_dump_graphs_writes_one_file_per_transform_with_a_graph(tmp_path, llama_
     assert [r.name for _, r in with_graph] == [r.name for r in llm.records[1:]]  # all but build_model (no graph yet)
     assert sorted(p.name for p in dump.iterdir()) == [f"{i:02d}_{r.stage}_{r.name}.txt" for i, r in with_graph]
     for index, record in with_graph:
-        assert "aten.linear" in (dump / f"{index:02d}_{record.stage}_{record.name}.txt").read_text()
+        assert "linear" in (dump / f"{index:02d}_{record.stage}_{record.name}.txt").read_text()  # aten.* or autodeploy.*
 
 
 # --- auto settings ----------------------------------------------------------------------------

@@ -18,10 +18,23 @@ def test_readme_transform_example_runs_from_config(llama_llm, llama_dir):
     exec(_python_block("Adding a transform"), {})
     llm = autodeploy(str(llama_dir), device="cpu", transforms={"count_linears": {"warn_above": 10}})
     (record,) = [r for r in llm.records if r.name == "count_linears"]
-    assert record.stage == "fuse" and record.matches == 15  # 2 layers × 7 linears + lm_head
+    assert record.stage == "fuse" and record.matches == 9  # 2 layers × 4 attention linears + lm_head (MLPs are gated_mlp)
 
 
 def test_readme_op_example_registers_a_canonical_op():
     exec(_python_block("Adding an op"), {})
     x = torch.randn(3)
-    torch.testing.assert_close(torch.ops.autodeploy.my_gelu(x), torch.nn.functional.gelu(x, approximate="tanh"))
+    torch.testing.assert_close(torch.ops.autodeploy.scaled_tanh(x, 2.0), torch.tanh(x) * 2.0)
+
+
+def test_readme_pattern_example_registers_and_runs_by_name(llama_dir):
+    from autodeploy import autodeploy
+    from autodeploy.patterns import unregister_pattern
+
+    exec(_python_block("Adding a pattern"), {})
+    try:
+        llm = autodeploy(str(llama_dir), device="cpu", transforms={"match_patterns": {"patterns": ["norm", "my_silu_as_sigmoid"]}})
+        ops = [r for r in llm.records if r.name == "match_patterns"][0].ops_after
+        assert "aten.sigmoid" in ops and "aten.silu" not in ops and "autodeploy.rms_norm" in ops
+    finally:
+        unregister_pattern("my_silu_as_sigmoid")

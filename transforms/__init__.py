@@ -11,6 +11,7 @@ from autodeploy.transforms.registry import (
     registered_transforms,
 )
 from autodeploy.transforms import cleanup_dead_code, cleanup_noop, cleanup_transposes  # noqa: F401  (registers the cleanup passes)
+from autodeploy.transforms import match_patterns, match_report  # noqa: F401  (registers the match-stage passes)
 
 __all__ = [
     "STAGES",

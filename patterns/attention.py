@@ -1,0 +1,481 @@
+"""Attention family: HF self-attention (SDPA or eager) → ``torch.ops.autodeploy.attention``.
+
+What Hugging Face (5.17) exports after the cleanup stage. q, k, v are ``[B, H, S, D]``; ``repeat(x)``
+is ``repeat_kv`` (``reshape(expand(unsqueeze(x, 2), [B, Hkv, n, S, D]), [B, Hkv·n, S, D])``), present
+for grouped-query attention unless SDPA gets ``enable_gqa=True``; ``?`` marks optional steps::
+
+    SDPA (every model built with attn_implementation="sdpa"):
+        scaled_dot_product_attention(q, repeat(k)?, repeat(v)?, mask | None, 0.0, is_causal, scale?, enable_gqa?)
+    eager (Llama, Mistral, Qwen2/3, Mixtral, Phi-3, GPT-NeoX, Cohere, StableLM, Gemma-2/3, GPT-OSS):
+        logits = matmul(q, transpose(repeat(k), 2, 3)) * scale
+        logits = tanh(logits / cap) * cap                                    ? Gemma-2 soft-capping
+        logits = logits + mask
+        probs  = softmax(logits, -1, f32)                                    (to(dtype)? in half models)
+          or, with sinks (GPT-OSS):
+        both   = cat([logits, expand(reshape(sinks[H], [1, -1, 1, 1]))], -1)
+        probs  = slice(softmax(both - max(both, -1).values, -1), -1, 0, -1)
+        out    = matmul(dropout(probs, p, train=False), repeat(v))
+
+Each becomes ``transpose(attention(transpose(q, 1, 2), transpose(k, 1, 2), transpose(v, 1, 2), scale,
+sliding_window, logit_cap, sinks), 1, 2)``: the op takes and returns ``[B, S, H, D]`` and does GQA
+itself, so ``repeat_kv`` goes; ``cleanup_transposes`` later folds the transposes into HF's own.
+
+**The causal assumption.** The canonical op is causal over the sequence index (query ``i`` sees keys
+``j ≤ i``, and ``i - W < j`` with a sliding window ``W``). HF builds its mask from ``position_ids``;
+the runtime feeds ``arange`` positions per row, for which that mask is exactly causal or causal plus a
+sliding window. The mask is therefore not matched op by op (its spelling changes with HF releases and
+models): its subgraph is *evaluated* for one row of arange positions, and the attention is replaced only
+when the result is a causal mask, optionally windowed; the window is read off the result. The mask's
+value depends on the sequence length only through comparisons with the integer literals of its
+subgraph, so one probe longer than every such literal (and at most the graph's maximum sequence length,
+since a window no sequence reaches changes nothing) decides it for every length. A mask that is
+anything else (padding, bidirectional or per-document blocks) leaves its attention unmatched, and so does
+one that cannot be evaluated: HF's eager (additive) masks read a ``torch.tensor(0.0)`` constant, which a
+graph exported on the meta device holds without a value (SDPA's boolean masks have no such constant).
+Once every attention reading a mask is replaced, the mask-building nodes are dead and the match stage's
+dead-code elimination removes them.
+
+Written as graph walks (``register_rewrite``) rather than traced search functions: the mask analysis
+decides the op's ``sliding_window`` argument, which a traced replacement cannot receive; and the optional
+steps above would need one traced pattern per combination. The walks read ops, arguments and shapes
+only, never node, parameter or module names. Dropout must be inactive (``train=False`` or ``p=0``).
+
+```python
+from autodeploy.patterns.attention import replace_sdpa_attention, replace_eager_attention
+
+replaced = replace_sdpa_attention(gm) + replace_eager_attention(gm)   # gm: exported + cleaned up
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.operator_schemas import normalize_function
+
+import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.attention)
+from autodeploy.patterns.registry import register_rewrite
+
+logger = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SOFTMAX = {aten.softmax.int, aten._softmax.default}
+_PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack")
+# Longest mask probe evaluated: a [1, 1, N, N] mask and its intermediates, ~10 × N² bytes.
+_MASK_PROBE_LIMIT = 8192
+
+
+class _NoMatch(Exception):
+    """The subgraph under inspection is not an attention the op expresses."""
+
+
+def _require(condition: bool, reason: str) -> None:
+    if not condition:
+        raise _NoMatch(reason)
+
+
+def _value(node) -> torch.Tensor:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    _require(isinstance(value, torch.Tensor), f"{node} carries no tensor value")
+    return value
+
+
+def _same(a, b) -> bool:
+    return statically_known_true(a == b)
+
+
+# ---------------------------------------------------------------------------------------- the mask
+
+
+def _cone(node: Node) -> list[Node]:
+    """``node`` and every node it depends on, in graph order."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def _max_size(size) -> int | None:
+    """The largest value a (possibly symbolic) size can take; None when unbounded."""
+    if isinstance(size, int):
+        return size
+    upper = size.node.shape_env.bound_sympy(size.node.expr).upper
+    return int(upper) if upper.is_finite else None
+
+
+def _int_literals(nodes: list[Node]) -> list[int]:
+    found: list[int] = []
+
+    def visit(argument) -> None:
+        if isinstance(argument, bool):
+            return
+        if isinstance(argument, int):
+            found.append(abs(argument))
+        elif isinstance(argument, (list, tuple)):
+            for item in argument:
+                visit(item)
+        elif isinstance(argument, dict):
+            for item in argument.values():
+                visit(item)
+
+    for node in nodes:
+        visit(node.args)
+        visit(node.kwargs)
+    return found
+
+
+def _on_cpu(argument):
+    return torch.device("cpu") if isinstance(argument, torch.device) else argument
+
+
+def _probe_length(cone: list[Node], seq) -> int:
+    """A sequence length whose mask decides the mask of every length the graph accepts.
+
+    HF masks compare query and key indices with each other and with integer literals (the window), so
+    the pattern of one length is the top-left block of any longer one's, and a probe longer than every
+    literal shows each comparison flip. Literals no sequence reaches (a window of 262144 when at most
+    8192 tokens fit) change nothing and do not lengthen the probe. A static length is its own probe.
+    """
+    if isinstance(seq, int):
+        return seq
+    max_seq = _max_size(seq)
+    _require(max_seq is not None, "the sequence length is unbounded")
+    literals = [literal for literal in _int_literals(cone) if literal < max_seq]
+    return min(max_seq, max(16, max(literals, default=0) + 2))
+
+
+def _evaluate_mask(gm: GraphModule, mask: Node) -> tuple[torch.Tensor, int]:
+    """The mask's value for one row of ``arange`` inputs, at a probe length that decides every length."""
+    cone = _cone(mask)
+    _require(all(n.op in ("placeholder", "get_attr", "call_function") for n in cone), f"mask {mask} calls a module")
+    placeholders = [n for n in cone if n.op == "placeholder"]
+    _require(bool(placeholders), f"mask {mask} does not depend on the inputs")
+    for node in placeholders:
+        value = node.meta.get("val")
+        _require(
+            isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point(),
+            f"mask input {node} is not a [batch, seq] integer tensor",
+        )
+    probe = _probe_length(cone, placeholders[0].meta["val"].shape[1])
+    _require(probe <= _MASK_PROBE_LIMIT, f"mask {mask} needs a {probe}-token probe (limit {_MASK_PROBE_LIMIT})")
+
+    graph, copies = Graph(), {}
+    for node in cone:
+        copy = graph.node_copy(node, lambda n: copies[n])
+        copy.args = torch.fx.node.map_aggregate(copy.args, _on_cpu)  # a graph exported on meta says device=meta
+        copy.kwargs = torch.fx.node.map_aggregate(copy.kwargs, _on_cpu)
+        copies[node] = copy
+    graph.output(copies[mask])
+    # Positions 0..N-1 are what the assumption is about; token ids get the same values, so the
+    # result does not depend on which input is which (a mask reading token ids is not causal here).
+    inputs = [torch.arange(probe, dtype=n.meta["val"].dtype)[None] for n in placeholders]
+    try:
+        with torch.no_grad():
+            value = GraphModule(gm, graph)(*inputs)
+    except (RuntimeError, NotImplementedError) as error:  # e.g. a constant that is still on the meta device
+        raise _NoMatch(f"cannot evaluate mask {mask}: {str(error).splitlines()[0][:160]}") from error
+    _require(isinstance(value, torch.Tensor) and not value.is_meta, f"mask {mask} has no value on the CPU")
+    return value, probe
+
+
+def causal_sliding_window(gm: GraphModule, mask: Node) -> int | None:
+    """The sliding window of a causal mask (None when it has none); raises ``_NoMatch`` when not causal.
+
+    The mask is boolean (True: attend) or additive (0: attend; -inf or at most half the dtype's lowest
+    value, HF's ``finfo.min``: masked, which softmax turns into exact zeros), broadcast to ``[B, H, S, S]``;
+    it must be the same for every batch row and head.
+    """
+    value, probe = _evaluate_mask(gm, mask)
+    _require(value.dim() >= 2 and tuple(value.shape[-2:]) == (probe, probe), f"mask {mask} is not [.., S, S]")
+    rows = value.reshape(-1, probe, probe)
+    _require(bool((rows == rows[:1]).all()), f"mask {mask} differs between batch rows or heads")
+    rows = rows[0]
+    if rows.dtype == torch.bool:
+        visible = rows
+    else:
+        visible = rows == 0
+        lowest = torch.finfo(rows.dtype).min / 2
+        _require(bool((rows[~visible] <= lowest).all()), f"additive mask {mask} has values other than 0 and -inf")
+    window = int(visible[-1].sum())
+    _require(window >= 1, f"mask {mask} hides every key from the last query")
+    query, key = torch.arange(probe)[:, None], torch.arange(probe)[None, :]
+    expected = (key <= query) & (key > query - window)
+    _require(bool((visible == expected).all()), f"mask {mask} is not causal (with or without a sliding window)")
+    return window if window < probe else None
+
+
+# --------------------------------------------------------------------------------------- the walks
+
+
+@dataclass
+class AttentionMatch:
+    """One matched attention: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` (before ``repeat_kv``), the op's
+    options, the node whose value the op replaces, and the nodes computing it."""
+
+    q: Node
+    k: Node
+    v: Node
+    scale: float
+    sliding_window: int | None
+    logit_cap: float | None
+    sinks: Node | None
+    output: Node
+    nodes: set[Node] = field(default_factory=set)
+
+
+class _Walk:
+    """Steps backwards through one candidate attention, recording every node it steps over."""
+
+    def __init__(self, gm: GraphModule, windows: dict[Node, int | None | _NoMatch]):
+        self.gm = gm
+        self.windows = windows  # mask → its sliding window (or why it is not causal), shared by all layers
+        self.nodes: set[Node] = set()
+
+    @staticmethod
+    def is_call(node, targets) -> bool:
+        return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+    def step(self, node, targets, what: str) -> dict:
+        """Check ``node`` calls one of ``targets``, record it, return its arguments by name (defaults filled)."""
+        _require(self.is_call(node, targets), f"{node} is not {what}")
+        self.nodes.add(node)
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return {}
+        normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        _require(normalized is not None, f"cannot read the arguments of {node}")
+        return normalized.kwargs
+
+    def skip_casts(self, node):
+        """Step over floating-point casts: the op fixes its own compute (float32) and output dtypes."""
+        while self.is_call(node, _CASTS):
+            _require(_value(node).is_floating_point(), f"{node} is not a float cast")
+            self.nodes.add(node)
+            node = node.args[0]
+        return node
+
+    def kv_source(self, node: Node) -> Node:
+        """``repeat_kv(x)`` (unsqueeze + expand + reshape, or ``repeat_interleave`` on the head dim) → x.
+
+        Anything else is returned as is: k and v already have the kv heads (MHA, or SDPA's enable_gqa).
+        """
+        if self.is_call(node, {aten.repeat_interleave.self_int}):
+            arguments = self.step(node, {aten.repeat_interleave.self_int}, "repeat_interleave")
+            _require(_value(node).dim() == 4 and arguments["dim"] in (1, -3), f"{node} does not repeat heads")
+            _require(isinstance(arguments["repeats"], int), f"{node} repeats by a tensor")
+            return arguments["input"]
+        if not (self.is_call(node, _VIEWS) and self.is_call(node.args[0], {aten.expand.default})):
+            return node
+        expanded = self.step(node, _VIEWS, "a view")["input"]
+        unsqueezed = self.step(expanded, {aten.expand.default}, "an expand")["input"]
+        unsqueeze = self.step(unsqueezed, {aten.unsqueeze.default}, "an unsqueeze")
+        source = unsqueeze["input"]
+        src, wide, out = _value(source).shape, _value(expanded).shape, _value(node).shape
+        _require(len(src) == 4 and len(wide) == 5 and len(out) == 4 and unsqueeze["dim"] in (2, -3),
+                 f"{node} is not repeat_kv")
+        kept = (wide[0], wide[1], wide[3], wide[4])
+        _require(all(_same(a, b) for a, b in zip(kept, src)), f"{expanded} does not only widen the new dim 2")
+        _require(all(_same(a, b) for a, b in zip(out, (src[0], src[1] * wide[2], src[2], src[3]))),
+                 f"{node} does not merge the repeated heads")
+        return source
+
+    def window_of(self, mask: Node) -> int | None:
+        if mask not in self.windows:
+            try:
+                self.windows[mask] = causal_sliding_window(self.gm, mask)
+            except _NoMatch as reason:
+                self.windows[mask] = reason
+        window = self.windows[mask]
+        if isinstance(window, _NoMatch):
+            raise window
+        return window
+
+    def finish(self, q: Node, k: Node, v: Node, output: Node, **options) -> AttentionMatch:
+        query, key, value = _value(q).shape, _value(k).shape, _value(v).shape
+        _require(len(query) == len(key) == len(value) == 4, "q, k and v are not [B, H, S, D]")
+        _require(all(_same(a, b) for a, b in zip(key[:3], value[:3])), "k and v differ in batch, heads or length")
+        _require(_same(query[0], key[0]) and _same(query[2], key[2]), "q and k differ in batch or length")
+        _require(isinstance(query[1], int) and isinstance(key[1], int) and query[1] % key[1] == 0,
+                 "query heads are not a multiple of kv heads")
+        _require(_same(query[3], key[3]), "q and k have different head dims")
+        # Every recorded step but the output must feed only other steps, or removing it changes another value.
+        _require(all(set(n.users) <= self.nodes for n in self.nodes - {output}),
+                 "an intermediate value is also used outside the attention")
+        return AttentionMatch(q, k, v, output=output, nodes=self.nodes, **options)
+
+
+def _match_sdpa(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
+    walk = _Walk(gm, windows)
+    arguments = walk.step(node, {aten.scaled_dot_product_attention.default}, "scaled_dot_product_attention")
+    _require(arguments["dropout_p"] == 0.0, f"{node} has dropout")
+    mask, is_causal = arguments["attn_mask"], arguments["is_causal"]
+    if mask is None:
+        _require(is_causal is True, f"{node} attends to every key (no mask and not causal)")
+        window = None
+    else:
+        _require(is_causal is False, f"{node} combines a mask with is_causal")
+        window = walk.window_of(mask)
+    q = arguments["query"]
+    k, v = walk.kv_source(arguments["key"]), walk.kv_source(arguments["value"])
+    scale = arguments["scale"]
+    if scale is None:
+        scale = _value(q).shape[-1] ** -0.5
+    return walk.finish(q, k, v, node, scale=float(scale), sliding_window=window, logit_cap=None, sinks=None)
+
+
+def _number(argument) -> float | None:
+    return float(argument) if type(argument) in (int, float) else None
+
+
+def _match_logits(walk: _Walk, node) -> tuple[Node, Node, float, float | None]:
+    """``tanh(l / cap) * cap``? of ``l = matmul(q, transpose(k, 2, 3)) (* s | / d)?`` → (q, k, scale, cap)."""
+    cap = None
+    if walk.is_call(node, {aten.mul.Tensor}) and walk.is_call(node.args[0], {aten.tanh.default}):
+        cap = _number(walk.step(node, {aten.mul.Tensor}, "a multiply")["other"])
+        divided = walk.step(node.args[0], {aten.tanh.default}, "tanh")["input"]
+        division = walk.step(divided, {aten.div.Tensor}, "a divide")
+        _require(cap is not None and cap > 0 and _number(division["other"]) == cap, f"{node} is not a soft-cap")
+        node = division["input"]
+    scale = 1.0
+    if walk.is_call(node, {aten.mul.Tensor, aten.div.Tensor}):
+        factor = _number(walk.step(node, {aten.mul.Tensor, aten.div.Tensor}, "a scale")["other"])
+        _require(factor is not None and factor != 0, f"{node} does not scale by a number")
+        scale = factor if node.target is aten.mul.Tensor else 1.0 / factor
+        node = node.args[0]
+    product = walk.step(node, {aten.matmul.default}, "q @ kᵀ")
+    transpose = walk.step(product["other"], {aten.transpose.int}, "kᵀ")
+    _require(_value(product["other"]).dim() == 4 and {transpose["dim0"] % 4, transpose["dim1"] % 4} == {2, 3},
+             f"{product['other']} is not kᵀ")
+    return product["input"], walk.kv_source(transpose["input"]), scale, cap
+
+
+def _match_sinks(walk: _Walk, node, heads: int) -> Node:
+    """``expand(reshape(sinks[H], [1, -1, 1, 1]), [B, -1, S, -1])`` → the sinks tensor."""
+    viewed = walk.step(node, {aten.expand.default}, "an expand of the sinks")["input"]
+    sinks = walk.step(viewed, _VIEWS, "a view of the sinks")["input"]
+    shape = _value(viewed).shape
+    _require(_value(sinks).dim() == 1 and len(shape) == 4 and _same(shape[1], heads)
+             and all(_same(size, 1) for size in (shape[0], shape[2], shape[3])), f"{sinks} is not one sink per head")
+    return sinks
+
+
+def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
+    walk = _Walk(gm, windows)
+    product = walk.step(node, {aten.matmul.default}, "probs @ v")
+    v = walk.kv_source(product["other"])
+    probs = product["input"]
+    if walk.is_call(probs, {aten.dropout.default}):
+        dropout = walk.step(probs, {aten.dropout.default}, "dropout")
+        _require(dropout["p"] == 0.0 or dropout["train"] is False, f"{probs} drops attention weights")
+        probs = dropout["input"]
+    probs = walk.skip_casts(probs)
+    with_sinks = walk.is_call(probs, {aten.slice.Tensor})
+    if with_sinks:  # the softmax ran over one extra column, the sink's, which is dropped here
+        cut = walk.step(probs, {aten.slice.Tensor}, "a slice")
+        _require(cut["dim"] % 4 == 3 and cut["start"] in (None, 0) and cut["end"] == -1 and cut["step"] == 1,
+                 f"{probs} does not drop the last column")
+        probs = cut["input"]
+    softmax = walk.step(probs, _SOFTMAX, "softmax")
+    _require(_value(probs).dim() == 4 and softmax["dim"] % 4 == 3, f"{probs} is not a softmax over keys")
+    logits = walk.skip_casts(softmax["input"])
+
+    sinks = None
+    if with_sinks:
+        if walk.is_call(logits, {aten.sub.Tensor}):  # GPT-OSS subtracts the row maximum first, as softmax does
+            both = walk.step(logits, {aten.sub.Tensor}, "a subtract")["input"]
+            maximum = logits.args[1]
+            walk.step(maximum, {operator.getitem}, "the max values")
+            reduce = walk.step(maximum.args[0], {aten.max.dim}, "max")
+            _require(maximum.args[1] == 0 and reduce["input"] is both and reduce["dim"] % 4 == 3 and reduce["keepdim"],
+                     f"{logits} does not subtract the row maximum")
+            logits = both
+        concat = walk.step(logits, {aten.cat.default}, "logits and sinks")
+        _require(len(concat["tensors"]) == 2 and concat["dim"] % 4 == 3, f"{logits} does not append one column")
+        logits, sink_column = concat["tensors"]
+        sinks = _match_sinks(walk, sink_column, heads=_value(logits).shape[1])
+
+    addition = walk.step(logits, {aten.add.Tensor}, "logits + mask")
+    _require(addition["alpha"] == 1, f"{logits} scales the mask")
+    scores, mask = addition["input"], addition["other"]
+    if walk.is_call(mask, {aten.mul.Tensor, aten.div.Tensor, aten.matmul.default}):
+        scores, mask = mask, scores
+    _require(isinstance(mask, Node), f"{logits} adds no mask")
+    q, k, scale, cap = _match_logits(walk, scores)
+    window = walk.window_of(mask)
+    return walk.finish(q, k, v, node, scale=scale, sliding_window=window, logit_cap=cap, sinks=sinks)
+
+
+# ------------------------------------------------------------------------------------ the rewrite
+
+
+def _call(graph: Graph, target, args: tuple) -> Node:
+    """Add ``target(*args)`` with its ``meta["val"]``, so later patterns can read shapes before propagation."""
+    node = graph.call_function(target, args)
+    values = [a.meta["val"] if isinstance(a, Node) else a for a in args]
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    with fake_mode:
+        node.meta["val"] = target(*values)
+    return node
+
+
+def _replace(graph: Graph, match: AttentionMatch) -> None:
+    with graph.inserting_before(match.output):
+        q, k, v = (_call(graph, aten.transpose.int, (x, 1, 2)) for x in (match.q, match.k, match.v))
+        options = (match.scale, match.sliding_window, match.logit_cap, match.sinks)
+        out = _call(graph, torch.ops.autodeploy.attention.default, (q, k, v, *options))
+        result = _call(graph, aten.transpose.int, (out, 1, 2))
+    for node in (q, k, v, out, result):  # the module stack and source line of what they replace
+        node.meta.update({key: match.output.meta[key] for key in _PROVENANCE if key in match.output.meta})
+    match.output.replace_all_uses_with(result)
+    for node in reversed([n for n in graph.nodes if n in match.nodes]):
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _replace_all(gm: GraphModule, anchors: list[Node], match_at) -> int:
+    windows: dict = {}
+    replaced = 0
+    for anchor in anchors:
+        if anchor._erased:
+            continue
+        try:
+            match = match_at(gm, anchor, windows)
+        except _NoMatch as reason:
+            logger.debug("%s: not replaced: %s", anchor, reason)
+            continue
+        _replace(gm.graph, match)
+        replaced += 1
+    for mask, reason in windows.items():
+        if isinstance(reason, _NoMatch):
+            logger.info("attention with mask %s left as exported: %s", mask, reason)
+    if replaced:
+        gm.graph.lint()
+        gm.recompile()
+    return replaced
+
+
+def replace_sdpa_attention(gm: GraphModule) -> int:
+    """Replace every causal ``scaled_dot_product_attention`` (with its ``repeat_kv``); returns how many."""
+    sdpa = gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default)
+    return _replace_all(gm, sdpa, _match_sdpa)
+
+
+def replace_eager_attention(gm: GraphModule) -> int:
+    """Replace every causal matmul-softmax-matmul attention; returns how many."""
+    matmuls = gm.graph.find_nodes(op="call_function", target=aten.matmul.default)
+    return _replace_all(gm, list(reversed(matmuls)), _match_eager)
+
+
+register_rewrite("attention_sdpa", replace_sdpa_attention, family="attention")
+register_rewrite("attention_eager", replace_eager_attention, family="attention")

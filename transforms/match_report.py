@@ -1,0 +1,163 @@
+"""What the match stage turned into canonical ops, against what the model should have, and what it missed.
+
+For norms, MLPs and MoE blocks: the *expected* count comes from the Hugging Face config (layers × per-layer
+count, plus the final norm), the *found* count from the graph's canonical ops. *Unmatched* modules are
+read from the graph too: ``torch.export`` records in each node's ``meta["nn_module_stack"]`` the modules
+that produced it, so a norm, MLP or MoE module (recognised by Hugging Face's class-name suffixes:
+``RMSNorm``/``LayerNorm``, ``MLP``, ``SparseMoeBlock``/``MoE``) whose nodes include no canonical op of
+its kind was not matched. Replacement ops inherit the stack of the node they replace.
+
+Expected counts know the architectures in ``_NORMS_PER_LAYER``; for any other the report assumes two
+norms and one MLP per layer and says so. MoE configs (``num_local_experts``/``num_experts``) expect one
+MoE block per sparse layer (Qwen-style ``decoder_sparse_step``/``mlp_only_layers`` honoured) and one MLP
+per dense layer; shared experts are not counted.
+
+```python
+from autodeploy.transforms.match_report import match_report
+print(match_report(gm, hf_config))   # norm 5/5, mlp 1/2 — unmatched: model.model.layers.1.mlp (LlamaMLP)
+```
+The ``match_report`` transform (stage ``match``, listed after the other match transforms) puts that
+line in the pipeline report (``autodeploy inspect``) and logs a warning when something is unmatched.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.*)
+from autodeploy.errors import TransformError
+from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+
+logger = logging.getLogger(__name__)
+
+_OPS = torch.ops.autodeploy
+CANONICAL_OPS: dict[str, tuple] = {
+    "norm": (_OPS.rms_norm.default, _OPS.layer_norm.default),
+    "mlp": (_OPS.gated_mlp.default, _OPS.mlp.default),
+    "moe": (_OPS.moe.default,),
+}
+MODULE_SUFFIXES: dict[str, tuple[str, ...]] = {
+    "norm": ("RMSNorm", "LayerNorm"),
+    "mlp": ("MLP",),
+    "moe": ("SparseMoeBlock", "MoE"),
+}
+
+# Norms per decoder layer, by HF model_type (one final norm comes on top).
+_NORMS_PER_LAYER = {
+    "llama": 2, "mistral": 2, "mixtral": 2, "qwen2": 2, "phi3": 2, "gemma": 2, "gpt_neox": 2,
+    "qwen3": 4, "qwen3_moe": 4,  # + per-head q/k norms
+    "gemma2": 4,  # + pre/post feed-forward norms
+    "gemma3_text": 6,  # + pre/post feed-forward norms + per-head q/k norms
+}
+_SHOWN = 6  # unmatched modules named in the one-line report; MatchReport.unmatched_modules has all
+
+
+@dataclass
+class KindCount:
+    kind: str
+    expected: int | None  # None without a config
+    found: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.found}" + (f"/{self.expected}" if self.expected is not None else "")
+
+
+@dataclass
+class MatchReport:
+    counts: list[KindCount]
+    unmatched_modules: list[str] = field(default_factory=list)  # "path (ClassName)"
+    assumed: bool = False  # expected counts guessed for an architecture not in _NORMS_PER_LAYER
+
+    @property
+    def complete(self) -> bool:
+        return not self.unmatched_modules and all(c.expected in (None, c.found) for c in self.counts)
+
+    def __str__(self) -> str:
+        line = ", ".join(str(c) for c in self.counts)
+        if self.assumed:
+            line += " (expected counts assume 2 norms + 1 MLP per layer)"
+        if self.unmatched_modules:
+            shown, more = self.unmatched_modules[:_SHOWN], len(self.unmatched_modules) - _SHOWN
+            line += " — unmatched: " + ", ".join(shown) + (f", … {more} more" if more > 0 else "")
+        return line
+
+
+def expected_counts(hf_config: Any) -> tuple[dict[str, int], bool]:
+    """Expected canonical ops per kind for a decoder-only model; and whether the architecture was unknown."""
+    config = getattr(hf_config, "text_config", None) or hf_config
+    layers = config.num_hidden_layers
+    model_type = getattr(config, "model_type", "")
+    counts = {"norm": layers * _NORMS_PER_LAYER.get(model_type, 2) + 1}
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        counts.update(mlp=layers - sparse, moe=sparse)
+    else:
+        counts["mlp"] = layers
+    return counts, model_type not in _NORMS_PER_LAYER
+
+
+def _owning_module(node: torch.fx.Node, kind: str) -> str | None:
+    """The innermost module of ``kind`` that produced ``node``, as "path (ClassName)"."""
+    for path, class_name in reversed(list(node.meta.get("nn_module_stack", {}).values())):
+        class_name = class_name.rsplit(".", 1)[-1] if isinstance(class_name, str) else class_name.__name__
+        if class_name.endswith(MODULE_SUFFIXES[kind]):
+            return f"{path} ({class_name})"
+    return None
+
+
+def _layer_order(module: str) -> list:
+    """Sort key putting ``layers.2`` before ``layers.10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", module)]
+
+
+def match_report(gm: GraphModule, hf_config: Any | None = None) -> MatchReport:
+    """Count canonical norms/MLPs/MoEs in ``gm`` (against ``hf_config`` when given) and list unmatched modules."""
+    found = {kind: 0 for kind in CANONICAL_OPS}
+    seen: dict[str, set[str]] = {kind: set() for kind in CANONICAL_OPS}
+    matched: dict[str, set[str]] = {kind: set() for kind in CANONICAL_OPS}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for kind, ops in CANONICAL_OPS.items():
+            module = _owning_module(node, kind)
+            if module is not None:
+                seen[kind].add(module)
+            if node.target in ops:
+                found[kind] += 1
+                if module is not None:
+                    matched[kind].add(module)
+    expected, assumed = expected_counts(hf_config) if hf_config is not None else ({}, False)
+    kinds = [kind for kind in CANONICAL_OPS if expected.get(kind) or found[kind]]
+    counts = [KindCount(kind, expected.get(kind), found[kind]) for kind in kinds]
+    unmatched = sorted((m for kind in CANONICAL_OPS for m in seen[kind] - matched[kind]), key=_layer_order)
+    return MatchReport(counts, unmatched, assumed)
+
+
+@dataclass
+class MatchReportConfig(TransformConfig):
+    stage: str = "match"
+
+
+@register_transform("match_report")
+class MatchReportTransform(Transform):
+    """Report expected vs found canonical ops and the unmatched modules; changes nothing."""
+
+    config_class = MatchReportConfig
+
+    def apply(self, module: nn.Module, context: TransformContext) -> TransformResult:
+        if not isinstance(module, GraphModule):
+            raise TransformError(f"match_report needs a torch.fx.GraphModule, got {type(module).__name__}")
+        hf_config = getattr(context.model_factory, "hf_config", None)
+        report = match_report(module, hf_config)
+        if not report.complete:
+            logger.warning("match stage left model parts unmatched: %s", report)
+        return TransformResult(notes=str(report))
