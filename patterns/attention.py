@@ -60,6 +60,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.attention)
+from autodeploy.patterns.graph_walk import NoMatch, node_value, require
 from autodeploy.patterns.registry import register_rewrite
 
 logger = logging.getLogger(__name__)
@@ -74,19 +75,6 @@ _PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack")
 _MASK_PROBE_LIMIT = 8192
 
 
-class _NoMatch(Exception):
-    """The subgraph under inspection is not an attention the op expresses."""
-
-
-def _require(condition: bool, reason: str) -> None:
-    if not condition:
-        raise _NoMatch(reason)
-
-
-def _value(node) -> torch.Tensor:
-    value = node.meta.get("val") if isinstance(node, Node) else None
-    _require(isinstance(value, torch.Tensor), f"{node} carries no tensor value")
-    return value
 
 
 def _same(a, b) -> bool:
@@ -151,7 +139,7 @@ def _probe_length(cone: list[Node], seq) -> int:
     if isinstance(seq, int):
         return seq
     max_seq = _max_size(seq)
-    _require(max_seq is not None, "the sequence length is unbounded")
+    require(max_seq is not None, "the sequence length is unbounded")
     literals = [literal for literal in _int_literals(cone) if literal < max_seq]
     return min(max_seq, max(16, max(literals, default=0) + 2))
 
@@ -159,17 +147,17 @@ def _probe_length(cone: list[Node], seq) -> int:
 def _evaluate_mask(gm: GraphModule, mask: Node) -> tuple[torch.Tensor, int]:
     """The mask's value for one row of ``arange`` inputs, at a probe length that decides every length."""
     cone = _cone(mask)
-    _require(all(n.op in ("placeholder", "get_attr", "call_function") for n in cone), f"mask {mask} calls a module")
+    require(all(n.op in ("placeholder", "get_attr", "call_function") for n in cone), f"mask {mask} calls a module")
     placeholders = [n for n in cone if n.op == "placeholder"]
-    _require(bool(placeholders), f"mask {mask} does not depend on the inputs")
+    require(bool(placeholders), f"mask {mask} does not depend on the inputs")
     for node in placeholders:
         value = node.meta.get("val")
-        _require(
+        require(
             isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point(),
             f"mask input {node} is not a [batch, seq] integer tensor",
         )
     probe = _probe_length(cone, placeholders[0].meta["val"].shape[1])
-    _require(probe <= _MASK_PROBE_LIMIT, f"mask {mask} needs a {probe}-token probe (limit {_MASK_PROBE_LIMIT})")
+    require(probe <= _MASK_PROBE_LIMIT, f"mask {mask} needs a {probe}-token probe (limit {_MASK_PROBE_LIMIT})")
 
     graph, copies = Graph(), {}
     for node in cone:
@@ -185,34 +173,34 @@ def _evaluate_mask(gm: GraphModule, mask: Node) -> tuple[torch.Tensor, int]:
         with torch.no_grad():
             value = GraphModule(gm, graph)(*inputs)
     except (RuntimeError, NotImplementedError) as error:  # e.g. a constant that is still on the meta device
-        raise _NoMatch(f"cannot evaluate mask {mask}: {str(error).splitlines()[0][:160]}") from error
-    _require(isinstance(value, torch.Tensor) and not value.is_meta, f"mask {mask} has no value on the CPU")
+        raise NoMatch(f"cannot evaluate mask {mask}: {str(error).splitlines()[0][:160]}") from error
+    require(isinstance(value, torch.Tensor) and not value.is_meta, f"mask {mask} has no value on the CPU")
     return value, probe
 
 
 def causal_sliding_window(gm: GraphModule, mask: Node) -> int | None:
-    """The sliding window of a causal mask (None when it has none); raises ``_NoMatch`` when not causal.
+    """The sliding window of a causal mask (None when it has none); raises ``NoMatch`` when not causal.
 
     The mask is boolean (True: attend) or additive (0: attend; -inf or at most half the dtype's lowest
     value, HF's ``finfo.min``: masked, which softmax turns into exact zeros), broadcast to ``[B, H, S, S]``;
     it must be the same for every batch row and head.
     """
     value, probe = _evaluate_mask(gm, mask)
-    _require(value.dim() >= 2 and tuple(value.shape[-2:]) == (probe, probe), f"mask {mask} is not [.., S, S]")
+    require(value.dim() >= 2 and tuple(value.shape[-2:]) == (probe, probe), f"mask {mask} is not [.., S, S]")
     rows = value.reshape(-1, probe, probe)
-    _require(bool((rows == rows[:1]).all()), f"mask {mask} differs between batch rows or heads")
+    require(bool((rows == rows[:1]).all()), f"mask {mask} differs between batch rows or heads")
     rows = rows[0]
     if rows.dtype == torch.bool:
         visible = rows
     else:
         visible = rows == 0
         lowest = torch.finfo(rows.dtype).min / 2
-        _require(bool((rows[~visible] <= lowest).all()), f"additive mask {mask} has values other than 0 and -inf")
+        require(bool((rows[~visible] <= lowest).all()), f"additive mask {mask} has values other than 0 and -inf")
     window = int(visible[-1].sum())
-    _require(window >= 1, f"mask {mask} hides every key from the last query")
+    require(window >= 1, f"mask {mask} hides every key from the last query")
     query, key = torch.arange(probe)[:, None], torch.arange(probe)[None, :]
     expected = (key <= query) & (key > query - window)
-    _require(bool((visible == expected).all()), f"mask {mask} is not causal (with or without a sliding window)")
+    require(bool((visible == expected).all()), f"mask {mask} is not causal (with or without a sliding window)")
     return window if window < probe else None
 
 
@@ -238,7 +226,7 @@ class AttentionMatch:
 class _Walk:
     """Steps backwards through one candidate attention, recording every node it steps over."""
 
-    def __init__(self, gm: GraphModule, windows: dict[Node, int | None | _NoMatch]):
+    def __init__(self, gm: GraphModule, windows: dict[Node, int | None | NoMatch]):
         self.gm = gm
         self.windows = windows  # mask → its sliding window (or why it is not causal), shared by all layers
         self.nodes: set[Node] = set()
@@ -249,18 +237,18 @@ class _Walk:
 
     def step(self, node, targets, what: str) -> dict:
         """Check ``node`` calls one of ``targets``, record it, return its arguments by name (defaults filled)."""
-        _require(self.is_call(node, targets), f"{node} is not {what}")
+        require(self.is_call(node, targets), f"{node} is not {what}")
         self.nodes.add(node)
         if not isinstance(node.target, torch._ops.OpOverload):
             return {}
         normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-        _require(normalized is not None, f"cannot read the arguments of {node}")
+        require(normalized is not None, f"cannot read the arguments of {node}")
         return normalized.kwargs
 
     def skip_casts(self, node):
         """Step over floating-point casts: the op fixes its own compute (float32) and output dtypes."""
         while self.is_call(node, _CASTS):
-            _require(_value(node).is_floating_point(), f"{node} is not a float cast")
+            require(node_value(node).is_floating_point(), f"{node} is not a float cast")
             self.nodes.add(node)
             node = node.args[0]
         return node
@@ -272,8 +260,8 @@ class _Walk:
         """
         if self.is_call(node, {aten.repeat_interleave.self_int}):
             arguments = self.step(node, {aten.repeat_interleave.self_int}, "repeat_interleave")
-            _require(_value(node).dim() == 4 and arguments["dim"] in (1, -3), f"{node} does not repeat heads")
-            _require(isinstance(arguments["repeats"], int), f"{node} repeats by a tensor")
+            require(node_value(node).dim() == 4 and arguments["dim"] in (1, -3), f"{node} does not repeat heads")
+            require(isinstance(arguments["repeats"], int), f"{node} repeats by a tensor")
             return arguments["input"]
         if not (self.is_call(node, _VIEWS) and self.is_call(node.args[0], {aten.expand.default})):
             return node
@@ -281,12 +269,12 @@ class _Walk:
         unsqueezed = self.step(expanded, {aten.expand.default}, "an expand")["input"]
         unsqueeze = self.step(unsqueezed, {aten.unsqueeze.default}, "an unsqueeze")
         source = unsqueeze["input"]
-        src, wide, out = _value(source).shape, _value(expanded).shape, _value(node).shape
-        _require(len(src) == 4 and len(wide) == 5 and len(out) == 4 and unsqueeze["dim"] in (2, -3),
+        src, wide, out = node_value(source).shape, node_value(expanded).shape, node_value(node).shape
+        require(len(src) == 4 and len(wide) == 5 and len(out) == 4 and unsqueeze["dim"] in (2, -3),
                  f"{node} is not repeat_kv")
         kept = (wide[0], wide[1], wide[3], wide[4])
-        _require(all(_same(a, b) for a, b in zip(kept, src)), f"{expanded} does not only widen the new dim 2")
-        _require(all(_same(a, b) for a, b in zip(out, (src[0], src[1] * wide[2], src[2], src[3]))),
+        require(all(_same(a, b) for a, b in zip(kept, src)), f"{expanded} does not only widen the new dim 2")
+        require(all(_same(a, b) for a, b in zip(out, (src[0], src[1] * wide[2], src[2], src[3]))),
                  f"{node} does not merge the repeated heads")
         return source
 
@@ -294,23 +282,23 @@ class _Walk:
         if mask not in self.windows:
             try:
                 self.windows[mask] = causal_sliding_window(self.gm, mask)
-            except _NoMatch as reason:
+            except NoMatch as reason:
                 self.windows[mask] = reason
         window = self.windows[mask]
-        if isinstance(window, _NoMatch):
+        if isinstance(window, NoMatch):
             raise window
         return window
 
     def finish(self, q: Node, k: Node, v: Node, output: Node, **options) -> AttentionMatch:
-        query, key, value = _value(q).shape, _value(k).shape, _value(v).shape
-        _require(len(query) == len(key) == len(value) == 4, "q, k and v are not [B, H, S, D]")
-        _require(all(_same(a, b) for a, b in zip(key[:3], value[:3])), "k and v differ in batch, heads or length")
-        _require(_same(query[0], key[0]) and _same(query[2], key[2]), "q and k differ in batch or length")
-        _require(isinstance(query[1], int) and isinstance(key[1], int) and query[1] % key[1] == 0,
+        query, key, value = node_value(q).shape, node_value(k).shape, node_value(v).shape
+        require(len(query) == len(key) == len(value) == 4, "q, k and v are not [B, H, S, D]")
+        require(all(_same(a, b) for a, b in zip(key[:3], value[:3])), "k and v differ in batch, heads or length")
+        require(_same(query[0], key[0]) and _same(query[2], key[2]), "q and k differ in batch or length")
+        require(isinstance(query[1], int) and isinstance(key[1], int) and query[1] % key[1] == 0,
                  "query heads are not a multiple of kv heads")
-        _require(_same(query[3], key[3]), "q and k have different head dims")
+        require(_same(query[3], key[3]), "q and k have different head dims")
         # Every recorded step but the output must feed only other steps, or removing it changes another value.
-        _require(all(set(n.users) <= self.nodes for n in self.nodes - {output}),
+        require(all(set(n.users) <= self.nodes for n in self.nodes - {output}),
                  "an intermediate value is also used outside the attention")
         return AttentionMatch(q, k, v, output=output, nodes=self.nodes, **options)
 
@@ -318,19 +306,19 @@ class _Walk:
 def _match_sdpa(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     walk = _Walk(gm, windows)
     arguments = walk.step(node, {aten.scaled_dot_product_attention.default}, "scaled_dot_product_attention")
-    _require(arguments["dropout_p"] == 0.0, f"{node} has dropout")
+    require(arguments["dropout_p"] == 0.0, f"{node} has dropout")
     mask, is_causal = arguments["attn_mask"], arguments["is_causal"]
     if mask is None:
-        _require(is_causal is True, f"{node} attends to every key (no mask and not causal)")
+        require(is_causal is True, f"{node} attends to every key (no mask and not causal)")
         window = None
     else:
-        _require(is_causal is False, f"{node} combines a mask with is_causal")
+        require(is_causal is False, f"{node} combines a mask with is_causal")
         window = walk.window_of(mask)
     q = arguments["query"]
     k, v = walk.kv_source(arguments["key"]), walk.kv_source(arguments["value"])
     scale = arguments["scale"]
     if scale is None:
-        scale = _value(q).shape[-1] ** -0.5
+        scale = node_value(q).shape[-1] ** -0.5
     return walk.finish(q, k, v, node, scale=float(scale), sliding_window=window, logit_cap=None, sinks=None)
 
 
@@ -345,17 +333,17 @@ def _match_logits(walk: _Walk, node) -> tuple[Node, Node, float, float | None]:
         cap = _number(walk.step(node, {aten.mul.Tensor}, "a multiply")["other"])
         divided = walk.step(node.args[0], {aten.tanh.default}, "tanh")["input"]
         division = walk.step(divided, {aten.div.Tensor}, "a divide")
-        _require(cap is not None and cap > 0 and _number(division["other"]) == cap, f"{node} is not a soft-cap")
+        require(cap is not None and cap > 0 and _number(division["other"]) == cap, f"{node} is not a soft-cap")
         node = division["input"]
     scale = 1.0
     if walk.is_call(node, {aten.mul.Tensor, aten.div.Tensor}):
         factor = _number(walk.step(node, {aten.mul.Tensor, aten.div.Tensor}, "a scale")["other"])
-        _require(factor is not None and factor != 0, f"{node} does not scale by a number")
+        require(factor is not None and factor != 0, f"{node} does not scale by a number")
         scale = factor if node.target is aten.mul.Tensor else 1.0 / factor
         node = node.args[0]
     product = walk.step(node, {aten.matmul.default}, "q @ kᵀ")
     transpose = walk.step(product["other"], {aten.transpose.int}, "kᵀ")
-    _require(_value(product["other"]).dim() == 4 and {transpose["dim0"] % 4, transpose["dim1"] % 4} == {2, 3},
+    require(node_value(product["other"]).dim() == 4 and {transpose["dim0"] % 4, transpose["dim1"] % 4} == {2, 3},
              f"{product['other']} is not kᵀ")
     return product["input"], walk.kv_source(transpose["input"]), scale, cap
 
@@ -364,8 +352,8 @@ def _match_sinks(walk: _Walk, node, heads: int) -> Node:
     """``expand(reshape(sinks[H], [1, -1, 1, 1]), [B, -1, S, -1])`` → the sinks tensor."""
     viewed = walk.step(node, {aten.expand.default}, "an expand of the sinks")["input"]
     sinks = walk.step(viewed, _VIEWS, "a view of the sinks")["input"]
-    shape = _value(viewed).shape
-    _require(_value(sinks).dim() == 1 and len(shape) == 4 and _same(shape[1], heads)
+    shape = node_value(viewed).shape
+    require(node_value(sinks).dim() == 1 and len(shape) == 4 and _same(shape[1], heads)
              and all(_same(size, 1) for size in (shape[0], shape[2], shape[3])), f"{sinks} is not one sink per head")
     return sinks
 
@@ -377,17 +365,17 @@ def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     probs = product["input"]
     if walk.is_call(probs, {aten.dropout.default}):
         dropout = walk.step(probs, {aten.dropout.default}, "dropout")
-        _require(dropout["p"] == 0.0 or dropout["train"] is False, f"{probs} drops attention weights")
+        require(dropout["p"] == 0.0 or dropout["train"] is False, f"{probs} drops attention weights")
         probs = dropout["input"]
     probs = walk.skip_casts(probs)
     with_sinks = walk.is_call(probs, {aten.slice.Tensor})
     if with_sinks:  # the softmax ran over one extra column, the sink's, which is dropped here
         cut = walk.step(probs, {aten.slice.Tensor}, "a slice")
-        _require(cut["dim"] % 4 == 3 and cut["start"] in (None, 0) and cut["end"] == -1 and cut["step"] == 1,
+        require(cut["dim"] % 4 == 3 and cut["start"] in (None, 0) and cut["end"] == -1 and cut["step"] == 1,
                  f"{probs} does not drop the last column")
         probs = cut["input"]
     softmax = walk.step(probs, _SOFTMAX, "softmax")
-    _require(_value(probs).dim() == 4 and softmax["dim"] % 4 == 3, f"{probs} is not a softmax over keys")
+    require(node_value(probs).dim() == 4 and softmax["dim"] % 4 == 3, f"{probs} is not a softmax over keys")
     logits = walk.skip_casts(softmax["input"])
 
     sinks = None
@@ -397,20 +385,20 @@ def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
             maximum = logits.args[1]
             walk.step(maximum, {operator.getitem}, "the max values")
             reduce = walk.step(maximum.args[0], {aten.max.dim}, "max")
-            _require(maximum.args[1] == 0 and reduce["input"] is both and reduce["dim"] % 4 == 3 and reduce["keepdim"],
+            require(maximum.args[1] == 0 and reduce["input"] is both and reduce["dim"] % 4 == 3 and reduce["keepdim"],
                      f"{logits} does not subtract the row maximum")
             logits = both
         concat = walk.step(logits, {aten.cat.default}, "logits and sinks")
-        _require(len(concat["tensors"]) == 2 and concat["dim"] % 4 == 3, f"{logits} does not append one column")
+        require(len(concat["tensors"]) == 2 and concat["dim"] % 4 == 3, f"{logits} does not append one column")
         logits, sink_column = concat["tensors"]
-        sinks = _match_sinks(walk, sink_column, heads=_value(logits).shape[1])
+        sinks = _match_sinks(walk, sink_column, heads=node_value(logits).shape[1])
 
     addition = walk.step(logits, {aten.add.Tensor}, "logits + mask")
-    _require(addition["alpha"] == 1, f"{logits} scales the mask")
+    require(addition["alpha"] == 1, f"{logits} scales the mask")
     scores, mask = addition["input"], addition["other"]
     if walk.is_call(mask, {aten.mul.Tensor, aten.div.Tensor, aten.matmul.default}):
         scores, mask = mask, scores
-    _require(isinstance(mask, Node), f"{logits} adds no mask")
+    require(isinstance(mask, Node), f"{logits} adds no mask")
     q, k, scale, cap = _match_logits(walk, scores)
     window = walk.window_of(mask)
     return walk.finish(q, k, v, node, scale=scale, sliding_window=window, logit_cap=cap, sinks=sinks)
@@ -451,13 +439,13 @@ def _replace_all(gm: GraphModule, anchors: list[Node], match_at) -> int:
             continue
         try:
             match = match_at(gm, anchor, windows)
-        except _NoMatch as reason:
+        except NoMatch as reason:
             logger.debug("%s: not replaced: %s", anchor, reason)
             continue
         _replace(gm.graph, match)
         replaced += 1
     for mask, reason in windows.items():
-        if isinstance(reason, _NoMatch):
+        if isinstance(reason, NoMatch):
             logger.info("attention with mask %s left as exported: %s", mask, reason)
     if replaced:
         gm.graph.lint()

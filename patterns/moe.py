@@ -51,6 +51,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.moe)
+from autodeploy.patterns.graph_walk import NoMatch, node_value, require
 from autodeploy.patterns.registry import register_rewrite
 
 logger = logging.getLogger(__name__)
@@ -82,19 +83,6 @@ class MoeBlock:
     nodes: set[Node] = field(default_factory=set)
 
 
-class _NoMatch(Exception):
-    """The subgraph under inspection is not an MoE block the op expresses."""
-
-
-def _require(condition: bool, reason: str) -> None:
-    if not condition:
-        raise _NoMatch(reason)
-
-
-def _value(node) -> torch.Tensor:
-    value = node.meta.get("val") if isinstance(node, Node) else None
-    _require(isinstance(value, torch.Tensor), f"{node} carries no tensor value")
-    return value
 
 
 class _BlockWalk:
@@ -107,20 +95,20 @@ class _BlockWalk:
     def step(self, node, targets, what: str) -> dict:
         """Check ``node`` calls one of ``targets``, record it, return its arguments by name (defaults filled)."""
         is_call = isinstance(node, Node) and node.op == "call_function"
-        _require(is_call and node.target in targets, f"{node} is not {what}")
+        require(is_call and node.target in targets, f"{node} is not {what}")
         self.nodes.add(node)
         if not isinstance(node.target, torch._ops.OpOverload):
             return {}
         normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-        _require(normalized is not None, f"cannot read the arguments of {node}")
+        require(normalized is not None, f"cannot read the arguments of {node}")
         return normalized.kwargs
 
     def skip_casts(self, node: Node) -> Node:
         """Step over casts between floating dtypes: the op fixes its own compute and output dtypes."""
         while isinstance(node, Node) and node.op == "call_function" and node.target in _CASTS:
-            source, result = _value(node.args[0]), _value(node)
-            _require(source.is_floating_point() and result.is_floating_point(), f"{node} is not a float cast")
-            _require(source.device == result.device, f"{node} moves between devices")
+            source, result = node_value(node.args[0]), node_value(node)
+            require(source.is_floating_point() and result.is_floating_point(), f"{node} is not a float cast")
+            require(source.device == result.device, f"{node} moves between devices")
             self.nodes.add(node)
             node = node.args[0]
         return node
@@ -128,13 +116,13 @@ class _BlockWalk:
     def getitem(self, node, index: int) -> Node:
         """``node`` is ``source[index]`` of a multi-output op; returns the source."""
         self.step(node, {operator.getitem}, f"element {index} of a tuple")
-        _require(node.args[1] == index, f"{node} takes element {node.args[1]}, not {index}")
+        require(node.args[1] == index, f"{node} takes element {node.args[1]}, not {index}")
         return node.args[0]
 
     def flattened(self, node, rank: int) -> Node:
         """``node`` is a view or reshape of ``source`` with ``rank`` dims; returns the source."""
         arguments = self.step(node, _VIEWS, "a view")
-        _require(_value(node).dim() == rank, f"{node} has rank {_value(node).dim()}, not {rank}")
+        require(node_value(node).dim() == rank, f"{node} has rank {node_value(node).dim()}, not {rank}")
         return arguments["input"]
 
     def unclamped(self, node: Node) -> Node:
@@ -144,36 +132,36 @@ class _BlockWalk:
             return node
         arguments = self.step(node, {aten.clamp.default}, "a clamp")
         is_id_range = arguments["min"] in (None, 0) and isinstance(arguments["max"], int)
-        _require(is_id_range, f"{node} is not a clamp to [0, E - 1]")
+        require(is_id_range, f"{node} is not a clamp to [0, E - 1]")
         self.clamp_max = arguments["max"]
         return arguments["input"]
 
     def last_dim_unsqueezed(self, node) -> Node:
         arguments = self.step(node, {aten.unsqueeze.default}, "an unsqueeze")
-        _require(arguments["dim"] % _value(node).dim() == _value(node).dim() - 1, f"{node} does not add a last dim")
+        require(arguments["dim"] % node_value(node).dim() == node_value(node).dim() - 1, f"{node} does not add a last dim")
         return arguments["input"]
 
     def batched_linear(self, node) -> tuple[Node, Node, Node]:
         """``squeeze(bmm(index(weight, [ids]), unsqueeze(rows, -1)), -1)`` → (weight, ids, rows)."""
         arguments = self.step(node, {aten.squeeze.dim}, "a squeeze")
-        _require(arguments["dim"] % 3 == 2, f"{node} does not drop the last dim")
+        require(arguments["dim"] % 3 == 2, f"{node} does not drop the last dim")
         bmm = self.step(arguments["input"], {aten.bmm.default}, "a bmm")
         gathered = self.step(bmm["input"], {aten.index.Tensor}, "a gather of expert weights")
         indices = gathered["indices"]
-        _require(len(indices) == 1 and isinstance(indices[0], Node), f"{bmm['input']} is not indexed by one id tensor")
-        _require(_value(gathered["input"]).dim() == 3, f"{gathered['input']} is not a stacked [E, out, in] weight")
+        require(len(indices) == 1 and isinstance(indices[0], Node), f"{bmm['input']} is not indexed by one id tensor")
+        require(node_value(gathered["input"]).dim() == 3, f"{gathered['input']} is not a stacked [E, out, in] weight")
         rows = self.last_dim_unsqueezed(bmm["mat2"])
         return gathered["input"], indices[0], rows
 
 
 def _activation_name(node: Node, walk: _BlockWalk) -> tuple[str, Node]:
     """The canonical name of an activation node and its input."""
-    _require(isinstance(node, Node) and node.op == "call_function", f"{node} is not an activation")
+    require(isinstance(node, Node) and node.op == "call_function", f"{node} is not an activation")
     if node.target in _SIMPLE_ACTIVATIONS:
         arguments = walk.step(node, set(_SIMPLE_ACTIVATIONS), "an activation")
         return _SIMPLE_ACTIVATIONS[node.target], arguments["input"]
     arguments = walk.step(node, {aten.gelu.default}, "an activation")
-    _require(arguments["approximate"] in _GELU_APPROXIMATIONS, f"{node} is an unknown GELU approximation")
+    require(arguments["approximate"] in _GELU_APPROXIMATIONS, f"{node} is an unknown GELU approximation")
     return _GELU_APPROXIMATIONS[arguments["approximate"]], arguments["input"]
 
 
@@ -185,15 +173,15 @@ def _gated_activation(node: Node, walk: _BlockWalk) -> tuple[str, Node]:
             probe = _BlockWalk()
             activation, gate = _activation_name(activated, probe)
             chunk = probe.getitem(gate, 0)
-            _require(probe.getitem(up, 1) is chunk, "gate and up halves come from different chunks")
+            require(probe.getitem(up, 1) is chunk, "gate and up halves come from different chunks")
             chunk_arguments = probe.step(chunk, {aten.chunk.default}, "a chunk")
-            _require(chunk_arguments["chunks"] == 2, f"{chunk} does not split in two")
-            _require(chunk_arguments["dim"] % 2 == 1, f"{chunk} does not split the feature dim")
-        except _NoMatch:
+            require(chunk_arguments["chunks"] == 2, f"{chunk} does not split in two")
+            require(chunk_arguments["dim"] % 2 == 1, f"{chunk} does not split the feature dim")
+        except NoMatch:
             continue
         walk.nodes |= probe.nodes
         return activation, chunk_arguments["input"]
-    raise _NoMatch(f"{node} is not act(gate) * up over the halves of one projection")
+    raise NoMatch(f"{node} is not act(gate) * up over the halves of one projection")
 
 
 def _routing(weights: Node, ids: Node, walk: _BlockWalk) -> tuple[Node, int, str, bool]:
@@ -205,16 +193,16 @@ def _routing(weights: Node, ids: Node, walk: _BlockWalk) -> tuple[Node, int, str
         divide = walk.step(top_values, _DIVIDE, "a division")
         total = walk.step(divide["other"], {aten.sum.dim_IntList}, "a sum of the top-k weights")
         is_row_sum = total["input"] is divide["input"] and total["keepdim"] and total["dtype"] is None
-        _require(is_row_sum, "not a top-k renormalisation")
-        _require([dim % 2 for dim in total["dim"]] == [1], "the renormalisation does not sum over the top-k dim")
+        require(is_row_sum, "not a top-k renormalisation")
+        require([dim % 2 for dim in total["dim"]] == [1], "the renormalisation does not sum over the top-k dim")
         top_values = walk.skip_casts(divide["input"])
-    _require(walk.getitem(top_values, 0) is topk, "routing weights and expert ids come from different top-k")
+    require(walk.getitem(top_values, 0) is topk, "routing weights and expert ids come from different top-k")
     arguments = walk.step(topk, {aten.topk.default}, "a top-k")
-    _require(arguments["largest"] and arguments["dim"] % 2 == 1, f"{topk} does not pick the largest scores per token")
+    require(arguments["largest"] and arguments["dim"] % 2 == 1, f"{topk} does not pick the largest scores per token")
     scores = arguments["input"]
     if isinstance(scores, Node) and scores.target in _SOFTMAX:
         softmax = walk.step(scores, _SOFTMAX, "a softmax")
-        _require(softmax["dim"] % 2 == 1, f"{scores} does not normalise over the experts")
+        require(softmax["dim"] % 2 == 1, f"{scores} does not normalise over the experts")
         scoring, logits = "softmax", softmax["input"]
     else:
         scoring, logits = "sigmoid", walk.step(scores, {aten.sigmoid.default}, "a softmax or sigmoid")["input"]
@@ -228,51 +216,51 @@ def _expert_output_and_weights(product: dict) -> tuple[_BlockWalk, Node, Node, N
         try:
             down_weight, ids, gated = walk.batched_linear(expert_out)
             return walk, down_weight, ids, gated, walk.last_dim_unsqueezed(weight_column)
-        except _NoMatch:
+        except NoMatch:
             continue
-    raise _NoMatch("not expert output × routing weight")
+    raise NoMatch("not expert output × routing weight")
 
 
 def _walk_block(anchor: Node) -> MoeBlock:
-    """Prove that ``anchor`` ends an MoE block the op expresses and collect it; raises ``_NoMatch`` otherwise."""
+    """Prove that ``anchor`` ends an MoE block the op expresses and collect it; raises ``NoMatch`` otherwise."""
     walk = _BlockWalk()
     arguments = walk.step(anchor, {aten.sum.dim_IntList}, "a sum")
-    _require(not arguments["keepdim"] and arguments["dtype"] is None, f"{anchor} keeps dims or casts")
+    require(not arguments["keepdim"] and arguments["dtype"] is None, f"{anchor} keeps dims or casts")
     per_token = arguments["input"]  # [T, k, H]
-    is_over_top_k = _value(per_token).dim() == 3 and [dim % 3 for dim in arguments["dim"]] == [1]
-    _require(is_over_top_k, f"{anchor} is not over dim 1 of 3")
+    is_over_top_k = node_value(per_token).dim() == 3 and [dim % 3 for dim in arguments["dim"]] == [1]
+    require(is_over_top_k, f"{anchor} is not over dim 1 of 3")
     product = walk.step(walk.flattened(per_token, rank=3), {aten.mul.Tensor}, "the routing-weight product")
     probe, down_weight, ids, gated, weights = _expert_output_and_weights(product)
     walk.nodes |= probe.nodes
     activation, projected = _gated_activation(gated, walk)
     gate_up_weight, up_ids, repeated = walk.batched_linear(projected)
-    _require(up_ids is ids, "the two expert projections gather with different ids")
+    require(up_ids is ids, "the two expert projections gather with different ids")
     repeat = walk.step(repeated, {aten.repeat_interleave.self_int}, "a repeat_interleave of the tokens")
-    _require(repeat["dim"] == 0, f"{repeated} does not repeat tokens")
+    require(repeat["dim"] == 0, f"{repeated} does not repeat tokens")
     x = repeat["input"]
     router_logits, top_k, scoring, renormalize = _routing(weights, ids, walk)
 
-    num_experts, double_intermediate, hidden = _value(gate_up_weight).shape
-    _require(top_k == repeat["repeats"] == _value(per_token).shape[1], "top-k, token repeats and summed dim differ")
-    _require(_value(x).dim() == 2 and _value(x).shape[-1] == hidden, "tokens are not [T, H], H of gate_up [E, 2I, H]")
-    _require(double_intermediate % 2 == 0, "gate_up weight rows do not split into gate and up halves")
+    num_experts, double_intermediate, hidden = node_value(gate_up_weight).shape
+    require(top_k == repeat["repeats"] == node_value(per_token).shape[1], "top-k, token repeats and summed dim differ")
+    require(node_value(x).dim() == 2 and node_value(x).shape[-1] == hidden, "tokens are not [T, H], H of gate_up [E, 2I, H]")
+    require(double_intermediate % 2 == 0, "gate_up weight rows do not split into gate and up halves")
     down_shape = (num_experts, hidden, double_intermediate // 2)
-    _require(tuple(_value(down_weight).shape) == down_shape, "down weight is not [E, H, I]")
-    logits = _value(router_logits)
-    _require(logits.dim() == 2 and logits.shape[-1] == num_experts, "router logits are not [T, E]")
-    _require(walk.clamp_max is None or walk.clamp_max >= num_experts - 1, "the id clamp drops experts")
+    require(tuple(node_value(down_weight).shape) == down_shape, "down weight is not [E, H, I]")
+    logits = node_value(router_logits)
+    require(logits.dim() == 2 and logits.shape[-1] == num_experts, "router logits are not [T, E]")
+    require(walk.clamp_max is None or walk.clamp_max >= num_experts - 1, "the id clamp drops experts")
 
     # The op returns x's dtype; HF sums float32-weighted rows in float32 and casts back (Mixtral in bf16).
     output = anchor
-    if _value(anchor).dtype != _value(x).dtype:
+    if node_value(anchor).dtype != node_value(x).dtype:
         users = list(anchor.users)
-        _require(len(users) == 1, f"{anchor} is read by more than its cast back to the tokens' dtype")
+        require(len(users) == 1, f"{anchor} is read by more than its cast back to the tokens' dtype")
         output = users[0]
         walk.step(output, _CASTS, "a cast of the sum back to the tokens' dtype")
-        _require(_value(output).dtype == _value(x).dtype, f"{output} does not cast back to the tokens' dtype")
+        require(node_value(output).dtype == node_value(x).dtype, f"{output} does not cast back to the tokens' dtype")
     inner = walk.nodes - {x, router_logits, gate_up_weight, down_weight}
     escaping = [node for node in inner - {output} if any(user not in inner for user in node.users)]
-    _require(not escaping, f"{escaping} also feed nodes outside the block")
+    require(not escaping, f"{escaping} also feed nodes outside the block")
     return MoeBlock(
         x, router_logits, gate_up_weight, down_weight, top_k, scoring, renormalize, activation, output, inner
     )
@@ -282,7 +270,7 @@ def match_moe_block(anchor: Node) -> MoeBlock | None:
     """The MoE block whose final ``sum`` over the top-k dim is ``anchor``, or None if it is not one."""
     try:
         return _walk_block(anchor)
-    except _NoMatch as reason:
+    except NoMatch as reason:
         logger.debug("no MoE block at %s: %s", anchor, reason)
         return None
 

@@ -14,6 +14,7 @@ import autodeploy.patterns.rope  # noqa: F401  (registers the rope_* patterns)
 import autodeploy.transforms.match_patterns  # noqa: F401  (registers match_patterns)
 from autodeploy.export.export import ExportConfig, export_causal_lm, export_to_graph_module
 from autodeploy.patterns.attention import replace_sdpa_attention
+from tests.logit_comparison import max_logit_diff
 from tests.patterns.tiny_family_configs_attention import (
     ATTENTION_IMPLEMENTATIONS,
     SLIDING_WINDOW,
@@ -46,18 +47,8 @@ def _exported_and_cleaned(model: nn.Module):
     return gm
 
 
-def _max_logit_diff(model: nn.Module, gm) -> float:
-    generator = torch.Generator().manual_seed(0)
-    worst = 0.0
-    for batch, seq, first_position in SHAPES:
-        input_ids = torch.randint(0, VOCAB_SIZE, (batch, seq), generator=generator)
-        position_ids = torch.arange(first_position, first_position + seq).expand(batch, seq)
-        with torch.no_grad():
-            expected = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-            logits = gm(input_ids, position_ids)
-        assert logits.shape == expected.shape
-        worst = max(worst, (logits.float() - expected.float()).abs().max().item())
-    return worst
+def _max_logit_diff(model, gm) -> float:
+    return max_logit_diff(model, gm, SHAPES)
 
 
 def _expected_options(config, layer: int, attn_implementation: str) -> tuple[float, int | None, float | None, bool]:

@@ -19,6 +19,7 @@ import autodeploy.transforms.match_patterns  # noqa: F401  (registers the match-
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.export.export import ExportConfig, export_causal_lm, export_to_graph_module
 from autodeploy.patterns.registry import apply_patterns, select_patterns
+from tests.logit_comparison import max_logit_diff
 from tests.patterns.tiny_family_configs_moe import NUM_EXPERTS, TOP_K, VOCAB_SIZE, moe_layer_count, tiny_moe_model
 from tests.tiny_models import tiny_hf_model
 from tests.transforms.cleanup_harness import CLEANUP_PASSES, call_targets, run_transform
@@ -57,18 +58,8 @@ def _matched(model: nn.Module):
     return gm
 
 
-def _max_logit_diff(model: nn.Module, gm) -> float:
-    generator = torch.Generator().manual_seed(0)
-    worst = 0.0
-    for batch, seq, first_position in SHAPES:
-        input_ids = torch.randint(0, VOCAB_SIZE, (batch, seq), generator=generator)
-        position_ids = torch.arange(first_position, first_position + seq).expand(batch, seq)
-        with torch.no_grad():
-            expected = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-            logits = gm(input_ids, position_ids)
-        assert logits.shape == expected.shape
-        worst = max(worst, (logits.float() - expected.float()).abs().max().item())
-    return worst
+def _max_logit_diff(model, gm) -> float:
+    return max_logit_diff(model, gm, SHAPES)
 
 
 @pytest.mark.parametrize(

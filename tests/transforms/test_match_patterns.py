@@ -8,6 +8,7 @@ from autodeploy.export.export import export_causal_lm
 from autodeploy.transforms import TransformContext, get_transform_class
 from autodeploy.transforms import match_patterns, match_report  # noqa: F401  (register the match transforms)
 from autodeploy.transforms.shape_propagation import propagate_shapes
+from tests.logit_comparison import max_logit_diff
 from tests.patterns.tiny_norm_mlp_models import ALL_ARCHITECTURES, model_for
 from tests.tiny_models import VOCAB_SIZE
 from tests.transforms.cleanup_harness import CLEANUP_PASSES, call_targets, run_transform
@@ -41,18 +42,6 @@ def _exported(arch: str, dtype: torch.dtype = torch.float32):
     return model, gm
 
 
-def _max_logit_diff(model, gm) -> float:
-    generator = torch.Generator().manual_seed(0)
-    worst = 0.0
-    for batch, seq, first_position in [(1, 1, 0), (2, 7, 0), (3, 16, 5)]:
-        input_ids = torch.randint(0, VOCAB_SIZE, (batch, seq), generator=generator)
-        position_ids = torch.arange(first_position, first_position + seq).expand(batch, seq)
-        with torch.no_grad():
-            expected = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-            logits = gm(input_ids, position_ids)
-        assert logits.shape == expected.shape
-        worst = max(worst, (logits.float() - expected.float()).abs().max().item())
-    return worst
 
 
 def _values(gm) -> dict:
@@ -72,7 +61,7 @@ def test_match_stage_replaces_every_norm_and_mlp_and_keeps_logits(arch):
     assert {op: targets[op] for op in CANONICAL if op in targets} == EXPECTED[arch]
     assert result.matches == sum(EXPECTED[arch].values()) and result.changed
     assert "aten.linear.default" not in targets and targets["autodeploy.linear.default"] == linear_result.matches > 0
-    assert _max_logit_diff(model, gm) <= 1e-5
+    assert max_logit_diff(model, gm) <= 1e-5
     # New nodes carry the values a full propagation computes (export's own values may differ in form).
     new_values = {name: value for name, value in _values(gm).items() if name not in exported_nodes}
     assert len(new_values) >= result.matches
@@ -86,7 +75,7 @@ def test_low_precision_graphs_keep_their_casts_and_still_match(arch):
     _run("match_patterns", gm, patterns=["norm", "mlp"])
     targets = call_targets(gm)
     assert {op: targets[op] for op in CANONICAL if op in targets} == EXPECTED[arch]
-    assert _max_logit_diff(model, gm) <= 0.05  # the ops compute in float32, HF partly in bfloat16
+    assert max_logit_diff(model, gm) <= 0.05  # the ops compute in float32, HF partly in bfloat16
 
 
 def test_partly_matched_model_is_still_exact():
@@ -96,7 +85,7 @@ def test_partly_matched_model_is_still_exact():
     _run("match_linear", gm)  # the MLPs' linears become canonical linears instead
     targets = call_targets(gm)
     assert "autodeploy.gated_mlp.default" not in targets and targets["autodeploy.linear.default"] == 15
-    assert _max_logit_diff(model, gm) <= 1e-5
+    assert max_logit_diff(model, gm) <= 1e-5
 
 
 def test_pattern_options_are_checked_when_the_config_loads():
