@@ -39,11 +39,13 @@ logger = logging.getLogger(__name__)
 
 _OPS = torch.ops.autodeploy
 CANONICAL_OPS: dict[str, tuple] = {
+    "attention": (_OPS.attention.default,),
     "norm": (_OPS.rms_norm.default, _OPS.layer_norm.default),
     "mlp": (_OPS.gated_mlp.default, _OPS.mlp.default),
     "moe": (_OPS.moe.default,),
 }
 MODULE_SUFFIXES: dict[str, tuple[str, ...]] = {
+    "attention": ("Attention",),
     "norm": ("RMSNorm", "LayerNorm"),
     "mlp": ("MLP",),
     "moe": ("SparseMoeBlock", "MoE"),
@@ -52,7 +54,8 @@ MODULE_SUFFIXES: dict[str, tuple[str, ...]] = {
 # Norms per decoder layer, by HF model_type (one final norm comes on top).
 _NORMS_PER_LAYER = {
     "llama": 2, "mistral": 2, "mixtral": 2, "qwen2": 2, "phi3": 2, "gemma": 2, "gpt_neox": 2,
-    "qwen3": 4, "qwen3_moe": 4,  # + per-head q/k norms
+    "qwen3": 4, "qwen3_moe": 4, "olmoe": 4,  # + q/k norms
+    "stablelm": 2, "qwen2_moe": 2, "gpt_oss": 2,
     "gemma2": 4,  # + pre/post feed-forward norms
     "gemma3_text": 6,  # + pre/post feed-forward norms + per-head q/k norms
 }
@@ -94,12 +97,16 @@ def expected_counts(hf_config: Any) -> tuple[dict[str, int], bool]:
     config = getattr(hf_config, "text_config", None) or hf_config
     layers = config.num_hidden_layers
     model_type = getattr(config, "model_type", "")
-    counts = {"norm": layers * _NORMS_PER_LAYER.get(model_type, 2) + 1}
+    norms_per_layer = _NORMS_PER_LAYER.get(model_type, 2)
+    if getattr(config, "qk_layernorm", False):  # StableLM: one LayerNorm per query and per key head
+        norms_per_layer += config.num_attention_heads + config.num_key_value_heads
+    counts = {"attention": layers, "norm": layers * norms_per_layer + 1}
     if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
         step = getattr(config, "decoder_sparse_step", 1) or 1
         dense = set(getattr(config, "mlp_only_layers", None) or ())
         sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        counts.update(mlp=layers - sparse, moe=sparse)
+        shared = sparse if getattr(config, "shared_expert_intermediate_size", 0) else 0  # Qwen2-MoE's shared expert
+        counts.update(mlp=layers - sparse + shared, moe=sparse)
     else:
         counts["mlp"] = layers
     return counts, model_type not in _NORMS_PER_LAYER
@@ -120,7 +127,7 @@ def _layer_order(module: str) -> list:
 
 
 def match_report(gm: GraphModule, hf_config: Any | None = None) -> MatchReport:
-    """Count canonical norms/MLPs/MoEs in ``gm`` (against ``hf_config`` when given) and list unmatched modules."""
+    """Count canonical attentions/norms/MLPs/MoEs in ``gm`` (against ``hf_config`` when given) and list unmatched modules."""
     found = {kind: 0 for kind in CANONICAL_OPS}
     seen: dict[str, set[str]] = {kind: set() for kind in CANONICAL_OPS}
     matched: dict[str, set[str]] = {kind: set() for kind in CANONICAL_OPS}

@@ -122,7 +122,7 @@ def export_causal_lm(
 @dataclass
 class ExportConfig(TransformConfig):
     stage: str = "export"
-    patches: list[str] = field(default_factory=lambda: ["hf_no_kv_cache", "hf_sdpa_attention", "hf_moe_batched_experts"])
+    patches: list[str] = field(default_factory=lambda: ["hf_no_kv_cache", "hf_sdpa_attention", "hf_moe_batched_experts", "scalar_constants_on_cpu"])
     strict: bool = False
 
 

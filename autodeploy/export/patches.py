@@ -26,6 +26,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import ContextManager
 
+import torch
 from torch import nn
 
 from autodeploy.errors import ConfigError
@@ -105,3 +106,23 @@ def hf_moe_batched_experts(model: nn.Module) -> ContextManager[None]:
     if not any(type(m).__name__.endswith("Experts") for m in model.modules()):
         return contextlib.nullcontext()
     return _override_config_attribute(model, "_experts_implementation", "batched_mm")
+
+
+@register_export_patch("scalar_constants_on_cpu")
+@contextlib.contextmanager
+def scalar_constants_on_cpu(model: nn.Module) -> Iterator[None]:
+    """Model code that builds scalar constants with ``torch.tensor(0.0, device=x.device)`` (HF's eager
+    attention masks do) would bake a value-less meta tensor into a graph exported on meta. A 0-dim
+    CPU tensor keeps its value and mixes with tensors on any device, so scalars are made on the CPU."""
+    make_tensor = torch.tensor
+
+    def tensor(data, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "meta" and isinstance(data, (bool, int, float)):
+            device = "cpu"
+        return make_tensor(data, *args, device=device, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = make_tensor

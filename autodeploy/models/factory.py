@@ -72,6 +72,14 @@ def config_dtype(config: PretrainedConfig) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def attention_implementation(config: PretrainedConfig) -> str:
+    """SDPA exports to one aten op; HF's eager attention is kept where SDPA would change the model:
+    logit soft-capping (HF's SDPA path drops it) and attention sinks (HF refuses SDPA for them)."""
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "model_type", "") == "gpt_oss":
+        return "eager"
+    return "sdpa"
+
+
 @dataclass
 class ModelFactory:
     """Everything model-specific the pipeline needs: config, meta model, real buffers, checkpoint, tokenizer."""
@@ -89,8 +97,10 @@ class ModelFactory:
     def build_meta_model(self, dtype: torch.dtype) -> nn.Module:
         """The HF model with every parameter and buffer on meta; real buffer values in ``self.buffers``."""
         config = self.hf_config
-        if getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", None) is False:
-            # e.g. BertLMHeadModel is in the causal-LM mapping but attends bidirectionally unless is_decoder.
+        encoder_as_decoder = hasattr(config, "add_cross_attention") and getattr(config, "is_decoder", None) is False
+        if getattr(config, "is_encoder_decoder", False) or encoder_as_decoder:
+            # BERT-style encoders (the configs that can add cross-attention) are in the causal-LM mapping
+            # but attend bidirectionally unless is_decoder; GPT-NeoX also carries is_decoder=False.
             raise UnsupportedModelError(
                 f"{self.source.name}: {type(config).__name__} is not a causal language model autodeploy can serve "
                 f"(it needs a decoder-only model; this one has "
@@ -100,7 +110,8 @@ class ModelFactory:
         try:
             with parameters_on_meta():
                 model = AutoModelForCausalLM.from_config(
-                    config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=self.trust_remote_code
+                    config, dtype=dtype, attn_implementation=attention_implementation(config),
+                    trust_remote_code=self.trust_remote_code,
                 )
         except ValueError as error:
             raise UnsupportedModelError(

@@ -43,15 +43,19 @@ def test_report_names_what_is_left_unmatched():
     apply_patterns(gm, select_patterns(["norm"]))
     partial = match_report(gm, model.config)
     assert not partial.complete
-    assert partial.unmatched_modules == ["model.model.layers.0.mlp (LlamaMLP)", "model.model.layers.1.mlp (LlamaMLP)"]
-    assert str(partial) == f"norm 5/5, mlp 0/2 — unmatched: {', '.join(partial.unmatched_modules)}"
+    assert partial.unmatched_modules == [
+        "model.model.layers.0.mlp (LlamaMLP)", "model.model.layers.0.self_attn (LlamaAttention)",
+        "model.model.layers.1.mlp (LlamaMLP)", "model.model.layers.1.self_attn (LlamaAttention)",
+    ]
+    assert str(partial) == f"attention 0/2, norm 5/5, mlp 0/2 — unmatched: {', '.join(partial.unmatched_modules)}"
 
-    apply_patterns(gm, select_patterns(["mlp"]))
-    assert match_report(gm, model.config).complete and str(match_report(gm, model.config)) == "norm 5/5, mlp 2/2"
-    assert str(match_report(gm)) == "norm 5, mlp 2"  # no config: found counts only
+    apply_patterns(gm, select_patterns(["rope", "attention", "mlp"]))
+    assert match_report(gm, model.config).complete
+    assert str(match_report(gm, model.config)) == "attention 2/2, norm 5/5, mlp 2/2"
+    assert str(match_report(gm)) == "attention 2, norm 5, mlp 2"  # no config: found counts only
     unknown = SimpleNamespace(num_hidden_layers=3, model_type="my_arch")
-    assert str(match_report(gm, unknown)) == "norm 5/7, mlp 2/3 (expected counts assume 2 norms + 1 MLP per layer)"
+    assert str(match_report(gm, unknown)) == "attention 2/3, norm 5/7, mlp 2/3 (expected counts assume 2 norms + 1 MLP per layer)"
 
     context = TransformContext(settings=None, model_factory=SimpleNamespace(hf_config=model.config))
     result = MatchReportTransform(MatchReportConfig()).apply(gm, context)
-    assert result.notes == "norm 5/5, mlp 2/2" and not result.changed
+    assert result.notes == "attention 2/2, norm 5/5, mlp 2/2" and not result.changed
