@@ -125,7 +125,7 @@ def test_user_pattern_enabled_by_name_in_yaml_rewrites_the_deployed_graph(user_s
 
     records = {record.name: record for record in llm.records}
     assert records["match_patterns"].stage == "match" and records["match_patterns"].notes == f"{user_silu_pattern}×2"
-    assert records["match_report"].notes.startswith("norm 0/5, mlp 0/2 — unmatched: model.model.layers.0.input_layernorm")
+    assert records["match_report"].notes.startswith("attention 0/2, norm 0/5, mlp 0/2 — unmatched: model.model.layers.0.input_layernorm")
     targets = call_targets(llm.graph)
     assert targets["aten.sigmoid.default"] == 2 and "aten.silu.default" not in targets
     tokens = [5, 17, 42, 99, 3]
