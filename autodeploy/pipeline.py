@@ -78,6 +78,11 @@ class Pipeline:
         self.records = []
         for index, transform in enumerate(self.transforms):
             before = node_count(module) if module is not None else None
+            if STAGES.index(transform.config.stage) > STAGES.index("export") and not isinstance(module, fx.GraphModule):
+                raise TransformError(
+                    f"transform {transform.name!r} (stage {transform.config.stage}) needs the exported graph, "
+                    f"got {type(module).__name__}; is export_to_fx disabled?"
+                )
             start = time.perf_counter()
             try:
                 result = transform.apply(module, context)

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autodeploy.errors import TransformError
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -61,9 +60,7 @@ class CleanupDeadCode(Transform):
 
     config_class = TransformConfig
 
-    def apply(self, module: nn.Module, context: TransformContext) -> TransformResult:
-        if not isinstance(module, GraphModule):
-            raise TransformError(f"cleanup_dead_code needs a torch.fx.GraphModule, got {type(module).__name__}")
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
         nodes_before = len(graph.nodes)
         graph.eliminate_dead_code()

@@ -34,12 +34,10 @@ import logging
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from autodeploy.errors import TransformError
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -141,9 +139,7 @@ class CleanupNoop(Transform):
 
     config_class = TransformConfig
 
-    def apply(self, module: nn.Module, context: TransformContext) -> TransformResult:
-        if not isinstance(module, GraphModule):
-            raise TransformError(f"cleanup_noop needs a torch.fx.GraphModule, got {type(module).__name__}")
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
         copies_removable = not _writes_in_place(graph)
         removed = 0

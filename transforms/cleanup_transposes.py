@@ -19,10 +19,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 from torch.fx import GraphModule, Node
 
-from autodeploy.errors import TransformError
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 from autodeploy.transforms.shape_propagation import propagate_shapes
 
@@ -61,9 +59,7 @@ class CleanupTransposes(Transform):
 
     config_class = TransformConfig
 
-    def apply(self, module: nn.Module, context: TransformContext) -> TransformResult:
-        if not isinstance(module, GraphModule):
-            raise TransformError(f"cleanup_transposes needs a torch.fx.GraphModule, got {type(module).__name__}")
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
         rewrites = folded = 0
         for node in [node for node in graph.nodes if node.op == "call_function"]:

@@ -21,11 +21,9 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from torch.fx import GraphModule
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.linear)
-from autodeploy.errors import TransformError
 from autodeploy.patterns import attention, mlp, moe, norm, rope  # noqa: F401  (register the built-in patterns)
 from autodeploy.patterns.registry import FAMILIES, apply_patterns, select_patterns
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
@@ -44,20 +42,14 @@ class MatchPatternsConfig(TransformConfig):
         select_patterns(self.patterns, self.skip)  # unknown names are a ConfigError when the YAML loads
 
 
-def _graph_module(module: nn.Module, transform: str) -> GraphModule:
-    if not isinstance(module, GraphModule):
-        raise TransformError(f"{transform} needs a torch.fx.GraphModule, got {type(module).__name__}")
-    return module
-
-
 @register_transform("match_patterns")
 class MatchPatterns(Transform):
     """Replace every subgraph a selected pattern matches by its canonical op."""
 
     config_class = MatchPatternsConfig
 
-    def apply(self, module: nn.Module, context: TransformContext) -> TransformResult:
-        gm = _graph_module(module, "match_patterns")
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
+        gm = module
         counts = apply_patterns(gm, select_patterns(self.config.patterns, self.config.skip))
         matches = sum(counts.values())
         if matches:
@@ -84,8 +76,8 @@ class MatchLinear(Transform):
 
     config_class = MatchLinearConfig
 
-    def apply(self, module: nn.Module, context: TransformContext) -> TransformResult:
-        gm = _graph_module(module, "match_linear")
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
+        gm = module
         linears = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
         for node in linears:
             x, weight, *bias = node.args

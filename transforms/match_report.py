@@ -28,11 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.fx import GraphModule
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.*)
-from autodeploy.errors import TransformError
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -160,9 +158,7 @@ class MatchReportTransform(Transform):
 
     config_class = MatchReportConfig
 
-    def apply(self, module: nn.Module, context: TransformContext) -> TransformResult:
-        if not isinstance(module, GraphModule):
-            raise TransformError(f"match_report needs a torch.fx.GraphModule, got {type(module).__name__}")
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         hf_config = getattr(context.model_factory, "hf_config", None)
         report = match_report(module, hf_config)
         if not report.complete:

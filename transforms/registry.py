@@ -88,7 +88,8 @@ class Transform(ABC):
 
     @abstractmethod
     def apply(self, module: nn.Module, context: TransformContext) -> TransformResult:
-        """Rewrite ``module`` (usually a ``torch.fx.GraphModule``) in place or return a new one."""
+        """Rewrite ``module`` in place or return a new one. Transforms of stages after ``export`` always
+        receive a ``torch.fx.GraphModule`` (the pipeline checks)."""
 
 
 _REGISTRY: dict[str, type[Transform]] = {}

@@ -12,6 +12,7 @@ from torch.fx import Graph, GraphModule
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch._dynamo.source import ConstantSource
 
+from autodeploy.transforms import TransformContext
 from tests.transforms.cleanup_harness import call_targets, export_dynamic, run_transform
 
 aten = torch.ops.aten
@@ -209,8 +210,11 @@ def test_outputs_unchanged_for_random_programs(ops, example_shape, other_shape, 
         torch.testing.assert_close(gm(x), program(x), rtol=0, atol=0)
 
 
-def test_rejects_a_module_that_is_not_a_graph():
+def test_pipeline_rejects_a_module_that_is_not_a_graph():
     from autodeploy.errors import TransformError
+    from autodeploy.pipeline import Pipeline
+    from autodeploy.transforms import TransformConfig, get_transform_class
 
-    with pytest.raises(TransformError, match="GraphModule"):
-        run_transform("cleanup_noop", nn.Linear(2, 2))
+    pipeline = Pipeline([get_transform_class("cleanup_noop")(TransformConfig())])
+    with pytest.raises(TransformError, match="needs the exported graph, got Linear"):
+        pipeline.run(TransformContext(settings=None), nn.Linear(2, 2))
