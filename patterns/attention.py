@@ -57,10 +57,9 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.fx.operator_schemas import normalize_function
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.attention)
-from autodeploy.patterns.graph_walk import NoMatch, node_value, require
+from autodeploy.patterns.graph_walk import NoMatch, call_arguments, is_call, node_value, require
 from autodeploy.patterns.registry import register_rewrite
 
 logger = logging.getLogger(__name__)
@@ -172,7 +171,7 @@ def _evaluate_mask(gm: GraphModule, mask: Node) -> tuple[torch.Tensor, int]:
     try:
         with torch.no_grad():
             value = GraphModule(gm, graph)(*inputs)
-    except (RuntimeError, NotImplementedError) as error:  # e.g. a constant that is still on the meta device
+    except (RuntimeError, NotImplementedError) as error:  # torch raises these for ops with no value on meta: unmatched, not a crash
         raise NoMatch(f"cannot evaluate mask {mask}: {str(error).splitlines()[0][:160]}") from error
     require(isinstance(value, torch.Tensor) and not value.is_meta, f"mask {mask} has no value on the CPU")
     return value, probe
@@ -231,23 +230,15 @@ class _Walk:
         self.windows = windows  # mask → its sliding window (or why it is not causal), shared by all layers
         self.nodes: set[Node] = set()
 
-    @staticmethod
-    def is_call(node, targets) -> bool:
-        return isinstance(node, Node) and node.op == "call_function" and node.target in targets
-
     def step(self, node, targets, what: str) -> dict:
         """Check ``node`` calls one of ``targets``, record it, return its arguments by name (defaults filled)."""
-        require(self.is_call(node, targets), f"{node} is not {what}")
+        arguments = call_arguments(node, targets, what)
         self.nodes.add(node)
-        if not isinstance(node.target, torch._ops.OpOverload):
-            return {}
-        normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-        require(normalized is not None, f"cannot read the arguments of {node}")
-        return normalized.kwargs
+        return arguments
 
     def skip_casts(self, node):
         """Step over floating-point casts: the op fixes its own compute (float32) and output dtypes."""
-        while self.is_call(node, _CASTS):
+        while is_call(node, _CASTS):
             require(node_value(node).is_floating_point(), f"{node} is not a float cast")
             self.nodes.add(node)
             node = node.args[0]
@@ -258,12 +249,12 @@ class _Walk:
 
         Anything else is returned as is: k and v already have the kv heads (MHA, or SDPA's enable_gqa).
         """
-        if self.is_call(node, {aten.repeat_interleave.self_int}):
+        if is_call(node, {aten.repeat_interleave.self_int}):
             arguments = self.step(node, {aten.repeat_interleave.self_int}, "repeat_interleave")
             require(node_value(node).dim() == 4 and arguments["dim"] in (1, -3), f"{node} does not repeat heads")
             require(isinstance(arguments["repeats"], int), f"{node} repeats by a tensor")
             return arguments["input"]
-        if not (self.is_call(node, _VIEWS) and self.is_call(node.args[0], {aten.expand.default})):
+        if not (is_call(node, _VIEWS) and is_call(node.args[0], {aten.expand.default})):
             return node
         expanded = self.step(node, _VIEWS, "a view")["input"]
         unsqueezed = self.step(expanded, {aten.expand.default}, "an expand")["input"]
@@ -329,14 +320,14 @@ def _number(argument) -> float | None:
 def _match_logits(walk: _Walk, node) -> tuple[Node, Node, float, float | None]:
     """``tanh(l / cap) * cap``? of ``l = matmul(q, transpose(k, 2, 3)) (* s | / d)?`` → (q, k, scale, cap)."""
     cap = None
-    if walk.is_call(node, {aten.mul.Tensor}) and walk.is_call(node.args[0], {aten.tanh.default}):
+    if is_call(node, {aten.mul.Tensor}) and is_call(node.args[0], {aten.tanh.default}):
         cap = _number(walk.step(node, {aten.mul.Tensor}, "a multiply")["other"])
         divided = walk.step(node.args[0], {aten.tanh.default}, "tanh")["input"]
         division = walk.step(divided, {aten.div.Tensor}, "a divide")
         require(cap is not None and cap > 0 and _number(division["other"]) == cap, f"{node} is not a soft-cap")
         node = division["input"]
     scale = 1.0
-    if walk.is_call(node, {aten.mul.Tensor, aten.div.Tensor}):
+    if is_call(node, {aten.mul.Tensor, aten.div.Tensor}):
         factor = _number(walk.step(node, {aten.mul.Tensor, aten.div.Tensor}, "a scale")["other"])
         require(factor is not None and factor != 0, f"{node} does not scale by a number")
         scale = factor if node.target is aten.mul.Tensor else 1.0 / factor
@@ -363,12 +354,12 @@ def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     product = walk.step(node, {aten.matmul.default}, "probs @ v")
     v = walk.kv_source(product["other"])
     probs = product["input"]
-    if walk.is_call(probs, {aten.dropout.default}):
+    if is_call(probs, {aten.dropout.default}):
         dropout = walk.step(probs, {aten.dropout.default}, "dropout")
         require(dropout["p"] == 0.0 or dropout["train"] is False, f"{probs} drops attention weights")
         probs = dropout["input"]
     probs = walk.skip_casts(probs)
-    with_sinks = walk.is_call(probs, {aten.slice.Tensor})
+    with_sinks = is_call(probs, {aten.slice.Tensor})
     if with_sinks:  # the softmax ran over one extra column, the sink's, which is dropped here
         cut = walk.step(probs, {aten.slice.Tensor}, "a slice")
         require(cut["dim"] % 4 == 3 and cut["start"] in (None, 0) and cut["end"] == -1 and cut["step"] == 1,
@@ -380,7 +371,7 @@ def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
 
     sinks = None
     if with_sinks:
-        if walk.is_call(logits, {aten.sub.Tensor}):  # GPT-OSS subtracts the row maximum first, as softmax does
+        if is_call(logits, {aten.sub.Tensor}):  # GPT-OSS subtracts the row maximum first, as softmax does
             both = walk.step(logits, {aten.sub.Tensor}, "a subtract")["input"]
             maximum = logits.args[1]
             walk.step(maximum, {operator.getitem}, "the max values")
@@ -396,7 +387,7 @@ def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     addition = walk.step(logits, {aten.add.Tensor}, "logits + mask")
     require(addition["alpha"] == 1, f"{logits} scales the mask")
     scores, mask = addition["input"], addition["other"]
-    if walk.is_call(mask, {aten.mul.Tensor, aten.div.Tensor, aten.matmul.default}):
+    if is_call(mask, {aten.mul.Tensor, aten.div.Tensor, aten.matmul.default}):
         scores, mask = mask, scores
     require(isinstance(mask, Node), f"{logits} adds no mask")
     q, k, scale, cap = _match_logits(walk, scores)

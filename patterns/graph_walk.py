@@ -2,6 +2,7 @@
 
 import torch
 from torch.fx import Node
+from torch.fx.operator_schemas import normalize_function
 
 
 class NoMatch(Exception):
@@ -18,3 +19,17 @@ def node_value(node) -> torch.Tensor:
     value = node.meta.get("val") if isinstance(node, Node) else None
     require(isinstance(value, torch.Tensor), f"{node} carries no tensor value")
     return value
+
+
+def is_call(node, targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def call_arguments(node, targets, what: str) -> dict:
+    """Check ``node`` calls one of ``targets`` and return its arguments by name (defaults filled)."""
+    require(is_call(node, targets), f"{node} is not {what}")
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return {}
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    require(normalized is not None, f"cannot read the arguments of {node}")
+    return normalized.kwargs

@@ -48,10 +48,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.operator_schemas import normalize_function
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.moe)
-from autodeploy.patterns.graph_walk import NoMatch, node_value, require
+from autodeploy.patterns.graph_walk import NoMatch, call_arguments, is_call, node_value, require
 from autodeploy.patterns.registry import register_rewrite
 
 logger = logging.getLogger(__name__)
@@ -94,18 +93,13 @@ class _BlockWalk:
 
     def step(self, node, targets, what: str) -> dict:
         """Check ``node`` calls one of ``targets``, record it, return its arguments by name (defaults filled)."""
-        is_call = isinstance(node, Node) and node.op == "call_function"
-        require(is_call and node.target in targets, f"{node} is not {what}")
+        arguments = call_arguments(node, targets, what)
         self.nodes.add(node)
-        if not isinstance(node.target, torch._ops.OpOverload):
-            return {}
-        normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-        require(normalized is not None, f"cannot read the arguments of {node}")
-        return normalized.kwargs
+        return arguments
 
     def skip_casts(self, node: Node) -> Node:
         """Step over casts between floating dtypes: the op fixes its own compute and output dtypes."""
-        while isinstance(node, Node) and node.op == "call_function" and node.target in _CASTS:
+        while is_call(node, _CASTS):
             source, result = node_value(node.args[0]), node_value(node)
             require(source.is_floating_point() and result.is_floating_point(), f"{node} is not a float cast")
             require(source.device == result.device, f"{node} moves between devices")
