@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Mixtr
 
 VOCAB_SIZE = 512
 
-_COMMON = dict(
+TINY_COMMON = dict(  # shared by every tiny test config
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
     intermediate_size=128,
@@ -27,13 +27,13 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral")
 
 def tiny_config(arch: str) -> PretrainedConfig:
     if arch == "llama":
-        return LlamaConfig(**_COMMON, tie_word_embeddings=True)
+        return LlamaConfig(**TINY_COMMON, tie_word_embeddings=True)
     if arch == "mistral":
-        return MistralConfig(**_COMMON, sliding_window=16)
+        return MistralConfig(**TINY_COMMON, sliding_window=16)
     if arch == "qwen2":
-        return Qwen2Config(**_COMMON)
+        return Qwen2Config(**TINY_COMMON)
     if arch == "mixtral":
-        return MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2)
+        return MixtralConfig(**TINY_COMMON, num_local_experts=4, num_experts_per_tok=2)
     raise ValueError(f"no tiny config for {arch!r}")
 
 

@@ -20,7 +20,7 @@ from autodeploy import SamplingParams, autodeploy
 from autodeploy.export.export import ExportConfig, export_causal_lm, export_to_graph_module
 from autodeploy.patterns.registry import apply_patterns, select_patterns
 from tests.logit_comparison import max_logit_diff
-from tests.patterns.tiny_family_configs_moe import NUM_EXPERTS, TOP_K, VOCAB_SIZE, moe_layer_count, tiny_moe_model
+from tests.patterns.tiny_family_configs_moe import NUM_EXPERTS, TOP_K, moe_layer_count, tiny_moe_model
 from tests.tiny_models import tiny_hf_model
 from tests.transforms.cleanup_harness import CLEANUP_PASSES, call_targets, run_transform
 

@@ -26,23 +26,12 @@ from transformers import (
     StableLmConfig,
 )
 
-VOCAB_SIZE = 512
+from tests.tiny_models import TINY_COMMON, VOCAB_SIZE
+
 SLIDING_WINDOW = 6  # shorter than the longest test sequence, so the window really cuts
 
-_COMMON = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    # 5× HF's default init, so attention logits are O(1) and a wrong scale, cap or mask shows in the logits.
-    initializer_range=0.1,
-)
+# 5× HF's default init, so attention logits are O(1) and a wrong scale, cap or mask shows in the logits.
+_COMMON = dict(TINY_COMMON, initializer_range=0.1)
 
 _ALTERNATING = ["sliding_attention", "full_attention"]
 

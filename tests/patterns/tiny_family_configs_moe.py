@@ -20,21 +20,12 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-VOCAB_SIZE = 512
+from tests.tiny_models import TINY_COMMON, VOCAB_SIZE
+
 NUM_EXPERTS = 4
 TOP_K = 2
 
-_COMMON = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+_COMMON = {key: value for key, value in TINY_COMMON.items() if key != "intermediate_size"}  # experts size their own
 
 
 def _gpt_oss() -> PretrainedConfig:

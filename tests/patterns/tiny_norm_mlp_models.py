@@ -10,16 +10,16 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, GPTNeoXConfig, PretrainedConfig, Phi3Config, Qwen3Config
 
-from tests.tiny_models import _COMMON, ARCHITECTURES, tiny_config
+from tests.tiny_models import ARCHITECTURES, TINY_COMMON, tiny_config
 
-_NO_GQA = {key: value for key, value in _COMMON.items() if key != "num_key_value_heads"}
+_NO_GQA = {key: value for key, value in TINY_COMMON.items() if key != "num_key_value_heads"}
 
 EXTRA_CONFIGS = {
-    "gemma": lambda: GemmaConfig(**_COMMON, head_dim=16),
-    "gemma2": lambda: Gemma2Config(**_COMMON, head_dim=16, sliding_window=16),
-    "phi3": lambda: Phi3Config(**_COMMON),
+    "gemma": lambda: GemmaConfig(**TINY_COMMON, head_dim=16),
+    "gemma2": lambda: Gemma2Config(**TINY_COMMON, head_dim=16, sliding_window=16),
+    "phi3": lambda: Phi3Config(**TINY_COMMON),
     "gpt_neox": lambda: GPTNeoXConfig(**_NO_GQA),
-    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
+    "qwen3": lambda: Qwen3Config(**TINY_COMMON, head_dim=16),
 }
 
 ALL_ARCHITECTURES = (*ARCHITECTURES, *EXTRA_CONFIGS)

@@ -8,7 +8,7 @@ import torch
 from torch.fx import GraphModule
 
 from autodeploy.export.export import export_to_graph_module
-from autodeploy.transforms import TransformConfig, TransformContext, TransformResult, get_transform_class
+from autodeploy.transforms import TransformContext, TransformResult, get_transform_class
 
 CLEANUP_PASSES = ("cleanup_noop", "cleanup_transposes", "cleanup_dead_code")
 

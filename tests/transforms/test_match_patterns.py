@@ -10,7 +10,6 @@ from autodeploy.transforms import match_patterns, match_report  # noqa: F401  (r
 from autodeploy.transforms.shape_propagation import propagate_shapes
 from tests.logit_comparison import max_logit_diff
 from tests.patterns.tiny_norm_mlp_models import ALL_ARCHITECTURES, model_for
-from tests.tiny_models import VOCAB_SIZE
 from tests.transforms.cleanup_harness import CLEANUP_PASSES, call_targets, run_transform
 
 # Canonical ops per architecture with 2 layers: norms = 2 per layer + final (Gemma-2: 4 per layer,

@@ -12,12 +12,12 @@ from autodeploy.transforms import TransformContext
 from autodeploy.transforms import match_patterns  # noqa: F401  (registers the built-in patterns)
 from autodeploy.transforms.match_report import MODULE_SUFFIXES, MatchReportConfig, MatchReportTransform, expected_counts, match_report
 from tests.patterns.tiny_norm_mlp_models import ALL_ARCHITECTURES, config_for, model_for
-from tests.tiny_models import _COMMON
+from tests.tiny_models import TINY_COMMON
 from tests.transforms.cleanup_harness import CLEANUP_PASSES, run_transform
 
-_QWEN3_MOE = dict(_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_QWEN3_MOE = dict(TINY_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 MORE_CONFIGS = {
-    "gemma3_text": lambda: Gemma3TextConfig(**_COMMON, head_dim=16),
+    "gemma3_text": lambda: Gemma3TextConfig(**TINY_COMMON, head_dim=16),
     "qwen3_moe": lambda: Qwen3MoeConfig(**_QWEN3_MOE),
     "qwen3_moe_first_layer_dense": lambda: Qwen3MoeConfig(**_QWEN3_MOE, mlp_only_layers=[0]),
 }
