@@ -46,6 +46,7 @@ class LLM:
         self.eos_token_ids = set(eos_token_ids)
         self.records = records or []
         self.device = torch.device(settings.device)
+        self.vocab_size = self._graph_vocab_size()
 
     def pipeline_report(self) -> str:
         """Time, matches and node counts of every transform that built this model, and op histograms."""
@@ -126,14 +127,13 @@ class LLM:
             raise InvalidRequestError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise InvalidRequestError(f"prompt {index} is empty (no tokens); give it some text")
-        vocab = self.graph_vocab_size
+        vocab = self.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt {index} has token ids outside the vocabulary [0, {vocab}): {bad[:4]}")
         return token_ids
 
-    @property
-    def graph_vocab_size(self) -> int:
+    def _graph_vocab_size(self) -> int:
         output = next(n for n in self.graph.graph.nodes if n.op == "output")
         value = fx.node.map_aggregate(output.args, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
         logits = value[0][0] if isinstance(value[0], (list, tuple)) else value[0]

@@ -28,19 +28,24 @@ class Sequence:
     def append(self, token: int, tokenizer) -> None:
         """Add a sampled token and decide whether the request is finished."""
         self.output_token_ids.append(token)
-        if tokenizer is not None:
-            self.text = tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+        if self.params.stop and tokenizer is not None and self._cut_at_stop_string(tokenizer):
+            self.finish_reason = "stop"
+            return  # self.text is already cut
         if token in self.stop_token_ids:
             self.finish_reason = "stop"
-            return
-        for stop in self.params.stop:
-            cut = self.text.find(stop)
-            if cut != -1:
-                self.text = self.text[:cut]
-                self.finish_reason = "stop"
-                return
-        if len(self.output_token_ids) >= self.params.max_tokens:
+        elif len(self.output_token_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
+        if self.finish_reason is not None and tokenizer is not None:
+            self.text = tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+
+    def _cut_at_stop_string(self, tokenizer) -> bool:
+        """Only requests with stop strings decode every step; the others decode once, when finished."""
+        text = tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+        cuts = [text.find(stop) for stop in self.params.stop if stop in text]
+        if not cuts:
+            return False
+        self.text = text[: min(cuts)]
+        return True
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.prompt, self.prompt_token_ids, self.text, list(self.output_token_ids), self.finish_reason)
