@@ -45,24 +45,44 @@ def attention_reference(
     if sinks is not None and sinks.shape != (q_heads,):
         raise ValueError(f"attention: sinks must be [Hq={q_heads}]; got {tuple(sinks.shape)}.")
 
+    positions = torch.arange(seq, device=q.device)
+    return attend(q, k, v, positions, positions, scale, sliding_window, logit_cap, sinks)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int],
+    logit_cap: Optional[float],
+    sinks: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The attention arithmetic shared by the un-cached and cached references: ``q[B, Sq, Hq, D]`` at
+    ``query_positions[Sq]`` over ``k[B, Sk, Hkv, D]``/``v`` at ``key_positions[Sk]``, masked causally
+    (and by the window) on those absolute positions. Every query must see at least one key."""
+    batch, _, q_heads, _ = q.shape
+    kv_heads = k.shape[2]
     dtype = compute_dtype(q.dtype)
     kv_head_of = torch.arange(q_heads, device=q.device) // (q_heads // kv_heads)
-    keys = k.to(dtype)[:, :, kv_head_of]  # [B, S, Hq, D]
-    values = v.to(dtype)[:, :, kv_head_of]  # [B, S, Hq, Dv]
-    logits = torch.einsum("bihd,bjhd->bhij", q.to(dtype), keys) * scale  # [B, Hq, S_query, S_key]
+    keys = k.to(dtype)[:, :, kv_head_of]  # [B, Sk, Hq, D]
+    values = v.to(dtype)[:, :, kv_head_of]  # [B, Sk, Hq, Dv]
+    logits = torch.einsum("bihd,bjhd->bhij", q.to(dtype), keys) * scale  # [B, Hq, Sq, Sk]
     if logit_cap is not None:
         logits = logit_cap * torch.tanh(logits / logit_cap)
 
-    query_pos = torch.arange(seq, device=q.device)[:, None]
-    key_pos = torch.arange(seq, device=q.device)[None, :]
+    query_pos = query_positions[:, None]
+    key_pos = key_positions[None, :]
     visible = key_pos <= query_pos
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
     logits = logits.masked_fill(~visible, float("-inf"))
 
     if sinks is not None:
-        sink_logits = sinks.to(dtype).view(1, q_heads, 1, 1).expand(batch, q_heads, seq, 1)
-        probs = torch.softmax(torch.cat((logits, sink_logits), dim=-1), dim=-1)[..., :seq]
+        sink_logits = sinks.to(dtype).view(1, q_heads, 1, 1).expand(batch, q_heads, logits.shape[2], 1)
+        probs = torch.softmax(torch.cat((logits, sink_logits), dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhij,bjhd->bihd", probs, values)

@@ -68,11 +68,13 @@ def register_op(
     *,
     example_inputs: Sequence[Any],
     schema: str | None = None,
+    mutates_args: Sequence[str] = (),
 ) -> Callable[..., Any]:
     """Register ``torch.ops.autodeploy.<name>`` and record it as a canonical op; returns the callable op.
 
     ``reference`` is the plain-PyTorch implementation; its type hints give the op's schema unless
-    ``schema`` (e.g. ``"(Tensor x, float scale) -> Tensor"``) is passed. ``fake`` computes output shapes
+    ``schema`` (e.g. ``"(Tensor x, float scale) -> Tensor"``) is passed; ``mutates_args`` names the
+    arguments it writes in place (the KV caches of ``cached_attention``). ``fake`` computes output shapes
     and dtypes only. Before anything is registered, the reference runs on ``example_inputs`` and the fake
     on meta-device copies of them; a fake whose outputs differ in structure, shape or dtype is rejected.
     Raises :class:`OpRegistrationError` for an invalid or taken name or a fake that disagrees.
@@ -86,7 +88,7 @@ def register_op(
         )
     _check_fake_matches_reference(name, reference, fake, tuple(example_inputs))
 
-    custom_op = torch.library.custom_op(f"{NAMESPACE}::{name}", reference, mutates_args=(), schema=schema)
+    custom_op = torch.library.custom_op(f"{NAMESPACE}::{name}", reference, mutates_args=tuple(mutates_args), schema=schema)
     custom_op.register_fake(fake)
     overload = getattr(getattr(torch.ops, NAMESPACE), name).default
     _REGISTRY[name] = CanonicalOp(

@@ -6,6 +6,7 @@ matching HF reference model with ``tiny_hf_model(arch)`` instead of keeping one 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,11 @@ from tests.tiny_models import write_tiny_checkpoint
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core runner a second thread that
 # is descheduled stalls every op at its barrier (measured: 4-token generate 10 ms → 1 s under load).
 torch.set_num_threads(1)
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads this when a
+# kernel is defined, so it is set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

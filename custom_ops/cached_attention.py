@@ -1,0 +1,122 @@
+"""``torch.ops.autodeploy.cached_attention``: attention over a paged KV cache for a mixed batch.
+
+The cache stage swaps every canonical ``attention`` for this op. One forward carries the new tokens of
+many sequences flattened into one row (``q[1, T, Hq, D]``): prompt chunks being prefilled and single
+tokens being decoded, side by side. Each sequence's keys and values live in fixed-size blocks of a
+per-layer cache, found through its row of ``block_tables``.
+
+Layout and metadata (N sequences, T new tokens in all):
+
+- ``k_cache[num_blocks, block_size, Hkv, D]``, ``v_cache[num_blocks, block_size, Hkv, Dv]``.
+- ``seq_start[N + 1]`` (int32): sequence ``s`` owns tokens ``seq_start[s] : seq_start[s + 1]`` of the row.
+- ``kv_lens[N]`` (int32): tokens of ``s`` in the cache once this step's are written; its new tokens sit
+  at absolute positions ``kv_lens[s] - q_len_s … kv_lens[s] - 1``.
+- ``block_tables[N, max_blocks]`` (int32): position ``p`` of ``s`` lives in block ``block_tables[s, p // block_size]``
+  at offset ``p % block_size``.
+- ``slot_mapping[T]`` (int64): the flat slot (``block * block_size + offset``) each new token is written to.
+- ``batch_info`` (int32, on the CPU so kernels read it without a device sync):
+  ``[num_prefill, num_decode, max_q_len, max_kv_len]``. Sequences ``0 … num_prefill - 1`` are prompt
+  chunks (any length); the last ``num_decode`` have exactly one new token each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .attention import attend
+from .registry import register_op
+
+BATCH_INFO_FIELDS = ("num_prefill", "num_decode", "max_q_len", "max_kv_len")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's cache pair, as the cache stage declares it and the runtime allocates it."""
+
+    key_input: str  # graph input name of k_cache
+    value_input: str  # graph input name of v_cache
+    kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return block_size * self.kv_heads * (self.head_dim + self.value_head_dim) * element
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the new tokens' keys and values (``k[1, T, Hkv, D]``) at their slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k[0].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v[0].to(v_cache.dtype))
+
+
+def cached_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    batch_info: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    logit_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Write this step's ``k``/``v`` into the caches, then attend each new token over its sequence's
+    cached tokens with the ``attention`` op's semantics (causal on absolute positions, GQA, window,
+    soft-cap, sinks). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The oracle: one sequence at a time."""
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    block_size = k_cache.shape[1]
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    starts = seq_start.tolist()
+    for s, kv_len in enumerate(kv_lens.tolist()):
+        first, last = starts[s], starts[s + 1]
+        blocks = block_tables[s, : (kv_len + block_size - 1) // block_size].long()
+        keys = k_cache[blocks].flatten(0, 1)[:kv_len].unsqueeze(0)
+        values = v_cache[blocks].flatten(0, 1)[:kv_len].unsqueeze(0)
+        key_positions = torch.arange(kv_len, device=q.device)
+        query_positions = key_positions[kv_len - (last - first) :]
+        out[:, first:last] = attend(
+            q[:, first:last], keys, values, query_positions, key_positions, scale, sliding_window, logit_cap, sinks
+        )
+    return out
+
+
+def cached_attention_fake(
+    q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
+    sliding_window=None, logit_cap=None, sinks=None,
+):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _example_inputs():
+    """Two sequences, block size 2: a 3-token prompt and a one-token decode at position 2."""
+    q, k, v = torch.ones(1, 4, 4, 8), torch.ones(1, 4, 2, 8), torch.ones(1, 4, 2, 6)
+    caches = torch.zeros(5, 2, 2, 8), torch.zeros(5, 2, 2, 6)
+    metadata = (
+        torch.tensor([0, 3, 4], dtype=torch.int32),
+        torch.tensor([3, 3], dtype=torch.int32),
+        torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        torch.tensor([0, 1, 2, 6]),
+        torch.tensor([1, 1, 3, 3], dtype=torch.int32),
+    )
+    return (q, k, v, *caches, *metadata, 8**-0.5)
+
+
+cached_attention = register_op(
+    "cached_attention",
+    cached_attention_reference,
+    cached_attention_fake,
+    example_inputs=_example_inputs(),
+    mutates_args=("k_cache", "v_cache"),
+)
