@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .attention import attend
-from .registry import register_op
+from .registry import add_backend, register_op
 
 BATCH_INFO_FIELDS = ("num_prefill", "num_decode", "max_q_len", "max_kv_len")
 
@@ -120,3 +120,13 @@ cached_attention = register_op(
     example_inputs=_example_inputs(),
     mutates_args=("k_cache", "v_cache"),
 )
+
+
+def _triton_backend(*args, **kwargs):
+    # Imported on first use: Triton decides at kernel definition whether to interpret (TRITON_INTERPRET).
+    from .triton.paged_attention import cached_attention_triton
+
+    return cached_attention_triton(*args, **kwargs)
+
+
+add_backend("cached_attention", "triton", _triton_backend)

@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import write_tiny_checkpoint
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads this when a
+# function is decorated with triton.jit (its own library included, which transformers may import),
+# so it is set before anything else is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.tiny_models import write_tiny_checkpoint  # noqa: E402
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core runner a second thread that
 # is descheduled stalls every op at its barrier (measured: 4-token generate 10 ms → 1 s under load).
 torch.set_num_threads(1)
-
-# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads this when a
-# kernel is defined, so it is set before any test imports one.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,589 @@
+"""Triton backend of ``cached_attention``: paged-KV attention over a mixed prefill/decode batch.
+
+The cache layout and metadata are those of ``cached_attention.py``; the results are its reference's.
+A small kernel first writes the new tokens' keys and values into their slots, both caches in one
+launch. Then two attention kernels, one per kind of sequence, read keys and values token by token
+through ``block_tables`` (so a tile need not line up with cache blocks) and run the softmax in
+float32, base 2 (``exp2``):
+
+- **Prefill**: flash attention with an online softmax. A program owns ``BLOCK_M`` query tokens of one
+  prompt chunk and one query head. Where each chunk starts lives on the device (``seq_start``), so
+  instead of syncing to map programs to sequences, the grid is ``query heads × ceil(max_q_len / BLOCK_M)
+  × num_prefill``, and a program whose query block lies past its chunk's end returns at once. Query
+  ``j`` of a chunk sits at absolute position ``kv_len - q_len + j``, so a chunk that follows a cached
+  prefix (chunked prefill, prefix-cache hit) needs nothing special. Key tiles wholly outside the causal
+  and window bounds are never visited, and only the tiles that straddle a bound pay for the mask.
+- **Decode**: one query per sequence, so one program per (sequence, kv head) would leave most of the
+  GPU idle for a small batch over long contexts. Split-K cuts each sequence's visible keys into
+  ``num_splits`` contiguous ranges, one program each: enough for about two programs per
+  multiprocessor, and none over 2048 keys (the host knows only the longest sequence; a few long ones
+  among many short ones must not run alone). A program takes all query heads of its kv head (GQA), so
+  each K/V tile is loaded once for the group. Splits write partial (max, sum, unnormalised output) to
+  a workspace, and a second kernel merges them with a log-sum-exp; sinks join the denominator there,
+  once. With one split the first kernel finishes the softmax itself.
+
+Example (a 3-token prompt, then a one-token decode at position 2; on a CPU, Triton's interpreter runs
+it too, as ``tests/custom_ops/test_paged_attention_triton.py`` does)::
+
+    import torch
+    from autodeploy.custom_ops.triton.paged_attention import cached_attention_triton
+
+    cuda = dict(device="cuda")
+    q, k, v = torch.randn(1, 4, 4, 16, **cuda), torch.randn(1, 4, 2, 16, **cuda), torch.randn(1, 4, 2, 16, **cuda)
+    k_cache, v_cache = torch.zeros(4, 8, 2, 16, **cuda), torch.zeros(4, 8, 2, 16, **cuda)
+    seq_start = torch.tensor([0, 3, 4], dtype=torch.int32, **cuda)
+    kv_lens = torch.tensor([3, 3], dtype=torch.int32, **cuda)
+    block_tables = torch.tensor([[2], [0]], dtype=torch.int32, **cuda)
+    slot_mapping = torch.tensor([16, 17, 18, 2], **cuda)
+    batch_info = torch.tensor([1, 1, 3, 3], dtype=torch.int32)  # stays on the CPU
+    out = cached_attention_triton(q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables,
+                                  slot_mapping, batch_info, 16**-0.5)  # [1, 4, 4, 16]
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Triton fixed this when the kernels below were defined, at import; only then may tensors be on the CPU.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# A split must cover enough keys that its fixed cost (loading the queries, writing and merging a
+# partial result) stays small next to its loop.
+_MIN_KEYS_PER_SPLIT = 256
+# Past this many keys a split is cut even when the grid is already full: the host knows only the longest
+# sequence (kv_lens is on the device), and a few long sequences among many short ones would otherwise run
+# alone at the end. A partial result costs well under 1% of the bytes of 2048 keys.
+_MAX_KEYS_PER_SPLIT = 2048
+_MAX_SPLITS = 64
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+# Stands for "no logit yet" in the running max: unlike -inf, subtracting it from itself gives 0, not NaN,
+# so a row whose first tiles are all masked (sliding window) needs no special case.
+_NO_LOGIT = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """One program per new token: its keys and values, all kv heads, to its slot in each cache."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    block = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, D_PAD)[None, :]
+    value_dims = tl.arange(0, DV_PAD)[None, :]
+    key_mask = (heads < KV_HEADS) & (dims < HEAD_DIM)
+    value_mask = (heads < KV_HEADS) & (value_dims < VALUE_DIM)
+    k = tl.load(k_ptr + token * stride_new_kt + heads * stride_new_kh + dims, mask=key_mask)
+    v = tl.load(v_ptr + token * stride_new_vt + heads * stride_new_vh + value_dims, mask=value_mask)
+    k_slot = k_cache_ptr + block * stride_kb + offset * stride_kt
+    v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt
+    tl.store(k_slot + heads * stride_kh + dims, k.to(k_cache_ptr.dtype.element_ty), mask=key_mask)
+    tl.store(v_slot + heads * stride_vh + value_dims, v.to(v_cache_ptr.dtype.element_ty), mask=value_mask)
+
+
+@triton.jit
+def _logits_base2(q, k, scale, logit_cap, HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``scale · q kᵀ``, soft-capped if asked, in base-2 units (× log2 e) for ``exp2``."""
+    logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    if HAS_CAP:
+        # cap · tanh(x / cap) through exp2: Triton has no tanh that both the GPU and the interpreter run.
+        doubled = tl.exp2(logits * (2.0 * _LOG2E / logit_cap))
+        logits = logit_cap * (1.0 - 2.0 / (doubled + 1.0))
+    return logits * _LOG2E
+
+
+@triton.jit
+def _gather_kv(
+    k_base, v_base, block_table_row, keys, key_valid,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Keys ``[BLOCK_N, D_PAD]`` and values ``[BLOCK_N, DV_PAD]`` at absolute positions ``keys``; zeros
+    where ``key_valid`` is false, so slots past the sequence (never written, maybe NaN) are never read."""
+    blocks = tl.load(block_table_row + keys // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
+    offsets = keys % PAGE_SIZE
+    dims = tl.arange(0, D_PAD)
+    value_dims = tl.arange(0, DV_PAD)
+    k = tl.load(
+        k_base + blocks[:, None] * stride_kb + offsets[:, None] * stride_kt + dims[None, :],
+        mask=key_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    v = tl.load(
+        v_base + blocks[:, None] * stride_vb + offsets[:, None] * stride_vt + value_dims[None, :],
+        mask=key_valid[:, None] & (value_dims[None, :] < VALUE_DIM),
+        other=0.0,
+    )
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of base-2 ``logits [ROWS, BLOCK_N]`` and its values into the running state."""
+    new_max = tl.maximum(row_max, tl.max(logits, 1))
+    rescale = tl.exp2(row_max - new_max)
+    probs = tl.exp2(logits - new_max[:, None])
+    row_sum = row_sum * rescale + tl.sum(probs, 1)
+    acc = tl.dot(probs.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
+    return acc, row_sum, new_max
+
+
+@triton.jit
+def _prefill_tiles(
+    acc, row_sum, row_max, q, query_positions,
+    k_base, v_base, block_table_row, stride_kb, stride_kt, stride_vb, stride_vt,
+    first_tile, end_tile, kv_len, scale, logit_cap, window,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Attend over key tiles ``first_tile … end_tile - 1``; ``MASKED`` tiles apply the causal/window mask."""
+    for tile in range(first_tile, end_tile):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        k, v = _gather_kv(
+            k_base, v_base, block_table_row, keys, keys < kv_len, stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE,
+        )
+        logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION)
+        if MASKED:
+            visible = keys[None, :] <= query_positions[:, None]
+            if HAS_WINDOW:
+                visible &= keys[None, :] > query_positions[:, None] - window
+            logits = tl.where(visible, logits, float("-inf"))
+        acc, row_sum, row_max = _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION)
+    return acc, row_sum, row_max
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    scale, logit_cap, window, num_query_blocks,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    # A chunk's last query blocks see the most keys; launching them first shortens the tail.
+    query_block = num_query_blocks - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(seq_start_ptr + seq)
+    q_len = tl.load(seq_start_ptr + seq + 1) - q_start
+    if query_block * BLOCK_M >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq)
+
+    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len
+    query_positions = kv_len - q_len + rows
+    tokens = (q_start + rows).to(tl.int64)
+    dims = tl.arange(0, D_PAD)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+
+    # Key tiles first_tile … end_tile - 1 are visible to some row of this block; of them, free_first …
+    # free_end - 1 are visible to every row and skip the mask.
+    first_position = kv_len - q_len + query_block * BLOCK_M
+    last_position = tl.minimum(first_position + BLOCK_M, kv_len) - 1
+    first_tile = 0
+    free_first = 0
+    if HAS_WINDOW:
+        first_tile = tl.maximum(first_position - window + 1, 0) // BLOCK_N
+        free_first = tl.cdiv(tl.maximum(last_position - window + 1, 0), BLOCK_N)
+    end_tile = tl.cdiv(last_position + 1, BLOCK_N)
+    free_end = tl.maximum(tl.minimum((first_position + 1) // BLOCK_N, end_tile), first_tile)
+    free_first = tl.minimum(tl.maximum(free_first, first_tile), free_end)
+
+    kv_head = head // GROUP
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    block_table_row = block_tables_ptr + seq * stride_bt
+
+    if HAS_SINKS:  # the sink is a logit with no value: start the softmax from it
+        row_max = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        row_sum = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        row_max = tl.full([BLOCK_M], _NO_LOGIT, tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+
+    acc, row_sum, row_max = _prefill_tiles(
+        acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
+        stride_kb, stride_kt, stride_vb, stride_vt, first_tile, free_first, kv_len, scale, logit_cap, window,
+        True, HAS_WINDOW, HAS_CAP, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+    )
+    acc, row_sum, row_max = _prefill_tiles(
+        acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
+        stride_kb, stride_kt, stride_vb, stride_vt, free_first, free_end, kv_len, scale, logit_cap, window,
+        False, HAS_WINDOW, HAS_CAP, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+    )
+    acc, row_sum, row_max = _prefill_tiles(
+        acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
+        stride_kb, stride_kt, stride_vb, stride_vt, free_end, end_tile, kv_len, scale, logit_cap, window,
+        True, HAS_WINDOW, HAS_CAP, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+    )
+
+    # Rows past the chunk's end may see no key at all (under a window); they are not stored.
+    row_sum = tl.where(row_valid, row_sum, 1.0)
+    value_dims = tl.arange(0, DV_PAD)
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + value_dims[None, :],
+        (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & (value_dims[None, :] < VALUE_DIM),
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partials_ptr,
+    seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    scale, logit_cap, window, first_decode, q_heads, keys_per_split,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    decode = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq = first_decode + decode
+    token = tl.load(seq_start_ptr + seq).to(tl.int64)
+    kv_len = tl.load(kv_lens_ptr + seq)
+
+    # The query sits at kv_len - 1; splits divide the keys it may see, so a window leaves none idle.
+    visible_first = 0
+    if HAS_WINDOW:
+        visible_first = tl.maximum(kv_len - window, 0)
+    split_first = visible_first + split * keys_per_split
+    split_end = tl.minimum(split_first + keys_per_split, kv_len)
+
+    group_rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + group_rows
+    head_valid = group_rows < GROUP
+    dims = tl.arange(0, D_PAD)
+    q = tl.load(
+        q_ptr + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=head_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    if SINGLE_SPLIT and HAS_SINKS:  # with several splits, the merge adds the sink once
+        row_max = tl.load(sinks_ptr + heads, mask=head_valid, other=0.0).to(tl.float32) * _LOG2E
+        row_sum = tl.full([GROUP_PAD], 1.0, tl.float32)
+    else:
+        row_max = tl.full([GROUP_PAD], _NO_LOGIT, tl.float32)
+        row_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DV_PAD], tl.float32)
+
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    block_table_row = block_tables_ptr + seq * stride_bt
+    for tile_first in range(split_first, split_end, BLOCK_N):
+        keys = tile_first + tl.arange(0, BLOCK_N)
+        key_valid = keys < split_end
+        k, v = _gather_kv(
+            k_base, v_base, block_table_row, keys, key_valid, stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE,
+        )
+        logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION)
+        logits = tl.where(key_valid[None, :], logits, float("-inf"))
+        acc, row_sum, row_max = _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION)
+
+    value_dims = tl.arange(0, DV_PAD)
+    value_mask = head_valid[:, None] & (value_dims[None, :] < VALUE_DIM)
+    if SINGLE_SPLIT:
+        tl.store(
+            out_ptr + token * stride_ot + heads[:, None] * stride_oh + value_dims[None, :],
+            (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
+            mask=value_mask,
+        )
+    else:
+        # A workspace row per (decode, query head, split): [max, sum, acc…]. An empty split leaves
+        # (_NO_LOGIT, 0, 0…), which the merge weighs 0.
+        partials = partials_ptr + ((decode * q_heads + heads) * num_splits + split) * (VALUE_DIM + 2)
+        tl.store(partials, row_max, mask=head_valid)
+        tl.store(partials + 1, row_sum, mask=head_valid)
+        tl.store(partials[:, None] + 2 + value_dims[None, :], acc, mask=value_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partials_ptr, out_ptr, seq_start_ptr, sinks_ptr,
+    stride_ot, stride_oh, first_decode, q_heads, num_splits,
+    VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    decode = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < num_splits
+    partials = partials_ptr + ((decode * q_heads + head) * num_splits + splits) * (VALUE_DIM + 2)
+    split_max = tl.load(partials, mask=split_valid, other=_NO_LOGIT)
+    split_sum = tl.load(partials + 1, mask=split_valid, other=0.0)
+    overall_max = tl.max(split_max, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        overall_max = tl.maximum(overall_max, sink)
+    weights = tl.exp2(split_max - overall_max)
+    total = tl.sum(split_sum * weights, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - overall_max)
+
+    value_dims = tl.arange(0, DV_PAD)
+    value_valid = value_dims < VALUE_DIM
+    split_acc = tl.load(
+        partials[:, None] + 2 + value_dims[None, :],
+        mask=split_valid[:, None] & value_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(split_acc * weights[:, None], 0) / total
+    token = tl.load(seq_start_ptr + first_decode + decode).to(tl.int64)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + value_dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=value_valid,
+    )
+
+
+def cached_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    batch_info: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    logit_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    *,
+    num_decode_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """``cached_attention`` with Triton kernels: same arguments, same result as ``cached_attention_reference``.
+
+    Writes ``k``/``v`` into the caches, then runs the prefill kernel over the first ``num_prefill``
+    sequences and the split-K decode kernel over the last ``num_decode`` (``batch_info``, read on the
+    host). ``num_decode_splits`` overrides the split count chosen from the batch and context sizes.
+    Raises ``ValueError`` for inputs these kernels do not support (see :func:`_check_supported`).
+    """
+    _check_supported(
+        q, k, v, k_cache, v_cache, block_tables, batch_info, sliding_window, logit_cap, sinks, num_decode_splits
+    )
+    num_prefill, num_decode, max_q_len, max_kv_len = batch_info.tolist()
+    q_tokens, k_tokens, v_tokens = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (q, k, v))
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    q_heads, kv_heads = q.shape[2], k_cache.shape[2]
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    caches = dict(
+        k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+        stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),
+        stride_vb=v_cache.stride(0), stride_vt=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        HEAD_DIM=head_dim, VALUE_DIM=value_dim, D_PAD=_padded_dim(head_dim), DV_PAD=_padded_dim(value_dim),
+        PAGE_SIZE=k_cache.shape[1],
+    )
+    if k.shape[1] > 0:
+        _write_kv_kernel[(k.shape[1],)](
+            k_tokens, v_tokens, slot_mapping_ptr=slot_mapping, **caches,
+            stride_new_kt=k_tokens.stride(0), stride_new_kh=k_tokens.stride(1),
+            stride_new_vt=v_tokens.stride(0), stride_new_vh=v_tokens.stride(1),
+            KV_HEADS=kv_heads, HEADS_PAD=triton.next_power_of_2(kv_heads),
+        )
+    shared = dict(
+        **caches, q_ptr=q_tokens, out_ptr=out[0],
+        seq_start_ptr=seq_start, kv_lens_ptr=kv_lens, block_tables_ptr=block_tables, sinks_ptr=sinks,
+        stride_qt=q_tokens.stride(0), stride_qh=q_tokens.stride(1), stride_ot=out.stride(1), stride_oh=out.stride(2),
+        stride_bt=block_tables.stride(0),
+        scale=scale, logit_cap=logit_cap or 0.0, window=sliding_window or 0, GROUP=q_heads // kv_heads,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=logit_cap is not None, HAS_SINKS=sinks is not None,
+        # fp32 dots would otherwise run in TF32 on the GPU, ~1e-3 off the float32 reference.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if num_prefill > 0:
+        block_m, block_n, num_warps, num_stages = _prefill_config(max_q_len, max(shared["D_PAD"], shared["DV_PAD"]))
+        num_query_blocks = triton.cdiv(max_q_len, block_m)
+        _prefill_kernel[(q_heads, num_query_blocks, num_prefill)](
+            **shared, num_query_blocks=num_query_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    if num_decode > 0:
+        _launch_decode(
+            shared, out, num_prefill, num_decode, max_kv_len, q_heads, kv_heads, sliding_window, num_decode_splits
+        )
+    return out
+
+
+def _launch_decode(
+    shared: dict,
+    out: torch.Tensor,
+    num_prefill: int,
+    num_decode: int,
+    max_kv_len: int,
+    q_heads: int,
+    kv_heads: int,
+    sliding_window: Optional[int],
+    num_decode_splits: Optional[int],
+) -> None:
+    block_n, num_warps, num_stages = _decode_config(max(shared["D_PAD"], shared["DV_PAD"]))
+    max_visible = max_kv_len if sliding_window is None else min(max_kv_len, sliding_window)
+    num_splits = num_decode_splits or _decode_splits(num_decode * kv_heads, max_visible, out.device)
+    keys_per_split = triton.cdiv(triton.cdiv(max_visible, num_splits), block_n) * block_n
+    if num_decode_splits is None:  # rounding up to whole tiles may leave trailing splits with nothing to do
+        num_splits = triton.cdiv(max_visible, keys_per_split)
+    value_dim = shared["VALUE_DIM"]
+    partials = None
+    if num_splits > 1:
+        partials = torch.empty((num_decode, q_heads, num_splits, value_dim + 2), dtype=torch.float32, device=out.device)
+    group = shared["GROUP"]
+    _decode_kernel[(num_decode, kv_heads, num_splits)](
+        **shared, partials_ptr=partials,
+        first_decode=num_prefill, q_heads=q_heads, keys_per_split=keys_per_split,
+        # tl.dot needs at least 16 rows; the padded head rows are masked out.
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_decode, q_heads)](
+            partials, out[0], shared["seq_start_ptr"], shared["sinks_ptr"],
+            out.stride(1), out.stride(2), num_prefill, q_heads, num_splits,
+            VALUE_DIM=value_dim, DV_PAD=shared["DV_PAD"], SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HAS_SINKS=shared["HAS_SINKS"],
+        )
+
+
+def _padded_dim(head_dim: int) -> int:
+    # Tiles need power-of-2 sides, and tl.dot at least 16 along the reduced axis.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _prefill_config(max_q_len: int, dim_pad: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+    # Short chunks (decode-sized prefills, small prefix-cache misses) would waste most of a 64-row block.
+    block_m = 64 if max_q_len > 32 else max(16, triton.next_power_of_2(max_q_len))
+    if dim_pad > 128:  # 256-wide tiles: halve BLOCK_N to keep three stages in shared memory
+        return block_m, 32, 4, 3
+    return block_m, 64, 4, 3
+
+
+def _decode_config(dim_pad: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+    if dim_pad > 128:  # as for prefill: three stages of 64-key, 256-wide tiles would not fit in shared memory
+        return 32, 4, 3
+    return 64, 4, 3
+
+
+def _decode_splits(programs_per_split: int, max_visible: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs for about two per multiprocessor, none longer than
+    ``_MAX_KEYS_PER_SPLIT`` keys, none shorter than ``_MIN_KEYS_PER_SPLIT``."""
+    for_occupancy = triton.cdiv(2 * _multiprocessors(device), programs_per_split)
+    for_long_sequences = triton.cdiv(max_visible, _MAX_KEYS_PER_SPLIT)
+    wanted = max(for_occupancy, for_long_sequences)
+    return max(1, min(wanted, triton.cdiv(max_visible, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter runs programs one after another: nothing to fill
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_supported(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    batch_info: torch.Tensor,
+    sliding_window: Optional[int],
+    logit_cap: Optional[float],
+    sinks: Optional[torch.Tensor],
+    num_decode_splits: Optional[int],
+) -> None:
+    """Raise ``ValueError`` naming the first input these kernels cannot take."""
+    if q.device.type != "cuda" and not _INTERPRETED:
+        raise ValueError(
+            f"cached_attention_triton: tensors are on {q.device}; the Triton kernels need CUDA tensors, "
+            f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU."
+        )
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"cached_attention_triton: q must be [1, T, Hq, D]; got {tuple(q.shape)}.")
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"cached_attention_triton: q and both caches must share one dtype of {SUPPORTED_DTYPES}; "
+            f"got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}. Use the torch backend otherwise."
+        )
+    if _INTERPRETED and q.dtype == torch.bfloat16:
+        raise ValueError(
+            "cached_attention_triton: Triton's interpreter multiplies the bit patterns of bfloat16 tl.dot "
+            "operands (triton-lang/triton#11584); run bfloat16 on a GPU, or float16/float32 in the interpreter."
+        )
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    if head_dim > MAX_HEAD_DIM or value_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"cached_attention_triton: head dims up to {MAX_HEAD_DIM} are supported; got D={head_dim}, "
+            f"Dv={value_dim}. Use the torch backend for wider heads."
+        )
+    q_heads, kv_heads = q.shape[2], k_cache.shape[2]
+    kv_shapes_agree = k.shape[-2:] == (kv_heads, head_dim) and k_cache.shape[-1] == head_dim
+    if not kv_shapes_agree or v_cache.shape[-2:] != (kv_heads, value_dim):
+        raise ValueError(
+            f"cached_attention_triton: k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {tuple(k_cache.shape)} "
+            f"and v_cache {tuple(v_cache.shape)} disagree on kv heads or head dims (q is {tuple(q.shape)})."
+        )
+    if q_heads % kv_heads != 0:
+        raise ValueError(
+            f"cached_attention_triton: query heads Hq={q_heads} must be a multiple of kv heads Hkv={kv_heads}."
+        )
+    block_size = k_cache.shape[1]
+    if block_size < 1 or block_size & (block_size - 1) or v_cache.shape[1] != block_size:
+        raise ValueError(
+            f"cached_attention_triton: the cache block size must be a power of 2 shared by both caches "
+            f"(positions are split into block and offset by shift and mask); got {block_size} and {v_cache.shape[1]}."
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError(
+            "cached_attention_triton: the caches' head-dim axis and block_tables' rows must be contiguous."
+        )
+    if batch_info.device.type != "cpu":
+        raise ValueError(
+            f"cached_attention_triton: batch_info must be a CPU tensor (read without a device sync); "
+            f"it is on {batch_info.device}."
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"cached_attention_triton: sliding_window must be ≥ 1 (or None); got {sliding_window}.")
+    if logit_cap is not None and not logit_cap > 0:
+        raise ValueError(f"cached_attention_triton: logit_cap must be > 0 (or None); got {logit_cap}.")
+    if sinks is not None and sinks.shape != (q_heads,):
+        raise ValueError(f"cached_attention_triton: sinks must be [Hq={q_heads}]; got {tuple(sinks.shape)}.")
+    if num_decode_splits is not None and num_decode_splits < 1:
+        raise ValueError(
+            f"cached_attention_triton: num_decode_splits must be ≥ 1 (or None); got {num_decode_splits}."
+        )

@@ -1,0 +1,241 @@
+"""The Triton backend of autodeploy::cached_attention against its torch reference, on the same caches.
+
+Without a GPU the kernels run in Triton's interpreter (``tests/conftest.py`` sets TRITON_INTERPRET),
+which is slow, so the CPU shapes are tiny; the GPU-only cases use production head dims and long contexts.
+Cache slots that no sequence owns hold NaN: a kernel that reads past a sequence's keys fails loudly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.custom_ops import canonical_ops
+from autodeploy.custom_ops.cached_attention import cached_attention_reference
+from autodeploy.custom_ops.triton.paged_attention import cached_attention_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-sized shapes; the interpreter is too slow")
+needs_gpu_for_bfloat16 = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Triton's interpreter gets bfloat16 dots wrong (triton-lang/triton#11584)"
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_loops_with_numpy_2_4():
+    """Triton 3.6's interpreter turns a loop bound into an int with ``int(array)``, which numpy ≥ 2.4
+    refuses for its one-element arrays, so no kernel with a data-dependent loop can be interpreted
+    (triton-lang/triton#9171, fixed upstream by #9172). Apply the upstream fix while these tests run."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_with_scalar_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter, "_patch_lang_tensor", patch_tensor_with_scalar_index)
+        yield
+
+
+def paged_batch(
+    prefills: list[tuple[int, int]] = (),
+    decodes: list[int] = (),
+    *,
+    q_heads: int = 2,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    value_dim: int | None = None,
+    block_size: int = 8,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple:
+    """Arguments of one cached_attention call: ``prefills`` as (q_len, kv_len) chunks, each on top of
+    ``kv_len - q_len`` cached tokens, then one-token ``decodes`` of the given kv lens. Blocks are handed out
+    from a random permutation, so no sequence's blocks are contiguous; every slot that no sequence owns,
+    and the block that padded table entries point to, holds NaN."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    value_dim = value_dim or head_dim
+    q_lens = [q_len for q_len, _ in prefills] + [1] * len(decodes)
+    kv_lens = [kv_len for _, kv_len in prefills] + list(decodes)
+    blocks_per_seq = [-(-kv_len // block_size) for kv_len in kv_lens]
+    num_blocks = sum(blocks_per_seq) + 2  # a spare and the padding block
+    order = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((len(q_lens), max(blocks_per_seq) + 1), int(order[-1]), dtype=torch.int32)
+    taken = 0
+    for s, count in enumerate(blocks_per_seq):
+        block_tables[s, :count] = order[taken : taken + count]
+        taken += count
+
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, block_size, kv_heads, value_dim), float("nan"), dtype=dtype)
+    new_slots = []
+    for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        positions = torch.arange(kv_len)
+        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
+        cached = slots[: kv_len - q_len]
+        k_cache.view(-1, kv_heads, head_dim)[cached] = random(len(cached), kv_heads, head_dim)
+        v_cache.view(-1, kv_heads, value_dim)[cached] = random(len(cached), kv_heads, value_dim)
+        new_slots.append(slots[kv_len - q_len :])
+
+    tokens = sum(q_lens)
+    q = random(1, tokens, q_heads, head_dim)
+    k, v = random(1, tokens, kv_heads, head_dim), random(1, tokens, kv_heads, value_dim)
+    seq_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    batch_info = torch.tensor([len(prefills), len(decodes), max(q_lens), max(kv_lens)], dtype=torch.int32)
+    kv_len_tensor = torch.tensor(kv_lens, dtype=torch.int32)
+    on_device = (q, k, v, k_cache, v_cache, seq_start, kv_len_tensor, block_tables, torch.cat(new_slots))
+    return (*(t.to(DEVICE) for t in on_device), batch_info, head_dim**-0.5)
+
+
+def assert_matches_reference(
+    args: tuple, *, atol: float = 1e-4, num_decode_splits: int | None = None, **options
+) -> None:
+    """Run the reference and the Triton backend on their own copies of the caches: outputs and written
+    caches must agree. ``options`` (sliding_window, logit_cap, sinks) go to both."""
+    q, k, v, k_cache, v_cache, *metadata = args
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    expected = cached_attention_reference(q, k, v, *expected_caches, *metadata, **options)
+    caches = (k_cache.clone(), v_cache.clone())
+    got = cached_attention_triton(q, k, v, *caches, *metadata, **options, num_decode_splits=num_decode_splits)
+    assert got.dtype == q.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+    for written, expected_cache in zip(caches, expected_caches):
+        torch.testing.assert_close(written, expected_cache, atol=0, rtol=0, equal_nan=True)
+
+
+def test_single_prefill():
+    assert_matches_reference(paged_batch([(7, 7)]))
+
+
+def test_prefills_of_different_lengths():
+    # 70 tokens: two query blocks, and key tiles that every query of a block sees (the unmasked path).
+    assert_matches_reference(paged_batch([(5, 5), (19, 19), (1, 1), (70, 70)]))
+
+
+def test_chunked_prefill_after_a_cached_prefix():
+    # A later chunk or a prefix-cache hit: the chunk's queries start at kv_len - q_len.
+    assert_matches_reference(paged_batch([(6, 150), (3, 12), (40, 41), (1, 9)]))
+
+
+@pytest.mark.parametrize("num_decode_splits", [None, 1, 3, 5])
+def test_decode_batch(num_decode_splits):
+    # Five splits of 64 keys over at most 200: the last is empty for every sequence, and most are for short ones.
+    assert_matches_reference(paged_batch(decodes=[1, 8, 17, 200]), num_decode_splits=num_decode_splits)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("num_decode_splits", [1, 2])
+def test_mixed_batch_with_gqa(group, num_decode_splits):
+    batch = paged_batch([(9, 9), (4, 90)], [33, 5, 130], q_heads=2 * group, kv_heads=2)
+    assert_matches_reference(batch, num_decode_splits=num_decode_splits)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 1000])
+def test_sliding_window(window):
+    batch = paged_batch([(70, 70), (6, 150)], [200, 7], q_heads=4, kv_heads=2)
+    assert_matches_reference(batch, sliding_window=window, num_decode_splits=3)
+
+
+def test_logit_cap():
+    batch = paged_batch([(20, 20), (5, 40)], [70, 3])
+    q, *rest = batch
+    assert_matches_reference((q * 4, *rest), logit_cap=2.5)  # larger logits, so the cap bites
+
+
+@pytest.mark.parametrize("num_decode_splits", [1, 3])
+def test_sinks(num_decode_splits):
+    batch = paged_batch([(20, 20), (5, 40)], [150, 3], q_heads=4, kv_heads=2)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE)
+    assert_matches_reference(batch, sinks=sinks, num_decode_splits=num_decode_splits)
+
+
+def test_window_cap_sinks_and_gqa_together():
+    batch = paged_batch([(13, 13), (9, 100)], [150, 2], q_heads=8, kv_heads=2, block_size=16)
+    sinks = torch.linspace(-2, 2, 8, device=DEVICE)
+    assert_matches_reference(batch, sliding_window=24, logit_cap=3.0, sinks=sinks, num_decode_splits=2)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_gpu_for_bfloat16), torch.float16])
+def test_half_precision(dtype):
+    batch = paged_batch([(20, 20), (5, 40)], [150, 3], q_heads=4, kv_heads=2, dtype=dtype)
+    assert_matches_reference(batch, atol=2e-2, sinks=torch.zeros(4, device=DEVICE), num_decode_splits=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="only the interpreter gets bfloat16 dots wrong")
+def test_interpreter_refuses_bfloat16():
+    with pytest.raises(ValueError, match="bfloat16"):
+        cached_attention_triton(*paged_batch([(3, 3)], dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("head_dim, value_dim", [(80, 80), (32, 16), (16, 48)])
+def test_head_dims(head_dim, value_dim):
+    batch = paged_batch([(9, 20)], [30], head_dim=head_dim, value_dim=value_dim)
+    assert_matches_reference(batch, num_decode_splits=2)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_block_sizes(block_size):
+    assert_matches_reference(paged_batch([(10, 45)], [70], block_size=block_size), num_decode_splits=2)
+
+
+def test_strided_queries():
+    # q, k and v as slices of one fused projection: their token and head strides are not their shapes'.
+    q, k, v, *rest = paged_batch([(9, 20)], [30], q_heads=4, kv_heads=2)
+    fused = torch.cat((q.flatten(2), k.flatten(2), v.flatten(2)), dim=-1)
+    q, k, v = (part.unflatten(2, (-1, 16)) for part in fused.split([64, 32, 32], dim=-1))
+    assert not q.is_contiguous()
+    assert_matches_reference((q, k, v, *rest))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(head_dim=512), "head dims up to 256"),
+        (dict(block_size=12), "power of 2"),
+        (dict(dtype=torch.float64), "dtype"),
+    ],
+)
+def test_unsupported_inputs_raise(change, message):
+    batch = paged_batch([(3, 3)], **change)
+    with pytest.raises(ValueError, match=message):
+        cached_attention_triton(*batch)
+
+
+def test_offered_as_a_backend_of_cached_attention():
+    backend = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "triton")
+    q, k, v, k_cache, v_cache, *metadata = paged_batch([(5, 12)], [9])
+    expected = cached_attention_reference(q, k, v, k_cache.clone(), v_cache.clone(), *metadata)
+    torch.testing.assert_close(backend.fn(q, k, v, k_cache, v_cache, *metadata), expected, atol=1e-4, rtol=1e-4)
+
+
+@gpu_only
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_production_shapes(head_dim, block_size):
+    # Long contexts with few decodes: the split count comes from the heuristic (several splits here).
+    batch = paged_batch(
+        [(300, 300), (128, 1100), (1, 40)], [5000, 37, 1], q_heads=16, kv_heads=4,
+        head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16,
+    )
+    sinks = torch.randn(16, device=DEVICE)
+    assert_matches_reference(batch, atol=2e-2)
+    assert_matches_reference(batch, atol=2e-2, sliding_window=512, sinks=sinks)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_production_dtypes(dtype):
+    batch = paged_batch(
+        [(513, 700)], [3000, 4000, 10], q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=dtype
+    )
+    assert_matches_reference(batch, atol=1e-4 if dtype == torch.float32 else 2e-2, logit_cap=30.0)
