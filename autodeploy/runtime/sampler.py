@@ -1,35 +1,201 @@
-"""Turn a batch of last-position logits into next tokens, each row with its own SamplingParams."""
+"""Pick one next token for each row of a batch, each row with its own SamplingParams, on the logits' device.
+
+``sample`` runs every step of every request through the same tensor ops, so a batch of 256 rows costs
+one pass over ``[256, vocab]`` and one device→host copy, not 256 of each. Its randomness is a
+counter-based hash of (seed, step, token index), so a seeded request draws the same tokens whatever
+shares its batch and whatever anything else did to the device's global RNG.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from autodeploy.runtime.sampling_params import SamplingParams
 
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) what top-k and nucleus (top-p) filtering exclude; ``logits`` is 1-D."""
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the tokens before it already reach top_p (the top token always stays).
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p
-        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-    return logits
+_MASK32 = 0xFFFFFFFF
+# Token ids travel back to the host in the float32 result tensor, exact only up to 2**24.
+_MAX_VOCAB = 2**24
 
 
-def sample_next_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """``logits``: [batch, vocab]. Greedy rows take the argmax; sampled rows draw from their own generator."""
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, generator) in enumerate(zip(params, generators)):
-        if p.temperature == 0:
-            continue
-        filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
-        tokens[row] = int(torch.multinomial(filtered.softmax(-1), 1, generator=generator))
-    return tokens
+@dataclass
+class SamplingRow:
+    """One sample's state as the sampler needs it."""
+
+    params: SamplingParams
+    seed: int  # this sample's resolved seed (the engine draws one for unseeded requests)
+    step: int  # tokens this sample generated so far: the RNG counter
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SampleResult:
+    """One entry per row. Log-probabilities are of the model's raw distribution (before penalties and temperature)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]  # the chosen token's logprob; None where the row did not ask for logprobs
+    top_logprobs: list[dict[int, float] | None]  # the row's top-``logprobs`` tokens → logprob; None likewise
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    """Choose the next token of every row: penalties → greedy argmax or temperature, top-k, top-p, min-p and a draw.
+
+    ``logits`` is ``[len(rows), vocab]``, any float dtype, any device; the work happens there in
+    float32. Requested log-probabilities are ``log_softmax`` of the raw logits in float32, so they
+    describe the model, not the filtered distribution the token was drawn from.
+
+    >>> row = SamplingRow(SamplingParams(temperature=0, logprobs=1), seed=0, step=0, prompt_token_ids=[0], output_token_ids=[])
+    >>> result = sample(torch.tensor([[0.0, 2.0, 1.0]]), [row])
+    >>> result.token_ids, list(result.top_logprobs[0])
+    ([1], [1])
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
+    if logits.shape[1] > _MAX_VOCAB:
+        raise ValueError(f"vocabulary of {logits.shape[1]} tokens is larger than the sampler supports ({_MAX_VOCAB})")
+    if all(_is_plain_greedy(row.params) for row in rows):
+        return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(rows), [None] * len(rows))
+
+    raw = logits.float()
+    penalized = _apply_penalties(raw, rows)
+    tokens = penalized.argmax(dim=-1)
+    drawing = [i for i, row in enumerate(rows) if row.params.temperature > 0]
+    if drawing:
+        index = torch.tensor(drawing, device=logits.device)
+        tokens = tokens.index_copy(0, index, _draw(penalized.index_select(0, index), [rows[i] for i in drawing]))
+    return _to_host(raw, tokens, rows)
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return params.temperature == 0 and params.logprobs is None and not _has_penalty(params)
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty on prompt + output tokens (HF), then presence/frequency on output tokens (OpenAI)."""
+    penalized = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+    if not penalized:
+        return logits
+    vocab = logits.shape[1]
+    # Rows without a repetition penalty only need their output tokens; prompts come first in each row.
+    prompts = [rows[i].prompt_token_ids if rows[i].params.repetition_penalty != 1 else [] for i in penalized]
+    sequences = [
+        torch.tensor(list(prompt) + list(rows[i].output_token_ids), dtype=torch.long) for i, prompt in zip(penalized, prompts)
+    ]
+    # One padded [rows, length] host→device copy; padding points at an extra column `vocab` that is cut off.
+    token_ids = pad_sequence(sequences, batch_first=True, padding_value=vocab).to(logits.device)
+    prompt_lengths = torch.tensor([len(prompt) for prompt in prompts]).to(logits.device)
+    is_output = (torch.arange(token_ids.shape[1], device=logits.device) >= prompt_lengths[:, None]).float()
+    seen = torch.zeros(len(penalized), vocab + 1, dtype=torch.bool, device=logits.device).scatter_(1, token_ids, True)[:, :vocab]
+    counts = torch.zeros(len(penalized), vocab + 1, device=logits.device).scatter_add_(1, token_ids, is_output)[:, :vocab]
+
+    repetition, presence, frequency = _row_columns(
+        [rows[i].params for i in penalized], ("repetition_penalty", "presence_penalty", "frequency_penalty"), logits.device
+    )
+    index = torch.tensor(penalized, device=logits.device)
+    values = logits.index_select(0, index)
+    values = torch.where(seen, torch.where(values < 0, values * repetition, values / repetition), values)
+    values = values - presence * (counts > 0) - frequency * counts
+    return logits.index_copy(0, index, values)
+
+
+def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Gumbel-max over the tokens that temperature, top-k, top-p and min-p keep: one token per row."""
+    temperature, top_k, top_p, min_p = _row_columns(
+        [row.params for row in rows], ("temperature", "top_k", "top_p", "min_p"), logits.device
+    )
+    # Shifting by the row max keeps every value ≤ 0, so a tiny temperature gives -inf, never inf - inf.
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    dropped = scaled < torch.log(min_p)  # p < min_p · p_max  ⇔  log p - log p_max < log min_p
+    sorting = [i for i, row in enumerate(rows) if row.params.top_k > 0 or row.params.top_p < 1]
+    if sorting:
+        index = torch.tensor(sorting, device=logits.device)
+        top_dropped = _top_k_top_p_dropped(scaled.index_select(0, index), top_k[index], top_p[index])
+        dropped = dropped.index_copy(0, index, dropped.index_select(0, index) | top_dropped)
+    noise = _gumbel_noise(rows, logits.shape[1], logits.device)
+    return (scaled.masked_fill(dropped, float("-inf")) + noise).argmax(dim=-1)
+
+
+def _top_k_top_p_dropped(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens top-k, then nucleus filtering of what top-k left, drop. ``top_k`` 0 / ``top_p`` 1 are off.
+
+    Both go by rank in a stable descending sort, so ties are broken like ``argmax`` (lowest index
+    first) and ``top_k=1`` keeps exactly the greedy token.
+    """
+    vocab = scaled.shape[1]
+    sorted_values, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=scaled.device)
+    dropped_sorted = rank >= torch.where(top_k > 0, top_k, vocab)
+    probabilities = sorted_values.masked_fill(dropped_sorted, float("-inf")).softmax(dim=-1)
+    # A token goes when the more likely tokens already reach top_p, so the top token always stays. Rows
+    # with top_p = 1 skip this: a float32 cumsum can round past 1 and would drop their tail.
+    before = probabilities.cumsum(dim=-1) - probabilities
+    dropped_sorted |= (before >= top_p) & (top_p < 1)
+    return torch.empty_like(dropped_sorted).scatter_(1, order, dropped_sorted)
+
+
+def _gumbel_noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[len(rows), vocab]``, a pure function of each row's (seed, step) and the token index.
+
+    The token index is hashed once per call (1-D); the ``[rows, vocab]`` work is one hash of that
+    with the row's key. Uniforms have 23 random bits, so the noise lies in about [-2.8, 16.6]: a
+    token whose logit/T is more than ~19 below the best (probability < 4e-9) is never drawn.
+    """
+    keys = torch.tensor([_row_key(row.seed, row.step) for row in rows], device=device)
+    token_hashes = _mix32(torch.arange(vocab, device=device) ^ 0x9E3779B9)
+    bits = _mix32(token_hashes ^ keys[:, None])
+    uniform = ((bits >> 9).float() + 0.5) * 2.0**-23  # in [2^-24, 1 - 2^-24]: both logs stay finite
+    return -torch.log(-torch.log(uniform))
+
+
+def _row_key(seed: int, step: int) -> int:
+    """A 32-bit key from all 64 bits of the seed and the step."""
+    seed &= 2**64 - 1
+    return _mix32(_mix32(_mix32(step & _MASK32) ^ (seed & _MASK32)) ^ (seed >> 32))
+
+
+def _mix32(x):
+    """A 32-bit integer hash (a bijection on [0, 2^32)), on Python ints or int64 tensors alike.
+
+    Every product stays below 2^32 · 0x45d9f3b < 2^59, so int64 never overflows.
+    """
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _row_columns(params: list[SamplingParams], names: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One ``[rows, 1]`` float32 column per named field, copied to the device in one go."""
+    table = torch.tensor([[float(getattr(p, name)) for name in names] for p in params]).to(device)
+    return tuple(table[:, i : i + 1] for i in range(len(names)))
+
+
+def _to_host(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    """Gather tokens and any requested log-probabilities into one float32 tensor and copy it to the host once."""
+    count = len(rows)
+    wanting = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanting:
+        return SampleResult(tokens.tolist(), [None] * count, [None] * count)
+    top = max(rows[i].params.logprobs for i in wanting)
+    index = torch.tensor(wanting, device=raw.device)
+    logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
+    chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])
+    best = logprobs.topk(top, dim=-1)
+    extra = torch.zeros(count, 1 + 2 * top, device=raw.device)
+    extra = extra.index_copy(0, index, torch.cat([chosen, best.indices.float(), best.values], dim=1))
+    host = torch.cat([tokens.float()[:, None], extra], dim=1).tolist()
+
+    token_ids = [int(values[0]) for values in host]
+    chosen_logprobs: list[float | None] = [None] * count
+    top_logprobs: list[dict[int, float] | None] = [None] * count
+    for i in wanting:
+        values, wanted = host[i], rows[i].params.logprobs
+        chosen_logprobs[i] = values[1]
+        top_logprobs[i] = {int(token): value for token, value in zip(values[2 : 2 + wanted], values[2 + top : 2 + top + wanted])}
+    return SampleResult(token_ids, chosen_logprobs, top_logprobs)
