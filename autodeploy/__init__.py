@@ -13,12 +13,15 @@ from autodeploy.export import register_export_patch
 from autodeploy.custom_ops import register_op
 from autodeploy.patterns import register_pattern
 from autodeploy.models import factory as _factory, load_weights as _load_weights  # noqa: F401  (register transforms)
-from autodeploy.runtime.outputs import RequestOutput
+from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.llm import LLM
+from autodeploy.runtime.async_llm import AsyncLLM
 from autodeploy.api import autodeploy, deployment_settings
 
 __all__ = [
+    "AsyncLLM",
+    "CompletionOutput",
     "LLM",
     "RequestOutput",
     "SamplingParams",

@@ -28,6 +28,28 @@ WEIGHTS = ("checkpoint", "random")
 
 
 @dataclass
+class KVCacheSettings:
+    """The paged KV cache. Its size: ``num_blocks`` if set; else on GPU ``memory_fraction`` of the memory
+    left after the weights and a warm-up forward's activations; on CPU ``cpu_bytes``. Never more than
+    ``max_batch_size`` sequences of ``max_seq_len`` tokens need (plus what the prefix cache can use on GPU)."""
+
+    block_size: int = 16  # tokens per block
+    memory_fraction: float = 0.9
+    cpu_bytes: int = 1 << 30
+    num_blocks: Optional[int] = None
+    prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerSettings:
+    """In-flight batching: at most ``max_num_tokens`` new tokens per forward (prompts longer than that
+    are prefilled in chunks when ``chunked_prefill``); ``max_batch_size`` caps the sequences."""
+
+    max_num_tokens: int = 2048
+    chunked_prefill: bool = True
+
+
+@dataclass
 class DeploySettings:
     """Top-level settings. ``auto`` values are resolved from the model and hardware (see auto_settings)."""
 
@@ -42,6 +64,8 @@ class DeploySettings:
     trust_remote_code: bool = False
     backends: List[str] = field(default_factory=list)  # kernel backends; empty = all usable on the device
     dump_graphs: Optional[str] = None  # folder: write the graph after every transform
+    kv_cache: KVCacheSettings = field(default_factory=KVCacheSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     transforms: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -161,6 +185,15 @@ def _check_choices(settings: DictConfig) -> None:
         raise ConfigError(f"max_batch_size must be ≥ 1, got {settings.max_batch_size}")
     if settings.max_seq_len is not None and settings.max_seq_len < 1:
         raise ConfigError(f"max_seq_len must be ≥ 1, got {settings.max_seq_len}")
+    kv = settings.kv_cache
+    if kv.block_size < 1 or kv.block_size & (kv.block_size - 1):
+        raise ConfigError(f"kv_cache.block_size must be a power of two (e.g. 16), got {kv.block_size}")
+    if not 0 < kv.memory_fraction <= 1:
+        raise ConfigError(f"kv_cache.memory_fraction must be in (0, 1], got {kv.memory_fraction}")
+    if kv.cpu_bytes < 1 or (kv.num_blocks is not None and kv.num_blocks < 1):
+        raise ConfigError(f"kv_cache.cpu_bytes and kv_cache.num_blocks must be ≥ 1, got {kv.cpu_bytes} and {kv.num_blocks}")
+    if settings.scheduler.max_num_tokens < 1:
+        raise ConfigError(f"scheduler.max_num_tokens must be ≥ 1, got {settings.scheduler.max_num_tokens}")
 
 
 def transform_configs(settings: DictConfig) -> dict[str, TransformConfig]:

@@ -120,11 +120,12 @@ class Pipeline:
 
 def format_report(records: list[TransformRecord], top_ops: int = 8) -> str:
     """A human table: one line per transform, then the op histogram after each stage."""
-    lines = [f"{'transform':<22}{'stage':<14}{'time (s)':>9}{'matches':>9}{'nodes':>15}  notes"]
+    width = max([len("transform")] + [len(r.name) for r in records]) + 2
+    lines = [f"{'transform':<{width}}{'stage':<14}{'time (s)':>9}{'matches':>9}{'nodes':>15}  notes"]
     for r in records:
         nodes = f"{r.nodes_before if r.nodes_before is not None else '-'}→{r.nodes_after if r.nodes_after is not None else '-'}"
-        lines.append(f"{r.name:<22}{r.stage:<14}{r.seconds:>9.3f}{r.matches:>9}{nodes:>15}  {r.notes}")
-    lines.append(f"{'total':<36}{sum(r.seconds for r in records):>9.3f}")
+        lines.append(f"{r.name:<{width}}{r.stage:<14}{r.seconds:>9.3f}{r.matches:>9}{nodes:>15}  {r.notes}")
+    lines.append(f"{'total':<{width + 14}}{sum(r.seconds for r in records):>9.3f}")
     last_by_stage: dict[str, TransformRecord] = {}
     for r in records:
         last_by_stage[r.stage] = r

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from autodeploy import autodeploy  # noqa: E402
 from autodeploy.transforms.match_report import match_report  # noqa: E402
 from tests.coverage_models import coverage_architectures, eager_reference_model  # noqa: E402
-from tests.logit_comparison import max_logit_diff  # noqa: E402
+from tests.logit_comparison import deployed_max_logit_diff  # noqa: E402
 
 SHAPES = ((1, 1, 0), (2, 9, 0), (3, 17, 0))
 
@@ -28,6 +28,6 @@ for arch in coverage_architectures():
     counts = {c.kind: f"{c.found}/{c.expected}" for c in report.counts}
     ropes = sum(1 for n in llm.graph.graph.nodes if n.target is __import__("torch").ops.autodeploy.rope.default)
     seconds = sum(r.seconds for r in llm.records if r.stage == "match")
-    diff = max_logit_diff(reference, llm.graph, SHAPES)
+    diff = deployed_max_logit_diff(reference, llm, SHAPES)
     cells = [counts.get(kind, "–") for kind in ("attention", "norm", "mlp", "moe")]
     print(f"| {arch} | {' | '.join(cells)} | {ropes} | {diff:.1e} | {seconds:.3f} |")

@@ -7,7 +7,7 @@ import torch
 from autodeploy import autodeploy
 from autodeploy.transforms.match_report import match_report
 from tests.coverage_models import KNOWN_UNMATCHED, coverage_architectures, eager_reference_model
-from tests.logit_comparison import max_logit_diff
+from tests.logit_comparison import deployed_max_logit_diff
 
 SHAPES = ((1, 1, 0), (2, 9, 0), (3, 17, 0))  # 9 and 17 exceed the tiny sliding windows
 
@@ -39,4 +39,4 @@ def test_every_layer_is_canonical(deployed):
 
 def test_logits_equal_hf_eager(deployed):
     arch, reference, llm = deployed
-    assert max_logit_diff(reference, llm.graph, SHAPES) <= 1e-5, arch
+    assert deployed_max_logit_diff(reference, llm, SHAPES) <= 1e-5, arch

@@ -246,10 +246,10 @@ def test_user_transform_from_yaml_runs_in_its_stage_with_its_typed_option(tmp_pa
 
 
 def test_keyword_override_disables_a_default_transform(llama_dir, llama_llm):
-    llm = autodeploy(str(llama_dir), device="cpu", transforms={"cleanup_noop": {"enabled": False}})
+    llm = autodeploy(str(llama_dir), device="cpu", transforms={"cleanup_transposes": {"enabled": False}})
     names = [r.name for r in llm.records]
-    assert "cleanup_noop" in [r.name for r in llama_llm.records] and "cleanup_noop" not in names
-    assert names == [r.name for r in llama_llm.records if r.name != "cleanup_noop"]
+    assert "cleanup_transposes" in [r.name for r in llama_llm.records] and "cleanup_transposes" not in names
+    assert names == [r.name for r in llama_llm.records if r.name != "cleanup_transposes"]
     torch.testing.assert_close(llm.logits([PROMPT_IDS])[0], llama_llm.logits([PROMPT_IDS])[0])
 
 

@@ -33,7 +33,7 @@ def test_readme_pattern_example_registers_and_runs_by_name(llama_dir):
 
     exec(_python_block("Adding a pattern"), {})
     try:
-        llm = autodeploy(str(llama_dir), device="cpu", transforms={"match_patterns": {"patterns": ["norm", "my_silu_as_sigmoid"]}})
+        llm = autodeploy(str(llama_dir), device="cpu", transforms={"match_patterns": {"patterns": ["rope", "attention", "norm", "my_silu_as_sigmoid"]}})
         ops = [r for r in llm.records if r.name == "match_patterns"][0].ops_after
         assert "aten.sigmoid" in ops and "aten.silu" not in ops and "autodeploy.rms_norm" in ops
     finally:

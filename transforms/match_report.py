@@ -30,18 +30,23 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.*)
+from autodeploy.custom_ops import canonical_ops
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
-_OPS = torch.ops.autodeploy
-CANONICAL_OPS: dict[str, tuple] = {
-    "attention": (_OPS.attention.default,),
-    "norm": (_OPS.rms_norm.default, _OPS.layer_norm.default),
-    "mlp": (_OPS.gated_mlp.default, _OPS.mlp.default),
-    "moe": (_OPS.moe.default,),
+CANONICAL_OPS: dict[str, tuple[str, ...]] = {
+    "attention": ("attention", "cached_attention"),
+    "norm": ("rms_norm", "layer_norm"),
+    "mlp": ("gated_mlp", "mlp"),
+    "moe": ("moe",),
 }
+
+
+def _targets(op_names: tuple[str, ...]) -> set:
+    """Node targets that count as these canonical ops: the ops and every backend kernel offered for them."""
+    registry = canonical_ops()
+    return {target for name in op_names for target in (registry[name].op, *(b.fn for b in registry[name].backends))}
 MODULE_SUFFIXES: dict[str, tuple[str, ...]] = {
     "attention": ("Attention",),
     "norm": ("RMSNorm", "LayerNorm"),
@@ -129,14 +134,15 @@ def match_report(gm: GraphModule, hf_config: Any | None = None) -> MatchReport:
     found = {kind: 0 for kind in CANONICAL_OPS}
     seen: dict[str, set[str]] = {kind: set() for kind in CANONICAL_OPS}
     matched: dict[str, set[str]] = {kind: set() for kind in CANONICAL_OPS}
+    targets = {kind: _targets(names) for kind, names in CANONICAL_OPS.items()}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        for kind, ops in CANONICAL_OPS.items():
+        for kind in CANONICAL_OPS:
             module = _owning_module(node, kind)
             if module is not None:
                 seen[kind].add(module)
-            if node.target in ops:
+            if node.target in targets[kind]:
                 found[kind] += 1
                 if module is not None:
                     matched[kind].add(module)

@@ -68,12 +68,14 @@ class TransformContext:
 
     ``settings`` are the resolved deployment settings (device, dtype, max_seq_len, ...);
     ``model_factory`` is opaque to graph passes (only factory/export/load_weights use it);
-    ``graph_inputs`` names the executable graph's inputs, in order, as the runtime fills them.
+    ``graph_inputs`` names the executable graph's inputs, in order, as the runtime fills them;
+    ``kv_caches`` lists the KV cache pairs among them (``KVCacheSpec``), declared by the cache stage.
     """
 
     settings: Any
     model_factory: Any = None
     graph_inputs: tuple[str, ...] = ()
+    kv_caches: tuple[Any, ...] = ()
     state: dict[str, Any] = field(default_factory=dict)
 
 

@@ -99,7 +99,7 @@ def export_to_graph_module(
 
 def export_causal_lm(
     model: nn.Module,
-    max_batch_size: int,
+    max_num_tokens: int,
     max_seq_len: int,
     patches: list[str] = (),
     strict: bool = False,
@@ -109,8 +109,10 @@ def export_causal_lm(
     # DYNAMIC hints rather than named Dims: a guard that holds for every size but that a torch
     # release cannot prove (torch 2.11 cannot prove min(16*s, 32*s) == 16*s for HF's SDPA path)
     # becomes a runtime check instead of an export failure; the dims stay symbolic either way.
-    batch = torch.export.Dim.DYNAMIC(min=1, max=max(max_batch_size, 2))
-    seq = torch.export.Dim.DYNAMIC(min=1, max=max(max_seq_len, 2))
+    # The served graph takes every scheduled token in one row ([1, tokens]), so the batch dim has no
+    # useful bound, and the token dim can exceed one sequence's max_seq_len.
+    batch = torch.export.Dim.DYNAMIC(min=1)
+    seq = torch.export.Dim.DYNAMIC(min=1, max=max(max_seq_len, max_num_tokens, 2))
     # Example sizes above 1 so export does not specialise the dynamic dims to 1; real positions
     # (not zeros) because HF mask builders derive packed-sequence masks from them.
     input_ids = torch.zeros((2, 4), dtype=torch.long, device=device)
@@ -134,6 +136,6 @@ class ExportToFX(Transform):
 
     def apply(self, module: nn.Module, context) -> TransformResult:
         settings = context.settings
-        gm = export_causal_lm(module, settings.max_batch_size, settings.max_seq_len, self.config.patches, self.config.strict)
+        gm = export_causal_lm(module, settings.scheduler.max_num_tokens, settings.max_seq_len, self.config.patches, self.config.strict)
         context.graph_inputs = CAUSAL_LM_INPUTS
         return TransformResult(changed=True, module=gm, notes=f"inputs: {', '.join(CAUSAL_LM_INPUTS)}")

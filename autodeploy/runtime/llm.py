@@ -1,29 +1,32 @@
-"""``LLM``: the deployed model. This first runtime re-runs each sequence's full context every step."""
+"""``LLM``: the deployed model — ``generate`` a batch, ``stream`` one prompt, read ``logits``.
+
+Everything runs through one :class:`~autodeploy.runtime.engine.Engine` (paged KV cache, in-flight
+batching), so a ``stream`` and a ``generate`` started from different threads share batches. For asyncio
+servers see :class:`~autodeploy.runtime.async_llm.AsyncLLM`.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
 import torch
 from torch import fx
 from tqdm import tqdm
 
+from autodeploy.custom_ops.cached_attention import KVCacheSpec
 from autodeploy.errors import InvalidRequestError
 from autodeploy.pipeline import TransformRecord, format_report
-from autodeploy.runtime.graph_inputs import build_graph_inputs
+from autodeploy.runtime.engine import Engine, Prompt
 from autodeploy.runtime.outputs import RequestOutput
-from autodeploy.runtime.sampler import sample_next_tokens
 from autodeploy.runtime.sampling_params import SamplingParams
-from autodeploy.runtime.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
-
 
 class LLM:
-    """A deployed model: ``generate`` text, inspect the pipeline that built it.
+    """A deployed model: ``generate`` text, ``stream`` it, inspect the pipeline that built it.
 
     >>> from autodeploy import autodeploy, SamplingParams
     >>> llm = autodeploy()                                         # the embedded demo model
@@ -38,107 +41,121 @@ class LLM:
         tokenizer=None,
         eos_token_ids: SequenceABC[int] = (),
         records: list[TransformRecord] | None = None,
+        kv_caches: SequenceABC[KVCacheSpec] = (),
     ):
         self.graph = graph
         self.graph_inputs = graph_inputs
         self.settings = settings
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids)
         self.records = records or []
         self.device = torch.device(settings.device)
         self.vocab_size = self._graph_vocab_size()
+        self._eos_token_ids = list(eos_token_ids)
+        self._kv_caches = tuple(kv_caches)
+        self._engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The serving engine, built on first use (it sizes and allocates the KV cache)."""
+        if self._engine is None:
+            if self.device.type == "meta":
+                raise InvalidRequestError(
+                    "this model was deployed on the meta device (no weights); deploy with device='cpu' or 'cuda' to generate"
+                )
+            if not self._kv_caches:
+                raise InvalidRequestError(
+                    "this graph has no KV cache (the insert_cached_attention transform is disabled); enable it to generate"
+                )
+            self._engine = Engine(
+                self.graph, self.graph_inputs, self._kv_caches, self.settings, self.tokenizer, self._eos_token_ids, self.vocab_size
+            )
+        return self._engine
 
     def pipeline_report(self) -> str:
         """Time, matches and node counts of every transform that built this model, and op histograms."""
         return format_report(self.records)
 
-    @torch.inference_mode()
     def logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:
-        """Logits ``[len(seq), vocab]`` (on the CPU) for every position of each token sequence, in one forward."""
-        self._require_weights()
-        batch = build_graph_inputs(self.graph_inputs, sequences, self.device)
-        out = self.graph(*batch.inputs.values())
-        return [out[row, : len(tokens)].cpu() for row, tokens in enumerate(sequences)]
+        """Logits ``[len(seq), vocab]`` (on the CPU) for every position of each token sequence."""
+        engine = self.engine
+        return [engine.prompt_logits(engine.tokenize(tokens)).cpu() for tokens in sequences]
 
     def generate(
-        self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        priority: int | list[int] = 0,
     ) -> list[RequestOutput]:
-        """Generate a completion for each prompt (text or token ids); outputs keep the prompts' order."""
-        sequences = self._make_sequences(prompts, params)
-        self._require_weights()
-        with torch.inference_mode():
-            for start in range(0, len(sequences), self.settings.max_batch_size):
-                self._run_to_completion(sequences[start : start + self.settings.max_batch_size])
-        return [s.output() for s in sequences]
+        """Generate a completion for each prompt (text or token ids); outputs keep the prompts' order.
 
-    def _run_to_completion(self, sequences: list[Sequence]) -> None:
-        active = list(sequences)
-        total = max(s.params.max_tokens for s in active)
-        with tqdm(total=total, desc="generating", unit="step", leave=False, mininterval=2.0, disable=None) as bar:
-            while active:
-                batch = build_graph_inputs(self.graph_inputs, [s.token_ids for s in active], self.device)
-                logits = self.graph(*batch.inputs.values())
-                last = logits[torch.arange(len(active), device=self.device), batch.last_positions]
-                tokens = sample_next_tokens(last, [s.params for s in active], [s.generator for s in active])
-                for sequence, token in zip(active, tokens):
-                    sequence.append(token, self.tokenizer)
-                active = [s for s in active if s.finish_reason is None]
-                bar.update(1)
+        Every request is validated before any runs: one bad prompt or parameter raises
+        ``InvalidRequestError`` and nothing is queued.
+        """
+        prompts = self._prompt_list(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        priorities = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        for what, given in (("SamplingParams", params_list), ("priorities", priorities)):
+            if len(given) != len(prompts):
+                raise InvalidRequestError(f"got {len(given)} {what} for {len(prompts)} prompts; pass one or one per prompt")
+        engine = self.engine
+        requests = []
+        for index, (prompt, p, rank) in enumerate(zip(prompts, params_list, priorities)):
+            try:
+                requests.append(engine.make_request(prompt, p, priority=rank))
+            except InvalidRequestError as error:
+                raise InvalidRequestError(f"prompt {index}: {error}") from None
+        try:
+            for request in requests:
+                engine.submit(request)
+            total = sum(r.params.max_tokens for r in requests)
+            with tqdm(total=total, desc="generating", unit="tok", leave=False, mininterval=2.0, disable=None) as bar:
+                pending = {r.request_id for r in requests}
+                while pending:
+                    for request in engine.step():
+                        if request.request_id in pending and request.finished:
+                            pending.discard(request.request_id)
+                            bar.update(request.params.max_tokens)
+                    if not engine.has_unfinished():
+                        break
+        except BaseException:
+            for request in requests:
+                engine.abort(request.request_id)
+            raise
+        return [r.output(self.tokenizer) for r in requests]
 
-    def _make_sequences(self, prompts, params) -> list[Sequence]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> Iterator[RequestOutput]:
+        """Yield the request's output each time it gets new tokens (``outputs[i].new_text`` /
+        ``new_token_ids`` hold the new part); the last one has ``finished=True``. Closing the iterator
+        early cancels the request.
+
+        >>> for chunk in llm.stream("def add(a, b):", SamplingParams(max_tokens=8)):  # doctest: +SKIP
+        ...     print(chunk.outputs[0].new_text, end="", flush=True)
+        """
+        engine = self.engine
+        request = engine.add_request(prompt, params, priority=priority)
+        try:
+            while True:
+                changed = engine.step()
+                if any(r is request for r in changed):
+                    output = request.output(self.tokenizer, streaming=True)
+                    yield output
+                    if output.finished:
+                        return
+                elif request.finished or not engine.has_unfinished():
+                    return
+        finally:
+            if not request.finished:
+                engine.abort(request.request_id)
+
+    def _prompt_list(self, prompts) -> list[Prompt]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
             raise InvalidRequestError("generate() needs at least one prompt (a string or a list of token ids)")
-        if params is None:
-            params = SamplingParams()
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise InvalidRequestError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
-        sequences = []
-        for index, (prompt, p) in enumerate(zip(prompts, params_list)):
-            if not isinstance(p, SamplingParams):
-                raise InvalidRequestError(f"params for prompt {index} must be SamplingParams, got {type(p).__name__}")
-            p.validate()
-            token_ids = self._tokenize(index, prompt)
-            limit = self.settings.max_seq_len
-            if len(token_ids) + p.max_tokens > limit:
-                raise InvalidRequestError(
-                    f"prompt {index} has {len(token_ids)} tokens and asks for max_tokens={p.max_tokens}: "
-                    f"{len(token_ids) + p.max_tokens} > max_seq_len={limit}; shorten the prompt or lower max_tokens"
-                )
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-            generator = None
-            if p.seed is not None and p.temperature > 0:
-                generator = torch.Generator(device=self.device).manual_seed(p.seed)
-            sequences.append(Sequence(prompt if isinstance(prompt, str) else None, token_ids, p, stops, generator))
-        return sequences
-
-    def _tokenize(self, index: int, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer files; pass tokenizer='…' to autodeploy() or give prompts as token ids"
-                )
-            token_ids = self.tokenizer(prompt).input_ids
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise InvalidRequestError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise InvalidRequestError(f"prompt {index} is empty (no tokens); give it some text")
-        vocab = self.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt {index} has token ids outside the vocabulary [0, {vocab}): {bad[:4]}")
-        return token_ids
+        return list(prompts)
 
     def _graph_vocab_size(self) -> int:
         output = next(n for n in self.graph.graph.nodes if n.op == "output")
         value = fx.node.map_aggregate(output.args, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
         logits = value[0][0] if isinstance(value[0], (list, tuple)) else value[0]
         return int(logits.shape[-1])
-
-    def _require_weights(self) -> None:
-        if self.device.type == "meta":
-            raise InvalidRequestError("this model was deployed on the meta device (no weights); deploy with device='cpu' or 'cuda' to generate")

@@ -41,7 +41,7 @@ CASES = [
 
 def _exported_and_cleaned(model: nn.Module):
     """What the pipeline hands the match stage: export with the default patches, then the cleanup passes."""
-    gm = export_causal_lm(model, max_batch_size=8, max_seq_len=64, patches=ExportConfig().patches)
+    gm = export_causal_lm(model, max_num_tokens=64, max_seq_len=64, patches=ExportConfig().patches)
     for name in CLEANUP_PASSES:
         run_transform(name, gm)
     return gm

@@ -44,7 +44,7 @@ def replace_moe_blocks(gm) -> int:
 def _exported_and_cleaned(model: nn.Module):
     """What the pipeline hands the match stage: export with the default patches (HF experts through
     ``batched_mm``), then the cleanup passes."""
-    gm = export_causal_lm(model, max_batch_size=8, max_seq_len=64, patches=ExportConfig().patches)
+    gm = export_causal_lm(model, max_num_tokens=64, max_seq_len=64, patches=ExportConfig().patches)
     for name in CLEANUP_PASSES:
         run_transform(name, gm)
     return gm

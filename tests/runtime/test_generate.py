@@ -1,14 +1,10 @@
-"""The first runtime: batching of different-length prompts, sampling parameters, stop conditions."""
+"""The runtime through LLM.generate: batching of different-length prompts, sampling parameters, stop conditions."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from autodeploy import SamplingParams, autodeploy
-from autodeploy.runtime.sampler import filter_logits, sample_next_tokens
 from tests.tiny_models import write_tiny_checkpoint
 
 
@@ -70,36 +66,10 @@ def test_stop_strings_cut_the_text(llm):
 
 def test_eos_stops_unless_ignored(llm):
     free = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
-    llm.eos_token_ids = {free.token_ids[1]}
+    llm.engine.eos_token_ids = {free.token_ids[1]}
     try:
         stopped = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=6, temperature=0))[0]
     finally:
-        llm.eos_token_ids = {2}
+        llm.engine.eos_token_ids = {2}
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[1]) + 1]
     assert stopped.finish_reason == "stop"
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    logits=st.lists(st.floats(-20, 20), min_size=2, max_size=40),
-    top_k=st.integers(0, 50),
-    top_p=st.floats(0.01, 1.0),
-)
-def test_filtering_keeps_a_most_likely_token_and_only_allowed_tokens(logits, top_k, top_p):
-    values = torch.tensor(logits, dtype=torch.float32)
-    kept = torch.isfinite(filter_logits(values, top_k, top_p))
-    assert (values[kept] == values.max()).any()
-    if 0 < top_k < len(logits):
-        kth = values.topk(top_k).values[-1]
-        assert not kept[values < kth].any()  # top-k: nothing below the k-th largest value survives
-    probabilities = values.softmax(-1)
-    # Nucleus: the kept set is the smallest prefix (by probability) reaching top_p, so dropping its
-    # least likely member must fall below top_p.
-    if top_k == 0 and kept.sum() > 1:
-        assert probabilities[kept].sum() - probabilities[kept].min() < top_p + 1e-6
-
-
-def test_sampler_greedy_rows_ignore_generators():
-    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
-    tokens = sample_next_tokens(logits, [SamplingParams(temperature=0), SamplingParams(temperature=0)], [None, None])
-    assert tokens == [1, 0]

@@ -11,7 +11,7 @@ from tests.transforms.cleanup_harness import CLEANUP_PASSES, call_targets, run_t
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_cleanup_keeps_hf_logits(arch):
     model = tiny_hf_model(arch)
-    gm = export_causal_lm(model, max_batch_size=8, max_seq_len=64)
+    gm = export_causal_lm(model, max_num_tokens=64, max_seq_len=64)
     nodes_before = len(gm.graph.nodes)
 
     matches = {name: run_transform(name, gm).matches for name in CLEANUP_PASSES}

@@ -35,7 +35,7 @@ def _run(name: str, gm, **options):
 
 def _exported(arch: str, dtype: torch.dtype = torch.float32):
     model = model_for(arch, dtype)
-    gm = export_causal_lm(model, max_batch_size=8, max_seq_len=64)
+    gm = export_causal_lm(model, max_num_tokens=64, max_seq_len=64)
     for name in CLEANUP_PASSES:
         run_transform(name, gm)
     return model, gm
@@ -118,13 +118,13 @@ def test_user_pattern_enabled_by_name_in_yaml_rewrites_the_deployed_graph(user_s
     from tests.tiny_models import tiny_hf_model
 
     config = tmp_path / "pipeline.yaml"
-    config.write_text(f"transforms:\n  match_patterns: {{patterns: [{user_silu_pattern}]}}\n  match_report: {{}}\n")
+    config.write_text(f"transforms:\n  match_patterns: {{patterns: [attention, {user_silu_pattern}]}}\n  match_report: {{}}\n")
 
     llm = autodeploy(str(tiny_checkpoint("llama")), config=config, device="cpu")
 
     records = {record.name: record for record in llm.records}
-    assert records["match_patterns"].stage == "match" and records["match_patterns"].notes == f"{user_silu_pattern}×2"
-    assert records["match_report"].notes.startswith("attention 0/2, norm 0/5, mlp 0/2 — unmatched: model.model.layers.0.input_layernorm")
+    assert records["match_patterns"].stage == "match" and records["match_patterns"].notes == f"attention_sdpa×2, {user_silu_pattern}×2"
+    assert records["match_report"].notes.startswith("attention 2/2, norm 0/5, mlp 0/2 — unmatched: model.model.layers.0.input_layernorm")
     targets = call_targets(llm.graph)
     assert targets["aten.sigmoid.default"] == 2 and "aten.silu.default" not in targets
     tokens = [5, 17, 42, 99, 3]

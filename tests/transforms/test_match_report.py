@@ -36,7 +36,7 @@ def test_expected_counts_equal_the_norm_mlp_and_moe_modules_hf_builds(arch):
 
 def test_report_names_what_is_left_unmatched():
     model = model_for("llama")
-    gm = export_causal_lm(model, max_batch_size=8, max_seq_len=64)
+    gm = export_causal_lm(model, max_num_tokens=64, max_seq_len=64)
     for name in CLEANUP_PASSES:
         run_transform(name, gm)
 

@@ -1,0 +1,172 @@
+"""``KVBlockPool``: which KV-cache blocks each sequence owns, with prefix caching.
+
+The device caches are ``num_blocks`` fixed-size blocks per layer; this pool only does the bookkeeping
+(block ids, reference counts, block tables), so it is the same on every device and cheap to test.
+Fixed-size blocks cannot fragment: any free block serves any sequence.
+
+Prefix caching: once a block is full of computed tokens, it is registered under a hash of *all* the
+tokens up to its end (the parent block's hash chained with its own tokens), so a later prompt with the
+same prefix reuses it instead of recomputing. Shared blocks are reference counted. A block whose last
+owner leaves keeps its contents and hash, parked in an LRU list; it is reused on a hit, or evicted
+(oldest first) only when no never-used block is left.
+
+    pool = KVBlockPool(num_blocks=64, block_size=16)
+    cached = pool.acquire_prefix("a", prompt)          # tokens whose K/V are already cached (a multiple of 16)
+    pool.reserve("a", len(prompt))                     # blocks for everything else, or False if none left
+    pool.register_full_blocks("a", prompt, len(prompt))   # after the forward wrote them
+    pool.free("a")
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    hit_tokens: int = 0  # of those, found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVBlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV block pool needs ≥ 1 block of ≥ 1 token; got {num_blocks} blocks of {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
+        self._ref_counts = [0] * num_blocks
+        self._never_used = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._parked: OrderedDict[int, None] = OrderedDict()  # free but still holding a cached prefix; LRU first
+        self._block_of_hash: dict[bytes, int] = {}
+        self._hash_of_block: dict[int, bytes] = {}
+        self._tables: dict[Hashable, list[int]] = {}
+        self._prefix_hash_cache: dict[Hashable, list[bytes]] = {}  # per sequence, hashes of its leading full blocks
+        self._published: dict[Hashable, int] = {}  # per sequence, leading blocks already in the prefix cache
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation can take (never used, or parked and evictable)."""
+        return len(self._never_used) + len(self._parked)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self._tables.get(seq_id, [])
+
+    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """How many more blocks ``seq_id`` needs to hold ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(self.block_table(seq_id)))
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def acquire_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Start ``seq_id``'s table with the cached blocks of its longest cached prefix; returns how many
+        tokens that covers. At least one token is always left to compute (its logits are needed), and a
+        block being shared is never written again."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks; free it first")
+        self._tables[seq_id] = []
+        if not self.enable_prefix_caching:
+            return 0
+        reusable_blocks = (len(token_ids) - 1) // self.block_size
+        self.stats.queried_tokens += len(token_ids)
+        table = self._tables[seq_id]
+        for block_hash in self._hashes(seq_id, token_ids, reusable_blocks):
+            block = self._block_of_hash.get(block_hash)
+            if block is None:
+                break
+            self._take(block)
+            table.append(block)
+        self._published[seq_id] = len(table)
+        cached = len(table) * self.block_size
+        self.stats.hit_tokens += cached
+        return cached
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> bool:
+        """Grow ``seq_id``'s table to hold ``num_tokens``; all or nothing (False when blocks run out)."""
+        needed = self.blocks_needed(seq_id, num_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        table = self._tables.setdefault(seq_id, [])
+        for _ in range(needed):
+            table.append(self._pop_free_block())
+        return True
+
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> int:
+        """Give ``child_id`` the parent's *full* blocks among its first ``num_tokens`` (shared, not copied);
+        returns the tokens covered. The child recomputes the rest, so no block is written by two owners."""
+        if child_id in self._tables:
+            raise ValueError(f"sequence {child_id!r} already holds blocks; free it first")
+        shared = self._tables[parent_id][: num_tokens // self.block_size]
+        for block in shared:
+            self._take(block)
+        self._tables[child_id] = list(shared)
+        return len(shared) * self.block_size
+
+    def register_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Publish ``seq_id``'s blocks that are now full of computed tokens to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[seq_id]
+        full = min(num_computed // self.block_size, len(table))
+        published = self._published.get(seq_id, 0)
+        if full <= published:
+            return
+        hashes = self._hashes(seq_id, token_ids, full)
+        for block, block_hash in zip(table[published:full], hashes[published:full]):
+            if block not in self._hash_of_block and block_hash not in self._block_of_hash:
+                # (the same prefix computed twice concurrently keeps the first copy)
+                self._block_of_hash[block_hash] = block
+                self._hash_of_block[block] = block_hash
+        self._published[seq_id] = full
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release ``seq_id``'s blocks (unknown ids are ignored, so freeing twice is harmless)."""
+        self._prefix_hash_cache.pop(seq_id, None)
+        self._published.pop(seq_id, None)
+        for block in reversed(self._tables.pop(seq_id, [])):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if block in self._hash_of_block:
+                    self._parked[block] = None  # most recently used last
+                else:
+                    self._never_used.append(block)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _take(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            del self._parked[block]
+        self._ref_counts[block] += 1
+
+    def _pop_free_block(self) -> int:
+        if self._never_used:
+            block = self._never_used.pop()
+        else:
+            block, _ = self._parked.popitem(last=False)  # evict the least recently used cached prefix
+            del self._block_of_hash[self._hash_of_block.pop(block)]
+        self._ref_counts[block] = 1
+        return block
+
+    def _hashes(self, seq_id: Hashable, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
+        """Hash of each of ``seq_id``'s first ``num_blocks`` blocks, chained so a hash names the whole
+        prefix; computed once per block. BLAKE2 rather than Python's ``hash``: a collision would silently
+        serve another prompt's cache."""
+        hashes = self._prefix_hash_cache.setdefault(seq_id, [])
+        size = self.block_size
+        for index in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else b""
+            block_tokens = array("q", token_ids[index * size : (index + 1) * size]).tobytes()
+            hashes.append(hashlib.blake2b(parent + block_tokens, digest_size=16).digest())
+        return hashes[:num_blocks]

@@ -1,0 +1,333 @@
+"""``Engine``: one scheduling step at a time — plan, run the graph once, sample, update requests.
+
+The engine owns the KV caches, the block pool and the scheduler. ``add_request`` validates a request
+completely before queueing it (a bad request raises ``InvalidRequestError`` and nothing else is
+touched); ``step`` runs one forward for whatever the scheduler planned and returns the requests that
+got new tokens; ``abort`` cancels a request and frees its blocks at once. It is thread-safe, so an
+asyncio front end can add requests while a worker thread steps.
+
+    engine = llm.engine
+    request = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    print(request.output(llm.tokenizer).token_ids)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+from collections.abc import Sequence as SequenceABC
+
+import torch
+from torch import fx
+
+from autodeploy.custom_ops.cached_attention import KVCacheSpec
+from autodeploy.errors import InvalidRequestError
+from autodeploy.runtime.block_pool import KVBlockPool
+from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
+from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
+from autodeploy.runtime.request import Request, Sequence
+from autodeploy.runtime.sampler import SamplingRow, sample
+from autodeploy.runtime.sampling_params import SamplingParams
+from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
+from autodeploy.runtime.step_inputs import build_step_inputs
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(
+        self,
+        graph: fx.GraphModule,
+        graph_inputs: tuple[str, ...],
+        kv_caches: SequenceABC[KVCacheSpec],
+        settings,
+        tokenizer,
+        eos_token_ids: SequenceABC[int],
+        vocab_size: int,
+    ):
+        self.graph = graph
+        self.graph_inputs = graph_inputs
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.device = torch.device(settings.device)
+        self.max_seq_len = settings.max_seq_len
+        self.max_num_tokens = settings.scheduler.max_num_tokens
+        block_size = settings.kv_cache.block_size
+        num_blocks = plan_num_blocks(
+            kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, self._warm_up_specs(kv_caches)
+        )
+        self.caches = allocate_kv_caches(kv_caches, num_blocks, block_size, self.device)
+        self.pool = KVBlockPool(num_blocks, block_size, settings.kv_cache.prefix_caching)
+        self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
+        self.requests: dict[str, Request] = {}
+        self._request_ids = itertools.count()
+        self._seeds = random.Random(settings.seed)
+        self._lock = threading.RLock()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
+    ) -> Request:
+        """Validate and queue one request (lower ``priority`` values are served first)."""
+        request = self.make_request(prompt, params, request_id, priority)
+        self.submit(request)
+        return request
+
+    def make_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
+    ) -> Request:
+        """Validate a request and build it, without queueing it (``submit`` does)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}")
+        token_ids = self.tokenize(prompt)
+        self._check_fits(token_ids, params)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
+        with self._lock:
+            request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+            if request_id in self.requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use; pick another or leave it unset")
+            return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, stops, seed, priority)
+
+    def submit(self, request: Request) -> None:
+        with self._lock:
+            if request.request_id in self.requests:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use; pick another or leave it unset")
+            self.requests[request.request_id] = request
+            self.scheduler.add(request.sequences[0])
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its blocks go back to the pool now; its output ends with ``"abort"``."""
+        with self._lock:
+            request = self.requests.pop(str(request_id), None)
+            if request is None:
+                return
+            for sequence in request.sequences:
+                if sequence.finish_reason is None:
+                    sequence.finish_reason = "abort"
+                self.scheduler.remove(sequence)
+            request.finish_time = time.perf_counter()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self.requests)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this model has no tokenizer files; pass tokenizer='…' to autodeploy() or give prompts as token ids"
+                )
+            token_ids = self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty (no tokens); give it some text")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"the prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:4]}")
+        return token_ids
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_seq_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens and asks for max_tokens={params.max_tokens}: "
+                f"{total} > max_seq_len={self.max_seq_len}; shorten the prompt or lower max_tokens"
+            )
+        copies = params.beam_width if params.beam_width > 1 else 1  # a beam group must fit at once
+        if copies * -(-total // self.pool.block_size) > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"{copies} sequence(s) of {total} tokens need more KV blocks than the pool has ({self.pool.num_blocks} "
+                f"of {self.pool.block_size} tokens); lower max_tokens / beam_width or give the cache more memory (kv_cache settings)"
+            )
+        if not self.settings.scheduler.chunked_prefill and total > self.max_num_tokens:
+            raise InvalidRequestError(
+                f"{total} tokens exceed scheduler.max_num_tokens={self.max_num_tokens} with chunked prefill off; "
+                f"turn scheduler.chunked_prefill on or raise max_num_tokens"
+            )
+
+    # ---- stepping ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Run one forward for the planned chunks; return the requests that changed (new tokens or finished)."""
+        with self._lock:
+            plan = self.scheduler.schedule()
+            if not plan.chunks:
+                return []
+            now = time.perf_counter()
+            for chunk in plan.chunks:
+                request = chunk.sequence.request
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+            inputs, completing = build_step_inputs(self.graph_inputs, plan.chunks, self.pool, self.caches, self.device)
+            logits = self.graph(*inputs)[0]  # [len(completing), vocab]
+            for chunk in plan.chunks:
+                sequence = chunk.sequence
+                sequence.num_computed = chunk.start + chunk.length
+                self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, sequence.num_computed)
+            changed = self._advance([plan.chunks[i].sequence for i in completing], logits)
+            return changed
+
+    def step_outputs(self, streaming: bool = True) -> list[RequestOutput]:
+        """``step``, then the changed requests' outputs, read before anything else can change them."""
+        with self._lock:
+            return [request.output(self.tokenizer, streaming) for request in self.step()]
+
+    def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> list[Request]:
+        """Turn the logits of sequences that reached their last token into next tokens (or beam steps)."""
+        rows: list[SamplingRow] = []
+        row_logits: list[int] = []
+        owners: list[tuple[Sequence, int]] = []  # (sequence it extends or forks from, completion index)
+        beam_rows: list[tuple[Sequence, int]] = []
+        for row, sequence in enumerate(sequences):
+            request = sequence.request
+            if request.beam_search is not None:
+                beam_rows.append((sequence, row))
+                continue
+            forking = request.params.n > 1 and len(request.sequences) == 1 and not sequence.output_token_ids
+            for index in range(request.params.n if forking else 1):
+                index = index if forking else sequence.index
+                seed = request.seed + index
+                rows.append(SamplingRow(request.params, seed, len(sequence.output_token_ids), request.prompt_token_ids, sequence.output_token_ids))
+                row_logits.append(row)
+                owners.append((sequence, index))
+        changed: dict[str, Request] = {}
+        now = time.perf_counter()
+        if rows:
+            picked = logits if row_logits == list(range(len(sequences))) else logits[torch.tensor(row_logits, device=logits.device)]
+            result = sample(picked, rows)
+            for i, (sequence, index) in enumerate(owners):
+                target = sequence if index == sequence.index else self._fork(sequence, index)
+                target.append(result.token_ids[i], self.tokenizer)
+                if result.logprobs[i] is not None:
+                    target.logprobs.append(result.logprobs[i])
+                    target.top_logprobs.append(result.top_logprobs[i])
+                self._after_token(target, now, changed)
+        if beam_rows:
+            log_probs = torch.log_softmax(logits[[row for _, row in beam_rows]].float(), dim=-1)
+            for (sequence, _), row in zip(beam_rows, log_probs):
+                sequence.pending_logprobs = row
+                sequence.awaiting_beam_step = True
+            for request in {id(s.request): s.request for s, _ in beam_rows}.values():
+                if all(s.awaiting_beam_step for s in request.sequences):
+                    self._beam_step(request, now)
+                    changed[request.request_id] = request
+        return list(changed.values())
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """A new sample of ``parent``'s request sharing its computed full blocks (``n`` > 1)."""
+        request = parent.request
+        child = Sequence(request, list(request.prompt_token_ids), index, request.seed + index)
+        child.num_computed = self.pool.fork(parent.seq_id, child.seq_id, len(request.prompt_token_ids))
+        request.sequences.append(child)
+        self.scheduler.running.append(child)
+        return child
+
+    def _after_token(self, sequence: Sequence, now: float, changed: dict[str, Request]) -> None:
+        request = sequence.request
+        if sequence.index == 0:
+            request.token_times.append(now)
+        if sequence.finish_reason is not None:
+            self.scheduler.remove(sequence)
+        if request.finished:
+            request.finish_time = now
+            self.requests.pop(request.request_id, None)
+        changed[request.request_id] = request
+
+    def _beam_step(self, request: Request, now: float) -> None:
+        search = request.beam_search
+        parents = request.sequences
+        search.step(torch.stack([s.pending_logprobs for s in parents]))
+        request.token_times.append(now)
+        if search.done:
+            for sequence in parents:
+                self.scheduler.remove(sequence)
+            request.finished_completions = [
+                self._beam_completion(request, index, result) for index, result in enumerate(search.best(request.params.n))
+            ]
+            request.sequences = []
+            request.finish_time = now
+            self.requests.pop(request.request_id, None)
+            return
+        survivors: list[Sequence] = []
+        for beam in search.running:
+            parent = parents[beam.parent]
+            if parent not in survivors:  # the first child of a parent continues it in place
+                sequence = parent
+            else:  # a further child shares the parent's full blocks and recomputes the rest
+                sequence = Sequence(request, request.prompt_token_ids + beam.token_ids[:-1], len(survivors), request.seed)
+                sequence.num_computed = self.pool.fork(parent.seq_id, sequence.seq_id, parent.num_computed)
+                self.scheduler.running.append(sequence)
+            sequence.token_ids.append(beam.token_ids[-1])
+            sequence.awaiting_beam_step = False
+            survivors.append(sequence)
+        for sequence in parents:
+            if sequence not in survivors:
+                self.scheduler.remove(sequence)
+        for index, sequence in enumerate(survivors):
+            sequence.index = index
+        request.sequences = survivors
+
+    def _beam_completion(self, request: Request, index: int, result) -> CompletionOutput:
+        ends_in_stop = bool(result.token_ids) and result.token_ids[-1] in request.stop_token_ids
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return CompletionOutput(index, text, list(result.token_ids), "stop" if ends_in_stop else "length", cumulative_logprob=result.logprob)
+
+    # ---- whole-prompt logits -------------------------------------------------------------------
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits ``[len(token_ids), vocab]`` for every position of one token sequence (no prefix cache)."""
+        with self._lock:
+            probe = _Probe(list(token_ids))
+            try:
+                if not self.pool.reserve(probe.seq_id, len(token_ids)):
+                    raise InvalidRequestError(f"{len(token_ids)} tokens do not fit in the free KV blocks now; try again when idle")
+                inputs, _ = build_step_inputs(
+                    self.graph_inputs, [ScheduledChunk(probe, 0, len(token_ids))], self.pool, self.caches, self.device, logits_for_all_tokens=True
+                )
+                return self.graph(*inputs)[0]
+            finally:
+                self.pool.free(probe.seq_id)
+
+    def _warm_up_specs(self, specs: SequenceABC[KVCacheSpec]):
+        """A forward at the full token budget on a throwaway cache, for measuring activation memory."""
+
+        def warm_up() -> None:
+            tokens = min(self.max_num_tokens, self.max_seq_len)
+            block_size = self.settings.kv_cache.block_size
+            scratch = KVBlockPool(-(-tokens // block_size), block_size, enable_prefix_caching=False)
+            caches = allocate_kv_caches(specs, scratch.num_blocks, block_size, self.device)
+            probe = _Probe([0] * tokens)
+            scratch.reserve(probe.seq_id, tokens)
+            with torch.inference_mode():
+                inputs, _ = build_step_inputs(self.graph_inputs, [ScheduledChunk(probe, 0, tokens)], scratch, caches, self.device)
+                self.graph(*inputs)
+            del caches, inputs
+
+        return warm_up
+
+
+class _Probe:
+    """A stand-in sequence for forwards outside the scheduler (warm-up, ``prompt_logits``)."""
+
+    _ids = itertools.count(-1, -1)
+
+    def __init__(self, token_ids: list[int]):
+        self.seq_id = next(self._ids)
+        self.token_ids = token_ids

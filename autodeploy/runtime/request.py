@@ -1,0 +1,164 @@
+"""A request and its sequences: what the engine tracks between steps.
+
+A ``Request`` is one prompt with its ``SamplingParams``. It runs as one or more ``Sequence``s — one per
+sample (``n``) or per live beam (beam search) — and each sequence is what the scheduler and the KV
+block pool see: token ids, how many of them are already in the cache, an importance.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from autodeploy.runtime.beam_search import BeamSearch
+from autodeploy.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from autodeploy.runtime.sampling_params import SamplingParams
+
+_sequence_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    token_ids: list[int]
+    index: int  # completion index (sample number)
+    seed: int
+    seq_id: int = field(default_factory=lambda: next(_sequence_ids))
+    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    awaiting_beam_step: bool = False  # a beam whose next-token logprobs are in, waiting for its group
+    pending_logprobs: torch.Tensor | None = None  # those logprobs [vocab]
+    finish_reason: str | None = None
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    streamed_tokens: int = 0  # how many output tokens earlier stream outputs carried
+    streamed_text: str = ""
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def arrival(self) -> tuple[float, int]:
+        return self.request.arrival
+
+    @property
+    def num_to_compute(self) -> int:
+        if self.awaiting_beam_step or self.finish_reason is not None:
+            return 0
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.request.prompt_token_ids) :]
+
+    def append(self, token: int, tokenizer) -> None:
+        """Add a sampled token and decide whether this sample is finished."""
+        self.token_ids.append(token)
+        params = self.request.params
+        if params.stop and tokenizer is not None and self._cut_at_stop_string(tokenizer):
+            self.finish_reason = "stop"
+        elif token in self.request.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= params.max_tokens:
+            self.finish_reason = "length"
+
+    def _cut_at_stop_string(self, tokenizer) -> bool:
+        """Only requests with stop strings decode every step; the others decode when asked."""
+        text = tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+        cuts = [text.find(stop) for stop in self.request.params.stop if stop in text]
+        if not cuts:
+            return False
+        self.text = text[: min(cuts)]
+        return True
+
+    def decoded_text(self, tokenizer) -> str:
+        if self.finish_reason == "stop" and self.request.params.stop and self.text:
+            return self.text  # already cut at the stop string
+        return tokenizer.decode(self.output_token_ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+
+class Request:
+    _counter = itertools.count()
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stop_token_ids: set[int],
+        seed: int,
+        priority: int = 0,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.stop_token_ids = stop_token_ids
+        self.seed = seed
+        self.priority = priority
+        self.arrival_time = time.perf_counter()
+        self.arrival = (self.arrival_time, next(Request._counter))
+        self.first_scheduled_time: float | None = None
+        self.token_times: list[float] = []
+        self.finish_time: float | None = None
+        self.beam_search = (
+            BeamSearch(params.beam_width, params.max_tokens, stop_token_ids, params.length_penalty, params.early_stopping)
+            if params.beam_width > 1
+            else None
+        )
+        # Sampled requests start as one sequence; n > 1 forks the others once the prompt is computed.
+        self.sequences: list[Sequence] = [Sequence(self, list(self.prompt_token_ids), 0, seed)]
+        self.finished_completions: list[CompletionOutput] | None = None  # beam search results, once done
+
+    @property
+    def finished(self) -> bool:
+        if self.beam_search is not None:
+            return self.finished_completions is not None
+        return len(self.sequences) == self.params.n and all(s.finish_reason is not None for s in self.sequences)
+
+    def live_sequences(self) -> list[Sequence]:
+        return [s for s in self.sequences if s.finish_reason is None]
+
+    def metrics(self) -> RequestMetrics:
+        start = self.arrival_time
+        return RequestMetrics(
+            queue_time=None if self.first_scheduled_time is None else self.first_scheduled_time - start,
+            time_to_first_token=self.token_times[0] - start if self.token_times else None,
+            token_times=[t - start for t in self.token_times],
+            e2e_latency=None if self.finish_time is None else self.finish_time - start,
+        )
+
+    def output(self, tokenizer, streaming: bool = False) -> RequestOutput:
+        """The request's state now; with ``streaming``, each completion also carries what is new since the last call."""
+        if self.finished_completions is not None:
+            completions = self.finished_completions
+        else:
+            completions = [self._completion(s, tokenizer, streaming) for s in sorted(self.sequences, key=lambda s: s.index)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished, self.metrics())
+
+    def _completion(self, sequence: Sequence, tokenizer, streaming: bool) -> CompletionOutput:
+        tokens = list(sequence.output_token_ids)
+        text = sequence.decoded_text(tokenizer)
+        wants_logprobs = self.params.logprobs is not None
+        completion = CompletionOutput(
+            index=sequence.index,
+            text=text,
+            token_ids=tokens,
+            finish_reason=sequence.finish_reason,
+            logprobs=list(sequence.logprobs) if wants_logprobs else None,
+            top_logprobs=list(sequence.top_logprobs) if wants_logprobs else None,
+            cumulative_logprob=sum(sequence.logprobs) if wants_logprobs else None,
+        )
+        if streaming:
+            # Hold back a trailing partial UTF-8 character: the next token completes it.
+            stable = text[:-1] if text.endswith("\ufffd") and sequence.finish_reason is None else text
+            completion.new_token_ids = tokens[sequence.streamed_tokens :]
+            completion.new_text = stable[len(sequence.streamed_text) :] if stable.startswith(sequence.streamed_text) else stable
+            sequence.streamed_tokens = len(tokens)
+            sequence.streamed_text = stable
+        return completion

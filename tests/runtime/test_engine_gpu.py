@@ -1,0 +1,32 @@
+"""The engine on a GPU with the Triton paged-attention kernels (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autodeploy import SamplingParams, autodeploy
+from tests.logit_comparison import deployed_max_logit_diff
+from tests.runtime.test_engine import hf_greedy, random_prompts
+from tests.tiny_models import tiny_hf_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_triton_engine_logits_match_hf(tiny_checkpoint, arch):
+    llm = autodeploy(str(tiny_checkpoint(arch)), device="cuda", dtype="float32")
+    assert "triton" in llm.pipeline_report() or "_triton_backend" in llm.pipeline_report()
+    assert deployed_max_logit_diff(tiny_hf_model(arch), llm, ((1, 1, 0), (2, 37, 0), (1, 300, 0))) <= 5e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_triton_engine_serves_a_mixed_batch_like_hf(tiny_checkpoint, arch):
+    llm = autodeploy(str(tiny_checkpoint(arch)), device="cuda", dtype="float32", scheduler={"max_num_tokens": 128})
+    hf = tiny_hf_model(arch)
+    prompts = random_prompts(24, seed=11)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    agree = sum(o.token_ids == hf_greedy(hf, p, 8) for p, o in zip(prompts, outputs))
+    assert agree == len(prompts), f"{agree}/{len(prompts)} requests equal HF greedy"
+    assert llm.engine.pool.num_used_blocks == 0

@@ -1,0 +1,162 @@
+"""``insert_cached_attention`` (stage ``cache``): canonical attention → paged-KV ``cached_attention``.
+
+After this pass the graph runs one *flattened* mixed batch per forward: ``input_ids``/``position_ids``
+are ``[1, T]`` (the new tokens of every scheduled sequence, prompt chunks first, then decodes), and
+every attention reads and writes a paged KV cache through the sequence metadata documented in
+``custom_ops/cached_attention.py``. Everything else in a decoder (linears, norms, RoPE from the position
+ids, MLPs) works token by token, so it runs unchanged on the flattened row.
+
+The graph's inputs become (``TransformContext.graph_inputs``)::
+
+    input_ids, position_ids, seq_start, kv_lens, block_tables, slot_mapping, batch_info, logit_index,
+    k_cache_0, v_cache_0, k_cache_1, v_cache_1, …
+
+and ``TransformContext.kv_caches`` lists one ``KVCacheSpec`` per attention layer, from which the runtime
+sizes and allocates its block pool. ``logit_index[N]`` picks the token rows whose logits are wanted
+(each sequence's last token while generating); the gather sits before the LM head so the vocabulary
+projection runs for those rows only. The output is ``logits[1, N, vocab]``.
+
+Every attention of the model must have been matched: a layer left as aten ops would attend only
+within the tokens of the current step, which is wrong, so that is an ``UnsupportedModelError``.
+
+Kernel choice (``backend``): ``torch`` is the reference (any device), ``triton`` the flash/paged kernels
+(GPU); ``auto`` takes ``triton`` on CUDA and ``torch`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.fx import GraphModule
+
+from autodeploy.custom_ops import canonical_ops
+from autodeploy.custom_ops.cached_attention import KVCacheSpec
+from autodeploy.errors import ConfigError, UnsupportedModelError
+from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+
+logger = logging.getLogger(__name__)
+
+SEQUENCE_METADATA = ("seq_start", "kv_lens", "block_tables", "slot_mapping", "batch_info", "logit_index")
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class InsertCachedAttentionConfig(TransformConfig):
+    stage: str = "cache"
+    backend: str = "auto"  # auto | torch | triton
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"transforms.insert_cached_attention.backend is {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def _kernel(backend: str, device: str):
+    """The callable each cached attention node targets."""
+    if backend == "auto":
+        backend = "triton" if str(device).startswith("cuda") else "torch"
+    if backend == "torch":
+        return torch.ops.autodeploy.cached_attention.default
+    candidates = {b.name: b.fn for b in canonical_ops()["cached_attention"].backends}
+    return candidates[backend]
+
+
+def _lm_head(logits: fx.Node) -> fx.Node | None:
+    """The ``linear`` producing the logits, through token-wise ops after it (soft-capping, casts)."""
+    node = logits
+    while node.op == "call_function":
+        if node.target == torch.ops.autodeploy.linear.default:
+            return node
+        inputs = [a for a in node.args if isinstance(a, fx.Node)]
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None
+
+
+def _expected_attention_layers(context: TransformContext) -> int | None:
+    factory = context.model_factory
+    config = getattr(factory, "hf_config", None)
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "num_hidden_layers", None)
+
+
+@register_transform("insert_cached_attention")
+class InsertCachedAttention(Transform):
+    """Swap every ``attention`` for ``cached_attention`` and declare the paged-KV graph inputs."""
+
+    config_class = InsertCachedAttentionConfig
+
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
+        gm, graph = module, module.graph
+        attention = [n for n in graph.nodes if n.target == torch.ops.autodeploy.attention.default]
+        expected = _expected_attention_layers(context)
+        if not attention or (expected is not None and len(attention) != expected):
+            raise UnsupportedModelError(
+                f"the KV cache needs every attention layer as the canonical attention op; the graph has "
+                f"{len(attention)} of {expected if expected is not None else '?'}. See the match report "
+                f"(autodeploy inspect) for the unmatched attention modules, or register a pattern for them."
+            )
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        with graph.inserting_after(placeholders[-1]):
+            metadata = {}
+            for name in reversed(SEQUENCE_METADATA):  # inserting_after puts each new node first
+                metadata[name] = graph.placeholder(name)
+        kernel = _kernel(self.config.backend, context.settings.device)
+        specs = []
+        last_input = metadata["logit_index"]
+        for layer, node in enumerate(attention):
+            q, k, v, scale, *options = node.args
+            key, value = k.meta["val"], v.meta["val"]
+            spec = KVCacheSpec(f"k_cache_{layer}", f"v_cache_{layer}", key.shape[2], key.shape[3], value.shape[3], key.dtype)
+            with graph.inserting_after(last_input):
+                k_cache = graph.placeholder(spec.key_input)
+            with graph.inserting_after(k_cache):
+                v_cache = graph.placeholder(spec.value_input)
+            last_input = v_cache
+            with graph.inserting_before(node):
+                cached = graph.call_function(
+                    kernel,
+                    (q, k, v, k_cache, v_cache, *(metadata[n] for n in SEQUENCE_METADATA[:5]), scale, *options),
+                )
+            cached.meta = dict(node.meta)
+            node.replace_all_uses_with(cached)
+            graph.erase_node(node)
+            specs.append(spec)
+
+        self._gather_logits(graph, metadata["logit_index"])
+        # Export's input guards bound one sequence's length (e.g. ≤ max_position_embeddings); a flattened
+        # batch of many sequences is longer, and the scheduler checks each sequence's length instead.
+        for guard in [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+            graph.erase_node(guard)
+        # Export's pytree calling convention and its input-spec check (a forward pre-hook) fix the
+        # argument count; the new inputs need a plain signature.
+        graph._codegen = fx.graph.CodeGen()
+        gm._forward_pre_hooks.clear()
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+        context.graph_inputs = tuple(n.name for n in graph.nodes if n.op == "placeholder")
+        context.kv_caches = tuple(specs)
+        return TransformResult(matches=len(attention), changed=True, notes=f"{len(attention)} attention layers → paged KV cache ({getattr(kernel, '__name__', kernel)})")
+
+    @staticmethod
+    def _gather_logits(graph: fx.Graph, logit_index: fx.Node) -> None:
+        output = next(n for n in graph.nodes if n.op == "output")
+        logits = output.args[0]
+        if isinstance(logits, (tuple, list)):
+            logits = logits[0]
+        head = _lm_head(logits)
+        target = head if head is not None else logits
+        # Gather the LM head's input when there is one (the vocabulary projection then runs for N rows, not T).
+        source = target.args[0] if head is not None else target
+        with graph.inserting_before(target if head is not None else output):
+            picked = graph.call_function(torch.ops.aten.index_select.default, (source, 1, logit_index))
+        if head is not None:
+            head.replace_input_with(source, picked)
+            output.args = (logits,)
+        else:
+            output.args = (picked,)
