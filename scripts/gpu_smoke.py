@@ -1,7 +1,7 @@
 """GPU smoke check: deploy the Llama-3-8B config with random bf16 weights on CUDA and generate.
 
-Not a benchmark (the first runtime recomputes the whole context each step): it shows that export on
-meta, streaming materialisation on the GPU and generation work on the device's torch/transformers.
+Not a benchmark (scripts/bench_gpu_generate.py is): it shows that export on meta, streaming
+materialisation on the GPU and generation work on the device's torch/transformers.
 Run: python scripts/gpu_smoke.py
 """
 
