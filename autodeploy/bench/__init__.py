@@ -1,0 +1,1 @@
+"""``autodeploy bench``: latency, throughput, memory and accuracy benchmarks with regression detection."""
