@@ -75,4 +75,5 @@ def autodeploy(
     context = TransformContext(settings=settings, model_factory=factory)
     graph = pipeline.run(context, dump_dir=settings.dump_graphs)
     tokenizer = factory.load_tokenizer(settings.tokenizer)
-    return LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records, context.kv_caches)
+    return LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records, context.kv_caches,
+               str(factory.source.directory))

@@ -1,6 +1,7 @@
-"""The ``autodeploy`` command line: run, config show, inspect.
+"""The ``autodeploy`` command line: run, config show, inspect, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
+``bench --baseline`` exits with code 3 when a metric regressed.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 import sys
 import time
 
-from autodeploy.errors import AutoDeployError
+from autodeploy.errors import AutoDeployError, ConfigError
 
 DEFAULT_PROMPT = "def fibonacci(n):"
 
@@ -48,7 +49,99 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("model", nargs="?", default=None)
     inspect.add_argument("--device", default="meta", help="meta (default: no weights needed), cpu or cuda")
     _add_settings_arguments(inspect)
+
+    bench = commands.add_parser("bench", help="latency/throughput/memory/accuracy benchmarks, baselines, regression check")
+    bench.add_argument("model", nargs="?", default=None)
+    bench.add_argument("--workload", default="synthetic", help="comma list of synthetic, poisson, concurrency, accuracy")
+    bench.add_argument("--batch", default="1,8", help="synthetic: batch sizes (comma list)")
+    bench.add_argument("--input-len", default="128", help="synthetic: prompt lengths (comma list)")
+    bench.add_argument("--output-len", default="128", help="synthetic: output lengths (comma list)")
+    bench.add_argument("--rate", default="1", help="poisson: arrival rates in requests/s (comma list)")
+    bench.add_argument("--concurrency", default="8", help="concurrency: max requests in flight (comma list)")
+    bench.add_argument("--num-requests", type=int, default=32, help="poisson/concurrency: requests per point")
+    bench.add_argument("--input-dist", default="uniform:32:256", help="poisson/concurrency: fixed:N | uniform:LOW:HIGH | normal:MEAN:STD")
+    bench.add_argument("--output-dist", default="uniform:16:128", help="poisson/concurrency: output length distribution")
+    bench.add_argument("--dataset", default=None, help="poisson/concurrency: JSONL file of prompts instead of random ones")
+    bench.add_argument("--perplexity-text", default=None, help="accuracy: also the perplexity on this text file")
+    bench.add_argument("--repeats", type=int, default=3, help="measurements per point (their spread feeds the regression check)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--compare", default="", help="baselines in the same run: hf-eager, hf-compile (comma list)")
+    bench.add_argument("--out", default=None, help="write the results as JSON")
+    bench.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (matplotlib) into DIR")
+    bench.add_argument("--baseline", default=None, help="results JSON to compare with; exit code 3 on a regression")
+    bench.add_argument("--threshold", type=float, default=0.05, help="relative change that counts as a regression (with noise)")
+    bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch (fewer threads measure more steadily on a shared machine)")
+    bench.add_argument("--no-progress", action="store_true")
+    _add_settings_arguments(bench)
     return parser
+
+
+def _number_list(text: str, kind, option: str) -> list:
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ConfigError(f"{option} expects a comma-separated list of {kind.__name__}s, got {text!r}")
+    return values
+
+
+def _bench(args) -> int:
+    from autodeploy.bench.benchmark import BenchmarkConfig, run_benchmark
+    from autodeploy.bench.regression import compare_results
+    from autodeploy.bench.report import format_table
+    from autodeploy.bench.results import load_result
+
+    config = BenchmarkConfig(
+        model=args.model,
+        config_files=args.config,
+        set_arguments=args.set_arguments,
+        workloads=[w.strip() for w in args.workload.split(",") if w.strip()],
+        batch=_number_list(args.batch, int, "--batch"),
+        input_len=_number_list(args.input_len, int, "--input-len"),
+        output_len=_number_list(args.output_len, int, "--output-len"),
+        rates=_number_list(args.rate, float, "--rate"),
+        concurrency=_number_list(args.concurrency, int, "--concurrency"),
+        num_requests=args.num_requests,
+        input_dist=args.input_dist,
+        output_dist=args.output_dist,
+        dataset=args.dataset,
+        perplexity_text=args.perplexity_text,
+        repeats=args.repeats,
+        seed=args.seed,
+        compare=[e.strip() for e in args.compare.split(",") if e.strip()],
+        progress=not args.no_progress,
+    )
+    config.validate()
+    if args.threshold <= 0:
+        raise ConfigError(f"--threshold must be > 0, got {args.threshold}")
+    baseline = load_result(args.baseline) if args.baseline else None  # a bad baseline fails before any measurement
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be ≥ 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = run_benchmark(config)
+    print(format_table(result))
+    if args.out:
+        result.save(args.out)
+    if args.plot:
+        from autodeploy.bench.plots import write_plots
+
+        for path in write_plots(result, args.plot):
+            print(f"plot: {path}")
+    if baseline is not None:
+        for what in ("model", "machine"):
+            if getattr(baseline, what) != getattr(result, what) and (what != "machine" or baseline.machine["device_name"] != result.machine["device_name"]):
+                print(f"warning: the baseline's {what} differs from this run's; the comparison may say more about that than about the code", file=sys.stderr)
+        report = compare_results(baseline, result, threshold=args.threshold)
+        print()
+        print(report.format_table())
+        if report.regressed:
+            print(f"regression against {args.baseline}", file=sys.stderr)
+            return 3
+    return 0
 
 
 def _run(args) -> None:
@@ -97,9 +190,9 @@ def _inspect(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"run": _run, "config": _config_show, "inspect": _inspect}
+    handlers = {"run": _run, "config": _config_show, "inspect": _inspect, "bench": _bench}
     try:
-        handlers[args.command](args)
+        code = handlers[args.command](args)
     except AutoDeployError as error:
         if args.debug:
             raise
@@ -107,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -144,6 +144,14 @@ class KVBlockPool:
                 else:
                     self._never_used.append(block)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every parked prefix (benchmarks measure each repeat from a cold cache); blocks in use
+        keep theirs."""
+        for block in self._parked:
+            del self._block_of_hash[self._hash_of_block.pop(block)]
+            self._never_used.append(block)
+        self._parked.clear()
+
     # ---- internals -----------------------------------------------------------------------------
     def _take(self, block: int) -> None:
         if self._ref_counts[block] == 0:

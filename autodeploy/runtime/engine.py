@@ -72,6 +72,7 @@ class Engine:
         self._request_ids = itertools.count()
         self._seeds = random.Random(settings.seed)
         self._lock = threading.RLock()
+        self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -100,7 +101,9 @@ class Engine:
             request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use; pick another or leave it unset")
-            return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, stops, seed, priority)
+            return Request(
+                request_id, prompt if isinstance(prompt, str) else None, token_ids, params, stops, seed, priority, self.clock()
+            )
 
     def submit(self, request: Request) -> None:
         with self._lock:
@@ -119,7 +122,7 @@ class Engine:
                 if sequence.finish_reason is None:
                     sequence.finish_reason = "abort"
                 self.scheduler.remove(sequence)
-            request.finish_time = time.perf_counter()
+            request.finish_time = self.clock()
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -170,7 +173,7 @@ class Engine:
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return []
-            now = time.perf_counter()
+            now = self.clock()
             for chunk in plan.chunks:
                 request = chunk.sequence.request
                 if request.first_scheduled_time is None:
@@ -208,7 +211,7 @@ class Engine:
                 row_logits.append(row)
                 owners.append((sequence, index))
         changed: dict[str, Request] = {}
-        now = time.perf_counter()
+        now = self.clock()
         if rows:
             picked = logits if row_logits == list(range(len(sequences))) else logits[torch.tensor(row_logits, device=logits.device)]
             result = sample(picked, rows)

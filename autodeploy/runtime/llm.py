@@ -42,12 +42,14 @@ class LLM:
         eos_token_ids: SequenceABC[int] = (),
         records: list[TransformRecord] | None = None,
         kv_caches: SequenceABC[KVCacheSpec] = (),
+        model_directory: str | None = None,
     ):
         self.graph = graph
         self.graph_inputs = graph_inputs
         self.settings = settings
         self.tokenizer = tokenizer
         self.records = records or []
+        self.model_directory = model_directory  # the checkpoint or config folder it was built from
         self.device = torch.device(settings.device)
         self.vocab_size = self._graph_vocab_size()
         self._eos_token_ids = list(eos_token_ids)

@@ -8,7 +8,6 @@ block pool see: token ids, how many of them are already in the cache, an importa
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +91,8 @@ class Request:
         params: SamplingParams,
         stop_token_ids: set[int],
         seed: int,
-        priority: int = 0,
+        priority: int,
+        arrival_time: float,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -101,7 +101,7 @@ class Request:
         self.stop_token_ids = stop_token_ids
         self.seed = seed
         self.priority = priority
-        self.arrival_time = time.perf_counter()
+        self.arrival_time = arrival_time
         self.arrival = (self.arrival_time, next(Request._counter))
         self.first_scheduled_time: float | None = None
         self.token_times: list[float] = []

@@ -72,3 +72,17 @@ def test_any_operation_sequence_keeps_the_pool_consistent(operations):
     for seq in list(tokens):
         pool.free(seq)
     assert pool.num_free_blocks == 12
+
+
+def test_reset_prefix_cache_forgets_parked_prefixes_only():
+    pool = KVBlockPool(num_blocks=6, block_size=2)
+    for name in ("parked", "held"):
+        tokens = [1, 2, 3] if name == "parked" else [7, 8, 9]
+        pool.acquire_prefix(name, tokens)
+        pool.reserve(name, 3)
+        pool.register_full_blocks(name, tokens, 3)
+    pool.free("parked")
+    pool.reset_prefix_cache()
+    assert pool.num_free_blocks == 4
+    assert pool.acquire_prefix("again", [1, 2, 3]) == 0
+    assert pool.acquire_prefix("shared", [7, 8, 9]) == 2

@@ -1,0 +1,53 @@
+"""The human-readable benchmark table printed on stdout."""
+
+from __future__ import annotations
+
+from autodeploy.bench.results import BenchResult
+
+
+def _ms(distribution: dict | None, quantile: str) -> str:
+    return "-" if distribution is None else f"{1000 * distribution[quantile]:.1f}"
+
+
+def _bytes(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}G"
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def format_table(result: BenchResult) -> str:
+    """One line per run (latencies in ms), then ratios against baselines, build time and accuracy."""
+    header = (
+        "run", "out tok/s", "tot tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "E2E p50", "E2E p99",
+        "dev mem", "host RSS", "KV util", "prefix hit",
+    )
+    rows = [header]
+    for run in result.runs:
+        m = run.metrics
+        rows.append((
+            run.id, f"{m['output_tokens_per_s']:.1f}", f"{m['total_tokens_per_s']:.1f}", f"{m['requests_per_s']:.2f}",
+            _ms(m["ttft_s"], "p50"), _ms(m["ttft_s"], "p99"), _ms(m["tpot_s"], "p50"), _ms(m["itl_s"], "p99"),
+            _ms(m["e2e_s"], "p50"), _ms(m["e2e_s"], "p99"), _bytes(m.get("peak_device_memory_bytes")),
+            _bytes(m.get("peak_host_rss_bytes")), _fraction(m.get("kv_pool_peak_utilization")),
+            _fraction(m.get("prefix_cache_hit_rate")),
+        ))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(str(cell).ljust(w) if i == 0 else str(cell).rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    ratio_lines = [
+        f"  {run.id}: " + ", ".join(f"{name} {value:.2f}×" for name, value in sorted(run.ratios.items()) if name.startswith("output_tokens_per_s") or name.startswith("e2e"))
+        for run in result.runs if run.ratios
+    ]
+    if ratio_lines:
+        lines += ["", "autodeploy / baseline (same run; > 1 means autodeploy is higher):", *ratio_lines]
+    stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.build["stages"].items())
+    lines += ["", f"build {result.build['total_s']:.2f}s ({stages}) on {result.machine['device_name']} ({result.machine['device']})"]
+    if result.accuracy:
+        a = result.accuracy
+        line = (f"accuracy vs HF eager: top-1 agreement {100 * a['top1_agreement']:.2f}% over {a['num_tokens']} tokens, "
+                f"max |Δlogit| {a['max_abs_logit_error']:.3g}, mean {a['mean_abs_logit_error']:.3g}")
+        if "perplexity" in a:
+            line += f"; perplexity {a['perplexity']['perplexity']:.3f} on {a['perplexity']['num_tokens']} tokens"
+        lines.append(line)
+    return "\n".join(lines)

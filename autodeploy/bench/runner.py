@@ -1,0 +1,89 @@
+"""Drive a workload through the serving engine and time every request.
+
+The runner owns the arrival process: it submits each request when its arrival time comes (Poisson),
+all at once (synthetic), or whenever fewer than ``max_concurrency`` are in flight, and steps the
+engine in between. A Poisson request's arrival is its *scheduled* arrival, so time spent waiting for
+the engine to finish a step counts in its TTFT; a closed-loop request arrives when it is sent. The clock and the idle wait are injectable: tests run
+the whole loop on a synthetic clock.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from autodeploy.bench.metrics import RequestTiming
+from autodeploy.bench.workloads import Workload
+from autodeploy.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class RunMeasurement:
+    timings: list[RequestTiming]
+    peak_device_memory_bytes: int | None
+    peak_host_rss_bytes: int
+    kv_pool_peak_utilization: float | None
+    prefix_cache_hit_rate: float | None
+
+
+def peak_host_rss_bytes() -> int:
+    """The process's peak resident set so far (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_workload(
+    llm,
+    workload: Workload,
+    clock: Callable[[], float] = time.perf_counter,
+    wait: Callable[[float], None] = time.sleep,
+    progress: bool = True,
+) -> RunMeasurement:
+    engine = llm.engine
+    previous_clock, engine.clock = engine.clock, clock
+    device = engine.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine.pool.reset_prefix_cache()  # hits within this run only, never from an earlier repeat
+    stats = engine.pool.stats
+    queried_before, hits_before = stats.queried_tokens, stats.hit_tokens
+    pending = sorted(workload.requests, key=lambda r: r.arrival)
+    submitted = []
+    peak_blocks = 0
+    try:
+        start = clock()
+        with tqdm(total=len(pending), desc=workload.id, unit="req", leave=False, disable=not progress or None) as bar:
+            while pending or engine.has_unfinished():
+                now = clock() - start
+                in_flight = sum(not r.finished for _, r in submitted)
+                while pending and pending[0].arrival <= now and (workload.max_concurrency is None or in_flight < workload.max_concurrency):
+                    request = pending.pop(0)
+                    params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
+                    submitted_request = engine.make_request(list(request.prompt_token_ids), params)
+                    # Poisson: the scheduled arrival. Closed loop: when a seat came free (vLLM's convention).
+                    submitted_request.arrival_time = start + request.arrival if workload.max_concurrency is None else clock()
+                    engine.submit(submitted_request)
+                    submitted.append((request, submitted_request))
+                    in_flight += 1
+                if not engine.has_unfinished():
+                    wait(max(0.0, pending[0].arrival - (clock() - start)))
+                    continue
+                finished_before = sum(r.finished for _, r in submitted)
+                engine.step()
+                peak_blocks = max(peak_blocks, engine.pool.num_used_blocks)
+                bar.update(sum(r.finished for _, r in submitted) - finished_before)
+    finally:
+        engine.clock = previous_clock
+    queried = stats.queried_tokens - queried_before
+    timings = [RequestTiming(r.arrival_time, list(r.token_times), len(b.prompt_token_ids)) for b, r in submitted]
+    return RunMeasurement(
+        timings=timings,
+        peak_device_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        peak_host_rss_bytes=peak_host_rss_bytes(),
+        kv_pool_peak_utilization=peak_blocks / engine.pool.num_blocks,
+        prefix_cache_hit_rate=(stats.hit_tokens - hits_before) / queried if queried else None,
+    )

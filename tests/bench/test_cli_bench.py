@@ -1,0 +1,85 @@
+"""``autodeploy bench`` end to end on the tiny Llama: JSON, plots, baselines, accuracy, regression exit
+code, and bad input rejected before any measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autodeploy.bench.benchmark as benchmark
+from autodeploy.bench.results import load_result
+from autodeploy.cli.main import main
+
+FAST = ["--input-len", "8", "--output-len", "4", "--repeats", "2", "--no-progress", "--set", "device=cpu"]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_writes_json_plots_ratios_and_accuracy(capsys, llama_dir, tmp_path):
+    out_file, plots = tmp_path / "result.json", tmp_path / "plots"
+    code, out, err = run_cli(
+        capsys, "bench", str(llama_dir), "--workload", "synthetic,poisson,accuracy", "--batch", "1,2", "--rate", "50",
+        "--num-requests", "4", "--input-dist", "uniform:4:12", "--output-dist", "fixed:3", "--compare", "hf-eager",
+        "--out", str(out_file), "--plot", str(plots), *FAST,
+    )
+    assert code == 0, err
+    result = load_result(out_file)
+    ids = [run.id for run in result.runs]
+    assert ids == [
+        "synthetic/b1-in8-out4/autodeploy", "synthetic/b2-in8-out4/autodeploy",
+        "poisson/rate50-n4-inuniform:4:12-outfixed:3/autodeploy",
+        "synthetic/b1-in8-out4/hf-eager", "synthetic/b2-in8-out4/hf-eager",
+    ]
+    ours = result.runs[1]
+    assert ours.metrics["output_tokens"] == 8 and len(ours.samples["output_tokens_per_s"]) == 2
+    assert "output_tokens_per_s/hf-eager" in ours.ratios
+    assert result.accuracy["top1_agreement"] == 1.0
+    assert set(result.build["stages"]) >= {"export", "match", "cache"}
+    assert "synthetic/b2-in8-out4/autodeploy" in out and "top-1 agreement 100.00%" in out
+    assert any(p.suffix == ".png" for p in plots.iterdir())
+
+
+def test_a_slowed_run_against_a_faster_baseline_exits_3(capsys, llama_dir, tmp_path):
+    first = tmp_path / "first.json"
+    assert run_cli(capsys, "bench", str(llama_dir), "--batch", "2", "--out", str(first), *FAST)[0] == 0
+    faster = json.loads(first.read_text())
+    for run in faster["runs"]:  # pretend the stored baseline was three times faster
+        for name, values in run["samples"].items():
+            run["samples"][name] = [v * 3 if name.endswith("per_s") else v / 3 for v in values]
+    baseline = tmp_path / "faster.json"
+    baseline.write_text(json.dumps(faster))
+    code, out, err = run_cli(capsys, "bench", str(llama_dir), "--batch", "2", "--baseline", str(baseline), *FAST)
+    assert code == 3 and "regressed" in out and "regression against" in err
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--workload", "poisson", "--rate", "0"], "rates must be > 0"),
+        (["--workload", "poisson", "--rate", "-2"], "rates must be > 0"),
+        (["--workload", "tpc-h"], "unknown workload"),
+        (["--compare", "vllm"], "unknown baseline"),
+        (["--output-len", "600"], "max_seq_len=512"),
+        (["--workload", "poisson", "--dataset", "prompts.csv"], "unknown format"),
+        (["--workload", "poisson", "--dataset", "empty.jsonl"], "is empty"),
+        (["--batch", "one"], "comma-separated list of ints"),
+        (["--baseline", "missing.json"], "does not exist"),
+        (["--workload", "accuracy", "--set", "weights=random"], "needs weights=checkpoint"),
+    ],
+)
+def test_bad_input_fails_before_anything_runs(capsys, monkeypatch, llama_dir, tmp_path, arguments, message):
+    (tmp_path / "prompts.csv").write_text("a,b\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a measurement started before the input was checked")
+
+    monkeypatch.setattr(benchmark, "run_workload", measured)
+    code, _, err = run_cli(capsys, "bench", str(llama_dir), *FAST, *arguments)
+    assert code == 1 and err.startswith("error: ") and message in err, err
