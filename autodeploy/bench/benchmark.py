@@ -14,6 +14,7 @@ ratios are autodeploy's value over theirs.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import platform
@@ -122,15 +123,16 @@ def _run_result(workload: Workload, engine: str, measurements: list[RunMeasureme
     return RunResult(f"{workload.id}/{engine}", {"kind": workload.kind, **workload.description}, engine, len(measurements), metrics, dict(samples), {}, per_request)
 
 
-def _hf_measurements(config: BenchmarkConfig, llm, workload: Workload, engine: str, model) -> list[RunMeasurement]:
+def _hf_measurements(config: BenchmarkConfig, workload: Workload, engine: str, model, device: torch.device) -> list[RunMeasurement]:
     from autodeploy.bench.hf_baselines import hf_generate_timing
 
     prompts = [r.prompt_token_ids for r in workload.requests]
     measurements = []
     for _ in range(config.repeats):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         timing = hf_generate_timing(model, prompts, workload.description["output_len"], engine)
         timings = [RequestTiming(timing.start, list(timing.token_times), timing.input_len) for _ in prompts]
-        device = llm.engine.device
         measurements.append(
             RunMeasurement(
                 timings,
@@ -192,13 +194,19 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
     synthetic = [w for w in workloads if w.kind == "synthetic"]
     if config.compare and len(synthetic) < len(workloads):
         logger.warning("baselines run the synthetic workloads only: HF generate() has no in-flight batching for arrival streams")
+    device = llm.engine.device
+    if config.compare:
+        llm.free_kv_cache()  # the pool takes most of a GPU; the baselines need room for their own caches
     for engine in config.compare:
         from autodeploy.bench.hf_baselines import load_hf_model
 
-        model = load_hf_model(llm.model_directory, _torch_dtype(settings.dtype), llm.engine.device)
+        model = load_hf_model(llm.model_directory, _torch_dtype(settings.dtype), device)
         for workload in synthetic:
-            result.runs.append(_run_result(workload, engine, _hf_measurements(config, llm, workload, engine, model)))
+            result.runs.append(_run_result(workload, engine, _hf_measurements(config, workload, engine, model, device)))
         del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     _ratios(result)
     if "accuracy" in config.workloads:
         result.accuracy = _accuracy(config, llm)

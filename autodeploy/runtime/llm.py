@@ -7,6 +7,7 @@ servers see :class:`~autodeploy.runtime.async_llm.AsyncLLM`.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
@@ -72,6 +73,16 @@ class LLM:
                 self.graph, self.graph_inputs, self._kv_caches, self.settings, self.tokenizer, self._eos_token_ids, self.vocab_size
             )
         return self._engine
+
+    def free_kv_cache(self) -> None:
+        """Drop the engine and its KV cache now (the pool holds most of a GPU); the next request builds
+        them again. Requests still in flight are lost, so call it only when idle."""
+        if self._engine is not None and self._engine.has_unfinished():
+            raise InvalidRequestError("requests are still running; wait for them (or abort them) before freeing the KV cache")
+        self._engine = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def pipeline_report(self) -> str:
         """Time, matches and node counts of every transform that built this model, and op histograms."""
