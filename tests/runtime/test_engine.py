@@ -251,3 +251,16 @@ def test_bad_requests_raise_typed_errors_and_the_engine_keeps_serving(llama_llm,
         engine.step()
     assert good.finished and len(good.output(llama_llm.tokenizer).token_ids) == 4
     assert engine.pool.num_used_blocks == 0
+
+
+def test_free_kv_cache_drops_the_engine_only_when_idle(tiny_checkpoint):
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu")
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    before = llm.generate([[5, 6, 7]], params)[0].token_ids
+    running = llm.engine.add_request([8, 9], params)
+    with pytest.raises(InvalidRequestError, match="still running"):
+        llm.free_kv_cache()
+    llm.engine.abort(running.request_id)
+    first_engine = llm.engine
+    llm.free_kv_cache()
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == before and llm.engine is not first_engine
