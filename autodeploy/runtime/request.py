@@ -30,7 +30,7 @@ class Sequence:
     awaiting_beam_step: bool = False  # a beam whose next-token logprobs are in, waiting for its group
     pending_logprobs: torch.Tensor | None = None  # those logprobs [vocab]
     finish_reason: str | None = None
-    text: str = ""
+    stopped_text: str | None = None  # the text cut before a stop string, once one appeared
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     streamed_tokens: int = 0  # how many output tokens earlier stream outputs carried
@@ -71,13 +71,25 @@ class Sequence:
         cuts = [text.find(stop) for stop in self.request.params.stop if stop in text]
         if not cuts:
             return False
-        self.text = text[: min(cuts)]
+        self.stopped_text = text[: min(cuts)]
         return True
 
     def decoded_text(self, tokenizer) -> str:
-        if self.finish_reason == "stop" and self.request.params.stop and self.text:
-            return self.text  # already cut at the stop string
+        if self.stopped_text is not None:
+            return self.stopped_text
         return tokenizer.decode(self.output_token_ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+
+def _streamable_prefix(text: str, stops: list[str]) -> str:
+    """What a stream may show of an unfinished completion: not a trailing partial UTF-8 character (the
+    next token completes it), nor a tail that could be the start of a stop string (it may be cut)."""
+    end = len(text) - 1 if text.endswith("\ufffd") else len(text)
+    for stop in stops:
+        for length in range(min(len(stop) - 1, end), 0, -1):
+            if text[end - length : end] == stop[:length]:
+                end -= length
+                break
+    return text[:end]
 
 
 class Request:
@@ -155,8 +167,7 @@ class Request:
             cumulative_logprob=sum(sequence.logprobs) if wants_logprobs else None,
         )
         if streaming:
-            # Hold back a trailing partial UTF-8 character: the next token completes it.
-            stable = text[:-1] if text.endswith("\ufffd") and sequence.finish_reason is None else text
+            stable = text if sequence.finish_reason is not None else _streamable_prefix(text, self.params.stop)
             completion.new_token_ids = tokens[sequence.streamed_tokens :]
             completion.new_text = stable[len(sequence.streamed_text) :] if stable.startswith(sequence.streamed_text) else stable
             sequence.streamed_tokens = len(tokens)

@@ -264,3 +264,21 @@ def test_free_kv_cache_drops_the_engine_only_when_idle(tiny_checkpoint):
     first_engine = llm.engine
     llm.free_kv_cache()
     assert llm.generate([[5, 6, 7]], params)[0].token_ids == before and llm.engine is not first_engine
+
+
+def test_streams_never_show_text_that_a_stop_string_later_cuts(llama_llm):
+    free = llama_llm.generate(["def f(x):"], SamplingParams(max_tokens=12, **GREEDY))[0]
+    stop = free.text[4:7]
+    assert len(stop) == 3
+    chunks = list(llama_llm.stream("def f(x):", SamplingParams(max_tokens=12, stop=[stop], **GREEDY)))
+    streamed = "".join(c.outputs[0].new_text for c in chunks)
+    assert streamed == chunks[-1].text == free.text[: free.text.find(stop)]
+
+
+def test_streamable_prefix_holds_back_partial_stops_and_characters():
+    from autodeploy.runtime.request import _streamable_prefix
+
+    assert _streamable_prefix("hello wo", ["world"]) == "hello "
+    assert _streamable_prefix("hello w", ["xyz"]) == "hello w"
+    assert _streamable_prefix("abc\ufffd", []) == "abc"
+    assert _streamable_prefix("abcw", ["wx", "cwy"]) == "ab"
