@@ -35,8 +35,15 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--min-p", type=float, default=0.0)
+    run.add_argument("--repetition-penalty", type=float, default=1.0)
+    run.add_argument("--presence-penalty", type=float, default=0.0)
+    run.add_argument("--frequency-penalty", type=float, default=0.0)
+    run.add_argument("--n", type=int, default=1, help="completions per prompt")
+    run.add_argument("--beam-width", type=int, default=1, help="> 1: beam search (with --temperature 0)")
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
     _add_settings_arguments(run)
 
     config = commands.add_parser("config", help="configuration commands")
@@ -148,16 +155,31 @@ def _run(args) -> None:
     from autodeploy import SamplingParams, autodeploy
 
     llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=args.stop)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, n=args.n, beam_width=args.beam_width, seed=args.seed, stop=args.stop,
+    )
     prompts = args.prompt or [DEFAULT_PROMPT]
+    if args.stream and len(prompts) > 1:
+        raise ConfigError("--stream prints one completion as it comes; give a single --prompt")
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    if args.stream:
+        print(prompts[0], end="", flush=True)
+        for chunk in llm.stream(prompts[0], params):
+            print(chunk.outputs[0].new_text, end="", flush=True)
+        print()
+        outputs = [chunk]
+    else:
+        outputs = llm.generate(prompts, params)
+        for output in outputs:
+            for completion in output.outputs:
+                text = f"\033[1m{completion.text}\033[0m" if sys.stdout.isatty() else completion.text
+                print(f"{output.prompt}{text}")
+                label = f" #{completion.index}" if len(output.outputs) > 1 else ""
+                print(f"---{label} {len(completion.token_ids)} tokens, finish: {completion.finish_reason}")
     seconds = time.perf_counter() - start
-    for output in outputs:
-        print(f"{output.prompt}\033[1m{output.text}\033[0m" if sys.stdout.isatty() else f"{output.prompt}{output.text}")
-        print(f"--- {len(output.token_ids)} tokens, finish: {output.finish_reason}")
-    generated = sum(len(o.token_ids) for o in outputs)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(f"--- {generated} tokens in {seconds:.2f}s on {llm.settings.device} ({llm.settings.dtype})", file=sys.stderr)
 
 

@@ -154,3 +154,13 @@ def test_process_debug_shows_the_traceback(subprocess_results):
     assert result.returncode == 1
     assert "Traceback (most recent call last)" in result.stderr
     assert "ModelNotFoundError" in result.stderr and MISSING_MODEL in result.stderr
+
+
+def test_run_streams_and_returns_several_completions(capsys, llama_dir):
+    code, out, _ = run_cli(capsys, "run", llama_dir, "--prompt", "def f(x):", "--max-tokens", "4", "--stream")
+    assert code == 0 and out.startswith("def f(x):")
+    code, out, _ = run_cli(capsys, "run", llama_dir, "--prompt", "x", "--max-tokens", "3", "--n", "2",
+                           "--temperature", "1", "--seed", "1", "--set", "device=cpu")
+    assert code == 0 and "--- #0 " in out and "--- #1 " in out
+    code, _, err = run_cli(capsys, "run", llama_dir, "--prompt", "a", "--prompt", "b", "--stream")
+    assert code == 1 and "single --prompt" in err
