@@ -1,0 +1,90 @@
+"""cached_attention's reference against un-cached attention over each sequence's whole history, on
+random mixed batches: prompt chunks after cached prefixes, then decodes, blocks in shuffled places."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.custom_ops.attention import attention_reference
+from autodeploy.custom_ops.cached_attention import cached_attention_reference
+
+
+def mixed_batch(seed: int, chunks: list[tuple[int, int]], decodes: list[int], block_size: int, q_heads=4, kv_heads=2, dim=8):
+    """Inputs for prompt ``chunks`` (cached tokens, new tokens) then single-token ``decodes`` (context
+    before the new token), with every sequence's blocks at shuffled places in the cache."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    sequences = [(cached, new) for cached, new in chunks] + [(context, 1) for context in decodes]
+    blocks_per_seq = [-(-(cached + new) // block_size) for cached, new in sequences]
+    order = list(range(sum(blocks_per_seq) + 2))
+    rng.shuffle(order)
+    width = max(blocks_per_seq)
+    tables, slots, starts, lens, cursor = [], [], [0], [], 0
+    for (cached, new), count in zip(sequences, blocks_per_seq):
+        table = order[cursor : cursor + count]
+        cursor += count
+        tables.append(table + [0] * (width - count))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, cached + new)]
+        starts.append(starts[-1] + new)
+        lens.append(cached + new)
+    total = starts[-1]
+    caches = [torch.randn(len(order), block_size, kv_heads, dim, generator=generator) for _ in range(2)]
+    return (
+        torch.randn(1, total, q_heads, dim, generator=generator),
+        torch.randn(1, total, kv_heads, dim, generator=generator),
+        torch.randn(1, total, kv_heads, dim, generator=generator),
+        *caches,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(slots),
+        torch.tensor([len(chunks), len(decodes), max([n for _, n in chunks], default=1), max(lens)], dtype=torch.int32),
+    )
+
+
+def run(kernel, inputs, *options):
+    copied = [t.clone() for t in inputs]
+    out = kernel(*copied, 0.3, *options)
+    return out, copied[3], copied[4]
+
+
+def test_reference_prefill_equals_uncached_attention():
+    inputs = mixed_batch(0, [(0, 11)], [], block_size=4)
+    out, _, _ = run(cached_attention_reference, inputs, 5)
+    q, k, v = inputs[:3]
+    torch.testing.assert_close(out, attention_reference(q, k, v, 0.3, 5))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    chunks=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)), max_size=3),
+    decodes=st.lists(st.integers(1, 40), max_size=6),
+    block_size=st.sampled_from([1, 4, 8]),
+    window=st.sampled_from([None, 3, 16]),
+    cap=st.sampled_from([None, 5.0]),
+    with_sinks=st.booleans(),
+)
+def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block_size, window, cap, with_sinks):
+    if not chunks and not decodes:
+        return
+    inputs = mixed_batch(seed, chunks, decodes, block_size)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(seed)) if with_sinks else None
+    out, k_cache, v_cache = run(cached_attention_reference, inputs, window, cap, sinks)
+    q, k, v, k_before, v_before, starts, lens, tables = inputs[:8]
+    for s, (first, last) in enumerate(zip(starts.tolist(), starts.tolist()[1:])):
+        total, new = int(lens[s]), last - first
+        slots = [int(tables[s, p // block_size]) * block_size + p % block_size for p in range(total)]
+        keys = k_before.flatten(0, 1)[slots[: total - new]]
+        values = v_before.flatten(0, 1)[slots[: total - new]]
+        full_k = torch.cat((keys, k[0, first:last]))[None]
+        full_v = torch.cat((values, v[0, first:last]))[None]
+        full_q = torch.cat((torch.zeros(total - new, *q.shape[2:]), q[0, first:last]))[None]
+        expected = attention_reference(full_q, full_k, full_v, 0.3, window, cap, sinks)[:, total - new :]
+        torch.testing.assert_close(out[:, first:last], expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(k_cache.flatten(0, 1)[slots[total - new :]], k[0, first:last])
