@@ -19,8 +19,9 @@ projection runs for those rows only. The output is ``logits[1, N, vocab]``.
 Every attention of the model must have been matched: a layer left as aten ops would attend only
 within the tokens of the current step, which is wrong, so that is an ``UnsupportedModelError``.
 
-Kernel choice (``backend``): ``torch`` is the reference (any device), ``triton`` the flash/paged kernels
-(GPU); ``auto`` takes ``triton`` on CUDA and ``torch`` elsewhere.
+Kernel choice (``backend``): ``reference`` is the op's oracle, ``sdpa`` PyTorch's fused attention per
+sequence (any device), ``triton`` the flash/paged kernels (GPU); ``auto`` takes ``triton`` on CUDA and
+``sdpa`` elsewhere.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ from autodeploy.transforms.registry import Transform, TransformConfig, Transform
 logger = logging.getLogger(__name__)
 
 SEQUENCE_METADATA = ("seq_start", "kv_lens", "block_tables", "slot_mapping", "batch_info", "logit_index")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "reference", "sdpa", "triton")
 
 
 @dataclass
 class InsertCachedAttentionConfig(TransformConfig):
     stage: str = "cache"
-    backend: str = "auto"  # auto | torch | triton
+    backend: str = "auto"  # auto | reference | sdpa | triton
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -56,8 +57,8 @@ class InsertCachedAttentionConfig(TransformConfig):
 def _kernel(backend: str, device: str):
     """The callable each cached attention node targets."""
     if backend == "auto":
-        backend = "triton" if str(device).startswith("cuda") else "torch"
-    if backend == "torch":
+        backend = "triton" if str(device).startswith("cuda") else "sdpa"
+    if backend == "reference":
         return torch.ops.autodeploy.cached_attention.default
     candidates = {b.name: b.fn for b in canonical_ops()["cached_attention"].backends}
     return candidates[backend]

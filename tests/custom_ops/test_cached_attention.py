@@ -1,5 +1,6 @@
 """cached_attention's reference against un-cached attention over each sequence's whole history, on
-random mixed batches: prompt chunks after cached prefixes, then decodes, blocks in shuffled places."""
+random mixed batches (prompt chunks after cached prefixes, then decodes, blocks in shuffled places);
+the SDPA backend against the reference."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops.attention import attention_reference
 from autodeploy.custom_ops.cached_attention import cached_attention_reference
+from autodeploy.custom_ops.cached_attention_sdpa import cached_attention_sdpa
 
 
 def mixed_batch(seed: int, chunks: list[tuple[int, int]], decodes: list[int], block_size: int, q_heads=4, kv_heads=2, dim=8):
@@ -88,3 +90,27 @@ def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block
         expected = attention_reference(full_q, full_k, full_v, 0.3, window, cap, sinks)[:, total - new :]
         torch.testing.assert_close(out[:, first:last], expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(k_cache.flatten(0, 1)[slots[total - new :]], k[0, first:last])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    chunks=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)), max_size=3),
+    decodes=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 4, 8]),
+    window=st.sampled_from([None, 3, 16]),
+    cap=st.sampled_from([None, 5.0]),
+)
+def test_sdpa_backend_equals_the_reference(seed, chunks, decodes, block_size, window, cap):
+    inputs = mixed_batch(seed, chunks, decodes, block_size)
+    expected, k_ref, v_ref = run(cached_attention_reference, inputs, window, cap)
+    got, k_new, v_new = run(cached_attention_sdpa, inputs, window, cap)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)
+
+
+def test_sdpa_backend_in_bfloat16():
+    inputs = [t.bfloat16() if t.is_floating_point() else t for t in mixed_batch(3, [(5, 6)], [9, 30, 2], block_size=4)]
+    expected, _, _ = run(cached_attention_reference, inputs, 4)
+    got, _, _ = run(cached_attention_sdpa, inputs, 4)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
