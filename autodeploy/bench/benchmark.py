@@ -2,7 +2,8 @@
 
 Every workload is built (and so validated) before the first measurement, so a bad rate, a length
 beyond ``max_seq_len`` or a broken dataset fails in seconds, not after an hour of sweeps. Each point
-runs ``repeats`` times after one warm-up; the summary comes from the last repeat, the spread from all.
+runs ``repeats`` times after one warm-up, the repeats taking turns across points; the summary comes
+from the last repeat, the spread from all.
 Baseline engines (``hf-eager``, ``hf-compile``) run the synthetic points in the same process; the
 ratios are autodeploy's value over theirs.
 
@@ -188,9 +189,13 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
     if workloads:
         warm_up = synthetic_workload(2, 8, 4, llm.vocab_size, settings.max_seq_len, seed=config.seed + 1)
         run_workload(llm, warm_up, progress=False)
-    for workload in workloads:
-        measurements = [run_workload(llm, workload, progress=config.progress) for _ in range(config.repeats)]
-        result.runs.append(_run_result(workload, "autodeploy", measurements))
+    # Repeats go round-robin over the points, so each point's spread includes the machine's drift over
+    # the whole invocation, not only back-to-back jitter.
+    measurements: dict[str, list[RunMeasurement]] = defaultdict(list)
+    for _ in range(config.repeats):
+        for workload in workloads:
+            measurements[workload.id].append(run_workload(llm, workload, progress=config.progress))
+    result.runs += [_run_result(workload, "autodeploy", measurements[workload.id]) for workload in workloads]
     synthetic = [w for w in workloads if w.kind == "synthetic"]
     if config.compare and len(synthetic) < len(workloads):
         logger.warning("baselines run the synthetic workloads only: HF generate() has no in-flight batching for arrival streams")
