@@ -56,6 +56,14 @@ def write_kv_cache(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v[0].to(v_cache.dtype))
 
 
+def gather_sequence_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached keys and values, ``[kv_len, Hkv, D]``, from its row of the block table."""
+    blocks = block_table[: -(-kv_len // k_cache.shape[1])].long()
+    return k_cache[blocks].flatten(0, 1)[:kv_len], v_cache[blocks].flatten(0, 1)[:kv_len]
+
+
 def cached_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -76,14 +84,11 @@ def cached_attention_reference(
     cached tokens with the ``attention`` op's semantics (causal on absolute positions, GQA, window,
     soft-cap, sinks). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The oracle: one sequence at a time."""
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    block_size = k_cache.shape[1]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     starts = seq_start.tolist()
     for s, kv_len in enumerate(kv_lens.tolist()):
         first, last = starts[s], starts[s + 1]
-        blocks = block_tables[s, : (kv_len + block_size - 1) // block_size].long()
-        keys = k_cache[blocks].flatten(0, 1)[:kv_len].unsqueeze(0)
-        values = v_cache[blocks].flatten(0, 1)[:kv_len].unsqueeze(0)
+        keys, values = (t.unsqueeze(0) for t in gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len))
         key_positions = torch.arange(kv_len, device=q.device)
         query_positions = key_positions[kv_len - (last - first) :]
         out[:, first:last] = attend(

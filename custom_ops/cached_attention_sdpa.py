@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .cached_attention import cached_attention_reference, write_kv_cache
+from .cached_attention import cached_attention_reference, gather_sequence_kv, write_kv_cache
 from .registry import add_backend
 
 
@@ -40,14 +40,11 @@ def cached_attention_sdpa(
             q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale, sliding_window, logit_cap, sinks
         )
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    block_size = k_cache.shape[1]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     starts = seq_start.tolist()
     for s, kv_len in enumerate(kv_lens.tolist()):
         first, last = starts[s], starts[s + 1]
-        blocks = block_tables[s, : (kv_len + block_size - 1) // block_size].long()
-        keys = k_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)  # [Hkv, kv_len, D]
-        values = v_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)
+        keys, values = (t.transpose(0, 1) for t in gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len))  # [Hkv, kv_len, D]
         mask = None
         if last - first > 1 or sliding_window is not None:
             query_pos = torch.arange(kv_len - (last - first), kv_len, device=q.device)[:, None]

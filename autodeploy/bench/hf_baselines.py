@@ -30,6 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from autodeploy.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 from autodeploy.models.factory import parameters_on_meta
+from autodeploy.models.load_weights import random_parameter
 
 logger = logging.getLogger(__name__)
 
@@ -115,16 +116,12 @@ def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.de
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     std = getattr(config, "initializer_range", 0.02)
     materialized: dict[int, nn.Parameter] = {}  # by id of the meta parameter, so tied weights stay one tensor
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         for name, param in module._parameters.items():
             if param is None:
                 continue
             if id(param) not in materialized:
-                if param.ndim == 1:
-                    is_norm_scale = name == "weight" and "norm" in type(module).__name__.lower()
-                    value = (torch.ones if is_norm_scale else torch.zeros)(param.shape, dtype=dtype, device=device)
-                else:
-                    value = (torch.randn(param.shape, device=device) * std).to(dtype)
+                value = random_parameter(f"{prefix}.{name}", param.shape, std, device).to(dtype)
                 materialized[id(param)] = nn.Parameter(value, requires_grad=False)
             module._parameters[name] = materialized[id(param)]
         # Buffers (RoPE frequencies) were computed for real on the CPU while the model was built.

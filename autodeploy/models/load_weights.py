@@ -187,8 +187,16 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
     return len(filled)
 
 
+def random_parameter(name: str, shape: torch.Size, std: float, device: torch.device, generator=None) -> torch.Tensor:
+    """The benchmarking value of one parameter (float32): N(0, std) matrices, unit norm scales
+    (a 1-D tensor with "norm" in its qualified name), zero biases."""
+    if len(shape) == 1:
+        return torch.ones(shape, device=device) if "norm" in name else torch.zeros(shape, device=device)
+    return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).mul_(std)
+
+
 def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed: int) -> int:
-    """Random weights for benchmarking: N(0, initializer_range) matrices, unit norms, zero biases."""
+    """Random weights for benchmarking (``random_parameter``), tied weights filled once."""
     std = getattr(factory.hf_config, "initializer_range", 0.02)
     device = next(iter(gm.parameters())).device
     generator = torch.Generator(device=device).manual_seed(seed)  # on the device: 8B values in seconds
@@ -198,12 +206,7 @@ def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed:
             continue
         param = gm.get_parameter(name)
         with torch.no_grad():
-            if param.ndim == 1 and "norm" in name:
-                param.fill_(1.0)
-            elif param.ndim == 1:
-                param.zero_()
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32).mul_(std))
+            param.copy_(random_parameter(name, param.shape, std, device, generator))
         done.update(groups[name])
     return len(done)
 

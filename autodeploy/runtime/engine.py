@@ -63,7 +63,7 @@ class Engine:
         self.max_num_tokens = settings.scheduler.max_num_tokens
         block_size = settings.kv_cache.block_size
         num_blocks = plan_num_blocks(
-            kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, self._warm_up_specs(kv_caches)
+            kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, self._warm_up(kv_caches)
         )
         self.caches = allocate_kv_caches(kv_caches, num_blocks, block_size, self.device)
         self.pool = KVBlockPool(num_blocks, block_size, settings.kv_cache.prefix_caching)
@@ -98,9 +98,7 @@ class Engine:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
         with self._lock:
-            request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
-            if request_id in self.requests:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use; pick another or leave it unset")
+            request_id = str(next(self._request_ids)) if request_id is None else str(request_id)  # submit checks it is free
             return Request(
                 request_id, prompt if isinstance(prompt, str) else None, token_ids, params, stops, seed, priority, self.clock()
             )
@@ -308,7 +306,7 @@ class Engine:
             finally:
                 self.pool.free(probe.seq_id)
 
-    def _warm_up_specs(self, specs: SequenceABC[KVCacheSpec]):
+    def _warm_up(self, specs: SequenceABC[KVCacheSpec]):
         """A forward at the full token budget on a throwaway cache, for measuring activation memory."""
 
         def warm_up() -> None:
