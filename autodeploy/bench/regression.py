@@ -6,10 +6,10 @@ than ``threshold`` (relative) *and* by more than measurement noise can explain, 
 not cry wolf and a tiny but steady change does not either.
 
 Noise is ``confidence_sigmas`` standard errors of the difference of the two means,
-``sqrt(s_b²/n_b + s_c²/n_c)``, with ``s`` the sample standard deviation over repeats. A side measured
-once has no spread of its own; it is assumed to spread like the other side (the same benchmark on the
-same kind of machine), which keeps its ``1/n`` term. With a single repeat on both sides the noise is
-unknown and the threshold alone decides; the table shows the noise as ``?`` so a reader knows.
+``sqrt(s_b²/n_b + s_c²/n_c)``, with ``s`` the sample standard deviation over repeats. It needs at least
+two repeats on each side: a side measured once has no spread, and borrowing the other side's would
+trust a quiet machine's spread for a busy one. Then the threshold alone decides; the table says so in
+its heading and shows the noise as ``?``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class MetricComparison:
 
     ``change`` is relative and signed, ``(current - baseline) / |baseline|``; ``noise`` is the relative
     change measurement noise alone can explain (``None`` when unknown or when one side has no data).
+    ``*_repeats`` count the samples each side's mean comes from (0 for a side without the metric).
     ``verdict``: ``missing`` = only in the baseline, ``new`` = only in current.
     """
 
@@ -38,9 +39,16 @@ class MetricComparison:
     metric: str
     baseline_mean: float | None
     current_mean: float | None
+    baseline_repeats: int
+    current_repeats: int
     change: float | None
     noise: float | None
     verdict: Verdict
+
+    @property
+    def threshold_only(self) -> bool:
+        """Compared on both sides, but a side with a single repeat left no noise estimate."""
+        return self.baseline_repeats > 0 and self.current_repeats > 0 and min(self.baseline_repeats, self.current_repeats) < 2
 
 
 @dataclass
@@ -53,7 +61,8 @@ class RegressionReport:
         return any(c.verdict == "regressed" for c in self.comparisons)
 
     def format_table(self) -> str:
-        """Aligned diff table, one line per comparison; regressed lines start with ``!!``."""
+        """Aligned diff table, one line per comparison; regressed lines start with ``!!``. A heading
+        line first when some comparisons had too few repeats for a noise estimate."""
         header = ("", "run", "metric", "baseline", "current", "change", "noise", "verdict")
         rows = [header] + [_table_row(c) for c in self.comparisons]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -65,8 +74,24 @@ class RegressionReport:
             for row in rows
         ]
         n_regressed = sum(c.verdict == "regressed" for c in self.comparisons)
-        lines.append(f"{n_regressed} regressed of {len(self.comparisons)} compared (threshold {self.threshold:.1%}, and beyond noise)")
-        return "\n".join(lines)
+        heading = self._threshold_only_heading()
+        noise_rule = "and beyond noise where repeats allow" if heading else "and beyond noise"
+        lines.append(f"{n_regressed} regressed of {len(self.comparisons)} compared (threshold {self.threshold:.1%}, {noise_rule})")
+        return "\n".join([heading, *lines] if heading else lines)
+
+    def _threshold_only_heading(self) -> str | None:
+        threshold_only = [c for c in self.comparisons if c.threshold_only]
+        if not threshold_only:
+            return None
+        single_baseline = any(c.baseline_repeats < 2 for c in threshold_only)
+        single_current = any(c.current_repeats < 2 for c in threshold_only)
+        sides = {(True, False): "the baseline", (False, True): "the current result", (True, True): "both results"}
+        compared = sum(c.baseline_repeats > 0 and c.current_repeats > 0 for c in self.comparisons)
+        scope = "" if len(threshold_only) == compared else f" for {len(threshold_only)} of {compared} comparisons"
+        return (
+            f"threshold-only comparison{scope} (no noise estimate): {sides[single_baseline, single_current]} "
+            "recorded a single repeat; record results with --repeats 2 or more"
+        )
 
 
 def compare_results(
@@ -138,6 +163,8 @@ def _compare_metric(
         metric=metric,
         baseline_mean=base_mean,
         current_mean=current_mean,
+        baseline_repeats=len(base),
+        current_repeats=len(current),
         change=difference / abs(base_mean) if relative else None,
         noise=absolute_noise / abs(base_mean) if relative and absolute_noise is not None else None,
         verdict=verdict,
@@ -145,15 +172,10 @@ def _compare_metric(
 
 
 def _absolute_noise(base: list[float], current: list[float], confidence_sigmas: float) -> float | None:
-    """``confidence_sigmas`` standard errors of ``mean(current) - mean(base)``; ``None`` if no side has spread."""
-    base_std = statistics.stdev(base) if len(base) > 1 else None
-    current_std = statistics.stdev(current) if len(current) > 1 else None
-    if base_std is None and current_std is None:
+    """``confidence_sigmas`` standard errors of ``mean(current) - mean(base)``; ``None`` unless both sides have spread."""
+    if len(base) < 2 or len(current) < 2:
         return None
-    # A single repeat has no measured spread; assume it spreads like the other side (see module docstring).
-    base_std = current_std if base_std is None else base_std
-    current_std = base_std if current_std is None else current_std
-    return confidence_sigmas * math.sqrt(base_std**2 / len(base) + current_std**2 / len(current))
+    return confidence_sigmas * math.sqrt(statistics.variance(base) / len(base) + statistics.variance(current) / len(current))
 
 
 def _one_sided(run_id: str, metric: str, values: list[float], verdict: Verdict) -> MetricComparison:
@@ -163,6 +185,8 @@ def _one_sided(run_id: str, metric: str, values: list[float], verdict: Verdict) 
         metric=metric,
         baseline_mean=mean if verdict == "missing" else None,
         current_mean=mean if verdict == "new" else None,
+        baseline_repeats=len(values) if verdict == "missing" else 0,
+        current_repeats=len(values) if verdict == "new" else 0,
         change=None,
         noise=None,
         verdict=verdict,
@@ -174,7 +198,7 @@ def _table_row(comparison: MetricComparison) -> tuple[str, ...]:
     if comparison.noise is not None:
         noise = f"±{comparison.noise:.1%}"
     else:
-        noise = "?" if both_sides else "-"  # "?": compared, but noise unknown (one repeat each side) or baseline 0
+        noise = "?" if both_sides else "-"  # "?": compared, but noise unknown (a side with one repeat) or baseline 0
     return (
         "!!" if comparison.verdict == "regressed" else "",
         comparison.run_id,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from autodeploy.bench.results import BenchResult
+from autodeploy.bench.results import HEADLINE_METRICS, BenchResult
+
+RATIO_METRICS = ("output_tokens_per_s", "e2e_p50_s")  # the ratios worth a line: one throughput, one latency
 
 
 def _ms(distribution: dict | None, quantile: str) -> str:
@@ -15,6 +17,24 @@ def _bytes(value: int | None) -> str:
 
 def _fraction(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _ratios(ratios: dict[str, float]) -> str:
+    """``output_tokens_per_s/hf-eager 0.73× (worse), e2e_p50_s/hf-eager 1.40× (worse: slower)``."""
+    shown = []
+    for metric in RATIO_METRICS:
+        for name in sorted(n for n in ratios if n.split("/")[0] == metric):
+            shown.append(f"{name} {ratios[name]:.2f}× ({_ratio_verdict(ratios[name], HEADLINE_METRICS[metric])})")
+    return ", ".join(shown)
+
+
+def _ratio_verdict(ratio: float, higher_is_better: bool) -> str:
+    if f"{ratio:.2f}" == "1.00":  # what the reader sees decides, so 1.00× never reads as better or worse
+        return "even"
+    better = (ratio > 1) == higher_is_better
+    if higher_is_better:
+        return "better" if better else "worse"
+    return "better: faster" if better else "worse: slower"
 
 
 def format_table(result: BenchResult) -> str:
@@ -35,12 +55,9 @@ def format_table(result: BenchResult) -> str:
         ))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines = ["  ".join(str(cell).ljust(w) if i == 0 else str(cell).rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
-    ratio_lines = [
-        f"  {run.id}: " + ", ".join(f"{name} {value:.2f}×" for name, value in sorted(run.ratios.items()) if name.startswith("output_tokens_per_s") or name.startswith("e2e"))
-        for run in result.runs if run.ratios
-    ]
+    ratio_lines = [f"  {run.id}: {_ratios(run.ratios)}" for run in result.runs if run.ratios]
     if ratio_lines:
-        lines += ["", "autodeploy / baseline (same run; > 1 means autodeploy is higher):", *ratio_lines]
+        lines += ["", "autodeploy / baseline (same run; each ratio says whether autodeploy did better or worse):", *ratio_lines]
     stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.build["stages"].items())
     lines += ["", f"build {result.build['total_s']:.2f}s ({stages}) on {result.machine['device_name']} ({result.machine['device']})"]
     if result.accuracy:

@@ -1,19 +1,42 @@
 """The ``autodeploy`` command line: run, config show, inspect, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
-``bench --baseline`` exits with code 3 when a metric regressed.
+``bench --baseline`` exits with code 3 when a metric regressed. ``--debug`` and ``--version`` go
+before or after the subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import platform
 import sys
 import time
+from importlib import metadata
 
 from autodeploy.errors import AutoDeployError, ConfigError
 
 DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+def _installed_version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _version_line() -> str:
+    """Read from package metadata, so ``--version`` imports neither torch nor transformers."""
+    others = ", ".join(f"{package} {_installed_version(package)}" for package in ("torch", "transformers"))
+    return f"autodeploy {_installed_version('autodeploy')} ({others}, python {platform.python_version()})"
+
+
+def _add_global_flags(parser: argparse.ArgumentParser, version_line: str, top_level: bool) -> None:
+    # Only the top level has a default: a subcommand's default would overwrite a --debug given before it.
+    parser.add_argument("--debug", action="store_true", default=False if top_level else argparse.SUPPRESS,
+                        help="show tracebacks and debug logs")
+    parser.add_argument("--version", action="version", version=version_line, help="print the versions and exit")
 
 
 def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +47,9 @@ def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    version_line = _version_line()
     parser = argparse.ArgumentParser(prog="autodeploy", description="Hugging Face causal LM → fast inference engine.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    _add_global_flags(parser, version_line, top_level=True)
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="deploy a model and generate from a prompt")
@@ -43,7 +67,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--beam-width", type=int, default=1, help="> 1: beam search (with --temperature 0)")
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    run.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
+    run.add_argument("--stream", action="store_true",
+                     help="print tokens as they come (one prompt; with --n > 1 the samples print one after another)")
     _add_settings_arguments(run)
 
     config = commands.add_parser("config", help="configuration commands")
@@ -70,7 +95,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-dist", default="uniform:16:128", help="poisson/concurrency: output length distribution")
     bench.add_argument("--dataset", default=None, help="poisson/concurrency: JSONL file of prompts instead of random ones")
     bench.add_argument("--perplexity-text", default=None, help="accuracy: also the perplexity on this text file")
-    bench.add_argument("--repeats", type=int, default=3, help="measurements per point (their spread feeds the regression check)")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="measurements per point (their spread feeds the regression check: 2 or more with --baseline)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--compare", default="", help="baselines in the same run: hf-eager, hf-compile (comma list)")
     bench.add_argument("--out", default=None, help="write the results as JSON")
@@ -80,6 +106,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch (fewer threads measure more steadily on a shared machine)")
     bench.add_argument("--no-progress", action="store_true")
     _add_settings_arguments(bench)
+    for subcommand in (run, config, show, inspect, bench):
+        _add_global_flags(subcommand, version_line, top_level=False)
     return parser
 
 
@@ -122,6 +150,11 @@ def _bench(args) -> int:
     config.validate()
     if args.threshold <= 0:
         raise ConfigError(f"--threshold must be > 0, got {args.threshold}")
+    if args.baseline and args.repeats < 2:
+        raise ConfigError(
+            f"--baseline needs --repeats 2 or more (got {args.repeats}): with one repeat there is no spread to tell "
+            "machine noise from a regression"
+        )
     baseline = load_result(args.baseline) if args.baseline else None  # a bad baseline fails before any measurement
     if args.threads is not None:
         if args.threads < 1:
@@ -153,6 +186,7 @@ def _bench(args) -> int:
 
 def _run(args) -> None:
     from autodeploy import SamplingParams, autodeploy
+    from autodeploy.cli.completions import print_outputs, print_stream
 
     llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
     params = SamplingParams(
@@ -162,22 +196,13 @@ def _run(args) -> None:
     )
     prompts = args.prompt or [DEFAULT_PROMPT]
     if args.stream and len(prompts) > 1:
-        raise ConfigError("--stream prints one completion as it comes; give a single --prompt")
+        raise ConfigError("--stream prints the completions of one prompt as they come; give a single --prompt")
     start = time.perf_counter()
     if args.stream:
-        print(prompts[0], end="", flush=True)
-        for chunk in llm.stream(prompts[0], params):
-            print(chunk.outputs[0].new_text, end="", flush=True)
-        print()
-        outputs = [chunk]
+        outputs = [print_stream(llm.stream(prompts[0], params), prompts[0], params)]
     else:
         outputs = llm.generate(prompts, params)
-        for output in outputs:
-            for completion in output.outputs:
-                text = f"\033[1m{completion.text}\033[0m" if sys.stdout.isatty() else completion.text
-                print(f"{output.prompt}{text}")
-                label = f" #{completion.index}" if len(output.outputs) > 1 else ""
-                print(f"---{label} {len(completion.token_ids)} tokens, finish: {completion.finish_reason}")
+        print_outputs(outputs)
     seconds = time.perf_counter() - start
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(f"--- {generated} tokens in {seconds:.2f}s on {llm.settings.device} ({llm.settings.dtype})", file=sys.stderr)

@@ -4,11 +4,14 @@ code, and bad input rejected before any measurement."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 import autodeploy.bench.benchmark as benchmark
-from autodeploy.bench.results import load_result
+from autodeploy.bench.metrics import RequestTiming, summarize
+from autodeploy.bench.report import format_table
+from autodeploy.bench.results import BenchResult, RunResult, load_result
 from autodeploy.cli.main import main
 
 FAST = ["--input-len", "8", "--output-len", "4", "--repeats", "2", "--no-progress", "--set", "device=cpu"]
@@ -41,6 +44,8 @@ def test_bench_writes_json_plots_ratios_and_accuracy(capsys, llama_dir, tmp_path
     assert result.accuracy["top1_agreement"] == 1.0
     assert set(result.build["stages"]) >= {"export", "match", "cache"}
     assert "synthetic/b2-in8-out4/autodeploy" in out and "top-1 agreement 100.00%" in out
+    assert re.search(r"^  synthetic/b1-in8-out4/autodeploy: output_tokens_per_s/hf-eager [0-9.]+× \((better|worse|even)\), "
+                     r"e2e_p50_s/hf-eager [0-9.]+× \((better: faster|worse: slower|even)\)$", out, re.MULTILINE), out
     assert any(p.suffix == ".png" for p in plots.iterdir())
 
 
@@ -57,6 +62,41 @@ def test_a_slowed_run_against_a_faster_baseline_exits_3(capsys, llama_dir, tmp_p
     assert code == 3 and "regressed" in out and "regression against" in err
 
 
+def test_a_single_repeat_baseline_makes_the_comparison_threshold_only(capsys, llama_dir, tmp_path):
+    # A baseline recorded with --repeats 1 (and three times faster, so the verdict is not in doubt).
+    run = RunResult("synthetic/b2-in8-out4/autodeploy", {}, "autodeploy", 1, {}, samples={"output_tokens_per_s": [1e6]})
+    baseline = tmp_path / "once.json"
+    BenchResult("", {"device_name": "test"}, "tiny", {}, {}, runs=[run]).save(baseline)
+    code, out, _ = run_cli(capsys, "bench", str(llama_dir), "--batch", "2", "--baseline", str(baseline), *FAST)
+    assert code == 3
+    heading = out.split("\n\n")[-1].splitlines()[0]
+    assert heading.startswith("threshold-only comparison (no noise estimate): the baseline recorded a single repeat"), out
+
+
+def _run_with_ratios(ratios: dict[str, float]) -> RunResult:
+    metrics = {**summarize([RequestTiming(0.0, [0.1, 0.2], 4)]), "peak_device_memory_bytes": None, "peak_host_rss_bytes": None}
+    return RunResult("synthetic/b1-in8-out4/autodeploy", {}, "autodeploy", 2, metrics, ratios=ratios)
+
+
+@pytest.mark.parametrize(
+    "ratios, line",
+    [
+        ({"output_tokens_per_s/hf-eager": 0.73, "e2e_p50_s/hf-eager": 1.4},
+         "output_tokens_per_s/hf-eager 0.73× (worse), e2e_p50_s/hf-eager 1.40× (worse: slower)"),
+        ({"output_tokens_per_s/hf-eager": 1.25, "e2e_p50_s/hf-eager": 0.8},
+         "output_tokens_per_s/hf-eager 1.25× (better), e2e_p50_s/hf-eager 0.80× (better: faster)"),
+        ({"e2e_p50_s/hf-eager": 1.001, "output_tokens_per_s/hf-compile": 0.5, "output_tokens_per_s/hf-eager": 1.0, "ttft_p50_s/hf-eager": 2.0},
+         "output_tokens_per_s/hf-compile 0.50× (worse), output_tokens_per_s/hf-eager 1.00× (even), e2e_p50_s/hf-eager 1.00× (even)"),
+    ],
+    ids=["slower", "faster", "even-and-two-baselines"],
+)
+def test_ratio_lines_say_better_or_worse_per_metric(ratios, line):
+    result = BenchResult("", {"device_name": "test", "device": "cpu"}, "tiny", {}, {"total_s": 1.0, "stages": {}}, runs=[_run_with_ratios(ratios)])
+    lines = format_table(result).splitlines()
+    assert f"  synthetic/b1-in8-out4/autodeploy: {line}" in lines
+    assert not any("> 1 means" in text for text in lines)
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [
@@ -69,6 +109,7 @@ def test_a_slowed_run_against_a_faster_baseline_exits_3(capsys, llama_dir, tmp_p
         (["--workload", "poisson", "--dataset", "empty.jsonl"], "is empty"),
         (["--batch", "one"], "comma-separated list of ints"),
         (["--baseline", "missing.json"], "does not exist"),
+        (["--baseline", "missing.json", "--repeats", "1"], "--baseline needs --repeats 2 or more"),
         (["--workload", "accuracy", "--set", "weights=random"], "needs weights=checkpoint"),
     ],
 )

@@ -168,26 +168,41 @@ def test_only_headline_metrics_with_samples_are_compared():
     assert [c.metric for c in report.comparisons] == ["output_tokens_per_s"]
 
 
-def test_single_repeat_on_one_side_borrows_the_other_sides_spread():
-    # Baseline spread s=100 over 5 repeats; current measured once. Noise = 3 * 100 * sqrt(1/5 + 1/1) / 1000.
-    base = [1000.0, 1100.0, 900.0, 1050.0, 950.0]
-    std = 79.05694150420949
-    comparison = one_metric("output_tokens_per_s", base, [800.0])
-    assert comparison.noise == pytest.approx(3 * std * (1 / 5 + 1) ** 0.5 / 1000)
-    assert comparison.verdict == "unchanged"  # -20% but one repeat of a ±8% measurement could do that
-    assert one_metric("output_tokens_per_s", [800.0], base).noise == pytest.approx(3 * std * (1 + 1 / 5) ** 0.5 / 800)
-    steady = [1000.0, 1000.5, 999.5]
-    assert one_metric("output_tokens_per_s", steady, [800.0]).verdict == "regressed"
+@pytest.mark.parametrize("base_repeats, current_repeats", [(1, 5), (5, 1), (1, 1)], ids=["baseline-once", "current-once", "both-once"])
+def test_a_single_repeat_on_either_side_leaves_the_threshold_alone_to_decide(base_repeats, current_repeats):
+    # A spread of ±10% would explain a 6% change, but a side measured once has no spread to judge noise by.
+    spread = (1.0, 1.1, 0.9, 1.05, 0.95)
+    base = [1000.0 * s for s in spread[:base_repeats]]
+    current = [940.0 * s for s in spread[:current_repeats]]
+    slowed = one_metric("output_tokens_per_s", base, current)
+    assert slowed.noise is None and slowed.threshold_only
+    assert slowed.verdict == "regressed"
+    assert one_metric("output_tokens_per_s", base, [960.0 * s for s in spread[:current_repeats]]).verdict == "unchanged"
+    assert not one_metric("output_tokens_per_s", [1000.0, 1000.0], [940.0, 940.0]).threshold_only
 
 
-def test_single_repeat_on_both_sides_relies_on_threshold_alone():
-    slowed = one_metric("output_tokens_per_s", [1000.0], [940.0])
-    assert slowed.noise is None and slowed.verdict == "regressed"
-    assert one_metric("output_tokens_per_s", [1000.0], [960.0]).verdict == "unchanged"
-    table = compare_results(
-        make_result(make_run(RUN_A, {"output_tokens_per_s": [1000.0]})), make_result(make_run(RUN_A, {"output_tokens_per_s": [940.0]}))
-    ).format_table()
-    assert "?" in table.splitlines()[1]
+def test_table_heading_says_when_a_single_repeat_baseline_makes_it_threshold_only():
+    # A baseline file recorded with --repeats 1, compared with a current result of three repeats.
+    baseline = make_result(make_run(RUN_A, {"output_tokens_per_s": [1000.0], "ttft_p50_s": [0.05]}))
+    current = make_result(make_run(RUN_A, {"output_tokens_per_s": [940.0, 945.0, 935.0], "ttft_p50_s": [0.05, 0.051, 0.049]}))
+    heading, header, *rows, summary = compare_results(baseline, current).format_table().splitlines()
+    assert heading.startswith("threshold-only comparison (no noise estimate): the baseline recorded a single repeat")
+    assert "--repeats 2 or more" in heading
+    assert header.split() == ["run", "metric", "baseline", "current", "change", "noise", "verdict"]
+    assert len(rows) == 2 and all(line.split()[-2] == "?" for line in rows)
+    assert summary.startswith("1 regressed of 2 compared")
+
+
+def test_table_heading_counts_the_threshold_only_comparisons_when_some_have_repeats():
+    baseline = make_result(make_run(RUN_A, {"output_tokens_per_s": [1000.0]}), make_run(RUN_B, steady_samples()))
+    current = make_result(make_run(RUN_A, {"output_tokens_per_s": [1000.0, 1001.0]}), make_run(RUN_B, steady_samples()))
+    heading = compare_results(baseline, current).format_table().splitlines()[0]
+    assert heading.startswith(f"threshold-only comparison for 1 of {1 + len(HEADLINE_METRICS)} comparisons (no noise estimate)")
+
+
+def test_table_has_no_heading_when_every_side_has_repeats():
+    result = make_result(make_run(RUN_A, steady_samples()))
+    assert compare_results(result, result).format_table().splitlines()[0].split()[0] == "run"
 
 
 def test_zero_baseline_still_compares():

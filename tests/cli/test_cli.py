@@ -1,7 +1,8 @@
-"""The ``autodeploy`` command line: run, config show, inspect, and one-line errors."""
+"""The ``autodeploy`` command line: run (streamed too), config show, inspect, global flags, and one-line errors."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -11,9 +12,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from autodeploy import CompletionOutput, RequestOutput, SamplingParams
+from autodeploy.cli.completions import print_stream
 from autodeploy.cli.main import main
 from autodeploy.config import load_settings, transform_configs
-from autodeploy.errors import ModelNotFoundError
+from autodeploy.errors import ConfigError, ModelNotFoundError
+from autodeploy.runtime.outputs import RequestMetrics
 
 MISSING_MODEL = "/nonexistent/autodeploy-test-model"
 
@@ -164,3 +168,86 @@ def test_run_streams_and_returns_several_completions(capsys, llama_dir):
     assert code == 0 and "--- #0 " in out and "--- #1 " in out
     code, _, err = run_cli(capsys, "run", llama_dir, "--prompt", "a", "--prompt", "b", "--stream")
     assert code == 1 and "single --prompt" in err
+
+
+# --- streaming several samples ----------------------------------------------------------------
+
+@pytest.fixture
+def deployed_llama(monkeypatch, llama_llm):
+    """``run`` served by the session's deployed tiny Llama instead of deploying it again per call."""
+    import autodeploy
+
+    monkeypatch.setattr(autodeploy, "autodeploy", lambda *args, **kwargs: llama_llm)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [["--n", "2", "--temperature", "1", "--seed", "1"], ["--n", "2", "--beam-width", "2"], ["--n", "3", "--beam-width", "3"]],
+    ids=["samples", "beams", "three-beams"],
+)
+def test_stream_prints_every_completion_as_run_without_stream_does(capsys, deployed_llama, sampling):
+    arguments = ["run", "--prompt", "def f(x):", "--max-tokens", "5", *sampling]
+    code, printed, _ = run_cli(capsys, *arguments)
+    streamed_code, streamed, _ = run_cli(capsys, *arguments, "--stream")
+    assert (code, streamed_code) == (0, 0)
+    assert streamed == printed
+    n = int(sampling[1])
+    assert [line.split()[1] for line in streamed.splitlines() if line.startswith("--- ")] == [f"#{i}" for i in range(n)]
+
+
+def test_stream_of_one_sample_prints_only_the_prompt_and_the_text(capsys, deployed_llama, llama_llm):
+    expected = llama_llm.generate(["def f(x):"], SamplingParams(max_tokens=4, temperature=0))[0].text
+    code, out, _ = run_cli(capsys, "run", "--prompt", "def f(x):", "--max-tokens", "4", "--stream")
+    assert (code, out) == (0, f"def f(x):{expected}\n")
+
+
+def _chunk(*completions: tuple[int, str, str | None], finished: bool = False):
+    outputs = [CompletionOutput(index, "", [0] * 3, reason, new_text=new_text) for index, new_text, reason in completions]
+    return RequestOutput("r", "P:", [1], outputs, finished, RequestMetrics())
+
+
+def test_stream_prints_the_live_sample_as_it_comes_and_a_later_one_from_what_it_gathered(capsys):
+    # Sample 1 finishes before sample 0; its text must still print after sample 0's, not inside it.
+    chunks = [
+        _chunk((0, "a", None), (1, "x", None)),
+        _chunk((0, "b", None), (1, "y", "stop")),
+        _chunk((0, "c", "length"), (1, "", "stop"), finished=True),
+    ]
+    seen = []
+
+    def watched():
+        for chunk in chunks:
+            yield chunk
+            seen.append(capsys.readouterr().out)
+
+    print_stream(watched(), "P:", SamplingParams(max_tokens=3, n=2, temperature=1.0))
+    seen.append(capsys.readouterr().out)
+    assert seen[:2] == ["P:a", "b"]  # sample 0 streams token by token
+    assert "".join(seen) == "P:abc\n--- #0 3 tokens, finish: length\nP:xy\n--- #1 3 tokens, finish: stop\n"
+
+
+# --- global flags anywhere, --version ---------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["run", MISSING_MODEL, "--debug"], ModelNotFoundError),
+        (["config", "show", "--set", "foo", "--debug"], ConfigError),
+        (["config", "--debug", "show", "--set", "foo"], ConfigError),
+        (["--debug", "config", "show", "--set", "foo"], ConfigError),
+    ],
+    ids=["after-run", "after-config-show", "between-config-and-show", "before"],
+)
+def test_debug_is_accepted_before_or_after_the_subcommand(hf_offline, argv, error):
+    with pytest.raises(error):
+        main(argv)
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["run", "--version"], ["config", "show", "--version"], ["bench", "--version"]])
+def test_version_prints_autodeploy_torch_and_transformers_versions(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"autodeploy \S+ \(torch \S+, transformers \S+, python \S+\)\n", out), out
+    assert f"torch {importlib.metadata.version('torch')}," in out
