@@ -1,8 +1,10 @@
 """``AsyncLLM``: the engine behind an asyncio interface, for servers.
 
-One worker thread steps the engine while any request is in flight; each request's outputs reach its
-coroutine through an ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe``. The event loop never
-blocks on a forward, and requests from any number of coroutines share the same batches.
+A worker thread steps the engine while it has unfinished requests (its own or any other front end's);
+each request's outputs reach its coroutine through an ``asyncio.Queue`` that the engine feeds, from
+whichever thread ran the step, with ``loop.call_soon_threadsafe``. The event loop never blocks on a
+forward, requests from any number of coroutines share the same batches, and any number of
+``AsyncLLM``s and synchronous calls can share one ``LLM``.
 
     async def main():
         async_llm = AsyncLLM(autodeploy())
@@ -19,9 +21,11 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
+from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.engine import Prompt
 from autodeploy.runtime.llm import LLM
 from autodeploy.runtime.outputs import RequestOutput
+from autodeploy.runtime.request import Request
 from autodeploy.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,72 +35,89 @@ class AsyncLLM:
     def __init__(self, llm: LLM):
         self.llm = llm
         self.engine = llm.engine
-        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
+        self._in_flight: dict[str, Request] = {}  # this front end's requests, which shutdown aborts
+        self._lock = threading.Lock()  # shutdown against new requests
         self._stopped = False
-        self._error: BaseException | None = None
+        self._wake = threading.Event()
         self._worker = threading.Thread(target=self._run, name="autodeploy-engine", daemon=True)
         self._worker.start()
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output whenever it gets new tokens; cancelling the consumer aborts it."""
-        if self._stopped:
-            raise RuntimeError("this AsyncLLM was shut down; create a new one")
-        request = self.engine.make_request(prompt, params, priority=priority)  # bad input raises here
-        queue: asyncio.Queue = asyncio.Queue()
-        self._listeners[request.request_id] = (asyncio.get_running_loop(), queue)
-        self.engine.submit(request)
-        self._wake.set()
-        try:
-            while True:
-                output = await queue.get()
-                if isinstance(output, BaseException):
-                    raise output
-                yield output
-                if output.finished:
-                    return
-        finally:
-            self._listeners.pop(request.request_id, None)
-            if not request.finished:
-                self.engine.abort(request.request_id)
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output whenever it gets new tokens; the last one has ``finished=True``.
+        Cancelling the consumer aborts the request; ``abort(request_id)`` ends it with an "abort" output."""
+        return self._outputs(prompt, params, priority, streaming=True)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> RequestOutput:
-        """The finished output of one request."""
-        final = None
-        async for output in self.stream(prompt, params, priority):
-            final = output
+        """The finished output of one request (``finish_reason`` "abort" if it was aborted)."""
+        (final,) = [output async for output in self._outputs(prompt, params, priority, streaming=False)]
         return final
 
     def abort(self, request_id: str) -> None:
+        """Cancel a request; its coroutine gets a final output with ``finish_reason`` "abort"."""
         self.engine.abort(request_id)
 
     def shutdown(self) -> None:
-        """Stop the worker; requests still running are aborted."""
-        self._stopped = True
+        """Abort this front end's requests still running (their coroutines end with "abort") and stop the
+        worker; later ``stream`` / ``generate`` calls raise ``InvalidRequestError``."""
+        with self._lock:
+            self._stopped = True
+            in_flight = list(self._in_flight)
+        for request_id in in_flight:
+            self.engine.abort(request_id)
         self._wake.set()
         self._worker.join()
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
+
+    async def _outputs(self, prompt: Prompt, params: SamplingParams | None, priority: int, streaming: bool) -> AsyncIterator[RequestOutput]:
+        request = self.engine.make_request(prompt, params, priority=priority)  # bad input raises here
+        queue: asyncio.Queue = asyncio.Queue()
+        request.sink = _AsyncSink(asyncio.get_running_loop(), queue, streaming)
+        with self._lock:
+            if self._stopped:
+                raise InvalidRequestError("this AsyncLLM was shut down; create a new AsyncLLM(llm) to submit requests")
+            self.engine.submit(request)
+            self._in_flight[request.request_id] = request
+        self._wake.set()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._in_flight.pop(request.request_id, None)
+            if not request.finished:
+                self.engine.abort(request.request_id)
 
     def _run(self) -> None:
         while not self._stopped:
+            self._wake.clear()  # before the check, so a request submitted after it sets the event again
             if not self.engine.has_unfinished():
                 self._wake.wait()
-                self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step_outputs(streaming=True)
-            except BaseException as error:  # a failed forward must reach the waiting coroutines, not vanish
+                self.engine.step_or_wait()
+            except Exception:  # the engine handed the error to the failed batch's requests; keep serving the rest
                 logger.exception("engine step failed")
-                self._fail_all(error)
-                continue
-            for output in outputs:
-                listener = self._listeners.get(output.request_id)
-                if listener is not None:
-                    loop, queue = listener
-                    loop.call_soon_threadsafe(queue.put_nowait, output)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id, (loop, queue) in list(self._listeners.items()):
-            self.engine.abort(request_id)
-            loop.call_soon_threadsafe(queue.put_nowait, error)
+
+class _AsyncSink:
+    """Hands a request's outputs (or the error of a failed step) to its coroutine's queue, on its loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, streaming: bool):
+        self.streaming = streaming
+        self._loop = loop
+        self._queue = queue
+
+    def put(self, output: RequestOutput) -> None:
+        self._send(output)
+
+    def fail(self, error: BaseException) -> None:
+        self._send(error)
+
+    def _send(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: no coroutine is left to read it
+            pass

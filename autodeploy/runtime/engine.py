@@ -3,8 +3,12 @@
 The engine owns the KV caches, the block pool and the scheduler. ``add_request`` validates a request
 completely before queueing it (a bad request raises ``InvalidRequestError`` and nothing else is
 touched); ``step`` runs one forward for whatever the scheduler planned and returns the requests that
-got new tokens; ``abort`` cancels a request and frees its blocks at once. It is thread-safe, so an
-asyncio front end can add requests while a worker thread steps.
+got new tokens; ``abort`` cancels a request and frees its blocks at once. It is thread-safe.
+
+Outputs do not depend on who steps: after every step, and when a request is aborted, the engine hands
+each changed request's output to the request's ``OutputSink`` (if it has one). So any number of front
+ends (``LLM.generate``, ``LLM.stream``, ``AsyncLLM``s) share one engine from any threads, each stepping
+when nobody else is (``step_or_wait``) and reading only its own sinks.
 
     engine = llm.engine
     request = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
@@ -26,10 +30,10 @@ import torch
 from torch import fx
 
 from autodeploy.custom_ops.cached_attention import KVCacheSpec
-from autodeploy.errors import InvalidRequestError
+from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
-from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
+from autodeploy.runtime.outputs import CompletionOutput
 from autodeploy.runtime.request import Request, Sequence
 from autodeploy.runtime.sampler import SamplingRow, sample
 from autodeploy.runtime.sampling_params import SamplingParams
@@ -39,6 +43,9 @@ from autodeploy.runtime.step_inputs import build_step_inputs
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+
+# Enough tokens for a forward to show whether the model computes finite logits at all.
+_LOGITS_CHECK_TOKENS = 16
 
 
 class Engine:
@@ -51,7 +58,10 @@ class Engine:
         tokenizer,
         eos_token_ids: SequenceABC[int],
         vocab_size: int,
+        check_logits: bool = True,
     ):
+        """``check_logits``: a warm-up forward must give finite logits (build-time verification turns it
+        off for the twin, whose logits it checks and localises itself)."""
         self.graph = graph
         self.graph_inputs = graph_inputs
         self.settings = settings
@@ -62,9 +72,17 @@ class Engine:
         self.max_seq_len = settings.max_seq_len
         self.max_num_tokens = settings.scheduler.max_num_tokens
         block_size = settings.kv_cache.block_size
+        warmed_up = []
+
+        def warm_up_at_token_budget() -> None:
+            self._warm_up(kv_caches, min(self.max_num_tokens, self.max_seq_len))
+            warmed_up.append(True)
+
         num_blocks = plan_num_blocks(
-            kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, self._warm_up(kv_caches)
+            kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, warm_up_at_token_budget
         )
+        if not warmed_up and check_logits:  # only GPU pool sizing needs the full budget; every device checks the logits
+            self._warm_up(kv_caches, min(_LOGITS_CHECK_TOKENS, self.max_num_tokens, self.max_seq_len))
         self.caches = allocate_kv_caches(kv_caches, num_blocks, block_size, self.device)
         self.pool = KVBlockPool(num_blocks, block_size, settings.kv_cache.prefix_caching)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
@@ -72,6 +90,8 @@ class Engine:
         self._request_ids = itertools.count()
         self._seeds = random.Random(settings.seed)
         self._lock = threading.RLock()
+        self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
+        self._stepping = False
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
 
     # ---- requests ------------------------------------------------------------------------------
@@ -111,16 +131,29 @@ class Engine:
             self.scheduler.add(request.sequences[0])
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request: its blocks go back to the pool now; its output ends with ``"abort"``."""
+        """Cancel a request: its blocks go back to the pool now; its sink gets a final output whose
+        completions end with ``"abort"``. Unknown or already finished requests are left alone."""
         with self._lock:
-            request = self.requests.pop(str(request_id), None)
-            if request is None:
-                return
-            for sequence in request.sequences:
-                if sequence.finish_reason is None:
-                    sequence.finish_reason = "abort"
-                self.scheduler.remove(sequence)
-            request.finish_time = self.clock()
+            request = self._cancel(str(request_id))
+            if request is not None:
+                self._deliver(request)
+
+    def _cancel(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.aborted = True
+        for sequence in request.sequences:
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "abort"
+            self.scheduler.remove(sequence)
+        request.finish_time = self.clock()
+        return request
+
+    def _deliver(self, request: Request) -> None:
+        sink = request.sink
+        if sink is not None and (sink.streaming or request.finished):
+            sink.put(request.output(self.tokenizer, streaming=sink.streaming))
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -132,6 +165,7 @@ class Engine:
                 raise InvalidRequestError(
                     "this model has no tokenizer files; pass tokenizer='…' to autodeploy() or give prompts as token ids"
                 )
+            _check_unicode(prompt)
             token_ids = self.tokenizer(prompt).input_ids
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
@@ -166,29 +200,59 @@ class Engine:
     # ---- stepping ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Run one forward for the planned chunks; return the requests that changed (new tokens or finished)."""
+        """Run one forward for the planned chunks, hand every changed request's output to its sink, and
+        return the changed requests (new tokens or finished).
+
+        When the forward or the sampling raises, the requests of that batch are aborted, their sinks
+        get the error, and it is raised here too.
+        """
         with self._lock:
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return []
-            now = self.clock()
-            for chunk in plan.chunks:
-                request = chunk.sequence.request
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-            inputs, completing = build_step_inputs(self.graph_inputs, plan.chunks, self.pool, self.caches, self.device)
-            logits = self.graph(*inputs)[0]  # [len(completing), vocab]
-            for chunk in plan.chunks:
-                sequence = chunk.sequence
-                sequence.num_computed = chunk.start + chunk.length
-                self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, sequence.num_computed)
-            changed = self._advance([plan.chunks[i].sequence for i in completing], logits)
+            try:
+                changed = self._run_chunks(plan.chunks)
+            except Exception as error:
+                for request in {id(c.sequence.request): c.sequence.request for c in plan.chunks}.values():
+                    self._cancel(request.request_id)
+                    if request.sink is not None:
+                        request.sink.fail(error)
+                raise
+            for request in changed:
+                self._deliver(request)
             return changed
 
-    def step_outputs(self, streaming: bool = True) -> list[RequestOutput]:
-        """``step``, then the changed requests' outputs, read before anything else can change them."""
-        with self._lock:
-            return [request.output(self.tokenizer, streaming) for request in self.step()]
+    def step_or_wait(self) -> None:
+        """``step``; or, while another caller of ``step_or_wait`` is stepping, wait for that step to end.
+
+        Every step delivers to every request's sink, so front ends sharing the engine take turns
+        instead of queueing on its lock: a waiting front end is free to read what the step gave it.
+        """
+        with self._turn:
+            if self._stepping:
+                self._turn.wait()
+                return
+            self._stepping = True
+        try:
+            self.step()
+        finally:
+            with self._turn:
+                self._stepping = False
+                self._turn.notify_all()
+
+    def _run_chunks(self, chunks: list[ScheduledChunk]) -> list[Request]:
+        now = self.clock()
+        for chunk in chunks:
+            request = chunk.sequence.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        inputs, completing = build_step_inputs(self.graph_inputs, chunks, self.pool, self.caches, self.device)
+        logits = self.graph(*inputs)[0]  # [len(completing), vocab]
+        for chunk in chunks:
+            sequence = chunk.sequence
+            sequence.num_computed = chunk.start + chunk.length
+            self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, sequence.num_computed)
+        return self._advance([chunks[i].sequence for i in completing], logits)
 
     def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> list[Request]:
         """Turn the logits of sequences that reached their last token into next tokens (or beam steps)."""
@@ -204,8 +268,12 @@ class Engine:
             forking = request.params.n > 1 and len(request.sequences) == 1 and not sequence.output_token_ids
             for index in range(request.params.n if forking else 1):
                 index = index if forking else sequence.index
-                seed = request.seed + index
-                rows.append(SamplingRow(request.params, seed, len(sequence.output_token_ids), request.prompt_token_ids, sequence.output_token_ids))
+                rows.append(
+                    SamplingRow(
+                        request.params, request.seed, len(sequence.output_token_ids), request.prompt_token_ids,
+                        sequence.output_token_ids, sample_index=index,
+                    )
+                )
                 row_logits.append(row)
                 owners.append((sequence, index))
         changed: dict[str, Request] = {}
@@ -234,7 +302,7 @@ class Engine:
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """A new sample of ``parent``'s request sharing its computed full blocks (``n`` > 1)."""
         request = parent.request
-        child = Sequence(request, list(request.prompt_token_ids), index, request.seed + index)
+        child = Sequence(request, list(request.prompt_token_ids), index)
         child.num_computed = self.pool.fork(parent.seq_id, child.seq_id, len(request.prompt_token_ids))
         request.sequences.append(child)
         self.scheduler.running.append(child)
@@ -272,7 +340,7 @@ class Engine:
             if parent not in survivors:  # the first child of a parent continues it in place
                 sequence = parent
             else:  # a further child shares the parent's full blocks and recomputes the rest
-                sequence = Sequence(request, request.prompt_token_ids + beam.token_ids[:-1], len(survivors), request.seed)
+                sequence = Sequence(request, request.prompt_token_ids + beam.token_ids[:-1], len(survivors))
                 sequence.num_computed = self.pool.fork(parent.seq_id, sequence.seq_id, parent.num_computed)
                 self.scheduler.running.append(sequence)
             sequence.token_ids.append(beam.token_ids[-1])
@@ -294,6 +362,11 @@ class Engine:
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits ``[len(token_ids), vocab]`` for every position of one token sequence (no prefix cache)."""
+        if len(token_ids) > self.max_seq_len:
+            raise InvalidRequestError(
+                f"the sequence has {len(token_ids)} tokens > max_seq_len={self.max_seq_len}; shorten it, or deploy with "
+                f"a larger max_seq_len (at most the model's max_position_embeddings)"
+            )
         with self._lock:
             probe = _Probe(list(token_ids))
             try:
@@ -306,22 +379,39 @@ class Engine:
             finally:
                 self.pool.free(probe.seq_id)
 
-    def _warm_up(self, specs: SequenceABC[KVCacheSpec]):
-        """A forward at the full token budget on a throwaway cache, for measuring activation memory."""
+    def _warm_up(self, specs: SequenceABC[KVCacheSpec], num_tokens: int) -> None:
+        """One forward of ``num_tokens`` tokens on a throwaway cache. Its peak memory sizes the GPU pool;
+        its logits must be finite, or the model would only ever generate garbage."""
+        block_size = self.settings.kv_cache.block_size
+        scratch = KVBlockPool(-(-num_tokens // block_size), block_size, enable_prefix_caching=False)
+        caches = allocate_kv_caches(specs, scratch.num_blocks, block_size, self.device)
+        probe = _Probe([i % self.vocab_size for i in range(num_tokens)])
+        scratch.reserve(probe.seq_id, num_tokens)
+        with torch.inference_mode():
+            inputs, _ = build_step_inputs(self.graph_inputs, [ScheduledChunk(probe, 0, num_tokens)], scratch, caches, self.device)
+            logits = self.graph(*inputs)[0]
+            num_nan, num_inf = int(logits.isnan().sum()), int(logits.isinf().sum())
+        del caches, inputs, logits
+        if num_nan or num_inf:
+            seen = " and ".join(f"{count} {what}" for count, what in ((num_nan, "nan"), (num_inf, "inf")) if count)
+            advice = "check the checkpoint's weights for nan/inf"
+            if self.settings.dtype == "float16":
+                advice = f"float16 often overflows: deploy with dtype='bfloat16' (or 'float32'); if that does not help, {advice}"
+            raise UnsupportedModelError(
+                f"the model's logits are not finite: a warm-up forward of {num_tokens} tokens in {self.settings.dtype} "
+                f"gave {seen} among {self.vocab_size} logits; {advice}"
+            )
 
-        def warm_up() -> None:
-            tokens = min(self.max_num_tokens, self.max_seq_len)
-            block_size = self.settings.kv_cache.block_size
-            scratch = KVBlockPool(-(-tokens // block_size), block_size, enable_prefix_caching=False)
-            caches = allocate_kv_caches(specs, scratch.num_blocks, block_size, self.device)
-            probe = _Probe([0] * tokens)
-            scratch.reserve(probe.seq_id, tokens)
-            with torch.inference_mode():
-                inputs, _ = build_step_inputs(self.graph_inputs, [ScheduledChunk(probe, 0, tokens)], scratch, caches, self.device)
-                self.graph(*inputs)
-            del caches, inputs
 
-        return warm_up
+def _check_unicode(prompt: str) -> None:
+    """Tokenizers reject text that UTF-8 cannot encode (lone UTF-16 surrogates) with a bare TypeError."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(
+            f"the prompt is not valid Unicode: character {error.start} ({prompt[error.start]!r}) is a lone surrogate "
+            f"(half of a UTF-16 pair); decode the text with errors='replace' or remove that character"
+        ) from None
 
 
 class _Probe:

@@ -1,14 +1,16 @@
 """``LLM``: the deployed model — ``generate`` a batch, ``stream`` one prompt, read ``logits``.
 
 Everything runs through one :class:`~autodeploy.runtime.engine.Engine` (paged KV cache, in-flight
-batching), so a ``stream`` and a ``generate`` started from different threads share batches. For asyncio
-servers see :class:`~autodeploy.runtime.async_llm.AsyncLLM`.
+batching), so a ``stream`` and a ``generate`` started from different threads share batches. Each call
+steps the engine when no one else is stepping and reads its outputs from its own sink, which any step
+fills, whoever ran it. For asyncio servers see :class:`~autodeploy.runtime.async_llm.AsyncLLM`.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+from collections import deque
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
@@ -44,6 +46,7 @@ class LLM:
         records: list[TransformRecord] | None = None,
         kv_caches: SequenceABC[KVCacheSpec] = (),
         model_directory: str | None = None,
+        verification=None,
     ):
         self.graph = graph
         self.graph_inputs = graph_inputs
@@ -51,11 +54,17 @@ class LLM:
         self.tokenizer = tokenizer
         self.records = records or []
         self.model_directory = model_directory  # the checkpoint or config folder it was built from
+        self.verification = verification  # the build's VerificationReport (autodeploy/verification.py); None if off
         self.device = torch.device(settings.device)
         self.vocab_size = self._graph_vocab_size()
         self._eos_token_ids = list(eos_token_ids)
         self._kv_caches = tuple(kv_caches)
         self._engine: Engine | None = None
+
+    @property
+    def can_serve(self) -> bool:
+        """Whether this deploy can generate: it has weights (not the meta device) and a KV cache."""
+        return self.device.type != "meta" and bool(self._kv_caches)
 
     @property
     def engine(self) -> Engine:
@@ -85,13 +94,22 @@ class LLM:
             torch.cuda.empty_cache()
 
     def pipeline_report(self) -> str:
-        """Time, matches and node counts of every transform that built this model, and op histograms."""
-        return format_report(self.records)
+        """Time, matches and node counts of every transform that built this model, op histograms, and
+        the build-time verification."""
+        report = format_report(self.records)
+        return report if self.verification is None else f"{report}\n{self.verification}"
 
     def logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:
-        """Logits ``[len(seq), vocab]`` (on the CPU) for every position of each token sequence."""
+        """Logits ``[len(seq), vocab]`` (on the CPU) for every position of each token sequence (at most
+        ``max_seq_len`` tokens each)."""
         engine = self.engine
-        return [engine.prompt_logits(engine.tokenize(tokens)).cpu() for tokens in sequences]
+        logits = []
+        for index, tokens in enumerate(sequences):
+            try:
+                logits.append(engine.prompt_logits(engine.tokenize(tokens)).cpu())
+            except InvalidRequestError as error:
+                raise InvalidRequestError(f"sequence {index}: {error}") from None
+        return logits
 
     def generate(
         self,
@@ -117,24 +135,27 @@ class LLM:
                 requests.append(engine.make_request(prompt, p, priority=rank))
             except InvalidRequestError as error:
                 raise InvalidRequestError(f"prompt {index}: {error}") from None
+        sink = _CollectingSink(streaming=False)
+        for request in requests:
+            request.sink = sink
+        finals: dict[str, RequestOutput] = {}
         try:
             for request in requests:
                 engine.submit(request)
-            total = sum(r.params.max_tokens for r in requests)
-            with tqdm(total=total, desc="generating", unit="tok", leave=False, mininterval=2.0, disable=None) as bar:
-                pending = {r.request_id for r in requests}
-                while pending:
-                    for request in engine.step():
-                        if request.request_id in pending and request.finished:
-                            pending.discard(request.request_id)
-                            bar.update(request.params.max_tokens)
-                    if not engine.has_unfinished():
+            max_tokens = {r.request_id: r.params.max_tokens for r in requests}
+            with tqdm(total=sum(max_tokens.values()), desc="generating", unit="tok", leave=False, mininterval=2.0, disable=None) as bar:
+                while True:
+                    for output in sink.take():
+                        finals[output.request_id] = output
+                        bar.update(max_tokens[output.request_id])
+                    if len(finals) == len(requests):
                         break
+                    engine.step_or_wait()
         except BaseException:
             for request in requests:
                 engine.abort(request.request_id)
             raise
-        return [r.output(self.tokenizer) for r in requests]
+        return [finals[r.request_id] for r in requests]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets new tokens (``outputs[i].new_text`` /
@@ -145,17 +166,16 @@ class LLM:
         ...     print(chunk.outputs[0].new_text, end="", flush=True)
         """
         engine = self.engine
-        request = engine.add_request(prompt, params, priority=priority)
+        request = engine.make_request(prompt, params, priority=priority)
+        sink = request.sink = _CollectingSink(streaming=True)
+        engine.submit(request)
         try:
             while True:
-                changed = engine.step()
-                if any(r is request for r in changed):
-                    output = request.output(self.tokenizer, streaming=True)
+                for output in sink.take():
                     yield output
                     if output.finished:
                         return
-                elif request.finished or not engine.has_unfinished():
-                    return
+                engine.step_or_wait()
         finally:
             if not request.finished:
                 engine.abort(request.request_id)
@@ -172,3 +192,27 @@ class LLM:
         value = fx.node.map_aggregate(output.args, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
         logits = value[0][0] if isinstance(value[0], (list, tuple)) else value[0]
         return int(logits.shape[-1])
+
+
+class _CollectingSink:
+    """Where the engine leaves a synchronous call's outputs until the call reads them (``take``)."""
+
+    def __init__(self, streaming: bool):
+        self.streaming = streaming
+        self._outputs: deque[RequestOutput] = deque()  # appends and pops are atomic across threads
+        self._error: BaseException | None = None
+
+    def put(self, output: RequestOutput) -> None:
+        self._outputs.append(output)
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+
+    def take(self) -> list[RequestOutput]:
+        """The outputs delivered since the last call; raises the error of a failed step."""
+        if self._error is not None:
+            raise self._error
+        taken = []
+        while self._outputs:
+            taken.append(self._outputs.popleft())
+        return taken

@@ -3,12 +3,16 @@
 A ``Request`` is one prompt with its ``SamplingParams``. It runs as one or more ``Sequence``s — one per
 sample (``n``) or per live beam (beam search) — and each sequence is what the scheduler and the KV
 block pool see: token ids, how many of them are already in the cache, an importance.
+
+A request may carry an ``OutputSink``: the engine hands it the request's outputs itself, from whichever
+thread ran the step, so a front end gets all of its outputs however many others share the engine.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -24,7 +28,6 @@ class Sequence:
     request: Request
     token_ids: list[int]
     index: int  # completion index (sample number)
-    seed: int
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     awaiting_beam_step: bool = False  # a beam whose next-token logprobs are in, waiting for its group
@@ -92,6 +95,20 @@ def _streamable_prefix(text: str, stops: list[str]) -> str:
     return text[:end]
 
 
+class OutputSink(Protocol):
+    """Where the engine delivers one request's outputs: under the engine's lock, from whichever thread
+    stepped. ``streaming`` sinks get an output (with ``new_text`` / ``new_token_ids``) at every change;
+    the others only the final one, so nothing decodes text at every step for them."""
+
+    streaming: bool
+
+    def put(self, output: RequestOutput) -> None:
+        """A new output; the last one has ``finished=True`` (``finish_reason`` "abort" when cancelled)."""
+
+    def fail(self, error: BaseException) -> None:
+        """The step computing this request raised ``error``; the request is aborted and gets no more outputs."""
+
+
 class Request:
     _counter = itertools.count()
 
@@ -124,11 +141,15 @@ class Request:
             else None
         )
         # Sampled requests start as one sequence; n > 1 forks the others once the prompt is computed.
-        self.sequences: list[Sequence] = [Sequence(self, list(self.prompt_token_ids), 0, seed)]
+        self.sequences: list[Sequence] = [Sequence(self, list(self.prompt_token_ids), 0)]
         self.finished_completions: list[CompletionOutput] | None = None  # beam search results, once done
+        self.aborted = False
+        self.sink: OutputSink | None = None
 
     @property
     def finished(self) -> bool:
+        if self.aborted:  # an n > 1 request aborted before it forked has fewer than n sequences
+            return True
         if self.beam_search is not None:
             return self.finished_completions is not None
         return len(self.sequences) == self.params.n and all(s.finish_reason is not None for s in self.sequences)

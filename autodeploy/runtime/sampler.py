@@ -2,8 +2,9 @@
 
 ``sample`` runs every step of every request through the same tensor ops, so a batch of 256 rows costs
 one pass over ``[256, vocab]`` and one device→host copy, not 256 of each. Its randomness is a
-counter-based hash of (seed, step, token index), so a seeded request draws the same tokens whatever
-shares its batch and whatever anything else did to the device's global RNG.
+counter-based hash of (seed, sample index, step, token index), so a seeded request draws the same tokens
+whatever shares its batch and whatever anything else did to the device's global RNG, and the ``n``
+samples of one request draw independently of each other and of every other seed's samples.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ class SamplingRow:
     """One sample's state as the sampler needs it."""
 
     params: SamplingParams
-    seed: int  # this sample's resolved seed (the engine draws one for unseeded requests)
+    seed: int  # the request's resolved seed (the engine draws one for unseeded requests)
     step: int  # tokens this sample generated so far: the RNG counter
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    sample_index: int = 0  # which of the request's n samples this is
 
 
 @dataclass
@@ -141,23 +143,30 @@ def _top_k_top_p_dropped(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch
 
 
 def _gumbel_noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[len(rows), vocab]``, a pure function of each row's (seed, step) and the token index.
+    """Gumbel(0, 1) noise ``[len(rows), vocab]``, a pure function of each row's (seed, sample index, step)
+    and the token index.
 
     The token index is hashed once per call (1-D); the ``[rows, vocab]`` work is one hash of that
     with the row's key. Uniforms have 23 random bits, so the noise lies in about [-2.8, 16.6]: a
     token whose logit/T is more than ~19 below the best (probability < 4e-9) is never drawn.
     """
-    keys = torch.tensor([_row_key(row.seed, row.step) for row in rows], device=device)
+    keys = torch.tensor([_row_key(row.seed, row.step, row.sample_index) for row in rows], device=device)
     token_hashes = _mix32(torch.arange(vocab, device=device) ^ 0x9E3779B9)
     bits = _mix32(token_hashes ^ keys[:, None])
     uniform = ((bits >> 9).float() + 0.5) * 2.0**-23  # in [2^-24, 1 - 2^-24]: both logs stay finite
     return -torch.log(-torch.log(uniform))
 
 
-def _row_key(seed: int, step: int) -> int:
-    """A 32-bit key from all 64 bits of the seed and the step."""
+def _row_key(seed: int, step: int, sample_index: int = 0) -> int:
+    """A 32-bit key from all 64 bits of the seed, the step and the sample index.
+
+    Sample 0's key is the seed's and step's alone, so sample 0 of a seeded request with ``n`` > 1 draws
+    exactly what the same request with ``n=1`` draws. Later samples hash their index into the key:
+    deriving them from ``seed + index`` would make seed s's sample i seed s+1's sample i-1.
+    """
     seed &= 2**64 - 1
-    return _mix32(_mix32(_mix32(step & _MASK32) ^ (seed & _MASK32)) ^ (seed >> 32))
+    key = _mix32(_mix32(_mix32(step & _MASK32) ^ (seed & _MASK32)) ^ (seed >> 32))
+    return key if sample_index == 0 else _mix32(key ^ _mix32((sample_index & _MASK32) ^ 0x85EBCA6B))
 
 
 def _mix32(x):

@@ -282,3 +282,40 @@ def test_streamable_prefix_holds_back_partial_stops_and_characters():
     assert _streamable_prefix("hello w", ["xyz"]) == "hello w"
     assert _streamable_prefix("abc\ufffd", []) == "abc"
     assert _streamable_prefix("abcw", ["wx", "cwy"]) == "ab"
+
+
+@pytest.mark.parametrize("call", ["logits", "generate", "stream"])
+def test_sequences_past_max_seq_len_raise_naming_the_numbers(llama_llm, call):
+    too_long = [5] * (llama_llm.engine.max_seq_len + 1)
+    with pytest.raises(InvalidRequestError, match=r"513 tokens.*max_seq_len=512"):
+        if call == "logits":
+            llama_llm.logits([[5, 6], too_long])
+        elif call == "generate":
+            llama_llm.generate([too_long], SamplingParams(max_tokens=1))
+        else:
+            next(llama_llm.stream(too_long, SamplingParams(max_tokens=1)))
+    assert llama_llm.logits([[5] * 512])[0].shape[0] == 512
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_an_invalid_request(llama_llm):
+    with pytest.raises(InvalidRequestError, match=r"not valid Unicode: character 3 .*lone surrogate.*errors='replace'"):
+        llama_llm.generate("abc\ud800def", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="character 0"):
+        next(llama_llm.stream("\udfff", SamplingParams(max_tokens=2)))
+    assert llama_llm.generate("abc\ufffddef", SamplingParams(max_tokens=2, **GREEDY))[0].finish_reason == "length"
+
+
+def test_a_model_with_non_finite_logits_fails_when_the_engine_is_built(tiny_checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from autodeploy.errors import UnsupportedModelError
+
+    directory = tmp_path / "llama-with-a-nan"
+    shutil.copytree(tiny_checkpoint("llama"), directory)
+    weights = load_file(directory / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"not finite.*float32 gave 512 nan among 512 logits; check the checkpoint"):
+        autodeploy(str(directory), device="cpu").engine
