@@ -34,3 +34,15 @@ class TransformError(AutoDeployError):
 
 class InvalidRequestError(AutoDeployError, ValueError):
     """A generate() call has invalid prompts or sampling parameters."""
+
+
+def error_summary(error: BaseException, limit: int = 400) -> str:
+    """A wrapped library error's message on one line: its lines joined (libraries wrap long messages),
+    cut at a sentence or word boundary when longer than ``limit`` — never mid-word."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    sentence = cut.rfind(". ")
+    end = sentence + 1 if sentence >= limit // 2 else cut.rfind(" ")
+    return cut[: end if end > 0 else limit].rstrip() + " …"

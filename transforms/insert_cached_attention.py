@@ -26,6 +26,7 @@ sequence (any device), ``triton`` the flash/paged kernels (GPU); ``auto`` takes 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -89,6 +90,17 @@ class InsertCachedAttention(Transform):
     """Swap every ``attention`` for ``cached_attention`` and declare the paged-KV graph inputs."""
 
     config_class = InsertCachedAttentionConfig
+
+    def validate(self, context: TransformContext) -> None:
+        device = str(context.settings.device)
+        if self.config.backend == "triton" and device != "meta":
+            if not device.startswith("cuda"):
+                raise ConfigError(
+                    f"transforms.insert_cached_attention.backend=triton needs a CUDA GPU, but this deploy runs on {device}; "
+                    f"use backend auto (sdpa here) or sdpa / reference"
+                )
+            if importlib.util.find_spec("triton") is None:
+                raise ConfigError("transforms.insert_cached_attention.backend=triton needs the triton package; pip install triton, or use backend sdpa")
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         gm, graph = module, module.graph

@@ -101,8 +101,11 @@ def expected_counts(hf_config: Any) -> tuple[dict[str, int], bool]:
     layers = config.num_hidden_layers
     model_type = getattr(config, "model_type", "")
     norms_per_layer = _NORMS_PER_LAYER.get(model_type, 2)
-    if getattr(config, "qk_layernorm", False):  # StableLM: one LayerNorm per query and per key head
-        norms_per_layer += config.num_attention_heads + config.num_key_value_heads
+    if getattr(config, "qk_layernorm", False):
+        if model_type == "stablelm":  # one LayerNorm per query and per key head
+            norms_per_layer += config.num_attention_heads + config.num_key_value_heads
+        else:  # Persimmon and the like: one over the head dim for q and one for k
+            norms_per_layer += 2
     counts = {"attention": layers, "norm": layers * norms_per_layer + 1}
     if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
         step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -166,7 +169,11 @@ class MatchReportTransform(Transform):
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         hf_config = getattr(context.model_factory, "hf_config", None)
-        report = match_report(module, hf_config)
+        try:
+            report = match_report(module, hf_config)
+        except Exception as error:  # a report is advice: a config it does not understand must not stop the deploy
+            logger.warning("match report unavailable: %s: %s", type(error).__name__, error)
+            return TransformResult(notes=f"report unavailable ({type(error).__name__}: {error})")
         if not report.complete:
             logger.warning("match stage left model parts unmatched: %s", report)
         return TransformResult(notes=str(report))

@@ -88,6 +88,10 @@ class Transform(ABC):
     def __init__(self, config: TransformConfig):
         self.config = config
 
+    def validate(self, context: TransformContext) -> None:
+        """Check this transform's options against the resolved settings before any transform runs (a
+        choice that cannot apply is a ``ConfigError`` at build, not a failure halfway through it)."""
+
     @abstractmethod
     def apply(self, module: nn.Module, context: TransformContext) -> TransformResult:
         """Rewrite ``module`` in place or return a new one. Transforms of stages after ``export`` always

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autodeploy.errors import AutoDeployError, ExportError
+from autodeploy.errors import AutoDeployError, ExportError, error_summary
 from autodeploy.export.patches import apply_export_patches
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
@@ -59,6 +59,19 @@ def _module_call_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
             handle.remove()
 
 
+@contextlib.contextmanager
+def _quiet_shape_logs() -> Iterator[None]:
+    """On a data-dependent branch torch's symbolic-shape logger warns with the whole partial graph; the
+    ExportError below says what failed and where, so that dump is only noise on the user's terminal."""
+    shape_logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shape_logger.level
+    shape_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        shape_logger.setLevel(level)
+
+
 def _failing_source_line(error: BaseException) -> str:
     """The innermost traceback frame outside torch itself: usually the model line that broke export."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename and f.filename != __file__]
@@ -82,16 +95,15 @@ def export_to_graph_module(
     """
     stack: list[str] = []
     try:
-        with torch.no_grad(), apply_export_patches(module, list(patches)), _module_call_stack(module, stack):
+        with torch.no_grad(), apply_export_patches(module, list(patches)), _module_call_stack(module, stack), _quiet_shape_logs():
             program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=strict)
     except AutoDeployError:
         raise
     except Exception as error:  # torch.export raises many unrelated types; all mean "could not capture"
         where = stack[-1] if stack else type(module).__name__
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ExportError(
             f"torch.export failed in module {where}{_failing_source_line(error)}: {type(error).__name__}: "
-            f"{first_line[:300]} — register an export patch for this code (autodeploy.export.register_export_patch) "
+            f"{error_summary(error)} — register an export patch for this code (autodeploy.export.register_export_patch) "
             f"and list it under transforms.export_to_fx.patches"
         ) from error
     return program.module()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from autodeploy.errors import CheckpointError
+from autodeploy.errors import CheckpointError, error_summary
 
 
 class CheckpointReader:
@@ -54,7 +54,7 @@ class CheckpointReader:
                 else:
                     handle = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
             except Exception as error:  # safetensors raises its own SafetensorError; torch.load many kinds
-                raise CheckpointError(f"cannot read checkpoint file {file}: {str(error).splitlines()[0][:160]}") from error
+                raise CheckpointError(f"cannot read checkpoint file {file}: {error_summary(error)}") from error
             self._open[file] = handle
         return handle
 
@@ -74,3 +74,23 @@ class CheckpointReader:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
+
+
+class StateDictReader:
+    """A ``CheckpointReader`` over tensors already in memory (the reduced twin's weights, for verification)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], directory: Path | str = "<in memory>"):
+        self.tensors = tensors
+        self.directory = Path(directory)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from autodeploy.errors import ModelNotFoundError
+from autodeploy.errors import ModelNotFoundError, error_summary
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +74,9 @@ def _download_from_hub(repo_id: str, weights: str) -> ModelSource:
     except HFValidationError as error:
         raise ModelNotFoundError(f"model {repo_id!r} is not a local path or a valid hub id; {hint}") from error
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelNotFoundError(
             f"model {repo_id!r} is not a local path, a shipped config ({', '.join(shipped_model_configs())}) "
-            f"or a hub model we could fetch ({reason[:160]}); {hint}"
+            f"or a hub model we could fetch ({error_summary(error, 200)}); {hint}"
         ) from error
     config_file = directory / "config.json"
     if not config_file.is_file():
