@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from autodeploy.auto_settings import resolve_auto_settings
@@ -15,8 +16,10 @@ from autodeploy.models.checkpoint import CheckpointReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
 from autodeploy.pipeline import Pipeline
+from autodeploy.preflight import check_deployment
 from autodeploy.runtime.llm import LLM
 from autodeploy.transforms.registry import TransformContext
+from autodeploy.verification import build_verified
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,15 @@ def autodeploy(
         CheckpointReader(factory.source.directory)  # fail on a folder without weights before exporting
     pipeline = Pipeline.from_settings(settings)
     context = TransformContext(settings=settings, model_factory=factory)
-    graph = pipeline.run(context, dump_dir=settings.dump_graphs)
+    pipeline.validate(context)
+    check_deployment(settings, factory.hf_config, factory.build_meta_model(getattr(torch, settings.dtype)))
+    if settings.verify.enabled:
+        graph, verification = build_verified(pipeline, context, settings.dump_graphs)
+    else:
+        graph, verification = pipeline.run(context, dump_dir=settings.dump_graphs), None
     tokenizer = factory.load_tokenizer(settings.tokenizer)
-    return LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records, context.kv_caches,
-               str(factory.source.directory))
+    llm = LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records, context.kv_caches,
+              str(factory.source.directory), verification)
+    if llm.can_serve:
+        llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward: its errors belong to the build)
+    return llm

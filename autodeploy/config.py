@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from autodeploy.errors import ConfigError
+from autodeploy.errors import ConfigError, error_summary
 from autodeploy.transforms.registry import STAGES, TransformConfig, registered_transforms
 
 DEVICES = ("auto", "cpu", "cuda", "meta")
@@ -50,6 +50,15 @@ class SchedulerSettings:
 
 
 @dataclass
+class VerifySettings:
+    """Build-time verification (``autodeploy/verification.py``): a reduced twin of the model, deployed through
+    the same pipeline, must match Hugging Face eager within ``tolerance[dtype]`` (max |Δlogit| / max |logit|)."""
+
+    enabled: bool = True
+    tolerance: Dict[str, float] = field(default_factory=lambda: {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2})
+
+
+@dataclass
 class DeploySettings:
     """Top-level settings. ``auto`` values are resolved from the model and hardware (see auto_settings)."""
 
@@ -66,6 +75,7 @@ class DeploySettings:
     dump_graphs: Optional[str] = None  # folder: write the graph after every transform
     kv_cache: KVCacheSettings = field(default_factory=KVCacheSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    verify: VerifySettings = field(default_factory=VerifySettings)
     transforms: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -80,7 +90,7 @@ def _load_yaml(path: str | Path) -> DictConfig:
     try:
         loaded = OmegaConf.load(path)
     except Exception as error:  # yaml.YAMLError and OmegaConf errors alike
-        raise ConfigError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from error
+        raise ConfigError(f"config file {path} is not valid YAML: {error_summary(error)}") from error
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping of settings, got a {type(loaded).__name__}")
     transforms = loaded.get("transforms")
@@ -192,6 +202,9 @@ def _check_choices(settings: DictConfig) -> None:
         raise ConfigError(f"kv_cache.memory_fraction must be in (0, 1], got {kv.memory_fraction}")
     if kv.cpu_bytes < 1 or (kv.num_blocks is not None and kv.num_blocks < 1):
         raise ConfigError(f"kv_cache.cpu_bytes and kv_cache.num_blocks must be ≥ 1, got {kv.cpu_bytes} and {kv.num_blocks}")
+    missing = [dtype for dtype in DTYPES if dtype != "auto" and dtype not in settings.verify.tolerance]
+    if missing or any(not value > 0 for value in settings.verify.tolerance.values()):
+        raise ConfigError(f"verify.tolerance needs a value > 0 for each of float32, bfloat16, float16; got {dict(settings.verify.tolerance)}")
     if settings.scheduler.max_num_tokens < 1:
         raise ConfigError(f"scheduler.max_num_tokens must be ≥ 1, got {settings.scheduler.max_num_tokens}")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from torch import fx, nn
 
 from autodeploy.config import transform_configs
-from autodeploy.errors import AutoDeployError, TransformError
+from autodeploy.errors import AutoDeployError, TransformError, error_summary
 from autodeploy.transforms.registry import STAGES, Transform, TransformContext, registered_transforms
 
 logger = logging.getLogger(__name__)
@@ -74,16 +74,38 @@ class Pipeline:
         ordered = sorted(enabled, key=lambda item: STAGES.index(item[1].stage))  # stable: keeps YAML order
         return cls([registry[name](config) for name, config in ordered])
 
-    def run(self, context: TransformContext, module: nn.Module | None = None, dump_dir: str | Path | None = None) -> nn.Module:
-        self.records = []
-        for index, transform in enumerate(self.transforms):
+    def validate(self, context: TransformContext) -> None:
+        """Every transform's own checks of its options against the settings, before any of them runs."""
+        for transform in self.transforms:
+            transform.validate(context)
+
+    def first_index_of_stage(self, stage: str) -> int:
+        """Index of the first transform at or after ``stage`` (``len(transforms)`` when none)."""
+        order = STAGES.index(stage)
+        return next((i for i, t in enumerate(self.transforms) if STAGES.index(t.config.stage) >= order), len(self.transforms))
+
+    def run(
+        self,
+        context: TransformContext,
+        module: nn.Module | None = None,
+        dump_dir: str | Path | None = None,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> nn.Module:
+        """Run ``transforms[start:stop]`` on ``module``. A run from the start checks every transform's
+        options first and starts a new record list; a run from ``start > 0`` continues the records."""
+        if start == 0:
+            self.records = []
+            self.validate(context)
+        stop = len(self.transforms) if stop is None else stop
+        for index, transform in enumerate(self.transforms[start:stop], start):
             before = node_count(module) if module is not None else None
             if STAGES.index(transform.config.stage) > STAGES.index("export") and not isinstance(module, fx.GraphModule):
                 raise TransformError(
                     f"transform {transform.name!r} (stage {transform.config.stage}) needs the exported graph, "
                     f"got {type(module).__name__}; is export_to_fx disabled?"
                 )
-            start = time.perf_counter()
+            began = time.perf_counter()
             try:
                 result = transform.apply(module, context)
             except AutoDeployError:
@@ -91,10 +113,10 @@ class Pipeline:
             except Exception as error:
                 raise TransformError(
                     f"transform {transform.name!r} (stage {transform.config.stage}) failed: {type(error).__name__}: "
-                    f"{str(error).splitlines()[0] if str(error) else ''} — disable it with "
+                    f"{error_summary(error)} — disable it with "
                     f"--set transforms.{transform.name}.enabled=false to check whether it is the cause"
                 ) from error
-            seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - began
             if result.module is not None:
                 module = result.module
             record = TransformRecord(

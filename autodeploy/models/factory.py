@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from autodeploy.errors import ConfigError, UnsupportedModelError
+from autodeploy.errors import ConfigError, UnsupportedModelError, error_summary
+from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.source import ModelSource
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
@@ -50,7 +51,7 @@ def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Pret
     except (ValueError, KeyError) as error:
         model_type = _read_model_type(source)
         raise UnsupportedModelError(
-            f"{source.name}: transformers does not know model type {model_type!r} ({str(error).splitlines()[0][:120]}); "
+            f"{source.name}: transformers does not know model type {model_type!r} ({error_summary(error)}); "
             f"upgrade transformers, or pass trust_remote_code=True if the checkpoint ships its own code"
         ) from error
     except OSError as error:
@@ -72,10 +73,24 @@ def config_dtype(config: PretrainedConfig) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def causal_lm_class(config: PretrainedConfig) -> type | None:
+    """The transformers class ``AutoModelForCausalLM`` builds for ``config``; None for remote code."""
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    try:
+        return _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    except (KeyError, ValueError):
+        return None
+
+
 def attention_implementation(config: PretrainedConfig) -> str:
-    """SDPA exports to one aten op; HF's eager attention is kept where SDPA would change the model:
-    logit soft-capping (HF's SDPA path drops it) and attention sinks (HF refuses SDPA for them)."""
+    """SDPA exports to one aten op; HF's eager attention is kept where SDPA would change the model —
+    logit soft-capping (HF's SDPA path drops it), attention sinks (HF refuses SDPA for them) — and for
+    model classes that have no SDPA path (Bloom, GPT-J, MPT, GPT-Neo, CodeGen, …)."""
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "model_type", "") == "gpt_oss":
+        return "eager"
+    model_class = causal_lm_class(config)
+    if model_class is not None and not getattr(model_class, "_supports_sdpa", False):
         return "eager"
     return "sdpa"
 
@@ -89,13 +104,17 @@ class ModelFactory:
     trust_remote_code: bool = False
     meta_model: nn.Module | None = None
     buffers: dict[str, torch.Tensor] | None = None
+    tensors: dict[str, torch.Tensor] | None = None  # weights held in memory instead of a checkpoint folder (the twin's)
 
     @classmethod
     def from_source(cls, source: ModelSource, trust_remote_code: bool = False) -> ModelFactory:
         return cls(source, load_hf_config(source, trust_remote_code), trust_remote_code)
 
     def build_meta_model(self, dtype: torch.dtype) -> nn.Module:
-        """The HF model with every parameter and buffer on meta; real buffer values in ``self.buffers``."""
+        """The HF model with every parameter and buffer on meta; real buffer values in ``self.buffers``.
+        Built once per dtype: preflight checks, verification and the factory stage share it."""
+        if self.meta_model is not None and next(self.meta_model.parameters()).dtype == dtype:
+            return self.meta_model
         config = self.hf_config
         encoder_as_decoder = hasattr(config, "add_cross_attention") and getattr(config, "is_decoder", None) is False
         if getattr(config, "is_encoder_decoder", False) or encoder_as_decoder:
@@ -106,6 +125,11 @@ class ModelFactory:
                 f"(it needs a decoder-only model; this one has "
                 f"is_decoder={getattr(config, 'is_decoder', None)}, is_encoder_decoder={getattr(config, 'is_encoder_decoder', False)})"
             )
+        if causal_lm_class(config) is None and not self.trust_remote_code:
+            raise UnsupportedModelError(
+                f"{self.source.name}: {type(config).__name__} ({config.model_type}) is not a causal language model: "
+                f"transformers has no AutoModelForCausalLM class for it, and autodeploy serves decoder-only causal LMs"
+            )
         config.use_cache = False
         try:
             with parameters_on_meta():
@@ -113,10 +137,10 @@ class ModelFactory:
                     config, dtype=dtype, attn_implementation=attention_implementation(config),
                     trust_remote_code=self.trust_remote_code,
                 )
-        except ValueError as error:
+        except (ValueError, ImportError) as error:
             raise UnsupportedModelError(
-                f"{self.source.name}: {type(config).__name__} ({config.model_type}) is not a causal language model "
-                f"transformers can build: {str(error).splitlines()[0][:160]}"
+                f"{self.source.name}: transformers could not build {type(config).__name__} ({config.model_type}) "
+                f"as a causal language model: {error_summary(error)}"
             ) from error
         model.eval()
         self.buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
@@ -128,6 +152,10 @@ class ModelFactory:
         self.meta_model = model
         return model
 
+    def checkpoint_reader(self) -> CheckpointReader | StateDictReader:
+        """Where ``load_weights`` reads the weights: the in-memory ``tensors`` if given, else the checkpoint folder."""
+        return StateDictReader(self.tensors, self.source.directory) if self.tensors is not None else CheckpointReader(self.source.directory)
+
     def load_tokenizer(self, tokenizer: str | None = None):
         """The checkpoint's tokenizer (or ``tokenizer``), or None when there are no tokenizer files."""
         from transformers import AutoTokenizer
@@ -137,7 +165,7 @@ class ModelFactory:
             return AutoTokenizer.from_pretrained(location, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError, TypeError) as error:
             if tokenizer is not None:
-                raise ConfigError(f"cannot load tokenizer {tokenizer!r}: {str(error).splitlines()[0][:160]}") from error
+                raise ConfigError(f"cannot load tokenizer {tokenizer!r}: {error_summary(error)}") from error
             logger.info("no tokenizer in %s (%s)", location, error)
             return None
 

@@ -18,7 +18,7 @@ from torch import fx, nn
 from tqdm import tqdm
 
 from autodeploy.errors import CheckpointError
-from autodeploy.models.checkpoint import CheckpointReader
+from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
@@ -125,7 +125,7 @@ def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, group
     filled.update(groups[name])
 
 
-def _check_fused_sources(target: str, meta_tensor: torch.Tensor, hf_model: nn.Module, reader: CheckpointReader) -> None:
+def _check_fused_sources(target: str, meta_tensor: torch.Tensor, hf_model: nn.Module, reader: CheckpointReader | StateDictReader) -> None:
     """Name missing or mis-shaped checkpoint tensors of a fused target (e.g. one expert's ``w1``) before
     fusing, instead of surfacing a ``torch.cat`` size mismatch."""
     from transformers.core_model_loading import revert_weight_conversion
@@ -151,7 +151,7 @@ def _check_fused_sources(target: str, meta_tensor: torch.Tensor, hf_model: nn.Mo
             )
 
 
-def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: CheckpointReader, groups) -> int:
+def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: CheckpointReader | StateDictReader, groups) -> int:
     mapper = _NameMapper(factory.meta_model)
     filled: set[str] = set()
     pending: dict[str, object] = {}  # fused targets: a converter collecting lazy reads of its sources
@@ -245,7 +245,7 @@ class LoadWeights(Transform):
             count = initialize_randomly(gm, factory, groups, settings.seed)
             notes = f"{count} random tensors"
         else:
-            count = load_checkpoint(gm, factory, CheckpointReader(factory.source.directory), groups)
+            count = load_checkpoint(gm, factory, factory.checkpoint_reader(), groups)
             notes = f"{count} tensors from {factory.source.directory.name}"
         restore_buffers(gm, factory, device)
         return TransformResult(matches=count, changed=True, notes=f"{notes} on {device}; {moved} device args retargeted")

@@ -1,0 +1,331 @@
+"""Build-time verification: a deploy serves exactly the source model's function, or refuses.
+
+Before the real model is built, its reduced twin (``autodeploy/models/twin.py``: the same architecture
+with fewer layers and a small vocabulary) gets random weights, is deployed through the identical
+pipeline, and is served by the runtime's own engine on a probe batch: several sequences of different
+lengths (one of a single token) prefilled together in one mixed batch, then decoded a few tokens at a
+time over the paged KV cache. Every position's logits are compared with the twin's Hugging Face eager
+forward. The error is ``max |Δlogit| / max |logit|``; above ``verify.tolerance[dtype]`` the deploy is
+refused with an ``UnsupportedModelError`` naming the first module whose output diverges (found by
+comparing every module's output with the deployed graph's value for it) and what the match stage left
+unmatched.
+
+The twin runs on the deploy's device and dtype, so it exercises the kernels the real model will run; a
+deploy on the meta device verifies on the CPU in float32. The twin's weights are rounded to the deploy
+dtype and Hugging Face computes in float32 from the same rounded values, so the error measures the
+deployed computation, not the rounding of weights.
+
+```python
+from autodeploy.verification import build_verified
+graph, report = build_verified(pipeline, context)   # raises UnsupportedModelError on a mismatch
+print(report)   # verified on a reduced twin (1 of 32 layers, vocab 512 of 128256; cpu float32): max |Δlogit| 2e-06 …
+```
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import fx, nn
+from transformers import AutoModelForCausalLM
+
+from autodeploy.errors import UnsupportedModelError
+from autodeploy.models.factory import ModelFactory
+from autodeploy.models.twin import twin_config
+from autodeploy.pipeline import Pipeline
+from autodeploy.runtime.engine import Engine
+from autodeploy.runtime.scheduler import ScheduledChunk
+from autodeploy.runtime.step_inputs import build_step_inputs
+from autodeploy.transforms.registry import TransformContext
+
+logger = logging.getLogger(__name__)
+
+# Probe sequences: (prompt length, decode steps). Prompts cross the twin's windows (≤ 8 tokens).
+PROBES = ((1, 3), (6, 3), (13, 3), (29, 3))
+_TWIN_SEED = 1234
+
+
+@dataclass
+class VerificationReport:
+    twin: str  # what the twin reduced
+    device: str
+    dtype: str
+    max_abs_error: float
+    relative_error: float
+    tolerance: float
+    seconds: float
+
+    def __str__(self) -> str:
+        return (
+            f"verified on a reduced twin ({self.twin}; {self.device} {self.dtype}): max |Δlogit| {self.max_abs_error:.2g} "
+            f"(relative {self.relative_error:.2g} ≤ {self.tolerance:g}) in {self.seconds:.1f}s"
+        )
+
+
+class _Probe:
+    """A sequence fed to the twin's engine outside the scheduler."""
+
+    _ids = itertools.count(-1_000_000, -1)
+
+    def __init__(self, token_ids: list[int]):
+        self.seq_id = next(self._ids)
+        self.token_ids = token_ids
+
+
+def twin_device_and_dtype(settings: DictConfig) -> tuple[str, str]:
+    """Where the twin runs: the deploy's device and dtype; the CPU in float32 for a meta deploy."""
+    if settings.device == "meta":
+        return "cpu", "float32"
+    return str(settings.device), str(settings.dtype)
+
+
+def _twin_settings(settings: DictConfig, device: str, dtype: str) -> DictConfig:
+    twin = OmegaConf.to_container(settings, resolve=True)
+    twin.update(device=device, dtype=dtype, weights="checkpoint", max_batch_size=len(PROBES), dump_graphs=None)
+    blocks = sum(-(-(length + steps) // settings.kv_cache.block_size) for length, steps in PROBES)
+    twin["kv_cache"].update(num_blocks=blocks, prefix_caching=False)
+    twin["verify"]["enabled"] = False
+    return OmegaConf.create(twin)
+
+
+def _reference_model(config, device: str, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+    """The twin in Hugging Face (eager attention, float32) with random weights rounded to ``dtype``.
+
+    HF's own initialisation, then every 1-D parameter (norm scales, biases) is perturbed: HF starts
+    those at exactly 1 or 0, which would hide a dropped bias or a mis-read norm offset."""
+    torch.manual_seed(_TWIN_SEED)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(  # a copy: HF records the attention implementation in the config
+            copy.deepcopy(config), dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code
+        )
+    generator = torch.Generator(device=device).manual_seed(_TWIN_SEED)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.add_(torch.randn(parameter.shape, generator=generator, device=device), alpha=0.1)
+            parameter.copy_(parameter.to(dtype).float())
+    return model.eval()
+
+
+def _probe_tokens(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(_TWIN_SEED)
+    return [torch.randint(0, vocab_size, (length + steps,), generator=generator).tolist() for length, steps in PROBES]
+
+
+@torch.inference_mode()
+def served_logits(engine: Engine, sequences: list[list[int]], prompt_lengths: list[int]) -> list[torch.Tensor]:
+    """Every position's logits as the engine serves them: all prompts prefilled in one mixed batch, then
+    the remaining tokens decoded one step at a time for every sequence together (``[len, vocab]`` each)."""
+    probes = [_Probe(tokens) for tokens in sequences]
+    rows: list[list[torch.Tensor]] = [[] for _ in probes]
+    try:
+        for probe in probes:
+            if not engine.pool.reserve(probe.seq_id, len(probe.token_ids)):
+                raise RuntimeError("the verification KV pool is too small for the probe batch")
+        done = [0] * len(probes)
+        while any(done[i] < len(probe.token_ids) for i, probe in enumerate(probes)):
+            planned = [
+                (i, ScheduledChunk(probe, done[i], prompt_lengths[i] if done[i] == 0 else 1))
+                for i, probe in enumerate(probes) if done[i] < len(probe.token_ids)
+            ]
+            # Multi-token chunks first, single-token chunks after them: the order the scheduler plans.
+            planned.sort(key=lambda item: item[1].length == 1)
+            owners, chunks = [i for i, _ in planned], [chunk for _, chunk in planned]
+            inputs, _ = build_step_inputs(engine.graph_inputs, chunks, engine.pool, engine.caches, engine.device,
+                                          logits_for_all_tokens=True)
+            logits = engine.graph(*inputs)[0]
+            offset = 0
+            for chunk, owner in zip(chunks, owners):
+                rows[owner].append(logits[offset : offset + chunk.length].float())
+                offset += chunk.length
+                done[owner] += chunk.length
+    finally:
+        for probe in probes:
+            engine.pool.free(probe.seq_id)
+    return [torch.cat(parts) for parts in rows]
+
+
+def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(max |Δ|, max |Δ| / max |reference|); non-finite values count as infinitely wrong."""
+    if not torch.isfinite(ours).all():
+        return float("inf"), float("inf")
+    error = (ours.float() - reference.float()).abs().max().item()
+    scale = reference.float().abs().max().item()
+    return error, error / scale if scale > 0 else (0.0 if error == 0 else float("inf"))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors a module returned: itself, the tensors of a tuple, or a model output's logits."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    logits = getattr(value, "logits", None)
+    return [logits] if isinstance(logits, torch.Tensor) else []
+
+
+def _module_outputs(model: nn.Module, token_ids: list[int]) -> list[tuple[str, str, list[torch.Tensor]]]:
+    """Every module's outputs for one sequence, in the order the modules finished: (path, class, tensors)."""
+    finished: list[tuple[str, str, list[torch.Tensor]]] = []
+    handles = []
+    for path, module in model.named_modules():
+        if not path:
+            continue
+
+        def hook(module, args, output, path=path):
+            tensors = [t.detach().float() for t in _tensors(output)]
+            if tensors:
+                finished.append((path, type(module).__name__, tensors))
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            model(input_ids=torch.tensor([token_ids], device=device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return finished
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, graph_module: fx.GraphModule, wanted: set[fx.Node]):
+        super().__init__(graph_module)
+        self.wanted = wanted
+        self.values: dict[fx.Node, torch.Tensor] = {}
+
+    def run_node(self, node: fx.Node):
+        result = super().run_node(node)
+        if node in self.wanted and isinstance(result, torch.Tensor):
+            self.values[node] = result.detach().float()
+        return result
+
+
+def _module_paths(node: fx.Node) -> set[str]:
+    # Export records paths under the CausalLMLogits wrapper's attribute ``model``; HF names them without it.
+    return {path.removeprefix("model.") for path, _ in node.meta.get("nn_module_stack", {}).values() if path.startswith("model.")}
+
+
+def module_output_nodes(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """Module path (as HF names it) → the graph nodes that are its outputs: produced inside the module and
+    used outside it (or by the graph's output)."""
+    outputs: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        inside = _module_paths(node)
+        for path in inside:
+            if any(user.op == "output" or path not in _module_paths(user) for user in node.users):
+                outputs.setdefault(path, []).append(node)
+    return outputs
+
+
+@torch.inference_mode()
+def first_diverging_module(engine: Engine, reference: nn.Module, token_ids: list[int], tolerance: float) -> str | None:
+    """The first module (in execution order) whose deployed output differs from Hugging Face's, as
+    "path (Class): relative error"; None when every compared module agrees."""
+    expected = _module_outputs(reference, token_ids)
+    outputs = module_output_nodes(engine.graph.graph)
+    probe = _Probe(list(token_ids))
+    if not engine.pool.reserve(probe.seq_id, len(token_ids)):
+        return None
+    try:
+        inputs, _ = build_step_inputs(engine.graph_inputs, [ScheduledChunk(probe, 0, len(token_ids))], engine.pool,
+                                      engine.caches, engine.device, logits_for_all_tokens=True)
+        recorder = _Recorder(engine.graph, {node for nodes in outputs.values() for node in nodes})
+        recorder.run(*inputs)
+    finally:
+        engine.pool.free(probe.seq_id)
+    for path, class_name, tensors in expected:
+        ours = [recorder.values[n] for n in outputs.get(path, []) if n in recorder.values]
+        for value in tensors:
+            candidates = [v.reshape(value.shape) for v in ours if v.numel() == value.numel()]
+            if not candidates:
+                continue  # nothing of this shape leaves the module in the graph (fused away, or a different form)
+            relative = min(_relative_error(v, value)[1] for v in candidates)
+            if relative > tolerance:
+                return f"{path} ({class_name}): relative error {relative:.2g}"
+    return None
+
+
+def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None) -> tuple[nn.Module, VerificationReport]:
+    """Build the model with ``pipeline``, verifying its twin first; returns (graph, report).
+
+    A small model is its own twin: the weight-independent stages (up to ``load_weights``) run once and
+    the twin continues from a copy of their graph. A larger model's reduced twin runs the whole
+    pipeline by itself. Either way the twin is compared before the real weights are loaded."""
+    settings, factory = context.settings, context.model_factory
+    began = time.perf_counter()
+    device, dtype = twin_device_and_dtype(settings)
+    twin = twin_config(factory.hf_config, factory.build_meta_model(getattr(torch, settings.dtype)))
+    reference = _reference_model(twin.config, device, getattr(torch, dtype), factory.trust_remote_code)
+    tensors = {name: p.detach().to(getattr(torch, dtype)) for name, p in reference.named_parameters()}
+    twin_settings = _twin_settings(settings, device, dtype)
+    twin_pipeline = Pipeline(pipeline.transforms)
+    weights_at = pipeline.first_index_of_stage("load_weights")
+    shared = not twin.reduced and device == str(settings.device)
+    if shared:
+        prefix_began = time.perf_counter()
+        prefix = pipeline.run(context, dump_dir=dump_dir, stop=weights_at)
+        began += time.perf_counter() - prefix_began  # the real build's share, not verification's
+        twin_context = TransformContext(twin_settings, dataclasses.replace(factory, tensors=tensors), context.graph_inputs,
+                                        context.kv_caches, dict(context.state))
+        twin_graph = twin_pipeline.run(twin_context, copy.deepcopy(prefix), start=weights_at)
+        match_notes = _match_notes(pipeline.records)
+    else:
+        twin_factory = ModelFactory(factory.source, twin.config, factory.trust_remote_code, tensors=tensors)
+        twin_context = TransformContext(settings=twin_settings, model_factory=twin_factory)
+        twin_graph = twin_pipeline.run(twin_context)
+        match_notes = _match_notes(twin_pipeline.records)
+    report = _compare(factory, twin, reference, twin_graph, twin_context, match_notes, settings, device, dtype, began)
+    graph = pipeline.run(context, prefix, dump_dir, start=weights_at) if shared else pipeline.run(context, dump_dir=dump_dir)
+    return graph, report
+
+
+def _match_notes(records) -> str:
+    return next((r.notes for r in records if r.name == "match_report"), "")
+
+
+def _compare(factory, twin, reference, graph, context, match_notes, settings, device, dtype, began) -> VerificationReport:
+    """Serve the probe batch on the twin's graph and hold it to Hugging Face's logits."""
+    if not context.kv_caches:
+        raise UnsupportedModelError(
+            "verification needs the served graph (the insert_cached_attention transform is disabled); enable it, "
+            "or set verify.enabled=false to deploy an unserved graph unverified"
+        )
+    vocab = twin.config.get_text_config().vocab_size
+    engine = Engine(graph, context.graph_inputs, context.kv_caches, context.settings, None, [], vocab, check_logits=False)
+    sequences = _probe_tokens(vocab)
+    ours = served_logits(engine, sequences, [length for length, _ in PROBES])
+    worst = (0.0, 0.0, 0)
+    with torch.no_grad():
+        for index, tokens in enumerate(sequences):
+            expected = reference(input_ids=torch.tensor([tokens], device=device), use_cache=False).logits[0]
+            error, relative = _relative_error(ours[index], expected)
+            if not relative <= worst[1]:
+                worst = (error, relative, index)
+    tolerance = float(settings.verify.tolerance[dtype])
+    error, relative, index = worst
+    if not relative <= tolerance:
+        module = first_diverging_module(engine, reference, sequences[index], tolerance)
+        raise UnsupportedModelError(_mismatch_message(factory, twin.summary, device, dtype, error, relative, tolerance,
+                                                      module, match_notes))
+    return VerificationReport(twin.summary, device, dtype, error, relative, tolerance, time.perf_counter() - began)
+
+
+def _mismatch_message(factory, twin, device, dtype, error, relative, tolerance, module, report: str) -> str:
+    model_type = getattr(factory.hf_config, "model_type", "?")
+    what = "non-finite logits" if error == float("inf") else f"max |Δlogit| {error:.3g} (relative {relative:.2g} > tolerance {tolerance:g} for {dtype})"
+    unmatched = report.split(" — unmatched: ", 1)[1] if " — unmatched: " in report else "nothing"
+    where = f"first diverging module: {module}" if module else "no single module diverges (the difference builds up over the model)"
+    return (
+        f"{factory.source.name}: the deployed {model_type} model does not compute what Hugging Face computes — on a reduced "
+        f"twin ({twin}; {device} {dtype}) it gives {what}; {where}; unmatched by the match stage: {unmatched}. "
+        f"This architecture or configuration is not supported yet: please report it. verify.enabled=false deploys it "
+        f"anyway, unverified"
+    )
