@@ -1,6 +1,6 @@
-"""``torch.ops.autodeploy.attention``: causal self-attention with GQA, sliding window, soft-capping and sinks."""
+"""``torch.ops.autodeploy.attention``: causal self-attention with GQA, sliding window, soft-capping, sinks and ALiBi."""
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -16,10 +16,13 @@ def attention_reference(
     sliding_window: Optional[int] = None,
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[List[float]] = None,
 ) -> torch.Tensor:
     """Causal attention of ``q[B, S, Hq, D]`` over ``k[B, S, Hkv, D]``, ``v[B, S, Hkv, Dv]`` → ``[B, S, Hq, Dv]``.
 
-    - logits: ``scale · q_i · k_j`` per head, in float32 (float64 for float64 inputs).
+    - logits: ``scale · q_i · k_j`` per head, in float32 (float64 for float64 inputs), plus with ALiBi
+      (``alibi_slopes``, one per query head) ``slope_h · (j - i)``: Bloom's ``slope · j`` and MPT's
+      ``slope · (j - S + 1)`` differ from it by a constant per query, which softmax does not see.
     - GQA: ``Hq`` must be a multiple of ``Hkv``; query head ``h`` uses kv head ``h // (Hq // Hkv)``.
     - soft-capping (``logit_cap``, > 0): ``logits = cap · tanh(logits / cap)``, applied before masking.
     - mask: query ``i`` sees key ``j`` iff ``j ≤ i`` and, with ``sliding_window = W`` (≥ 1), ``i - W < j``.
@@ -44,9 +47,15 @@ def attention_reference(
         raise ValueError(f"attention: logit_cap must be > 0 (or None for no capping); got {logit_cap}.")
     if sinks is not None and sinks.shape != (q_heads,):
         raise ValueError(f"attention: sinks must be [Hq={q_heads}]; got {tuple(sinks.shape)}.")
+    check_alibi_slopes("attention", alibi_slopes, q_heads)
 
     positions = torch.arange(seq, device=q.device)
-    return attend(q, k, v, positions, positions, scale, sliding_window, logit_cap, sinks)
+    return attend(q, k, v, positions, positions, scale, sliding_window, logit_cap, sinks, alibi_slopes)
+
+
+def check_alibi_slopes(op: str, alibi_slopes: Optional[List[float]], q_heads: int) -> None:
+    if alibi_slopes is not None and len(alibi_slopes) != q_heads:
+        raise ValueError(f"{op}: alibi_slopes must have one slope per query head (Hq={q_heads}); got {len(alibi_slopes)}.")
 
 
 def attend(
@@ -59,6 +68,7 @@ def attend(
     sliding_window: Optional[int],
     logit_cap: Optional[float],
     sinks: Optional[torch.Tensor],
+    alibi_slopes: Optional[List[float]] = None,
 ) -> torch.Tensor:
     """The attention arithmetic shared by the un-cached and cached references: ``q[B, Sq, Hq, D]`` at
     ``query_positions[Sq]`` over ``k[B, Sk, Hkv, D]``/``v`` at ``key_positions[Sk]``, masked causally
@@ -70,6 +80,9 @@ def attend(
     keys = k.to(dtype)[:, :, kv_head_of]  # [B, Sk, Hq, D]
     values = v.to(dtype)[:, :, kv_head_of]  # [B, Sk, Hq, Dv]
     logits = torch.einsum("bihd,bjhd->bhij", q.to(dtype), keys) * scale  # [B, Hq, Sq, Sk]
+    if alibi_slopes is not None:
+        slopes = torch.tensor(alibi_slopes, dtype=dtype, device=q.device).view(1, q_heads, 1, 1)
+        logits = logits + slopes * (key_positions[None, :] - query_positions[:, None]).to(dtype)
     if logit_cap is not None:
         logits = logit_cap * torch.tanh(logits / logit_cap)
 
@@ -89,7 +102,7 @@ def attend(
     return out.to(q.dtype).contiguous()
 
 
-def attention_fake(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None):
+def attention_fake(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

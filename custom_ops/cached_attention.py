@@ -22,11 +22,11 @@ Layout and metadata (N sequences, T new tokens in all):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
-from .attention import attend
+from .attention import attend, check_alibi_slopes
 from .registry import add_backend, register_op
 
 BATCH_INFO_FIELDS = ("num_prefill", "num_decode", "max_q_len", "max_kv_len")
@@ -79,10 +79,12 @@ def cached_attention_reference(
     sliding_window: Optional[int] = None,
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[List[float]] = None,
 ) -> torch.Tensor:
     """Write this step's ``k``/``v`` into the caches, then attend each new token over its sequence's
     cached tokens with the ``attention`` op's semantics (causal on absolute positions, GQA, window,
-    soft-cap, sinks). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The oracle: one sequence at a time."""
+    soft-cap, sinks, ALiBi). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The oracle: one sequence at a time."""
+    check_alibi_slopes("cached_attention", alibi_slopes, q.shape[2])
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     starts = seq_start.tolist()
@@ -92,14 +94,15 @@ def cached_attention_reference(
         key_positions = torch.arange(kv_len, device=q.device)
         query_positions = key_positions[kv_len - (last - first) :]
         out[:, first:last] = attend(
-            q[:, first:last], keys, values, query_positions, key_positions, scale, sliding_window, logit_cap, sinks
+            q[:, first:last], keys, values, query_positions, key_positions, scale, sliding_window, logit_cap, sinks,
+            alibi_slopes,
         )
     return out
 
 
 def cached_attention_fake(
     q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
-    sliding_window=None, logit_cap=None, sinks=None,
+    sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None,
 ):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 

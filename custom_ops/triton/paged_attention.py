@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from ..attention import check_alibi_slopes
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -149,12 +151,13 @@ def _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION: tl.con
 def _prefill_tiles(
     acc, row_sum, row_max, q, query_positions,
     k_base, v_base, block_table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-    first_tile, end_tile, kv_len, scale, logit_cap, window,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    first_tile, end_tile, kv_len, scale, logit_cap, window, slope,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Attend over key tiles ``first_tile … end_tile - 1``; ``MASKED`` tiles apply the causal/window mask."""
+    """Attend over key tiles ``first_tile … end_tile - 1``; ``MASKED`` tiles apply the causal/window mask.
+    ALiBi (``slope``, this head's) biases every tile, masked or not."""
     for tile in range(first_tile, end_tile):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k, v = _gather_kv(
@@ -162,6 +165,8 @@ def _prefill_tiles(
             HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE,
         )
         logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION)
+        if HAS_ALIBI:
+            logits += slope * (keys[None, :] - query_positions[:, None]).to(tl.float32) * _LOG2E
         if MASKED:
             visible = keys[None, :] <= query_positions[:, None]
             if HAS_WINDOW:
@@ -173,14 +178,15 @@ def _prefill_tiles(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     scale, logit_cap, window, num_query_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
     # A chunk's last query blocks see the most keys; launching them first shortens the tail.
@@ -228,21 +234,24 @@ def _prefill_kernel(
         row_max = tl.full([BLOCK_M], _NO_LOGIT, tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + head)
 
     acc, row_sum, row_max = _prefill_tiles(
         acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
-        stride_kb, stride_kt, stride_vb, stride_vt, first_tile, free_first, kv_len, scale, logit_cap, window,
-        True, HAS_WINDOW, HAS_CAP, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+        stride_kb, stride_kt, stride_vb, stride_vt, first_tile, free_first, kv_len, scale, logit_cap, window, slope,
+        True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
     acc, row_sum, row_max = _prefill_tiles(
         acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
-        stride_kb, stride_kt, stride_vb, stride_vt, free_first, free_end, kv_len, scale, logit_cap, window,
-        False, HAS_WINDOW, HAS_CAP, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+        stride_kb, stride_kt, stride_vb, stride_vt, free_first, free_end, kv_len, scale, logit_cap, window, slope,
+        False, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
     acc, row_sum, row_max = _prefill_tiles(
         acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
-        stride_kb, stride_kt, stride_vb, stride_vt, free_end, end_tile, kv_len, scale, logit_cap, window,
-        True, HAS_WINDOW, HAS_CAP, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+        stride_kb, stride_kt, stride_vb, stride_vt, free_end, end_tile, kv_len, scale, logit_cap, window, slope,
+        True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
 
     # Rows past the chunk's end may see no key at all (under a window); they are not stored.
@@ -258,14 +267,14 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partials_ptr,
-    seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr,
+    seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     scale, logit_cap, window, first_decode, q_heads, keys_per_split,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     decode = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -298,6 +307,9 @@ def _decode_kernel(
         row_max = tl.full([GROUP_PAD], _NO_LOGIT, tl.float32)
         row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DV_PAD], tl.float32)
+    slopes = tl.zeros([GROUP_PAD], tl.float32)
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=head_valid, other=0.0)
 
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
@@ -310,6 +322,8 @@ def _decode_kernel(
             HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE,
         )
         logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION)
+        if HAS_ALIBI:  # the query sits at kv_len - 1
+            logits += slopes[:, None] * (keys - (kv_len - 1))[None, :].to(tl.float32) * _LOG2E
         logits = tl.where(key_valid[None, :], logits, float("-inf"))
         acc, row_sum, row_max = _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION)
 
@@ -383,6 +397,7 @@ def cached_attention_triton(
     sliding_window: Optional[int] = None,
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[List[float]] = None,
     *,
     num_decode_splits: Optional[int] = None,
 ) -> torch.Tensor:
@@ -396,6 +411,7 @@ def cached_attention_triton(
     _check_supported(
         q, k, v, k_cache, v_cache, block_tables, batch_info, sliding_window, logit_cap, sinks, num_decode_splits
     )
+    check_alibi_slopes("cached_attention_triton", alibi_slopes, q.shape[2])
     num_prefill, num_decode, max_q_len, max_kv_len = batch_info.tolist()
     q_tokens, k_tokens, v_tokens = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (q, k, v))
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -418,10 +434,12 @@ def cached_attention_triton(
     shared = dict(
         **caches, q_ptr=q_tokens, out_ptr=out[0],
         seq_start_ptr=seq_start, kv_lens_ptr=kv_lens, block_tables_ptr=block_tables, sinks_ptr=sinks,
+        alibi_ptr=None if alibi_slopes is None else _slopes_tensor(tuple(alibi_slopes), q.device),
         stride_qt=q_tokens.stride(0), stride_qh=q_tokens.stride(1), stride_ot=out.stride(1), stride_oh=out.stride(2),
         stride_bt=block_tables.stride(0),
         scale=scale, logit_cap=logit_cap or 0.0, window=sliding_window or 0, GROUP=q_heads // kv_heads,
         HAS_WINDOW=sliding_window is not None, HAS_CAP=logit_cap is not None, HAS_SINKS=sinks is not None,
+        HAS_ALIBI=alibi_slopes is not None,
         # fp32 dots would otherwise run in TF32 on the GPU, ~1e-3 off the float32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
@@ -437,6 +455,12 @@ def cached_attention_triton(
             shared, out, num_prefill, num_decode, max_kv_len, q_heads, kv_heads, sliding_window, num_decode_splits
         )
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _slopes_tensor(slopes: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The slopes on the device, made once per (layer's slopes, device) instead of on every call."""
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
 
 
 def _launch_decode(

@@ -16,7 +16,7 @@ import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 attention = torch.ops.autodeploy.attention
 
 
-def attention_by_query(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None):
+def attention_by_query(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None):
     """One query at a time: list the keys it may see, then a hand-written softmax over them (plus the sink)."""
     batch, seq, q_heads, _ = q.shape
     kv_heads = k.shape[2]
@@ -27,6 +27,8 @@ def attention_by_query(q, k, v, scale, sliding_window=None, logit_cap=None, sink
             for i in range(seq):
                 first = 0 if sliding_window is None else max(0, i - sliding_window + 1)
                 logits = (k[b, first : i + 1, kv_head] @ q[b, i, h]) * scale
+                if alibi_slopes is not None:  # key j of query i: slope · (j - i)
+                    logits = logits + alibi_slopes[h] * torch.arange(first - i, 1, dtype=logits.dtype)
                 if logit_cap is not None:
                     logits = logit_cap * torch.tanh(logits / logit_cap)
                 exps = torch.exp(logits)
@@ -46,10 +48,11 @@ def attention_by_query(q, k, v, scale, sliding_window=None, logit_cap=None, sink
     sliding_window=st.one_of(st.none(), st.integers(1, 9)),
     logit_cap=st.one_of(st.none(), st.floats(0.5, 30.0)),
     with_sinks=st.booleans(),
+    with_alibi=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_attention_matches_per_query_loops(
-    batch, seq, kv_heads, group, head_dim, value_dim, sliding_window, logit_cap, with_sinks, seed
+    batch, seq, kv_heads, group, head_dim, value_dim, sliding_window, logit_cap, with_sinks, with_alibi, seed
 ):
     gen = torch.Generator().manual_seed(seed)
     q_heads = kv_heads * group
@@ -57,10 +60,11 @@ def test_attention_matches_per_query_loops(
     k = torch.randn(batch, seq, kv_heads, head_dim, generator=gen, dtype=torch.float64) * 2
     v = torch.randn(batch, seq, kv_heads, value_dim, generator=gen, dtype=torch.float64)
     sinks = torch.randn(q_heads, generator=gen, dtype=torch.float64) if with_sinks else None
+    alibi_slopes = torch.rand(q_heads, generator=gen, dtype=torch.float64).tolist() if with_alibi else None
     scale = head_dim**-0.5
 
-    out = attention(q, k, v, scale, sliding_window, logit_cap, sinks)
-    expected = attention_by_query(q, k, v, scale, sliding_window, logit_cap, sinks)
+    out = attention(q, k, v, scale, sliding_window, logit_cap, sinks, alibi_slopes)
+    expected = attention_by_query(q, k, v, scale, sliding_window, logit_cap, sinks, alibi_slopes)
     assert out.shape == (batch, seq, q_heads, value_dim)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
 

@@ -71,13 +71,15 @@ def test_reference_prefill_equals_uncached_attention():
     window=st.sampled_from([None, 3, 16]),
     cap=st.sampled_from([None, 5.0]),
     with_sinks=st.booleans(),
+    with_alibi=st.booleans(),
 )
-def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block_size, window, cap, with_sinks):
+def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block_size, window, cap, with_sinks, with_alibi):
     if not chunks and not decodes:
         return
     inputs = mixed_batch(seed, chunks, decodes, block_size)
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(seed)) if with_sinks else None
-    out, k_cache, v_cache = run(cached_attention_reference, inputs, window, cap, sinks)
+    alibi = [0.5, 0.25, 0.125, 0.0625] if with_alibi else None
+    out, k_cache, v_cache = run(cached_attention_reference, inputs, window, cap, sinks, alibi)
     q, k, v, k_before, v_before, starts, lens, tables = inputs[:8]
     for s, (first, last) in enumerate(zip(starts.tolist(), starts.tolist()[1:])):
         total, new = int(lens[s]), last - first
@@ -87,7 +89,7 @@ def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block
         full_k = torch.cat((keys, k[0, first:last]))[None]
         full_v = torch.cat((values, v[0, first:last]))[None]
         full_q = torch.cat((torch.zeros(total - new, *q.shape[2:]), q[0, first:last]))[None]
-        expected = attention_reference(full_q, full_k, full_v, 0.3, window, cap, sinks)[:, total - new :]
+        expected = attention_reference(full_q, full_k, full_v, 0.3, window, cap, sinks, alibi)[:, total - new :]
         torch.testing.assert_close(out[:, first:last], expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(k_cache.flatten(0, 1)[slots[total - new :]], k[0, first:last])
 
@@ -100,11 +102,12 @@ def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block
     block_size=st.sampled_from([1, 4, 8]),
     window=st.sampled_from([None, 3, 16]),
     cap=st.sampled_from([None, 5.0]),
+    alibi=st.sampled_from([None, [0.5, 0.25, 0.125, 0.0625]]),
 )
-def test_sdpa_backend_equals_the_reference(seed, chunks, decodes, block_size, window, cap):
+def test_sdpa_backend_equals_the_reference(seed, chunks, decodes, block_size, window, cap, alibi):
     inputs = mixed_batch(seed, chunks, decodes, block_size)
-    expected, k_ref, v_ref = run(cached_attention_reference, inputs, window, cap)
-    got, k_new, v_new = run(cached_attention_sdpa, inputs, window, cap)
+    expected, k_ref, v_ref = run(cached_attention_reference, inputs, window, cap, None, alibi)
+    got, k_new, v_new = run(cached_attention_sdpa, inputs, window, cap, None, alibi)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)
 

@@ -159,6 +159,18 @@ def test_sinks(num_decode_splits):
     assert_matches_reference(batch, sinks=sinks, num_decode_splits=num_decode_splits)
 
 
+@pytest.mark.parametrize("num_decode_splits", [1, 3])
+def test_alibi(num_decode_splits):
+    # Bloom's slopes for 4 heads; prefills long enough for unmasked tiles, decodes split over many keys.
+    batch = paged_batch([(70, 70), (5, 40)], [150, 3], q_heads=4, kv_heads=2)
+    assert_matches_reference(batch, alibi_slopes=[0.25, 0.0625, 0.015625, 0.00390625], num_decode_splits=num_decode_splits)
+
+
+def test_alibi_with_a_window_and_gqa():
+    batch = paged_batch([(13, 13), (9, 100)], [150, 2], q_heads=8, kv_heads=2, block_size=16)
+    assert_matches_reference(batch, sliding_window=24, alibi_slopes=[0.5 ** (i + 1) for i in range(8)], num_decode_splits=2)
+
+
 def test_window_cap_sinks_and_gqa_together():
     batch = paged_batch([(13, 13), (9, 100)], [150, 2], q_heads=8, kv_heads=2, block_size=16)
     sinks = torch.linspace(-2, 2, 8, device=DEVICE)
