@@ -7,14 +7,18 @@ for grouped-query attention unless SDPA gets ``enable_gqa=True``; ``?`` marks op
     SDPA (every model built with attn_implementation="sdpa"):
         scaled_dot_product_attention(q, repeat(k)?, repeat(v)?, mask | None, 0.0, is_causal, scale?, enable_gqa?)
     eager (Llama, Mistral, Qwen2/3, Mixtral, Phi-3, GPT-NeoX, Cohere, StableLM, Gemma-2/3, GPT-OSS):
-        logits = matmul(q, transpose(repeat(k), 2, 3)) * scale
+        logits = matmul(q, transpose(repeat(k), 2, 3)) * scale               (or kᵀ = permute(k_bshd, [0, 2, 3, 1]))
         logits = tanh(logits / cap) * cap                                    ? Gemma-2 soft-capping
-        logits = logits + mask
+        logits = logits + alibi                                              ? MPT: an ALiBi bias (slope_h · j + c)
+        logits = logits + mask       or   masked_fill(logits, hidden, min)   (MPT)
         probs  = softmax(logits, -1, f32)                                    (to(dtype)? in half models)
           or, with sinks (GPT-OSS):
         both   = cat([logits, expand(reshape(sinks[H], [1, -1, 1, 1]))], -1)
         probs  = slice(softmax(both - max(both, -1).values, -1), -1, 0, -1)
         out    = matmul(dropout(probs, p, train=False), repeat(v))
+    Bloom (eager only), on [B·H, S, D] views of q, k, v:
+        probs  = softmax(view(baddbmm(alibi, q, transpose(k, 1, 2), beta=1, alpha=scale)) + mask, -1, f32)
+        out    = bmm(view(dropout(probs)), v)
 
 Each becomes ``transpose(attention(transpose(q, 1, 2), transpose(k, 1, 2), transpose(v, 1, 2), scale,
 sliding_window, logit_cap, sinks), 1, 2)``: the op takes and returns ``[B, S, H, D]`` and does GQA
@@ -34,6 +38,10 @@ one that cannot be evaluated: HF's eager (additive) masks read a ``torch.tensor(
 graph exported on the meta device holds without a value (SDPA's boolean masks have no such constant).
 Once every attention reading a mask is replaced, the mask-building nodes are dead and the match stage's
 dead-code elimination removes them.
+
+**ALiBi.** A bias added to the logits is evaluated the same way; it must be ``slope_h · j`` plus a constant
+per query row (which softmax does not see), and its slopes become the op's ``alibi_slopes``, biasing by
+``slope_h · (j - i)`` on the absolute positions the cached op knows.
 
 Written as graph walks (``register_rewrite``) rather than traced search functions: the mask analysis
 decides the op's ``sliding_window`` argument, which a traced replacement cannot receive; and the optional
@@ -177,10 +185,10 @@ def _evaluate_mask(gm: GraphModule, mask: Node) -> tuple[torch.Tensor, int]:
     return value, probe
 
 
-def causal_sliding_window(gm: GraphModule, mask: Node) -> int | None:
+def causal_sliding_window(gm: GraphModule, mask: Node, hides: bool = False) -> int | None:
     """The sliding window of a causal mask (None when it has none); raises ``NoMatch`` when not causal.
 
-    The mask is boolean (True: attend) or additive (0: attend; -inf or at most half the dtype's lowest
+    The mask is boolean (True: attend; with ``hides``, True: hidden, as ``masked_fill`` takes it) or additive (0: attend; -inf or at most half the dtype's lowest
     value, HF's ``finfo.min``: masked, which softmax turns into exact zeros), broadcast to ``[B, H, S, S]``;
     it must be the same for every batch row and head.
     """
@@ -190,7 +198,7 @@ def causal_sliding_window(gm: GraphModule, mask: Node) -> int | None:
     require(bool((rows == rows[:1]).all()), f"mask {mask} differs between batch rows or heads")
     rows = rows[0]
     if rows.dtype == torch.bool:
-        visible = rows
+        visible = ~rows if hides else rows
     else:
         visible = rows == 0
         lowest = torch.finfo(rows.dtype).min / 2
@@ -201,6 +209,25 @@ def causal_sliding_window(gm: GraphModule, mask: Node) -> int | None:
     expected = (key <= query) & (key > query - window)
     require(bool((visible == expected).all()), f"mask {mask} is not causal (with or without a sliding window)")
     return window if window < probe else None
+
+
+def alibi_slopes(gm: GraphModule, bias: Node, heads: int) -> list[float]:
+    """The per-head slopes of an ALiBi bias added to the attention logits; ``NoMatch`` when it is not one.
+
+    Evaluated like a mask, the bias must broadcast to ``[heads, S, S]`` and be ``slope_h · j + c_{h,i}``
+    for key ``j`` of query ``i``: Bloom's ``slope · j`` and MPT's ``slope · (j - S + 1)`` are, and the
+    per-query constant ``c`` is invisible to softmax, so it becomes the op's ``slope · (j - i)``."""
+    value, probe = _evaluate_mask(gm, bias)
+    require(value.is_floating_point() and probe >= 2, f"bias {bias} is not a float bias over at least 2 keys")
+    leading = value.numel() // (value.shape[-2] * value.shape[-1])
+    require(value.dim() >= 2 and leading in (1, heads) and value.shape[-1] == probe and value.shape[-2] in (1, probe),
+            f"bias {bias} does not broadcast to [heads, S, S]")
+    rows = value.reshape(leading, value.shape[-2], probe).expand(heads, probe, probe).double()
+    slopes = rows[:, 0, 1] - rows[:, 0, 0]
+    linear = rows[:, :, :1] + slopes[:, None, None] * torch.arange(probe, dtype=torch.float64)
+    tolerance = 1e-5 * max(1.0, float(rows.abs().max()))
+    require(bool(torch.allclose(rows, linear, rtol=0, atol=tolerance)), f"bias {bias} is not linear in the key position")
+    return [float(slope) for slope in slopes]
 
 
 # --------------------------------------------------------------------------------------- the walks
@@ -220,6 +247,9 @@ class AttentionMatch:
     sinks: Node | None
     output: Node
     nodes: set[Node] = field(default_factory=set)
+    alibi_slopes: list[float] | None = None
+    k_layout: str = "bhsd"  # "bshd": ``k`` is already [B, S, Hkv, D] (its kᵀ was one permute)
+    output_layout: str = "bhsd"  # "bh_sd": the replaced value is [B·H, S, D] (Bloom's bmm)
 
 
 class _Walk:
@@ -269,10 +299,10 @@ class _Walk:
                  f"{node} does not merge the repeated heads")
         return source
 
-    def window_of(self, mask: Node) -> int | None:
+    def window_of(self, mask: Node, hides: bool = False) -> int | None:
         if mask not in self.windows:
             try:
-                self.windows[mask] = causal_sliding_window(self.gm, mask)
+                self.windows[mask] = causal_sliding_window(self.gm, mask, hides)
             except NoMatch as reason:
                 self.windows[mask] = reason
         window = self.windows[mask]
@@ -280,8 +310,10 @@ class _Walk:
             raise window
         return window
 
-    def finish(self, q: Node, k: Node, v: Node, output: Node, **options) -> AttentionMatch:
+    def finish(self, q: Node, k: Node, v: Node, output: Node, k_layout: str = "bhsd", **options) -> AttentionMatch:
         query, key, value = node_value(q).shape, node_value(k).shape, node_value(v).shape
+        if k_layout == "bshd":
+            key = (key[0], key[2], key[1], key[3])
         require(len(query) == len(key) == len(value) == 4, "q, k and v are not [B, H, S, D]")
         require(all(_same(a, b) for a, b in zip(key[:3], value[:3])), "k and v differ in batch, heads or length")
         require(_same(query[0], key[0]) and _same(query[2], key[2]), "q and k differ in batch or length")
@@ -291,7 +323,7 @@ class _Walk:
         # Every recorded step but the output must feed only other steps, or removing it changes another value.
         require(all(set(n.users) <= self.nodes for n in self.nodes - {output}),
                  "an intermediate value is also used outside the attention")
-        return AttentionMatch(q, k, v, output=output, nodes=self.nodes, **options)
+        return AttentionMatch(q, k, v, output=output, nodes=self.nodes, k_layout=k_layout, **options)
 
 
 def _match_sdpa(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
@@ -317,8 +349,11 @@ def _number(argument) -> float | None:
     return float(argument) if type(argument) in (int, float) else None
 
 
-def _match_logits(walk: _Walk, node) -> tuple[Node, Node, float, float | None]:
-    """``tanh(l / cap) * cap``? of ``l = matmul(q, transpose(k, 2, 3)) (* s | / d)?`` → (q, k, scale, cap)."""
+def _match_logits(walk: _Walk, node) -> tuple[Node, Node, float, float | None, str]:
+    """``tanh(l / cap) * cap``? of ``l = matmul(q, kᵀ) (* s | / d)?`` → (q, k, scale, cap, k's layout).
+
+    ``kᵀ`` is ``transpose(k, 2, 3)`` of ``k [B, H, S, D]``, or ``permute(x, [0, 2, 3, 1])`` of ``x [B, S, H, D]``
+    (what ``cleanup_transposes`` makes of ``transpose(transpose(x, 1, 2), -1, -2)``)."""
     cap = None
     if is_call(node, {aten.mul.Tensor}) and is_call(node.args[0], {aten.tanh.default}):
         cap = _number(walk.step(node, {aten.mul.Tensor}, "a multiply")["other"])
@@ -333,10 +368,17 @@ def _match_logits(walk: _Walk, node) -> tuple[Node, Node, float, float | None]:
         scale = factor if node.target is aten.mul.Tensor else 1.0 / factor
         node = node.args[0]
     product = walk.step(node, {aten.matmul.default}, "q @ kᵀ")
-    transpose = walk.step(product["other"], {aten.transpose.int}, "kᵀ")
-    require(node_value(product["other"]).dim() == 4 and {transpose["dim0"] % 4, transpose["dim1"] % 4} == {2, 3},
-             f"{product['other']} is not kᵀ")
-    return product["input"], walk.kv_source(transpose["input"]), scale, cap
+    key_t = product["other"]
+    require(node_value(key_t).dim() == 4, f"{key_t} is not kᵀ")
+    # Upcasts of q and k (CodeGen, GPT-Neo) go: the op computes its logits in float32 itself.
+    query = walk.skip_casts(product["input"])
+    if is_call(key_t, {aten.permute.default}):
+        permute = walk.step(key_t, {aten.permute.default}, "kᵀ")
+        require([d % 4 for d in permute["dims"]] == [0, 2, 3, 1], f"{key_t} is not kᵀ")
+        return query, walk.skip_casts(permute["input"]), scale, cap, "bshd"
+    transpose = walk.step(key_t, {aten.transpose.int}, "kᵀ")
+    require({transpose["dim0"] % 4, transpose["dim1"] % 4} == {2, 3}, f"{key_t} is not kᵀ")
+    return query, walk.kv_source(walk.skip_casts(transpose["input"])), scale, cap, "bhsd"
 
 
 def _match_sinks(walk: _Walk, node, heads: int) -> Node:
@@ -384,15 +426,85 @@ def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
         logits, sink_column = concat["tensors"]
         sinks = _match_sinks(walk, sink_column, heads=node_value(logits).shape[1])
 
-    addition = walk.step(logits, {aten.add.Tensor}, "logits + mask")
-    require(addition["alpha"] == 1, f"{logits} scales the mask")
-    scores, mask = addition["input"], addition["other"]
-    if is_call(mask, {aten.mul.Tensor, aten.div.Tensor, aten.matmul.default}):
-        scores, mask = mask, scores
+    post_scale = 1.0
+    if is_call(logits, {aten.mul.Tensor, aten.div.Tensor}) and is_call(logits.args[0], {aten.add.Tensor}):
+        # CodeGen scales after adding the mask: (q·kᵀ + mask) / s. A masked logit stays hugely negative.
+        division = walk.step(logits, {aten.mul.Tensor, aten.div.Tensor}, "a scale")
+        factor = _number(division["other"])
+        require(factor is not None and factor > 0, f"{logits} does not scale by a positive number")
+        post_scale = factor if logits.target is aten.mul.Tensor else 1.0 / factor
+        logits = division["input"]
+    if is_call(logits, {aten.masked_fill.Scalar}):  # MPT: hide keys where the (boolean) mask is True
+        filled = walk.step(logits, {aten.masked_fill.Scalar}, "a masked fill")
+        value = _number(filled["value"])
+        require(value is not None and value <= torch.finfo(node_value(logits).dtype).min / 2, f"{logits} fills with {value}")
+        scores, mask, hides = filled["input"], filled["mask"], True
+    else:
+        addition = walk.step(logits, {aten.add.Tensor}, "logits + mask")
+        require(addition["alpha"] == 1, f"{logits} scales the mask")
+        scores, mask, hides = addition["input"], addition["other"], False
+        if _is_score(mask):
+            scores, mask = mask, scores
     require(isinstance(mask, Node), f"{logits} adds no mask")
-    q, k, scale, cap = _match_logits(walk, scores)
-    window = walk.window_of(mask)
-    return walk.finish(q, k, v, node, scale=scale, sliding_window=window, logit_cap=cap, sinks=sinks)
+    slopes = None
+    if is_call(scores, {aten.add.Tensor}) and not _is_score(scores):  # logits + an ALiBi bias (MPT)
+        addition = walk.step(scores, {aten.add.Tensor}, "logits + bias")
+        scores, bias = addition["input"], addition["other"]
+        if _is_score(bias):
+            scores, bias = bias, scores
+        require(addition["alpha"] == 1 and isinstance(bias, Node), f"{addition} is not logits + a bias")
+        slopes = alibi_slopes(walk.gm, bias, node_value(scores).shape[1])
+    q, k, scale, cap, k_layout = _match_logits(walk, scores)
+    require(post_scale == 1.0 or (cap is None and slopes is None), f"{logits} scales capped or biased logits")
+    window = walk.window_of(mask, hides)
+    return walk.finish(q, k, v, node, k_layout, scale=scale * post_scale, sliding_window=window, logit_cap=cap,
+                       sinks=sinks, alibi_slopes=slopes)
+
+
+def _is_score(node) -> bool:
+    """Whether ``node`` computes attention logits (q·kᵀ, scaled or soft-capped) rather than a mask or bias."""
+    return is_call(node, {aten.mul.Tensor, aten.div.Tensor, aten.matmul.default})
+
+
+def _match_alibi_bmm(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
+    """Bloom: ``bmm(view(softmax(view(baddbmm(alibi, q, kᵀ, alpha=scale)) + mask)), v)`` on ``[B·H, S, D]``
+    views of ``[B, H, S, D]`` q, k and v."""
+    walk = _Walk(gm, windows)
+    product = walk.step(node, {aten.bmm.default}, "probs @ v")
+    v = _unflattened_heads(walk, product["mat2"])
+    probs = walk.step(product["input"], _VIEWS, "a view of the probabilities")["input"]
+    if is_call(probs, {aten.dropout.default}):
+        dropout = walk.step(probs, {aten.dropout.default}, "dropout")
+        require(dropout["p"] == 0.0 or dropout["train"] is False, f"{probs} drops attention weights")
+        probs = dropout["input"]
+    probs = walk.skip_casts(probs)
+    softmax = walk.step(probs, _SOFTMAX, "softmax")
+    require(node_value(probs).dim() == 4 and softmax["dim"] % 4 == 3, f"{probs} is not a softmax over keys")
+    addition = walk.step(walk.skip_casts(softmax["input"]), {aten.add.Tensor}, "logits + mask")
+    require(addition["alpha"] == 1 and isinstance(addition["other"], Node), f"{addition} adds no mask")
+    scores = walk.step(addition["input"], _VIEWS, "a view of the logits")["input"]
+    biased = walk.step(scores, {aten.baddbmm.default}, "alibi + scale · q @ kᵀ")
+    require(biased["beta"] == 1 and _number(biased["alpha"]) is not None, f"{scores} scales its bias")
+    q = _unflattened_heads(walk, biased["batch1"])
+    transpose = walk.step(biased["batch2"], {aten.transpose.int}, "kᵀ")
+    require({transpose["dim0"] % 3, transpose["dim1"] % 3} == {1, 2}, f"{biased['batch2']} is not kᵀ")
+    k = _unflattened_heads(walk, transpose["input"])
+    heads = node_value(q).shape[1]
+    slopes = alibi_slopes(gm, biased["input"], heads)
+    window = walk.window_of(addition["other"])
+    match = walk.finish(q, k, v, node, scale=float(biased["alpha"]), sliding_window=window, logit_cap=None, sinks=None,
+                        alibi_slopes=slopes)
+    match.output_layout = "bh_sd"
+    return match
+
+
+def _unflattened_heads(walk: _Walk, node: Node) -> Node:
+    """``reshape(x [B, H, S, D], [B·H, S, D])`` → x."""
+    source = walk.step(node, _VIEWS, "a [B·H, S, D] view")["input"]
+    shape, flat = node_value(source).shape, node_value(node).shape
+    require(len(shape) == 4 and len(flat) == 3 and _same(flat[0], shape[0] * shape[1])
+            and _same(flat[1], shape[2]) and _same(flat[2], shape[3]), f"{node} does not merge batch and heads")
+    return source
 
 
 # ------------------------------------------------------------------------------------ the rewrite
@@ -410,11 +522,18 @@ def _call(graph: Graph, target, args: tuple) -> Node:
 
 def _replace(graph: Graph, match: AttentionMatch) -> None:
     with graph.inserting_before(match.output):
-        q, k, v = (_call(graph, aten.transpose.int, (x, 1, 2)) for x in (match.q, match.k, match.v))
+        q, v = (_call(graph, aten.transpose.int, (x, 1, 2)) for x in (match.q, match.v))
+        k = match.k if match.k_layout == "bshd" else _call(graph, aten.transpose.int, (match.k, 1, 2))
         options = (match.scale, match.sliding_window, match.logit_cap, match.sinks)
+        if match.alibi_slopes is not None:
+            options += (match.alibi_slopes,)
         out = _call(graph, torch.ops.autodeploy.attention.default, (q, k, v, *options))
         result = _call(graph, aten.transpose.int, (out, 1, 2))
-    for node in (q, k, v, out, result):  # the module stack and source line of what they replace
+        added = [n for n in (q, k, v) if n not in (match.q, match.k, match.v)] + [out, result]
+        if match.output_layout == "bh_sd":
+            result = _call(graph, aten.flatten.using_ints, (result, 0, 1))
+            added.append(result)
+    for node in added:  # the module stack and source line of what they replace
         node.meta.update({key: match.output.meta[key] for key in _PROVENANCE if key in match.output.meta})
     match.output.replace_all_uses_with(result)
     for node in reversed([n for n in graph.nodes if n in match.nodes]):
@@ -456,5 +575,12 @@ def replace_eager_attention(gm: GraphModule) -> int:
     return _replace_all(gm, list(reversed(matmuls)), _match_eager)
 
 
+def replace_alibi_bmm_attention(gm: GraphModule) -> int:
+    """Replace every Bloom-style ``baddbmm`` ALiBi attention on ``[B·H, S, D]`` views; returns how many."""
+    bmms = gm.graph.find_nodes(op="call_function", target=aten.bmm.default)
+    return _replace_all(gm, list(reversed(bmms)), _match_alibi_bmm)
+
+
 register_rewrite("attention_sdpa", replace_sdpa_attention, family="attention")
 register_rewrite("attention_eager", replace_eager_attention, family="attention")
+register_rewrite("attention_alibi_bmm", replace_alibi_bmm_attention, family="attention")
