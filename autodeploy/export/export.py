@@ -106,7 +106,27 @@ def export_to_graph_module(
             f"{error_summary(error)} — register an export patch for this code (autodeploy.export.register_export_patch) "
             f"and list it under transforms.export_to_fx.patches"
         ) from error
-    return program.module()
+    gm = program.module()
+    _refuse_valueless_constants(gm)
+    return gm
+
+
+def _refuse_valueless_constants(gm: GraphModule) -> None:
+    """Tensors the model builds while it runs (not parameters or buffers) become graph constants; traced on
+    the meta device they have no value, and a graph reading them would compute with garbage."""
+    owned = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
+    valueless = [
+        f"{path + '.' if path else ''}{name} ({value.dtype}, {list(value.shape)})"
+        for path, module in gm.named_modules() for name, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and value.is_meta and id(value) not in owned
+    ]
+    if valueless:
+        raise ExportError(
+            f"the model creates tensor constants while it runs that export on the meta device captures without "
+            f"their values: {', '.join(valueless[:4])}{' …' if len(valueless) > 4 else ''}. Register an export patch "
+            f"that builds them another way (autodeploy.export.register_export_patch; see scalar_constants_on_cpu and "
+            f"list_indices_as_slices) and list it under transforms.export_to_fx.patches"
+        )
 
 
 def export_causal_lm(
@@ -136,7 +156,9 @@ def export_causal_lm(
 @dataclass
 class ExportConfig(TransformConfig):
     stage: str = "export"
-    patches: list[str] = field(default_factory=lambda: ["hf_no_kv_cache", "hf_sdpa_attention", "hf_moe_batched_experts", "scalar_constants_on_cpu"])
+    patches: list[str] = field(default_factory=lambda: [
+        "hf_no_kv_cache", "hf_sdpa_attention", "hf_moe_batched_experts", "scalar_constants_on_cpu", "list_indices_as_slices",
+    ])
     strict: bool = False
 
 

@@ -126,3 +126,33 @@ def scalar_constants_on_cpu(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         torch.tensor = make_tensor
+
+
+def _without_index_lists(index):
+    """``[i]`` → ``slice(i, i + 1)`` (the same values, kept as a dimension); longer int lists → CPU index tensors."""
+    if isinstance(index, list) and index and all(type(i) is int for i in index):
+        if len(index) == 1:
+            i = index[0]
+            return slice(i, i + 1 if i != -1 else None)
+        return torch.tensor(index, device="cpu")
+    if isinstance(index, tuple):
+        return tuple(_without_index_lists(i) for i in index)
+    return index
+
+
+@register_export_patch("list_indices_as_slices")
+@contextlib.contextmanager
+def list_indices_as_slices(model: nn.Module) -> Iterator[None]:
+    """Indexing with a Python list (Falcon's ``qkv[..., [-2], :]``) makes torch build an index tensor on
+    the indexed tensor's device; on meta it is captured without a value, and the graph would index with
+    garbage. A one-element list is a one-wide slice; longer lists become index tensors on the CPU."""
+    getitem = torch.Tensor.__getitem__
+
+    def patched(self, index):
+        return getitem(self, _without_index_lists(index))
+
+    torch.Tensor.__getitem__ = patched
+    try:
+        yield
+    finally:
+        torch.Tensor.__getitem__ = getitem
