@@ -57,11 +57,21 @@ def weight_bytes(model: nn.Module) -> int:
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
     """An estimate from the config: K and V of every layer, for its key-value heads."""
     text = config.get_text_config()
-    heads = getattr(text, "num_attention_heads", None) or 1
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", 0) // heads)
-    layers = getattr(text, "num_hidden_layers", 0) or 0
+    heads = _setting(text, "num_attention_heads") or 1
+    kv_heads = _setting(text, "num_key_value_heads") or heads
+    head_dim = _setting(text, "head_dim") or ((_setting(text, "hidden_size") or 0) // heads)
+    layers = _setting(text, "num_hidden_layers") or 0
     return 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def _setting(config: PretrainedConfig, name: str):
+    """A config value, or None where it is missing or not one value (transformers raises for settings
+    that differ per layer, e.g. Gemma-4's head_dim)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:
+        return None
+    return value if isinstance(value, int) else None
 
 
 def available_memory(device: torch.device) -> tuple[int, str] | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,34 @@ def _expected_attention_layers(context: TransformContext) -> int | None:
     return getattr(config, "num_hidden_layers", None)
 
 
+def _module_classes(gm: GraphModule) -> dict[str, str]:
+    """Module path → class name, for every module that produced a node of the graph."""
+    classes = {}
+    for node in gm.graph.nodes:
+        for path, class_name in node.meta.get("nn_module_stack", {}).values():
+            classes[path] = class_name.rsplit(".", 1)[-1] if isinstance(class_name, str) else class_name.__name__
+    return classes
+
+
+def _missing_attention_message(gm: GraphModule, found: int, expected: int | None) -> str:
+    """Why the cache stage cannot serve this graph: which layers are not canonical attention, and what would help."""
+    classes = _module_classes(gm)
+    with_attention = {path for node in gm.graph.nodes if node.target == torch.ops.autodeploy.attention.default
+                      for path, _ in node.meta.get("nn_module_stack", {}).values()}
+    unmatched = Counter(name for path, name in classes.items() if name.endswith("Attention") and path not in with_attention)
+    counted = f"the graph has {found} canonical attention ops for {expected if expected is not None else '?'} layers"
+    if expected is not None and found > expected:
+        return (f"{counted}: more than one attention per layer (differential or cross-attention), which the paged KV "
+                f"cache does not support yet")
+    if unmatched:
+        layers = ", ".join(f"{name} ×{count}" for name, count in unmatched.items())
+        return (f"{counted}: the attention of {layers} does not match a known attention form (causal softmax attention, "
+                f"optionally windowed, soft-capped or with sinks). Register a pattern for it (autodeploy.register_pattern "
+                f"or autodeploy.patterns.register_rewrite); `autodeploy inspect` shows what the match stage left")
+    return (f"{counted}; the KV cache needs every attention layer as the canonical attention op. `autodeploy inspect` "
+            f"shows what the match stage left as exported")
+
+
 @register_transform("insert_cached_attention")
 class InsertCachedAttention(Transform):
     """Swap every ``attention`` for ``cached_attention`` and declare the paged-KV graph inputs."""
@@ -107,11 +136,7 @@ class InsertCachedAttention(Transform):
         attention = [n for n in graph.nodes if n.target == torch.ops.autodeploy.attention.default]
         expected = _expected_attention_layers(context)
         if not attention or (expected is not None and len(attention) != expected):
-            raise UnsupportedModelError(
-                f"the KV cache needs every attention layer as the canonical attention op; the graph has "
-                f"{len(attention)} of {expected if expected is not None else '?'}. See the match report "
-                f"(autodeploy inspect) for the unmatched attention modules, or register a pattern for them."
-            )
+            raise UnsupportedModelError(_missing_attention_message(gm, len(attention), expected))
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         with graph.inserting_after(placeholders[-1]):
             metadata = {}

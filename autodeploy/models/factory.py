@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -68,6 +70,30 @@ def _read_model_type(source: ModelSource) -> str | None:
         return None
 
 
+def _decoder_of_an_encoder_decoder(config: PretrainedConfig) -> bool:
+    """BART-style ``…ForCausalLM`` classes are the decoder of an encoder-decoder model, saved with
+    ``is_encoder_decoder=False``; their model type's own default says what the architecture is."""
+    try:
+        return bool(getattr(type(config)(), "is_encoder_decoder", False))
+    except Exception:  # a config class that cannot be built with defaults: judge by the config given
+        return False
+
+
+# Layer classes that keep a recurrent state instead of (or beside) an attention KV cache: Mamba and other
+# state-space mixers, RWKV, xLSTM, linear / lightning / delta-rule attention, short convolutions, RG-LRU.
+_RECURRENT_LAYER = re.compile(r"Mamba|Mixer|SSM|Rwkv|RWKV|Recurrent|LinearAttention|DeltaNet|DeltaAttention|ShortConv|Lightning|LSTM|Retention")
+
+
+def _refuse_recurrent_layers(name: str, model: nn.Module) -> None:
+    found = Counter(type(m).__name__ for m in model.modules() if _RECURRENT_LAYER.search(type(m).__name__))
+    if found:
+        layers = ", ".join(f"{layer} ×{count}" for layer, count in found.items())
+        raise UnsupportedModelError(
+            f"{name}: this model has recurrent or state-space layers ({layers}); autodeploy's paged cache holds "
+            f"attention keys and values only, so models with such layers are not supported yet"
+        )
+
+
 def config_dtype(config: PretrainedConfig) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -116,14 +142,18 @@ class ModelFactory:
         if self.meta_model is not None and next(self.meta_model.parameters()).dtype == dtype:
             return self.meta_model
         config = self.hf_config
+        # BERT-style encoders (the configs that can add cross-attention) are in the causal-LM mapping but
+        # attend bidirectionally unless is_decoder (GPT-NeoX also carries is_decoder=False, without cross-attention).
         encoder_as_decoder = hasattr(config, "add_cross_attention") and getattr(config, "is_decoder", None) is False
-        if getattr(config, "is_encoder_decoder", False) or encoder_as_decoder:
-            # BERT-style encoders (the configs that can add cross-attention) are in the causal-LM mapping
-            # but attend bidirectionally unless is_decoder; GPT-NeoX also carries is_decoder=False.
+        kind = None
+        if getattr(config, "is_encoder_decoder", False) or _decoder_of_an_encoder_decoder(config):
+            kind = "an encoder-decoder architecture (its causal-LM class is the decoder alone, made to read an encoder's output)"
+        elif encoder_as_decoder:
+            kind = "a bidirectional encoder (is_decoder=False)"
+        if kind is not None:
             raise UnsupportedModelError(
-                f"{self.source.name}: {type(config).__name__} is not a causal language model autodeploy can serve "
-                f"(it needs a decoder-only model; this one has "
-                f"is_decoder={getattr(config, 'is_decoder', None)}, is_encoder_decoder={getattr(config, 'is_encoder_decoder', False)})"
+                f"{self.source.name}: {type(config).__name__} ({config.model_type}) is {kind}; "
+                f"it is not a causal language model autodeploy can serve: it serves decoder-only causal LMs"
             )
         if causal_lm_class(config) is None and not self.trust_remote_code:
             raise UnsupportedModelError(
@@ -142,6 +172,7 @@ class ModelFactory:
                 f"{self.source.name}: transformers could not build {type(config).__name__} ({config.model_type}) "
                 f"as a causal language model: {error_summary(error)}"
             ) from error
+        _refuse_recurrent_layers(self.source.name, model)
         model.eval()
         self.buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
         # Parameters are already on meta; move only the buffers (``model.to`` would untie tied weights).
@@ -163,10 +194,13 @@ class ModelFactory:
         location = tokenizer or str(self.source.directory)
         try:
             return AutoTokenizer.from_pretrained(location, trust_remote_code=self.trust_remote_code)
-        except (OSError, ValueError, TypeError) as error:
+        except (OSError, ValueError, TypeError, ImportError) as error:
             if tokenizer is not None:
                 raise ConfigError(f"cannot load tokenizer {tokenizer!r}: {error_summary(error)}") from error
-            logger.info("no tokenizer in %s (%s)", location, error)
+            if isinstance(error, ImportError):  # the tokenizer class needs a package that is not installed
+                logger.warning("the checkpoint's tokenizer cannot be loaded (%s); prompts must be token ids", error_summary(error))
+            else:
+                logger.info("no tokenizer in %s (%s)", location, error)
             return None
 
 
