@@ -1,7 +1,9 @@
 """Deployment settings: OmegaConf, merged with a fixed precedence and validated when loaded.
 
-Precedence (later wins): dataclass defaults < ``configs/default.yaml`` < user YAML files (in
-order) < Python keyword overrides < CLI ``--set key=value``. Every ``transforms.<name>`` entry is
+Precedence (later wins): dataclass defaults < ``configs/default.yaml`` < the files named by the
+``AUTODEPLOY_CONFIG`` environment variable (``os.pathsep``-separated: site-wide settings, e.g. a
+smaller KV pool on a shared GPU) < user YAML files (in order) < Python keyword overrides < CLI
+``--set key=value``. Every ``transforms.<name>`` entry is
 checked against that transform's config dataclass: unknown names, unknown keys and wrong types
 are ``ConfigError``s that say what to fix.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -151,6 +154,14 @@ def validate_transform_entry(name: str, entry: Any) -> TransformConfig:
     return config
 
 
+SITE_CONFIG_VARIABLE = "AUTODEPLOY_CONFIG"
+
+
+def site_config_files() -> list[str]:
+    """The YAML files named by ``AUTODEPLOY_CONFIG``, in order."""
+    return [path for path in os.environ.get(SITE_CONFIG_VARIABLE, "").split(os.pathsep) if path]
+
+
 def load_settings(
     config_files: Iterable[str | Path] = (),
     overrides: Mapping[str, Any] | None = None,
@@ -163,6 +174,7 @@ def load_settings(
     4
     """
     layers = [_load_yaml(default_yaml_path())]
+    layers += [_load_yaml(path) for path in site_config_files()]
     layers += [_load_yaml(path) for path in config_files]
     if overrides:
         try:

@@ -18,6 +18,8 @@ import torch
 # so it is set before anything else is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:  # pytest workers share the GPU: small KV pools (see the file)
+    os.environ.setdefault("AUTODEPLOY_CONFIG", str(Path(__file__).with_name("gpu.yaml")))
 
 from tests.tiny_models import write_tiny_checkpoint  # noqa: E402
 

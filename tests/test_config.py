@@ -298,3 +298,14 @@ def test_deployment_settings_resolve_from_the_checkpoint(llama_dir):
     if expected_device == "cpu":
         assert settings.dtype == "float32"
     assert settings.max_seq_len == factory.hf_config.max_position_embeddings == 512
+
+
+def test_site_config_files_layer_between_default_yaml_and_user_files(tmp_path, monkeypatch):
+    site = write_yaml(tmp_path, "site.yaml", "max_batch_size: 3\nkv_cache: {memory_fraction: 0.05}\n")
+    user = write_yaml(tmp_path, "user.yaml", "max_batch_size: 5\n")
+    monkeypatch.setenv("AUTODEPLOY_CONFIG", str(site))
+    assert (load_settings().max_batch_size, load_settings().kv_cache.memory_fraction) == (3, 0.05)
+    assert load_settings([user]).max_batch_size == 5
+    monkeypatch.setenv("AUTODEPLOY_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="missing.yaml does not exist"):
+        load_settings()

@@ -36,6 +36,12 @@ class CorruptFirstNorm(Transform):
 
 
 CORRUPT = {"test_corrupt_first_norm": {}}
+# Before torch 2.13 inductor's pattern matcher does not pass the module stack on to the canonical ops it
+# inserts, so the corrupted norm has no module of its own there and the next module is named instead.
+FIRST_DIVERGING = (
+    "first diverging module: model.layers.0.input_layernorm (LlamaRMSNorm)" if torch.__version__ >= "2.13"
+    else "first diverging module: model.layers.0.self_attn.q_proj (Linear)"
+)
 
 
 def test_a_correct_deploy_reports_its_verified_error(llama_llm):
@@ -49,7 +55,7 @@ def test_a_wrong_pass_is_refused_naming_the_diverging_module(llama_dir):
     with pytest.raises(UnsupportedModelError) as raised:
         autodeploy(str(llama_dir), device="cpu", transforms=CORRUPT)
     message = str(raised.value)
-    assert "first diverging module: model.layers.0.input_layernorm (LlamaRMSNorm)" in message
+    assert FIRST_DIVERGING in message
     assert "verify.enabled=false" in message
 
 
@@ -67,8 +73,9 @@ def test_a_reduced_twin_verifies_and_refuses_alike(llama_dir, monkeypatch):
     monkeypatch.setattr(twin, "FULL_SIZE_LIMIT", 0)  # every model gets a reduced twin of its own
     llm = autodeploy(str(llama_dir), device="cpu")
     assert "1 of 2 layers" in llm.verification.twin
-    with pytest.raises(UnsupportedModelError, match="input_layernorm"):
+    with pytest.raises(UnsupportedModelError) as raised:
         autodeploy(str(llama_dir), device="cpu", transforms=CORRUPT)
+    assert FIRST_DIVERGING in str(raised.value)
 
 
 def test_a_meta_deploy_verifies_its_twin_on_the_cpu(llama_dir):
