@@ -1,0 +1,48 @@
+"""A fixed sample of the coverage sweep (scripts/coverage_sweep.py → notes/coverage.md): each entry must keep
+its result — exact (logits and greedy tokens equal HF eager), or refused with a typed error that names the
+construct. None may ever be served wrong."""
+
+import pytest
+
+from autodeploy import autodeploy
+from autodeploy.errors import ExportError
+from tests.sweep_models import FIXES, sweep_one, tiny_model
+
+EXACT = ["gpt2", "bloom", "mpt", "phi", "olmo2", "granite", "cohere2", "gpt_bigcode", "falcon"]
+REFUSED = {
+    "mamba": "recurrent or state-space layers",
+    "bart": "encoder-decoder architecture",
+    "bert": "bidirectional encoder",
+    "diffllama": "more than one attention per layer",
+}
+
+
+@pytest.mark.parametrize("model_type", EXACT)
+def test_served_exactly(model_type):
+    entry = sweep_one(model_type)
+    assert entry["status"] == "exact", entry
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_naming_the_construct(model_type):
+    entry = sweep_one(model_type)
+    assert entry["status"] == "refused" and REFUSED[model_type] in entry["detail"], entry
+
+
+def test_falcon_variants_are_exact():
+    """Multi-query Falcon indexed its key/value heads with Python lists, which export on meta captured as
+    value-less constants: NaN logits that changed between calls. The new-decoder variant (Falcon-40B) too."""
+    for fixes in ({"multi_query": True}, {"new_decoder_architecture": True, "num_kv_heads": 2}):
+        FIXES["falcon"] = fixes
+        try:
+            entry = sweep_one("falcon")
+        finally:
+            del FIXES["falcon"]
+        assert entry["status"] == "exact", (fixes, entry)
+
+
+def test_a_constant_export_cannot_give_a_value_is_an_export_error(tmp_path):
+    tiny_model("falcon").save_pretrained(tmp_path)
+    patches = ["hf_no_kv_cache", "hf_sdpa_attention", "scalar_constants_on_cpu"]  # without list_indices_as_slices
+    with pytest.raises(ExportError, match="tensor constants .* without their values: model.transformer.h.0.self_attention"):
+        autodeploy(str(tmp_path), device="cpu", transforms={"export_to_fx": {"patches": patches}})
