@@ -11,14 +11,16 @@ comparing every module's output with the deployed graph's value for it) and what
 unmatched.
 
 The twin runs on the deploy's device and dtype, so it exercises the kernels the real model will run; a
-deploy on the meta device verifies on the CPU in float32. The twin's weights are rounded to the deploy
+deploy on the meta device verifies on the CPU in float32, and so does a mixture-of-experts model in
+half precision: with random weights its router logits are near ties, and half-precision rounding on
+either side picks other experts for some tokens, which says nothing about the deploy. The twin's weights are rounded to the deploy
 dtype and Hugging Face computes in float32 from the same rounded values, so the error measures the
 deployed computation, not the rounding of weights.
 
 ```python
 from autodeploy.verification import build_verified
 graph, report = build_verified(pipeline, context)   # raises UnsupportedModelError on a mismatch
-print(report)   # verified on a reduced twin (1 of 32 layers, vocab 512 of 128256; cpu float32): max |Δlogit| 2e-06 …
+print(report)   # verified on a twin (1 of 32 layers, vocab 512 of 128256; cpu float32): max |Δlogit| 2e-06 …
 ```
 """
 
@@ -38,7 +40,7 @@ from transformers import AutoModelForCausalLM
 
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.models.factory import ModelFactory
-from autodeploy.models.twin import twin_config
+from autodeploy.models.twin import routes_tokens, twin_config
 from autodeploy.pipeline import Pipeline
 from autodeploy.runtime.engine import Engine
 from autodeploy.runtime.scheduler import ScheduledChunk
@@ -61,11 +63,13 @@ class VerificationReport:
     relative_error: float
     tolerance: float
     seconds: float
+    note: str = ""  # why the twin's dtype differs from the deploy's, when it does
 
     def __str__(self) -> str:
+        note = f"; {self.note}" if self.note else ""
         return (
-            f"verified on a reduced twin ({self.twin}; {self.device} {self.dtype}): max |Δlogit| {self.max_abs_error:.2g} "
-            f"(relative {self.relative_error:.2g} ≤ {self.tolerance:g}) in {self.seconds:.1f}s"
+            f"verified on a twin ({self.twin}; {self.device} {self.dtype}): max |Δlogit| {self.max_abs_error:.2g} "
+            f"(relative {self.relative_error:.2g} ≤ {self.tolerance:g}) in {self.seconds:.1f}s{note}"
         )
 
 
@@ -263,12 +267,15 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
     began = time.perf_counter()
     device, dtype = twin_device_and_dtype(settings)
     twin = twin_config(factory.hf_config, factory.build_meta_model(getattr(torch, settings.dtype)))
+    note = ""
+    if dtype in ("bfloat16", "float16") and routes_tokens(twin.config):
+        dtype, note = "float32", f"compared in float32, not {dtype}: half-precision rounding flips near-tied expert choices"
     reference = _reference_model(twin.config, device, getattr(torch, dtype), factory.trust_remote_code)
     tensors = {name: p.detach().to(getattr(torch, dtype)) for name, p in reference.named_parameters()}
     twin_settings = _twin_settings(settings, device, dtype)
     twin_pipeline = Pipeline(pipeline.transforms)
     weights_at = pipeline.first_index_of_stage("load_weights")
-    shared = not twin.reduced and device == str(settings.device)
+    shared = not twin.reduced and (device, dtype) == (str(settings.device), str(settings.dtype))
     if shared:
         prefix_began = time.perf_counter()
         prefix = pipeline.run(context, dump_dir=dump_dir, stop=weights_at)
@@ -283,6 +290,7 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         twin_graph = twin_pipeline.run(twin_context)
         match_notes = _match_notes(twin_pipeline.records)
     report = _compare(factory, twin, reference, twin_graph, twin_context, match_notes, settings, device, dtype, began)
+    report.note = note
     graph = pipeline.run(context, prefix, dump_dir, start=weights_at) if shared else pipeline.run(context, dump_dir=dump_dir)
     return graph, report
 
@@ -324,7 +332,7 @@ def _mismatch_message(factory, twin, device, dtype, error, relative, tolerance, 
     unmatched = report.split(" — unmatched: ", 1)[1] if " — unmatched: " in report else "nothing"
     where = f"first diverging module: {module}" if module else "no single module diverges (the difference builds up over the model)"
     return (
-        f"{factory.source.name}: the deployed {model_type} model does not compute what Hugging Face computes — on a reduced "
+        f"{factory.source.name}: the deployed {model_type} model does not compute what Hugging Face computes — on a "
         f"twin ({twin}; {device} {dtype}) it gives {what}; {where}; unmatched by the match stage: {unmatched}. "
         f"This architecture or configuration is not supported yet: please report it. verify.enabled=false deploys it "
         f"anyway, unverified"

@@ -78,6 +78,7 @@ _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack")
+_HIDING_FILL = -1e4
 # Longest mask probe evaluated: a [1, 1, N, N] mask and its intermediates, ~10 × N² bytes.
 _MASK_PROBE_LIMIT = 8192
 
@@ -223,9 +224,11 @@ def alibi_slopes(gm: GraphModule, bias: Node, heads: int) -> list[float]:
     require(value.dim() >= 2 and leading in (1, heads) and value.shape[-1] == probe and value.shape[-2] in (1, probe),
             f"bias {bias} does not broadcast to [heads, S, S]")
     rows = value.reshape(leading, value.shape[-2], probe).expand(heads, probe, probe).double()
-    slopes = rows[:, 0, 1] - rows[:, 0, 0]
-    linear = rows[:, :, :1] + slopes[:, None, None] * torch.arange(probe, dtype=torch.float64)
-    tolerance = 1e-5 * max(1.0, float(rows.abs().max()))
+    # A least-squares slope per head: a half-precision bias is slope · j rounded to its dtype.
+    keys = torch.arange(probe, dtype=torch.float64) - (probe - 1) / 2
+    slopes = ((rows[:, 0, :] - rows[:, 0, :].mean(-1, keepdim=True)) * keys).sum(-1) / (keys**2).sum()
+    linear = rows.mean(-1, keepdim=True) + slopes[:, None, None] * keys
+    tolerance = max(1e-5, 4 * torch.finfo(value.dtype).eps) * max(1.0, float(rows.abs().max()))
     require(bool(torch.allclose(rows, linear, rtol=0, atol=tolerance)), f"bias {bias} is not linear in the key position")
     return [float(slope) for slope in slopes]
 
@@ -391,8 +394,10 @@ def _match_sinks(walk: _Walk, node, heads: int) -> Node:
     return sinks
 
 
-def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
-    walk = _Walk(gm, windows)
+def _match_eager(gm: GraphModule, node: Node, windows: dict, lse_sinks: tuple | None = None) -> AttentionMatch:
+    """``lse_sinks`` = (walk, output, sinks, logsumexp input): the attention is the inner part of
+    ``_match_lse_sinks``' match, which has recorded the sink scaling in ``walk`` already."""
+    walk = _Walk(gm, windows) if lse_sinks is None else lse_sinks[0]
     product = walk.step(node, {aten.matmul.default}, "probs @ v")
     v = walk.kv_source(product["other"])
     probs = product["input"]
@@ -410,17 +415,20 @@ def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     softmax = walk.step(probs, _SOFTMAX, "softmax")
     require(node_value(probs).dim() == 4 and softmax["dim"] % 4 == 3, f"{probs} is not a softmax over keys")
     logits = walk.skip_casts(softmax["input"])
+    if lse_sinks is not None:
+        require(lse_sinks[3] is softmax["input"], f"{lse_sinks[3]} is not what {probs} normalises")
+        require(not with_sinks, f"{probs} has sinks twice")
 
+    if is_call(logits, {aten.sub.Tensor}):  # GPT-OSS, MiMo: the row maximum subtracted first, as softmax does
+        both = walk.step(logits, {aten.sub.Tensor}, "a subtract")["input"]
+        maximum = logits.args[1]
+        walk.step(maximum, {operator.getitem}, "the max values")
+        reduce = walk.step(maximum.args[0], {aten.max.dim}, "max")
+        require(maximum.args[1] == 0 and reduce["input"] is both and reduce["dim"] % 4 == 3 and reduce["keepdim"],
+                 f"{logits} does not subtract the row maximum")
+        logits = both
     sinks = None
     if with_sinks:
-        if is_call(logits, {aten.sub.Tensor}):  # GPT-OSS subtracts the row maximum first, as softmax does
-            both = walk.step(logits, {aten.sub.Tensor}, "a subtract")["input"]
-            maximum = logits.args[1]
-            walk.step(maximum, {operator.getitem}, "the max values")
-            reduce = walk.step(maximum.args[0], {aten.max.dim}, "max")
-            require(maximum.args[1] == 0 and reduce["input"] is both and reduce["dim"] % 4 == 3 and reduce["keepdim"],
-                     f"{logits} does not subtract the row maximum")
-            logits = both
         concat = walk.step(logits, {aten.cat.default}, "logits and sinks")
         require(len(concat["tensors"]) == 2 and concat["dim"] % 4 == 3, f"{logits} does not append one column")
         logits, sink_column = concat["tensors"]
@@ -437,7 +445,9 @@ def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     if is_call(logits, {aten.masked_fill.Scalar}):  # MPT: hide keys where the (boolean) mask is True
         filled = walk.step(logits, {aten.masked_fill.Scalar}, "a masked fill")
         value = _number(filled["value"])
-        require(value is not None and value <= torch.finfo(node_value(logits).dtype).min / 2, f"{logits} fills with {value}")
+        # Any fill ≤ -10⁴ leaves masked keys exactly zero weight (exp underflows): MPT fills float32 logits
+        # with float16's minimum when the model runs in float16 and its bias promotes the logits.
+        require(value is not None and value <= _HIDING_FILL, f"{logits} fills with {value}")
         scores, mask, hides = filled["input"], filled["mask"], True
     else:
         addition = walk.step(logits, {aten.add.Tensor}, "logits + mask")
@@ -457,8 +467,31 @@ def _match_eager(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     q, k, scale, cap, k_layout = _match_logits(walk, scores)
     require(post_scale == 1.0 or (cap is None and slopes is None), f"{logits} scales capped or biased logits")
     window = walk.window_of(mask, hides)
+    if lse_sinks is not None:
+        node, sinks = lse_sinks[1], lse_sinks[2]
     return walk.finish(q, k, v, node, k_layout, scale=scale * post_scale, sliding_window=window, logit_cap=cap,
                        sinks=sinks, alibi_slopes=slopes)
+
+
+def _match_lse_sinks(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
+    """Granite-SWA's sinks: ``(softmax(l) @ v) · sigmoid(logsumexp(l) - sinks)``, which equals a softmax whose
+    denominator has one more term, ``exp(sink)``: the op's ``sinks``."""
+    walk = _Walk(gm, windows)
+    product = walk.step(node, {aten.mul.Tensor}, "attention × sink scale")
+    out, scale = product["input"], product["other"]
+    if not is_call(out, {aten.matmul.default}):
+        out, scale = scale, out
+    unsqueeze = walk.step(walk.skip_casts(scale), {aten.unsqueeze.default}, "an unsqueeze")
+    require(unsqueeze["dim"] in (-1, 3), f"{scale} does not scale each query's output")
+    sigmoid = walk.step(walk.skip_casts(unsqueeze["input"]), {aten.sigmoid.default}, "sigmoid")
+    difference = walk.step(walk.skip_casts(sigmoid["input"]), {aten.sub.Tensor}, "logsumexp - sinks")
+    lse = walk.step(difference["input"], {aten.logsumexp.default}, "logsumexp")
+    require(list(lse["dim"]) in ([-1], [3]) and not lse["keepdim"], f"{difference['input']} is not a logsumexp over keys")
+    sinks = walk.step(difference["other"], _VIEWS, "a view of the sinks")["input"]
+    heads = node_value(lse["input"]).shape[1]
+    require(isinstance(sinks, Node) and node_value(sinks).dim() == 1 and _same(node_value(sinks).shape[0], heads),
+            f"{sinks} is not one sink per head")
+    return _match_eager(gm, out, windows, lse_sinks=(walk, node, sinks, lse["input"]))
 
 
 def _is_score(node) -> bool:
@@ -575,6 +608,13 @@ def replace_eager_attention(gm: GraphModule) -> int:
     return _replace_all(gm, list(reversed(matmuls)), _match_eager)
 
 
+def replace_lse_sink_attention(gm: GraphModule) -> int:
+    """Replace every attention whose sinks scale its output by ``sigmoid(logsumexp - sink)``; returns how many."""
+    products = gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)
+    candidates = [n for n in products if any(is_call(a, {aten.matmul.default}) for a in n.args)]
+    return _replace_all(gm, list(reversed(candidates)), _match_lse_sinks)
+
+
 def replace_alibi_bmm_attention(gm: GraphModule) -> int:
     """Replace every Bloom-style ``baddbmm`` ALiBi attention on ``[B·H, S, D]`` views; returns how many."""
     bmms = gm.graph.find_nodes(op="call_function", target=aten.bmm.default)
@@ -584,3 +624,4 @@ def replace_alibi_bmm_attention(gm: GraphModule) -> int:
 register_rewrite("attention_sdpa", replace_sdpa_attention, family="attention")
 register_rewrite("attention_eager", replace_eager_attention, family="attention")
 register_rewrite("attention_alibi_bmm", replace_alibi_bmm_attention, family="attention")
+register_rewrite("attention_lse_sinks", replace_lse_sink_attention, family="attention")

@@ -48,7 +48,7 @@ def test_a_correct_deploy_reports_its_verified_error(llama_llm):
     report = llama_llm.verification
     assert report is not None and report.relative_error <= report.tolerance == 1e-4
     assert report.device == "cpu" and report.dtype == "float32"
-    assert "verified on a reduced twin" in llama_llm.pipeline_report()
+    assert "verified on a twin" in llama_llm.pipeline_report()
 
 
 def test_a_wrong_pass_is_refused_naming_the_diverging_module(llama_dir):

@@ -22,7 +22,6 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
-from autodeploy.transforms.shape_propagation import propagate_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ def _permutation(node) -> list[int] | None:
         return [dim % rank for dim in node.args[1]]
     if node.target is not aten.transpose.int:
         return None
-    # The rank comes from the node's own value: permutes this pass creates have none until the end.
+    # A transpose names two dims; its rank comes from its value.
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return None
@@ -79,7 +78,9 @@ class CleanupTransposes(Transform):
             elif inner_dims is not None and len(inner.users) == 1:
                 with graph.inserting_before(node):
                     permute = graph.call_function(aten.permute.default, (source, dims))
-                permute.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+                # The composed permute computes exactly the value of the node it replaces (a view of the
+                # same source in the same order), so it takes that node's metadata, value included.
+                permute.meta.update(node.meta)
                 node.replace_all_uses_with(permute)
                 folded += 1
             else:
@@ -91,8 +92,6 @@ class CleanupTransposes(Transform):
         if rewrites:
             graph.lint()
             module.recompile()
-        if folded:
-            propagate_shapes(module)
         logger.debug("cleanup_transposes: %d rewrites (%d folded into one permute)", rewrites, folded)
         notes = f"{rewrites} rewrites, {folded} folded into one permute"
         return TransformResult(matches=rewrites, changed=rewrites > 0, notes=notes)

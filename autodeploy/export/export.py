@@ -19,6 +19,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from autodeploy.errors import AutoDeployError, ExportError, error_summary
+from autodeploy.export import patches
 from autodeploy.export.patches import apply_export_patches
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
@@ -74,7 +75,8 @@ def _quiet_shape_logs() -> Iterator[None]:
 
 def _failing_source_line(error: BaseException) -> str:
     """The innermost traceback frame outside torch itself: usually the model line that broke export."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename and f.filename != __file__]
+    ours = {__file__, patches.__file__}  # this module and the export patches only pass the call on
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename and f.filename not in ours]
     if not frames:
         return ""
     frame = frames[-1]

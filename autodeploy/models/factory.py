@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from autodeploy.errors import ConfigError, UnsupportedModelError, error_summary
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
@@ -79,13 +79,19 @@ def _decoder_of_an_encoder_decoder(config: PretrainedConfig) -> bool:
         return False
 
 
+# Sub-configs of models that also read images, audio or speech (their encoders are sub-models).
+_OTHER_MODALITIES = ("vision", "audio", "vq", "image", "speech", "patch")
+
 # Layer classes that keep a recurrent state instead of (or beside) an attention KV cache: Mamba and other
 # state-space mixers, RWKV, xLSTM, linear / lightning / delta-rule attention, short convolutions, RG-LRU.
 _RECURRENT_LAYER = re.compile(r"Mamba|Mixer|SSM|Rwkv|RWKV|Recurrent|LinearAttention|DeltaNet|DeltaAttention|ShortConv|Lightning|LSTM|Retention")
 
 
 def _refuse_recurrent_layers(name: str, model: nn.Module) -> None:
-    found = Counter(type(m).__name__ for m in model.modules() if _RECURRENT_LAYER.search(type(m).__name__))
+    found = Counter(
+        type(m).__name__ for m in model.modules()
+        if _RECURRENT_LAYER.search(type(m).__name__) and not isinstance(m, PreTrainedModel)  # layers, not the model
+    )
     if found:
         layers = ", ".join(f"{layer} ×{count}" for layer, count in found.items())
         raise UnsupportedModelError(
@@ -154,6 +160,12 @@ class ModelFactory:
             raise UnsupportedModelError(
                 f"{self.source.name}: {type(config).__name__} ({config.model_type}) is {kind}; "
                 f"it is not a causal language model autodeploy can serve: it serves decoder-only causal LMs"
+            )
+        modalities = [name for name in getattr(config, "sub_configs", None) or {} if name.startswith(_OTHER_MODALITIES)]
+        if modalities:
+            raise UnsupportedModelError(
+                f"{self.source.name}: {type(config).__name__} ({config.model_type}) is a multimodal model "
+                f"({', '.join(modalities)}); autodeploy serves text-only decoders, so multimodal models are not supported yet"
             )
         if causal_lm_class(config) is None and not self.trust_remote_code:
             raise UnsupportedModelError(

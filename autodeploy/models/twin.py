@@ -151,6 +151,12 @@ def twin_config(config: PretrainedConfig, meta_model: nn.Module) -> TwinConfig:
     return TwinConfig(_with_changes(config, changes), ", ".join(notes) or "same size", reduced=True)
 
 
+def routes_tokens(config: PretrainedConfig) -> bool:
+    """Whether the model routes each token to a top-k of experts (an MoE)."""
+    text = _text_config(config)
+    return any(isinstance(getattr(text, key, None), int) and getattr(text, key) > 1 for key in _EXPERT_COUNTS)
+
+
 def _fold_token_ids(value):
     if isinstance(value, int):
         return value % TWIN_VOCAB
