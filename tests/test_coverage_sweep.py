@@ -5,10 +5,13 @@ construct. None may ever be served wrong."""
 import pytest
 
 from autodeploy import autodeploy
-from autodeploy.errors import ExportError
+from autodeploy.errors import ExportError, UnsupportedModelError
 from tests.sweep_models import FIXES, sweep_one, tiny_model
 
-EXACT = ["gpt2", "bloom", "mpt", "phi", "olmo2", "granite", "cohere2", "gpt_bigcode", "falcon"]
+EXACT = [
+    "gpt2", "bloom", "mpt", "phi", "olmo2", "granite", "cohere2", "gpt_bigcode", "falcon", "codegen", "deepseek_v3",
+    "granite_swa", "mimo_v2_flash",
+]
 REFUSED = {
     "mamba": "recurrent or state-space layers",
     "bart": "encoder-decoder architecture",
@@ -46,3 +49,17 @@ def test_a_constant_export_cannot_give_a_value_is_an_export_error(tmp_path):
     patches = ["hf_no_kv_cache", "hf_sdpa_attention", "scalar_constants_on_cpu"]  # without list_indices_as_slices
     with pytest.raises(ExportError, match="tensor constants .* without their values: model.transformer.h.0.self_attention"):
         autodeploy(str(tmp_path), device="cpu", transforms={"export_to_fx": {"patches": patches}})
+
+
+def test_a_multimodal_model_is_refused_before_anything_is_built(tmp_path):
+    from transformers import Gemma3Config
+
+    Gemma3Config().save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"multimodal model \(vision_config\)"):
+        autodeploy(str(tmp_path), device="meta", weights="random")
+
+
+def test_attention_the_patterns_do_not_know_is_named(llama_dir):
+    skip = {"match_patterns": {"skip": ["attention_sdpa"]}}
+    with pytest.raises(UnsupportedModelError, match="the attention of LlamaAttention ×2 does not match a known attention form"):
+        autodeploy(str(llama_dir), device="cpu", transforms=skip)
