@@ -21,31 +21,13 @@ Layout and metadata (N sequences, T new tokens in all):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from .attention import attend, check_alibi_slopes
-from .registry import add_backend, register_op
+from .registry import register_backend, register_op
 
-BATCH_INFO_FIELDS = ("num_prefill", "num_decode", "max_q_len", "max_kv_len")
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """One layer's cache pair, as the cache stage declares it and the runtime allocates it."""
-
-    key_input: str  # graph input name of k_cache
-    value_input: str  # graph input name of v_cache
-    kv_heads: int
-    head_dim: int
-    value_head_dim: int
-    dtype: torch.dtype
-
-    def bytes_per_block(self, block_size: int) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return block_size * self.kv_heads * (self.head_dim + self.value_head_dim) * element
 
 
 def write_kv_cache(
@@ -137,4 +119,20 @@ def _triton_backend(*args, **kwargs):
     return cached_attention_triton(*args, **kwargs)
 
 
-add_backend("cached_attention", "triton", _triton_backend)
+def _triton_supports(q, k, v, k_cache, v_cache, *metadata_and_options, device):
+    from .triton import triton_unavailable
+
+    reason = triton_unavailable(device)
+    if reason:
+        return reason
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not q.dtype == k_cache.dtype == v_cache.dtype:
+        return f"needs q and both caches in one of float32/float16/bfloat16 (q {q.dtype}, cache {k_cache.dtype})"
+    if max(q.shape[-1], v.shape[-1]) > 256:
+        return f"head dims up to 256 (D={q.shape[-1]}, Dv={v.shape[-1]})"
+    block_size = k_cache.shape[1]
+    if block_size < 1 or block_size & (block_size - 1):
+        return f"needs a power-of-2 cache block size (kv_cache.block_size is {block_size})"
+    return True
+
+
+register_backend("cached_attention", "triton", _triton_backend, supports=_triton_supports)

@@ -3,8 +3,9 @@
 Same loop over sequences as the reference, but each sequence's attention is one
 ``scaled_dot_product_attention`` call with ``enable_gqa`` (no copy of the KV heads per query head, no
 float32 logits tensor), which halves attention time on CPUs (8 decodes × 200 tokens, 6/2 heads ×
-64: 1.32 → 0.70 ms per layer, measured). SDPA has no soft-capping or sinks: layers with either run the
-reference. ALiBi joins the boolean mask as a float bias (``slope_h · (j - i)`` where visible, -inf elsewhere).
+64: 1.32 → 0.70 ms per layer, measured). SDPA has no soft-capping or sinks: its ``supports`` refuses
+layers with either, so ``select`` gives them the next candidate. ALiBi joins the boolean mask as a float
+bias (``slope_h · (j - i)`` where visible, -inf elsewhere).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention import check_alibi_slopes
-from .cached_attention import cached_attention_reference, gather_sequence_kv, write_kv_cache
-from .registry import add_backend
+from .cached_attention import gather_sequence_kv, write_kv_cache
+from .registry import register_backend
 
 
 def cached_attention_sdpa(
@@ -36,12 +37,9 @@ def cached_attention_sdpa(
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[List[float]] = None,
 ) -> torch.Tensor:
-    """Same arguments and result as ``cached_attention_reference``."""
+    """Same arguments and result as ``cached_attention_reference`` (without soft-capping or sinks)."""
     if logit_cap is not None or sinks is not None:
-        return cached_attention_reference(
-            q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale, sliding_window, logit_cap, sinks,
-            alibi_slopes,
-        )
+        raise ValueError("cached_attention_sdpa: SDPA has no soft-capping or sinks; use the reference or triton backend.")
     check_alibi_slopes("cached_attention_sdpa", alibi_slopes, q.shape[2])
     slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32, device=q.device)[:, None, None]
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -66,4 +64,11 @@ def cached_attention_sdpa(
     return out
 
 
-add_backend("cached_attention", "sdpa", cached_attention_sdpa)
+def _sdpa_supports(q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
+                   sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, *, device):
+    if logit_cap is not None or sinks is not None:
+        return "SDPA has no soft-capping or sinks"
+    return True
+
+
+register_backend("cached_attention", "sdpa", cached_attention_sdpa, supports=_sdpa_supports)

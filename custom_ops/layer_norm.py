@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .compute_dtype import compute_dtype
-from .registry import register_op
+from .registry import register_backend, register_op
 
 
 def layer_norm_reference(
@@ -44,3 +44,19 @@ layer_norm = register_op(
     layer_norm_fake,
     example_inputs=(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4), torch.zeros(4), 1e-5),
 )
+
+
+def layer_norm_torch(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
+    """``F.layer_norm`` in ``x``'s dtype (its kernels keep the statistics in float32); same result as the reference."""
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps).contiguous()
+
+
+def _layer_norm_torch_supports(x, weight, bias, eps, *, device):
+    if any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
+        return f"weight/bias dtype differs from x's {x.dtype} (computes in one native dtype)"
+    return True
+
+
+register_backend("layer_norm", "torch", layer_norm_torch, supports=_layer_norm_torch_supports)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .compute_dtype import compute_dtype
-from .registry import register_op
+from .registry import register_backend, register_op
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -34,3 +34,17 @@ linear = register_op(
     linear_fake,
     example_inputs=(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4)),
 )
+
+
+def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in the inputs' own dtype (cuBLAS on GPUs); same result as the reference."""
+    return F.linear(x, weight, bias)
+
+
+def _linear_torch_supports(x, weight, bias, *, device):
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return f"weight/bias dtype differs from x's {x.dtype} (computes in one native dtype)"
+    return True
+
+
+register_backend("linear", "torch", linear_torch, supports=_linear_torch_supports)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from .activations import activation_fn
 from .compute_dtype import compute_dtype
-from .registry import register_op
+from .registry import register_backend, register_op
 
 
 def mlp_reference(
@@ -63,3 +63,25 @@ mlp = register_op(
         "gelu_tanh",
     ),
 )
+
+
+def mlp_torch(
+    x: torch.Tensor,
+    up_weight: torch.Tensor,
+    up_bias: Optional[torch.Tensor],
+    down_weight: torch.Tensor,
+    down_bias: Optional[torch.Tensor],
+    activation: str,
+) -> torch.Tensor:
+    """``mlp`` in the inputs' own dtype (cuBLAS on GPUs); same arguments and result as the reference."""
+    act = activation_fn(activation)
+    return F.linear(act(F.linear(x, up_weight, up_bias)), down_weight, down_bias)
+
+
+def _mlp_torch_supports(x, up_weight, up_bias, down_weight, down_bias, activation, *, device):
+    if any(t is not None and t.dtype != x.dtype for t in (up_weight, up_bias, down_weight, down_bias)):
+        return f"a weight or bias dtype differs from x's {x.dtype} (computes in one native dtype)"
+    return True
+
+
+register_backend("mlp", "torch", mlp_torch, supports=_mlp_torch_supports)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from .activations import activation_fn
 from .compute_dtype import compute_dtype
-from .registry import register_op
+from .registry import register_backend, register_op
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -32,8 +32,6 @@ def moe_reference(
     ``activation`` is one of "silu", "gelu_tanh", "gelu" (erf), "relu".
     """
     act = activation_fn(activation)
-    if scoring not in SCORINGS:
-        raise ValueError(f"moe: unknown scoring {scoring!r}; allowed: {', '.join(map(repr, SCORINGS))}.")
     tokens, hidden = x.shape
     experts, double_inner, _ = gate_up_weight.shape
     if (
@@ -50,12 +48,7 @@ def moe_reference(
     if not 1 <= top_k <= experts:
         raise ValueError(f"moe: top_k must be between 1 and the number of experts E={experts}; got {top_k}.")
 
-    logits = router_logits.to(compute_dtype(router_logits.dtype))
-    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    weights, chosen = torch.topk(scores, top_k, dim=-1)  # [T, top_k]
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-
+    weights, chosen = route(router_logits, top_k, scoring, renormalize)
     dtype = compute_dtype(x.dtype)
     x_up = x.to(dtype)
     out = torch.zeros(tokens, hidden, dtype=dtype, device=x.device)
@@ -67,6 +60,27 @@ def moe_reference(
         expert_out = F.linear(act(gate) * up, down_weight[expert].to(dtype))
         out.index_add_(0, token_index, expert_out * weights[token_index, slot, None].to(dtype))
     return out.to(x.dtype)
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, chosen)``, both ``[T, top_k]``: each token's experts and their weights, in float32
+    (float64 for float64 logits). The reference and every backend route through this one function.
+
+    Example::
+
+        weights, chosen = route(torch.tensor([[0.0, 2.0, 1.0]]), 2, "softmax", True)
+        # chosen == [[1, 2]], weights ≈ [[0.731, 0.269]]
+    """
+    if scoring not in SCORINGS:
+        raise ValueError(f"moe: unknown scoring {scoring!r}; allowed: {', '.join(map(repr, SCORINGS))}.")
+    logits = router_logits.to(compute_dtype(router_logits.dtype))
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    weights, chosen = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
 
 
 def moe_fake(
@@ -87,3 +101,61 @@ moe = register_op(
         2,
     ),
 )
+
+
+def moe_torch(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """``moe`` with two grouped GEMMs over all experts at once, in ``x``'s dtype; same arguments and result
+    as the reference.
+
+    The ``T · top_k`` (token, slot) pairs are sorted by expert, so expert ``e`` owns rows
+    ``offsets[e-1]:offsets[e]`` of the gathered tokens (an expert nobody chose owns none); each
+    ``torch._grouped_mm`` multiplies every group by its own expert's weights. The outputs, scaled by their
+    routing weights, are added back to their tokens. No Python loop over experts, no host sync. Router logits are
+    scored in float32, like the reference; the GEMMs and the activation run in ``x``'s dtype.
+    """
+    act = activation_fn(activation)
+    weights, chosen = route(router_logits, top_k, scoring, renormalize)
+    experts_sorted, order = chosen.flatten().sort(stable=True)
+    experts = torch.arange(gate_up_weight.shape[0], device=x.device)
+    offsets = torch.searchsorted(experts_sorted, experts, right=True, out_int32=True)  # end row of each group
+    token_of_row = order // top_k
+    gate, up = torch._grouped_mm(x[token_of_row], gate_up_weight.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    expert_out = torch._grouped_mm(act(gate) * up, down_weight.transpose(-2, -1), offs=offsets)
+    # The top_k sum is a reduction: accumulate it in the routing weights' float32, round once.
+    weighted = expert_out * weights.flatten()[order, None]
+    return weighted.new_zeros(x.shape).index_add_(0, token_of_row, weighted).to(x.dtype)
+
+
+def _moe_torch_supports(x, router_logits, gate_up_weight, down_weight, top_k, scoring="softmax", renormalize=True,
+                        activation="silu", *, device):
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch._grouped_mm is missing from torch {torch.__version__}"
+    if not x.dtype == gate_up_weight.dtype == down_weight.dtype:
+        return f"expert weight dtypes {gate_up_weight.dtype}, {down_weight.dtype} differ from x's {x.dtype}"
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"torch._grouped_mm takes float32, bfloat16 or float16, not {x.dtype}"
+    # Other dtypes, and GPUs other than sm90/sm100, send CUDA's torch._grouped_mm to a loop over experts
+    # with a host sync (offs.cpu()), which also breaks CUDA graph capture.
+    if torch.device(device).type == "cuda" and x.dtype != torch.bfloat16:
+        return f"torch._grouped_mm's grouped kernel on CUDA takes bfloat16, not {x.dtype}"
+    if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        return "torch._grouped_mm's grouped kernel needs a Hopper or Blackwell GPU (sm90/sm100)"
+    # Its operands' strides must be multiples of 16 bytes: the hidden and inner sizes, and the weights' layout.
+    alignment = 16 // x.element_size()
+    if x.shape[-1] % alignment or down_weight.shape[-1] % alignment:
+        return f"torch._grouped_mm needs hidden and inner sizes that are multiples of {alignment} in {x.dtype}"
+    if any(s != 1 and s % alignment for w in (gate_up_weight, down_weight) for s in w.stride()):
+        return "torch._grouped_mm needs expert weights whose strides are multiples of 16 bytes"
+    return True
+
+
+register_backend("moe", "torch", moe_torch, supports=_moe_torch_supports)

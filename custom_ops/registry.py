@@ -2,8 +2,10 @@
 
 Every canonical op, built in or a user's, goes through :func:`register_op`. The registry keeps, per op,
 its reference (the correctness oracle), its fake (shapes and dtypes for export and shape propagation)
-and the backend kernels offered for it; a backend is only a candidate that the ``select`` stage and the
-autotuner may pick.
+and the backend kernels offered for it. A backend is itself an op, ``torch.ops.autodeploy.<op>_<backend>``
+(:func:`register_backend`), so graphs, reports and profiler traces name the kernel; it is only a
+candidate until the ``select`` stage (and the autotuner) retarget a node to it, where its ``supports``
+predicate admits the node's arguments and device.
 
 Example::
 
@@ -19,6 +21,10 @@ Example::
     register_op("scaled_tanh", scaled_tanh, scaled_tanh_fake, example_inputs=(torch.ones(2, 3), 0.5))
     torch.ops.autodeploy.scaled_tanh(torch.randn(4), 2.0)
     assert "scaled_tanh" in canonical_ops()
+
+    # A faster kernel for it, on float32 only: select may now retarget nodes to torch.ops.autodeploy.scaled_tanh_fast.
+    register_backend("scaled_tanh", "fast", lambda x, scale: torch.tanh(x * scale),
+                     supports=lambda x, scale, *, device: x.dtype == torch.float32 or "float32 only")
 """
 
 from __future__ import annotations
@@ -31,18 +37,49 @@ import torch
 from torch.utils import _pytree as pytree
 
 NAMESPACE = "autodeploy"
+REFERENCE = "reference"  # the backend name of an op's own reference implementation
+
+# Backends are defined through a plain library fragment rather than torch.library.custom_op: a call
+# then goes from the dispatcher straight to the kernel, without custom_op's autograd and
+# argument-checking wrappers (about a quarter of the per-call overhead on the CPU, measured).
+_BACKEND_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+Supports = Callable[..., Any]
 
 
 class OpRegistrationError(ValueError):
     """A canonical op or backend could not be registered (duplicate name, unknown op, fake ≠ reference)."""
 
 
+def supports_any(*args: Any, device: torch.device) -> bool:
+    """The ``supports`` predicate of a backend that runs every node on every device."""
+    return True
+
+
 @dataclass
 class Backend:
-    """A candidate kernel for a canonical op; it takes the op's arguments and returns what the reference does."""
+    """A candidate kernel for a canonical op: ``op`` (``torch.ops.autodeploy.<op>_<name>``) takes the op's
+    arguments and returns what the reference does.
+
+    ``supports(*args, device=...)`` is called with the node's arguments, tensors as meta tensors (shape,
+    dtype, strides; no data), and the device the deploy runs on. It returns ``True`` when the backend
+    can run that node, otherwise ``False`` or a string saying why not (shown in reports and errors).
+    """
 
     name: str
     fn: Callable[..., Any]
+    op: Any = None  # the OpOverload graphs hold after select; the reference's is the canonical op itself
+    supports: Supports = supports_any
+
+    def check(self, args: Sequence[Any], device: torch.device) -> str | None:
+        """``None`` when this backend supports the node, else the reason it does not."""
+        try:
+            verdict = self.supports(*args, device=device)
+        except Exception as error:  # a predicate that cannot read these arguments does not support them
+            return f"its supports() raised {type(error).__name__}: {error}"
+        if verdict is True:
+            return None
+        return verdict if isinstance(verdict, str) and verdict else "not supported for these arguments"
 
 
 @dataclass
@@ -84,7 +121,7 @@ def register_op(
     if hasattr(getattr(torch.ops, NAMESPACE), name):  # ours, or taken by a plain torch.library op
         raise OpRegistrationError(
             f"torch.ops.{NAMESPACE}.{name} is already registered; choose another name "
-            f"(a canonical op's contract cannot be replaced, only given more backends via add_backend)."
+            f"(a canonical op's contract cannot be replaced, only given more backends via register_backend)."
         )
     _check_fake_matches_reference(name, reference, fake, tuple(example_inputs))
 
@@ -102,19 +139,58 @@ def register_op(
     return custom_op
 
 
+def op_by_target(target: Any) -> tuple[CanonicalOp, str] | None:
+    """``(canonical op, backend name)`` for a node target that is a canonical op or one of its backends."""
+    for record in _REGISTRY.values():
+        if target is record.op:
+            return record, REFERENCE
+        for backend in record.backends:
+            if target is backend.op:
+                return record, backend.name
+    return None
+
+
 def canonical_ops() -> dict[str, CanonicalOp]:
     """Every registered canonical op by name (a new dict; the records themselves are shared)."""
     return dict(_REGISTRY)
 
 
-def add_backend(op_name: str, backend_name: str, fn: Callable[..., Any]) -> None:
-    """Offer ``fn`` as a candidate kernel for ``op_name``; the autotuner later decides whether it is used."""
+def register_backend(
+    op_name: str, backend_name: str, fn: Callable[..., Any], *, supports: Supports = supports_any
+) -> Any:
+    """Register ``fn`` as ``torch.ops.autodeploy.<op_name>_<backend_name>``, a candidate kernel for ``op_name``.
+
+    ``fn`` takes the canonical op's arguments and returns what its reference does (the op's schema and
+    fake are reused). ``supports(*args, device=...)`` admits the nodes it can run (see :class:`Backend`);
+    the default admits all. The backend then joins kernel selection and the autotuner's contest with no
+    other change. Returns the new op's overload. Raises :class:`OpRegistrationError` for an unknown op,
+    a taken backend name or a name that is not an identifier.
+    """
     if op_name not in _REGISTRY:
-        raise OpRegistrationError(f"unknown canonical op {op_name!r}; registered ops: {sorted(_REGISTRY)}.")
-    backends = _REGISTRY[op_name].backends
-    if any(backend.name == backend_name for backend in backends):
+        raise OpRegistrationError(f"unknown canonical op {op_name!r}; registered ops: {', '.join(sorted(_REGISTRY))}.")
+    record = _REGISTRY[op_name]
+    if not backend_name.isidentifier() or backend_name == REFERENCE:
+        raise OpRegistrationError(
+            f"backend name {backend_name!r} of op {op_name!r} must be a Python identifier other than {REFERENCE!r}."
+        )
+    if any(backend.name == backend_name for backend in record.backends):
         raise OpRegistrationError(f"op {op_name!r} already has a backend named {backend_name!r}; choose another name.")
-    backends.append(Backend(backend_name, fn))
+    qualified = f"{op_name}_{backend_name}"
+    if hasattr(getattr(torch.ops, NAMESPACE), qualified):
+        raise OpRegistrationError(f"torch.ops.{NAMESPACE}.{qualified} is already registered; choose another backend name.")
+    arguments = record.schema[record.schema.index("(") :]  # "(Tensor x, …) -> Tensor", mutation marks included
+    _BACKEND_LIBRARY.define(qualified + arguments)
+    _BACKEND_LIBRARY.impl(qualified, fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{qualified}", record.fake, lib=_BACKEND_LIBRARY)
+    overload = getattr(getattr(torch.ops, NAMESPACE), qualified).default
+    record.backends.append(Backend(backend_name, fn, overload, supports))
+    return overload
+
+
+def candidates(op_name: str) -> list[Backend]:
+    """The op's backends in registration order, then its reference (the backend of last resort)."""
+    record = _REGISTRY[op_name]
+    return [*record.backends, Backend(REFERENCE, record.reference, record.op, supports_any)]
 
 
 def _check_fake_matches_reference(

@@ -3,7 +3,7 @@
 import torch
 
 from .compute_dtype import compute_dtype
-from .registry import register_op
+from .registry import register_backend, register_op
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -41,14 +41,17 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interl
     x_pass = x[..., rotary_dim:].to(dtype)
     cos = cos.to(dtype).unsqueeze(2)  # [B, S, 1, R]: the same angles for every head
     sin = sin.to(dtype).unsqueeze(2)
+    out = x_rot * cos + _rotated(x_rot, interleaved) * sin
+    return torch.cat((out, x_pass), dim=-1).to(x.dtype)
+
+
+def _rotated(x_rot: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The partner of every rotated dim, signed: ``(-x[2i+1], x[2i])`` pairs, or ``rotate_half``."""
     if interleaved:
         evens, odds = x_rot[..., 0::2], x_rot[..., 1::2]
-        rotated = torch.stack((-odds, evens), dim=-1).flatten(-2)
-    else:
-        first, second = x_rot.chunk(2, dim=-1)
-        rotated = torch.cat((-second, first), dim=-1)
-    out = x_rot * cos + rotated * sin
-    return torch.cat((out, x_pass), dim=-1).to(x.dtype)
+        return torch.stack((-odds, evens), dim=-1).flatten(-2)
+    first, second = x_rot.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
 
 
 def rope_fake(x, cos, sin, interleaved=False):
@@ -61,3 +64,21 @@ rope = register_op(
     rope_fake,
     example_inputs=(torch.ones(1, 2, 3, 8, dtype=torch.bfloat16), torch.ones(1, 2, 4), torch.zeros(1, 2, 4)),
 )
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """``rope`` element-wise in ``x``'s dtype; same arguments and result as the reference.
+
+    cos/sin are cast to ``x``'s dtype first, as HF's rotary embeddings do (they are [B, S, R], no weight).
+    """
+    rotary_dim = cos.shape[-1]
+    cos = cos.to(x.dtype).unsqueeze(2)  # [B, S, 1, R]: the same angles for every head
+    sin = sin.to(x.dtype).unsqueeze(2)
+    x_rot = x[..., :rotary_dim]
+    out = x_rot * cos + _rotated(x_rot, interleaved) * sin
+    if rotary_dim == x.shape[-1]:
+        return out.contiguous()  # element-wise ops follow x's layout; the reference's output is contiguous
+    return torch.cat((out, x[..., rotary_dim:]), dim=-1)
+
+
+register_backend("rope", "torch", rope_torch)

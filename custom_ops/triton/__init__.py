@@ -1,1 +1,19 @@
-"""Triton backends of canonical ops; each module is imported lazily by the op it serves (see its ``add_backend``)."""
+"""Triton backends of canonical ops; each kernel module is imported on first use by the backend that
+serves it (Triton decides at kernel definition whether to interpret, from ``TRITON_INTERPRET``)."""
+
+import importlib.util
+
+import torch
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why Triton kernels cannot serve a deploy on ``device``, or ``None`` when they can.
+
+    Only CUDA deploys select them: the interpreter (``TRITON_INTERPRET=1``) runs them on CPU tensors for
+    tests, far too slowly to serve.
+    """
+    if torch.device(device).type != "cuda":
+        return f"Triton kernels need a CUDA device (this deploy runs on {device})"
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install triton)"
+    return None

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.custom_ops import canonical_ops
 from autodeploy.custom_ops.attention import attention_reference
 from autodeploy.custom_ops.cached_attention import cached_attention_reference
 from autodeploy.custom_ops.cached_attention_sdpa import cached_attention_sdpa
@@ -101,15 +102,23 @@ def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block
     decodes=st.lists(st.integers(1, 40), min_size=1, max_size=5),
     block_size=st.sampled_from([1, 4, 8]),
     window=st.sampled_from([None, 3, 16]),
-    cap=st.sampled_from([None, 5.0]),
     alibi=st.sampled_from([None, [0.5, 0.25, 0.125, 0.0625]]),
 )
-def test_sdpa_backend_equals_the_reference(seed, chunks, decodes, block_size, window, cap, alibi):
+def test_sdpa_backend_equals_the_reference(seed, chunks, decodes, block_size, window, alibi):
     inputs = mixed_batch(seed, chunks, decodes, block_size)
-    expected, k_ref, v_ref = run(cached_attention_reference, inputs, window, cap, None, alibi)
-    got, k_new, v_new = run(cached_attention_sdpa, inputs, window, cap, None, alibi)
+    expected, k_ref, v_ref = run(cached_attention_reference, inputs, window, None, None, alibi)
+    got, k_new, v_new = run(cached_attention_sdpa, inputs, window, None, None, alibi)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)
+
+
+def test_sdpa_refuses_soft_capping_and_sinks_so_select_passes_them_on():
+    sdpa = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "sdpa")
+    inputs = [t.to("meta") for t in mixed_batch(3, [(5, 6)], [9], block_size=4)]
+    assert sdpa.check([*inputs, 0.1], torch.device("cpu")) is None
+    assert sdpa.check([*inputs, 0.1, None, 5.0], torch.device("cpu")) == "SDPA has no soft-capping or sinks"
+    with pytest.raises(ValueError, match="no soft-capping or sinks"):
+        run(cached_attention_sdpa, mixed_batch(3, [(5, 6)], [9], block_size=4), None, 5.0)
 
 
 def test_sdpa_backend_in_bfloat16():

@@ -1,4 +1,4 @@
-"""register_op / canonical_ops / add_backend: the one-call way to add a canonical op, and its guards."""
+"""register_op / canonical_ops / register_backend: the one-call way to add a canonical op, and its guards."""
 
 import uuid
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autodeploy.custom_ops import OpRegistrationError, add_backend, canonical_ops, register_op
+from autodeploy.custom_ops import OpRegistrationError, candidates, canonical_ops, op_by_target, register_backend, register_op
 from autodeploy.custom_ops import registry
 
 # The contract in notes/canonical_ops_spec.md; torch writes `int` arguments as SymInt.
@@ -140,17 +140,40 @@ def test_registration_errors_are_value_errors():
     assert issubclass(OpRegistrationError, ValueError)
 
 
-def test_backends_are_recorded_per_op_and_names_are_unique(name):
+def test_a_backend_is_an_op_named_after_its_kernel_with_a_supports_predicate(name):
     register_op(name, scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)
 
     def fast_scaled_tanh(x, scale):
         return torch.tanh(x * scale)
 
-    add_backend(name, "fast", fast_scaled_tanh)
+    def float32_only(x, scale, *, device):
+        return x.dtype == torch.float32 or "float32 only"
+
+    op = register_backend(name, "fast", fast_scaled_tanh, supports=float32_only)
+    assert op is getattr(torch.ops.autodeploy, f"{name}_fast").default
+    torch.testing.assert_close(op(torch.ones(3), 0.5), torch.tanh(torch.ones(3) * 0.5))
     backends = canonical_ops()[name].backends
-    assert [(b.name, b.fn) for b in backends] == [("fast", fast_scaled_tanh)]
+    assert [(b.name, b.fn, b.op) for b in backends] == [("fast", fast_scaled_tanh, op)]
+    assert [b.name for b in candidates(name)] == ["fast", "reference"]
+    assert op_by_target(op) == (canonical_ops()[name], "fast")
+    meta = torch.empty(2, device="meta")
+    assert backends[0].check([meta, 0.5], torch.device("cpu")) is None
+    assert backends[0].check([meta.half(), 0.5], torch.device("cpu")) == "float32 only"
 
     with pytest.raises(OpRegistrationError, match="already has a backend named 'fast'"):
-        add_backend(name, "fast", fast_scaled_tanh)
+        register_backend(name, "fast", fast_scaled_tanh)
     with pytest.raises(OpRegistrationError, match="unknown canonical op 'no_such_op'"):
-        add_backend("no_such_op", "fast", fast_scaled_tanh)
+        register_backend("no_such_op", "fast", fast_scaled_tanh)
+    with pytest.raises(OpRegistrationError, match="other than 'reference'"):
+        register_backend(name, "reference", fast_scaled_tanh)
+
+
+def test_a_backend_runs_through_an_fx_graph_under_its_own_name(name):
+    register_op(name, scaled_tanh, scaled_tanh_fake, example_inputs=EXAMPLE)
+    op = register_backend(name, "plain", lambda x, scale: torch.tanh(x * scale))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(op, (x, 2.0)))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert f"{name}_plain" in module.code
+    torch.testing.assert_close(module(torch.ones(2)), torch.tanh(torch.ones(2) * 2))

@@ -1,0 +1,52 @@
+"""The serving signature of an executable graph: the inputs the cache stage declares and the runtime fills.
+
+One neutral module both sides import (``transforms/insert_cached_attention.py`` writes it,
+``autodeploy/runtime/`` reads it), so the runtime needs neither the pipeline nor any transform. The
+graph's inputs, in order::
+
+    input_ids, position_ids,                       # [1, T]: the step's new tokens, flattened
+    seq_start, kv_lens, block_tables, slot_mapping, batch_info, logit_index,
+    k_cache_0, v_cache_0, k_cache_1, v_cache_1, …  # one KVCacheSpec per attention layer
+
+The metadata's layout is documented in ``custom_ops/cached_attention.py``; ``logit_index[N]`` picks the
+token rows whose logits come out (``logits[1, N, vocab]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TOKEN_INPUTS = ("input_ids", "position_ids")
+SEQUENCE_METADATA = ("seq_start", "kv_lens", "block_tables", "slot_mapping", "batch_info", "logit_index")
+ATTENTION_METADATA = SEQUENCE_METADATA[:5]  # what cached_attention reads, in its argument order
+BATCH_INFO_FIELDS = ("num_prefill", "num_decode", "max_q_len", "max_kv_len")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's cache pair, as the cache stage declares it and the runtime allocates it."""
+
+    key_input: str  # graph input name of k_cache
+    value_input: str  # graph input name of v_cache
+    kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def for_layer(cls, layer: int, kv_heads: int, head_dim: int, value_head_dim: int, dtype: torch.dtype) -> KVCacheSpec:
+        return cls(f"k_cache_{layer}", f"v_cache_{layer}", kv_heads, head_dim, value_head_dim, dtype)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return block_size * self.kv_heads * (self.head_dim + self.value_head_dim) * element
+
+
+@dataclass(frozen=True)
+class ServingSignature:
+    """What the runtime needs from a built graph besides the graph: its inputs in order and its caches."""
+
+    inputs: tuple[str, ...]
+    kv_caches: tuple[KVCacheSpec, ...]

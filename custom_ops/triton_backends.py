@@ -1,0 +1,113 @@
+"""The ``triton`` backends of ``rms_norm``, ``layer_norm``, ``rope`` and ``gated_mlp``: registration only.
+
+The kernels live in ``custom_ops/triton/`` (``norms.py``, ``rope.py``, ``gated_activation.py``); each
+backend below imports its kernel module on its first call, not here: Triton decides at kernel
+definition whether to interpret (``TRITON_INTERPRET``), and importing the ops must neither fix that
+choice nor need Triton. For the same reason each ``supports`` restates its kernel's limits instead of
+importing them; ``tests/custom_ops/test_triton_kernels.py`` checks that the two agree.
+
+Example (``supports`` reads only shapes and dtypes, so meta tensors will do)::
+
+    import torch
+    from autodeploy.custom_ops import candidates
+
+    triton = next(b for b in candidates("rms_norm") if b.name == "triton")
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    x, weight = torch.empty(3, 4096, **meta), torch.empty(4096, **meta)
+    assert triton.check((x, weight, 1e-6), torch.device("cuda")) is None   # would serve a CUDA deploy
+    assert "CUDA" in triton.check((x, weight, 1e-6), torch.device("cpu"))  # never a CPU one
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import gated_mlp, layer_norm, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from .registry import register_backend
+from .triton import triton_unavailable
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_NORM_MAX_HIDDEN = 32768  # norms.MAX_HIDDEN: a whole row is one tile
+_ROPE_MAX_HEAD_DIM = 1024  # rope.MAX_HEAD_DIM
+_GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")  # gated_activation.ACTIVATIONS
+
+
+def _unsupported_dtypes(device: torch.device, x: torch.Tensor, **params: Optional[torch.Tensor]) -> Optional[str]:
+    """Why these kernels cannot run on ``device`` with these dtypes, or ``None``: Triton must be
+    usable there, ``x`` a float type the kernels read, and every given parameter in ``x``'s dtype."""
+    reason = triton_unavailable(device)
+    if reason:
+        return reason
+    if x.dtype not in _DTYPES:
+        return f"needs float32, float16 or bfloat16 activations (x is {x.dtype})"
+    for name, param in params.items():
+        if param is not None and param.dtype != x.dtype:
+            return f"needs {name} in x's dtype ({name} is {param.dtype}, x is {x.dtype})"
+    return None
+
+
+def _norm_too_wide(x: torch.Tensor) -> Optional[str]:
+    if x.shape[-1] > _NORM_MAX_HIDDEN:
+        return f"hidden sizes up to {_NORM_MAX_HIDDEN} (H={x.shape[-1]})"
+    return None
+
+
+def _rms_norm_triton(x, weight, eps, weight_offset=0.0):
+    from .triton.norms import rms_norm_triton  # on first call: see the module docstring
+
+    return rms_norm_triton(x, weight, eps, weight_offset)
+
+
+def _rms_norm_supports(x, weight, eps, weight_offset=0.0, *, device):
+    return _unsupported_dtypes(device, x, weight=weight) or _norm_too_wide(x) or True
+
+
+def _layer_norm_triton(x, weight, bias, eps):
+    from .triton.norms import layer_norm_triton
+
+    return layer_norm_triton(x, weight, bias, eps)
+
+
+def _layer_norm_supports(x, weight, bias, eps, *, device):
+    return _unsupported_dtypes(device, x, weight=weight, bias=bias) or _norm_too_wide(x) or True
+
+
+def _rope_triton(x, cos, sin, interleaved=False):
+    from .triton.rope import rope_triton
+
+    return rope_triton(x, cos, sin, interleaved)
+
+
+def _rope_supports(x, cos, sin, interleaved=False, *, device):
+    # cos/sin are angles, not weights: the kernel reads them in float32 whatever their (float) dtype.
+    reason = _unsupported_dtypes(device, x)
+    if reason:
+        return reason
+    if cos.dtype not in _DTYPES or sin.dtype != cos.dtype:
+        return f"needs cos and sin in one of float32/float16/bfloat16 (cos {cos.dtype}, sin {sin.dtype})"
+    if x.shape[-1] > _ROPE_MAX_HEAD_DIM:
+        return f"head dims up to {_ROPE_MAX_HEAD_DIM} (D={x.shape[-1]})"
+    return True
+
+
+def _gated_mlp_triton(x, gate_weight, up_weight, down_weight, activation):
+    from .triton.gated_activation import gated_mlp_triton
+
+    return gated_mlp_triton(x, gate_weight, up_weight, down_weight, activation)
+
+
+def _gated_mlp_supports(x, gate_weight, up_weight, down_weight, activation, *, device):
+    reason = _unsupported_dtypes(device, x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
+    if reason:
+        return reason
+    if activation not in _GATED_ACTIVATIONS:
+        return f"activations {', '.join(_GATED_ACTIVATIONS)} only (got {activation!r})"
+    return True
+
+
+register_backend("rms_norm", "triton", _rms_norm_triton, supports=_rms_norm_supports)
+register_backend("layer_norm", "triton", _layer_norm_triton, supports=_layer_norm_supports)
+register_backend("rope", "triton", _rope_triton, supports=_rope_supports)
+register_backend("gated_mlp", "triton", _gated_mlp_triton, supports=_gated_mlp_supports)

@@ -1,0 +1,246 @@
+"""The Triton backends of rms_norm, layer_norm, rope and gated_mlp against their float32 references.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (``tests/conftest.py`` sets
+TRITON_INTERPRET), which is slow, so the shapes are tiny; they still reach every masked edge: hidden
+sizes and rotary dims that are not powers of 2, rows and heads that do not fill a program, partial
+rotary, strided inputs. The accuracy contract: ``‖out − ref‖ / ‖ref‖`` at most 1e-5 in float32 and
+1e-2 in float16 and bfloat16 (element-wise kernels, so the interpreter handles bfloat16 too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.custom_ops import canonical_ops, triton_backends
+from autodeploy.custom_ops.gated_mlp import gated_mlp_reference
+from autodeploy.custom_ops.layer_norm import layer_norm_reference
+from autodeploy.custom_ops.rms_norm import rms_norm_reference
+from autodeploy.custom_ops.rope import rope_reference
+from autodeploy.custom_ops.triton import gated_activation, norms, rope, triton_unavailable
+from tests.custom_ops.activation_formulas import ACTIVATION_FORMULAS
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+def random(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same shape and dtype, contiguous, and within the dtype's relative-error contract."""
+    assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous()
+    error = ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert error <= TOLERANCE[got.dtype], f"relative error {error:.2e} over {TOLERANCE[got.dtype]:.0e} ({got.dtype})"
+
+
+# --- rms_norm -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, weight_offset", [((2, 3, 40), 0.0), ((5, 64), 1.0), ((1, 1, 200), 0.0)])
+def test_rms_norm(dtype, shape, weight_offset):
+    x = random(*shape, dtype=dtype, scale=3.0)
+    weight = random(shape[-1], dtype=dtype, seed=1) * 0.1 + (0.0 if weight_offset else 1.0)  # Gemma: weight - 1
+    got = torch.ops.autodeploy.rms_norm_triton.default(x, weight, 1e-6, weight_offset)
+    assert_matches(got, rms_norm_reference(x, weight, 1e-6, weight_offset))
+
+
+def test_rms_norm_of_strided_rows():
+    weight = random(48, seed=1)
+    row_strided = random(4, 3, 100)[..., 10:58]  # a slice of a fused projection: rows 100 apart, read in place
+    column_strided = random(4, 48, 3).transpose(1, 2)  # last dim not contiguous: copied first
+    for x in (row_strided, column_strided):
+        assert_matches(norms.rms_norm_triton(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
+
+
+def test_rms_norm_of_float32_weights_in_half_precision():
+    # supports() admits only weights in x's dtype, but the kernel reads any weight in float32, as the reference.
+    x, weight = random(3, 40, dtype=torch.float16), random(40, seed=1)
+    assert_matches(norms.rms_norm_triton(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
+
+
+# --- layer_norm -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, has_weight, has_bias",
+    [(torch.float32, True, True), (torch.float16, True, True), (torch.bfloat16, True, True),
+     (torch.float32, True, False), (torch.float32, False, True), (torch.float16, False, False)],
+)
+def test_layer_norm(dtype, has_weight, has_bias):
+    x = random(2, 3, 40, dtype=dtype, scale=2.0)
+    weight = random(40, dtype=dtype, seed=1) if has_weight else None
+    bias = random(40, dtype=dtype, seed=2) if has_bias else None
+    got = torch.ops.autodeploy.layer_norm_triton.default(x, weight, bias, 1e-5)
+    assert_matches(got, layer_norm_reference(x, weight, bias, 1e-5))
+
+
+def test_layer_norm_of_rows_far_from_zero():
+    # Centring before squaring keeps the variance where E[x²] - E[x]² would cancel to nothing.
+    x = random(6, 40) + 100.0
+    weight, bias = random(40, seed=1), random(40, seed=2)
+    assert_matches(norms.layer_norm_triton(x, weight, bias, 1e-5), layer_norm_reference(x, weight, bias, 1e-5))
+
+
+def test_every_norm_config():
+    x, weight, bias = random(7, 24), random(24, seed=1), random(24, seed=2)
+    expected_rms, expected_layer = rms_norm_reference(x, weight, 1e-6), layer_norm_reference(x, weight, bias, 1e-5)
+    for config in norms.valid_configs(24):
+        assert_matches(norms.rms_norm_triton(x, weight, 1e-6, config=config), expected_rms)
+        assert_matches(norms.layer_norm_triton(x, weight, bias, 1e-5, config=config), expected_layer)
+
+
+# --- rope -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (20, 12)])  # full; partial, 6 pairs, 8 passed through
+def test_rope(dtype, interleaved, head_dim, rotary_dim):
+    x = random(2, 3, 5, head_dim, dtype=dtype)
+    # Arbitrary cos/sin, not HF's repeated halves: the kernel reads both dims of every pair, as the reference.
+    cos, sin = random(2, 3, rotary_dim, dtype=dtype, seed=1), random(2, 3, rotary_dim, dtype=dtype, seed=2)
+    got = torch.ops.autodeploy.rope_triton.default(x, cos, sin, interleaved)
+    assert_matches(got, rope_reference(x, cos, sin, interleaved))
+
+
+@pytest.mark.parametrize("angles_shape", [(1, 4, 8), (2, 1, 8), (1, 1, 8)])
+def test_rope_broadcasts_angles(angles_shape):
+    x = random(2, 4, 3, 8)
+    cos, sin = random(*angles_shape, seed=1), random(*angles_shape, seed=2)
+    assert_matches(rope.rope_triton(x, cos, sin), rope_reference(x, cos, sin))
+
+
+def test_rope_of_strided_queries():
+    # The rope patterns hand the op q.transpose(1, 2) of HF's [B, H, S, D]; cos in float32 with half x.
+    x = random(2, 3, 4, 24, dtype=torch.float16).transpose(1, 2)
+    cos, sin = random(2, 4, 16, seed=1), random(2, 4, 16, seed=2)
+    assert not x.is_contiguous()
+    for interleaved in (False, True):
+        assert_matches(rope.rope_triton(x, cos, sin, interleaved), rope_reference(x, cos, sin, interleaved))
+
+
+def test_every_rope_config():
+    x, cos, sin = random(1, 2, 3, 12), random(1, 2, 8, seed=1), random(1, 2, 8, seed=2)
+    expected = rope_reference(x, cos, sin)
+    for config in rope.valid_configs(12, 8):
+        assert_matches(rope.rope_triton(x, cos, sin, config=config), expected)
+
+
+def test_default_configs_are_valid():
+    for hidden in (1, 24, 896, 4096, 5120, 20480, norms.MAX_HIDDEN):
+        for num_rows in (1, 3, 8192):
+            assert norms.norm_config(num_rows, hidden) in norms.valid_configs(hidden)
+    for heads in (1, 5, 32, 128):
+        for head_dim, rotary_dim in ((64, 64), (80, 32), (128, 128), (256, 64), (rope.MAX_HEAD_DIM, 2)):
+            assert rope.rope_config(heads, head_dim, rotary_dim) in rope.valid_configs(head_dim, rotary_dim)
+    for num_elements in (1, 14336, 1 << 20, 1 << 30):
+        assert gated_activation.activation_config(num_elements) in gated_activation.CONFIGS
+    assert len(norms.valid_configs(norms.MAX_HIDDEN)) > 0
+
+
+# --- gated activation and gated_mlp ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", gated_activation.ACTIVATIONS)
+def test_gated_activation(dtype, activation):
+    gate, up = random(3, 333, dtype=dtype, scale=3.0), random(3, 333, dtype=dtype, seed=1)
+    expected = (ACTIVATION_FORMULAS[activation](gate.float()) * up.float()).to(dtype)
+    assert_matches(gated_activation.gated_activation(gate, up, activation), expected)
+
+
+def test_gated_activation_in_place_and_every_config():
+    gate, up = random(1000), random(1000, seed=1)
+    expected = ACTIVATION_FORMULAS["silu"](gate) * up
+    for config in gated_activation.CONFIGS:
+        assert_matches(gated_activation.gated_activation(gate, up, "silu", config=config), expected)
+    out = up.clone()
+    assert gated_activation.gated_activation(gate, out, "silu", out=out) is out
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_mlp(dtype, activation):
+    x = random(2, 3, 32, dtype=dtype)
+    gate_w, up_w = random(48, 32, dtype=dtype, seed=1, scale=0.2), random(48, 32, dtype=dtype, seed=2, scale=0.2)
+    down_w = random(32, 48, dtype=dtype, seed=3, scale=0.2)
+    got = torch.ops.autodeploy.gated_mlp_triton.default(x, gate_w, up_w, down_w, activation)
+    assert_matches(got, gated_mlp_reference(x, gate_w, up_w, down_w, activation))
+
+
+# --- unsupported inputs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: norms.rms_norm_triton(random(2, 8, dtype=torch.float64), random(8), 1e-6), "float64"),
+        (lambda: norms.layer_norm_triton(random(2, 8), random(7), None, 1e-5), r"weight must be \[H=8\]"),
+        (lambda: rope.rope_triton(random(1, 2, 3, 8), random(1, 2, 6), random(1, 2, 6)[..., :5]), "cos, sin"),
+        (lambda: rope.rope_triton(random(1, 2, 3, 8), random(1, 2, 10), random(1, 2, 10)), "at most D=8"),
+        (lambda: gated_activation.gated_activation(random(4), random(4), "swish"), "unknown activation"),
+    ],
+)
+def test_unsupported_inputs_raise(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# --- registration and supports() -----------------------------------------------------------------------
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+SUPPORTED_NODES = {
+    "rms_norm": (meta(2, 7, 4096), meta(4096), 1e-6),
+    "layer_norm": (meta(7, 768), meta(768), None, 1e-5),
+    "rope": (meta(1, 32, 7, 128).transpose(1, 2), meta(1, 7, 128), meta(1, 7, 128), False),
+    "gated_mlp": (meta(7, 4096), meta(14336, 4096), meta(14336, 4096), meta(4096, 14336), "silu"),
+}
+
+
+def triton_backend(op_name: str):
+    return next(backend for backend in canonical_ops()[op_name].backends if backend.name == "triton")
+
+
+@pytest.mark.parametrize("op_name", sorted(SUPPORTED_NODES))
+def test_supports_cuda_deploys_only(op_name):
+    backend = triton_backend(op_name)
+    assert backend.op is getattr(torch.ops.autodeploy, f"{op_name}_triton").default
+    assert backend.check(SUPPORTED_NODES[op_name], CUDA) is None
+    assert backend.check(SUPPORTED_NODES[op_name], CPU) == triton_unavailable(CPU)
+
+
+@pytest.mark.parametrize(
+    "op_name, args, reason",
+    [
+        ("rms_norm", (meta(2, 64, dtype=torch.float64), meta(64, dtype=torch.float64), 1e-6), "float64"),
+        ("rms_norm", (meta(2, 64), meta(64, dtype=torch.float32), 1e-6), "weight in x's dtype"),
+        ("rms_norm", (meta(2, 32769), meta(32769), 1e-6), "hidden sizes up to 32768"),
+        ("layer_norm", (meta(2, 64), None, meta(64, dtype=torch.float16), 1e-5), "bias in x's dtype"),
+        ("rope", (meta(1, 2, 4, 2048), meta(1, 2, 64), meta(1, 2, 64), False), "head dims up to 1024"),
+        ("rope", (meta(1, 2, 4, 64), meta(1, 2, 64, dtype=torch.float64), meta(1, 2, 64), False), "cos and sin"),
+        ("gated_mlp", (meta(2, 8), meta(6, 8), meta(6, 8, dtype=torch.float32), meta(8, 6), "silu"), "up_weight"),
+        ("gated_mlp", (meta(2, 8), meta(6, 8), meta(6, 8), meta(8, 6), "gelu_quick"), "activations"),
+    ],
+)
+def test_supports_refuses_what_the_kernels_cannot_run(op_name, args, reason):
+    assert reason in triton_backend(op_name).check(args, CUDA)
+
+
+def test_supports_limits_match_the_kernels():
+    # supports() restates the kernel modules' limits so as not to import them (and Triton) early.
+    assert triton_backends._NORM_MAX_HIDDEN == norms.MAX_HIDDEN
+    assert triton_backends._ROPE_MAX_HEAD_DIM == rope.MAX_HEAD_DIM
+    assert triton_backends._GATED_ACTIVATIONS == gated_activation.ACTIVATIONS
+    assert set(triton_backends._DTYPES) == set(norms.SUPPORTED_DTYPES) == set(rope.SUPPORTED_DTYPES)
