@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
@@ -15,14 +14,6 @@ from autodeploy.models.factory import config_dtype
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 2048
-
-
-def usable_backends(device: str) -> list[str]:
-    """Kernel backends that can run on ``device``: torch always; triton with a CUDA GPU and triton installed."""
-    backends = ["torch"]
-    if device.startswith("cuda") and importlib.util.find_spec("triton") is not None:
-        backends.append("triton")
-    return backends
 
 
 def resolve_auto_settings(settings: DictConfig, hf_config: PretrainedConfig) -> DictConfig:
@@ -41,11 +32,4 @@ def resolve_auto_settings(settings: DictConfig, hf_config: PretrainedConfig) -> 
         resolved["max_seq_len"] = int(model_max)
     elif resolved["max_seq_len"] > model_max:
         logger.warning("max_seq_len %d exceeds the model's max_position_embeddings %d", resolved["max_seq_len"], model_max)
-    usable = usable_backends(resolved["device"])
-    if not resolved["backends"]:
-        resolved["backends"] = usable
-    else:
-        unusable = [b for b in resolved["backends"] if b not in usable]
-        if unusable:
-            raise ConfigError(f"backend(s) {unusable} cannot run on {resolved['device']}; usable here: {usable}")
     return OmegaConf.create(resolved)

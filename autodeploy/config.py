@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -62,6 +63,18 @@ class VerifySettings:
 
 
 @dataclass
+class AutotunerSettings:
+    """The autotuner (``autotuner/``): where several backends support a node, time them per token-count
+    bucket on the deploy's device and keep the fastest; decisions persist in ``cache_dir`` (default
+    ``$XDG_CACHE_HOME/autodeploy/autotuner``, i.e. ``~/.cache/…``) and later builds reuse them."""
+
+    enabled: bool = True
+    cache_dir: Optional[str] = None
+    warmup: int = 3  # untimed calls per candidate and bucket
+    repeats: int = 15  # timed calls; the median counts
+
+
+@dataclass
 class DeploySettings:
     """Top-level settings. ``auto`` values are resolved from the model and hardware (see auto_settings)."""
 
@@ -74,7 +87,11 @@ class DeploySettings:
     max_batch_size: int = 32
     seed: int = 0
     trust_remote_code: bool = False
-    backends: List[str] = field(default_factory=list)  # kernel backends; empty = all usable on the device
+    # Kernel preferences per canonical op, read by the select stage: {linear: [torch], cached_attention:
+    # [triton, sdpa]}, or per node (globs over module paths / node names, first match wins):
+    # {rms_norm: {"*.layers.0.*": [reference], "*": [triton, torch]}}.
+    backends: Dict[str, Any] = field(default_factory=dict)
+    autotuner: AutotunerSettings = field(default_factory=AutotunerSettings)
     dump_graphs: Optional[str] = None  # folder: write the graph after every transform
     kv_cache: KVCacheSettings = field(default_factory=KVCacheSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
@@ -131,8 +148,19 @@ def _unknown_key_message(error: OmegaConfBaseException, where: str, options: Ite
     return f"{where}: {text}{hint}"
 
 
+# Modules whose import registers the built-in transforms (the graph passes register with autodeploy.transforms).
+BUILT_IN_TRANSFORM_MODULES = ("autodeploy.transforms", "autodeploy.models.factory", "autodeploy.models.load_weights", "autodeploy.export")
+
+
+def register_built_in_transforms() -> None:
+    """Import every module that registers a built-in transform (idempotent; the package loads them lazily)."""
+    for module in BUILT_IN_TRANSFORM_MODULES:
+        importlib.import_module(module)
+
+
 def validate_transform_entry(name: str, entry: Any) -> TransformConfig:
     """Check one ``transforms.<name>`` mapping against the transform's config dataclass."""
+    register_built_in_transforms()
     registry = registered_transforms()
     if name not in registry:
         close = difflib.get_close_matches(name, list(registry), n=1)

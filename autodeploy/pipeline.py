@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import fx, nn
 
+from autodeploy.build_report import TransformRecord
 from autodeploy.config import transform_configs
 from autodeploy.errors import AutoDeployError, TransformError, error_summary
 from autodeploy.transforms.registry import STAGES, Transform, TransformContext, registered_transforms
@@ -43,21 +43,6 @@ def op_histogram(module: nn.Module) -> dict[str, int]:
 
 def node_count(module: nn.Module) -> int | None:
     return len(module.graph.nodes) if isinstance(module, fx.GraphModule) else None
-
-
-@dataclass
-class TransformRecord:
-    """One transform run: what ``autodeploy inspect`` and ``llm.pipeline_report()`` show."""
-
-    name: str
-    stage: str
-    seconds: float
-    matches: int
-    changed: bool
-    nodes_before: int | None
-    nodes_after: int | None
-    notes: str = ""
-    ops_after: dict[str, int] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -129,6 +114,7 @@ class Pipeline:
                 nodes_after=node_count(module),
                 notes=result.notes,
                 ops_after=op_histogram(module),
+                details=list(result.details),
             )
             self.records.append(record)
             logger.info("%-20s %-12s %7.3fs matches=%d nodes %s→%s", record.name, record.stage, seconds,
@@ -138,23 +124,3 @@ class Pipeline:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(str(module.graph))
         return module
-
-
-def format_report(records: list[TransformRecord], top_ops: int = 8) -> str:
-    """A human table: one line per transform, then the op histogram after each stage."""
-    width = max([len("transform")] + [len(r.name) for r in records]) + 2
-    lines = [f"{'transform':<{width}}{'stage':<14}{'time (s)':>9}{'matches':>9}{'nodes':>15}  notes"]
-    for r in records:
-        nodes = f"{r.nodes_before if r.nodes_before is not None else '-'}→{r.nodes_after if r.nodes_after is not None else '-'}"
-        lines.append(f"{r.name:<{width}}{r.stage:<14}{r.seconds:>9.3f}{r.matches:>9}{nodes:>15}  {r.notes}")
-    lines.append(f"{'total':<{width + 14}}{sum(r.seconds for r in records):>9.3f}")
-    last_by_stage: dict[str, TransformRecord] = {}
-    for r in records:
-        last_by_stage[r.stage] = r
-    for stage, r in last_by_stage.items():
-        if r.ops_after:
-            total = sum(r.ops_after.values())
-            shown = ", ".join(f"{name}×{count}" for name, count in list(r.ops_after.items())[:top_ops])
-            more = len(r.ops_after) - top_ops
-            lines.append(f"after {stage}: {r.nodes_after} nodes, {total} ops: {shown}{f', … {more} more' if more > 0 else ''}")
-    return "\n".join(lines)

@@ -54,8 +54,8 @@ def test_a_model_too_large_for_the_memory_is_refused_with_the_numbers(monkeypatc
 
 
 def test_triton_attention_on_the_cpu_is_refused_at_build(llama_dir):
-    with pytest.raises(ConfigError, match="backend=triton needs a CUDA GPU"):
-        autodeploy(str(llama_dir), device="cpu", transforms={"insert_cached_attention": {"backend": "triton"}})
+    with pytest.raises(ConfigError, match="prefers \\['triton'\\] for node .* Triton kernels need a CUDA device"):
+        autodeploy(str(llama_dir), device="cpu", backends={"cached_attention": ["triton"]})
 
 
 def test_classes_without_sdpa_are_built_with_eager_attention():

@@ -6,27 +6,22 @@ every attention reads and writes a paged KV cache through the sequence metadata 
 ``custom_ops/cached_attention.py``. Everything else in a decoder (linears, norms, RoPE from the position
 ids, MLPs) works token by token, so it runs unchanged on the flattened row.
 
-The graph's inputs become (``TransformContext.graph_inputs``)::
-
-    input_ids, position_ids, seq_start, kv_lens, block_tables, slot_mapping, batch_info, logit_index,
-    k_cache_0, v_cache_0, k_cache_1, v_cache_1, …
-
-and ``TransformContext.kv_caches`` lists one ``KVCacheSpec`` per attention layer, from which the runtime
-sizes and allocates its block pool. ``logit_index[N]`` picks the token rows whose logits are wanted
-(each sequence's last token while generating); the gather sits before the LM head so the vocabulary
-projection runs for those rows only. The output is ``logits[1, N, vocab]``.
+The graph's inputs become the serving signature (``custom_ops/serving_signature.py``): token ids,
+positions, the sequence metadata and one ``KVCacheSpec`` cache pair per attention layer
+(``TransformContext.graph_inputs`` / ``kv_caches``), from which the runtime sizes its block pool.
+``logit_index[N]`` picks the token rows whose logits are wanted (each sequence's last token while
+generating); the gather sits before the LM head so the vocabulary projection runs for those rows only.
+The output is ``logits[1, N, vocab]``.
 
 Every attention of the model must have been matched: a layer left as aten ops would attend only
 within the tokens of the current step, which is wrong, so that is an ``UnsupportedModelError``.
 
-Kernel choice (``backend``): ``reference`` is the op's oracle, ``sdpa`` PyTorch's fused attention per
-sequence (any device), ``triton`` the flash/paged kernels (GPU); ``auto`` takes ``triton`` on CUDA and
-``sdpa`` elsewhere.
+This pass inserts only the canonical ``cached_attention``; the ``select`` stage picks its kernel
+(``backends: {cached_attention: [triton]}`` in YAML to choose one).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -35,35 +30,33 @@ import torch
 from torch import fx
 from torch.fx import GraphModule
 
-from autodeploy.custom_ops import canonical_ops
-from autodeploy.custom_ops.cached_attention import KVCacheSpec
-from autodeploy.errors import ConfigError, UnsupportedModelError
+from autodeploy.custom_ops.serving_signature import ATTENTION_METADATA, SEQUENCE_METADATA, KVCacheSpec
+from autodeploy.errors import UnsupportedModelError
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
-SEQUENCE_METADATA = ("seq_start", "kv_lens", "block_tables", "slot_mapping", "batch_info", "logit_index")
-BACKENDS = ("auto", "reference", "sdpa", "triton")
-
-
 @dataclass
 class InsertCachedAttentionConfig(TransformConfig):
     stage: str = "cache"
-    backend: str = "auto"  # auto | reference | sdpa | triton
-
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"transforms.insert_cached_attention.backend is {self.backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def _kernel(backend: str, device: str):
-    """The callable each cached attention node targets."""
-    if backend == "auto":
-        backend = "triton" if str(device).startswith("cuda") else "sdpa"
-    if backend == "reference":
-        return torch.ops.autodeploy.cached_attention.default
-    candidates = {b.name: b.fn for b in canonical_ops()["cached_attention"].backends}
-    return candidates[backend]
+# Shapes the new inputs' meta values carry, so backends' supports() and the autotuner can read them:
+# a mixed step of 2 sequences and 4 tokens (sizes are placeholders; dtypes and the block size are real).
+_EXAMPLE_TOKENS, _EXAMPLE_SEQUENCES, _EXAMPLE_BLOCKS = 4, 2, 4
+
+
+def _metadata_values(device: torch.device) -> dict[str, torch.Tensor]:
+    n, t = _EXAMPLE_SEQUENCES, _EXAMPLE_TOKENS
+    meta = dict(device="meta")
+    return {
+        "seq_start": torch.empty(n + 1, dtype=torch.int32, **meta),
+        "kv_lens": torch.empty(n, dtype=torch.int32, **meta),
+        "block_tables": torch.empty(n, _EXAMPLE_BLOCKS, dtype=torch.int32, **meta),
+        "slot_mapping": torch.empty(t, dtype=torch.long, **meta),
+        "batch_info": torch.empty(4, dtype=torch.int32, **meta),  # lives on the CPU at run time
+        "logit_index": torch.empty(n, dtype=torch.long, **meta),
+    }
 
 
 def _lm_head(logits: fx.Node) -> fx.Node | None:
@@ -120,17 +113,6 @@ class InsertCachedAttention(Transform):
 
     config_class = InsertCachedAttentionConfig
 
-    def validate(self, context: TransformContext) -> None:
-        device = str(context.settings.device)
-        if self.config.backend == "triton" and device != "meta":
-            if not device.startswith("cuda"):
-                raise ConfigError(
-                    f"transforms.insert_cached_attention.backend=triton needs a CUDA GPU, but this deploy runs on {device}; "
-                    f"use backend auto (sdpa here) or sdpa / reference"
-                )
-            if importlib.util.find_spec("triton") is None:
-                raise ConfigError("transforms.insert_cached_attention.backend=triton needs the triton package; pip install triton, or use backend sdpa")
-
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         gm, graph = module, module.graph
         attention = [n for n in graph.nodes if n.target == torch.ops.autodeploy.attention.default]
@@ -138,26 +120,30 @@ class InsertCachedAttention(Transform):
         if not attention or (expected is not None and len(attention) != expected):
             raise UnsupportedModelError(_missing_attention_message(gm, len(attention), expected))
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        values = _metadata_values(context.settings.device)
         with graph.inserting_after(placeholders[-1]):
             metadata = {}
             for name in reversed(SEQUENCE_METADATA):  # inserting_after puts each new node first
                 metadata[name] = graph.placeholder(name)
-        kernel = _kernel(self.config.backend, context.settings.device)
+                metadata[name].meta["val"] = values[name]
+        block_size = context.settings.kv_cache.block_size
         specs = []
         last_input = metadata["logit_index"]
         for layer, node in enumerate(attention):
             q, k, v, scale, *options = node.args
             key, value = k.meta["val"], v.meta["val"]
-            spec = KVCacheSpec(f"k_cache_{layer}", f"v_cache_{layer}", key.shape[2], key.shape[3], value.shape[3], key.dtype)
+            spec = KVCacheSpec.for_layer(layer, key.shape[2], key.shape[3], value.shape[3], key.dtype)
             with graph.inserting_after(last_input):
                 k_cache = graph.placeholder(spec.key_input)
             with graph.inserting_after(k_cache):
                 v_cache = graph.placeholder(spec.value_input)
+            k_cache.meta["val"] = torch.empty(_EXAMPLE_BLOCKS, block_size, spec.kv_heads, spec.head_dim, dtype=spec.dtype, device="meta")
+            v_cache.meta["val"] = torch.empty(_EXAMPLE_BLOCKS, block_size, spec.kv_heads, spec.value_head_dim, dtype=spec.dtype, device="meta")
             last_input = v_cache
             with graph.inserting_before(node):
                 cached = graph.call_function(
-                    kernel,
-                    (q, k, v, k_cache, v_cache, *(metadata[n] for n in SEQUENCE_METADATA[:5]), scale, *options),
+                    torch.ops.autodeploy.cached_attention.default,
+                    (q, k, v, k_cache, v_cache, *(metadata[n] for n in ATTENTION_METADATA), scale, *options),
                 )
             cached.meta = dict(node.meta)
             node.replace_all_uses_with(cached)
@@ -179,7 +165,7 @@ class InsertCachedAttention(Transform):
         gm.recompile()
         context.graph_inputs = tuple(n.name for n in graph.nodes if n.op == "placeholder")
         context.kv_caches = tuple(specs)
-        return TransformResult(matches=len(attention), changed=True, notes=f"{len(attention)} attention layers → paged KV cache ({getattr(kernel, '__name__', kernel)})")
+        return TransformResult(matches=len(attention), changed=True, notes=f"{len(attention)} attention layers → paged KV cache")
 
     @staticmethod
     def _gather_logits(graph: fx.Graph, logit_index: fx.Node) -> None:
@@ -193,6 +179,9 @@ class InsertCachedAttention(Transform):
         source = target.args[0] if head is not None else target
         with graph.inserting_before(target if head is not None else output):
             picked = graph.call_function(torch.ops.aten.index_select.default, (source, 1, logit_index))
+        value = source.meta.get("val")
+        if isinstance(value, torch.Tensor):  # [1, N, …] for the sampled rows (N: the example sequence count)
+            picked.meta["val"] = torch.empty(1, _EXAMPLE_SEQUENCES, *value.shape[2:], dtype=value.dtype, device="meta")
         if head is not None:
             head.replace_input_with(source, picked)
             output.args = (logits,)

@@ -46,7 +46,7 @@ CANONICAL_OPS: dict[str, tuple[str, ...]] = {
 def _targets(op_names: tuple[str, ...]) -> set:
     """Node targets that count as these canonical ops: the ops and every backend kernel offered for them."""
     registry = canonical_ops()
-    return {target for name in op_names for target in (registry[name].op, *(b.fn for b in registry[name].backends))}
+    return {target for name in op_names for target in (registry[name].op, *(b.op for b in registry[name].backends))}
 MODULE_SUFFIXES: dict[str, tuple[str, ...]] = {
     "attention": ("Attention",),
     "norm": ("RMSNorm", "LayerNorm"),

@@ -60,6 +60,7 @@ class TransformResult:
     changed: bool = False
     notes: str = ""
     module: nn.Module | None = None
+    details: list[str] = field(default_factory=list)  # extra lines for the build report
 
 
 @dataclass

@@ -29,7 +29,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 from torch import fx
 
-from autodeploy.custom_ops.cached_attention import KVCacheSpec
+from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks

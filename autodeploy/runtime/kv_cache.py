@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from autodeploy.custom_ops.cached_attention import KVCacheSpec
+from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import AutoDeployError
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import torch
 from torch import fx
 from tqdm import tqdm
 
-from autodeploy.custom_ops.cached_attention import KVCacheSpec
+from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import InvalidRequestError
-from autodeploy.pipeline import TransformRecord, format_report
+from autodeploy.build_report import TransformRecord, format_report
 from autodeploy.runtime.engine import Engine, Prompt
 from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams

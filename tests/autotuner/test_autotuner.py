@@ -1,0 +1,155 @@
+"""The autotuner on an injected fake timer: it picks the fastest correct candidate per bucket, excludes
+wrong and crashing ones, reuses its on-disk decisions, keys them by environment and survives a bad cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from autodeploy.autotuner import Autotuner, DecisionCache, bucket_for, environment, token_buckets
+from autodeploy.autotuner import decision_cache
+
+
+@dataclass
+class Candidate:
+    name: str
+    op: object
+
+
+def reference(x, weight):
+    return (x.double() @ weight.double().T).to(x.dtype)
+
+
+CANDIDATES = [
+    Candidate("slow", lambda x, w: x @ w.T),
+    Candidate("fast", lambda x, w: x @ w.T),
+    Candidate("wrong", lambda x, w: x @ w.T + 1),
+    Candidate("crashes", lambda x, w: (_ for _ in ()).throw(RuntimeError("no kernel image"))),
+]
+SPEED = {"slow": 2.0, "fast": 1.0, "wrong": 0.1, "crashes": 0.01}
+WEIGHT = torch.randn(8, 16)
+
+
+def make_inputs(num_tokens):
+    return [torch.randn(num_tokens, 16), WEIGHT]
+
+
+def fake_timer(log):
+    def timer(backend, run, input_sets, device):
+        run(input_sets[0])
+        log.append(backend.name)
+        return SPEED[backend.name]
+
+    return timer
+
+
+def decide(tuner, candidates=CANDIDATES, buckets=(1, 8)):
+    return tuner.decide("probe", ["probe", "16x8"], candidates, reference, make_inputs, buckets, torch.float32)
+
+
+def test_the_fastest_correct_candidate_wins_and_wrong_or_crashing_ones_are_excluded(tmp_path, caplog):
+    timed = []
+    tuner = Autotuner("cpu", tmp_path, timer=fake_timer(timed))
+    with caplog.at_level(logging.WARNING):
+        decisions = decide(tuner)
+    assert {bucket: d.backend for bucket, d in decisions.items()} == {1: "fast", 8: "fast"}
+    decision = decisions[1]
+    assert set(decision.seconds) == {"slow", "fast"}
+    assert "relative error" in decision.excluded["wrong"] and "RuntimeError" in decision.excluded["crashes"]
+    assert "wrong" not in timed and "crashes" not in timed
+    assert "'wrong' excluded" in caplog.text
+
+
+def test_decisions_are_reused_from_disk_without_profiling(tmp_path):
+    first = Autotuner("cpu", tmp_path, timer=fake_timer([]))
+    decide(first)
+    first.save()
+    timed = []
+    second = Autotuner("cpu", tmp_path, timer=fake_timer(timed))
+    assert decide(second)[8].backend == "fast"
+    assert timed == [] and second.profiled == 0
+
+
+def test_a_device_or_version_change_profiles_again(tmp_path, monkeypatch):
+    first = Autotuner("cpu", tmp_path, timer=fake_timer([]))
+    decide(first)
+    first.save()
+    changed = dict(environment(torch.device("cpu")), torch="9.9.9")
+    monkeypatch.setattr("autodeploy.autotuner.tuner.environment", lambda device: changed)
+    timed = []
+    later = Autotuner("cpu", tmp_path, timer=fake_timer(timed))
+    decide(later)
+    assert later.profiled == 2 and "fast" in timed
+    assert later.cache.path != first.cache.path
+
+
+def test_a_corrupt_cache_file_is_ignored_and_rebuilt(tmp_path, caplog):
+    cache = DecisionCache(tmp_path, environment(torch.device("cpu")))
+    cache.path.parent.mkdir(parents=True, exist_ok=True)
+    cache.path.write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        tuner = Autotuner("cpu", tmp_path, timer=fake_timer([]))
+    assert "ignoring the unreadable cache" in caplog.text
+    decide(tuner)
+    tuner.save()
+    assert json.loads(cache.path.read_text())["environment"] == environment(torch.device("cpu"))
+
+
+def test_a_cache_written_for_another_environment_is_not_trusted(tmp_path, caplog):
+    env = environment(torch.device("cpu"))
+    cache = DecisionCache(tmp_path, env)
+    cache.path.parent.mkdir(parents=True, exist_ok=True)
+    cache.path.write_text(json.dumps({"environment": dict(env, device="other"), "decisions": {}}))
+    with caplog.at_level(logging.WARNING):
+        assert DecisionCache(tmp_path, env).decisions == {}
+    assert "another environment" in caplog.text
+
+
+def test_an_unwritable_cache_path_keeps_decisions_in_memory(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache directory should be")
+    tuner = Autotuner("cpu", blocker / "cache", timer=fake_timer([]))
+    decide(tuner)
+    with caplog.at_level(logging.WARNING):
+        tuner.save()
+    assert "kept in memory" in caplog.text
+    assert decide(tuner)[1].backend == "fast" and tuner.profiled == 2
+
+
+def test_no_correct_candidate_is_an_error_naming_the_reasons(tmp_path):
+    tuner = Autotuner("cpu", tmp_path, timer=fake_timer([]))
+    with pytest.raises(RuntimeError, match="no candidate of probe ran correctly"):
+        decide(tuner, [CANDIDATES[2], CANDIDATES[3]])
+
+
+def test_the_real_clock_times_on_the_cpu(tmp_path):
+    tuner = Autotuner("cpu", tmp_path, warmup=1, repeats=3)
+    decision = decide(tuner, CANDIDATES[:2], buckets=(4,))[4]
+    assert decision.backend in ("slow", "fast") and all(s > 0 for s in decision.seconds.values())
+
+
+def test_token_buckets_cover_decode_and_prefill():
+    buckets = token_buckets(32, 2048)
+    assert buckets[:6] == (1, 2, 4, 8, 16, 32) and buckets[-1] == 2048
+    assert bucket_for(3, buckets) == 4 and bucket_for(1, buckets) == 1 and bucket_for(5000, buckets) == 2048
+
+
+def test_the_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert decision_cache.default_cache_dir() == tmp_path / "autodeploy" / "autotuner"
+
+
+def test_a_near_tie_keeps_the_default_candidate(tmp_path):
+    speeds = {"slow": 1.0, "fast": 0.99}
+
+    def timer(backend, run, input_sets, device):
+        return speeds[backend.name]
+
+    tuner = Autotuner("cpu", tmp_path, timer=timer)
+    assert decide(tuner, CANDIDATES[:2], buckets=(1,))[1].backend == "slow"
+    speeds["fast"] = 0.5
+    assert decide(Autotuner("cpu", tmp_path / "other", timer=timer), CANDIDATES[:2], buckets=(1,))[1].backend == "fast"

@@ -1,0 +1,370 @@
+"""``select_kernels`` (stage ``select``): retarget every canonical node to the backend op that serves it.
+
+Per node, among the op's backends whose ``supports`` admits the node's arguments on the deploy's device
+(the reference, last, admits every node):
+
+1. an explicit preference from the settings' ``backends`` — ``{op: [names…]}`` or, per node,
+   ``{op: {glob: [names…]}}`` with globs over the node's module path or name, first match wins; the
+   first preferred backend that supports the node is taken, and a preference none of whose backends
+   supports it is a ``ConfigError`` naming the node and each reason;
+2. else, where more than one backend besides the reference supports it, the autotuner's decision
+   (``autotuner/``; per token-count bucket — a node whose buckets disagree gets a dispatch by token count);
+3. else the first supported backend in registration order.
+
+The report (``autodeploy inspect``, ``LLM.pipeline_report()``) lists, per op, which kernel each group of
+nodes got and why: ``preference``, ``tuned`` or ``only candidate`` / ``first supported``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx import GraphModule
+
+from autodeploy.autotuner import Autotuner, bucket_for, token_buckets
+from autodeploy.custom_ops import REFERENCE, Backend, candidates, canonical_ops, op_by_target
+from autodeploy.errors import ConfigError
+from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SelectKernelsConfig(TransformConfig):
+    stage: str = "select"
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str
+    why: str  # preference | tuned | only candidate | first supported
+
+
+def parse_preferences(backends: Mapping[str, Any]) -> dict[str, list[tuple[str, list[str]]]]:
+    """``settings.backends`` → op name → ``[(glob, [backend names])]``, checked against the registry."""
+    registry = canonical_ops()
+    parsed: dict[str, list[tuple[str, list[str]]]] = {}
+    for op_name, value in dict(backends or {}).items():
+        if op_name not in registry:
+            raise ConfigError(
+                f"backends.{op_name}: no canonical op is named {op_name!r}; ops with backends: "
+                f"{', '.join(sorted(n for n, r in registry.items() if r.backends))}"
+            )
+        rules = list(value.items()) if isinstance(value, Mapping) else [("*", value)]
+        known = [b.name for b in candidates(op_name)]
+        parsed[op_name] = []
+        for glob, names in rules:
+            where = f"backends.{op_name}" + ("" if glob == "*" and not isinstance(value, Mapping) else f"[{glob!r}]")
+            if isinstance(names, str):
+                names = [names]
+            if not isinstance(names, Sequence) or not names or not all(isinstance(n, str) for n in names):
+                raise ConfigError(f"{where} must be a list of backend names (e.g. [{', '.join(known)}]); got {names!r}")
+            for name in names:
+                if name not in known:
+                    raise ConfigError(f"{where}: {op_name} has no backend {name!r}; registered: {', '.join(known)}")
+            parsed[op_name].append((str(glob), list(names)))
+    return parsed
+
+
+def node_path(node: fx.Node) -> str:
+    """The module path that produced ``node`` (``model.layers.0.mlp``), or ``""``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+def _preference(rules: list[tuple[str, list[str]]], node: fx.Node) -> tuple[str, list[str]] | None:
+    path = node_path(node)
+    for glob, names in rules:
+        if fnmatch.fnmatchcase(node.name, glob) or (path and fnmatch.fnmatchcase(path, glob)):
+            return glob, names
+    return None
+
+
+class _TokenShapes:
+    """Turns the graph's symbolic shapes into concrete ones for a token count: the flattened row's batch
+    symbol is 1 and its sequence symbol the token count (read from ``input_ids``'s ``[1, T]`` value)."""
+
+    def __init__(self, gm: GraphModule):
+        ids = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids"), None)
+        shape = ids.meta.get("val").shape if ids is not None and "val" in ids.meta else ()
+        self.symbols = [d.node.expr if isinstance(d, torch.SymInt) else None for d in shape]
+
+    def concrete(self, shape: Sequence[Any], num_tokens: int) -> tuple[int, ...]:
+        values = {}
+        if len(self.symbols) == 2:
+            batch, seq = self.symbols
+            if batch is not None:
+                values[batch] = 1
+            if seq is not None:
+                values[seq] = num_tokens
+        return tuple(int(d.node.expr.xreplace(values)) if isinstance(d, torch.SymInt) else int(d) for d in shape)
+
+    def token_dim(self, value: torch.Tensor) -> int | None:
+        seq = self.symbols[1] if len(self.symbols) == 2 else None
+        for index, d in enumerate(value.shape):
+            if isinstance(d, torch.SymInt) and seq is not None and seq in d.node.expr.free_symbols:
+                return index
+        return None
+
+
+def _meta_args(node: fx.Node, shapes: _TokenShapes, gm: GraphModule) -> list[Any]:
+    """The node's arguments for ``supports``: tensors as meta tensors (concrete shapes, one token bucket)."""
+
+    def convert(arg):
+        if not isinstance(arg, fx.Node):
+            return arg
+        value = arg.meta.get("val")
+        if arg.op == "get_attr":
+            value = _attribute(gm, arg.target)
+        if not isinstance(value, torch.Tensor):
+            return value
+        shape = shapes.concrete(value.shape, 8)
+        return torch.empty_strided(shape, _strides(value, shape), dtype=value.dtype, device="meta")
+
+    return [fx.node.map_aggregate(a, convert) for a in node.args]
+
+
+def _strides(value: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Contiguous strides for ``shape``, unless the value's strides are concrete already."""
+    if all(isinstance(s, int) for s in value.stride()) and len(value.stride()) == len(shape):
+        return tuple(value.stride())
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _attribute(gm: GraphModule, target: str) -> Any:
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+class _Problem:
+    """One node as the autotuner sees it: real weights, random activations at any token count."""
+
+    def __init__(self, node: fx.Node, gm: GraphModule, shapes: _TokenShapes, device: torch.device):
+        self.node, self.gm, self.shapes, self.device = node, gm, shapes, device
+
+    def tunable(self) -> str | None:
+        """Why this node cannot be timed on synthetic inputs, or ``None``."""
+        for leaf in _nodes(self.node.args):
+            value = _attribute(self.gm, leaf.target) if leaf.op == "get_attr" else leaf.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                if value.device.type == "meta" and leaf.op == "get_attr":
+                    return "weights are on the meta device"
+                if not value.dtype.is_floating_point:
+                    return "integer inputs (indices, sequence metadata) are not synthesized"
+            elif value is None:
+                return "an input has no recorded value"
+        return None
+
+    def make_inputs(self, num_tokens: int) -> list[Any]:
+        def build(arg):
+            if not isinstance(arg, fx.Node):
+                return arg
+            if arg.op == "get_attr":
+                return _attribute(self.gm, arg.target)
+            value = arg.meta["val"]
+            if not isinstance(value, torch.Tensor):
+                return value
+            shape = self.shapes.concrete(value.shape, num_tokens)
+            return torch.randn(shape, dtype=value.dtype, device=self.device)
+
+        return [fx.node.map_aggregate(a, build) for a in self.node.args]
+
+    def token_position(self) -> tuple[int, int] | None:
+        """(argument index, dim) of the first tensor argument whose shape holds the token count."""
+        for index, arg in enumerate(self.node.args):
+            if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor):
+                dim = self.shapes.token_dim(arg.meta["val"])
+                if dim is not None:
+                    return index, dim
+        return None
+
+
+def _nodes(arg: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, found.append)
+    return found
+
+
+def token_dispatch(op_name: str, table: dict[int, Backend], position: tuple[int, int]):
+    """A node target that calls, per call, the backend its token count's bucket chose."""
+    buckets = tuple(sorted(table))
+    ops = {bucket: backend.op for bucket, backend in table.items()}
+    argument, dim = position
+
+    def dispatch(*args):
+        return ops[bucket_for(args[argument].shape[dim], buckets)](*args)
+
+    # The name graphs and profiles show, e.g. rms_norm_by_tokens__1_16_triton__32_2048_torch.
+    runs: list[list[Any]] = []
+    for bucket in buckets:
+        name = table[bucket].name
+        if runs and runs[-1][2] == name:
+            runs[-1][1] = bucket
+        else:
+            runs.append([bucket, bucket, name])
+    dispatch.__name__ = dispatch.__qualname__ = f"{op_name}_by_tokens__" + "__".join(f"{a}_{b}_{n}" for a, b, n in runs)
+    return dispatch
+
+
+@register_transform("select_kernels")
+class SelectKernels(Transform):
+    """Give every canonical node the backend op that serves it (preference > tuned > first supported)."""
+
+    config_class = SelectKernelsConfig
+
+    def validate(self, context: TransformContext) -> None:
+        parse_preferences(context.settings.get("backends") or {})
+
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
+        settings = context.settings
+        preferences = parse_preferences(settings.get("backends") or {})
+        device = torch.device(str(settings.device))
+        shapes = _TokenShapes(module)
+        tuner_settings = settings.get("autotuner") or {}
+        tuner = None
+        if tuner_settings.get("enabled", True) and device.type != "meta":
+            tuner = context.state.get("autotuner") or Autotuner(
+                device, tuner_settings.get("cache_dir"), warmup=tuner_settings.get("warmup", 3),
+                repeats=tuner_settings.get("repeats", 15),
+            )
+        buckets = token_buckets(int(settings.max_batch_size), int(settings.scheduler.max_num_tokens))
+        summary: Counter[tuple[str, str, str]] = Counter()
+        decided: dict[str, Any] = {}  # problem signature → target, so identical layers are tuned once
+        self.tuning_table: list[str] = []
+        changed = 0
+        for node in list(module.graph.nodes):
+            found = op_by_target(node.target) if node.op == "call_function" else None
+            if found is None or not found[0].backends:
+                continue
+            record = found[0]
+            target, choice = self._choose(record.name, node, module, shapes, device, preferences, tuner, buckets, decided)
+            if target is not node.target:
+                node.target = target
+                changed += 1
+            node.meta["autodeploy_kernel"] = choice
+            summary[(record.name, getattr(target, "__name__", str(target)).removesuffix(".default"), choice.why)] += 1
+        details = [f"{op} ×{count} → {kernel} ({why})" for (op, kernel, why), count in sorted(summary.items())]
+        if tuner is not None:
+            tuner.save()
+            if self.tuning_table:
+                details += ["tuned problems (token bucket: winner, median µs per candidate):", *self.tuning_table]
+                details.append(f"autotuner cache {tuner.cache.path}: {tuner.profiled} bucket timings made, "
+                               f"{tuner.reused} reused")
+        module.recompile()
+        tuned = f", {tuner.profiled} problem×bucket timings" if tuner is not None and tuner.profiled else ""
+        return TransformResult(matches=sum(summary.values()), changed=bool(changed),
+                               notes=f"{len(summary)} kernel choices{tuned}", details=details)
+
+    def _choose(self, op_name, node, gm, shapes, device, preferences, tuner, buckets, decided):
+        args = _meta_args(node, shapes, gm)
+        options = candidates(op_name)
+        reasons = {b.name: b.check(args, device) for b in options}
+        supported = [b for b in options if reasons[b.name] is None]
+        preference = _preference(preferences.get(op_name, []), node)
+        if preference is not None:
+            glob, names = preference
+            chosen = next((b for name in names for b in supported if b.name == name), None)
+            if chosen is None:
+                why_not = "; ".join(f"{name}: {reasons[name]}" for name in names)
+                raise ConfigError(
+                    f"backends.{op_name} prefers {names} for node {node.name} ({node_path(node) or 'no module path'}), "
+                    f"but none supports it on {device} — {why_not}. Supported here: "
+                    f"{', '.join(b.name for b in supported)}; change the preference or add one of those to it"
+                )
+            return chosen.op, Choice(chosen.name, "preference")
+        contenders = [b for b in supported if b.name != REFERENCE]
+        if len(contenders) > 1 and tuner is not None:
+            problem = _Problem(node, gm, shapes, device)
+            untunable = problem.tunable()
+            position = problem.token_position()
+            if untunable is None and position is not None:
+                signature = [op_name, _signature(node, gm, shapes)]
+                key = repr(signature) + repr([b.name for b in contenders])
+                if key not in decided:
+                    dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype.is_floating_point), torch.float32)
+                    table = tuner.decide(op_name, signature, contenders, canonical_ops()[op_name].reference,
+                                         problem.make_inputs, buckets, dtype)
+                    self.tuning_table.append(f"  {op_name} {_describe(signature[1])}: {_runs(table)}")
+                    by_name = {b.name: b for b in contenders}
+                    winners = {bucket: by_name[d.backend] for bucket, d in table.items()}
+                    if len({b.name for b in winners.values()}) == 1:
+                        only = next(iter(winners.values()))
+                        decided[key] = (only.op, Choice(only.name, "tuned"))
+                    else:
+                        dispatch = token_dispatch(op_name, winners, position)
+                        decided[key] = (dispatch, Choice(dispatch.__name__, "tuned per token bucket"))
+                return decided[key]
+            logger.debug("select: %s not tuned (%s); first supported backend", node.name, untunable or "no token dimension")
+        chosen = supported[0]
+        if chosen.name == REFERENCE and len(options) > 1:
+            refused = "; ".join(f"{name}: {why}" for name, why in reasons.items() if why)
+            return chosen.op, Choice(chosen.name, f"only candidate — {refused}")
+        return chosen.op, Choice(chosen.name, "only candidate" if len(contenders) <= 1 else "first supported")
+
+
+def _runs(table: dict[int, Any]) -> str:
+    """Consecutive buckets with one winner as a run, with the candidates' times at the run's ends:
+    ``1–32: triton (at 1: torch 9.1, triton 4.0; at 32: …)``."""
+
+    def times(decision) -> str:
+        return ", ".join(f"{name} {seconds * 1e6:.1f}" for name, seconds in sorted(decision.seconds.items()))
+
+    runs: list[list[int]] = []
+    for bucket in sorted(table):
+        if runs and table[runs[-1][-1]].backend == table[bucket].backend:
+            runs[-1].append(bucket)
+        else:
+            runs.append([bucket])
+    parts = []
+    for run in runs:
+        first, last = run[0], run[-1]
+        ends = f"at {first}: {times(table[first])}" + ("" if first == last else f"; at {last}: {times(table[last])}")
+        parts.append(f"{first}–{last}: {table[first].backend} ({ends})" if first != last else f"{first}: {table[first].backend} ({ends})")
+    return "; ".join(parts)
+
+
+def _describe(signature: list[Any]) -> str:
+    """``[["tensor", ["T", "64"], "bfloat16"], …]`` → ``(T×64 bfloat16, …)`` for the tuning table."""
+
+    def one(item):
+        if isinstance(item, list) and len(item) == 3 and item[0] == "tensor":
+            return "×".join(item[1]) + f" {item[2]}"
+        return str(item)
+
+    return "(" + ", ".join(one(a) for a in signature) + ")"
+
+
+def _signature(node: fx.Node, gm: GraphModule, shapes: _TokenShapes) -> list[Any]:
+    """The node's arguments with the token count left open (``T``, ``2T``): what makes two nodes the same
+    tuning problem, in this graph and in the next export of the model (symbol names differ between exports)."""
+
+    def dim(value: torch.Tensor, index: int) -> str:
+        one, two = (shapes.concrete(value.shape, n)[index] for n in (1, 2))
+        if one == two:
+            return str(one)
+        return "T" if one == 1 and two == 2 else f"{one}+{two - one}(T-1)"
+
+    def describe(arg):
+        if isinstance(arg, fx.Node):
+            value = _attribute(gm, arg.target) if arg.op == "get_attr" else arg.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                return ["tensor", [dim(value, i) for i in range(value.dim())], str(value.dtype).removeprefix("torch.")]
+            return repr(value)
+        if isinstance(arg, (list, tuple)):
+            return [describe(a) for a in arg]
+        return repr(arg)
+
+    return [describe(a) for a in node.args]
