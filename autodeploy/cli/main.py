@@ -1,8 +1,9 @@
-"""The ``autodeploy`` command line: run, config show, inspect, bench.
+"""The ``autodeploy`` command line: run, config show, inspect, tune, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
 ``bench --baseline`` exits with code 3 when a metric regressed. ``--debug`` and ``--version`` go
-before or after the subcommand.
+before or after the subcommand. Building the parser imports neither torch nor transformers (each
+handler imports what it needs), so ``--help`` and ``--version`` answer at once.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one setting, e.g. --set transforms.cleanup_noop.enabled=false (repeatable)")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand with its flags and help; imports nothing heavy (each handler imports what it needs).
+
+    >>> build_parser().parse_args(["config", "show", "--debug"]).debug
+    True
+    """
     version_line = _version_line()
     parser = argparse.ArgumentParser(prog="autodeploy", description="Hugging Face causal LM → fast inference engine.")
     _add_global_flags(parser, version_line, top_level=True)
@@ -82,6 +88,11 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--device", default="meta", help="meta (default: no weights needed), cpu or cuda")
     _add_settings_arguments(inspect)
 
+    tune = commands.add_parser("tune", help="time the kernel candidates of every node now and print the decision table "
+                                             "(later builds reuse the decisions from autotuner.cache_dir)")
+    tune.add_argument("model", nargs="?", default=None)
+    _add_settings_arguments(tune)
+
     bench = commands.add_parser("bench", help="latency/throughput/memory/accuracy benchmarks, baselines, regression check")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--workload", default="synthetic", help="comma list of synthetic, poisson, concurrency, accuracy")
@@ -106,7 +117,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch (fewer threads measure more steadily on a shared machine)")
     bench.add_argument("--no-progress", action="store_true")
     _add_settings_arguments(bench)
-    for subcommand in (run, config, show, inspect, bench):
+    for subcommand in (run, config, show, inspect, tune, bench):
         _add_global_flags(subcommand, version_line, top_level=False)
     return parser
 
@@ -209,7 +220,7 @@ def _run(args) -> None:
 
 
 def _config_show(args) -> None:
-    from autodeploy.api import deployment_settings
+    from autodeploy import deployment_settings  # through the package: it registers the built-in transforms
     from autodeploy.config import load_settings, settings_to_yaml
 
     if args.model is None and not any(a.startswith("model=") for a in args.set_arguments):
@@ -234,10 +245,22 @@ def _inspect(args) -> None:
     print(f"wall time {time.perf_counter() - start:.1f}s, peak RSS {peak_mb:.0f} MB, device {llm.settings.device}")
 
 
+def _tune(args) -> None:
+    from autodeploy import autodeploy
+
+    start = time.perf_counter()
+    llm = autodeploy(args.model, config=args.config, set_arguments=["autotuner.enabled=true", *args.set_arguments])
+    record = next((r for r in llm.records if r.name == "select_kernels"), None)
+    if record is None:
+        raise ConfigError("the pipeline has no select_kernels transform to tune; enable transforms.select_kernels")
+    print("\n".join(record.details))
+    print(f"tuned in {time.perf_counter() - start:.1f}s (whole build) on {llm.settings.device} ({llm.settings.dtype})")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"run": _run, "config": _config_show, "inspect": _inspect, "bench": _bench}
+    handlers = {"run": _run, "config": _config_show, "inspect": _inspect, "tune": _tune, "bench": _bench}
     try:
         code = handlers[args.command](args)
     except AutoDeployError as error:
