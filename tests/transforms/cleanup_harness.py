@@ -30,5 +30,12 @@ def run_transform(name: str, gm: GraphModule) -> TransformResult:
 
 
 def call_targets(gm: GraphModule) -> Counter:
-    """How many ``call_function`` nodes each op has, keyed by the op's name (``aten.view.default``)."""
-    return Counter(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+    """How many ``call_function`` nodes each op has, keyed by the op's name (``aten.view.default``); a
+    canonical op's backend (``autodeploy.moe_torch.default`` after select) counts as the canonical op."""
+    from autodeploy.custom_ops import op_by_target
+
+    def name(target) -> str:
+        found = op_by_target(target)
+        return str(found[0].op) if found is not None else str(target)
+
+    return Counter(name(node.target) for node in gm.graph.nodes if node.op == "call_function")
