@@ -38,3 +38,20 @@ def test_readme_pattern_example_registers_and_runs_by_name(llama_dir):
         assert "aten.sigmoid" in ops and "aten.silu" not in ops and "autodeploy.rms_norm" in ops
     finally:
         unregister_pattern("my_silu_as_sigmoid")
+
+
+def test_readme_backend_example_is_a_correct_rms_norm_kernel(monkeypatch):
+    # Recorded rather than registered: a real registration would join every later deploy's contest.
+    import autodeploy
+    from autodeploy.custom_ops.rms_norm import rms_norm_reference
+
+    registered = []
+    monkeypatch.setattr(autodeploy, "register_backend", lambda *args, **kwargs: registered.append((args, kwargs)), raising=False)
+    exec(_python_block("Kernel backends"), {})
+    ((op_name, name, fn), kwargs), = registered
+    assert (op_name, name) == ("rms_norm", "mine")
+    x, weight = torch.randn(3, 8), torch.rand(8)
+    torch.testing.assert_close(fn(x, weight, 1e-6, 1.0), rms_norm_reference(x, weight, 1e-6, 1.0))
+    meta = torch.empty(8, device="meta")
+    assert kwargs["supports"](meta, meta, 1e-6, device=torch.device("cpu")) is True
+    assert kwargs["supports"](meta.half(), meta, 1e-6, device=torch.device("cpu")) == "needs weight in x's dtype"
