@@ -2,8 +2,14 @@
 serves it (Triton decides at kernel definition whether to interpret, from ``TRITON_INTERPRET``)."""
 
 import importlib.util
+import os
 
 import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what every Triton kernel here takes
+
+# Triton fixes this when a kernel is defined, at import: only then may the kernels run on CPU tensors.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_unavailable(device: torch.device) -> str | None:

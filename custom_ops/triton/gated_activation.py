@@ -38,7 +38,6 @@ Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the test
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,11 +46,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from . import INTERPRETED, SUPPORTED_DTYPES
 
-# Triton fixed this when the kernels below were defined, at import; only then may tensors be on the CPU.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
+
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
@@ -119,7 +117,7 @@ def gated_activation(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_activation: unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}.")
-    if gate.device.type != "cuda" and not _INTERPRETED:
+    if gate.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
             f"gated_activation: tensors are on {gate.device}; the Triton kernel needs CUDA tensors, "
             f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU."

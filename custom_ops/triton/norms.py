@@ -30,7 +30,6 @@ Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the test
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,11 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_HIDDEN = 32768
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from . import INTERPRETED, SUPPORTED_DTYPES
 
-# Triton fixed this when the kernels below were defined, at import; only then may tensors be on the CPU.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_HIDDEN = 32768
 
 
 @dataclass(frozen=True)
@@ -174,7 +171,7 @@ def layer_norm_triton(
 def _check_and_flatten(op: str, x: torch.Tensor, **params: Optional[torch.Tensor]) -> torch.Tensor:
     """``x`` as ``[rows, H]`` with a contiguous last dim (a view where possible); ``ValueError`` for
     an input the kernels cannot take."""
-    if x.device.type != "cuda" and not _INTERPRETED:
+    if x.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
             f"{op}: x is on {x.device}; the Triton kernels need CUDA tensors, "
             f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU."

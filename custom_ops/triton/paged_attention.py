@@ -43,20 +43,18 @@ it too, as ``tests/custom_ops/test_paged_attention_triton.py`` does)::
 from __future__ import annotations
 
 import functools
-import os
 from typing import List, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from . import INTERPRETED, SUPPORTED_DTYPES
+
 from ..attention import check_alibi_slopes
 
 MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Triton fixed this when the kernels below were defined, at import; only then may tensors be on the CPU.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # A split must cover enough keys that its fixed cost (loading the queries, writing and merging a
 # partial result) stays small next to its loop.
@@ -552,7 +550,7 @@ def _check_supported(
     num_decode_splits: Optional[int],
 ) -> None:
     """Raise ``ValueError`` naming the first input these kernels cannot take."""
-    if q.device.type != "cuda" and not _INTERPRETED:
+    if q.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
             f"cached_attention_triton: tensors are on {q.device}; the Triton kernels need CUDA tensors, "
             f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU."
@@ -564,7 +562,7 @@ def _check_supported(
             f"cached_attention_triton: q and both caches must share one dtype of {SUPPORTED_DTYPES}; "
             f"got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}. Use the torch backend otherwise."
         )
-    if _INTERPRETED and q.dtype == torch.bfloat16:
+    if INTERPRETED and q.dtype == torch.bfloat16:
         raise ValueError(
             "cached_attention_triton: Triton's interpreter multiplies the bit patterns of bfloat16 tl.dot "
             "operands (triton-lang/triton#11584); run bfloat16 on a GPU, or float16/float32 in the interpreter."

@@ -32,7 +32,6 @@ Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the test
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,11 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_HEAD_DIM = 1024
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from . import INTERPRETED, SUPPORTED_DTYPES
 
-# Triton fixed this when the kernels below were defined, at import; only then may tensors be on the CPU.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_HEAD_DIM = 1024
 
 
 @dataclass(frozen=True)
@@ -191,7 +188,7 @@ def rope_triton(
 def _check_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Raise ``ValueError`` naming the first input the kernel cannot take (the reference's shape rules
     and this kernel's limits)."""
-    if x.device.type != "cuda" and not _INTERPRETED:
+    if x.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
             f"rope_triton: x is on {x.device}; the Triton kernel needs CUDA tensors, "
             f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU."
