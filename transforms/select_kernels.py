@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -143,10 +144,7 @@ def _strides(value: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _attribute(gm: GraphModule, target: str) -> Any:
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
+    return operator.attrgetter(target)(gm)
 
 
 class _Problem:
@@ -208,13 +206,7 @@ def token_dispatch(op_name: str, table: dict[int, Backend], position: tuple[int,
         return ops[bucket_for(args[argument].shape[dim], buckets)](*args)
 
     # The name graphs and profiles show, e.g. rms_norm_by_tokens__1_16_triton__32_2048_torch.
-    runs: list[list[Any]] = []
-    for bucket in buckets:
-        name = table[bucket].name
-        if runs and runs[-1][2] == name:
-            runs[-1][1] = bucket
-        else:
-            runs.append([bucket, bucket, name])
+    runs = _bucket_runs({bucket: backend.name for bucket, backend in table.items()})
     dispatch.__name__ = dispatch.__qualname__ = f"{op_name}_by_tokens__" + "__".join(f"{a}_{b}_{n}" for a, b, n in runs)
     return dispatch
 
@@ -236,7 +228,7 @@ class SelectKernels(Transform):
         tuner_settings = settings.get("autotuner") or {}
         tuner = None
         if tuner_settings.get("enabled", True) and device.type != "meta":
-            tuner = context.state.get("autotuner") or Autotuner(
+            tuner = Autotuner(
                 device, tuner_settings.get("cache_dir"), warmup=tuner_settings.get("warmup", 3),
                 repeats=tuner_settings.get("repeats", 15),
             )
@@ -315,24 +307,28 @@ class SelectKernels(Transform):
         return chosen.op, Choice(chosen.name, "only candidate" if len(contenders) <= 1 else "first supported")
 
 
+def _bucket_runs(winners: dict[int, str]) -> list[tuple[int, int, str]]:
+    """Consecutive buckets with one winner as ``(first, last, winner)``, in bucket order."""
+    runs: list[tuple[int, int, str]] = []
+    for bucket in sorted(winners):
+        if runs and runs[-1][2] == winners[bucket]:
+            runs[-1] = (runs[-1][0], bucket, winners[bucket])
+        else:
+            runs.append((bucket, bucket, winners[bucket]))
+    return runs
+
+
 def _runs(table: dict[int, Any]) -> str:
-    """Consecutive buckets with one winner as a run, with the candidates' times at the run's ends:
+    """The tuning table's line for one problem, a run per winner with the candidates' times at its ends:
     ``1–32: triton (at 1: torch 9.1, triton 4.0; at 32: …)``."""
 
     def times(decision) -> str:
         return ", ".join(f"{name} {seconds * 1e6:.1f}" for name, seconds in sorted(decision.seconds.items()))
 
-    runs: list[list[int]] = []
-    for bucket in sorted(table):
-        if runs and table[runs[-1][-1]].backend == table[bucket].backend:
-            runs[-1].append(bucket)
-        else:
-            runs.append([bucket])
     parts = []
-    for run in runs:
-        first, last = run[0], run[-1]
+    for first, last, winner in _bucket_runs({bucket: d.backend for bucket, d in table.items()}):
         ends = f"at {first}: {times(table[first])}" + ("" if first == last else f"; at {last}: {times(table[last])}")
-        parts.append(f"{first}–{last}: {table[first].backend} ({ends})" if first != last else f"{first}: {table[first].backend} ({ends})")
+        parts.append(f"{first}{'' if first == last else f'–{last}'}: {winner} ({ends})")
     return "; ".join(parts)
 
 
