@@ -46,7 +46,7 @@ class InsertCachedAttentionConfig(TransformConfig):
 _EXAMPLE_TOKENS, _EXAMPLE_SEQUENCES, _EXAMPLE_BLOCKS = 4, 2, 4
 
 
-def _metadata_values(device: torch.device) -> dict[str, torch.Tensor]:
+def _metadata_values() -> dict[str, torch.Tensor]:
     n, t = _EXAMPLE_SEQUENCES, _EXAMPLE_TOKENS
     meta = dict(device="meta")
     return {
@@ -120,7 +120,7 @@ class InsertCachedAttention(Transform):
         if not attention or (expected is not None and len(attention) != expected):
             raise UnsupportedModelError(_missing_attention_message(gm, len(attention), expected))
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        values = _metadata_values(context.settings.device)
+        values = _metadata_values()
         with graph.inserting_after(placeholders[-1]):
             metadata = {}
             for name in reversed(SEQUENCE_METADATA):  # inserting_after puts each new node first
