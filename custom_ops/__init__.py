@@ -5,7 +5,20 @@ Importing this package registers every built-in op (one module each) and its bac
 :func:`register_backend` a kernel for any op (see ``registry.py``).
 """
 
-from . import attention, cached_attention, cached_attention_sdpa, gated_mlp, layer_norm, linear, mlp, moe, rms_norm, rope, triton_backends  # noqa: F401  (registers the ops)
+from . import (  # noqa: F401  (registers the ops and their backends)
+    attention,
+    cached_attention,
+    cached_attention_sdpa,
+    cutlass_backends,
+    gated_mlp,
+    layer_norm,
+    linear,
+    mlp,
+    moe,
+    rms_norm,
+    rope,
+    triton_backends,
+)
 from .registry import (
     REFERENCE,
     Backend,

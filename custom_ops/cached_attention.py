@@ -114,24 +114,29 @@ cached_attention = register_op(
 
 def _triton_backend(*args, **kwargs):
     # Imported on first use: Triton decides at kernel definition whether to interpret (TRITON_INTERPRET).
+    # The arguments were checked once, at build, by _triton_supports: the launch skips the checks.
     from .triton.paged_attention import cached_attention_triton
 
-    return cached_attention_triton(*args, **kwargs)
+    return cached_attention_triton(*args, **kwargs, check=False)
 
 
-def _triton_supports(q, k, v, k_cache, v_cache, *metadata_and_options, device):
+def _triton_supports(
+    q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
+    sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, *, device,
+):
     from .triton import triton_unavailable
 
     reason = triton_unavailable(device)
     if reason:
         return reason
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not q.dtype == k_cache.dtype == v_cache.dtype:
-        return f"needs q and both caches in one of float32/float16/bfloat16 (q {q.dtype}, cache {k_cache.dtype})"
-    if max(q.shape[-1], v.shape[-1]) > 256:
-        return f"head dims up to 256 (D={q.shape[-1]}, Dv={v.shape[-1]})"
-    block_size = k_cache.shape[1]
-    if block_size < 1 or block_size & (block_size - 1):
-        return f"needs a power-of-2 cache block size (kv_cache.block_size is {block_size})"
+    from .triton.paged_attention import check_supported  # Triton is usable here: its kernels may be defined
+
+    try:
+        check_supported(
+            q, k, v, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes, device=device
+        )
+    except ValueError as error:
+        return str(error).removeprefix("cached_attention_triton: ")
     return True
 
 

@@ -35,6 +35,7 @@ from autodeploy.bench.workloads import (
     realistic_requests,
     synthetic_workload,
 )
+from autodeploy.config import DeploySettings
 from autodeploy.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -165,11 +166,26 @@ def _machine(device: torch.device) -> dict:
     return {"device": device.type, "device_name": name, "torch": torch.__version__, "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
+def _sized_for_workloads(config: BenchmarkConfig) -> list[str]:
+    """``config.set_arguments``, plus ``max_batch_size`` large enough for the largest batch or concurrency
+    point unless the user's files or ``--set`` name it: otherwise a 256-request point would be served 32 at a
+    time (the default) and compared with baselines that run all 256 at once."""
+    from omegaconf import OmegaConf
+
+    named = any(argument.split("=", 1)[0].strip() == "max_batch_size" for argument in config.set_arguments)
+    named = named or any("max_batch_size" in OmegaConf.load(path) for path in config.config_files)
+    points = [*(config.batch if "synthetic" in config.workloads else ()),
+              *(config.concurrency if "concurrency" in config.workloads else ())]
+    if named or not points or max(points) <= DeploySettings.max_batch_size:
+        return list(config.set_arguments)
+    return [*config.set_arguments, f"max_batch_size={max(points)}"]
+
+
 def run_benchmark(config: BenchmarkConfig) -> BenchResult:
     from autodeploy import autodeploy
 
     config.validate()
-    llm = autodeploy(config.model, config=config.config_files, set_arguments=config.set_arguments)
+    llm = autodeploy(config.model, config=config.config_files, set_arguments=_sized_for_workloads(config))
     settings = llm.settings
     if "accuracy" in config.workloads and settings.weights == "random":
         raise ConfigError("the accuracy workload compares with the checkpoint's own HF model; it needs weights=checkpoint, not random")
@@ -203,9 +219,11 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
     if config.compare:
         llm.free_kv_cache()  # the pool takes most of a GPU; the baselines need room for their own caches
     for engine in config.compare:
-        from autodeploy.bench.hf_baselines import load_hf_model
+        from autodeploy.bench.hf_baselines import hf_generate_timing, load_hf_model
 
         model = load_hf_model(llm.model_directory, _torch_dtype(settings.dtype), device)
+        # Untimed, as the engine's warm-up above: the first generate() pays one-off CUDA and cuBLAS setup.
+        hf_generate_timing(model, [[1] * 8], output_len=4, mode="hf-eager")
         for workload in synthetic:
             result.runs.append(_run_result(workload, engine, _hf_measurements(config, workload, engine, model, device)))
         del model

@@ -398,18 +398,27 @@ def cached_attention_triton(
     alibi_slopes: Optional[List[float]] = None,
     *,
     num_decode_splits: Optional[int] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """``cached_attention`` with Triton kernels: same arguments, same result as ``cached_attention_reference``.
 
     Writes ``k``/``v`` into the caches, then runs the prefill kernel over the first ``num_prefill``
     sequences and the split-K decode kernel over the last ``num_decode`` (``batch_info``, read on the
     host). ``num_decode_splits`` overrides the split count chosen from the batch and context sizes.
-    Raises ``ValueError`` for inputs these kernels do not support (see :func:`_check_supported`).
+    Raises ``ValueError`` for inputs these kernels do not support (see :func:`check_supported`);
+    ``check=False`` skips those checks, for a caller that ran them once already (the backend op, whose
+    ``supports`` checked the node at build).
     """
-    _check_supported(
-        q, k, v, k_cache, v_cache, block_tables, batch_info, sliding_window, logit_cap, sinks, num_decode_splits
-    )
-    check_alibi_slopes("cached_attention_triton", alibi_slopes, q.shape[2])
+    if check:
+        check_supported(
+            q, k, v, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes,
+            num_decode_splits, device=q.device,
+        )
+        if batch_info.device.type != "cpu":
+            raise ValueError(
+                f"cached_attention_triton: batch_info must be a CPU tensor (read without a device sync); "
+                f"it is on {batch_info.device}."
+            )
     num_prefill, num_decode, max_q_len, max_kv_len = batch_info.tolist()
     q_tokens, k_tokens, v_tokens = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (q, k, v))
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -536,23 +545,26 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _check_supported(
+def check_supported(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    batch_info: torch.Tensor,
     sliding_window: Optional[int],
     logit_cap: Optional[float],
     sinks: Optional[torch.Tensor],
-    num_decode_splits: Optional[int],
+    alibi_slopes: Optional[List[float]],
+    num_decode_splits: Optional[int] = None,
+    *,
+    device: torch.device,
 ) -> None:
-    """Raise ``ValueError`` naming the first input these kernels cannot take."""
-    if q.device.type != "cuda" and not INTERPRETED:
+    """Raise ``ValueError`` naming the first input these kernels cannot take on ``device``. Reads only
+    shapes, dtypes and strides, so the ``supports`` predicate runs it on a node's meta tensors at build."""
+    if device.type != "cuda" and not INTERPRETED:
         raise ValueError(
-            f"cached_attention_triton: tensors are on {q.device}; the Triton kernels need CUDA tensors, "
+            f"cached_attention_triton: tensors are on {device}; the Triton kernels need CUDA tensors, "
             f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU."
         )
     if q.dim() != 4 or q.shape[0] != 1:
@@ -594,11 +606,7 @@ def _check_supported(
         raise ValueError(
             "cached_attention_triton: the caches' head-dim axis and block_tables' rows must be contiguous."
         )
-    if batch_info.device.type != "cpu":
-        raise ValueError(
-            f"cached_attention_triton: batch_info must be a CPU tensor (read without a device sync); "
-            f"it is on {batch_info.device}."
-        )
+    check_alibi_slopes("cached_attention_triton", alibi_slopes, q_heads)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"cached_attention_triton: sliding_window must be ≥ 1 (or None); got {sliding_window}.")
     if logit_cap is not None and not logit_cap > 0:

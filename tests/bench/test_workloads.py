@@ -97,3 +97,16 @@ def test_dataset_files(tmp_path):
             load_dataset(path, None, vocab_size=10)
     with pytest.raises(ConfigError, match="does not exist"):
         load_dataset(tmp_path / "missing.jsonl", None, vocab_size=10)
+
+
+def test_the_engine_is_sized_for_the_largest_point_unless_the_user_says_otherwise(tmp_path):
+    from autodeploy.bench.benchmark import BenchmarkConfig, _sized_for_workloads
+
+    assert _sized_for_workloads(BenchmarkConfig(batch=[1, 32, 256])) == ["max_batch_size=256"]
+    assert _sized_for_workloads(BenchmarkConfig(batch=[1, 8], set_arguments=["dtype=float32"])) == ["dtype=float32"]
+    concurrency = BenchmarkConfig(workloads=["concurrency"], concurrency=[64], batch=[512])
+    assert _sized_for_workloads(concurrency) == ["max_batch_size=64"]
+    assert _sized_for_workloads(BenchmarkConfig(batch=[256], set_arguments=["max_batch_size=16"])) == ["max_batch_size=16"]
+    config_file = tmp_path / "site.yaml"
+    config_file.write_text("max_batch_size: 48\n")
+    assert _sized_for_workloads(BenchmarkConfig(batch=[256], config_files=[str(config_file)])) == []

@@ -223,6 +223,26 @@ def test_unsupported_inputs_raise(change, message):
         cached_attention_triton(*batch)
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(head_dim=512), "head dims up to 256"),
+        (dict(block_size=12), "power of 2"),
+        (dict(q_heads=3), "multiple of kv heads"),
+    ],
+)
+def test_the_backend_refuses_at_build_what_its_launch_would_not_check(change, message):
+    # The backend op launches without argument checks: its supports() must have refused the node already.
+    backend = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "triton")
+    cuda = torch.device("cuda")  # what a GPU deploy passes; supports() reads only the meta tensors
+
+    def as_meta(batch):
+        return [a.to("meta") if isinstance(a, torch.Tensor) else a for a in batch]
+
+    assert message in backend.check(as_meta(paged_batch([(3, 3)], **change)), cuda)
+    assert backend.check(as_meta(paged_batch([(3, 3)])), cuda) is None
+
+
 def test_offered_as_a_backend_of_cached_attention():
     backend = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "triton")
     q, k, v, k_cache, v_cache, *metadata = paged_batch([(5, 12)], [9])

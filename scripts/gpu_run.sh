@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: install, then the named steps in order, each under its own time limit, logs under $OUT.
+# Run on the GPU machine:  STEPS="backends bench" bash scripts/gpu_run.sh
+# Steps: tune, backends (every backend against its reference at 8B shapes), bench (autodeploy bench at
+# 1/32/256 against hf-eager and hf-compile in the same run), generate (scripts/bench_gpu_generate.py),
+# profile (scripts/profile_engine_step.py), suite (the whole test suite on the GPU, 12 workers).
+# Limits: <STEP>_S, e.g. BENCH_S=420. Extra autodeploy settings for bench/generate/profile: AD_SET="--set k=v".
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export XDG_CACHE_HOME="$OUT/cache"
+python3 -m pip install -q --no-deps .whl/*.whl >/dev/null 2>&1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "rc=$rc wall=$((SECONDS - t0))s"; tail -n ${TAIL:-30} "$OUT/$name.log" | cut -c1-300; }
+MODEL=llama-3-8b
+for s in ${STEPS:-backends bench}; do case $s in
+  tune) AUTODEPLOY_CONFIG= step tune ${TUNE_S:-150} python3 -m autodeploy tune $MODEL --set weights=random ${AD_SET:-} ;;
+  backends) step backends ${BACKENDS_S:-120} python3 -m pytest -q -p no:cacheprovider -n 8 \
+      tests/custom_ops/test_backends_gpu.py tests/custom_ops/test_cutlass_backend.py tests/custom_ops/test_paged_attention_triton.py ;;
+  bench) AUTODEPLOY_CONFIG= step bench ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random ${AD_SET:-} \
+      --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --compare ${COMPARE:-hf-eager,hf-compile} \
+      --no-progress --out "$OUT/bench.json" ;;
+  generate) AUTODEPLOY_CONFIG= step generate ${GENERATE_S:-240} python3 scripts/bench_gpu_generate.py $MODEL ${BATCHES:-1,32,256} ;;
+  profile) AUTODEPLOY_CONFIG= step profile ${PROFILE_S:-90} python3 scripts/profile_engine_step.py 1,256 ;;
+  suite) step suite ${SUITE_S:-420} python3 -m pytest -q -p no:cacheprovider -n 12 ;;
+  *) echo "unknown step $s" ;;
+esac; done
