@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -74,6 +74,20 @@ class AutotunerSettings:
     repeats: int = 15  # timed calls; the median counts
 
 
+COMPILE_BACKENDS = ("none", "cuda_graph")
+
+
+@dataclass
+class CompileSettings:
+    """The compile stage (``transforms/compile_model.py``). ``cuda_graph``: on a GPU, the runtime captures the
+    decode step once per batch size in ``batch_sizes`` (default: 1, 2, 4, 8, then steps of 16 and 32 up to
+    ``max_batch_size``) and replays it, a batch padded up to the next captured size; prefill and mixed
+    steps, and everything on the CPU, run the graph eagerly. ``none``: always eager."""
+
+    backend: str = "cuda_graph"
+    batch_sizes: Optional[List[int]] = None
+
+
 @dataclass
 class DeploySettings:
     """Top-level settings. ``auto`` values are resolved from the model and hardware (see auto_settings)."""
@@ -92,6 +106,7 @@ class DeploySettings:
     # {rms_norm: {"*.layers.0.*": [reference], "*": [triton, torch]}}.
     backends: Dict[str, Any] = field(default_factory=dict)
     autotuner: AutotunerSettings = field(default_factory=AutotunerSettings)
+    compile: CompileSettings = field(default_factory=CompileSettings)
     dump_graphs: Optional[str] = None  # folder: write the graph after every transform
     kv_cache: KVCacheSettings = field(default_factory=KVCacheSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
@@ -245,6 +260,11 @@ def _check_choices(settings: DictConfig) -> None:
     missing = [dtype for dtype in DTYPES if dtype != "auto" and dtype not in settings.verify.tolerance]
     if missing or any(not value > 0 for value in settings.verify.tolerance.values()):
         raise ConfigError(f"verify.tolerance needs a value > 0 for each of float32, bfloat16, float16; got {dict(settings.verify.tolerance)}")
+    if settings.compile.backend not in COMPILE_BACKENDS:
+        raise ConfigError(f"compile.backend is {settings.compile.backend!r}; use one of {', '.join(COMPILE_BACKENDS)}")
+    sizes = settings.compile.batch_sizes
+    if sizes is not None and (not sizes or any(size < 1 for size in sizes)):
+        raise ConfigError(f"compile.batch_sizes must list batch sizes ≥ 1 (or be null for the default), got {list(sizes)}")
     if settings.scheduler.max_num_tokens < 1:
         raise ConfigError(f"scheduler.max_num_tokens must be ≥ 1, got {settings.scheduler.max_num_tokens}")
 

@@ -142,9 +142,7 @@ def served_logits(engine: Engine, sequences: list[list[int]], prompt_lengths: li
             # Multi-token chunks first, single-token chunks after them: the order the scheduler plans.
             planned.sort(key=lambda item: item[1].length == 1)
             owners, chunks = [i for i, _ in planned], [chunk for _, chunk in planned]
-            inputs, _ = build_step_inputs(engine.graph_inputs, chunks, engine.pool, engine.caches, engine.device,
-                                          logits_for_all_tokens=True)
-            logits = engine.graph(*inputs)[0]
+            logits, _ = engine.forward(chunks, logits_for_all_tokens=True)  # decode steps replay CUDA graphs
             offset = 0
             for chunk, owner in zip(chunks, owners):
                 rows[owner].append(logits[offset : offset + chunk.length].float())
@@ -307,7 +305,8 @@ def _compare(factory, twin, reference, graph, context, match_notes, settings, de
             "or set verify.enabled=false to deploy an unserved graph unverified"
         )
     vocab = twin.config.get_text_config().vocab_size
-    engine = Engine(graph, context.graph_inputs, context.kv_caches, context.settings, None, [], vocab, check_logits=False)
+    engine = Engine(graph, context.graph_inputs, context.kv_caches, context.settings, None, [], vocab, check_logits=False,
+                    decode_graph_batch_sizes=context.decode_graph_batch_sizes)
     sequences = _probe_tokens(vocab)
     ours = served_logits(engine, sequences, [length for length, _ in PROBES])
     worst = (0.0, 0.0, 0)

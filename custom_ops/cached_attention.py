@@ -109,6 +109,7 @@ cached_attention = register_op(
     cached_attention_fake,
     example_inputs=_example_inputs(),
     mutates_args=("k_cache", "v_cache"),
+    capturable=False,  # one sequence at a time, from kv_lens read on the host
 )
 
 

@@ -71,4 +71,5 @@ def _sdpa_supports(q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, 
     return True
 
 
-register_backend("cached_attention", "sdpa", cached_attention_sdpa, supports=_sdpa_supports)
+# It reads seq_start and kv_lens on the host: no CUDA graph can hold it.
+register_backend("cached_attention", "sdpa", cached_attention_sdpa, supports=_sdpa_supports, capturable=False)

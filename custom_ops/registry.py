@@ -70,6 +70,9 @@ class Backend:
     fn: Callable[..., Any]
     op: Any = None  # the OpOverload graphs hold after select; the reference's is the canonical op itself
     supports: Supports = supports_any
+    # False when a call reads device tensors on the host (.tolist(), data-dependent shapes): that syncs,
+    # which CUDA graph capture forbids, so the compile stage keeps a graph with such a kernel eager.
+    capturable: bool = True
 
     def check(self, args: Sequence[Any], device: torch.device) -> str | None:
         """``None`` when this backend supports the node, else the reason it does not."""
@@ -93,6 +96,7 @@ class CanonicalOp:
     schema: str
     doc: str
     backends: list[Backend] = field(default_factory=list)
+    reference_capturable: bool = True  # see Backend.capturable
 
 
 _REGISTRY: dict[str, CanonicalOp] = {}
@@ -106,12 +110,14 @@ def register_op(
     example_inputs: Sequence[Any],
     schema: str | None = None,
     mutates_args: Sequence[str] = (),
+    capturable: bool = True,
 ) -> Callable[..., Any]:
     """Register ``torch.ops.autodeploy.<name>`` and record it as a canonical op; returns the callable op.
 
     ``reference`` is the plain-PyTorch implementation; its type hints give the op's schema unless
     ``schema`` (e.g. ``"(Tensor x, float scale) -> Tensor"``) is passed; ``mutates_args`` names the
-    arguments it writes in place (the KV caches of ``cached_attention``). ``fake`` computes output shapes
+    arguments it writes in place (the KV caches of ``cached_attention``); ``capturable=False`` says the
+    reference reads device tensors on the host (see :class:`Backend`). ``fake`` computes output shapes
     and dtypes only. Before anything is registered, the reference runs on ``example_inputs`` and the fake
     on meta-device copies of them; a fake whose outputs differ in structure, shape or dtype is rejected.
     Raises :class:`OpRegistrationError` for an invalid or taken name or a fake that disagrees.
@@ -135,6 +141,7 @@ def register_op(
         fake=fake,
         schema=str(overload._schema),
         doc=reference.__doc__ or "",
+        reference_capturable=capturable,
     )
     return custom_op
 
@@ -156,13 +163,15 @@ def canonical_ops() -> dict[str, CanonicalOp]:
 
 
 def register_backend(
-    op_name: str, backend_name: str, fn: Callable[..., Any], *, supports: Supports = supports_any
+    op_name: str, backend_name: str, fn: Callable[..., Any], *, supports: Supports = supports_any,
+    capturable: bool = True,
 ) -> Any:
     """Register ``fn`` as ``torch.ops.autodeploy.<op_name>_<backend_name>``, a candidate kernel for ``op_name``.
 
     ``fn`` takes the canonical op's arguments and returns what its reference does (the op's schema and
     fake are reused). ``supports(*args, device=...)`` admits the nodes it can run (see :class:`Backend`);
-    the default admits all. The backend then joins kernel selection and the autotuner's contest with no
+    the default admits all; ``capturable=False`` marks a kernel that syncs with the host (see
+    :class:`Backend`). The backend then joins kernel selection and the autotuner's contest with no
     other change. Returns the new op's overload. Raises :class:`OpRegistrationError` for an unknown op,
     a taken backend name or a name that is not an identifier.
     """
@@ -183,14 +192,14 @@ def register_backend(
     _BACKEND_LIBRARY.impl(qualified, fn, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{qualified}", record.fake, lib=_BACKEND_LIBRARY)
     overload = getattr(getattr(torch.ops, NAMESPACE), qualified).default
-    record.backends.append(Backend(backend_name, fn, overload, supports))
+    record.backends.append(Backend(backend_name, fn, overload, supports, capturable))
     return overload
 
 
 def candidates(op_name: str) -> list[Backend]:
     """The op's backends in registration order, then its reference (the backend of last resort)."""
     record = _REGISTRY[op_name]
-    return [*record.backends, Backend(REFERENCE, record.reference, record.op, supports_any)]
+    return [*record.backends, Backend(REFERENCE, record.reference, record.op, supports_any, record.reference_capturable)]
 
 
 def _check_fake_matches_reference(

@@ -3,6 +3,7 @@
 # Run on the GPU machine:  STEPS="backends bench" bash scripts/gpu_run.sh
 # Steps: tune, backends (every backend against its reference at 8B shapes), bench (autodeploy bench at
 # 1/32/256 against hf-eager and hf-compile in the same run), generate (scripts/bench_gpu_generate.py),
+# bench_eager (autodeploy bench with compile.backend=none, no baselines), tests (the files in $TESTS),
 # profile (scripts/profile_engine_step.py), suite (the whole test suite on the GPU, 12 workers).
 # Limits: <STEP>_S, e.g. BENCH_S=420. Extra autodeploy settings for bench/generate/profile: AD_SET="--set k=v".
 set -u
@@ -21,8 +22,12 @@ for s in ${STEPS:-backends bench}; do case $s in
   bench) AUTODEPLOY_CONFIG= step bench ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random ${AD_SET:-} \
       --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --compare ${COMPARE:-hf-eager,hf-compile} \
       --no-progress --out "$OUT/bench.json" ;;
+  bench_eager) AUTODEPLOY_CONFIG= step bench_eager ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random \
+      --set compile.backend=none --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress \
+      --out "$OUT/bench_eager.json" ;;
+  tests) step tests ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider -n 8 ${TESTS:-tests/runtime/test_cuda_graphs.py} ;;
   generate) AUTODEPLOY_CONFIG= step generate ${GENERATE_S:-240} python3 scripts/bench_gpu_generate.py $MODEL ${BATCHES:-1,32,256} ;;
-  profile) AUTODEPLOY_CONFIG= step profile ${PROFILE_S:-90} python3 scripts/profile_engine_step.py 1,256 ;;
+  profile) AUTODEPLOY_CONFIG= step profile ${PROFILE_S:-120} python3 scripts/profile_engine_step.py 1,256 ${AD_SET:-} ;;
   suite) step suite ${SUITE_S:-420} python3 -m pytest -q -p no:cacheprovider -n 12 ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -70,13 +70,16 @@ class TransformContext:
     ``settings`` are the resolved deployment settings (device, dtype, max_seq_len, ...);
     ``model_factory`` is opaque to graph passes (only factory/export/load_weights use it);
     ``graph_inputs`` names the executable graph's inputs, in order, as the runtime fills them;
-    ``kv_caches`` lists the KV cache pairs among them (``KVCacheSpec``), declared by the cache stage.
+    ``kv_caches`` lists the KV cache pairs among them (``KVCacheSpec``), declared by the cache stage;
+    ``decode_graph_batch_sizes``: the batch sizes whose decode steps the runtime captures as CUDA graphs,
+    declared by the compile stage (empty: always eager).
     """
 
     settings: Any
     model_factory: Any = None
     graph_inputs: tuple[str, ...] = ()
     kv_caches: tuple[Any, ...] = ()
+    decode_graph_batch_sizes: tuple[int, ...] = ()
     state: dict[str, Any] = field(default_factory=dict)
 
 

@@ -208,6 +208,7 @@ def token_dispatch(op_name: str, table: dict[int, Backend], position: tuple[int,
     # The name graphs and profiles show, e.g. rms_norm_by_tokens__1_16_triton__32_2048_torch.
     runs = _bucket_runs({bucket: backend.name for bucket, backend in table.items()})
     dispatch.__name__ = dispatch.__qualname__ = f"{op_name}_by_tokens__" + "__".join(f"{a}_{b}_{n}" for a, b, n in runs)
+    dispatch.backends = tuple(table.values())  # what it may call (the compile stage checks them)
     return dispatch
 
 

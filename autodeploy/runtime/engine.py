@@ -32,6 +32,7 @@ from torch import fx
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
+from autodeploy.runtime.cuda_graphs import DecodeGraphs
 from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
 from autodeploy.runtime.outputs import CompletionOutput
 from autodeploy.runtime.request import Request, Sequence
@@ -59,9 +60,11 @@ class Engine:
         eos_token_ids: SequenceABC[int],
         vocab_size: int,
         check_logits: bool = True,
+        decode_graph_batch_sizes: SequenceABC[int] = (),
     ):
         """``check_logits``: a warm-up forward must give finite logits (build-time verification turns it
-        off for the twin, whose logits it checks and localises itself)."""
+        off for the twin, whose logits it checks and localises itself). ``decode_graph_batch_sizes``: the
+        compile stage's sizes for decode steps replayed as CUDA graphs (``runtime/cuda_graphs.py``)."""
         self.graph = graph
         self.graph_inputs = graph_inputs
         self.settings = settings
@@ -73,18 +76,22 @@ class Engine:
         self.max_num_tokens = settings.scheduler.max_num_tokens
         block_size = settings.kv_cache.block_size
         warmed_up = []
+        graph_sizes = sorted(set(decode_graph_batch_sizes))
 
-        def warm_up_at_token_budget() -> None:
-            self._warm_up(kv_caches, min(self.max_num_tokens, self.max_seq_len))
+        def warm_up(num_tokens: int) -> None:
+            self._warm_up(kv_caches, min(num_tokens, self.max_num_tokens, self.max_seq_len))
             warmed_up.append(True)
 
         num_blocks = plan_num_blocks(
-            kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, warm_up_at_token_budget
+            kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, warm_up,
+            graph_tokens=graph_sizes[-1] if graph_sizes else 0,
         )
         if not warmed_up and check_logits:  # only GPU pool sizing needs the full budget; every device checks the logits
             self._warm_up(kv_caches, min(_LOGITS_CHECK_TOKENS, self.max_num_tokens, self.max_seq_len))
-        self.caches = allocate_kv_caches(kv_caches, num_blocks, block_size, self.device)
+        # With decode graphs, one block more than the pool hands out: the padding rows' keys and values go there.
+        self.caches = allocate_kv_caches(kv_caches, num_blocks + bool(graph_sizes), block_size, self.device)
         self.pool = KVBlockPool(num_blocks, block_size, settings.kv_cache.prefix_caching)
+        self.decode_graphs = self._capture_decode_graphs(graph_sizes, pad_block=num_blocks) if graph_sizes else None
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
@@ -246,13 +253,33 @@ class Engine:
             request = chunk.sequence.request
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        inputs, completing = build_step_inputs(self.graph_inputs, chunks, self.pool, self.caches, self.device)
-        logits = self.graph(*inputs)[0]  # [len(completing), vocab]
+        logits, completing = self.forward(chunks)
         for chunk in chunks:
             sequence = chunk.sequence
             sequence.num_computed = chunk.start + chunk.length
             self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, sequence.num_computed)
         return self._advance([chunks[i].sequence for i in completing], logits)
+
+    def forward(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """One forward over ``chunks``: the logits ``[rows, vocab]`` and the chunks they belong to
+        (see ``build_step_inputs``). A decode step a captured CUDA graph holds replays it."""
+        if self.decode_graphs is not None and self.decode_graphs.serves(chunks, logits_for_all_tokens):
+            return self.decode_graphs.run(chunks, self.pool.block_table), [] if logits_for_all_tokens else list(range(len(chunks)))
+        inputs, completing = build_step_inputs(
+            self.graph_inputs, chunks, self.pool, self.caches, self.device, logits_for_all_tokens=logits_for_all_tokens
+        )
+        return self.graph(*inputs)[0], completing
+
+    def _capture_decode_graphs(self, sizes: list[int], pad_block: int) -> DecodeGraphs | None:
+        graphs = DecodeGraphs(self.graph, self.graph_inputs, self.caches, sizes, self.settings.kv_cache.block_size,
+                              self.max_seq_len, pad_block, self.device)
+        try:
+            with torch.inference_mode():
+                graphs.capture_all()
+        except Exception as error:  # a kernel the compile stage could not vet: slower, never wrong
+            logger.warning("decode CUDA graph capture failed (%s: %s); decode steps run eagerly", type(error).__name__, error)
+            return None
+        return graphs
 
     def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> list[Request]:
         """Turn the logits of sequences that reached their last token into next tokens (or beam steps)."""

@@ -28,6 +28,15 @@ def allocate_kv_caches(specs: Sequence[KVCacheSpec], num_blocks: int, block_size
     return caches
 
 
+def _activation_peak(device: torch.device, warm_up: Callable[[int], None], num_tokens: int, allocated_before: int) -> int:
+    torch.cuda.reset_peak_memory_stats(device)
+    warm_up(num_tokens)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - allocated_before
+    torch.cuda.empty_cache()
+    return peak
+
+
 def bytes_per_block(specs: Sequence[KVCacheSpec], block_size: int) -> int:
     return sum(spec.bytes_per_block(block_size) for spec in specs)
 
@@ -38,9 +47,13 @@ def plan_num_blocks(
     max_batch_size: int,
     max_seq_len: int,
     device: torch.device,
-    warm_up: Callable[[], None],
+    warm_up: Callable[[int], None],
+    graph_tokens: int = 0,
 ) -> int:
-    """How many blocks the pool gets (see the module docstring). ``warm_up`` runs one full-budget forward."""
+    """How many blocks the pool gets (see the module docstring). ``warm_up(num_tokens)`` runs one forward
+    (at most the token budget). With ``graph_tokens`` (the largest decode CUDA graph's batch), the
+    activations of a forward of that many tokens are kept out of the budget too: captured graphs hold
+    their memory for good."""
     block_size = kv_settings.block_size
     per_block = bytes_per_block(specs, block_size)
     full_batch = max_batch_size * -(-max_seq_len // block_size)
@@ -50,16 +63,14 @@ def plan_num_blocks(
         torch.cuda.synchronize(device)
         free_before, _ = torch.cuda.mem_get_info(device)
         allocated_before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        warm_up()
-        torch.cuda.synchronize(device)
-        activations = torch.cuda.max_memory_allocated(device) - allocated_before
-        torch.cuda.empty_cache()
-        budget = kv_settings.memory_fraction * (free_before - activations)
+        activations = _activation_peak(device, warm_up, max_seq_len, allocated_before)  # capped at the token budget
+        graphs = _activation_peak(device, warm_up, graph_tokens, allocated_before) if graph_tokens else 0
+        budget = kv_settings.memory_fraction * (free_before - activations - graphs)
         num_blocks = int(budget // per_block)
         logger.info(
-            "KV cache: %.1f GiB free after weights, %.2f GiB activations at the token budget → %d blocks (%.1f GiB)",
-            free_before / 2**30, activations / 2**30, num_blocks, num_blocks * per_block / 2**30,
+            "KV cache: %.1f GiB free after weights, %.2f GiB activations at the token budget, %.2f GiB for decode "
+            "graphs → %d blocks (%.1f GiB)",
+            free_before / 2**30, activations / 2**30, graphs / 2**30, num_blocks, num_blocks * per_block / 2**30,
         )
     else:
         num_blocks = min(int(kv_settings.cpu_bytes // per_block), full_batch)

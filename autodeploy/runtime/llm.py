@@ -47,6 +47,7 @@ class LLM:
         kv_caches: SequenceABC[KVCacheSpec] = (),
         model_directory: str | None = None,
         verification=None,
+        decode_graph_batch_sizes: SequenceABC[int] = (),
     ):
         self.graph = graph
         self.graph_inputs = graph_inputs
@@ -59,6 +60,7 @@ class LLM:
         self.vocab_size = self._graph_vocab_size()
         self._eos_token_ids = list(eos_token_ids)
         self._kv_caches = tuple(kv_caches)
+        self._decode_graph_batch_sizes = tuple(decode_graph_batch_sizes)  # declared by the compile stage
         self._engine: Engine | None = None
 
     @property
@@ -79,7 +81,8 @@ class LLM:
                     "this graph has no KV cache (the insert_cached_attention transform is disabled); enable it to generate"
                 )
             self._engine = Engine(
-                self.graph, self.graph_inputs, self._kv_caches, self.settings, self.tokenizer, self._eos_token_ids, self.vocab_size
+                self.graph, self.graph_inputs, self._kv_caches, self.settings, self.tokenizer, self._eos_token_ids, self.vocab_size,
+                decode_graph_batch_sizes=self._decode_graph_batch_sizes,
             )
         return self._engine
 

@@ -81,7 +81,7 @@ def _load_rows(x_ptr, stride_row, num_rows, ROWS: tl.constexpr, HIDDEN: tl.const
     return x.to(tl.float32), rows, cols, mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # the token count: one compile for all
 def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr, stride_row, num_rows, eps, weight_offset,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
@@ -93,7 +93,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # the token count: one compile for all
 def _layer_norm_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, stride_row, num_rows, eps,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,

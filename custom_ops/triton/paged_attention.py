@@ -65,6 +65,10 @@ _MIN_KEYS_PER_SPLIT = 256
 _MAX_KEYS_PER_SPLIT = 2048
 _MAX_SPLITS = 64
 
+# Triton compiles a kernel once per value class of each integer argument (1, a multiple of 16, other).
+# Arguments that follow the batch (the block table's width, the first decode's index, split sizes, query
+# blocks) are exempt (do_not_specialize): otherwise the first step of each new class would stall for a
+# compile (~1 s each, measured on the H200) in the middle of serving.
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Stands for "no logit yet" in the running max: unlike -inf, subtracting it from itself gives 0, not NaN,
 # so a row whose first tiles are all masked (sliding window) needs no special case.
@@ -174,7 +178,7 @@ def _prefill_tiles(
     return acc, row_sum, row_max
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_query_blocks", "stride_bt"])  # batch-dependent: see the note on integer arguments above
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -262,7 +266,7 @@ def _prefill_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_decode", "keys_per_split", "stride_bt"])  # batch-dependent: see the note on integer arguments above
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partials_ptr,
     seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
@@ -342,7 +346,7 @@ def _decode_kernel(
         tl.store(partials[:, None] + 2 + value_dims[None, :], acc, mask=value_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_decode", "num_splits"])  # batch-dependent: see the note on integer arguments above
 def _merge_splits_kernel(
     partials_ptr, out_ptr, seq_start_ptr, sinks_ptr,
     stride_ot, stride_oh, first_decode, q_heads, num_splits,

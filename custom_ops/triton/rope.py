@@ -112,7 +112,7 @@ def _store_pairs(rows, row_valid, first, second, ROWS: tl.constexpr, ROTARY_HALF
         tl.store(rows + ROTARY_HALF + pairs, second.to(rows.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])  # the token count: one compile for all
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, num_heads,
     stride_xb, stride_xs, stride_xh, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,

@@ -1,0 +1,168 @@
+"""CUDA graphs of the decode step: one capture per batch size, replayed with the batch padded up to it.
+
+A decode step at batch ``b`` always launches the same kernels with the same shapes, so the whole forward
+(every layer, attention included) is captured once per size the compile stage declared
+(``TransformContext.decode_graph_batch_sizes``) and then replayed: one launch instead of hundreds, and no
+Python between kernels. A pure decode batch of ``n ≤ max size`` sequences runs the smallest captured size
+``b ≥ n``; rows ``n … b-1`` are padding: a one-token sequence whose key and value go to a block the pool
+never hands out (``pad_block``), and whose logits are dropped. Prefill and mixed steps, and larger decode
+batches, run the graph eagerly.
+
+Each size owns static inputs: ``input_ids``, ``position_ids`` and ``slot_mapping`` in one int64 device
+buffer, ``kv_lens`` and ``block_tables`` in one int32 buffer, each refilled per step from a pinned host
+twin by one copy; ``seq_start`` (0 … b) and ``logit_index`` never change. ``batch_info`` is fixed at
+capture to ``[0, b, 1, max_seq_len]``: the decode kernel sizes its split-K grid for the longest possible
+sequence, and splits past a sequence's length do nothing. All sizes share one memory pool, captured
+largest first. The caches are captured by address: the engine passes the same tensors to every step.
+
+On the CPU (the tests) nothing is captured: ``run`` calls the graph on the same padded static inputs,
+so the padding and buffer logic is the one a GPU replays.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from autodeploy.runtime.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+class _StaticBatch:
+    """The static inputs, output and (on a GPU) the captured graph of one batch size."""
+
+    def __init__(self, size: int, max_blocks: int, device: torch.device, pin: bool):
+        self.size = size
+        self.host64 = torch.zeros(3, size, dtype=torch.long, pin_memory=pin)  # ids, positions, slots
+        self.host32 = torch.zeros(size * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)  # kv_lens, tables
+        self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
+        self.tables_np = self.host32_np[size:].reshape(size, max_blocks)
+        self.dev64 = torch.zeros_like(self.host64, device=device)
+        self.dev32 = torch.zeros_like(self.host32, device=device)
+        self.seq_start = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.logit_index = torch.arange(size, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None  # recorded after the last host-to-device copy
+
+    def named_inputs(self, max_blocks: int, max_seq_len: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.dev64[0:1],
+            "position_ids": self.dev64[1:2],
+            "slot_mapping": self.dev64[2],
+            "kv_lens": self.dev32[: self.size],
+            "block_tables": self.dev32[self.size :].view(self.size, max_blocks),
+            "seq_start": self.seq_start,
+            "logit_index": self.logit_index,
+            "batch_info": torch.tensor([0, self.size, 1, max_seq_len], dtype=torch.int32),
+        }
+
+
+class DecodeGraphs:
+    """Captured decode steps for the engine's ``graph`` over its ``caches``; see the module docstring."""
+
+    def __init__(
+        self,
+        graph: Callable[..., tuple[torch.Tensor, ...]],
+        input_names: Sequence[str],
+        caches: dict[str, torch.Tensor],
+        batch_sizes: Sequence[int],
+        block_size: int,
+        max_seq_len: int,
+        pad_block: int,
+        device: torch.device,
+    ):
+        self.graph = graph
+        self.block_size = block_size
+        self.max_seq_len = max_seq_len
+        self.max_blocks = -(-max_seq_len // block_size)
+        self.pad_block = pad_block
+        self.device = device
+        self.capture = device.type == "cuda"
+        self.sizes = sorted(set(batch_sizes))
+        self.batches = {size: _StaticBatch(size, self.max_blocks, device, pin=self.capture) for size in self.sizes}
+        self._arguments = {}
+        for size, batch in self.batches.items():
+            named = {**batch.named_inputs(self.max_blocks, max_seq_len), **caches}
+            self._arguments[size] = [named[name] for name in input_names]
+            self._fill(batch, [], [], [], [])
+        self.pool_bytes = 0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def capture_all(self) -> None:
+        """Capture every size, largest first into one shared memory pool. Raises what capture raised (the
+        engine then serves eagerly)."""
+        if not self.capture:
+            return
+        torch.cuda.synchronize(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            batch, arguments = self.batches[size], self._arguments[size]
+            # Eager first, on a side stream as capture needs: Triton compiles, lazy buffers get made.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.graph(*arguments)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                batch.logits = self.graph(*arguments)[0]
+            batch.graph = graph
+        torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        logger.info("decode CUDA graphs: %d batch sizes up to %d captured, %.2f GiB", len(self.sizes), self.max_size,
+                    self.pool_bytes / 2**30)
+
+    def serves(self, chunks: Sequence[ScheduledChunk], logits_for_all_tokens: bool = False) -> bool:
+        """Whether this step is one token per sequence, for at most the largest size, every token's
+        logits wanted (each chunk completes its sequence, or ``logits_for_all_tokens``)."""
+        return (0 < len(chunks) <= self.max_size
+                and all(c.length == 1 and (logits_for_all_tokens or c.completes) for c in chunks))
+
+    def run(self, chunks: Sequence[ScheduledChunk], block_table: Callable[[int], list[int]]) -> torch.Tensor:
+        """Logits ``[len(chunks), vocab]`` of a decode step (``serves(chunks)`` must hold)."""
+        size = self.sizes[bisect.bisect_left(self.sizes, len(chunks))]
+        batch = self.batches[size]
+        tokens, positions, tables = [], [], []
+        for chunk in chunks:
+            tokens.append(chunk.sequence.token_ids[chunk.start])
+            positions.append(chunk.start)
+            tables.append(block_table(chunk.sequence.seq_id))
+        if batch.copied is not None:
+            batch.copied.synchronize()  # the last step's copy must have read the pinned buffers before they change
+        self._fill(batch, tokens, positions, tables, [p + 1 for p in positions])
+        batch.dev64.copy_(batch.host64, non_blocking=True)
+        batch.dev32.copy_(batch.host32, non_blocking=True)
+        if batch.graph is not None:
+            batch.copied = torch.cuda.Event()
+            batch.copied.record()
+            batch.graph.replay()
+            logits = batch.logits
+        else:
+            logits = self.graph(*self._arguments[size])[0]
+        # The captured output is overwritten by the next replay: the caller gets its own rows.
+        return logits[: len(chunks)].clone()
+
+    def _fill(self, batch: _StaticBatch, tokens: list[int], positions: list[int], tables: list[list[int]],
+              kv_lens: list[int]) -> None:
+        n, bs = len(tokens), self.block_size
+        ids = batch.host64_np
+        ids[0, :n], ids[1, :n] = tokens, positions
+        ids[2, :n] = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)]
+        ids[:2, n:] = 0
+        ids[2, n:] = self.pad_block * bs  # padding rows write their key and value into the pad block
+        batch.host32_np[:n] = kv_lens
+        batch.host32_np[n : batch.size] = 1
+        for row, table in enumerate(tables):
+            batch.tables_np[row, : len(table)] = table
+        batch.tables_np[n:, 0] = self.pad_block

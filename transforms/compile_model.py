@@ -1,0 +1,90 @@
+"""``compile_model`` (stage ``compile``): decide which decode steps the runtime replays as CUDA graphs.
+
+With ``compile.backend: cuda_graph`` (the default) on a GPU, the runtime captures the whole decode step
+(every layer, attention included) once per batch size of ``compile.batch_sizes`` and replays it; a decode
+batch is padded up to the next captured size (``autodeploy/runtime/cuda_graphs.py``). This pass checks
+that the graph can be captured at all and declares the sizes in the serving signature
+(``TransformContext.decode_graph_batch_sizes``); it does not rewrite the graph.
+
+A graph can be captured when every kernel it calls runs without reading device tensors on the host
+(``Backend.capturable``): the paged Triton attention can, the SDPA and reference attention cannot (they
+read ``kv_lens`` per sequence). A graph that cannot stays eager, with a warning and a report line naming
+the node and its kernel: the deploy is slower, never wrong. On the CPU there are no CUDA graphs.
+
+    # configs: compile: {backend: cuda_graph, batch_sizes: [1, 2, 4, 8, 16, 32]}
+    llm = autodeploy("llama-3-8b", weights="random", compile={"backend": "none"})   # always eager
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule
+
+from autodeploy.custom_ops import candidates, op_by_target
+from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CompileModelConfig(TransformConfig):
+    stage: str = "compile"
+
+
+def default_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 16 up to 128, then every 32: padding a batch to the next size costs at most
+    a third more rows, and a decode step's time is mostly reading the weights, whatever the rows."""
+    sizes = [1, 2, 4, 8, *range(16, 129, 16), *range(160, max_batch_size + 1, 32)]
+    return tuple(sorted({s for s in sizes if s < max_batch_size} | {max_batch_size}))
+
+
+def uncapturable_nodes(module: GraphModule) -> list[str]:
+    """``"node → kernel"`` for every node whose kernel syncs with the host (see ``Backend.capturable``)."""
+    found = []
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        kernels = getattr(node.target, "backends", None)  # a select dispatch by token count
+        if kernels is None:
+            known = op_by_target(node.target)
+            if known is None:
+                continue
+            record, name = known
+            kernels = [b for b in candidates(record.name) if b.name == name]
+        for kernel in kernels:
+            if not kernel.capturable:
+                found.append(f"{node.name} → {getattr(kernel.op, '__name__', kernel.name).removesuffix('.default')}")
+    return found
+
+
+@register_transform("compile_model")
+class CompileModel(Transform):
+    config_class = CompileModelConfig
+
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
+        settings = context.settings
+        compile_settings = settings.compile
+        device = torch.device(str(settings.device))
+        if compile_settings.backend == "none":
+            return TransformResult(notes="eager (compile.backend: none)", details=["decode: eager (compile.backend: none)"])
+        if device.type != "cuda":
+            return TransformResult(notes=f"eager on {device.type}", details=[f"decode: eager (CUDA graphs need a GPU; the deploy runs on {device.type})"])
+        blockers = uncapturable_nodes(module)
+        if blockers:
+            shown = ", ".join(blockers[:3]) + (f" and {len(blockers) - 3} more" if len(blockers) > 3 else "")
+            message = (f"decode stays eager: {shown} read device tensors on the host, which CUDA graph capture "
+                       f"forbids; choose capturable kernels (backends: {{cached_attention: [triton]}}) or set compile.backend: none")
+            logger.warning(message)
+            return TransformResult(notes="eager: kernels that sync with the host", details=[message])
+        max_batch_size = int(settings.max_batch_size)
+        sizes = compile_settings.batch_sizes
+        sizes = default_batch_sizes(max_batch_size) if sizes is None else tuple(sorted({min(int(s), max_batch_size) for s in sizes}))
+        context.decode_graph_batch_sizes = sizes
+        return TransformResult(
+            matches=len(sizes),
+            notes=f"decode CUDA graphs at {len(sizes)} batch sizes",
+            details=[f"decode: CUDA graphs at batch sizes {', '.join(map(str, sizes))} (a batch pads up to the next)"],
+        )
