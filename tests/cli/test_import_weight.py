@@ -68,8 +68,8 @@ from autodeploy.transforms import registered_transforms
 names = [t.name for t in Pipeline.from_settings(load_settings()).transforms]
 report = {"registered": sorted(registered_transforms()), "pipeline": names}
 """)
-    assert {"build_model", "load_weights", "export_to_fx", "select_kernels"} <= set(report["registered"])
-    assert report["pipeline"][:2] == ["build_model", "export_to_fx"] and report["pipeline"][-1] == "select_kernels"
+    assert {"build_model", "load_weights", "export_to_fx", "select_kernels", "compile_model"} <= set(report["registered"])
+    assert report["pipeline"][:2] == ["build_model", "export_to_fx"] and report["pipeline"][-2:] == ["select_kernels", "compile_model"]
 
 
 def test_every_public_name_resolves():
