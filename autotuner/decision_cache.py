@@ -40,8 +40,9 @@ def _version(package: str) -> str:
         return "absent"
 
 
-def environment(device: torch.device) -> dict[str, str]:
-    """What a timing depends on besides the problem: the device model and the software that compiled the kernels."""
+def environment(device: torch.device, graphed: bool = False) -> dict[str, str]:
+    """What a timing depends on besides the problem: the device model, the software that compiled the
+    kernels, and whether calls were timed inside CUDA graphs (``graphed``) or as eager launches."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -54,6 +55,7 @@ def environment(device: torch.device) -> dict[str, str]:
         "triton": _version("triton"),
         "autodeploy": _version("autodeploy"),
         "format": str(FORMAT),
+        **({"timing": "cuda_graph"} if graphed else {}),
     }
 
 

@@ -57,7 +57,8 @@ def tolerance(dtype: torch.dtype) -> float:
 class Autotuner:
     """Times candidates per bucket and remembers the winners.
 
-    ``timer(backend, run, input_sets, device) -> seconds`` replaces the real clock (tests inject a fake one).
+    ``timer(backend, run, input_sets, device) -> seconds`` replaces the real clock (tests inject a fake one);
+    ``graphed``: time the kernels inside CUDA graphs (see ``timing.py``), for deploys that replay them.
     """
 
     def __init__(
@@ -68,10 +69,11 @@ class Autotuner:
         warmup: int = 3,
         repeats: int = 15,
         timer: Timer | None = None,
+        graphed: bool = False,
     ):
         self.device = torch.device(device)
-        self.cache = DecisionCache(cache_dir, environment(self.device))
-        self.warmup, self.repeats = warmup, repeats
+        self.cache = DecisionCache(cache_dir, environment(self.device, graphed))
+        self.warmup, self.repeats, self.graphed = warmup, repeats, graphed
         self.timer = timer or self._median_seconds
         self.profiled = 0  # (problem, bucket) pairs timed in this process
         self.reused = 0  # (problem, bucket) pairs read from the cache
@@ -133,7 +135,8 @@ class Autotuner:
         return Decision(winner, seconds, excluded)
 
     def _median_seconds(self, backend, run, input_sets, device) -> float:
-        return median_seconds(backend, run, input_sets, device, warmup=self.warmup, repeats=self.repeats)
+        return median_seconds(backend, run, input_sets, device, warmup=self.warmup, repeats=self.repeats,
+                              graphed=self.graphed)
 
 
 def _fresh(args: list[Any]) -> list[Any]:

@@ -229,9 +229,12 @@ class SelectKernels(Transform):
         tuner_settings = settings.get("autotuner") or {}
         tuner = None
         if tuner_settings.get("enabled", True) and device.type != "meta":
+            compile_settings = settings.get("compile") or {}
             tuner = Autotuner(
                 device, tuner_settings.get("cache_dir"), warmup=tuner_settings.get("warmup", 3),
                 repeats=tuner_settings.get("repeats", 15),
+                # A deploy that replays decode steps as CUDA graphs pays kernel time, not launch gaps.
+                graphed=device.type == "cuda" and compile_settings.get("backend") == "cuda_graph",
             )
         buckets = token_buckets(int(settings.max_batch_size), int(settings.scheduler.max_num_tokens))
         summary: Counter[tuple[str, str, str]] = Counter()

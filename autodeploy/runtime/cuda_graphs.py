@@ -15,7 +15,7 @@ capture to ``[0, b, 1, max_seq_len]``: the decode kernel sizes its split-K grid 
 sequence, and splits past a sequence's length do nothing. All sizes share one memory pool, captured
 largest first. The caches are captured by address: the engine passes the same tensors to every step.
 
-On the CPU (the tests) nothing is captured: ``run`` calls the graph on the same padded static inputs,
+On the CPU (the tests) nothing is captured: ``replay`` calls the graph on the same padded static inputs,
 so the padding and buffer logic is the one a GPU replays.
 """
 
@@ -129,8 +129,9 @@ class DecodeGraphs:
         return (0 < len(chunks) <= self.max_size
                 and all(c.length == 1 and (logits_for_all_tokens or c.completes) for c in chunks))
 
-    def run(self, chunks: Sequence[ScheduledChunk], block_table: Callable[[int], list[int]]) -> torch.Tensor:
-        """Logits ``[len(chunks), vocab]`` of a decode step (``serves(chunks)`` must hold)."""
+    def stage(self, chunks: Sequence[ScheduledChunk], block_table: Callable[[int], list[int]]) -> int:
+        """Fill the static inputs of the smallest captured size that holds ``chunks`` (``serves(chunks)``
+        must hold) and queue their copy to the device; returns that size for :meth:`replay`."""
         size = self.sizes[bisect.bisect_left(self.sizes, len(chunks))]
         batch = self.batches[size]
         tokens, positions, tables = [], [], []
@@ -143,15 +144,21 @@ class DecodeGraphs:
         self._fill(batch, tokens, positions, tables, [p + 1 for p in positions])
         batch.dev64.copy_(batch.host64, non_blocking=True)
         batch.dev32.copy_(batch.host32, non_blocking=True)
-        if batch.graph is not None:
+        if self.capture:
             batch.copied = torch.cuda.Event()
             batch.copied.record()
+        return size
+
+    def replay(self, size: int, rows: int) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of the step staged for ``size``."""
+        batch = self.batches[size]
+        if batch.graph is not None:
             batch.graph.replay()
             logits = batch.logits
         else:
             logits = self.graph(*self._arguments[size])[0]
         # The captured output is overwritten by the next replay: the caller gets its own rows.
-        return logits[: len(chunks)].clone()
+        return logits[:rows].clone()
 
     def _fill(self, batch: _StaticBatch, tokens: list[int], positions: list[int], tables: list[list[int]],
               kv_lens: list[int]) -> None:

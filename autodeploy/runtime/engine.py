@@ -96,7 +96,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self._seeds = random.Random(settings.seed)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # requests, scheduler and pool
+        self._step_lock = threading.Lock()  # one step at a time
         self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
         self._stepping = False
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
@@ -210,24 +211,48 @@ class Engine:
         """Run one forward for the planned chunks, hand every changed request's output to its sink, and
         return the changed requests (new tokens or finished).
 
-        When the forward or the sampling raises, the requests of that batch are aborted, their sinks
-        get the error, and it is raised here too.
+        The engine's lock is held to plan and stage the step and to apply its tokens, not while the device
+        computes: requests can be added and aborted meanwhile (a request aborted mid-step gets nothing
+        from it; its blocks were freed at once and are only handed out by a later step's plan). Steps run
+        one at a time. When the forward or the sampling raises, the requests of that batch are aborted,
+        their sinks get the error, and it is raised here too.
         """
-        with self._lock:
-            plan = self.scheduler.schedule()
-            if not plan.chunks:
-                return []
+        with self._step_lock:
+            with self._lock:
+                plan = self.scheduler.schedule()
+                if not plan.chunks:
+                    return []
+                now = self.clock()
+                for chunk in plan.chunks:
+                    if chunk.sequence.request.first_scheduled_time is None:
+                        chunk.sequence.request.first_scheduled_time = now
+                try:
+                    run, completing = self._stage(plan.chunks)
+                except Exception as error:
+                    self._fail(plan.chunks, error)
+                    raise
             try:
-                changed = self._run_chunks(plan.chunks)
+                logits = run()
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # wait here, not holding the lock
             except Exception as error:
-                for request in {id(c.sequence.request): c.sequence.request for c in plan.chunks}.values():
-                    self._cancel(request.request_id)
-                    if request.sink is not None:
-                        request.sink.fail(error)
+                with self._lock:
+                    self._fail(plan.chunks, error)
                 raise
-            for request in changed:
-                self._deliver(request)
-            return changed
+            with self._lock:
+                try:
+                    changed = self._apply(plan.chunks, logits, completing)
+                except Exception as error:
+                    self._fail(plan.chunks, error)
+                    raise
+                for request in changed:
+                    self._deliver(request)
+                return changed
+
+    def _fail(self, chunks: list[ScheduledChunk], error: Exception) -> None:
+        for request in {id(c.sequence.request): c.sequence.request for c in chunks}.values():
+            if self._cancel(request.request_id) is not None and request.sink is not None:
+                request.sink.fail(error)
 
     def step_or_wait(self) -> None:
         """``step``; or, while another caller of ``step_or_wait`` is stepping, wait for that step to end.
@@ -247,28 +272,35 @@ class Engine:
                 self._stepping = False
                 self._turn.notify_all()
 
-    def _run_chunks(self, chunks: list[ScheduledChunk]) -> list[Request]:
-        now = self.clock()
-        for chunk in chunks:
-            request = chunk.sequence.request
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-        logits, completing = self.forward(chunks)
+    def _apply(self, chunks: list[ScheduledChunk], logits: torch.Tensor, completing: list[int]) -> list[Request]:
+        """Record what the step computed and sample next tokens, for the chunks whose request is still live."""
         for chunk in chunks:
             sequence = chunk.sequence
+            if sequence.request.aborted:
+                continue
             sequence.num_computed = chunk.start + chunk.length
             self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, sequence.num_computed)
-        return self._advance([chunks[i].sequence for i in completing], logits)
+        rows = [(row, chunks[i].sequence) for row, i in enumerate(completing) if not chunks[i].sequence.request.aborted]
+        if len(rows) < len(completing):
+            logits = logits[[row for row, _ in rows]]
+        return self._advance([sequence for _, sequence in rows], logits)
 
     def forward(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False) -> tuple[torch.Tensor, list[int]]:
         """One forward over ``chunks``: the logits ``[rows, vocab]`` and the chunks they belong to
         (see ``build_step_inputs``). A decode step a captured CUDA graph holds replays it."""
+        run, completing = self._stage(chunks, logits_for_all_tokens)
+        return run(), completing
+
+    def _stage(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False):
+        """Fill the step's inputs from the pool's tables (``(run, completing)``); ``run()`` computes the logits."""
         if self.decode_graphs is not None and self.decode_graphs.serves(chunks, logits_for_all_tokens):
-            return self.decode_graphs.run(chunks, self.pool.block_table), [] if logits_for_all_tokens else list(range(len(chunks)))
+            size = self.decode_graphs.stage(chunks, self.pool.block_table)
+            completing = [] if logits_for_all_tokens else list(range(len(chunks)))
+            return (lambda: self.decode_graphs.replay(size, len(chunks))), completing
         inputs, completing = build_step_inputs(
             self.graph_inputs, chunks, self.pool, self.caches, self.device, logits_for_all_tokens=logits_for_all_tokens
         )
-        return self.graph(*inputs)[0], completing
+        return (lambda: self.graph(*inputs)[0]), completing
 
     def _capture_decode_graphs(self, sizes: list[int], pad_block: int) -> DecodeGraphs | None:
         graphs = DecodeGraphs(self.graph, self.graph_inputs, self.caches, sizes, self.settings.kv_cache.block_size,

@@ -153,3 +153,32 @@ def test_a_near_tie_keeps_the_default_candidate(tmp_path):
     assert decide(tuner, CANDIDATES[:2], buckets=(1,))[1].backend == "slow"
     speeds["fast"] = 0.5
     assert decide(Autotuner("cpu", tmp_path / "other", timer=timer), CANDIDATES[:2], buckets=(1,))[1].backend == "fast"
+
+
+def test_graph_timed_decisions_live_apart_from_eager_ones(tmp_path):
+    eager, graphed = (Autotuner("cpu", tmp_path, timer=fake_timer([]), graphed=g) for g in (False, True))
+    assert graphed.cache.env == dict(eager.cache.env, timing="cuda_graph")
+    assert graphed.cache.path != eager.cache.path
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_timing_counts_kernels_not_launch_gaps():
+    from autodeploy.autotuner.timing import median_seconds
+
+    device = torch.device("cuda")
+    inputs = [[torch.randn(1, 4096, device=device)] for _ in range(3)]
+
+    def eight_small_kernels(args):
+        x = args[0]
+        for _ in range(8):
+            x = x * 1.0001
+        return x
+
+    eager = median_seconds(None, eight_small_kernels, inputs, device)
+    graphed = median_seconds(None, eight_small_kernels, inputs, device, graphed=True)
+    assert 0 < graphed < eager
+
+    def syncs(args):  # cannot be captured: timed eagerly instead
+        return args[0].sum().item()
+
+    assert median_seconds(None, syncs, inputs, device, graphed=True) > 0

@@ -38,8 +38,8 @@ def test_padded_decode_steps_match_hf_generate(tiny_checkpoint, arch, monkeypatc
     llm = autodeploy(str(tiny_checkpoint(arch)), device="cpu", max_batch_size=8, verify={"enabled": False})
     engine = engine_with_graphs(llm, (1, 4, 8))
     sizes_run = []
-    run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, chunks, table: sizes_run.append(len(chunks)) or run(self, chunks, table))
+    replay = DecodeGraphs.replay
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, size, rows: sizes_run.append((rows, size)) or replay(self, size, rows))
     llm._engine = engine
     hf = tiny_hf_model(arch)
     prompts = random_prompts(7, seed=3, lengths=(1, 40))
@@ -47,7 +47,7 @@ def test_padded_decode_steps_match_hf_generate(tiny_checkpoint, arch, monkeypatc
     outputs = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outputs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, p.max_tokens)
-    assert {1, 2, 3, 5, 6, 7} <= set(sizes_run)  # padded up to 1, 4 and 8
+    assert {(1, 1), (3, 4), (5, 8), (6, 8), (7, 8)} <= set(sizes_run)  # padded up to the next captured size
     assert engine.pool.num_used_blocks == 0
     # Padding rows write into one block more than the pool hands out (they would clobber the 7 otherwise).
     assert engine.caches["k_cache_0"].shape[0] == engine.pool.num_blocks + 1
@@ -81,14 +81,32 @@ def test_bad_compile_settings_fail_at_build(llama_dir, settings, message):
         autodeploy(str(llama_dir), device="cpu", **settings)
 
 
+def test_a_failed_capture_serves_eagerly_with_a_warning(llama_llm, monkeypatch, caplog):
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "capture_all", fail)
+    engine = engine_with_graphs(llama_llm, (1, 2))
+    assert engine.decode_graphs is None
+    assert "decode CUDA graph capture failed (RuntimeError: operation not permitted" in caplog.text
+    request = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(request.output(llama_llm.tokenizer).token_ids) == 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_decode_graphs_replay_what_eager_decoding_computes(llama_dir):
-    params = SamplingParams(max_tokens=24, **GREEDY)
-    prompts = random_prompts(5, seed=4, lengths=(1, 60))
+    # 7 requests finishing one after another: decode batches of 7 … 1 replay sizes 8, 4, 2 and 1, padded.
+    prompts = random_prompts(7, seed=4, lengths=(1, 60))
+    params = [SamplingParams(max_tokens=4 + 3 * i, logprobs=0, **GREEDY) for i in range(7)]
     common = dict(device="cuda", dtype="float32", max_batch_size=8, kv_cache={"num_blocks": 256})
     eager = autodeploy(str(llama_dir), compile={"backend": "none"}, **common)
     graphs = autodeploy(str(llama_dir), compile={"batch_sizes": [1, 2, 4, 8]}, **common)
-    assert graphs.engine.decode_graphs is not None and graphs.engine.decode_graphs.batches[8].graph is not None
+    assert all(graphs.engine.decode_graphs.batches[size].graph is not None for size in (1, 2, 4, 8))
     assert "decode: CUDA graphs at batch sizes 1, 2, 4, 8" in graphs.pipeline_report()
-    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
-    assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params)] == expected
+    expected = [o.outputs[0] for o in eager.generate(prompts, params)]
+    got = [o.outputs[0] for o in graphs.generate(prompts, params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for ours, theirs in zip(got, expected):  # the logits themselves, not only their argmax
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-4, rtol=0)
