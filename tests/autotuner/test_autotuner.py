@@ -79,7 +79,7 @@ def test_a_device_or_version_change_profiles_again(tmp_path, monkeypatch):
     decide(first)
     first.save()
     changed = dict(environment(torch.device("cpu")), torch="9.9.9")
-    monkeypatch.setattr("autodeploy.autotuner.tuner.environment", lambda device: changed)
+    monkeypatch.setattr("autodeploy.autotuner.tuner.environment", lambda device, graphed=False: changed)
     timed = []
     later = Autotuner("cpu", tmp_path, timer=fake_timer(timed))
     decide(later)
