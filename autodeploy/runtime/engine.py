@@ -426,7 +426,7 @@ class Engine:
                 f"the sequence has {len(token_ids)} tokens > max_seq_len={self.max_seq_len}; shorten it, or deploy with "
                 f"a larger max_seq_len (at most the model's max_position_embeddings)"
             )
-        with self._lock:
+        with self._step_lock, self._lock:  # a forward of its own: not beside a running step
             probe = _Probe(list(token_ids))
             try:
                 if not self.pool.reserve(probe.seq_id, len(token_ids)):
