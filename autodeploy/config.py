@@ -118,7 +118,8 @@ def default_yaml_path() -> Path:
     return Path(str(resources.files("autodeploy.configs").joinpath("default.yaml")))
 
 
-def _load_yaml(path: str | Path) -> DictConfig:
+def load_yaml(path: str | Path) -> DictConfig:
+    """One YAML settings file as a config; ``ConfigError`` for a missing file, bad YAML or a bad shape."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass the path of a YAML pipeline config")
@@ -216,9 +217,9 @@ def load_settings(
     >>> settings.max_batch_size
     4
     """
-    layers = [_load_yaml(default_yaml_path())]
-    layers += [_load_yaml(path) for path in site_config_files()]
-    layers += [_load_yaml(path) for path in config_files]
+    layers = [load_yaml(default_yaml_path())]
+    layers += [load_yaml(path) for path in site_config_files()]
+    layers += [load_yaml(path) for path in config_files]
     if overrides:
         try:
             layers.append(OmegaConf.create(dict(overrides)))

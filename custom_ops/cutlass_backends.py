@@ -43,15 +43,23 @@ def linear_cutlass(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return out if bias is None else out.add_(bias)
 
 
-def _linear_cutlass_supports(x, weight, bias, *, device):
+def grouped_gemm_unavailable(device: torch.device) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run its CUTLASS kernel on ``device``, or ``None`` when it can
+    (a CPU falls back to a loop of matmuls, other GPUs to a loop of cuBLAS calls with a host sync)."""
     device = torch.device(device)
     if not hasattr(torch, "_grouped_mm"):
-        return f"torch._grouped_mm (PyTorch's CUTLASS GEMM) is missing from torch {torch.__version__}"
+        return f"torch._grouped_mm (PyTorch's CUTLASS grouped GEMM) is missing from torch {torch.__version__}"
     if device.type != "cuda":
         return f"PyTorch's CUTLASS GEMM runs on NVIDIA GPUs only (the deploy runs on {device.type})"
     if torch.cuda.get_device_capability(device)[0] not in (9, 10):
-        # Elsewhere torch._grouped_mm falls back to a loop of cuBLAS calls: not CUTLASS, and no faster.
         return "PyTorch's CUTLASS GEMM needs a Hopper or Blackwell GPU (sm90/sm100)"
+    return None
+
+
+def _linear_cutlass_supports(x, weight, bias, *, device):
+    reason = grouped_gemm_unavailable(device)
+    if reason:
+        return reason
     if not x.dtype == weight.dtype == torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
         return f"PyTorch's CUTLASS GEMM takes bfloat16 x, weight and bias (x is {x.dtype}, weight {weight.dtype})"
     out_features, in_features = weight.shape

@@ -35,7 +35,7 @@ from autodeploy.bench.workloads import (
     realistic_requests,
     synthetic_workload,
 )
-from autodeploy.config import DeploySettings
+from autodeploy.config import DeploySettings, load_yaml, parse_set_arguments, site_config_files
 from autodeploy.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -170,10 +170,9 @@ def _sized_for_workloads(config: BenchmarkConfig) -> list[str]:
     """``config.set_arguments``, plus ``max_batch_size`` large enough for the largest batch or concurrency
     point unless the user's files or ``--set`` name it: otherwise a 256-request point would be served 32 at a
     time (the default) and compared with baselines that run all 256 at once."""
-    from omegaconf import OmegaConf
-
-    named = any(argument.split("=", 1)[0].strip() == "max_batch_size" for argument in config.set_arguments)
-    named = named or any("max_batch_size" in OmegaConf.load(path) for path in config.config_files)
+    files = [*site_config_files(), *config.config_files]
+    layers = [*(load_yaml(path) for path in files), parse_set_arguments(config.set_arguments)]
+    named = any("max_batch_size" in layer for layer in layers)
     points = [*(config.batch if "synthetic" in config.workloads else ()),
               *(config.concurrency if "concurrency" in config.workloads else ())]
     if named or not points or max(points) <= DeploySettings.max_batch_size:

@@ -25,10 +25,10 @@ import bisect
 import logging
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from autodeploy.runtime.scheduler import ScheduledChunk
+from autodeploy.runtime.step_inputs import slot
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class DecodeGraphs:
         n, bs = len(tokens), self.block_size
         ids = batch.host64_np
         ids[0, :n], ids[1, :n] = tokens, positions
-        ids[2, :n] = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)]
+        ids[2, :n] = [slot(table, p, bs) for table, p in zip(tables, positions)]
         ids[:2, n:] = 0
         ids[2, n:] = self.pad_block * bs  # padding rows write their key and value into the pad block
         batch.host32_np[:n] = kv_lens

@@ -15,6 +15,11 @@ from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.scheduler import ScheduledChunk
 
 
+def slot(table: list[int], position: int, block_size: int) -> int:
+    """The flat cache slot (``block * block_size + offset``) of ``position`` in a sequence with block ``table``."""
+    return table[position // block_size] * block_size + position % block_size
+
+
 def build_step_inputs(
     input_names: Sequence[str],
     chunks: Sequence[ScheduledChunk],
@@ -44,7 +49,7 @@ def build_step_inputs(
         input_ids += sequence.token_ids[chunk.start : end]
         span = range(chunk.start, end)
         positions += span
-        slots += [table[p // block_size] * block_size + p % block_size for p in span]
+        slots += [slot(table, p, block_size) for p in span]
         if logits_for_all_tokens:
             logit_index += range(seq_start[-1], seq_start[-1] + chunk.length)
         elif chunk.completes:
