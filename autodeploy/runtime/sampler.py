@@ -118,20 +118,27 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     sorting = [i for i, row in enumerate(rows) if row.params.top_k > 0 or row.params.top_p < 1]
     if sorting:
         index = torch.tensor(sorting, device=logits.device)
-        top_dropped = _top_k_top_p_dropped(scaled.index_select(0, index), top_k[index], top_p[index])
+        top_dropped = _top_k_top_p_dropped(
+            logits.index_select(0, index), scaled.index_select(0, index), top_k[index], top_p[index]
+        )
         dropped = dropped.index_copy(0, index, dropped.index_select(0, index) | top_dropped)
     noise = _gumbel_noise(rows, logits.shape[1], logits.device)
     return (scaled.masked_fill(dropped, float("-inf")) + noise).argmax(dim=-1)
 
 
-def _top_k_top_p_dropped(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_k_top_p_dropped(
+    logits: torch.Tensor, scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Which tokens top-k, then nucleus filtering of what top-k left, drop. ``top_k`` 0 / ``top_p`` 1 are off.
 
-    Both go by rank in a stable descending sort, so ties are broken like ``argmax`` (lowest index
-    first) and ``top_k=1`` keeps exactly the greedy token.
+    Both go by rank in a stable descending sort of the logits themselves, so ties are broken like
+    ``argmax`` (lowest index first) and ``top_k=1`` keeps exactly the greedy token. ``scaled`` (the
+    logits shifted and divided by the temperature) gives the probabilities; it is not sorted, because
+    rounding in the shift can tie two logits that differ (1e-40 and 0 both become -1 below a max of 1).
     """
     vocab = scaled.shape[1]
-    sorted_values, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+    sorted_values = scaled.gather(1, order)
     rank = torch.arange(vocab, device=scaled.device)
     dropped_sorted = rank >= torch.where(top_k > 0, top_k, vocab)
     probabilities = sorted_values.masked_fill(dropped_sorted, float("-inf")).softmax(dim=-1)

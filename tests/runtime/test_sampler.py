@@ -178,6 +178,13 @@ ROW_FILTERS = st.fixed_dictionaries(
 )
 
 
+def test_top_k_ranks_the_logits_not_their_rounded_shifted_values():
+    # 1e-40 and 0.0 both round to -1.0 once shifted by the max (1.0): top-2 still keeps 1e-40, never 0.0.
+    logits = torch.tensor([[1.0, 0.0, 1e-40, -5.0]])
+    drawn = {sample(logits, [row(temperature=1.0, top_k=2, seed=seed)]).token_ids[0] for seed in range(200)}
+    assert drawn == {0, 2}
+
+
 @settings(max_examples=80, deadline=None)
 @given(vocab=st.integers(2, 30), filters=st.lists(ROW_FILTERS, min_size=1, max_size=4), data=st.data())
 def test_a_drawn_token_is_always_one_the_filters_keep(vocab, filters, data):
