@@ -47,10 +47,13 @@ class KVCacheSettings:
 @dataclass
 class SchedulerSettings:
     """In-flight batching: at most ``max_num_tokens`` new tokens per forward (prompts longer than that
-    are prefilled in chunks when ``chunked_prefill``); ``max_batch_size`` caps the sequences."""
+    are prefilled in chunks when ``chunked_prefill``); ``max_batch_size`` caps the sequences. With
+    ``overlap``, the host plans and launches step N+1 while the device computes step N (the tokens
+    step N samples stay on the device and feed step N+1); off, every step waits for its own tokens."""
 
     max_num_tokens: int = 2048
     chunked_prefill: bool = True
+    overlap: bool = True
 
 
 @dataclass

@@ -4,7 +4,9 @@
 # Steps: tune, backends (every backend against its reference at 8B shapes), bench (autodeploy bench at
 # 1/32/256 against hf-eager and hf-compile in the same run), generate (scripts/bench_gpu_generate.py),
 # bench_eager (autodeploy bench with compile.backend=none, no baselines), tests (the files in $TESTS),
-# profile (scripts/profile_engine_step.py), suite (the whole test suite on the GPU, 12 workers).
+# profile (scripts/profile_engine_step.py), suite (the whole test suite on the GPU, 12 workers),
+# serve (1,024 requests, at most 256 in flight, 128 in / 128 out), prefill (scripts/profile_prefill.py),
+# build (scripts/time_build.py cold, then warm, over fresh cache folders).
 # Limits: <STEP>_S, e.g. BENCH_S=420. Extra autodeploy settings for bench/generate/profile: AD_SET="--set k=v".
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -28,6 +30,12 @@ for s in ${STEPS:-backends bench}; do case $s in
   tests) step tests ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider -n 8 ${TESTS:-tests/runtime/test_cuda_graphs.py} ;;
   generate) AUTODEPLOY_CONFIG= step generate ${GENERATE_S:-240} python3 scripts/bench_gpu_generate.py $MODEL ${BATCHES:-1,32,256} ;;
   profile) AUTODEPLOY_CONFIG= step profile ${PROFILE_S:-120} python3 scripts/profile_engine_step.py 1,256 ${AD_SET:-} ;;
+  serve) AUTODEPLOY_CONFIG= step serve ${SERVE_S:-300} python3 -m autodeploy bench $MODEL --set weights=random ${AD_SET:-} \
+      --workload concurrency --concurrency 256 --num-requests 1024 --input-dist fixed:128 --output-dist fixed:128 \
+      --repeats 1 --no-progress --out "$OUT/serve.json" ;;
+  prefill) AUTODEPLOY_CONFIG= step prefill ${PREFILL_S:-200} python3 scripts/profile_prefill.py 4096 ${AD_SET:-} ;;
+  build) rm -rf /tmp/build-cache; for pass in cold warm; do AUTODEPLOY_CONFIG= XDG_CACHE_HOME=/tmp/build-cache \
+      TRITON_CACHE_DIR=/tmp/build-cache/triton step build_$pass ${BUILD_S:-240} python3 scripts/time_build.py; done ;;
   suite) step suite ${SUITE_S:-420} python3 -m pytest -q -p no:cacheprovider -n 12 ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -1,9 +1,11 @@
-"""Where one engine step spends its time on the GPU: schedule, forward (inputs + graph), sampling.
+"""Where serving steps spend their time on the GPU, through ``engine.step()`` as the bench calls it.
 
-Llama-3-8B-shaped config, random bf16 weights; B requests of 128 prompt tokens. Prints, for decode
-steps, the median milliseconds of each phase (device synchronised between phases), then the torch
-profiler's top CUDA and CPU ops for one decode step. Decode steps replay CUDA graphs unless run with
-``--set compile.backend=none``. Run: python scripts/profile_engine_step.py [B,...] [--set key=value ...]
+Llama-3-8B-shaped config, random bf16 weights; B requests of 128 prompt tokens, 64 output tokens each.
+For each B: the median wall time of a decode step, then the torch profiler over three consecutive decode
+steps: CUDA kernel time against wall time (how much of the step the GPU is busy: the rest is the host),
+host launch calls, and the top CUDA ops. Decode steps replay CUDA graphs unless run with
+``--set compile.backend=none``; the overlapped runtime unless ``--set scheduler.overlap=false``.
+Run: python scripts/profile_engine_step.py [B,...] [--set key=value ...]
 """
 
 import statistics
@@ -16,48 +18,37 @@ from autodeploy import SamplingParams, autodeploy
 
 BATCHES = [int(b) for b in (sys.argv[1] if len(sys.argv) > 1 else "1,256").split(",")]
 SETS = [a for a in sys.argv[2:] if a != "--set"]
+PROFILED_STEPS = 3
 llm = autodeploy("llama-3-8b", weights="random", max_batch_size=max(BATCHES), set_arguments=SETS)
 engine = llm.engine
-
-
-def clock() -> float:
-    torch.cuda.synchronize()
-    return time.perf_counter()
-
+activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
 for batch in BATCHES:
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    for row in range(batch):
-        engine.add_request([(row * 7 + i) % 30000 + 10 for i in range(128)], params)
-    phases = {"schedule": [], "forward": [], "advance": []}
-    step = 0
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    requests = [engine.add_request([(row * 7 + i) % 30000 + 10 for i in range(128)], params) for row in range(batch)]
+    decode_ms = []
     while engine.has_unfinished():
-        t0 = clock()
-        plan = engine.scheduler.schedule()
-        t1 = clock()
-        with torch.inference_mode():
-            if step == 20:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    logits, completing = engine.forward(plan.chunks)
-                    torch.cuda.synchronize()
-                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14))
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
-                events = prof.key_averages()
-                launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"))
-                kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events
-                                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-                print(f"B={batch} step 20: {launches} host launch calls, {kernel_us / 1000:.2f} ms of CUDA kernel time, "
-                      f"graph replayed: {engine.decode_graphs is not None and engine.decode_graphs.serves(plan.chunks)}")
-            else:
-                logits, completing = engine.forward(plan.chunks)
-        t3 = clock()
-        for chunk in plan.chunks:
-            chunk.sequence.num_computed = chunk.start + chunk.length
-            engine.pool.register_full_blocks(chunk.sequence.seq_id, chunk.sequence.token_ids, chunk.sequence.num_computed)
-        engine._advance([plan.chunks[i].sequence for i in completing], logits)
-        t4 = clock()
-        if all(c.length == 1 for c in plan.chunks):
-            for name, seconds in zip(phases, (t1 - t0, t3 - t1, t4 - t3)):
-                phases[name].append(1000 * seconds)
-        step += 1
-    print(f"B={batch}: decode step ms (median) " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in phases.items()), flush=True)
+        decoding = all(r.sequences[0].num_computed >= 128 for r in requests)
+        began = time.perf_counter()
+        if decoding and len(decode_ms) == 20:
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(PROFILED_STEPS):
+                    engine.step()
+                torch.cuda.synchronize()
+            wall_ms = 1000 * (time.perf_counter() - began) / PROFILED_STEPS
+            events = prof.key_averages()
+            print(events.table(sort_by="self_cuda_time_total", row_limit=16))
+            print(events.table(sort_by="self_cpu_time_total", row_limit=10))
+            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"))
+            kernel_ms = sum(getattr(e, "self_device_time_total", 0) for e in events
+                            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA) / 1000 / PROFILED_STEPS
+            print(f"B={batch}: per decode step (profiled, {PROFILED_STEPS} steps): wall {wall_ms:.2f} ms, CUDA kernels "
+                  f"{kernel_ms:.2f} ms (GPU busy {100 * kernel_ms / wall_ms:.0f}%), {launches / PROFILED_STEPS:.0f} host launch calls")
+            decode_ms.append(wall_ms)
+            continue
+        engine.step()
+        if decoding:
+            decode_ms.append(1000 * (time.perf_counter() - began))
+    print(f"B={batch}: decode step wall ms median {statistics.median(decode_ms):.2f} over {len(decode_ms)} steps", flush=True)

@@ -116,10 +116,11 @@ class KVBlockPool:
         return len(shared) * self.block_size
 
     def register_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Publish ``seq_id``'s blocks that are now full of computed tokens to the prefix cache."""
+        """Publish ``seq_id``'s blocks that are now full of computed tokens to the prefix cache (none
+        when it holds no blocks: it was preempted after its step was launched)."""
         if not self.enable_prefix_caching:
             return
-        table = self._tables[seq_id]
+        table = self._tables.get(seq_id, [])
         full = min(num_computed // self.block_size, len(table))
         published = self._published.get(seq_id, 0)
         if full <= published:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.step_inputs import slot
+from autodeploy.runtime.step_inputs import PendingTokens, slot
 
 logger = logging.getLogger(__name__)
 
@@ -129,21 +129,32 @@ class DecodeGraphs:
         return (0 < len(chunks) <= self.max_size
                 and all(c.length == 1 and (logits_for_all_tokens or c.completes) for c in chunks))
 
-    def stage(self, chunks: Sequence[ScheduledChunk], block_table: Callable[[int], list[int]]) -> int:
+    def stage(self, chunks: Sequence[ScheduledChunk], block_table: Callable[[int], list[int]],
+              pending: PendingTokens | None = None) -> int:
         """Fill the static inputs of the smallest captured size that holds ``chunks`` (``serves(chunks)``
-        must hold) and queue their copy to the device; returns that size for :meth:`replay`."""
+        must hold) and queue their copy to the device, then the copy of any tokens still on the device
+        (``pending``) into place; returns that size for :meth:`replay`."""
         size = self.sizes[bisect.bisect_left(self.sizes, len(chunks))]
         batch = self.batches[size]
         tokens, positions, tables = [], [], []
-        for chunk in chunks:
-            tokens.append(chunk.sequence.token_ids[chunk.start])
+        pending_rows, pending_seq_ids = [], []
+        for row, chunk in enumerate(chunks):
+            sequence = chunk.sequence
+            if chunk.start < len(sequence.token_ids):
+                tokens.append(sequence.token_ids[chunk.start])
+            else:  # sampled by the step in flight
+                tokens.append(0)
+                pending_rows.append(row)
+                pending_seq_ids.append(sequence.seq_id)
             positions.append(chunk.start)
-            tables.append(block_table(chunk.sequence.seq_id))
+            tables.append(block_table(sequence.seq_id))
         if batch.copied is not None:
             batch.copied.synchronize()  # the last step's copy must have read the pinned buffers before they change
         self._fill(batch, tokens, positions, tables, [p + 1 for p in positions])
         batch.dev64.copy_(batch.host64, non_blocking=True)
         batch.dev32.copy_(batch.host32, non_blocking=True)
+        if pending_rows:
+            pending.copy_into(batch.dev64[0], pending_rows, pending_seq_ids)
         if self.capture:
             batch.copied = torch.cuda.Event()
             batch.copied.record()

@@ -19,12 +19,15 @@ when nobody else is (``step_or_wait``) and reading only its own sinks.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -36,10 +39,11 @@ from autodeploy.runtime.cuda_graphs import DecodeGraphs
 from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
 from autodeploy.runtime.outputs import CompletionOutput
 from autodeploy.runtime.request import Request, Sequence
-from autodeploy.runtime.sampler import SamplingRow, sample
+from autodeploy.runtime.device_copies import to_device
+from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
-from autodeploy.runtime.step_inputs import build_step_inputs
+from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,30 @@ Prompt = str | list[int]
 
 # Enough tokens for a forward to show whether the model computes finite logits at all.
 _LOGITS_CHECK_TOKENS = 16
+
+
+@dataclass
+class _SamplingPlan:
+    """How one step's logits rows become tokens: ``rows[i]`` samples logits row ``row_logits[i]`` for
+    ``owners[i]`` (the sequence it extends or forks from, and the completion index); beams separately."""
+
+    rows: list[SamplingRow] = field(default_factory=list)
+    row_logits: list[int] = field(default_factory=list)
+    owners: list[tuple[Sequence, int]] = field(default_factory=list)
+    beam_rows: list[tuple[Sequence, int]] = field(default_factory=list)
+    overlappable: bool = True  # no beams, forks or penalties: the next step needs none of its tokens on the host
+
+
+@dataclass
+class _Step:
+    """A launched step, until the host has applied its tokens."""
+
+    chunks: list[ScheduledChunk]
+    sampling: _SamplingPlan
+    run_ahead: bool  # the next step may be planned and launched before this one is applied
+    token_rows: dict[int, int] = field(default_factory=dict)  # seq_id → its token's row in sample.tokens
+    sample: PendingSample | None = None
+    beam_logprobs: torch.Tensor | None = None
 
 
 class Engine:
@@ -100,6 +128,8 @@ class Engine:
         self._step_lock = threading.Lock()  # one step at a time
         self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
         self._stepping = False
+        self.overlap = settings.scheduler.overlap
+        self._in_flight: _Step | None = None  # the step launched and not yet applied (overlapped runtime)
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
 
     # ---- requests ------------------------------------------------------------------------------
@@ -208,46 +238,113 @@ class Engine:
     # ---- stepping ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Run one forward for the planned chunks, hand every changed request's output to its sink, and
-        return the changed requests (new tokens or finished).
+        """Launch the next planned step, apply the one before it, hand every changed request's output to
+        its sink, and return the changed requests (new tokens or finished).
 
-        The engine's lock is held to plan and stage the step and to apply its tokens, not while the device
+        Overlapped (``scheduler.overlap``): a step whose sampling the host need not see before planning
+        the next one (no beam search, ``n`` forks or penalties) stays in flight. The next call plans and
+        launches the step after it, its newest tokens fed from the device, and only then waits for the
+        one in flight and applies its tokens: the host's work hides behind the device's. A sequence that
+        stopped on a token in flight wastes its row of the next step; nothing it computes is kept.
+
+        The engine's lock is held to plan and stage a step and to apply its tokens, not while the device
         computes: requests can be added and aborted meanwhile (a request aborted mid-step gets nothing
-        from it; its blocks were freed at once and are only handed out by a later step's plan). Steps run
-        one at a time. When the forward or the sampling raises, the requests of that batch are aborted,
-        their sinks get the error, and it is raised here too.
+        from it; its blocks were freed at once and only a later plan hands them out, after the device has
+        run what was queued before). Steps run one at a time. When a forward or its sampling raises, the
+        requests of that step are aborted, their sinks get the error, and it is raised here too.
         """
         with self._step_lock:
-            with self._lock:
-                plan = self.scheduler.schedule()
-                if not plan.chunks:
-                    return []
-                now = self.clock()
-                for chunk in plan.chunks:
-                    if chunk.sequence.request.first_scheduled_time is None:
-                        chunk.sequence.request.first_scheduled_time = now
-                try:
-                    run, completing = self._stage(plan.chunks)
-                except Exception as error:
-                    self._fail(plan.chunks, error)
-                    raise
+            previous, self._in_flight = self._in_flight, None
             try:
-                logits = run()
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()  # wait here, not holding the lock
-            except Exception as error:
-                with self._lock:
-                    self._fail(plan.chunks, error)
+                launched = self._plan_and_launch(previous)
+            except BaseException:
+                if previous is not None:
+                    with contextlib.suppress(Exception):  # its tokens are valid; a failure fails its requests
+                        self._finish(previous)
                 raise
+            changed = self._finish(previous) if previous is not None else []
+            if launched is not None:
+                if launched.run_ahead:
+                    self._in_flight = launched
+                else:
+                    changed += [r for r in self._finish(launched) if r not in changed]
+            return changed
+
+    def _plan_and_launch(self, previous: _Step | None) -> _Step | None:
+        """Plan a step and queue its forward and sampling on the device, without waiting for them."""
+        with self._lock:
+            plan = self.scheduler.schedule()
+            if not plan.chunks:
+                return None
+            now = self.clock()
+            for chunk in plan.chunks:
+                if chunk.sequence.request.first_scheduled_time is None:
+                    chunk.sequence.request.first_scheduled_time = now
+            try:
+                step, run = self._stage_step(plan.chunks, previous)
+            except Exception as error:
+                self._fail(plan.chunks, error)
+                raise
+        try:
+            self._launch_sampling(step, run())
+        except Exception as error:
             with self._lock:
-                try:
-                    changed = self._apply(plan.chunks, logits, completing)
-                except Exception as error:
-                    self._fail(plan.chunks, error)
-                    raise
-                for request in changed:
-                    self._deliver(request)
-                return changed
+                self._fail(plan.chunks, error)
+            raise
+        return step
+
+    def _stage_step(self, chunks: list[ScheduledChunk], previous: _Step | None) -> tuple[_Step, Callable[[], torch.Tensor]]:
+        pending = PendingTokens(previous.sample.tokens, previous.token_rows) if previous is not None and previous.sample else None
+        run, completing = self._graph_call(chunks, pending=pending)
+        for chunk in chunks:  # counted as computed now, so the next plan can run ahead of this step
+            chunk.sequence.num_computed = chunk.start + chunk.length
+        sampling = self._sampling_plan([chunks[i].sequence for i in completing])
+        step = _Step(chunks, sampling, run_ahead=self.overlap and sampling.overlappable and self._continues(chunks, completing))
+        if step.run_ahead:
+            for sequence, _ in sampling.owners:
+                sequence.num_pending += 1
+            step.token_rows = {sequence.seq_id: row for row, (sequence, _) in enumerate(sampling.owners)}
+        return step, run
+
+    def _continues(self, chunks: list[ScheduledChunk], completing: list[int]) -> bool:
+        """Whether a next step could be planned before this one's tokens are known: some prompt is part
+        way, some sequence has tokens to go after this one, or requests wait."""
+        if len(completing) < len(chunks) or self.scheduler.waiting:
+            return True
+        for index in completing:
+            sequence = chunks[index].sequence
+            if sequence.num_tokens + 1 - len(sequence.request.prompt_token_ids) < sequence.request.params.max_tokens:
+                return True
+        return False
+
+    def _launch_sampling(self, step: _Step, logits: torch.Tensor) -> None:
+        sampling = step.sampling
+        if sampling.rows:
+            picked = logits
+            if sampling.row_logits != list(range(logits.shape[0])):
+                picked = logits.index_select(0, to_device(sampling.row_logits, torch.long, logits.device))
+            step.sample = launch_sample(picked, sampling.rows)
+        if sampling.beam_rows:
+            index = to_device([row for _, row in sampling.beam_rows], torch.long, logits.device)
+            step.beam_logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+
+    def _finish(self, step: _Step) -> list[Request]:
+        """Wait for a launched step's tokens, apply them and deliver the outputs they change."""
+        try:
+            result = step.sample.result() if step.sample is not None else None
+        except Exception as error:
+            with self._lock:
+                self._fail(step.chunks, error)
+            raise
+        with self._lock:
+            try:
+                changed = self._apply(step, result)
+            except Exception as error:
+                self._fail(step.chunks, error)
+                raise
+            for request in changed:
+                self._deliver(request)
+            return changed
 
     def _fail(self, chunks: list[ScheduledChunk], error: Exception) -> None:
         for request in {id(c.sequence.request): c.sequence.request for c in chunks}.values():
@@ -272,33 +369,21 @@ class Engine:
                 self._stepping = False
                 self._turn.notify_all()
 
-    def _apply(self, chunks: list[ScheduledChunk], logits: torch.Tensor, completing: list[int]) -> list[Request]:
-        """Record what the step computed and sample next tokens, for the chunks whose request is still live."""
-        for chunk in chunks:
-            sequence = chunk.sequence
-            if sequence.request.aborted:
-                continue
-            sequence.num_computed = chunk.start + chunk.length
-            self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, sequence.num_computed)
-        rows = [(row, chunks[i].sequence) for row, i in enumerate(completing) if not chunks[i].sequence.request.aborted]
-        if len(rows) < len(completing):
-            logits = logits[[row for row, _ in rows]]
-        return self._advance([sequence for _, sequence in rows], logits)
-
     def forward(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False) -> tuple[torch.Tensor, list[int]]:
         """One forward over ``chunks``: the logits ``[rows, vocab]`` and the chunks they belong to
         (see ``build_step_inputs``). A decode step a captured CUDA graph holds replays it."""
-        run, completing = self._stage(chunks, logits_for_all_tokens)
+        run, completing = self._graph_call(chunks, logits_for_all_tokens)
         return run(), completing
 
-    def _stage(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False):
+    def _graph_call(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False, pending: PendingTokens | None = None):
         """Fill the step's inputs from the pool's tables (``(run, completing)``); ``run()`` computes the logits."""
         if self.decode_graphs is not None and self.decode_graphs.serves(chunks, logits_for_all_tokens):
-            size = self.decode_graphs.stage(chunks, self.pool.block_table)
+            size = self.decode_graphs.stage(chunks, self.pool.block_table, pending)
             completing = [] if logits_for_all_tokens else list(range(len(chunks)))
             return (lambda: self.decode_graphs.replay(size, len(chunks))), completing
         inputs, completing = build_step_inputs(
-            self.graph_inputs, chunks, self.pool, self.caches, self.device, logits_for_all_tokens=logits_for_all_tokens
+            self.graph_inputs, chunks, self.pool, self.caches, self.device, logits_for_all_tokens=logits_for_all_tokens,
+            pending=pending,
         )
         return (lambda: self.graph(*inputs)[0]), completing
 
@@ -313,49 +398,57 @@ class Engine:
             return None
         return graphs
 
-    def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> list[Request]:
-        """Turn the logits of sequences that reached their last token into next tokens (or beam steps)."""
-        rows: list[SamplingRow] = []
-        row_logits: list[int] = []
-        owners: list[tuple[Sequence, int]] = []  # (sequence it extends or forks from, completion index)
-        beam_rows: list[tuple[Sequence, int]] = []
+    def _sampling_plan(self, sequences: list[Sequence]) -> _SamplingPlan:
+        """The sampling rows of the sequences that reach their last token (one per logits row, in order)."""
+        plan = _SamplingPlan()
         for row, sequence in enumerate(sequences):
             request = sequence.request
             if request.beam_search is not None:
-                beam_rows.append((sequence, row))
+                plan.beam_rows.append((sequence, row))
                 continue
             forking = request.params.n > 1 and len(request.sequences) == 1 and not sequence.output_token_ids
             for index in range(request.params.n if forking else 1):
                 index = index if forking else sequence.index
-                rows.append(
+                plan.rows.append(
                     SamplingRow(
-                        request.params, request.seed, len(sequence.output_token_ids), request.prompt_token_ids,
-                        sequence.output_token_ids, sample_index=index,
+                        request.params, request.seed, len(sequence.output_token_ids) + sequence.num_pending,
+                        request.prompt_token_ids, sequence.output_token_ids, sample_index=index,
                     )
                 )
-                row_logits.append(row)
-                owners.append((sequence, index))
+                plan.row_logits.append(row)
+                plan.owners.append((sequence, index))
+            plan.overlappable &= not forking and not has_penalty(request.params)
+        plan.overlappable &= not plan.beam_rows
+        return plan
+
+    def _apply(self, step: _Step, result: SampleResult | None) -> list[Request]:
+        """Record what a step computed and append its tokens (or beam steps), for the requests still live."""
+        for chunk in step.chunks:
+            sequence = chunk.sequence
+            if not sequence.request.aborted:  # only tokens the host knows are hashed into the prefix cache
+                self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, min(sequence.num_computed, len(sequence.token_ids)))
         changed: dict[str, Request] = {}
         now = self.clock()
-        if rows:
-            picked = logits if row_logits == list(range(len(sequences))) else logits[torch.tensor(row_logits, device=logits.device)]
-            result = sample(picked, rows)
-            for i, (sequence, index) in enumerate(owners):
-                target = sequence if index == sequence.index else self._fork(sequence, index)
-                target.append(result.token_ids[i], self.tokenizer)
-                if result.logprobs[i] is not None:
-                    target.logprobs.append(result.logprobs[i])
-                    target.top_logprobs.append(result.top_logprobs[i])
-                self._after_token(target, now, changed)
-        if beam_rows:
-            log_probs = torch.log_softmax(logits[[row for _, row in beam_rows]].float(), dim=-1)
-            for (sequence, _), row in zip(beam_rows, log_probs):
-                sequence.pending_logprobs = row
-                sequence.awaiting_beam_step = True
-            for request in {id(s.request): s.request for s, _ in beam_rows}.values():
-                if all(s.awaiting_beam_step for s in request.sequences):
-                    self._beam_step(request, now)
-                    changed[request.request_id] = request
+        for i, (sequence, index) in enumerate(step.sampling.owners):
+            if step.run_ahead:
+                sequence.num_pending -= 1
+            if sequence.request.aborted or sequence.finish_reason is not None:
+                continue  # cancelled mid-step, or stopped on the token before this (a wasted row)
+            target = sequence if index == sequence.index else self._fork(sequence, index)
+            target.append(result.token_ids[i], self.tokenizer)
+            if result.logprobs[i] is not None:
+                target.logprobs.append(result.logprobs[i])
+                target.top_logprobs.append(result.top_logprobs[i])
+            self._after_token(target, now, changed)
+        beam_logprobs = step.beam_logprobs if step.beam_logprobs is not None else ()
+        beams = [(s, logprobs) for (s, _), logprobs in zip(step.sampling.beam_rows, beam_logprobs) if not s.request.aborted]
+        for sequence, logprobs in beams:
+            sequence.pending_logprobs = logprobs
+            sequence.awaiting_beam_step = True
+        for request in {id(s.request): s.request for s, _ in beams}.values():
+            if all(s.awaiting_beam_step for s in request.sequences):
+                self._beam_step(request, now)
+                changed[request.request_id] = request
         return list(changed.values())
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
@@ -481,3 +574,4 @@ class _Probe:
     def __init__(self, token_ids: list[int]):
         self.seq_id = next(self._ids)
         self.token_ids = token_ids
+        self.num_tokens = len(token_ids)

@@ -29,7 +29,8 @@ class Sequence:
     token_ids: list[int]
     index: int  # completion index (sample number)
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))
-    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    num_computed: int = 0  # leading tokens whose K/V are in the cache (or being computed by the step in flight)
+    num_pending: int = 0  # 1 while the step in flight samples this sequence's next token (not in token_ids yet)
     awaiting_beam_step: bool = False  # a beam whose next-token logprobs are in, waiting for its group
     pending_logprobs: torch.Tensor | None = None  # those logprobs [vocab]
     finish_reason: str | None = None
@@ -48,10 +49,16 @@ class Sequence:
         return self.request.arrival
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_to_compute(self) -> int:
         if self.awaiting_beam_step or self.finish_reason is not None:
             return 0
-        return len(self.token_ids) - self.num_computed
+        if self.num_pending and self.num_tokens - len(self.request.prompt_token_ids) >= self.request.params.max_tokens:
+            return 0  # the token in flight is its last
+        return self.num_tokens - self.num_computed
 
     @property
     def output_token_ids(self) -> list[int]:

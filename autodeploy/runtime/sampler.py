@@ -5,6 +5,9 @@ one pass over ``[256, vocab]`` and one device→host copy, not 256 of each. Its 
 counter-based hash of (seed, sample index, step, token index), so a seeded request draws the same tokens
 whatever shares its batch and whatever anything else did to the device's global RNG, and the ``n``
 samples of one request draw independently of each other and of every other seed's samples.
+
+``launch_sample`` queues the same work without waiting for it: the engine feeds its device-side tokens
+to the next forward and reads the host copy a step later (``PendingSample.result``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from autodeploy.runtime.device_copies import pinned_to_device, to_device
 from autodeploy.runtime.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -54,34 +58,79 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     >>> result.token_ids, list(result.top_logprobs[0])
     ([1], [1])
     """
+    return launch_sample(logits, rows).result()
+
+
+class PendingSample:
+    """A sample computed (or being computed) on the device, its values on their way to the host.
+
+    ``tokens`` (``[rows]`` int64, on the logits' device) can feed the next forward before the host has
+    seen them; ``result()`` waits for the one device→host copy and unpacks it.
+    """
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, rows: list[SamplingRow], top: int):
+        self.tokens = tokens
+        self._rows, self._top = rows, top
+        self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=packed.is_cuda)
+        self._host.copy_(packed, non_blocking=packed.is_cuda)
+        self._copied = None
+        if packed.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> SampleResult:
+        if self._copied is not None:
+            self._copied.synchronize()
+        count = len(self._rows)
+        if self._host.dim() == 1:  # token ids alone
+            return SampleResult(self._host.tolist(), [None] * count, [None] * count)
+        host = self._host.tolist()
+        token_ids = [int(values[0]) for values in host]
+        chosen_logprobs: list[float | None] = [None] * count
+        top_logprobs: list[dict[int, float] | None] = [None] * count
+        top = self._top
+        for i, row in enumerate(self._rows):
+            wanted = row.params.logprobs
+            if wanted is None:
+                continue
+            values = host[i]
+            chosen_logprobs[i] = values[1]
+            top_logprobs[i] = {int(token): value for token, value in zip(values[2 : 2 + wanted], values[2 + top : 2 + top + wanted])}
+        return SampleResult(token_ids, chosen_logprobs, top_logprobs)
+
+
+def launch_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+    """``sample`` without waiting for the host: every operation is queued on the logits' device, its
+    small host→device inputs come from pinned memory, and the result is copied back asynchronously."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
     if logits.shape[1] > _MAX_VOCAB:
         raise ValueError(f"vocabulary of {logits.shape[1]} tokens is larger than the sampler supports ({_MAX_VOCAB})")
     if all(_is_plain_greedy(row.params) for row in rows):
-        return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(rows), [None] * len(rows))
+        tokens = logits.argmax(dim=-1)
+        return PendingSample(tokens, tokens, rows, 0)
 
     raw = logits.float()
     penalized = _apply_penalties(raw, rows)
     tokens = penalized.argmax(dim=-1)
     drawing = [i for i, row in enumerate(rows) if row.params.temperature > 0]
     if drawing:
-        index = torch.tensor(drawing, device=logits.device)
+        index = to_device(drawing, torch.long, logits.device)
         tokens = tokens.index_copy(0, index, _draw(penalized.index_select(0, index), [rows[i] for i in drawing]))
-    return _to_host(raw, tokens, rows)
+    return _packed(raw, tokens, rows)
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
-    return params.temperature == 0 and params.logprobs is None and not _has_penalty(params)
+    return params.temperature == 0 and params.logprobs is None and not has_penalty(params)
 
 
-def _has_penalty(params: SamplingParams) -> bool:
+def has_penalty(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition penalty on prompt + output tokens (HF), then presence/frequency on output tokens (OpenAI)."""
-    penalized = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+    penalized = [i for i, row in enumerate(rows) if has_penalty(row.params)]
     if not penalized:
         return logits
     vocab = logits.shape[1]
@@ -91,8 +140,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         torch.tensor(list(prompt) + list(rows[i].output_token_ids), dtype=torch.long) for i, prompt in zip(penalized, prompts)
     ]
     # One padded [rows, length] host→device copy; padding points at an extra column `vocab` that is cut off.
-    token_ids = pad_sequence(sequences, batch_first=True, padding_value=vocab).to(logits.device)
-    prompt_lengths = torch.tensor([len(prompt) for prompt in prompts]).to(logits.device)
+    token_ids = pinned_to_device(pad_sequence(sequences, batch_first=True, padding_value=vocab), logits.device)
+    prompt_lengths = to_device([len(prompt) for prompt in prompts], torch.long, logits.device)
     is_output = (torch.arange(token_ids.shape[1], device=logits.device) >= prompt_lengths[:, None]).float()
     seen = torch.zeros(len(penalized), vocab + 1, dtype=torch.bool, device=logits.device).scatter_(1, token_ids, True)[:, :vocab]
     counts = torch.zeros(len(penalized), vocab + 1, device=logits.device).scatter_add_(1, token_ids, is_output)[:, :vocab]
@@ -100,7 +149,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     repetition, presence, frequency = _row_columns(
         [rows[i].params for i in penalized], ("repetition_penalty", "presence_penalty", "frequency_penalty"), logits.device
     )
-    index = torch.tensor(penalized, device=logits.device)
+    index = to_device(penalized, torch.long, logits.device)
     values = logits.index_select(0, index)
     values = torch.where(seen, torch.where(values < 0, values * repetition, values / repetition), values)
     values = values - presence * (counts > 0) - frequency * counts
@@ -117,7 +166,7 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     dropped = scaled < torch.log(min_p)  # p < min_p · p_max  ⇔  log p - log p_max < log min_p
     sorting = [i for i, row in enumerate(rows) if row.params.top_k > 0 or row.params.top_p < 1]
     if sorting:
-        index = torch.tensor(sorting, device=logits.device)
+        index = to_device(sorting, torch.long, logits.device)
         top_dropped = _top_k_top_p_dropped(
             logits.index_select(0, index), scaled.index_select(0, index), top_k[index], top_p[index]
         )
@@ -157,7 +206,7 @@ def _gumbel_noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> 
     with the row's key. Uniforms have 23 random bits, so the noise lies in about [-2.8, 16.6]: a
     token whose logit/T is more than ~19 below the best (probability < 4e-9) is never drawn.
     """
-    keys = torch.tensor([_row_key(row.seed, row.step, row.sample_index) for row in rows], device=device)
+    keys = to_device([_row_key(row.seed, row.step, row.sample_index) for row in rows], torch.long, device)
     token_hashes = _mix32(torch.arange(vocab, device=device) ^ 0x9E3779B9)
     bits = _mix32(token_hashes ^ keys[:, None])
     uniform = ((bits >> 9).float() + 0.5) * 2.0**-23  # in [2^-24, 1 - 2^-24]: both logs stay finite
@@ -188,30 +237,21 @@ def _mix32(x):
 
 def _row_columns(params: list[SamplingParams], names: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """One ``[rows, 1]`` float32 column per named field, copied to the device in one go."""
-    table = torch.tensor([[float(getattr(p, name)) for name in names] for p in params]).to(device)
+    table = to_device([[float(getattr(p, name)) for name in names] for p in params], torch.float32, device)
     return tuple(table[:, i : i + 1] for i in range(len(names)))
 
 
-def _to_host(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-    """Gather tokens and any requested log-probabilities into one float32 tensor and copy it to the host once."""
+def _packed(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+    """Tokens and any requested log-probabilities in one float32 tensor, for one copy to the host."""
     count = len(rows)
     wanting = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanting:
-        return SampleResult(tokens.tolist(), [None] * count, [None] * count)
+        return PendingSample(tokens, tokens, rows, 0)
     top = max(rows[i].params.logprobs for i in wanting)
-    index = torch.tensor(wanting, device=raw.device)
+    index = to_device(wanting, torch.long, raw.device)
     logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
     chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])
     best = logprobs.topk(top, dim=-1)
     extra = torch.zeros(count, 1 + 2 * top, device=raw.device)
     extra = extra.index_copy(0, index, torch.cat([chosen, best.indices.float(), best.values], dim=1))
-    host = torch.cat([tokens.float()[:, None], extra], dim=1).tolist()
-
-    token_ids = [int(values[0]) for values in host]
-    chosen_logprobs: list[float | None] = [None] * count
-    top_logprobs: list[dict[int, float] | None] = [None] * count
-    for i in wanting:
-        values, wanted = host[i], rows[i].params.logprobs
-        chosen_logprobs[i] = values[1]
-        top_logprobs[i] = {int(token): value for token, value in zip(values[2 : 2 + wanted], values[2 + top : 2 + top + wanted])}
-    return SampleResult(token_ids, chosen_logprobs, top_logprobs)
+    return PendingSample(tokens, torch.cat([tokens.float()[:, None], extra], dim=1), rows, top)

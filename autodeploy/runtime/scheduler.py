@@ -27,10 +27,14 @@ from autodeploy.runtime.block_pool import KVBlockPool
 
 class Schedulable(Protocol):
     seq_id: int
-    token_ids: list[int]
+    token_ids: list[int]  # known on the host
     num_computed: int
     priority: int
     arrival: float  # (arrival time, tie-break counter) order
+
+    @property
+    def num_tokens(self) -> int:  # token_ids, plus one still on the device while a step is in flight
+        ...
 
     @property
     def num_to_compute(self) -> int: ...
@@ -45,7 +49,7 @@ class ScheduledChunk:
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the sequence's last token (its logits are then needed)."""
-        return self.start + self.length == len(self.sequence.token_ids)
+        return self.start + self.length == self.sequence.num_tokens
 
 
 @dataclass

@@ -58,6 +58,9 @@ def clocked_llm(llama_llm, monkeypatch):
         return graph(*inputs)
 
     monkeypatch.setattr(engine, "graph", timed_forward)
+    # The fake clock charges a forward when it is launched; overlapped, a step's tokens are applied after
+    # the next one is launched, so they would look one forward late. Lockstep keeps the arithmetic exact.
+    monkeypatch.setattr(engine, "overlap", False)
     return llama_llm, clock
 
 
