@@ -5,9 +5,11 @@ each case here runs with the overlap on and off over the same engine and compare
 from __future__ import annotations
 
 import pytest
+import torch
 
-from autodeploy import SamplingParams
-from tests.runtime.test_engine import random_prompts
+from autodeploy import SamplingParams, autodeploy
+from tests.runtime.test_engine import hf_greedy, random_prompts
+from tests.tiny_models import tiny_hf_model
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -16,20 +18,23 @@ def run(engine, arrivals: list[tuple[int, list[int], SamplingParams]], overlap: 
     """Step ``engine`` from empty; request ``i`` of ``arrivals`` ``(step, prompt, params)`` joins before
     that step; ``abort_at`` maps a request index to the step before which it is aborted. Returns the
     requests and how many steps left a step in flight."""
-    engine.overlap = overlap
+    default, engine.overlap = engine.overlap, overlap
     requests, ran_ahead, number = {}, 0, 0
     abort_at = abort_at or {}
-    while number <= max(step for step, _, _ in arrivals) or engine.has_unfinished():
-        for index, (step, prompt, params) in enumerate(arrivals):
-            if step == number:
-                requests[index] = engine.add_request(prompt, params)
-        for index, step in abort_at.items():
-            if step == number:
-                engine.abort(requests[index].request_id)
-        engine.step()
-        ran_ahead += engine._in_flight is not None
-        number += 1
-    engine.step()  # a step left in flight for rows that had stopped is drained
+    try:
+        while number <= max(step for step, _, _ in arrivals) or engine.has_unfinished():
+            for index, (step, prompt, params) in enumerate(arrivals):
+                if step == number:
+                    requests[index] = engine.add_request(prompt, params)
+            for index, step in abort_at.items():
+                if step == number:
+                    engine.abort(requests[index].request_id)
+            engine.step()
+            ran_ahead += engine._in_flight is not None
+            number += 1
+        engine.step()  # a step left in flight for rows that had stopped is drained
+    finally:
+        engine.overlap = default
     assert engine._in_flight is None and engine.pool.num_used_blocks == 0
     return [requests[i] for i in range(len(arrivals))], ran_ahead
 
@@ -38,6 +43,14 @@ def outputs(requests, tokenizer) -> list:
     return [
         [(c.token_ids, c.finish_reason, c.text, c.logprobs) for c in r.output(tokenizer).outputs] for r in requests
     ]
+
+
+def assert_same(ours: list, theirs: list) -> None:
+    """Equal tokens, finish reasons and texts; log-probabilities equal up to float32 rounding."""
+    for mine, reference in zip(ours, theirs, strict=True):
+        for (tokens, reason, text, logprobs), (tokens_ref, reason_ref, text_ref, logprobs_ref) in zip(mine, reference, strict=True):
+            assert (tokens, reason, text) == (tokens_ref, reason_ref, text_ref)
+            assert logprobs == pytest.approx(logprobs_ref, abs=1e-5) if logprobs_ref is not None else logprobs is None
 
 
 def test_greedy_decoding_runs_ahead_and_matches_lockstep(llama_llm):
@@ -70,11 +83,7 @@ def test_seeded_sampling_logprobs_and_stops_match_lockstep(llama_llm):
     assert ran_ahead > 3
     assert lockstep[0].output(llama_llm.tokenizer).outputs[0].finish_reason == "stop"
     assert len(lockstep[0].sequences[0].output_token_ids) == stop_at + 1
-    ours, theirs = outputs(overlapped, llama_llm.tokenizer), outputs(lockstep, llama_llm.tokenizer)
-    for mine, reference in zip(ours, theirs):
-        for (tokens, reason, text, logprobs), (tokens_ref, reason_ref, text_ref, logprobs_ref) in zip(mine, reference):
-            assert (tokens, reason, text) == (tokens_ref, reason_ref, text_ref)
-            assert logprobs == pytest.approx(logprobs_ref, abs=1e-5) if logprobs_ref is not None else logprobs is None
+    assert_same(outputs(overlapped, llama_llm.tokenizer), outputs(lockstep, llama_llm.tokenizer))
 
 
 def test_steps_that_need_their_tokens_on_the_host_do_not_run_ahead(llama_llm):
@@ -105,8 +114,6 @@ def test_aborting_a_request_whose_token_is_in_flight_frees_its_blocks(llama_llm)
 
 def test_preemption_with_tokens_in_flight_loses_nothing(tiny_checkpoint):
     """A sequence preempted while its newest token is on the device is recomputed with that token."""
-    from autodeploy import autodeploy
-
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", kv_cache={"num_blocks": 10})
     prompts = random_prompts(6, seed=25, lengths=(30, 45))
     arrivals = [(i // 2, p, SamplingParams(max_tokens=14, **GREEDY)) for i, p in enumerate(prompts)]
@@ -115,3 +122,20 @@ def test_preemption_with_tokens_in_flight_loses_nothing(tiny_checkpoint):
     overlapped, ran_ahead = run(llm.engine, arrivals, overlap=True)
     assert preemptions > 0 and llm.engine.scheduler.num_preemptions > preemptions and ran_ahead > 0
     assert outputs(overlapped, llm.tokenizer) == outputs(lockstep, llm.tokenizer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_steps_run_ahead_through_the_decode_graphs_and_match_lockstep_and_hf(tiny_checkpoint):
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", max_batch_size=8)
+    assert llm.engine.decode_graphs is not None
+    prompts = random_prompts(6, seed=26, lengths=(3, 60))
+    arrivals = [(i, p, SamplingParams(max_tokens=10, **GREEDY)) for i, p in enumerate(prompts[:4])] + [
+        (1, prompts[4], SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=5, logprobs=2, ignore_eos=True)),
+        (7, prompts[5], SamplingParams(max_tokens=6, temperature=0.7, top_k=8, seed=6, ignore_eos=True)),
+    ]
+    lockstep, _ = run(llm.engine, arrivals, overlap=False)
+    overlapped, ran_ahead = run(llm.engine, arrivals, overlap=True)
+    assert ran_ahead > 5
+    assert_same(outputs(overlapped, llm.tokenizer), outputs(lockstep, llm.tokenizer))
+    hf = tiny_hf_model("llama")
+    assert [r.sequences[0].output_token_ids for r in overlapped[:4]] == [hf_greedy(hf, p, 10) for p in prompts[:4]]
