@@ -149,6 +149,6 @@ class FuseGateUp(Transform):
         left = len(nodes) - fused
         notes = f"{fused} gated MLPs → one gate/up GEMM each" if fused else "no gated MLP has gate/up weights of its own"
         if left:
-            notes += f"; {left} kept apart (a weight read elsewhere)"
+            notes += f"; {left} left as gated_mlp (gate/up weights shared, or not one pair)"
         details = [f"{concatenated} gate/up weight pairs concatenated, {halves} already one parameter"] if fused else []
         return TransformResult(matches=fused, changed=bool(fused), notes=notes, details=details)
