@@ -1,4 +1,5 @@
-"""The ``triton`` backends of ``rms_norm``, ``layer_norm``, ``rope`` and ``gated_mlp``: registration only.
+"""The ``triton`` backends of ``rms_norm``, ``layer_norm``, ``rope``, ``gated_mlp`` and ``fused_gated_mlp``:
+registration only.
 
 The kernels live in ``custom_ops/triton/`` (``norms.py``, ``rope.py``, ``gated_activation.py``); each
 backend below imports its kernel module on its first call, not here: Triton decides at kernel
@@ -24,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from . import gated_mlp, layer_norm, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from . import fused_gated_mlp, gated_mlp, layer_norm, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
 from .registry import register_backend
 from .triton import triton_unavailable
 
@@ -98,16 +99,36 @@ def _gated_mlp_triton(x, gate_weight, up_weight, down_weight, activation):
     return gated_mlp_triton(x, gate_weight, up_weight, down_weight, activation)
 
 
-def _gated_mlp_supports(x, gate_weight, up_weight, down_weight, activation, *, device):
-    reason = _unsupported_dtypes(device, x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
-    if reason:
-        return reason
+def _unsupported_activation(activation: str) -> Optional[str]:
     if activation not in _GATED_ACTIVATIONS:
         return f"activations {', '.join(_GATED_ACTIVATIONS)} only (got {activation!r})"
-    return True
+    return None
+
+
+def _gated_mlp_supports(x, gate_weight, up_weight, down_weight, activation, *, device):
+    return (
+        _unsupported_dtypes(device, x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
+        or _unsupported_activation(activation)
+        or True
+    )
+
+
+def _fused_gated_mlp_triton(x, gate_up_weight, down_weight, activation):
+    from .triton.gated_activation import fused_gated_mlp_triton
+
+    return fused_gated_mlp_triton(x, gate_up_weight, down_weight, activation)
+
+
+def _fused_gated_mlp_supports(x, gate_up_weight, down_weight, activation, *, device):
+    return (
+        _unsupported_dtypes(device, x, gate_up_weight=gate_up_weight, down_weight=down_weight)
+        or _unsupported_activation(activation)
+        or True
+    )
 
 
 register_backend("rms_norm", "triton", _rms_norm_triton, supports=_rms_norm_supports)
 register_backend("layer_norm", "triton", _layer_norm_triton, supports=_layer_norm_supports)
 register_backend("rope", "triton", _rope_triton, supports=_rope_supports)
 register_backend("gated_mlp", "triton", _gated_mlp_triton, supports=_gated_mlp_supports)
+register_backend("fused_gated_mlp", "triton", _fused_gated_mlp_triton, supports=_fused_gated_mlp_supports)

@@ -18,7 +18,8 @@ def test_readme_transform_example_runs_from_config(llama_llm, llama_dir):
     exec(_python_block("Adding a transform"), {})
     llm = autodeploy(str(llama_dir), device="cpu", transforms={"count_linears": {"warn_above": 10}})
     (record,) = [r for r in llm.records if r.name == "count_linears"]
-    # 2 layers × (q/k/v fused by fuse_gemms, which runs first in the stage, + o_proj) + lm_head; MLPs are gated_mlp
+    # 2 layers × (q/k/v fused by fuse_gemms, which runs first in the stage, + o_proj) + lm_head; MLPs are
+    # fused_gated_mlp (fuse_gate_up)
     assert record.stage == "fuse" and record.matches == 5
 
 

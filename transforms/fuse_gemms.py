@@ -23,10 +23,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule
 
+from autodeploy.transforms.parameter_concatenation import concatenate_parameters
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -59,34 +60,6 @@ def _groups(gm: GraphModule) -> list[list[fx.Node]]:
     return [nodes for nodes in by_input.values() if len(nodes) > 1]
 
 
-def _fused_name(targets: list[str]) -> tuple[str, str]:
-    """``(owner module path, attribute)`` for the concatenation of ``targets``: ``a.b.q_proj.weight,
-    a.b.k_proj.weight`` → ``("a.b", "q_proj_k_proj_weight")``; ``x, y`` → ``("", "x_y")``."""
-    parents = [target.split(".")[:-1] for target in targets]
-    lasts = [target.rsplit(".", 1)[-1] for target in targets]
-    common = 0
-    while all(len(p) > common and p[common] == parents[0][common] for p in parents):
-        common += 1
-    leaves = ["_".join(p[common:]) for p in parents]
-    if all(leaves) and len(set(lasts)) == 1:
-        attribute = "_".join(leaves) + "_" + lasts[0]
-    else:
-        attribute = "_".join("_".join([*p[common:], last]) for p, last in zip(parents, lasts))
-    return ".".join(parents[0][:common]), attribute
-
-
-def _replace_parameters(gm: GraphModule, targets: list[str]) -> tuple[str, torch.Tensor]:
-    """Concatenate the parameters at ``targets`` (dim 0) into a new one, delete them; returns its target."""
-    owner_path, attribute = _fused_name(targets)
-    owner = gm.get_submodule(owner_path)
-    fused = nn.Parameter(torch.cat([gm.get_parameter(t) for t in targets]), requires_grad=False)
-    for target in targets:
-        module_path, _, leaf = target.rpartition(".")
-        delattr(gm.get_submodule(module_path), leaf)
-    owner.register_parameter(attribute, fused)
-    return f"{owner_path}.{attribute}" if owner_path else attribute, fused
-
-
 def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> None:
     graph = gm.graph
     order = {node: index for index, node in enumerate(graph.nodes)}
@@ -94,10 +67,10 @@ def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> None:
     x = nodes[0].args[0]
     sizes = [gm.get_parameter(n.args[1].target).shape[0] for n in nodes]
     values = [n.meta.get("val") for n in nodes]
-    weight_target, weight = _replace_parameters(gm, [n.args[1].target for n in nodes])
+    weight_target, weight = concatenate_parameters(gm, [n.args[1].target for n in nodes])
     bias_target = bias = None
     if nodes[0].args[2] is not None:
-        bias_target, bias = _replace_parameters(gm, [n.args[2].target for n in nodes])
+        bias_target, bias = concatenate_parameters(gm, [n.args[2].target for n in nodes])
     with graph.inserting_before(nodes[0]):
         weight_node = graph.get_attr(weight_target)
         bias_node = graph.get_attr(bias_target) if bias_target else None

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 CANONICAL_OPS: dict[str, tuple[str, ...]] = {
     "attention": ("attention", "cached_attention"),
     "norm": ("rms_norm", "layer_norm"),
-    "mlp": ("gated_mlp", "mlp"),
+    "mlp": ("gated_mlp", "fused_gated_mlp", "mlp"),  # fused_gated_mlp: a gated_mlp after fuse_gate_up
     "moe": ("moe",),
 }
 

@@ -1,12 +1,16 @@
-"""Triton backend of ``gated_mlp``: cuBLAS for the three GEMMs, one Triton kernel for ``act(gate) * up``.
+"""Triton backends of ``gated_mlp`` and ``fused_gated_mlp``: cuBLAS GEMMs, one Triton kernel for ``act(gate) * up``.
 
-``down(act(gate(x)) * up(x))`` is three matrix products and an element-wise step between them. The
-products are left to ``F.linear`` in the input dtype (cuBLAS is hard to beat there); in eager PyTorch
-the step in between is two kernels, ``act(gate)`` then ``* up``, with a round trip of the
-``[tokens, I]`` intermediate through memory. :func:`gated_activation` fuses them: it reads ``gate``
-and ``up`` once and writes the product once, in float32 registers between, over the flattened
-tensors in ``block_size`` chunks. ``gated_mlp_triton`` writes that product over ``up``, which it
-owns, so the block holds two ``[tokens, I]`` buffers at its peak instead of three.
+``down(act(gate(x)) * up(x))`` is matrix products and an element-wise step between them. The products
+are left to ``F.linear`` in the input dtype (cuBLAS is hard to beat there); in eager PyTorch the step in
+between is two kernels, ``act(gate)`` then ``* up``, with a round trip of the ``[tokens, I]``
+intermediate through memory. :func:`gated_activation` fuses them: it reads ``gate`` and ``up`` once and
+writes the product once, in float32 registers between. It reads rows through their strides, so
+``gate`` and ``up`` may be the two halves of one ``[tokens, 2I]`` GEMM output (views, no copy):
+
+- ``gated_mlp_triton`` (separate weights) runs two GEMMs and writes the product over ``up``, which it owns;
+- ``fused_gated_mlp_triton`` (one ``gate_up_weight[2I, H]``) runs one GEMM, writes the product over that
+  output's gate half and hands the down GEMM that half as a strided view; either way the block holds
+  two ``[tokens, I]`` buffers' worth at its peak instead of three.
 
 Activations (those of ``custom_ops/activations.py``), in float32:
 
@@ -15,9 +19,12 @@ Activations (those of ``custom_ops/activations.py``), in float32:
 - ``gelu``: ``½g(1 + erf(g/√2))``, exact;
 - ``relu``: ``max(g, 0)``.
 
-Measured on an H200, bfloat16 ``[8192, 14336]``: the fused step 167 µs (4.2 TB/s) against eager's
-286 µs, the whole 4096→14336→4096 block 4.19 ms against 4.48 ms for three GEMMs and eager element-wise
-ops. At 16 tokens the step is launch-bound (14 µs against eager's 8 µs; the block 110 against 113 µs).
+Measured on an H200, bfloat16 ``[8192, 14336]``, with the kernel's earlier launch over two contiguous
+tensors: the fused step 167 µs (4.2 TB/s) against eager's 286 µs, the whole 4096→14336→4096 block
+4.19 ms against 4.48 ms for three GEMMs and eager element-wise ops. At 16 tokens the step is
+launch-bound (14 µs against eager's 8 µs; the block 110 against 113 µs). The strided launch (one
+program per row and column block, the same element count per program) and the one-GEMM
+``fused_gated_mlp_triton`` have not been timed on a GPU yet.
 
 Numerics: the reference runs the GEMMs in float32; here they run in the input dtype, so half-precision
 results differ by the GEMMs' own rounding (well inside the 1e-2 relative contract); float32 agrees
@@ -26,14 +33,17 @@ to rounding.
 Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the tests do)::
 
     import torch
-    from autodeploy.custom_ops.triton.gated_activation import gated_activation, gated_mlp_triton
+    from autodeploy.custom_ops.triton.gated_activation import (
+        fused_gated_mlp_triton, gated_activation, gated_mlp_triton)
 
     cuda = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4, 512, **cuda)
     gate_w, up_w = torch.randn(1376, 512, **cuda), torch.randn(1376, 512, **cuda)
     down_w = torch.randn(512, 1376, **cuda)
     y = gated_mlp_triton(x, gate_w, up_w, down_w, "silu")                    # SwiGLU: [4, 512]
-    h = gated_activation(x @ gate_w.T, x @ up_w.T, "gelu_tanh")             # GeGLU's middle step
+    y = fused_gated_mlp_triton(x, torch.cat([gate_w, up_w]), down_w, "silu")  # the same, one gate/up GEMM
+    gate_up = x @ torch.cat([gate_w, up_w]).T                                # [4, 2752]
+    h = gated_activation(gate_up[:, :1376], gate_up[:, 1376:], "gelu_tanh")  # GeGLU's middle step
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..fused_gated_mlp import fused_gated_mlp_inner_size
 from . import INTERPRETED, SUPPORTED_DTYPES
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
@@ -57,7 +68,7 @@ _SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 @dataclass(frozen=True)
 class ActivationConfig:
-    """How the gated-activation kernel is launched: elements per program, and warps per program."""
+    """How the gated-activation kernel is launched: elements of one row per program, and warps per program."""
 
     block_size: int
     num_warps: int
@@ -73,23 +84,33 @@ CONFIGS = tuple(
 )
 
 
-def activation_config(num_elements: int) -> ActivationConfig:
-    """The default launch: 8 elements a thread (16-byte accesses in half precision); small blocks for a
-    small tensor (a decode step), so it still spreads over many programs."""
+def activation_config(num_rows: int, inner: int) -> ActivationConfig:
+    """The default launch for ``[num_rows, inner]``: 8 elements a thread (16-byte accesses in half
+    precision); small blocks for a small tensor (a decode step), so it still spreads over many programs,
+    and no block much wider than a row, whose lanes past the row's end would idle."""
+    num_elements = num_rows * inner
     if num_elements >= 1 << 22:
-        return ActivationConfig(2048, 8)
-    if num_elements >= 1 << 18:
-        return ActivationConfig(1024, 4)
-    return ActivationConfig(256, 1)
+        block = 2048
+    elif num_elements >= 1 << 18:
+        block = 1024
+    else:
+        block = 256
+    block = max(256, min(block, triton.next_power_of_2(inner)))
+    return ActivationConfig(block, block // 256)
 
 
 @triton.jit
-def _gated_activation_kernel(gate_ptr, up_ptr, out_ptr, num_elements, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
-    # int64 offsets: a long prefill's [tokens, I] passes 2**31 elements (128k tokens × 28672).
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < num_elements
-    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+def _gated_activation_kernel(
+    gate_ptr, up_ptr, out_ptr, inner, gate_row_stride, up_row_stride, out_row_stride,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per (row, column block): rows may be strided (the halves of one [T, 2I] GEMM output).
+    # int64 row offsets: a long prefill's [tokens, 2I] passes 2**31 elements (128k tokens × 2 × 14336).
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = columns < inner
+    gate = tl.load(gate_ptr + row * gate_row_stride + columns, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * up_row_stride + columns, mask=mask, other=0.0).to(tl.float32)
     if ACTIVATION == "silu":
         activated = gate * tl.sigmoid(gate)
     elif ACTIVATION == "gelu_tanh":
@@ -98,7 +119,23 @@ def _gated_activation_kernel(gate_ptr, up_ptr, out_ptr, num_elements, ACTIVATION
         activated = 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
     else:  # relu
         activated = tl.maximum(gate, 0.0)
-    tl.store(out_ptr + offsets, (activated * up).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (activated * up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row_stride + columns, out, mask=mask)
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as ``[rows, inner]`` with contiguous rows: a view where its layout allows, else a copy."""
+    rows = tensor.reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _writable_rows(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """``tensor`` as a ``[rows, inner]`` view with contiguous rows, or ``None`` when no such view exists."""
+    try:
+        rows = tensor.view(-1, tensor.shape[-1] if tensor.dim() else 1)
+    except RuntimeError:  # leading dims that no single row stride spans
+        return None
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else None
 
 
 def gated_activation(
@@ -111,9 +148,11 @@ def gated_activation(
 ) -> torch.Tensor:
     """``act(gate) * up`` element-wise, computed in float32 and returned in ``gate``'s dtype and shape.
 
-    ``out`` (contiguous, ``gate``'s shape and dtype; may be ``up`` or ``gate`` itself) receives the
-    result instead of a new tensor. ``config`` overrides :func:`activation_config`'s launch. Raises
-    ``ValueError`` for an unknown activation or inputs the kernel does not take.
+    ``gate`` and ``up`` are read in place when each row is contiguous, at any row stride (the two
+    halves ``t[..., :I]`` and ``t[..., I:]`` of one tensor); other layouts are copied first. ``out``
+    (``gate``'s shape and dtype, contiguous rows at any row stride: it may be ``gate`` or ``up`` itself)
+    receives the result instead of a new tensor. ``config`` overrides :func:`activation_config`'s launch.
+    Raises ``ValueError`` for an unknown activation or inputs the kernel does not take.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_activation: unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}.")
@@ -129,20 +168,35 @@ def gated_activation(
         )
     if out is None:
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    elif out.shape != gate.shape or out.dtype != gate.dtype or not out.is_contiguous():
+    elif out.shape != gate.shape or out.dtype != gate.dtype:
         raise ValueError(
-            f"gated_activation: out must be contiguous, {tuple(gate.shape)} {gate.dtype}; "
-            f"got {tuple(out.shape)} {out.dtype}."
+            f"gated_activation: out must be {tuple(gate.shape)} {gate.dtype}; got {tuple(out.shape)} {out.dtype}."
         )
-    num_elements = gate.numel()
-    if num_elements == 0:
+    if gate.numel() == 0:
         return out
-    config = config or activation_config(num_elements)
-    _gated_activation_kernel[(triton.cdiv(num_elements, config.block_size),)](
-        gate.contiguous(), up.contiguous(), out, num_elements,
+    out_rows = _writable_rows(out)
+    if out_rows is None:
+        raise ValueError(
+            f"gated_activation: out must have contiguous rows to be written in place; its strides are {out.stride()}."
+        )
+    gate_rows, up_rows = _rows(gate), _rows(up)
+    num_rows, inner = gate_rows.shape
+    config = config or activation_config(num_rows, inner)
+    _gated_activation_kernel[(num_rows, triton.cdiv(inner, config.block_size))](
+        gate_rows, up_rows, out_rows, inner, gate_rows.stride(0), up_rows.stride(0), out_rows.stride(0),
         ACTIVATION=activation, BLOCK=config.block_size, num_warps=config.num_warps,
     )
     return out
+
+
+def _check_weights(name: str, x: torch.Tensor, **weights: torch.Tensor) -> None:
+    """The GEMMs run in ``x``'s dtype: it must be one the kernel takes, and every weight in it."""
+    if x.dtype not in SUPPORTED_DTYPES or any(w.dtype != x.dtype for w in weights.values()):
+        got = ", ".join(f"{key} {w.dtype}" for key, w in weights.items())
+        raise ValueError(
+            f"{name}: x must be one of {SUPPORTED_DTYPES} and the weights in its dtype (the GEMMs run "
+            f"in it); got x {x.dtype}, {got}."
+        )
 
 
 def gated_mlp_triton(
@@ -159,12 +213,26 @@ def gated_mlp_triton(
             f"gated_mlp_triton: expected gate/up [I, H={hidden}] and down [H, I]; got gate {tuple(gate_weight.shape)}, "
             f"up {tuple(up_weight.shape)}, down {tuple(down_weight.shape)}."
         )
-    if x.dtype not in SUPPORTED_DTYPES or not x.dtype == gate_weight.dtype == up_weight.dtype == down_weight.dtype:
-        raise ValueError(
-            f"gated_mlp_triton: x must be one of {SUPPORTED_DTYPES} and the weights in its dtype (the GEMMs run "
-            f"in it); got x {x.dtype}, gate {gate_weight.dtype}, up {up_weight.dtype}, down {down_weight.dtype}."
-        )
+    _check_weights("gated_mlp_triton", x, gate=gate_weight, up=up_weight, down=down_weight)
     up = F.linear(x, up_weight)
     # up is this function's own buffer: the activation's product overwrites it in place.
     hidden_states = gated_activation(F.linear(x, gate_weight), up, activation, out=up)
     return F.linear(hidden_states, down_weight)
+
+
+def fused_gated_mlp_triton(
+    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """``fused_gated_mlp``: one cuBLAS GEMM for gate and up (``gate_up_weight[2I, H]``, gate rows first),
+    :func:`gated_activation` over the two halves of its output, the down GEMM; all in ``x``'s dtype. Same
+    arguments and result contract as ``fused_gated_mlp_reference``.
+
+    Raises ``ValueError`` for weights whose dtype or shapes disagree with ``x`` or an unknown activation.
+    """
+    inner = fused_gated_mlp_inner_size("fused_gated_mlp_triton", x, gate_up_weight, down_weight)
+    _check_weights("fused_gated_mlp_triton", x, gate_up=gate_up_weight, down=down_weight)
+    gate_up = F.linear(x, gate_up_weight)
+    gate, up = gate_up[..., :inner], gate_up[..., inner:]
+    # The product overwrites the gate half in place; the down GEMM reads that half through its row
+    # stride (cuBLAS takes a leading dimension of 2I), so nothing is copied.
+    return F.linear(gated_activation(gate, up, activation, out=gate), down_weight)

@@ -33,6 +33,8 @@ def inputs(op: str, tokens: int, dtype: torch.dtype) -> tuple:
         return torch.randn(1, tokens, HEADS, HEAD_DIM, device="cuda", dtype=dtype), cos, sin
     if op == "gated_mlp":
         return x, weight(INNER, HIDDEN, dtype=dtype), weight(INNER, HIDDEN, dtype=dtype), weight(HIDDEN, INNER, dtype=dtype), "silu"
+    if op == "fused_gated_mlp":
+        return x, weight(2 * INNER, HIDDEN, dtype=dtype), weight(HIDDEN, INNER, dtype=dtype), "silu"
     if op == "mlp":
         return x, weight(INNER, HIDDEN, dtype=dtype), None, weight(HIDDEN, INNER, dtype=dtype), None, "gelu_tanh"
     if op == "moe":
@@ -42,7 +44,7 @@ def inputs(op: str, tokens: int, dtype: torch.dtype) -> tuple:
     raise KeyError(op)
 
 
-OPS = ("linear", "rms_norm", "layer_norm", "rope", "gated_mlp", "mlp", "moe")
+OPS = ("linear", "rms_norm", "layer_norm", "rope", "gated_mlp", "fused_gated_mlp", "mlp", "moe")
 CASES = [(op, backend.name) for op in OPS for backend in canonical_ops()[op].backends]
 
 

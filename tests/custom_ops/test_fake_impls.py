@@ -10,7 +10,7 @@ from torch.export import Dim
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 
-BUILTIN_OPS = {"linear", "rms_norm", "layer_norm", "rope", "attention", "gated_mlp", "mlp", "moe"}
+BUILTIN_OPS = {"linear", "rms_norm", "layer_norm", "rope", "attention", "gated_mlp", "fused_gated_mlp", "mlp", "moe"}
 
 
 def _randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -77,6 +77,12 @@ SAMPLES = [
         "silu",
         lambda n: (_randn(n, 8), _randn(12, 8), _randn(12, 8), _randn(8, 12), "silu"),
         {0: (0,)},
+    ),
+    Sample(
+        "fused_gated_mlp",
+        "gelu_tanh bf16",
+        lambda n: (_randn(n, 3, 8, dtype=BF16), _randn(24, 8, dtype=BF16), _randn(8, 12, dtype=BF16), "gelu_tanh"),
+        {0: (0, 1)},
     ),
     Sample(
         "mlp",

@@ -23,6 +23,9 @@ SPEC_SCHEMAS = {
         "autodeploy::gated_mlp(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, str activation) "
         "-> Tensor"
     ),
+    "fused_gated_mlp": (
+        "autodeploy::fused_gated_mlp(Tensor x, Tensor gate_up_weight, Tensor down_weight, str activation) -> Tensor"
+    ),
     "mlp": (
         "autodeploy::mlp(Tensor x, Tensor up_weight, Tensor? up_bias, Tensor down_weight, Tensor? down_bias, "
         "str activation) -> Tensor"

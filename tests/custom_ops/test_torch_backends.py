@@ -100,6 +100,7 @@ def test_gated_mlp_torch_meets_the_contract(device, tokens, hidden, inner, activ
     gate, up = (randn(gen, inner, hidden, dtype=dtype, device=device, scale=hidden**-0.5) for _ in range(2))
     down = randn(gen, hidden, inner, dtype=dtype, device=device, scale=inner**-0.5)
     check_against_reference("gated_mlp", x, gate, up, down, activation)
+    check_against_reference("fused_gated_mlp", x, torch.cat([gate, up]), down, activation)  # one gate/up GEMM
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -240,13 +241,14 @@ def weighted_args(op_name: str, weight_dtype: torch.dtype) -> tuple:
         "linear": (x, w(8, 16), w(8)),
         "mlp": (x, w(32, 16), None, w(16, 32), w(16), "silu"),
         "gated_mlp": (x, w(32, 16), w(32, 16), w(16, 32), "silu"),
+        "fused_gated_mlp": (x, w(64, 16), w(16, 32), "silu"),
         "rms_norm": (x, w(16), 1e-6),
         "layer_norm": (x, w(16), w(16), 1e-5),
         "moe": (x, meta(2, 4, dtype=F32), w(4, 64, 16), w(4, 16, 32), 2),
     }[op_name]
 
 
-@pytest.mark.parametrize("op_name", ["gated_mlp", "layer_norm", "linear", "mlp", "moe", "rms_norm"])
+@pytest.mark.parametrize("op_name", ["fused_gated_mlp", "gated_mlp", "layer_norm", "linear", "mlp", "moe", "rms_norm"])
 def test_supports_refuses_weights_in_another_dtype_than_x(op_name):
     backend = torch_backend(op_name)
     reason = backend.check(weighted_args(op_name, torch.float32), torch.device("cpu"))
@@ -307,6 +309,7 @@ NATIVE_ARGS = {  # (arguments, the smallest weight's size)
     "linear": ((bf16(4, 64), bf16(64, 64), bf16(64)), 64),
     "mlp": ((bf16(4, 64), bf16(64, 64), bf16(64), bf16(64, 64), None, "gelu"), 64),
     "gated_mlp": ((bf16(4, 64), bf16(64, 64), bf16(64, 64), bf16(64, 64), "silu"), 64 * 64),
+    "fused_gated_mlp": ((bf16(4, 64), bf16(128, 64), bf16(64, 64), "silu"), 64 * 64),
     "rms_norm": ((bf16(4, 64), bf16(64), 1e-6, 1.0), 64),
     "layer_norm": ((bf16(4, 64), bf16(64), bf16(64), 1e-5), 64),
     "moe": ((bf16(4, 64), torch.randn(4, 8), bf16(8, 128, 64), bf16(8, 64, 64), 2), 8 * 64 * 64),

@@ -1,10 +1,12 @@
-"""The Triton backends of rms_norm, layer_norm, rope and gated_mlp against their float32 references.
+"""The Triton backends of rms_norm, layer_norm, rope, gated_mlp and fused_gated_mlp against their float32
+references.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (``tests/conftest.py`` sets
 TRITON_INTERPRET), which is slow, so the shapes are tiny; they still reach every masked edge: hidden
 sizes and rotary dims that are not powers of 2, rows and heads that do not fill a program, partial
-rotary, strided inputs. The accuracy contract: ``‖out − ref‖ / ‖ref‖`` at most 1e-5 in float32 and
-1e-2 in float16 and bfloat16 (element-wise kernels, so the interpreter handles bfloat16 too).
+rotary, strided inputs (the two halves of one gate/up GEMM output). The accuracy contract:
+``‖out − ref‖ / ‖ref‖`` at most 1e-5 in float32 and 1e-2 in float16 and bfloat16 (element-wise kernels,
+so the interpreter handles bfloat16 too).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops import canonical_ops, triton_backends
+from autodeploy.custom_ops.fused_gated_mlp import fused_gated_mlp_reference
 from autodeploy.custom_ops.gated_mlp import gated_mlp_reference
 from autodeploy.custom_ops.layer_norm import layer_norm_reference
 from autodeploy.custom_ops.rms_norm import rms_norm_reference
@@ -140,8 +143,9 @@ def test_default_configs_are_valid():
     for heads in (1, 5, 32, 128):
         for head_dim, rotary_dim in ((64, 64), (80, 32), (128, 128), (256, 64), (rope.MAX_HEAD_DIM, 2)):
             assert rope.rope_config(heads, head_dim, rotary_dim) in rope.valid_configs(head_dim, rotary_dim)
-    for num_elements in (1, 14336, 1 << 20, 1 << 30):
-        assert gated_activation.activation_config(num_elements) in gated_activation.CONFIGS
+    for num_rows in (1, 7, 8192, 1 << 17):
+        for inner in (1, 300, 14336, 28672):
+            assert gated_activation.activation_config(num_rows, inner) in gated_activation.CONFIGS
     assert len(norms.valid_configs(norms.MAX_HIDDEN)) > 0
 
 
@@ -176,6 +180,61 @@ def test_gated_mlp(dtype, activation):
     assert_matches(got, gated_mlp_reference(x, gate_w, up_w, down_w, activation))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gated_activation_over_the_halves_of_one_tensor_in_place(rows):
+    # 300 columns: a 256-wide block and a masked one per row; rows 600 apart, read and written in place.
+    gate_up = random(rows, 600, scale=3.0)
+    gate, up = gate_up[:, :300], gate_up[:, 300:]
+    expected = ACTIVATION_FORMULAS["gelu"](gate) * up
+    untouched = up.clone()
+    assert gated_activation.gated_activation(gate, up, "gelu", out=gate) is gate
+    assert_matches(gate.contiguous(), expected)
+    assert torch.equal(up, untouched)
+
+
+def test_gated_activation_over_every_config_and_layout():
+    gate_up = random(2, 2, 2 * 300, scale=3.0)  # 3-D halves: the leading dims fold into one row stride
+    gate, up = gate_up[..., :300], gate_up[..., 300:]
+    expected = ACTIVATION_FORMULAS["silu"](gate) * up
+    for config in gated_activation.CONFIGS:
+        assert_matches(gated_activation.gated_activation(gate, up, "silu", config=config), expected)
+    # Columns that are not contiguous are copied first (no layout the graph produces, but still right).
+    column_strided = random(333, 6).t()
+    assert_matches(gated_activation.gated_activation(column_strided, column_strided, "relu"),
+                   ACTIVATION_FORMULAS["relu"](column_strided) * column_strided)
+
+
+def test_gated_activation_refuses_an_out_it_cannot_write_through():
+    gate, up = random(4, 8), random(4, 8, seed=1)
+    with pytest.raises(ValueError, match="out must have contiguous rows"):
+        gated_activation.gated_activation(gate, up, "silu", out=random(8, 4).t())
+    with pytest.raises(ValueError, match=r"out must be \(4, 8\) torch.float32"):
+        gated_activation.gated_activation(gate, up, "silu", out=random(4, 8, dtype=torch.float16))
+    empty = random(0, 8)
+    assert gated_activation.gated_activation(empty, empty, "silu").shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "x_shape, activation",
+    [((1, 32), "silu"), ((2, 3, 32), "gelu_tanh"), ((5, 32), "gelu"), ((4, 32), "relu")],
+)
+def test_fused_gated_mlp(dtype, x_shape, activation):
+    x = random(*x_shape, dtype=dtype)
+    gate_up_w = random(2 * 300, 32, dtype=dtype, seed=1, scale=0.2)  # I = 300: a masked column block
+    down_w = random(32, 300, dtype=dtype, seed=3, scale=0.1)
+    got = torch.ops.autodeploy.fused_gated_mlp_triton.default(x, gate_up_w, down_w, activation)
+    assert_matches(got, fused_gated_mlp_reference(x, gate_up_w, down_w, activation))
+
+
+def test_fused_gated_mlp_of_a_strided_input():
+    x = random(32, 3).t()
+    gate_up_w, down_w = random(96, 32, seed=1, scale=0.2), random(32, 48, seed=2, scale=0.2)
+    assert not x.is_contiguous()
+    got = gated_activation.fused_gated_mlp_triton(x, gate_up_w, down_w, "silu")
+    assert_matches(got, fused_gated_mlp_reference(x, gate_up_w, down_w, "silu"))
+
+
 # --- unsupported inputs ---------------------------------------------------------------------------------
 
 
@@ -187,6 +246,10 @@ def test_gated_mlp(dtype, activation):
         (lambda: rope.rope_triton(random(1, 2, 3, 8), random(1, 2, 6), random(1, 2, 6)[..., :5]), "cos, sin"),
         (lambda: rope.rope_triton(random(1, 2, 3, 8), random(1, 2, 10), random(1, 2, 10)), "at most D=8"),
         (lambda: gated_activation.gated_activation(random(4), random(4), "swish"), "unknown activation"),
+        (lambda: gated_activation.fused_gated_mlp_triton(random(2, 8), random(12, 8), random(8, 5), "silu"),
+         r"expected gate_up \[2I, H=8\]"),
+        (lambda: gated_activation.fused_gated_mlp_triton(random(2, 8), random(12, 8, dtype=torch.float16),
+                                                         random(8, 6), "silu"), "gate_up torch.float16"),
     ],
 )
 def test_unsupported_inputs_raise(call, message):
@@ -206,6 +269,7 @@ SUPPORTED_NODES = {
     "layer_norm": (meta(7, 768), meta(768), None, 1e-5),
     "rope": (meta(1, 32, 7, 128).transpose(1, 2), meta(1, 7, 128), meta(1, 7, 128), False),
     "gated_mlp": (meta(7, 4096), meta(14336, 4096), meta(14336, 4096), meta(4096, 14336), "silu"),
+    "fused_gated_mlp": (meta(7, 4096), meta(28672, 4096), meta(4096, 14336), "silu"),
 }
 
 
@@ -232,6 +296,9 @@ def test_supports_cuda_deploys_only(op_name):
         ("rope", (meta(1, 2, 4, 64), meta(1, 2, 64, dtype=torch.float64), meta(1, 2, 64), False), "cos and sin"),
         ("gated_mlp", (meta(2, 8), meta(6, 8), meta(6, 8, dtype=torch.float32), meta(8, 6), "silu"), "up_weight"),
         ("gated_mlp", (meta(2, 8), meta(6, 8), meta(6, 8), meta(8, 6), "gelu_quick"), "activations"),
+        ("fused_gated_mlp", (meta(2, 8), meta(12, 8, dtype=torch.float32), meta(8, 6), "silu"), "gate_up_weight"),
+        ("fused_gated_mlp", (meta(2, 8, dtype=torch.float64), meta(12, 8), meta(8, 6), "silu"), "float64"),
+        ("fused_gated_mlp", (meta(2, 8), meta(12, 8), meta(8, 6), "gelu_quick"), "activations"),
     ],
 )
 def test_supports_refuses_what_the_kernels_cannot_run(op_name, args, reason):

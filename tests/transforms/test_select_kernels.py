@@ -45,6 +45,7 @@ def test_every_canonical_node_is_retargeted_and_the_report_says_why(llama_llm):
     assert kernels(llama_llm, "cached_attention") == ["sdpa", "sdpa"]
     report = llama_llm.pipeline_report()
     assert "cached_attention ×2 → cached_attention_sdpa (only candidate)" in report
+    assert "fused_gated_mlp ×2 → fused_gated_mlp_torch (only candidate)" in report  # fuse_gate_up's op, as any other
 
 
 def test_a_preference_per_op_and_per_node_glob(llama_dir, default_tokens):
