@@ -77,7 +77,7 @@ class AutotunerSettings:
     repeats: int = 15  # timed calls; the median counts
 
 
-COMPILE_BACKENDS = ("none", "cuda_graph")
+COMPILE_BACKENDS = ("none", "cuda_graph", "torch_compile", "torch_compile_cuda_graph")
 
 
 @dataclass
@@ -85,7 +85,9 @@ class CompileSettings:
     """The compile stage (``transforms/compile_model.py``). ``cuda_graph``: on a GPU, the runtime captures the
     decode step once per batch size in ``batch_sizes`` (default: 1, 2, 4, 8, then steps of 16 and 32 up to
     ``max_batch_size``) and replays it, a batch padded up to the next captured size; prefill and mixed
-    steps, and everything on the CPU, run the graph eagerly. ``none``: always eager."""
+    steps, and everything on the CPU, run the graph eagerly. ``torch_compile``: the graph runs under
+    ``torch.compile`` (Inductor; our ops opaque to it), on any device. ``torch_compile_cuda_graph``: both,
+    the captured decode steps replaying the compiled graph. ``none``: always eager."""
 
     backend: str = "cuda_graph"
     batch_sizes: Optional[List[int]] = None

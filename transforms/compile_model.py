@@ -1,10 +1,12 @@
-"""``compile_model`` (stage ``compile``): decide which decode steps the runtime replays as CUDA graphs.
+"""``compile_model`` (stage ``compile``): decide how the runtime executes the graph — CUDA graphs, torch.compile.
 
 With ``compile.backend: cuda_graph`` (the default) on a GPU, the runtime captures the whole decode step
 (every layer, attention included) once per batch size of ``compile.batch_sizes`` and replays it; a decode
 batch is padded up to the next captured size (``autodeploy/runtime/cuda_graphs.py``). This pass checks
 that the graph can be captured at all and declares the sizes in the serving signature
-(``TransformContext.decode_graph_batch_sizes``); it does not rewrite the graph.
+(``TransformContext.decode_graph_batch_sizes``); it does not rewrite the graph. ``torch_compile`` runs the
+graph under ``torch.compile`` (``autodeploy/runtime/compiled_graph.py``, any device) without CUDA graphs;
+``torch_compile_cuda_graph`` captures the compiled graph's decode steps.
 
 A graph can be captured when every kernel it calls runs without reading device tensors on the host
 (``Backend.capturable``): the paged Triton attention can, the SDPA and reference attention cannot (they
@@ -13,6 +15,7 @@ the node and its kernel: the deploy is slower, never wrong. On the CPU there are
 
     # configs: compile: {backend: cuda_graph, batch_sizes: [1, 2, 4, 8, 16, 32]}
     llm = autodeploy("llama-3-8b", weights="random", compile={"backend": "none"})   # always eager
+    llm = autodeploy("llama-3-8b", weights="random", compile={"backend": "torch_compile_cuda_graph"})
 """
 
 from __future__ import annotations
@@ -66,25 +69,30 @@ class CompileModel(Transform):
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         settings = context.settings
-        compile_settings = settings.compile
+        backend = settings.compile.backend
         device = torch.device(str(settings.device))
-        if compile_settings.backend == "none":
-            return TransformResult(notes="eager (compile.backend: none)", details=["decode: eager (compile.backend: none)"])
+        inductor = ["torch.compile (Inductor, our ops opaque): the graph compiles at the engine's first forward"] \
+            if backend in ("torch_compile", "torch_compile_cuda_graph") else []
+        if backend in ("none", "torch_compile"):
+            return TransformResult(notes="torch.compile, decode without CUDA graphs" if inductor else "eager (compile.backend: none)",
+                                   details=[*inductor, f"decode: no CUDA graphs (compile.backend: {backend})"])
         if device.type != "cuda":
-            return TransformResult(notes=f"eager on {device.type}", details=[f"decode: eager (CUDA graphs need a GPU; the deploy runs on {device.type})"])
+            reason = f"decode: no CUDA graphs (they need a GPU; the deploy runs on {device.type})"
+            return TransformResult(notes=("torch.compile; " if inductor else "") + f"no CUDA graphs on {device.type}",
+                                   details=[*inductor, reason])
         blockers = uncapturable_nodes(module)
         if blockers:
             shown = ", ".join(blockers[:3]) + (f" and {len(blockers) - 3} more" if len(blockers) > 3 else "")
             message = (f"decode stays eager: {shown} read device tensors on the host, which CUDA graph capture "
                        f"forbids; choose capturable kernels (backends: {{cached_attention: [triton]}}) or set compile.backend: none")
             logger.warning(message)
-            return TransformResult(notes="eager: kernels that sync with the host", details=[message])
+            return TransformResult(notes="no CUDA graphs: kernels that sync with the host", details=[*inductor, message])
         max_batch_size = int(settings.max_batch_size)
-        sizes = compile_settings.batch_sizes
+        sizes = settings.compile.batch_sizes
         sizes = default_batch_sizes(max_batch_size) if sizes is None else tuple(sorted({min(int(s), max_batch_size) for s in sizes}))
         context.decode_graph_batch_sizes = sizes
         return TransformResult(
             matches=len(sizes),
-            notes=f"decode CUDA graphs at {len(sizes)} batch sizes",
-            details=[f"decode: CUDA graphs at batch sizes {', '.join(map(str, sizes))} (a batch pads up to the next)"],
+            notes=("torch.compile + " if inductor else "") + f"decode CUDA graphs at {len(sizes)} batch sizes",
+            details=[*inductor, f"decode: CUDA graphs at batch sizes {', '.join(map(str, sizes))} (a batch pads up to the next)"],
         )

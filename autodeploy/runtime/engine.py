@@ -35,6 +35,7 @@ from torch import fx
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
+from autodeploy.runtime.compiled_graph import TORCH_COMPILE_BACKENDS, CompiledGraph
 from autodeploy.runtime.cuda_graphs import DecodeGraphs
 from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
 from autodeploy.runtime.outputs import CompletionOutput
@@ -93,7 +94,7 @@ class Engine:
         """``check_logits``: a warm-up forward must give finite logits (build-time verification turns it
         off for the twin, whose logits it checks and localises itself). ``decode_graph_batch_sizes``: the
         compile stage's sizes for decode steps replayed as CUDA graphs (``runtime/cuda_graphs.py``)."""
-        self.graph = graph
+        self.graph = CompiledGraph(graph) if settings.compile.backend in TORCH_COMPILE_BACKENDS else graph
         self.graph_inputs = graph_inputs
         self.settings = settings
         self.tokenizer = tokenizer
