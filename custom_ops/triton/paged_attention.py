@@ -266,13 +266,13 @@ def _prefill_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["first_decode", "keys_per_split", "stride_bt"])  # batch-dependent: see the note on integer arguments above
+@triton.jit(do_not_specialize=["first_decode", "stride_bt"])  # batch-dependent: see the note on integer arguments above
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partials_ptr,
     seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
-    scale, logit_cap, window, first_decode, q_heads, keys_per_split,
+    scale, logit_cap, window, first_decode, q_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -286,10 +286,14 @@ def _decode_kernel(
     token = tl.load(seq_start_ptr + seq).to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + seq)
 
-    # The query sits at kv_len - 1; splits divide the keys it may see, so a window leaves none idle.
+    # The query sits at kv_len - 1; splits divide the keys it may see, so a window leaves none idle. Each
+    # sequence spreads its own keys over all splits, in whole tiles: the grid is sized for the longest one
+    # (a CUDA graph's for the longest possible), and a short sequence would otherwise leave its keys to one
+    # program looping over them while the others find nothing to do.
     visible_first = 0
     if HAS_WINDOW:
         visible_first = tl.maximum(kv_len - window, 0)
+    keys_per_split = tl.cdiv(tl.cdiv(kv_len - visible_first, num_splits), BLOCK_N) * BLOCK_N
     split_first = visible_first + split * keys_per_split
     split_end = tl.minimum(split_first + keys_per_split, kv_len)
 
@@ -498,7 +502,7 @@ def _launch_decode(
     group = shared["GROUP"]
     _decode_kernel[(num_decode, kv_heads, num_splits)](
         **shared, partials_ptr=partials,
-        first_decode=num_prefill, q_heads=q_heads, keys_per_split=keys_per_split,
+        first_decode=num_prefill, q_heads=q_heads,
         # tl.dot needs at least 16 rows; the padded head rows are masked out.
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
         num_warps=num_warps, num_stages=num_stages,
