@@ -1,5 +1,5 @@
-"""The ``triton`` backends of ``rms_norm``, ``layer_norm``, ``rope``, ``gated_mlp`` and ``fused_gated_mlp``:
-registration only.
+"""The ``triton`` backends of ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``rope``, ``gated_mlp`` and
+``fused_gated_mlp``: registration only.
 
 The kernels live in ``custom_ops/triton/`` (``norms.py``, ``rope.py``, ``gated_activation.py``); each
 backend below imports its kernel module on its first call, not here: Triton decides at kernel
@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from . import fused_gated_mlp, gated_mlp, layer_norm, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from . import add_rms_norm, fused_gated_mlp, gated_mlp, layer_norm, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
 from .registry import register_backend
 from .triton import triton_unavailable
 
@@ -63,6 +63,16 @@ def _rms_norm_triton(x, weight, eps, weight_offset=0.0):
 
 def _rms_norm_supports(x, weight, eps, weight_offset=0.0, *, device):
     return _unsupported_dtypes(device, x, weight=weight) or _norm_too_wide(x) or True
+
+
+def _add_rms_norm_triton(x, residual, weight, eps, weight_offset=0.0):
+    from .triton.norms import add_rms_norm_triton
+
+    return add_rms_norm_triton(x, residual, weight, eps, weight_offset)
+
+
+def _add_rms_norm_supports(x, residual, weight, eps, weight_offset=0.0, *, device):
+    return _unsupported_dtypes(device, x, residual=residual, weight=weight) or _norm_too_wide(x) or True
 
 
 def _layer_norm_triton(x, weight, bias, eps):
@@ -128,6 +138,7 @@ def _fused_gated_mlp_supports(x, gate_up_weight, down_weight, activation, *, dev
 
 
 register_backend("rms_norm", "triton", _rms_norm_triton, supports=_rms_norm_supports)
+register_backend("add_rms_norm", "triton", _add_rms_norm_triton, supports=_add_rms_norm_supports)
 register_backend("layer_norm", "triton", _layer_norm_triton, supports=_layer_norm_supports)
 register_backend("rope", "triton", _rope_triton, supports=_rope_supports)
 register_backend("gated_mlp", "triton", _gated_mlp_triton, supports=_gated_mlp_supports)

@@ -2,6 +2,7 @@
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
 
 
@@ -19,6 +20,11 @@ def node_value(node) -> torch.Tensor:
     value = node.meta.get("val") if isinstance(node, Node) else None
     require(isinstance(value, torch.Tensor), f"{node} carries no tensor value")
     return value
+
+
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes for every value of the dynamic dims (symbolic sizes compared without adding guards)."""
+    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
 def is_call(node, targets) -> bool:

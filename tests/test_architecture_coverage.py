@@ -40,3 +40,12 @@ def test_every_layer_is_canonical(deployed):
 def test_logits_equal_hf_eager(deployed):
     arch, reference, llm = deployed
     assert deployed_max_logit_diff(reference, llm, SHAPES) <= 1e-5, arch
+
+
+def test_every_rms_norm_architecture_fuses_two_residual_adds_per_layer(deployed):
+    # Before the post-attention norm, and before the next layer's input norm (the last layer's: the final
+    # norm); the logits test above holds the fused graph to HF eager. LayerNorm architectures fuse none.
+    arch, reference, llm = deployed
+    (record,) = [r for r in llm.records if r.name == "fuse_add_rms_norm"]
+    uses_rms_norm = any("rms_norm" in str(node.target) for node in llm.graph.graph.nodes)
+    assert record.matches == (2 * reference.config.num_hidden_layers if uses_rms_norm else 0), arch

@@ -1,4 +1,4 @@
-"""Triton backends of ``rms_norm`` and ``layer_norm``: one pass over each row, statistics in float32.
+"""Triton backends of ``rms_norm``, ``add_rms_norm`` and ``layer_norm``: one pass over each row, float32 statistics.
 
 A norm reads a row once and writes it once, so it is bound by memory traffic; the kernel's whole job
 is to keep that one read and one write. Each program loads ``rows_per_program`` whole rows as one
@@ -14,18 +14,22 @@ all of it Triton's host-side launch, against torch's 11 µs: outside CUDA graphs
 Semantics are those of ``rms_norm_reference`` and ``layer_norm_reference``: float32 statistics and
 scaling, the weight (plus ``weight_offset``) and bias cast to float32 first, one rounding to ``x``'s
 dtype at the end; the output is contiguous, in ``x``'s shape. Any leading dims are flattened to rows;
-``x`` may be a strided view whose last dim is contiguous (else it is copied first).
+``x`` may be a strided view whose last dim is contiguous (else it is copied first). ``add_rms_norm``'s
+kernel is the RMSNorm kernel with a second input: it adds ``x`` and ``residual`` in float32, stores the
+sum rounded to their dtype, and normalises that rounded sum (``add_rms_norm_reference``'s semantics), so
+the residual stream costs two reads and two writes per row instead of the unfused three and two.
 
 Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the tests do)::
 
     import torch
-    from autodeploy.custom_ops.triton.norms import rms_norm_triton, layer_norm_triton
+    from autodeploy.custom_ops.triton.norms import add_rms_norm_triton, rms_norm_triton, layer_norm_triton
 
     x = torch.randn(2, 7, 4096, dtype=torch.bfloat16, device="cuda")
     weight = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     y = rms_norm_triton(x, weight, 1e-6)                  # Llama
     y = rms_norm_triton(x, weight - 1, 1e-6, 1.0)         # Gemma stores weight - 1
     z = layer_norm_triton(x, weight, torch.zeros_like(weight), 1e-5)
+    normed, total = add_rms_norm_triton(x, torch.randn_like(x), weight, 1e-6)  # total: x + residual
 """
 
 from __future__ import annotations
@@ -81,16 +85,38 @@ def _load_rows(x_ptr, stride_row, num_rows, ROWS: tl.constexpr, HIDDEN: tl.const
     return x.to(tl.float32), rows, cols, mask
 
 
+@triton.jit
+def _rms_normalise(x, cols, weight_ptr, eps, weight_offset, HIDDEN: tl.constexpr):
+    """The float32 tile ``x`` RMS-normalised per row and scaled by ``weight + weight_offset`` (zero padding
+    adds nothing to the sums of squares)."""
+    inverse_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HIDDEN + eps)
+    weight = tl.load(weight_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32) + weight_offset
+    return x * inverse_rms[:, None] * weight[None, :]
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # the token count: one compile for all
 def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr, stride_row, num_rows, eps, weight_offset,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
 ):
     x, rows, cols, mask = _load_rows(x_ptr, stride_row, num_rows, ROWS, HIDDEN, BLOCK_H)
-    inverse_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HIDDEN + eps)
-    weight = tl.load(weight_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32) + weight_offset
-    out = x * inverse_rms[:, None] * weight[None, :]
+    out = _rms_normalise(x, cols, weight_ptr, eps, weight_offset, HIDDEN)
     tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _add_rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_residual, num_rows, eps, weight_offset,
+    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+):
+    x, rows, cols, mask = _load_rows(x_ptr, stride_x, num_rows, ROWS, HIDDEN, BLOCK_H)
+    residual, _, _, _ = _load_rows(residual_ptr, stride_residual, num_rows, ROWS, HIDDEN, BLOCK_H)
+    # The sum is rounded to the model's dtype before it is normalised, as the unfused add rounds it.
+    total = (x + residual).to(sum_ptr.dtype.element_ty)
+    offsets = rows[:, None] * HIDDEN + cols[None, :]
+    tl.store(sum_ptr + offsets, total, mask=mask)
+    out = _rms_normalise(total.to(tl.float32), cols, weight_ptr, eps, weight_offset, HIDDEN)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # the token count: one compile for all
@@ -139,6 +165,42 @@ def rms_norm_triton(
         num_warps=config.num_warps,
     )
     return out
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    *,
+    config: Optional[NormConfig] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` in one kernel: reads ``x`` and ``residual`` once, writes the norm and the sum;
+    same arguments, same result as ``add_rms_norm_reference``.
+
+    ``config`` overrides :func:`norm_config`'s launch. Raises ``ValueError`` for inputs the kernel
+    does not take (dtype, hidden size, device, weight shape, a residual of another shape or dtype).
+    """
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"add_rms_norm_triton: residual must have x's shape and dtype {tuple(x.shape)} {x.dtype}; "
+            f"got {tuple(residual.shape)} {residual.dtype}."
+        )
+    rows = _check_and_flatten("add_rms_norm_triton", x, weight=weight)
+    residual_rows = _check_and_flatten("add_rms_norm_triton", residual)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.numel() == 0:
+        return out, total
+    config = config or norm_config(rows.shape[0], rows.shape[1])
+    _add_rms_norm_kernel[(triton.cdiv(rows.shape[0], config.rows_per_program),)](
+        rows, residual_rows, weight.contiguous(), out, total, rows.stride(0), residual_rows.stride(0), rows.shape[0],
+        eps, weight_offset,
+        HIDDEN=rows.shape[1], BLOCK_H=triton.next_power_of_2(rows.shape[1]), ROWS=config.rows_per_program,
+        num_warps=config.num_warps,
+    )
+    return out, total
 
 
 def layer_norm_triton(

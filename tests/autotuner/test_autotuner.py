@@ -132,6 +132,32 @@ def test_the_real_clock_times_on_the_cpu(tmp_path):
     assert decision.backend in ("slow", "fast") and all(s > 0 for s in decision.seconds.values())
 
 
+def two_outputs(x, weight):
+    """An op with two outputs, like add_rms_norm's (normed, sum)."""
+    return reference(x, weight), x * 2
+
+
+TWO_OUTPUT_CANDIDATES = [
+    Candidate("slow", two_outputs),
+    Candidate("fast", lambda x, w: (x @ w.T, x + x)),
+    Candidate("wrong", lambda x, w: (x @ w.T, x * 3)),  # right first output, wrong second
+    Candidate("one_output", lambda x, w: x @ w.T),  # one output where the reference gives two
+]
+
+
+@pytest.mark.parametrize("clock", ["fake", "real"])
+def test_every_output_of_a_two_output_op_is_checked_before_it_is_timed(tmp_path, clock):
+    timed = []
+    timer = fake_timer(timed) if clock == "fake" else None
+    tuner = Autotuner("cpu", tmp_path, timer=timer, warmup=1, repeats=3)
+    decision = tuner.decide("pair", ["pair"], TWO_OUTPUT_CANDIDATES, two_outputs, make_inputs, (4,), torch.float32)[4]
+    assert set(decision.seconds) == {"slow", "fast"} and all(s > 0 for s in decision.seconds.values())
+    assert "relative error" in decision.excluded["wrong"]
+    assert "relative error inf" in decision.excluded["one_output"]  # a structural mismatch
+    if clock == "fake":
+        assert decision.backend == "fast" and timed == ["slow", "fast"]
+
+
 def test_token_buckets_cover_decode_and_prefill():
     buckets = token_buckets(32, 2048)
     assert buckets[:6] == (1, 2, 4, 8, 16, 32) and buckets[-1] == 2048

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 from autodeploy.autotuner import relative_error, tolerance
 from autodeploy.custom_ops import canonical_ops
@@ -25,6 +26,8 @@ def inputs(op: str, tokens: int, dtype: torch.dtype) -> tuple:
         return x, weight(HIDDEN, HIDDEN, dtype=dtype), None
     if op == "rms_norm":
         return x, 1 + 0.1 * torch.randn(HIDDEN, device="cuda", dtype=dtype), 1e-5
+    if op == "add_rms_norm":
+        return x, torch.randn_like(x), 1 + 0.1 * torch.randn(HIDDEN, device="cuda", dtype=dtype), 1e-5
     if op == "layer_norm":
         return x, torch.randn(HIDDEN, device="cuda", dtype=dtype), torch.randn(HIDDEN, device="cuda", dtype=dtype), 1e-5
     if op == "rope":
@@ -44,7 +47,7 @@ def inputs(op: str, tokens: int, dtype: torch.dtype) -> tuple:
     raise KeyError(op)
 
 
-OPS = ("linear", "rms_norm", "layer_norm", "rope", "gated_mlp", "fused_gated_mlp", "mlp", "moe")
+OPS = ("linear", "rms_norm", "add_rms_norm", "layer_norm", "rope", "gated_mlp", "fused_gated_mlp", "mlp", "moe")
 CASES = [(op, backend.name) for op in OPS for backend in canonical_ops()[op].backends]
 
 
@@ -60,5 +63,6 @@ def test_backend_matches_the_reference_on_the_gpu(op, backend_name, tokens, dtyp
         pytest.skip(f"{backend_name} does not take {op} in {dtype}: {backend.check(meta, torch.device('cuda'))}")
     expected = canonical_ops()[op].reference(*args)
     got = backend.op(*args)
-    assert got.dtype == expected.dtype and got.shape == expected.shape
+    for have, want in zip(pytree.tree_leaves(got), pytree.tree_leaves(expected), strict=True):
+        assert have.dtype == want.dtype and have.shape == want.shape
     assert relative_error(got, expected) <= tolerance(dtype)

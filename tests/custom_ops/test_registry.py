@@ -13,6 +13,10 @@ from autodeploy.custom_ops import registry
 SPEC_SCHEMAS = {
     "linear": "autodeploy::linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "rms_norm": "autodeploy::rms_norm(Tensor x, Tensor weight, float eps, float weight_offset=0.) -> Tensor",
+    "add_rms_norm": (
+        "autodeploy::add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float weight_offset=0.) "
+        "-> (Tensor, Tensor)"
+    ),
     "layer_norm": "autodeploy::layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor",
     "rope": "autodeploy::rope(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",
     "attention": (

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
@@ -243,12 +244,15 @@ def weighted_args(op_name: str, weight_dtype: torch.dtype) -> tuple:
         "gated_mlp": (x, w(32, 16), w(32, 16), w(16, 32), "silu"),
         "fused_gated_mlp": (x, w(64, 16), w(16, 32), "silu"),
         "rms_norm": (x, w(16), 1e-6),
+        "add_rms_norm": (x, x, w(16), 1e-6),
         "layer_norm": (x, w(16), w(16), 1e-5),
         "moe": (x, meta(2, 4, dtype=F32), w(4, 64, 16), w(4, 16, 32), 2),
     }[op_name]
 
 
-@pytest.mark.parametrize("op_name", ["fused_gated_mlp", "gated_mlp", "layer_norm", "linear", "mlp", "moe", "rms_norm"])
+@pytest.mark.parametrize(
+    "op_name", ["add_rms_norm", "fused_gated_mlp", "gated_mlp", "layer_norm", "linear", "mlp", "moe", "rms_norm"]
+)
 def test_supports_refuses_weights_in_another_dtype_than_x(op_name):
     backend = torch_backend(op_name)
     reason = backend.check(weighted_args(op_name, torch.float32), torch.device("cpu"))
@@ -311,6 +315,7 @@ NATIVE_ARGS = {  # (arguments, the smallest weight's size)
     "gated_mlp": ((bf16(4, 64), bf16(64, 64), bf16(64, 64), bf16(64, 64), "silu"), 64 * 64),
     "fused_gated_mlp": ((bf16(4, 64), bf16(128, 64), bf16(64, 64), "silu"), 64 * 64),
     "rms_norm": ((bf16(4, 64), bf16(64), 1e-6, 1.0), 64),
+    "add_rms_norm": ((bf16(4, 64), bf16(4, 64), bf16(64), 1e-6, 1.0), 64),
     "layer_norm": ((bf16(4, 64), bf16(64), bf16(64), 1e-5), 64),
     "moe": ((bf16(4, 64), torch.randn(4, 8), bf16(8, 128, 64), bf16(8, 64, 64), 2), 8 * 64 * 64),
 }
@@ -321,5 +326,5 @@ def test_torch_backends_make_no_float32_copy_of_a_weight(op_name):
     args, weight_size = NATIVE_ARGS[op_name]
     with Float32Outputs() as recorder:
         out = getattr(torch.ops.autodeploy, f"{op_name}_torch").default(*args)
-    assert out.dtype == torch.bfloat16
+    assert all(o.dtype == torch.bfloat16 for o in pytree.tree_leaves(out))
     assert all(size < weight_size for size in recorder.sizes), f"float32 tensors of sizes {recorder.sizes}"

@@ -1,5 +1,5 @@
-"""The Triton backends of rms_norm, layer_norm, rope, gated_mlp and fused_gated_mlp against their float32
-references.
+"""The Triton backends of rms_norm, add_rms_norm, layer_norm, rope, gated_mlp and fused_gated_mlp against
+their float32 references.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (``tests/conftest.py`` sets
 TRITON_INTERPRET), which is slow, so the shapes are tiny; they still reach every masked edge: hidden
@@ -16,6 +16,7 @@ import torch
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops import canonical_ops, triton_backends
+from autodeploy.custom_ops.add_rms_norm import add_rms_norm_reference
 from autodeploy.custom_ops.fused_gated_mlp import fused_gated_mlp_reference
 from autodeploy.custom_ops.gated_mlp import gated_mlp_reference
 from autodeploy.custom_ops.layer_norm import layer_norm_reference
@@ -68,6 +69,41 @@ def test_rms_norm_of_float32_weights_in_half_precision():
     assert_matches(norms.rms_norm_triton(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
 
 
+# --- add_rms_norm ---------------------------------------------------------------------------------------
+
+
+def assert_sum_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """The sum output: bit-equal, except bfloat16 in Triton's interpreter, which truncates float32 to
+    bfloat16 where a GPU rounds to nearest even (so there only the rounding contract holds)."""
+    if got.dtype == torch.bfloat16 and DEVICE == "cpu":
+        assert_matches(got, expected)
+    else:
+        assert torch.equal(got, expected) and got.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, weight_offset", [((1, 40), 0.0), ((5, 64), 1.0), ((2, 3, 200), 0.0)])
+def test_add_rms_norm(dtype, shape, weight_offset):
+    # One row; several rows that do not fill a program; hidden sizes that are not powers of 2; Gemma's offset.
+    x, residual = random(*shape, dtype=dtype, scale=3.0), random(*shape, dtype=dtype, seed=2)
+    weight = random(shape[-1], dtype=dtype, seed=1) * 0.1 + (0.0 if weight_offset else 1.0)
+    normed, total = torch.ops.autodeploy.add_rms_norm_triton.default(x, residual, weight, 1e-6, weight_offset)
+    expected_normed, expected_total = add_rms_norm_reference(x, residual, weight, 1e-6, weight_offset)
+    assert_matches(normed, expected_normed)
+    assert_sum_matches(total, expected_total)
+
+
+def test_add_rms_norm_of_strided_rows():
+    weight = random(48, seed=1)
+    row_strided = random(4, 3, 100)[..., 10:58]  # read in place
+    column_strided = random(4, 48, 3, seed=2).transpose(1, 2)  # copied first
+    for x, residual in ((row_strided, column_strided), (column_strided, row_strided)):
+        normed, total = norms.add_rms_norm_triton(x, residual, weight, 1e-5)
+        expected_normed, expected_total = add_rms_norm_reference(x, residual, weight, 1e-5)
+        assert_matches(normed, expected_normed)
+        assert_sum_matches(total, expected_total)
+
+
 # --- layer_norm -----------------------------------------------------------------------------------------
 
 
@@ -94,9 +130,14 @@ def test_layer_norm_of_rows_far_from_zero():
 def test_every_norm_config():
     x, weight, bias = random(7, 24), random(24, seed=1), random(24, seed=2)
     expected_rms, expected_layer = rms_norm_reference(x, weight, 1e-6), layer_norm_reference(x, weight, bias, 1e-5)
+    residual = random(7, 24, seed=3)
+    expected_normed, expected_total = add_rms_norm_reference(x, residual, weight, 1e-6)
     for config in norms.valid_configs(24):
         assert_matches(norms.rms_norm_triton(x, weight, 1e-6, config=config), expected_rms)
         assert_matches(norms.layer_norm_triton(x, weight, bias, 1e-5, config=config), expected_layer)
+        normed, total = norms.add_rms_norm_triton(x, residual, weight, 1e-6, config=config)
+        assert_matches(normed, expected_normed)
+        assert_sum_matches(total, expected_total)
 
 
 # --- rope -----------------------------------------------------------------------------------------------
@@ -243,6 +284,7 @@ def test_fused_gated_mlp_of_a_strided_input():
     [
         (lambda: norms.rms_norm_triton(random(2, 8, dtype=torch.float64), random(8), 1e-6), "float64"),
         (lambda: norms.layer_norm_triton(random(2, 8), random(7), None, 1e-5), r"weight must be \[H=8\]"),
+        (lambda: norms.add_rms_norm_triton(random(2, 8), random(8), random(8), 1e-6), "residual must have x's shape"),
         (lambda: rope.rope_triton(random(1, 2, 3, 8), random(1, 2, 6), random(1, 2, 6)[..., :5]), "cos, sin"),
         (lambda: rope.rope_triton(random(1, 2, 3, 8), random(1, 2, 10), random(1, 2, 10)), "at most D=8"),
         (lambda: gated_activation.gated_activation(random(4), random(4), "swish"), "unknown activation"),
@@ -266,6 +308,7 @@ def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 SUPPORTED_NODES = {
     "rms_norm": (meta(2, 7, 4096), meta(4096), 1e-6),
+    "add_rms_norm": (meta(2, 7, 4096), meta(2, 7, 4096), meta(4096), 1e-6, 1.0),
     "layer_norm": (meta(7, 768), meta(768), None, 1e-5),
     "rope": (meta(1, 32, 7, 128).transpose(1, 2), meta(1, 7, 128), meta(1, 7, 128), False),
     "gated_mlp": (meta(7, 4096), meta(14336, 4096), meta(14336, 4096), meta(4096, 14336), "silu"),
@@ -291,6 +334,9 @@ def test_supports_cuda_deploys_only(op_name):
         ("rms_norm", (meta(2, 64, dtype=torch.float64), meta(64, dtype=torch.float64), 1e-6), "float64"),
         ("rms_norm", (meta(2, 64), meta(64, dtype=torch.float32), 1e-6), "weight in x's dtype"),
         ("rms_norm", (meta(2, 32769), meta(32769), 1e-6), "hidden sizes up to 32768"),
+        ("add_rms_norm", (meta(2, 64), meta(2, 64, dtype=torch.float32), meta(64), 1e-6), "residual in x's dtype"),
+        ("add_rms_norm", (meta(2, 64), meta(2, 64), meta(64, dtype=torch.float16), 1e-6), "weight in x's dtype"),
+        ("add_rms_norm", (meta(2, 32769), meta(2, 32769), meta(32769), 1e-6), "hidden sizes up to 32768"),
         ("layer_norm", (meta(2, 64), None, meta(64, dtype=torch.float16), 1e-5), "bias in x's dtype"),
         ("rope", (meta(1, 2, 4, 2048), meta(1, 2, 64), meta(1, 2, 64), False), "head dims up to 1024"),
         ("rope", (meta(1, 2, 4, 64), meta(1, 2, 64, dtype=torch.float64), meta(1, 2, 64), False), "cos and sin"),
