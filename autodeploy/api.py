@@ -84,7 +84,7 @@ def autodeploy(
         graph, verification = pipeline.run(context, dump_dir=settings.dump_graphs), None
     tokenizer = factory.load_tokenizer(settings.tokenizer)
     llm = LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records, context.kv_caches,
-              str(factory.source.directory), verification, context.decode_graph_batch_sizes)
+              str(factory.source.directory), verification, context.decode_graph_batch_sizes, context.prefill_graph_token_sizes)
     if llm.can_serve:
         llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward: its errors belong to the build)
     return llm

@@ -85,12 +85,15 @@ class CompileSettings:
     """The compile stage (``transforms/compile_model.py``). ``cuda_graph``: on a GPU, the runtime captures the
     decode step once per batch size in ``batch_sizes`` (default: 1, 2, 4, 8, then steps of 16 and 32 up to
     ``max_batch_size``) and replays it, a batch padded up to the next captured size; prefill and mixed
-    steps, and everything on the CPU, run the graph eagerly. ``torch_compile``: the graph runs under
+    steps run as piecewise graphs (all but attention) captured per token count of ``prefill_token_sizes``
+    (default: powers of two from 16 to ``scheduler.max_num_tokens``; ``[]``: eager), and everything on the
+    CPU runs eagerly. ``torch_compile``: the graph runs under
     ``torch.compile`` (Inductor; our ops opaque to it), on any device. ``torch_compile_cuda_graph``: both,
     the captured decode steps replaying the compiled graph. ``none``: always eager."""
 
     backend: str = "cuda_graph"
     batch_sizes: Optional[List[int]] = None
+    prefill_token_sizes: Optional[List[int]] = None  # cuda_graph: piecewise prefill graphs; [] turns them off
 
 
 @dataclass
@@ -271,6 +274,9 @@ def _check_choices(settings: DictConfig) -> None:
     sizes = settings.compile.batch_sizes
     if sizes is not None and (not sizes or any(size < 1 for size in sizes)):
         raise ConfigError(f"compile.batch_sizes must list batch sizes ≥ 1 (or be null for the default), got {list(sizes)}")
+    token_sizes = settings.compile.prefill_token_sizes
+    if token_sizes is not None and any(size < 1 for size in token_sizes):
+        raise ConfigError(f"compile.prefill_token_sizes must list token counts ≥ 1 ([] for none, null for the default), got {list(token_sizes)}")
     if settings.scheduler.max_num_tokens < 1:
         raise ConfigError(f"scheduler.max_num_tokens must be ≥ 1, got {settings.scheduler.max_num_tokens}")
 

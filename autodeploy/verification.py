@@ -306,7 +306,8 @@ def _compare(factory, twin, reference, graph, context, match_notes, settings, de
         )
     vocab = twin.config.get_text_config().vocab_size
     engine = Engine(graph, context.graph_inputs, context.kv_caches, context.settings, None, [], vocab, check_logits=False,
-                    decode_graph_batch_sizes=context.decode_graph_batch_sizes)
+                    decode_graph_batch_sizes=context.decode_graph_batch_sizes,
+                    prefill_graph_token_sizes=context.prefill_graph_token_sizes)
     sequences = _probe_tokens(vocab)
     ours = served_logits(engine, sequences, [length for length, _ in PROBES])
     worst = (0.0, 0.0, 0)

@@ -51,4 +51,6 @@ for batch in BATCHES:
         engine.step()
         if decoding:
             decode_ms.append(1000 * (time.perf_counter() - began))
-    print(f"B={batch}: decode step wall ms median {statistics.median(decode_ms):.2f} over {len(decode_ms)} steps", flush=True)
+    ttft_ms = statistics.median(1000 * r.metrics().time_to_first_token for r in requests)
+    print(f"B={batch}: decode step wall ms median {statistics.median(decode_ms):.2f} over {len(decode_ms)} steps, "
+          f"TTFT median {ttft_ms:.1f} ms", flush=True)

@@ -44,6 +44,13 @@ def default_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
     return tuple(sorted({s for s in sizes if s < max_batch_size} | {max_batch_size}))
 
 
+def default_prefill_token_sizes(max_tokens: int) -> tuple[int, ...]:
+    """16, 32, 64, … up to ``max_tokens`` (and it): a step pads to at most twice its tokens, and at large
+    counts a prefill is compute-bound, so the padding's cost is what the launches saved at small ones."""
+    sizes = [16 << i for i in range(16) if 16 << i < max_tokens]
+    return tuple(sizes + [max_tokens])
+
+
 def uncapturable_nodes(module: GraphModule) -> list[str]:
     """``"node → kernel"`` for every node whose kernel syncs with the host (see ``Backend.capturable``)."""
     found = []
@@ -91,8 +98,15 @@ class CompileModel(Transform):
         sizes = settings.compile.batch_sizes
         sizes = default_batch_sizes(max_batch_size) if sizes is None else tuple(sorted({min(int(s), max_batch_size) for s in sizes}))
         context.decode_graph_batch_sizes = sizes
-        return TransformResult(
-            matches=len(sizes),
-            notes=("torch.compile + " if inductor else "") + f"decode CUDA graphs at {len(sizes)} batch sizes",
-            details=[*inductor, f"decode: CUDA graphs at batch sizes {', '.join(map(str, sizes))} (a batch pads up to the next)"],
-        )
+        details = [*inductor, f"decode: CUDA graphs at batch sizes {', '.join(map(str, sizes))} (a batch pads up to the next)"]
+        notes = ("torch.compile + " if inductor else "") + f"decode CUDA graphs at {len(sizes)} batch sizes"
+        if not inductor:  # the compiled graph is not an fx graph to split
+            max_tokens = min(int(settings.scheduler.max_num_tokens), int(settings.max_seq_len or settings.scheduler.max_num_tokens))
+            tokens = settings.compile.prefill_token_sizes
+            tokens = default_prefill_token_sizes(max_tokens) if tokens is None else tuple(sorted({min(int(t), max_tokens) for t in tokens}))
+            context.prefill_graph_token_sizes = tokens
+            if tokens:
+                notes += f", prefill pieces at {len(tokens)} token counts"
+                details.append(f"prefill and mixed steps: piecewise CUDA graphs (all but attention) at {', '.join(map(str, tokens))} "
+                               f"tokens; more run eagerly")
+        return TransformResult(matches=len(sizes), notes=notes, details=details)

@@ -72,7 +72,8 @@ class TransformContext:
     ``graph_inputs`` names the executable graph's inputs, in order, as the runtime fills them;
     ``kv_caches`` lists the KV cache pairs among them (``KVCacheSpec``), declared by the cache stage;
     ``decode_graph_batch_sizes``: the batch sizes whose decode steps the runtime captures as CUDA graphs,
-    declared by the compile stage (empty: always eager).
+    declared by the compile stage (empty: always eager); ``prefill_graph_token_sizes``: the token counts at
+    which prefill and mixed steps replay piecewise CUDA graphs (all but attention), likewise.
     """
 
     settings: Any
@@ -80,6 +81,7 @@ class TransformContext:
     graph_inputs: tuple[str, ...] = ()
     kv_caches: tuple[Any, ...] = ()
     decode_graph_batch_sizes: tuple[int, ...] = ()
+    prefill_graph_token_sizes: tuple[int, ...] = ()
     state: dict[str, Any] = field(default_factory=dict)
 
 

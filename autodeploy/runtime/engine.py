@@ -39,6 +39,7 @@ from autodeploy.runtime.compiled_graph import TORCH_COMPILE_BACKENDS, CompiledGr
 from autodeploy.runtime.cuda_graphs import DecodeGraphs
 from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
 from autodeploy.runtime.outputs import CompletionOutput
+from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs
 from autodeploy.runtime.request import Request, Sequence
 from autodeploy.runtime.device_copies import to_device
 from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
@@ -90,10 +91,13 @@ class Engine:
         vocab_size: int,
         check_logits: bool = True,
         decode_graph_batch_sizes: SequenceABC[int] = (),
+        prefill_graph_token_sizes: SequenceABC[int] = (),
     ):
         """``check_logits``: a warm-up forward must give finite logits (build-time verification turns it
         off for the twin, whose logits it checks and localises itself). ``decode_graph_batch_sizes``: the
-        compile stage's sizes for decode steps replayed as CUDA graphs (``runtime/cuda_graphs.py``)."""
+        compile stage's sizes for decode steps replayed as CUDA graphs (``runtime/cuda_graphs.py``);
+        ``prefill_graph_token_sizes``: its token counts for prefill and mixed steps replayed as piecewise
+        graphs (``runtime/piecewise_graphs.py``), captured first: their memory is gone before the pool is sized."""
         self.graph = CompiledGraph(graph) if settings.compile.backend in TORCH_COMPILE_BACKENDS else graph
         self.graph_inputs = graph_inputs
         self.settings = settings
@@ -106,6 +110,7 @@ class Engine:
         block_size = settings.kv_cache.block_size
         warmed_up = []
         graph_sizes = sorted(set(decode_graph_batch_sizes))
+        self.prefill_graphs = self._capture_prefill_graphs(kv_caches, prefill_graph_token_sizes) if prefill_graph_token_sizes else None
 
         def warm_up(num_tokens: int) -> None:
             self._warm_up(kv_caches, min(num_tokens, self.max_num_tokens, self.max_seq_len))
@@ -386,7 +391,24 @@ class Engine:
             self.graph_inputs, chunks, self.pool, self.caches, self.device, logits_for_all_tokens=logits_for_all_tokens,
             pending=pending,
         )
+        num_tokens = sum(chunk.length for chunk in chunks)
+        if self.prefill_graphs is not None and self.prefill_graphs.serves(num_tokens):
+            return (lambda: self.prefill_graphs.run(inputs, num_tokens)), completing
         return (lambda: self.graph(*inputs)[0]), completing
+
+    def _capture_prefill_graphs(self, specs: SequenceABC[KVCacheSpec], sizes: SequenceABC[int]) -> PiecewiseGraphs | None:
+        try:
+            graphs = PiecewiseGraphs(self.graph, self.graph_inputs, sizes, self.device)
+        except NotSplittable as reason:
+            logger.warning("prefill steps run eagerly: the graph cannot be split into captured pieces (%s)", reason)
+            return None
+        try:
+            with torch.inference_mode():
+                graphs.capture_all(lambda num_tokens: self._probe_inputs(specs, num_tokens)[0])
+        except Exception as error:  # a kernel the compile stage could not vet: slower, never wrong
+            logger.warning("prefill CUDA graph capture failed (%s: %s); prefill steps run eagerly", type(error).__name__, error)
+            return None
+        return graphs
 
     def _capture_decode_graphs(self, sizes: list[int], pad_block: int) -> DecodeGraphs | None:
         graphs = DecodeGraphs(self.graph, self.graph_inputs, self.caches, sizes, self.settings.kv_cache.block_size,
@@ -525,23 +547,26 @@ class Engine:
             try:
                 if not self.pool.reserve(probe.seq_id, len(token_ids)):
                     raise InvalidRequestError(f"{len(token_ids)} tokens do not fit in the free KV blocks now; try again when idle")
-                inputs, _ = build_step_inputs(
-                    self.graph_inputs, [ScheduledChunk(probe, 0, len(token_ids))], self.pool, self.caches, self.device, logits_for_all_tokens=True
-                )
-                return self.graph(*inputs)[0]
+                run, _ = self._graph_call([ScheduledChunk(probe, 0, len(token_ids))], logits_for_all_tokens=True)
+                return run()
             finally:
                 self.pool.free(probe.seq_id)
 
-    def _warm_up(self, specs: SequenceABC[KVCacheSpec], num_tokens: int) -> None:
-        """One forward of ``num_tokens`` tokens on a throwaway cache. Its peak memory sizes the GPU pool;
-        its logits must be finite, or the model would only ever generate garbage."""
+    def _probe_inputs(self, specs: SequenceABC[KVCacheSpec], num_tokens: int) -> tuple[list[torch.Tensor], dict]:
+        """The graph's inputs for one prompt of ``num_tokens`` tokens on a throwaway cache (and that cache)."""
         block_size = self.settings.kv_cache.block_size
         scratch = KVBlockPool(-(-num_tokens // block_size), block_size, enable_prefix_caching=False)
         caches = allocate_kv_caches(specs, scratch.num_blocks, block_size, self.device)
         probe = _Probe([i % self.vocab_size for i in range(num_tokens)])
         scratch.reserve(probe.seq_id, num_tokens)
+        inputs, _ = build_step_inputs(self.graph_inputs, [ScheduledChunk(probe, 0, num_tokens)], scratch, caches, self.device)
+        return inputs, caches
+
+    def _warm_up(self, specs: SequenceABC[KVCacheSpec], num_tokens: int) -> None:
+        """One forward of ``num_tokens`` tokens on a throwaway cache. Its peak memory sizes the GPU pool;
+        its logits must be finite, or the model would only ever generate garbage."""
         with torch.inference_mode():
-            inputs, _ = build_step_inputs(self.graph_inputs, [ScheduledChunk(probe, 0, num_tokens)], scratch, caches, self.device)
+            inputs, caches = self._probe_inputs(specs, num_tokens)
             logits = self.graph(*inputs)[0]
             num_nan, num_inf = int(logits.isnan().sum()), int(logits.isinf().sum())
         del caches, inputs, logits

@@ -48,6 +48,7 @@ class LLM:
         model_directory: str | None = None,
         verification=None,
         decode_graph_batch_sizes: SequenceABC[int] = (),
+        prefill_graph_token_sizes: SequenceABC[int] = (),
     ):
         self.graph = graph
         self.graph_inputs = graph_inputs
@@ -61,6 +62,7 @@ class LLM:
         self._eos_token_ids = list(eos_token_ids)
         self._kv_caches = tuple(kv_caches)
         self._decode_graph_batch_sizes = tuple(decode_graph_batch_sizes)  # declared by the compile stage
+        self._prefill_graph_token_sizes = tuple(prefill_graph_token_sizes)
         self._engine: Engine | None = None
 
     @property
@@ -82,7 +84,7 @@ class LLM:
                 )
             self._engine = Engine(
                 self.graph, self.graph_inputs, self._kv_caches, self.settings, self.tokenizer, self._eos_token_ids, self.vocab_size,
-                decode_graph_batch_sizes=self._decode_graph_batch_sizes,
+                decode_graph_batch_sizes=self._decode_graph_batch_sizes, prefill_graph_token_sizes=self._prefill_graph_token_sizes,
             )
         return self._engine
 
