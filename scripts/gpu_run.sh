@@ -10,7 +10,7 @@
 # Limits: <STEP>_S, e.g. BENCH_S=420. Extra autodeploy settings for bench/generate/profile: AD_SET="--set k=v".
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export XDG_CACHE_HOME="$OUT/cache"
+export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$OUT/cache}"  # the autotuner's decisions
 python3 -m pip install -q --no-deps .whl/*.whl >/dev/null 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t0=$SECONDS
