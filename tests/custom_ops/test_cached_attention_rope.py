@@ -15,6 +15,7 @@ from autodeploy.custom_ops.rope import rope_reference
 from autodeploy.custom_ops.triton.paged_attention_rope import cached_attention_rope_triton
 from tests.custom_ops.test_paged_attention_triton import (  # noqa: F401  (the fixture applies to these tests too)
     DEVICE,
+    gpu_only,
     interpreter_loops_with_numpy_2_4,
     paged_batch,
 )
@@ -100,6 +101,16 @@ def test_triton_strided_qkv_and_one_broadcast_angle_row():
 def test_triton_half_precision():
     batch = paged_batch([(7, 12)], [20, 3], q_heads=4, kv_heads=2, dtype=torch.float16)
     assert_matches_reference(cached_attention_rope_triton, with_angles(batch), atol=2e-2, launch=dict(num_decode_splits=2))
+
+
+@gpu_only
+@pytest.mark.parametrize("head_dim, rotary_dim, interleaved", [(128, 128, False), (128, 64, False), (64, 64, True), (256, 256, False)])
+def test_triton_production_shapes(head_dim, rotary_dim, interleaved):
+    batch = paged_batch(
+        [(300, 300), (128, 1100), (1, 40)], [5000, 37, 1], q_heads=32, kv_heads=8, head_dim=head_dim,
+        block_size=32, dtype=torch.bfloat16,
+    )
+    assert_matches_reference(cached_attention_rope_triton, with_angles(batch, rotary_dim, interleaved), atol=2e-2)
 
 
 def test_sdpa_backend_matches_the_reference():
