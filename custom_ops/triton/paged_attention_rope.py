@@ -42,12 +42,16 @@ from .rope import load_angles, rotate_rows
 @triton.jit
 def _rope_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos_t, stride_sin_t,
-    stride_kb, stride_kt_cache, stride_kh_cache, stride_vb, stride_vt_cache, stride_vh_cache,
+    stride_new_qt, stride_new_qh, stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh, stride_cos_t, stride_sin_t,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    ROTARY_HALF: tl.constexpr, PAIRS_PAD: tl.constexpr, PASS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ROTARY_HALF: tl.constexpr, PAIRS_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
+    """One program per (new token, role): role 0 rotates the token's query heads into ``q_out``, role 1
+    its keys into their cache slot and copies its values beside them. (``D_PAD``: unused, taken with the
+    other cache arguments.)"""
     token = tl.program_id(0).to(tl.int64)
     cos_first, cos_second, sin_first, sin_second = load_angles(
         cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, ROTARY_HALF, PAIRS_PAD, INTERLEAVED
@@ -55,7 +59,7 @@ def _rope_write_kv_kernel(
     if tl.program_id(1) == 0:  # the query heads, rotated into the buffer the attention kernels read
         heads = tl.arange(0, Q_HEADS_PAD)[:, None]
         rotate_rows(
-            q_ptr + token * stride_qt + heads * stride_qh, q_out_ptr + (token * Q_HEADS + heads) * HEAD_DIM,
+            q_ptr + token * stride_new_qt + heads * stride_new_qh, q_out_ptr + (token * Q_HEADS + heads) * HEAD_DIM,
             heads < Q_HEADS, cos_first, cos_second, sin_first, sin_second,
             Q_HEADS_PAD, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
         )
@@ -66,15 +70,15 @@ def _rope_write_kv_kernel(
         heads = tl.arange(0, KV_HEADS_PAD)[:, None]
         head_valid = heads < KV_HEADS
         rotate_rows(
-            k_ptr + token * stride_kt + heads * stride_kh,
-            k_cache_ptr + block * stride_kb + offset * stride_kt_cache + heads * stride_kh_cache,
+            k_ptr + token * stride_new_kt + heads * stride_new_kh,
+            k_cache_ptr + block * stride_kb + offset * stride_kt + heads * stride_kh,
             head_valid, cos_first, cos_second, sin_first, sin_second,
             KV_HEADS_PAD, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
         )
         value_dims = tl.arange(0, DV_PAD)[None, :]
         value_mask = head_valid & (value_dims < VALUE_DIM)
-        v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + value_dims, mask=value_mask)
-        v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt_cache + heads * stride_vh_cache
+        v = tl.load(v_ptr + token * stride_new_vt + heads * stride_new_vh + value_dims, mask=value_mask)
+        v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt + heads * stride_vh
         tl.store(v_slot + value_dims, v.to(v_cache_ptr.dtype.element_ty), mask=value_mask)
 
 
@@ -125,17 +129,16 @@ def cached_attention_rope_triton(
     cos, sin = ((t if t.stride(-1) == 1 else t.contiguous()).expand(1, tokens, rotary_dim)[0] for t in (cos, sin))
     rotated_q = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens > 0:
-        caches = cache_arguments(k_cache, v_cache)
         _rope_write_kv_kernel[(tokens, 2)](
-            q_tokens, k_tokens, v_tokens, cos, sin, rotated_q, k_cache, v_cache, slot_mapping,
-            q_tokens.stride(0), q_tokens.stride(1), k_tokens.stride(0), k_tokens.stride(1),
-            v_tokens.stride(0), v_tokens.stride(1), cos.stride(0), sin.stride(0),
-            caches["stride_kb"], caches["stride_kt"], caches["stride_kh"],
-            caches["stride_vb"], caches["stride_vt"], caches["stride_vh"],
+            q_tokens, k_tokens, v_tokens, cos, sin, rotated_q, slot_mapping_ptr=slot_mapping,
+            **cache_arguments(k_cache, v_cache),
+            stride_new_qt=q_tokens.stride(0), stride_new_qh=q_tokens.stride(1),
+            stride_new_kt=k_tokens.stride(0), stride_new_kh=k_tokens.stride(1),
+            stride_new_vt=v_tokens.stride(0), stride_new_vh=v_tokens.stride(1),
+            stride_cos_t=cos.stride(0), stride_sin_t=sin.stride(0),
             Q_HEADS=q_heads, KV_HEADS=kv_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads),
-            KV_HEADS_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim, VALUE_DIM=caches["VALUE_DIM"],
-            DV_PAD=caches["DV_PAD"], PAGE_SIZE=caches["PAGE_SIZE"],
-            ROTARY_HALF=rotary_dim // 2, PAIRS_PAD=triton.next_power_of_2(rotary_dim // 2),
+            KV_HEADS_PAD=triton.next_power_of_2(kv_heads), ROTARY_HALF=rotary_dim // 2,
+            PAIRS_PAD=triton.next_power_of_2(rotary_dim // 2),
             PASS_PAD=triton.next_power_of_2(head_dim - rotary_dim) if rotary_dim < head_dim else 0,
             INTERLEAVED=interleaved,
         )
