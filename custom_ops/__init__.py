@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     add_rms_norm,
     attention,
     cached_attention,
+    cached_attention_rope,
     cached_attention_sdpa,
     cutlass_backends,
     fused_gated_mlp,

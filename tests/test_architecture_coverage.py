@@ -37,6 +37,12 @@ def test_every_layer_is_canonical(deployed):
     assert not any(n.target is torch.ops.aten.linear.default for n in llm.graph.graph.nodes)
 
 
+def test_rope_is_applied_in_every_layers_cache_write(deployed):
+    arch, reference, llm = deployed
+    (record,) = [r for r in llm.records if r.name == "fuse_rope_into_cached_attention"]
+    assert record.matches == reference.config.num_hidden_layers, f"{arch}: {record.notes} {record.details}"
+
+
 def test_logits_equal_hf_eager(deployed):
     arch, reference, llm = deployed
     assert deployed_max_logit_diff(reference, llm, SHAPES) <= 1e-5, arch

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
-def _permutation(node) -> list[int] | None:
+def permutation(node) -> list[int] | None:
     """The input dims ``node`` picks, in order, if it is a transpose/permute (negative dims normalised)."""
     if not isinstance(node, Node) or node.op != "call_function":
         return None
@@ -62,11 +62,11 @@ class CleanupTransposes(Transform):
         graph = module.graph
         rewrites = folded = 0
         for node in [node for node in graph.nodes if node.op == "call_function"]:
-            dims = _permutation(node)
+            dims = permutation(node)
             if dims is None:
                 continue
             inner = node.args[0]
-            inner_dims = _permutation(inner)
+            inner_dims = permutation(inner)
             if inner_dims is not None:
                 # node picks dim dims[i] of inner, which is dim inner_dims[dims[i]] of inner's input.
                 dims = [inner_dims[dim] for dim in dims]

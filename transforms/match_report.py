@@ -36,7 +36,7 @@ from autodeploy.transforms.registry import Transform, TransformConfig, Transform
 logger = logging.getLogger(__name__)
 
 CANONICAL_OPS: dict[str, tuple[str, ...]] = {
-    "attention": ("attention", "cached_attention"),
+    "attention": ("attention", "cached_attention", "cached_attention_rope"),
     "norm": ("rms_norm", "add_rms_norm", "layer_norm"),  # add_rms_norm: a norm fused with its residual add
     "mlp": ("gated_mlp", "fused_gated_mlp", "mlp"),  # fused_gated_mlp: a gated_mlp after fuse_gate_up
     "moe": ("moe",),

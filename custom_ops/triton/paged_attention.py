@@ -427,36 +427,65 @@ def cached_attention_triton(
                 f"cached_attention_triton: batch_info must be a CPU tensor (read without a device sync); "
                 f"it is on {batch_info.device}."
             )
-    num_prefill, num_decode, max_q_len, max_kv_len = batch_info.tolist()
-    q_tokens, k_tokens, v_tokens = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (q, k, v))
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    q_heads, kv_heads = q.shape[2], k_cache.shape[2]
-    head_dim, value_dim = q.shape[-1], v.shape[-1]
-    caches = dict(
+    k_tokens, v_tokens = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (k, v))
+    if k.shape[1] > 0:
+        _write_kv_kernel[(k.shape[1],)](
+            k_tokens, v_tokens, slot_mapping_ptr=slot_mapping, **cache_arguments(k_cache, v_cache),
+            stride_new_kt=k_tokens.stride(0), stride_new_kh=k_tokens.stride(1),
+            stride_new_vt=v_tokens.stride(0), stride_new_vh=v_tokens.stride(1),
+            KV_HEADS=k_cache.shape[2], HEADS_PAD=triton.next_power_of_2(k_cache.shape[2]),
+        )
+    q_tokens = q[0] if q.stride(-1) == 1 else q[0].contiguous()
+    return attend_over_cache(
+        q_tokens, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window, logit_cap,
+        sinks, alibi_slopes, num_decode_splits,
+    )
+
+
+def cache_arguments(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
+    """The caches' pointers, strides and dims, as every kernel that reads or writes them takes them."""
+    head_dim, value_dim = k_cache.shape[-1], v_cache.shape[-1]
+    return dict(
         k_cache_ptr=k_cache, v_cache_ptr=v_cache,
         stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),
         stride_vb=v_cache.stride(0), stride_vt=v_cache.stride(1), stride_vh=v_cache.stride(2),
         HEAD_DIM=head_dim, VALUE_DIM=value_dim, D_PAD=_padded_dim(head_dim), DV_PAD=_padded_dim(value_dim),
         PAGE_SIZE=k_cache.shape[1],
     )
-    if k.shape[1] > 0:
-        _write_kv_kernel[(k.shape[1],)](
-            k_tokens, v_tokens, slot_mapping_ptr=slot_mapping, **caches,
-            stride_new_kt=k_tokens.stride(0), stride_new_kh=k_tokens.stride(1),
-            stride_new_vt=v_tokens.stride(0), stride_new_vh=v_tokens.stride(1),
-            KV_HEADS=kv_heads, HEADS_PAD=triton.next_power_of_2(kv_heads),
-        )
+
+
+def attend_over_cache(
+    q_tokens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    batch_info: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    logit_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[List[float]] = None,
+    num_decode_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """The attention half of :func:`cached_attention_triton`, once this step's keys and values are in the
+    caches: the prefill and decode kernels over ``q_tokens [T, Hq, D]`` (last dim contiguous). Returns
+    ``[1, T, Hq, Dv]``."""
+    num_prefill, num_decode, max_q_len, max_kv_len = batch_info.tolist()
+    out = q_tokens.new_empty((1, *q_tokens.shape[:-1], v_cache.shape[-1]))
+    q_heads, kv_heads = q_tokens.shape[1], k_cache.shape[2]
     shared = dict(
-        **caches, q_ptr=q_tokens, out_ptr=out[0],
+        **cache_arguments(k_cache, v_cache), q_ptr=q_tokens, out_ptr=out[0],
         seq_start_ptr=seq_start, kv_lens_ptr=kv_lens, block_tables_ptr=block_tables, sinks_ptr=sinks,
-        alibi_ptr=None if alibi_slopes is None else _slopes_tensor(tuple(alibi_slopes), q.device),
+        alibi_ptr=None if alibi_slopes is None else _slopes_tensor(tuple(alibi_slopes), q_tokens.device),
         stride_qt=q_tokens.stride(0), stride_qh=q_tokens.stride(1), stride_ot=out.stride(1), stride_oh=out.stride(2),
         stride_bt=block_tables.stride(0),
         scale=scale, logit_cap=logit_cap or 0.0, window=sliding_window or 0, GROUP=q_heads // kv_heads,
         HAS_WINDOW=sliding_window is not None, HAS_CAP=logit_cap is not None, HAS_SINKS=sinks is not None,
         HAS_ALIBI=alibi_slopes is not None,
         # fp32 dots would otherwise run in TF32 on the GPU, ~1e-3 off the float32 reference.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q_tokens.dtype == torch.float32 else "tf32",
     )
     if num_prefill > 0:
         block_m, block_n, num_warps, num_stages = _prefill_config(max_q_len, max(shared["D_PAD"], shared["DV_PAD"]))

@@ -112,6 +112,34 @@ def _store_pairs(rows, row_valid, first, second, ROWS: tl.constexpr, ROTARY_HALF
         tl.store(rows + ROTARY_HALF + pairs, second.to(rows.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def load_angles(cos_row, sin_row, ROTARY_HALF: tl.constexpr, PAIRS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """One token's angles at both members of every pair: four float32 ``[1, PAIRS_PAD]`` (cos, then sin)."""
+    one_row = tl.zeros([1, 1], dtype=tl.int64)
+    cos_first, cos_second = _load_pairs(cos_row + one_row, one_row == 0, 1, ROTARY_HALF, PAIRS_PAD, INTERLEAVED)
+    sin_first, sin_second = _load_pairs(sin_row + one_row, one_row == 0, 1, ROTARY_HALF, PAIRS_PAD, INTERLEAVED)
+    return cos_first, cos_second, sin_first, sin_second
+
+
+@triton.jit
+def rotate_rows(
+    x_rows, out_rows, row_valid, cos_first, cos_second, sin_first, sin_second,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_HALF: tl.constexpr, PAIRS_PAD: tl.constexpr,
+    PASS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
+):
+    """Rotate the heads at row pointers ``x_rows [ROWS, 1]`` by one token's angles (:func:`load_angles`)
+    and store them at ``out_rows``, in its dtype; dims past ``R`` (partial rotary) are copied unchanged."""
+    x_first, x_second = _load_pairs(x_rows, row_valid, ROWS, ROTARY_HALF, PAIRS_PAD, INTERLEAVED)
+    out_first = x_first * cos_first - x_second * sin_first
+    out_second = x_second * cos_second + x_first * sin_second
+    _store_pairs(out_rows, row_valid, out_first, out_second, ROWS, ROTARY_HALF, PAIRS_PAD, INTERLEAVED)
+    if PASS_PAD > 0:
+        dims = 2 * ROTARY_HALF + tl.arange(0, PASS_PAD)[None, :]
+        pass_mask = row_valid & (dims < HEAD_DIM)
+        passed = tl.load(x_rows + dims, mask=pass_mask)
+        tl.store(out_rows + dims, passed.to(out_rows.dtype.element_ty), mask=pass_mask)
+
+
 @triton.jit(do_not_specialize=["seq_len"])  # the token count: one compile for all
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, num_heads,
@@ -123,30 +151,15 @@ def _rope_kernel(
     batch = token // seq_len
     position = token % seq_len
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    head_valid = heads[:, None] < num_heads
-
-    # The token's angles, one row shared by all its heads.
-    one_row = tl.zeros([1, 1], dtype=tl.int64)
-    cos_first, cos_second = _load_pairs(
-        cos_ptr + batch * stride_cos_b + position * stride_cos_s + one_row, one_row == 0,
-        1, ROTARY_HALF, PAIRS_PAD, INTERLEAVED,
+    cos_first, cos_second, sin_first, sin_second = load_angles(  # one row, shared by all the token's heads
+        cos_ptr + batch * stride_cos_b + position * stride_cos_s, sin_ptr + batch * stride_sin_b + position * stride_sin_s,
+        ROTARY_HALF, PAIRS_PAD, INTERLEAVED,
     )
-    sin_first, sin_second = _load_pairs(
-        sin_ptr + batch * stride_sin_b + position * stride_sin_s + one_row, one_row == 0,
-        1, ROTARY_HALF, PAIRS_PAD, INTERLEAVED,
+    rotate_rows(
+        x_ptr + batch * stride_xb + position * stride_xs + heads[:, None] * stride_xh,
+        out_ptr + (token * num_heads + heads[:, None]) * HEAD_DIM, heads[:, None] < num_heads,
+        cos_first, cos_second, sin_first, sin_second, HEADS, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
     )
-
-    x_heads = x_ptr + batch * stride_xb + position * stride_xs + heads[:, None] * stride_xh
-    out_heads = out_ptr + (token * num_heads + heads[:, None]) * HEAD_DIM
-    x_first, x_second = _load_pairs(x_heads, head_valid, HEADS, ROTARY_HALF, PAIRS_PAD, INTERLEAVED)
-    out_first = x_first * cos_first - x_second * sin_first
-    out_second = x_second * cos_second + x_first * sin_second
-    _store_pairs(out_heads, head_valid, out_first, out_second, HEADS, ROTARY_HALF, PAIRS_PAD, INTERLEAVED)
-
-    if PASS_PAD > 0:  # partial rotary: dims past R are copied unchanged
-        dims = 2 * ROTARY_HALF + tl.arange(0, PASS_PAD)[None, :]
-        pass_mask = head_valid & (dims < HEAD_DIM)
-        tl.store(out_heads + dims, tl.load(x_heads + dims, mask=pass_mask), mask=pass_mask)
 
 
 def rope_triton(

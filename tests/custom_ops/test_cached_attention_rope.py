@@ -1,0 +1,160 @@
+"""cached_attention_rope: its reference is rope's and cached_attention's references composed; the Triton
+backend (rotation inside the cache write, through Triton's interpreter on the CPU) and the SDPA backend
+against it, on mixed prefill/decode batches whose caches hold NaN wherever no sequence owns a slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.custom_ops import canonical_ops
+from autodeploy.custom_ops.cached_attention import cached_attention_reference
+from autodeploy.custom_ops.cached_attention_rope import cached_attention_rope_reference, cached_attention_rope_sdpa
+from autodeploy.custom_ops.rope import rope_reference
+from autodeploy.custom_ops.triton.paged_attention_rope import cached_attention_rope_triton
+from tests.custom_ops.test_paged_attention_triton import (  # noqa: F401  (the fixture applies to these tests too)
+    DEVICE,
+    gpu_only,
+    interpreter_loops_with_numpy_2_4,
+    paged_batch,
+)
+
+
+def angles(tokens: int, rotary_dim: int, interleaved: bool, dtype=torch.float32, seed: int = 1):
+    """``cos``/``sin [1, T, R]`` in rope's layout: halves repeated (rotate-half) or pairs (interleaved)."""
+    theta = torch.rand(1, tokens, rotary_dim // 2, generator=torch.Generator().manual_seed(seed)) * 6.3
+    theta = theta.repeat_interleave(2, dim=-1) if interleaved else theta.repeat(1, 1, 2)
+    return theta.cos().to(dtype).to(DEVICE), theta.sin().to(dtype).to(DEVICE)
+
+
+def with_angles(batch: tuple, rotary_dim: int | None = None, interleaved: bool = False) -> tuple:
+    """``paged_batch``'s cached_attention arguments → cached_attention_rope's."""
+    q, k, v, *rest = batch
+    cos, sin = angles(q.shape[1], rotary_dim or q.shape[-1], interleaved, q.dtype)
+    return (q, k, v, cos, sin, interleaved, *rest)
+
+
+def run(kernel, args: tuple, **options):
+    """The kernel's output and the caches it wrote, on its own copies of them."""
+    q, k, v, cos, sin, interleaved, k_cache, v_cache, *metadata = args
+    caches = (k_cache.clone(), v_cache.clone())
+    return kernel(q, k, v, cos, sin, interleaved, *caches, *metadata, **options), caches
+
+
+def assert_matches_reference(kernel, args: tuple, *, atol: float = 1e-4, launch=None, **options) -> None:
+    """``kernel`` against the reference on ``args``; ``options`` (sliding_window, …) go to both, ``launch`` to
+    the kernel only."""
+    expected, expected_caches = run(cached_attention_rope_reference, args, **options)
+    got, caches = run(kernel, args, **options, **(launch or {}))
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+    for written, want in zip(caches, expected_caches):  # the rotated keys, the values, and NaN everywhere else
+        torch.testing.assert_close(written, want, atol=atol, rtol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("rotary_dim, interleaved", [(16, False), (8, True)])
+def test_the_reference_is_rope_then_cached_attention(rotary_dim, interleaved):
+    args = with_angles(paged_batch([(5, 9)], [4, 12], q_heads=4), rotary_dim, interleaved)
+    q, k, v, cos, sin, _, k_cache, v_cache, *metadata = args
+    caches = (k_cache.clone(), v_cache.clone())
+    expected = cached_attention_reference(
+        rope_reference(q, cos, sin, interleaved), rope_reference(k, cos, sin, interleaved), v, *caches, *metadata
+    )
+    got, written = run(cached_attention_rope_reference, args)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    for ours, theirs in zip(written, caches):
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("num_decode_splits", [1, 3])
+def test_triton_mixed_batch_with_gqa(num_decode_splits):
+    # Prompt chunks (one after a cached prefix) and decodes; 2 query heads per kv head.
+    args = with_angles(paged_batch([(9, 9), (4, 40)], [33, 5, 70], q_heads=4, kv_heads=2))
+    assert_matches_reference(cached_attention_rope_triton, args, launch=dict(num_decode_splits=num_decode_splits))
+
+
+@pytest.mark.parametrize(
+    "head_dim, rotary_dim, interleaved, q_heads",
+    [
+        (24, 24, False, 6),  # 12 pairs of a 16-wide tile, and 6 of 8 query heads: masked pairs and heads
+        (24, 24, True, 3),
+        (20, 8, False, 3),  # partial rotary: dims 8 … 19 pass through (a 16-wide tile, 12 of it used)
+        (20, 12, True, 3),
+    ],
+)
+def test_triton_head_dims_partial_and_interleaved_rotary(head_dim, rotary_dim, interleaved, q_heads):
+    batch = paged_batch([(6, 6)], [11, 3], q_heads=q_heads, kv_heads=3 if q_heads == 3 else 2, head_dim=head_dim)
+    assert_matches_reference(cached_attention_rope_triton, with_angles(batch, rotary_dim, interleaved))
+
+
+def test_triton_strided_qkv_and_one_broadcast_angle_row():
+    # q, k and v as slices of one fused projection, and the same angles for every token (cos/sin [1, 1, R]).
+    q, k, v, *rest = paged_batch([(5, 7)], [9], q_heads=4, kv_heads=2)
+    fused = torch.cat((q.flatten(2), k.flatten(2), v.flatten(2)), dim=-1)
+    q, k, v = (part.unflatten(2, (-1, 16)) for part in fused.split([64, 32, 32], dim=-1))
+    cos, sin = angles(1, 16, False)
+    assert not q.is_contiguous()
+    assert_matches_reference(cached_attention_rope_triton, (q, k, v, cos, sin, False, *rest))
+
+
+def test_triton_half_precision():
+    batch = paged_batch([(7, 12)], [20, 3], q_heads=4, kv_heads=2, dtype=torch.float16)
+    assert_matches_reference(cached_attention_rope_triton, with_angles(batch), atol=2e-2, launch=dict(num_decode_splits=2))
+
+
+@gpu_only
+@pytest.mark.parametrize("head_dim, rotary_dim, interleaved", [(128, 128, False), (128, 64, False), (64, 64, True), (256, 256, False)])
+def test_triton_production_shapes(head_dim, rotary_dim, interleaved):
+    batch = paged_batch(
+        [(300, 300), (128, 1100), (1, 40)], [5000, 37, 1], q_heads=32, kv_heads=8, head_dim=head_dim,
+        block_size=32, dtype=torch.bfloat16,
+    )
+    assert_matches_reference(cached_attention_rope_triton, with_angles(batch, rotary_dim, interleaved), atol=2e-2)
+
+
+def test_sdpa_backend_matches_the_reference():
+    args = with_angles(paged_batch([(6, 6), (3, 10)], [7, 2], q_heads=4, kv_heads=2), 8, True)
+    assert_matches_reference(cached_attention_rope_sdpa, args, sliding_window=5)
+
+
+def backend(name: str):
+    return next(b for b in canonical_ops()["cached_attention_rope"].backends if b.name == name)
+
+
+def as_meta(args: tuple) -> list:
+    return [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def meta_node(head_dim: int = 16, rotary_dim: int = 16, angle_shape=None, angle_dtype=torch.float32) -> list:
+    """A node's arguments as supports() sees them: meta tensors."""
+    q, k, v, *rest = paged_batch([(3, 3)], head_dim=head_dim)
+    theta = torch.zeros(angle_shape or (1, q.shape[1], rotary_dim), dtype=angle_dtype)
+    return as_meta((q, k, v, theta, theta, False, *rest))
+
+
+@pytest.mark.parametrize(
+    "node, message",
+    [
+        (dict(rotary_dim=5), "rotary dim R=5 must be even"),
+        (dict(rotary_dim=32), "at most D=16"),
+        (dict(angle_dtype=torch.float64), "cos and sin must share one dtype"),
+        (dict(angle_shape=(2, 3, 16)), "must both be [1, T or 1, R]"),
+        (dict(head_dim=512, rotary_dim=512), "head dims up to 256"),
+    ],
+)
+def test_triton_supports_refuses_at_build_what_the_kernel_cannot_take(node, message):
+    # The backend launches without checks: supports() on the node's meta tensors must refuse these.
+    cuda = torch.device("cuda")
+    assert message in backend("triton").check(meta_node(**node), cuda)
+    assert backend("triton").check(meta_node(rotary_dim=6), cuda) is None  # partial, an odd number of pairs
+    assert "CUDA device" in backend("triton").check(meta_node(), torch.device("cpu"))
+
+
+def test_sdpa_supports_refuses_sinks_and_soft_capping():
+    args = as_meta(with_angles(paged_batch([(3, 3)])))
+    cpu = torch.device("cpu")
+    assert backend("sdpa").check(args, cpu) is None
+    assert "soft-capping or sinks" in backend("sdpa").check([*args, None, 30.0], cpu)
+    assert [b.name for b in canonical_ops()["cached_attention_rope"].backends] == ["triton", "sdpa"]
+    assert not backend("sdpa").capturable and backend("triton").capturable
