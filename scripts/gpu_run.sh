@@ -2,7 +2,8 @@
 # One device call: install, then the named steps in order, each under its own time limit, logs under $OUT.
 # Run on the GPU machine:  STEPS="backends bench" bash scripts/gpu_run.sh
 # Steps: tune, backends (every backend against its reference at 8B shapes), bench (autodeploy bench at
-# 1/32/256 against hf-eager and hf-compile in the same run), generate (scripts/bench_gpu_generate.py),
+# 1/32/256 against hf-eager and hf-compile in the same run), bench_alone (the same without baselines, AD_SET
+# applied), generate (scripts/bench_gpu_generate.py),
 # bench_eager (autodeploy bench with compile.backend=none, no baselines), tests (the files in $TESTS),
 # profile (scripts/profile_engine_step.py), suite (the whole test suite on the GPU, 12 workers),
 # serve (1,024 requests, at most 256 in flight, 128 in / 128 out), prefill (scripts/profile_prefill.py),
@@ -24,6 +25,8 @@ for s in ${STEPS:-backends bench}; do case $s in
   bench) AUTODEPLOY_CONFIG= step bench ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random ${AD_SET:-} \
       --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --compare ${COMPARE:-hf-eager,hf-compile} \
       --no-progress --out "$OUT/bench.json" ;;
+  bench_alone) AUTODEPLOY_CONFIG= step bench_alone ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random ${AD_SET:-} \
+      --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress --out "$OUT/bench_alone.json" ;;
   bench_eager) AUTODEPLOY_CONFIG= step bench_eager ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random \
       --set compile.backend=none --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress \
       --out "$OUT/bench_eager.json" ;;
