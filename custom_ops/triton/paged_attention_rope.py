@@ -57,28 +57,30 @@ def _rope_write_kv_kernel(
         cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, ROTARY_HALF, PAIRS_PAD, INTERLEAVED
     )
     if tl.program_id(1) == 0:  # the query heads, rotated into the buffer the attention kernels read
-        heads = tl.arange(0, Q_HEADS_PAD)[:, None]
+        # Names differ between the branches: Triton types a name once for the whole if/else, and the
+        # query and key head ranges have different shapes.
+        q_heads = tl.arange(0, Q_HEADS_PAD)[:, None]
         rotate_rows(
-            q_ptr + token * stride_new_qt + heads * stride_new_qh, q_out_ptr + (token * Q_HEADS + heads) * HEAD_DIM,
-            heads < Q_HEADS, cos_first, cos_second, sin_first, sin_second,
+            q_ptr + token * stride_new_qt + q_heads * stride_new_qh, q_out_ptr + (token * Q_HEADS + q_heads) * HEAD_DIM,
+            q_heads < Q_HEADS, cos_first, cos_second, sin_first, sin_second,
             Q_HEADS_PAD, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
         )
     else:  # the keys, rotated into their cache slot, and the values beside them
         slot = tl.load(slot_mapping_ptr + token)
         block = slot // PAGE_SIZE
         offset = slot % PAGE_SIZE
-        heads = tl.arange(0, KV_HEADS_PAD)[:, None]
-        head_valid = heads < KV_HEADS
+        kv_heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+        head_valid = kv_heads < KV_HEADS
         rotate_rows(
-            k_ptr + token * stride_new_kt + heads * stride_new_kh,
-            k_cache_ptr + block * stride_kb + offset * stride_kt + heads * stride_kh,
+            k_ptr + token * stride_new_kt + kv_heads * stride_new_kh,
+            k_cache_ptr + block * stride_kb + offset * stride_kt + kv_heads * stride_kh,
             head_valid, cos_first, cos_second, sin_first, sin_second,
             KV_HEADS_PAD, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
         )
         value_dims = tl.arange(0, DV_PAD)[None, :]
         value_mask = head_valid & (value_dims < VALUE_DIM)
-        v = tl.load(v_ptr + token * stride_new_vt + heads * stride_new_vh + value_dims, mask=value_mask)
-        v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt + heads * stride_vh
+        v = tl.load(v_ptr + token * stride_new_vt + kv_heads * stride_new_vh + value_dims, mask=value_mask)
+        v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt + kv_heads * stride_vh
         tl.store(v_slot + value_dims, v.to(v_cache_ptr.dtype.element_ty), mask=value_mask)
 
 

@@ -88,7 +88,7 @@ def test_a_model_without_rope_is_left_alone(tmp_path):
 
 def layer_inputs(rotary_dim: int = 16) -> tuple:
     q, k, v, k_cache, v_cache, *metadata, scale = paged_batch([(3, 3)], [5], q_heads=4, kv_heads=2)
-    angles = torch.rand(1, q.shape[1], rotary_dim // 2).repeat(1, 1, 2)
+    angles = torch.rand(1, q.shape[1], rotary_dim // 2, device=q.device).repeat(1, 1, 2)
     return (q, k, v, angles.cos(), angles.sin(), k_cache, v_cache, *metadata), scale
 
 
