@@ -4,17 +4,18 @@
 (``example_step.py``). Every tensor the graph reads as an attribute (weights, buffers, constants) becomes a
 leading input of the program; the serving inputs follow with their own names and dynamic dims. Our ops are
 recorded by name (``torch.ops.autodeploy.linear_torch``), so the archive needs nothing but their
-registration to load. ``load_served_graph`` checks the archive (``archive_safety.py``), loads it, and turns
-the tensor inputs back into attributes: the graph the build produced, with the serving signature's inputs
+registration to load. ``load_program`` checks the archive (``archive_safety.py``) and loads it;
+``served_graph`` turns the tensor inputs back into attributes: the graph the build produced, with the serving signature's inputs
 in order, returning what it returned.
 
 Kernel choices are already in the graph: ``select`` retargeted each node to a backend op. A node that
 dispatches by token count (the autotuner's winners differ between buckets) is saved as a call of one of its
 backends, and its table is returned beside the archive (``SavedGraph.dispatches``, kept in tuning.json);
-loading puts the dispatch back on that node.
+loading puts the dispatch back on that node, and each node's recorded choice (kernel and why) back in its meta.
 
     saved = export_served_graph(llm.graph, llm.graph_inputs, kv_caches, block_size=16, device=torch.device("cpu"))
-    graph = load_served_graph(saved.archive, "graph.pt2", saved.tensors, llm.graph_inputs, saved.dispatches)
+    program = load_program(saved.archive, "graph.pt2")
+    graph = served_graph(program, "graph.pt2", saved.tensors, llm.graph_inputs, saved.dispatches, saved.kernels)
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ _ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default,)
 # Meta only the build reads (module paths for verification and select's per-module preferences) or nothing
 # does: the archive is smaller and loads faster without it (a third of the program's JSON is module paths).
 _DROPPED_META = ("stack_trace", "from_node", "source_fn_stack", "torch_fn", "nn_module_stack")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What select recorded on a node (``node.meta["autodeploy_kernel"]``: its kernel and why), as reloaded."""
+
+    backend: str
+    why: str
 
 
 @dataclass
@@ -148,17 +157,22 @@ def export_served_graph(
     return SavedGraph(buffer.getvalue(), tensors, dispatches, kernels)
 
 
-def load_served_graph(
-    archive: bytes, name: str, tensors: Mapping[str, torch.Tensor], graph_inputs: Sequence[str],
-    dispatches: Mapping[str, dict[str, Any]],
-) -> fx.GraphModule:
-    """The executable graph from an archive ``export_served_graph`` wrote and the tensors it takes."""
+def load_program(archive: bytes, name: str) -> torch.export.ExportedProgram:
+    """The program in an archive ``export_served_graph`` wrote, once ``archive_safety`` has passed it."""
     check_graph_archive(archive, name)
     try:
-        program = torch.export.load(io.BytesIO(archive))
+        return torch.export.load(io.BytesIO(archive))
     except Exception as error:  # the loader's errors are of many types; each means this archive cannot serve
         raise CheckpointError(f"{name} could not be loaded as a torch.export program: {type(error).__name__}: "
                               f"{error_summary(error)}; save the deployment again") from error
+
+
+def served_graph(
+    program: torch.export.ExportedProgram, name: str, tensors: Mapping[str, torch.Tensor], graph_inputs: Sequence[str],
+    dispatches: Mapping[str, dict[str, Any]], kernels: Mapping[str, dict[str, str]],
+) -> fx.GraphModule:
+    """The executable graph: ``program`` with ``tensors`` as attributes, and its nodes' dispatches and kernel
+    choices (``SavedGraph``) put back."""
     signature = program.graph_signature
     expected = [*tensors, *graph_inputs]
     if (any(spec.kind != InputKind.USER_INPUT for spec in signature.input_specs)
@@ -189,5 +203,8 @@ def load_served_graph(
         except (ValueError, KeyError, TypeError) as error:
             raise CheckpointError(f"node {node_name}'s token dispatch cannot be rebuilt: {error}; register the backends "
                                   f"it names (autodeploy.register_backend) before loading") from error
+    for node_name, choice in kernels.items():
+        if node_name in nodes:
+            nodes[node_name].meta["autodeploy_kernel"] = KernelChoice(choice["kernel"], choice["why"])
     module.recompile()
     return module

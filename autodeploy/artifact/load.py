@@ -1,9 +1,10 @@
 """Serve a saved deployment as it was built: no export, no transforms, no verification (it was verified at build).
 
-Every file is checked against the manifest's sha256 first; the graph archive is checked for anything it
-must not hold before ``torch.export.load`` reads it; tensors come from safetensors. Nothing is unpickled.
-Whether this process may serve the deployment as saved (same library versions and device kind) is the
-caller's question (``Manifest.environment_mismatches``); ``autodeploy()`` rebuilds from the source when not.
+Every file is checked against the manifest's sha256 before it is used (the weights while the graph loads);
+the graph archive is checked for anything it must not hold before ``torch.export.load`` reads it; tensors
+come from safetensors. Nothing is unpickled. Whether this process may serve the deployment as saved (same
+library versions and device kind) is the caller's question (``Manifest.environment_mismatches``);
+``autodeploy()`` rebuilds from the source when not.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import CheckpointError, ConfigError, error_summary
 from autodeploy.runtime.llm import LLM
 
-from .graph_archive import load_served_graph
+from .graph_archive import load_program, served_graph
 from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS
 from .manifest import Manifest
 from .rebuild import rebuild_command
@@ -30,6 +32,18 @@ from .reload_settings import reload_settings
 from .weights_file import load_tensors
 
 logger = logging.getLogger(__name__)
+
+
+# Every file the reload reads: the manifest must list them all (with the tokenizer files it holds).
+_READ = (GRAPH, WEIGHTS, SERVING, TUNING, SETTINGS, BUILD_REPORT)
+
+
+def _refuse_unlisted_tokenizer_files(directory: Path, manifest: Manifest) -> None:
+    """The tokenizer loader reads what it finds in its folder, so that folder holds only what was saved."""
+    for path in sorted((directory / TOKENIZER).rglob("*")):
+        name = path.relative_to(directory).as_posix()
+        if path.is_file() and name not in manifest.files:
+            raise CheckpointError(f"{path} was not saved with the deployment (its manifest does not list it); remove it")
 
 
 def _read_json(path: Path) -> Any:
@@ -69,9 +83,15 @@ def load_deployment(
 ) -> LLM:
     """The ``LLM`` saved in ``directory``, with the overrides a reload allows (``reload_settings.py``)."""
     directory = Path(directory)
-    manifest.verify_files(directory)
-    settings = reload_settings(load_yaml(directory / SETTINGS), config_files, overrides, set_arguments,
-                               rebuild_command(manifest, directory))
+    with ThreadPoolExecutor(max_workers=1) as background:
+        # The weights' sha256, the one long read, runs while the graph deserializes (hashing leaves the GIL).
+        weights_verified = background.submit(manifest.verify_files, directory, (WEIGHTS,))
+        manifest.verify_files(directory, tuple(sorted({*manifest.files, *_READ} - {WEIGHTS})))
+        _refuse_unlisted_tokenizer_files(directory, manifest)
+        settings = reload_settings(load_yaml(directory / SETTINGS), config_files, overrides, set_arguments,
+                                   rebuild_command(manifest, directory))
+        program = load_program((directory / GRAPH).read_bytes(), str(directory / GRAPH))
+        weights_verified.result()
     serving, tuning = _read_json(directory / SERVING), _read_json(directory / TUNING)
     try:
         placements = serving["tensors"]
@@ -79,8 +99,7 @@ def load_deployment(
         tensors = {name: tensors_by_key[entry["key"]] for name, entry in placements.items()}
         graph_inputs = tuple(serving["graph_inputs"])
         kv_caches = tuple(_kv_cache_spec(fields) for fields in serving["kv_caches"])
-        graph = load_served_graph((directory / GRAPH).read_bytes(), str(directory / GRAPH), tensors, graph_inputs,
-                                  tuning["dispatches"])
+        graph = served_graph(program, str(directory / GRAPH), tensors, graph_inputs, tuning["dispatches"], tuning["kernels"])
         records = [TransformRecord(**fields) for fields in _read_json(directory / BUILD_REPORT)]
         eos_token_ids = [int(token) for token in serving["eos_token_ids"]]
         decode_sizes = serving["decode_graph_batch_sizes"]

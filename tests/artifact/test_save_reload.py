@@ -149,3 +149,17 @@ def test_a_token_dispatch_survives_save_and_reload(llama_llm, tmp_path, forbid_b
     assert dispatched == [dispatch.by_token_bucket] * 5
     for want, got in zip(llm.logits(SEQUENCES), reloaded.logits(SEQUENCES)):
         assert torch.equal(want, got)
+
+
+def test_a_reloaded_deployment_saves_again_unchanged(saved, tmp_path):
+    again = autodeploy(str(saved)).save(tmp_path / "again")
+    for name in ("tuning.json", "serving.json", "settings.yaml", "build_report.json"):
+        assert (again / name).read_text() == (saved / name).read_text(), name
+    assert (again / "weights.safetensors").read_bytes() == (saved / "weights.safetensors").read_bytes()
+
+
+def test_a_file_the_manifest_does_not_list_in_the_tokenizer_folder_is_refused(saved, tmp_path):
+    copied = edited_copy(saved, tmp_path)
+    (copied / "tokenizer" / "tokenization_evil.py").write_text("raise SystemExit")
+    with pytest.raises(CheckpointError, match="tokenization_evil.py was not saved with the deployment"):
+        autodeploy(str(copied))
