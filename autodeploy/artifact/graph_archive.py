@@ -81,9 +81,9 @@ def _tensors_as_inputs(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, di
         if not isinstance(value, torch.Tensor):
             raise ExportError(f"graph attribute {node.target} is a {type(value).__name__}, not a tensor; such a graph cannot be saved")
         if node.target not in by_target:
-            by_target[node.target] = graph.placeholder(node.name)
-            by_target[node.target].meta = dict(node.meta)
-            tensors[node.name] = value
+            by_target[node.target] = placeholder = graph.placeholder(node.name)
+            placeholder.meta = dict(node.meta)
+            tensors[placeholder.name] = value
         env[node] = by_target[node.target]
     for node in graph_module.graph.nodes:
         if node.op != "get_attr":

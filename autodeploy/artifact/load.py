@@ -102,13 +102,12 @@ def load_deployment(
         graph = served_graph(program, str(directory / GRAPH), tensors, graph_inputs, tuning["dispatches"], tuning["kernels"])
         records = [TransformRecord(**fields) for fields in _read_json(directory / BUILD_REPORT)]
         eos_token_ids = [int(token) for token in serving["eos_token_ids"]]
-        decode_sizes = serving["decode_graph_batch_sizes"]
-    except (KeyError, TypeError, AttributeError) as error:
+        # Captured sizes above a smaller max_batch_size would never be replayed; cap them as the compile stage does.
+        decode_sizes = sorted({min(int(size), settings.max_batch_size) for size in serving["decode_graph_batch_sizes"]})
+        verification = VerificationReport(**manifest.verification) if manifest.verification else None
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{directory}: a deployment file lacks an entry or has the wrong shape ({type(error).__name__}: "
                               f"{error}); save the deployment again") from error
-    # Captured sizes above a smaller max_batch_size would never be replayed; cap them as the compile stage does.
-    decode_sizes = sorted({min(int(size), settings.max_batch_size) for size in decode_sizes})
-    verification = VerificationReport(**manifest.verification) if manifest.verification else None
     logger.info("reloaded the deployment in %s (built from %s; verification %s)", directory,
                 manifest.source.get("model") or "the demo model", manifest.reload_verification)
     return LLM(graph, graph_inputs, settings, _load_tokenizer(directory, settings), eos_token_ids, records, kv_caches,
