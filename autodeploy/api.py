@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
 from autodeploy.models.checkpoint import CheckpointReader
@@ -60,17 +61,21 @@ def autodeploy(
     set_arguments: Iterable[str] = (),
     **overrides: Any,
 ) -> LLM:
-    """Build a generating model from a checkpoint folder, hub id, shipped config name or config.json.
+    """Build a generating model from a checkpoint folder, hub id, shipped config name or config.json,
+    or serve a deployment that ``LLM.save`` / ``autodeploy build`` wrote (see ``autodeploy/artifact``).
 
     ``config`` names YAML files merged over ``configs/default.yaml``; keyword ``overrides`` (any
     setting, e.g. ``weights="random"``, ``device="cpu"``, ``transforms={"cleanup_noop": {"enabled": False}}``)
     win over YAML; ``set_arguments`` are ``key=value`` strings as on the CLI and win over everything.
-    With no model, the embedded demo model is used.
+    With no model, the embedded demo model is used. A saved deployment takes only the overrides its graph
+    does not depend on (``autodeploy/artifact/reload_settings.py``).
 
     >>> from autodeploy import autodeploy, SamplingParams
     >>> llm = autodeploy()
     >>> out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0))
     """
+    if model is not None and is_saved_deployment(model):
+        return _serve_saved(Path(model), config, set_arguments, overrides)
     settings, factory = deployment_settings(model, config, set_arguments, **overrides)
     if settings.weights == "checkpoint" and settings.device != "meta":
         CheckpointReader(factory.source.directory)  # fail on a folder without weights before exporting
@@ -87,4 +92,22 @@ def autodeploy(
               str(factory.source.directory), verification, context.decode_graph_batch_sizes, context.prefill_graph_token_sizes)
     if llm.can_serve:
         llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward: its errors belong to the build)
+    return llm
+
+
+def _serve_saved(directory: Path, config, set_arguments: Iterable[str], overrides: dict[str, Any]) -> LLM:
+    """The deployment saved in ``directory``, served as saved; rebuilt from its source, with a warning, when
+    this process has other library versions or another device kind than the one that built it."""
+    config_files = [config] if isinstance(config, (str, Path)) else list(config or [])
+    manifest = Manifest.read(directory)
+    mismatches = manifest.environment_mismatches()
+    if mismatches:
+        manifest.verify_files(directory, only=(SETTINGS,))
+        source = rebuild_source(manifest, directory, mismatches)
+        logger.warning("%s was built with %s; rebuilding it from its source %s (save it again to skip this next time)",
+                       directory, "; ".join(mismatches), source or "(the demo model)")
+        return autodeploy(source, config=[directory / SETTINGS, *config_files], set_arguments=set_arguments, **overrides)
+    llm = load_deployment(directory, manifest, config_files, overrides, set_arguments)
+    if llm.can_serve:
+        llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward, as a build does)
     return llm

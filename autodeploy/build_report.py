@@ -1,7 +1,8 @@
-"""What a build did, transform by transform: the records the pipeline writes and ``LLM.pipeline_report()`` prints.
+"""What a build did, transform by transform, and how its verification went: the records the pipeline and
+the verification write and ``LLM.pipeline_report()`` prints.
 
-A neutral module: the pipeline fills these records and the runtime only reads them, so ``autodeploy.runtime``
-needs no import of the pipeline.
+A neutral module: the pipeline fills these records and the runtime (and a reloaded deployment) only reads
+them, so ``autodeploy.runtime`` needs no import of the pipeline.
 """
 
 from __future__ import annotations
@@ -23,6 +24,27 @@ class TransformRecord:
     notes: str = ""
     ops_after: dict[str, int] = field(default_factory=dict)
     details: list[str] = field(default_factory=list)  # extra report lines (e.g. the kernel each node got)
+
+
+@dataclass
+class VerificationReport:
+    """The build-time verification (``autodeploy/verification.py``): how closely the twin matched Hugging Face."""
+
+    twin: str  # what the twin reduced
+    device: str
+    dtype: str
+    max_abs_error: float
+    relative_error: float
+    tolerance: float
+    seconds: float
+    note: str = ""  # why the twin's dtype differs from the deploy's, when it does
+
+    def __str__(self) -> str:
+        note = f"; {self.note}" if self.note else ""
+        return (
+            f"verified on a twin ({self.twin}; {self.device} {self.dtype}): max |Δlogit| {self.max_abs_error:.2g} "
+            f"(relative {self.relative_error:.2g} ≤ {self.tolerance:g}) in {self.seconds:.1f}s{note}"
+        )
 
 
 def format_report(records: list[TransformRecord], top_ops: int = 8) -> str:

@@ -218,14 +218,16 @@ def load_settings(
     config_files: Iterable[str | Path] = (),
     overrides: Mapping[str, Any] | None = None,
     set_arguments: Iterable[str] = (),
+    base: DictConfig | None = None,
 ) -> DictConfig:
     """Merge and validate settings. Returns a DictConfig whose ``transforms`` are validated mappings.
+    ``base`` takes the place of ``configs/default.yaml`` (a saved deployment's settings, reloaded).
 
     >>> settings = load_settings(set_arguments=["max_batch_size=4"])
     >>> settings.max_batch_size
     4
     """
-    layers = [load_yaml(default_yaml_path())]
+    layers = [load_yaml(default_yaml_path()) if base is None else base]
     layers += [load_yaml(path) for path in site_config_files()]
     layers += [load_yaml(path) for path in config_files]
     if overrides:

@@ -17,7 +17,8 @@ class UnsupportedModelError(AutoDeployError):
 
 
 class CheckpointError(AutoDeployError):
-    """The checkpoint's tensors do not fit the model (missing keys, wrong shapes)."""
+    """The checkpoint's tensors do not fit the model (missing keys, wrong shapes), or a saved deployment
+    cannot be served (a file that fails its sha256, an archive that is truncated or holds what it must not)."""
 
 
 class ConfigError(AutoDeployError):

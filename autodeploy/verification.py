@@ -31,13 +31,13 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import fx, nn
 from transformers import AutoModelForCausalLM
 
+from autodeploy.build_report import VerificationReport
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.models.factory import ModelFactory
 from autodeploy.models.twin import routes_tokens, twin_config
@@ -52,25 +52,6 @@ logger = logging.getLogger(__name__)
 # Probe sequences: (prompt length, decode steps). Prompts cross the twin's windows (≤ 8 tokens).
 PROBES = ((1, 3), (6, 3), (13, 3), (29, 3))
 _TWIN_SEED = 1234
-
-
-@dataclass
-class VerificationReport:
-    twin: str  # what the twin reduced
-    device: str
-    dtype: str
-    max_abs_error: float
-    relative_error: float
-    tolerance: float
-    seconds: float
-    note: str = ""  # why the twin's dtype differs from the deploy's, when it does
-
-    def __str__(self) -> str:
-        note = f"; {self.note}" if self.note else ""
-        return (
-            f"verified on a twin ({self.twin}; {self.device} {self.dtype}): max |Δlogit| {self.max_abs_error:.2g} "
-            f"(relative {self.relative_error:.2g} ≤ {self.tolerance:g}) in {self.seconds:.1f}s{note}"
-        )
 
 
 class _Probe:

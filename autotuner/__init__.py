@@ -3,6 +3,7 @@ dtype and device, and persists the decisions on disk (see ``tuner.py``)."""
 
 from .buckets import bucket_for, token_buckets
 from .decision_cache import Decision, DecisionCache, default_cache_dir, environment
+from .token_dispatch import bucket_runs, describe_dispatch, dispatch_from_description, token_dispatch
 from .tuner import Autotuner, relative_error, tolerance
 
 __all__ = [
@@ -10,9 +11,13 @@ __all__ = [
     "Decision",
     "DecisionCache",
     "bucket_for",
+    "bucket_runs",
     "default_cache_dir",
+    "describe_dispatch",
+    "dispatch_from_description",
     "environment",
     "relative_error",
     "token_buckets",
+    "token_dispatch",
     "tolerance",
 ]

@@ -29,8 +29,8 @@ import torch
 from torch import fx
 from torch.fx import GraphModule
 
-from autodeploy.autotuner import Autotuner, bucket_for, token_buckets
-from autodeploy.custom_ops import REFERENCE, Backend, candidates, canonical_ops, op_by_target
+from autodeploy.autotuner import Autotuner, bucket_runs, token_buckets, token_dispatch
+from autodeploy.custom_ops import REFERENCE, candidates, canonical_ops, op_by_target
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
@@ -196,22 +196,6 @@ def _nodes(arg: Any) -> list[fx.Node]:
     return found
 
 
-def token_dispatch(op_name: str, table: dict[int, Backend], position: tuple[int, int]):
-    """A node target that calls, per call, the backend its token count's bucket chose."""
-    buckets = tuple(sorted(table))
-    ops = {bucket: backend.op for bucket, backend in table.items()}
-    argument, dim = position
-
-    def dispatch(*args):
-        return ops[bucket_for(args[argument].shape[dim], buckets)](*args)
-
-    # The name graphs and profiles show, e.g. rms_norm_by_tokens__1_16_triton__32_2048_torch.
-    runs = _bucket_runs({bucket: backend.name for bucket, backend in table.items()})
-    dispatch.__name__ = dispatch.__qualname__ = f"{op_name}_by_tokens__" + "__".join(f"{a}_{b}_{n}" for a, b, n in runs)
-    dispatch.backends = tuple(table.values())  # what it may call (the compile stage checks them)
-    return dispatch
-
-
 @register_transform("select_kernels")
 class SelectKernels(Transform):
     """Give every canonical node the backend op that serves it (preference > tuned > first supported)."""
@@ -311,17 +295,6 @@ class SelectKernels(Transform):
         return chosen.op, Choice(chosen.name, "only candidate" if len(contenders) <= 1 else "first supported")
 
 
-def _bucket_runs(winners: dict[int, str]) -> list[tuple[int, int, str]]:
-    """Consecutive buckets with one winner as ``(first, last, winner)``, in bucket order."""
-    runs: list[tuple[int, int, str]] = []
-    for bucket in sorted(winners):
-        if runs and runs[-1][2] == winners[bucket]:
-            runs[-1] = (runs[-1][0], bucket, winners[bucket])
-        else:
-            runs.append((bucket, bucket, winners[bucket]))
-    return runs
-
-
 def _runs(table: dict[int, Any]) -> str:
     """The tuning table's line for one problem, a run per winner with the candidates' times at its ends:
     ``1–32: triton (at 1: torch 9.1, triton 4.0; at 32: …)``."""
@@ -330,7 +303,7 @@ def _runs(table: dict[int, Any]) -> str:
         return ", ".join(f"{name} {seconds * 1e6:.1f}" for name, seconds in sorted(decision.seconds.items()))
 
     parts = []
-    for first, last, winner in _bucket_runs({bucket: d.backend for bucket, d in table.items()}):
+    for first, last, winner in bucket_runs({bucket: d.backend for bucket, d in table.items()}):
         ends = f"at {first}: {times(table[first])}" + ("" if first == last else f"; at {last}: {times(table[last])}")
         parts.append(f"{first}{'' if first == last else f'–{last}'}: {winner} ({ends})")
     return "; ".join(parts)

@@ -1,4 +1,4 @@
-"""The ``autodeploy`` command line: run, config show, inspect, tune, bench.
+"""The ``autodeploy`` command line: run, build, config show, inspect, tune, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
 ``bench --baseline`` exits with code 3 when a metric regressed. ``--debug`` and ``--version`` go
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="deploy a model and generate from a prompt")
-    run.add_argument("model", nargs="?", default=None, help="checkpoint folder, hub id, config.json or shipped config name (default: the embedded demo model)")
+    run.add_argument("model", nargs="?", default=None, help="checkpoint folder, hub id, config.json, shipped config name or a "
+                     "deployment saved by `autodeploy build` (default: the embedded demo model)")
     run.add_argument("--prompt", action="append", default=[], help=f"prompt text (repeatable; default {DEFAULT_PROMPT!r})")
     run.add_argument("--max-tokens", type=int, default=48)
     run.add_argument("--temperature", type=float, default=0.0)
@@ -76,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stream", action="store_true",
                      help="print tokens as they come (one prompt; with --n > 1 the samples print one after another)")
     _add_settings_arguments(run)
+
+    build = commands.add_parser("build", help="deploy a model and save the deployment to a folder that `autodeploy run DIR` "
+                                               "serves without export or transforms")
+    build.add_argument("model", nargs="?", default=None, help="checkpoint folder, hub id, config.json or shipped config name (default: the embedded demo model)")
+    build.add_argument("--out", required=True, metavar="DIR", help="folder to write (new, empty, or an earlier deployment, which is replaced)")
+    _add_settings_arguments(build)
 
     config = commands.add_parser("config", help="configuration commands")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -117,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch (fewer threads measure more steadily on a shared machine)")
     bench.add_argument("--no-progress", action="store_true")
     _add_settings_arguments(bench)
-    for subcommand in (run, config, show, inspect, tune, bench):
+    for subcommand in (run, build, config, show, inspect, tune, bench):
         _add_global_flags(subcommand, version_line, top_level=False)
     return parser
 
@@ -219,6 +226,22 @@ def _run(args) -> None:
     print(f"--- {generated} tokens in {seconds:.2f}s on {llm.settings.device} ({llm.settings.dtype})", file=sys.stderr)
 
 
+def _build(args) -> None:
+    from pathlib import Path
+
+    from autodeploy import autodeploy
+    from autodeploy.artifact import check_save_destination
+
+    check_save_destination(Path(args.out))  # before a build that may take minutes
+    start = time.perf_counter()
+    llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
+    built = time.perf_counter() - start
+    directory = llm.save(args.out)
+    size_mb = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file()) / 1e6
+    print(f"saved {directory} ({size_mb:.1f} MB; built in {built:.1f}s, saved in {time.perf_counter() - start - built:.1f}s "
+          f"on {llm.settings.device} {llm.settings.dtype}); serve it with: autodeploy run {directory}")
+
+
 def _config_show(args) -> None:
     from autodeploy import deployment_settings  # through the package: it registers the built-in transforms
     from autodeploy.config import load_settings, settings_to_yaml
@@ -260,7 +283,7 @@ def _tune(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"run": _run, "config": _config_show, "inspect": _inspect, "tune": _tune, "bench": _bench}
+    handlers = {"run": _run, "build": _build, "config": _config_show, "inspect": _inspect, "tune": _tune, "bench": _bench}
     try:
         code = handlers[args.command](args)
     except AutoDeployError as error:

@@ -13,6 +13,7 @@ import logging
 from collections import deque
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -87,6 +88,21 @@ class LLM:
                 decode_graph_batch_sizes=self._decode_graph_batch_sizes, prefill_graph_token_sizes=self._prefill_graph_token_sizes,
             )
         return self._engine
+
+    def save(self, directory: str | Path) -> Path:
+        """Write this deployment to ``directory`` (a new or empty folder, or an earlier save, which is replaced):
+        the graph in ``torch.export``'s format, its tensors as safetensors, the settings, the kernel choices,
+        the tokenizer and a manifest. ``autodeploy(directory)`` serves it again without export, transforms or
+        verification (``autodeploy/artifact``).
+
+        >>> llm.save("deployed/tiny-llama")  # doctest: +SKIP
+        >>> autodeploy("deployed/tiny-llama").generate("def f(x):")  # doctest: +SKIP
+        """
+        from autodeploy.artifact import save_deployment
+
+        return save_deployment(directory, self.graph, self.graph_inputs, self.settings, self.tokenizer, self._eos_token_ids,
+                               self.records, self._kv_caches, self.model_directory, self.verification,
+                               self._decode_graph_batch_sizes)
 
     def free_kv_cache(self) -> None:
         """Drop the engine and its KV cache now (the pool holds most of a GPU); the next request builds

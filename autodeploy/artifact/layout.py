@@ -1,0 +1,33 @@
+"""The files of a saved deployment folder, and how to recognise one.
+
+    manifest.json        format version, the versions and device it was built with, dtype, source, verification,
+                         the sha256 of every other file (manifest.py)
+    graph.pt2            the served graph, a torch.export archive holding no tensor (graph_archive.py)
+    weights.safetensors  the graph's tensors, as deployed (weights_file.py)
+    serving.json         the serving signature: graph inputs, which tensor each tensor input takes and on which
+                         device, KV cache specs, decode CUDA-graph batch sizes, eos token ids
+    tuning.json          the kernel select chose for each node and why; token-count dispatch tables
+    settings.yaml        the resolved settings the deployment was built with
+    build_report.json    the pipeline's records (what ``LLM.pipeline_report()`` shows)
+    tokenizer/           the tokenizer's files (absent when the model had none)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .manifest import MANIFEST_FILE
+
+GRAPH = "graph.pt2"
+WEIGHTS = "weights.safetensors"
+SERVING = "serving.json"
+TUNING = "tuning.json"
+SETTINGS = "settings.yaml"
+BUILD_REPORT = "build_report.json"
+TOKENIZER = "tokenizer"
+
+
+def is_saved_deployment(path: str | Path) -> bool:
+    """Whether ``path`` is a folder ``LLM.save`` wrote (it has a manifest and a graph archive)."""
+    path = Path(path)
+    return path.is_dir() and (path / MANIFEST_FILE).is_file() and (path / GRAPH).is_file()

@@ -1,0 +1,114 @@
+"""Serve a saved deployment as it was built: no export, no transforms, no verification (it was verified at build).
+
+Every file is checked against the manifest's sha256 before it is used (the weights while the graph loads);
+the graph archive is checked for anything it must not hold before ``torch.export.load`` reads it; tensors
+come from safetensors. Nothing is unpickled. Whether this process may serve the deployment as saved (same
+library versions and device kind) is the caller's question (``Manifest.environment_mismatches``);
+``autodeploy()`` rebuilds from the source when not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autodeploy.build_report import TransformRecord, VerificationReport
+from autodeploy.config import load_yaml
+from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.errors import CheckpointError, ConfigError, error_summary
+from autodeploy.runtime.llm import LLM
+
+from .graph_archive import load_program, served_graph
+from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS
+from .manifest import Manifest
+from .rebuild import rebuild_command
+from .reload_settings import reload_settings
+from .weights_file import load_tensors
+
+logger = logging.getLogger(__name__)
+
+
+# Every file the reload reads: the manifest must list them all (with the tokenizer files it holds).
+_READ = (GRAPH, WEIGHTS, SERVING, TUNING, SETTINGS, BUILD_REPORT)
+
+
+def _refuse_unlisted_tokenizer_files(directory: Path, manifest: Manifest) -> None:
+    """The tokenizer loader reads what it finds in its folder, so that folder holds only what was saved."""
+    for path in sorted((directory / TOKENIZER).rglob("*")):
+        name = path.relative_to(directory).as_posix()
+        if path.is_file() and name not in manifest.files:
+            raise CheckpointError(f"{path} was not saved with the deployment (its manifest does not list it); remove it")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}); save the deployment again") from error
+
+
+def _kv_cache_spec(fields: Mapping[str, Any]) -> KVCacheSpec:
+    dtype = getattr(torch, str(fields.get("dtype")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"serving.json: KV cache dtype {fields.get('dtype')!r} is not a torch dtype; save the deployment again")
+    return KVCacheSpec(**{**fields, "dtype": dtype})
+
+
+def _load_tokenizer(directory: Path, settings):
+    from transformers import AutoTokenizer
+
+    location = settings.tokenizer or (str(directory / TOKENIZER) if (directory / TOKENIZER).is_dir() else None)
+    if location is None:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(location, trust_remote_code=settings.trust_remote_code)
+    except (OSError, ValueError, TypeError, ImportError) as error:
+        if settings.tokenizer:
+            raise ConfigError(f"cannot load tokenizer {settings.tokenizer!r}: {error_summary(error)}") from error
+        raise CheckpointError(f"the saved tokenizer in {location} cannot be loaded: {error_summary(error)}") from error
+
+
+def load_deployment(
+    directory: str | Path,
+    manifest: Manifest,
+    config_files: Iterable[str | Path] = (),
+    overrides: Mapping[str, Any] | None = None,
+    set_arguments: Iterable[str] = (),
+) -> LLM:
+    """The ``LLM`` saved in ``directory``, with the overrides a reload allows (``reload_settings.py``)."""
+    directory = Path(directory)
+    with ThreadPoolExecutor(max_workers=1) as background:
+        # The weights' sha256, the one long read, runs while the graph deserializes (hashing leaves the GIL).
+        weights_verified = background.submit(manifest.verify_files, directory, (WEIGHTS,))
+        manifest.verify_files(directory, tuple(sorted({*manifest.files, *_READ} - {WEIGHTS})))
+        _refuse_unlisted_tokenizer_files(directory, manifest)
+        settings = reload_settings(load_yaml(directory / SETTINGS), config_files, overrides, set_arguments,
+                                   rebuild_command(manifest, directory))
+        program = load_program((directory / GRAPH).read_bytes(), str(directory / GRAPH))
+        weights_verified.result()
+    serving, tuning = _read_json(directory / SERVING), _read_json(directory / TUNING)
+    try:
+        placements = serving["tensors"]
+        tensors_by_key = load_tensors(directory / WEIGHTS, {entry["key"]: entry["device"] for entry in placements.values()})
+        tensors = {name: tensors_by_key[entry["key"]] for name, entry in placements.items()}
+        graph_inputs = tuple(serving["graph_inputs"])
+        kv_caches = tuple(_kv_cache_spec(fields) for fields in serving["kv_caches"])
+        graph = served_graph(program, str(directory / GRAPH), tensors, graph_inputs, tuning["dispatches"], tuning["kernels"])
+        records = [TransformRecord(**fields) for fields in _read_json(directory / BUILD_REPORT)]
+        eos_token_ids = [int(token) for token in serving["eos_token_ids"]]
+        # Captured sizes above a smaller max_batch_size would never be replayed; cap them as the compile stage does.
+        decode_sizes = sorted({min(int(size), settings.max_batch_size) for size in serving["decode_graph_batch_sizes"]})
+        verification = VerificationReport(**manifest.verification) if manifest.verification else None
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(f"{directory}: a deployment file lacks an entry or has the wrong shape ({type(error).__name__}: "
+                              f"{error}); save the deployment again") from error
+    logger.info("reloaded the deployment in %s (built from %s; verification %s)", directory,
+                manifest.source.get("model") or "the demo model", manifest.reload_verification)
+    return LLM(graph, graph_inputs, settings, _load_tokenizer(directory, settings), eos_token_ids, records, kv_caches,
+               manifest.source.get("directory"), verification, decode_sizes)

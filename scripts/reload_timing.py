@@ -1,0 +1,65 @@
+"""Build vs reload of a saved deployment, each in a fresh process (as ``autodeploy build`` and ``run DIR`` pay them).
+
+    python scripts/reload_timing.py                                  # the demo model on CPU
+    python scripts/reload_timing.py path/to/checkpoint --repeats 3 --set device=cpu
+
+Per model: ``autodeploy(MODEL)`` then ``llm.save(DIR)`` in one process, ``autodeploy(DIR)`` in another (the
+median of ``--repeats``). Each line gives the call's own time and the process's (imports included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_BUILD = """
+import json, sys, time
+from autodeploy import autodeploy
+start = time.perf_counter()
+llm = autodeploy(sys.argv[1] or None, set_arguments=sys.argv[3:])
+built = time.perf_counter() - start
+llm.save(sys.argv[2])
+print(json.dumps({"call": built, "save": time.perf_counter() - start - built}))
+"""
+_RELOAD = """
+import json, sys, time
+from autodeploy import autodeploy
+start = time.perf_counter()
+autodeploy(sys.argv[1])
+print(json.dumps({"call": time.perf_counter() - start}))
+"""
+
+
+def _run(code: str, *arguments: str) -> tuple[dict, float]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code, *arguments], cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1]), time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="", help="as for `autodeploy build` (default: the demo model)")
+    parser.add_argument("--repeats", type=int, default=3, help="reloads to take the median of")
+    parser.add_argument("--set", dest="set_arguments", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        directory = str(Path(folder) / "deployment")
+        build, build_wall = _run(_BUILD, args.model, directory, *args.set_arguments)
+        reloads = [_run(_RELOAD, directory) for _ in range(args.repeats)]
+    reload_call = statistics.median(r["call"] for r, _ in reloads)
+    reload_wall = statistics.median(wall for _, wall in reloads)
+    print(f"{args.model or 'demo'}: build {build['call']:.2f}s (save {build['save']:.2f}s, process {build_wall:.1f}s); "
+          f"reload {reload_call:.2f}s = {reload_call / build['call']:.0%} of the build (process {reload_wall:.1f}s = "
+          f"{reload_wall / build_wall:.0%})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""``LLM.save`` → ``autodeploy(DIR)``: the reload serves the build's exact logits and tokens without export,
+transforms or verification; a damaged folder is a ``CheckpointError``; another environment rebuilds."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from autodeploy import LLM, SamplingParams, autodeploy
+from autodeploy.autotuner import describe_dispatch, token_dispatch
+from autodeploy.custom_ops import candidates
+from autodeploy.errors import CheckpointError, ConfigError
+
+SEQUENCES = [list(range(3, 40)), [5], list(range(100, 117))]
+PROMPTS = ["def f(x):", [7, 8, 9], "import os"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0)
+
+
+@pytest.fixture
+def forbid_building(monkeypatch):
+    """Call it, and from then on any export, pipeline run or verification fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a reload must not export, run transforms or verify")
+
+    def forbid():
+        for target in ("torch.export.export", "autodeploy.pipeline.Pipeline.run", "autodeploy.api.build_verified"):
+            monkeypatch.setattr(target, refuse)
+
+    return forbid
+
+
+def edited_copy(saved: Path, tmp_path: Path, **manifest_changes) -> Path:
+    """A copy of the deployment with top-level manifest entries replaced."""
+    copied = Path(shutil.copytree(saved, tmp_path / "copy"))
+    manifest = json.loads((copied / "manifest.json").read_text())
+    manifest.update(manifest_changes)
+    (copied / "manifest.json").write_text(json.dumps(manifest))
+    return copied
+
+
+def kernels(llm) -> list[str]:
+    return [str(n.target) for n in llm.graph.graph.nodes if n.op == "call_function" and "autodeploy" in str(n.target)]
+
+
+def test_reload_serves_identical_logits_and_greedy_tokens_without_building(saved, llama_llm, forbid_building):
+    forbid_building()
+    llm = autodeploy(str(saved))
+    for want, got in zip(llama_llm.logits(SEQUENCES), llm.logits(SEQUENCES)):
+        assert torch.equal(want, got)
+    tokens = [[o.outputs[0].token_ids for o in deployed.generate(PROMPTS, GREEDY)] for deployed in (llama_llm, llm)]
+    assert tokens[0] == tokens[1]
+    assert kernels(llm) == kernels(llama_llm)  # select's backend ops, as built
+    assert llm.pipeline_report() == llama_llm.pipeline_report()  # records and the build's verification
+    assert llm.tokenizer("def f(x):").input_ids == llama_llm.tokenizer("def f(x):").input_ids
+
+
+def test_the_manifest_records_the_build_and_every_files_sha256(saved, llama_dir):
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert set(manifest["versions"]) == {"autodeploy", "torch", "transformers", "triton"}
+    assert manifest["versions"]["torch"] == torch.__version__
+    assert manifest["device"]["type"] == "cpu" and manifest["dtype"] == "float32"
+    assert manifest["source"]["directory"] == str(Path(llama_dir).resolve())
+    assert manifest["verification"]["relative_error"] <= manifest["verification"]["tolerance"]
+    assert "not repeated on reload" in manifest["reload_verification"]
+    files = {p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == files
+    assert {"graph.pt2", "weights.safetensors", "settings.yaml", "tuning.json", "serving.json"} <= files
+    assert manifest["files"]["weights.safetensors"] == hashlib.sha256((saved / "weights.safetensors").read_bytes()).hexdigest()
+
+
+def test_a_tampered_weights_file_is_a_checkpoint_error(saved, tmp_path):
+    copied = edited_copy(saved, tmp_path)
+    weights = bytearray((copied / "weights.safetensors").read_bytes())
+    weights[-5] ^= 0xFF
+    (copied / "weights.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(CheckpointError, match=r"weights.safetensors does not match the sha256"):
+        autodeploy(str(copied))
+
+
+def test_a_truncated_graph_archive_is_a_checkpoint_error_even_when_its_sha256_is_updated(saved, tmp_path):
+    copied = edited_copy(saved, tmp_path)
+    archive = copied / "graph.pt2"
+    archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="sha256"):
+        autodeploy(str(copied))
+    manifest = json.loads((copied / "manifest.json").read_text())
+    manifest["files"]["graph.pt2"] = hashlib.sha256(archive.read_bytes()).hexdigest()
+    (copied / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="truncated or corrupted"):
+        autodeploy(str(copied))
+
+
+def test_runtime_settings_change_on_reload_and_graph_settings_are_refused(saved):
+    llm = autodeploy(str(saved), max_batch_size=2, set_arguments=["kv_cache.num_blocks=40"])
+    assert llm.settings.max_batch_size == 2 and llm.engine.pool.num_blocks == 40
+    with pytest.raises(ConfigError, match=r"dtype='bfloat16' \(saved: 'float32'\).*autodeploy build"):
+        autodeploy(str(saved), dtype="bfloat16")
+    with pytest.raises(ConfigError, match="transforms.fuse_gemms.enabled"):
+        autodeploy(str(saved), set_arguments=["transforms.fuse_gemms.enabled=false"])
+
+
+def test_another_torch_version_rebuilds_from_the_source_with_a_warning(saved, tmp_path, monkeypatch, caplog):
+    manifest = json.loads((saved / "manifest.json").read_text())
+    copied = edited_copy(saved, tmp_path, versions={**manifest["versions"], "torch": "2.0.0"})
+
+    class Rebuilding(Exception):
+        pass
+
+    def rebuild(pipeline, context, *args, **kwargs):
+        assert context.settings.model == manifest["source"]["directory"]
+        raise Rebuilding
+
+    monkeypatch.setattr("autodeploy.api.build_verified", rebuild)
+    with caplog.at_level(logging.WARNING, logger="autodeploy.api"), pytest.raises(Rebuilding):
+        autodeploy(str(copied))
+    assert "torch 2.0.0 (this process has" in caplog.text and "rebuilding it from its source" in caplog.text
+
+
+def test_another_torch_version_without_the_source_is_refused(saved, tmp_path):
+    manifest = json.loads((saved / "manifest.json").read_text())
+    copied = edited_copy(saved, tmp_path, versions={**manifest["versions"], "torch": "2.0.0"},
+                         source={"model": "/nonexistent/tiny-llama", "directory": "/nonexistent/tiny-llama", "weights": "checkpoint"})
+    with pytest.raises(CheckpointError, match=r"torch 2.0.0 .*not reachable.*autodeploy build /nonexistent/tiny-llama --out"):
+        autodeploy(str(copied))
+
+
+def test_a_token_dispatch_survives_save_and_reload(llama_llm, tmp_path, forbid_building):
+    graph = copy.deepcopy(llama_llm.graph)
+    backends = {b.name: b for b in candidates("rms_norm")}
+    dispatch = token_dispatch("rms_norm", {1: backends["torch"], 8: backends["reference"]}, (0, 1))
+    for node in graph.graph.nodes:
+        if node.target == backends["torch"].op:
+            node.target = dispatch
+    graph.recompile()
+    llm = LLM(graph, llama_llm.graph_inputs, llama_llm.settings, llama_llm.tokenizer, [2], llama_llm.records,
+              llama_llm._kv_caches, llama_llm.model_directory)
+    directory = llm.save(tmp_path / "dispatching")
+    forbid_building()
+    reloaded = autodeploy(str(directory))
+    dispatched = [describe_dispatch(n.target) for n in reloaded.graph.graph.nodes if describe_dispatch(n.target)]
+    assert dispatched == [dispatch.by_token_bucket] * 5
+    for want, got in zip(llm.logits(SEQUENCES), reloaded.logits(SEQUENCES)):
+        assert torch.equal(want, got)
+
+
+def test_a_reloaded_deployment_saves_again_unchanged(saved, tmp_path):
+    again = autodeploy(str(saved)).save(tmp_path / "again")
+    for name in ("tuning.json", "serving.json", "settings.yaml", "build_report.json"):
+        assert (again / name).read_text() == (saved / name).read_text(), name
+    assert (again / "weights.safetensors").read_bytes() == (saved / "weights.safetensors").read_bytes()
+
+
+def test_a_file_the_manifest_does_not_list_in_the_tokenizer_folder_is_refused(saved, tmp_path):
+    copied = edited_copy(saved, tmp_path)
+    (copied / "tokenizer" / "tokenization_evil.py").write_text("raise SystemExit")
+    with pytest.raises(CheckpointError, match="tokenization_evil.py was not saved with the deployment"):
+        autodeploy(str(copied))
