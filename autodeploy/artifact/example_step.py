@@ -26,6 +26,10 @@ class _ExampleSequence:
     seq_id: int
     token_ids: list[int]
 
+    @property
+    def num_tokens(self) -> int:  # the scheduler's Schedulable: no token is ever on the device here
+        return len(self.token_ids)
+
 
 def _dynamic_dims(graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec]) -> list[dict[int, object] | None]:
     Dim = torch.export.Dim

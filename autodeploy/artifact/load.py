@@ -104,6 +104,8 @@ def load_deployment(
         eos_token_ids = [int(token) for token in serving["eos_token_ids"]]
         # Captured sizes above a smaller max_batch_size would never be replayed; cap them as the compile stage does.
         decode_sizes = sorted({min(int(size), settings.max_batch_size) for size in serving["decode_graph_batch_sizes"]})
+        max_tokens = min(int(settings.scheduler.max_num_tokens), int(settings.max_seq_len))  # likewise for the prefill pieces
+        token_sizes = sorted({min(int(size), max_tokens) for size in serving["prefill_graph_token_sizes"]})
         verification = VerificationReport(**manifest.verification) if manifest.verification else None
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{directory}: a deployment file lacks an entry or has the wrong shape ({type(error).__name__}: "
@@ -111,4 +113,4 @@ def load_deployment(
     logger.info("reloaded the deployment in %s (built from %s; verification %s)", directory,
                 manifest.source.get("model") or "the demo model", manifest.reload_verification)
     return LLM(graph, graph_inputs, settings, _load_tokenizer(directory, settings), eos_token_ids, records, kv_caches,
-               manifest.source.get("directory"), verification, decode_sizes)
+               manifest.source.get("directory"), verification, decode_sizes, token_sizes)

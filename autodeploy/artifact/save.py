@@ -53,6 +53,7 @@ def save_deployment(
     model_directory: str | None = None,
     verification: VerificationReport | None = None,
     decode_graph_batch_sizes: Sequence[int] = (),
+    prefill_graph_token_sizes: Sequence[int] = (),
 ) -> Path:
     """Write the deployment (the parts of an ``LLM``) to ``directory``; returns it. See ``LLM.save``."""
     if str(settings.device) == "meta":
@@ -73,6 +74,7 @@ def save_deployment(
             "tensors": {name: {"key": keys[name], "device": str(tensor.device)} for name, tensor in saved.tensors.items()},
             "kv_caches": [{**dataclasses.asdict(spec), "dtype": str(spec.dtype).removeprefix("torch.")} for spec in kv_caches],
             "decode_graph_batch_sizes": list(decode_graph_batch_sizes),
+            "prefill_graph_token_sizes": list(prefill_graph_token_sizes),
             "eos_token_ids": list(eos_token_ids),
         })
         _write_json(staging / TUNING, {"kernels": saved.kernels, "dispatches": saved.dispatches})

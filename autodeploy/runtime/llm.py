@@ -102,7 +102,7 @@ class LLM:
 
         return save_deployment(directory, self.graph, self.graph_inputs, self.settings, self.tokenizer, self._eos_token_ids,
                                self.records, self._kv_caches, self.model_directory, self.verification,
-                               self._decode_graph_batch_sizes)
+                               self._decode_graph_batch_sizes, self._prefill_graph_token_sizes)
 
     def free_kv_cache(self) -> None:
         """Drop the engine and its KV cache now (the pool holds most of a GPU); the next request builds
