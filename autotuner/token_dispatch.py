@@ -16,7 +16,6 @@ from typing import Any
 
 from autodeploy.custom_ops import Backend, candidates, canonical_ops
 
-from .buckets import bucket_for
 
 
 def bucket_runs(winners: dict[int, str]) -> list[tuple[int, int, str]]:
@@ -32,15 +31,22 @@ def bucket_runs(winners: dict[int, str]) -> list[tuple[int, int, str]]:
 
 def token_dispatch(op_name: str, table: dict[int, Backend], position: tuple[int, int]) -> Callable[..., Any]:
     """A callable that runs ``table[bucket_for(T)]`` where ``T = args[position[0]].shape[position[1]]``."""
-    buckets = tuple(sorted(table))
-    ops = {bucket: backend.op for bucket, backend in table.items()}
     argument, dim = position
+    runs = bucket_runs({bucket: backend.name for bucket, backend in table.items()})
+    by_name = {backend.name: backend.op for backend in table.values()}
+    # (last bucket of a run, its op): T up to a run's last bucket goes to that run (bucket_for's rule:
+    # the smallest bucket ≥ T), beyond the largest to the last run. A plain loop over comparisons, not
+    # bisect, so torch.compile traces it (one guard per run boundary) instead of breaking the graph.
+    run_ends = [(last, by_name[name]) for _, last, name in runs]
 
     def dispatch(*args):
-        return ops[bucket_for(args[argument].shape[dim], buckets)](*args)
+        tokens = args[argument].shape[dim]
+        for last, op in run_ends[:-1]:
+            if tokens <= last:
+                return op(*args)
+        return run_ends[-1][1](*args)
 
     # The name graphs and profiles show, e.g. rms_norm_by_tokens__1_16_triton__32_2048_torch.
-    runs = bucket_runs({bucket: backend.name for bucket, backend in table.items()})
     dispatch.__name__ = dispatch.__qualname__ = f"{op_name}_by_tokens__" + "__".join(f"{a}_{b}_{n}" for a, b, n in runs)
     dispatch.backends = tuple(table.values())  # what it may call (the compile stage checks them)
     dispatch.by_token_bucket = {

@@ -4,26 +4,42 @@ graph's decode steps are captured as CUDA graphs too (``torch_compile_cuda_graph
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
 import torch
 
 from autodeploy import SamplingParams, autodeploy
+from autodeploy.autotuner.token_dispatch import token_dispatch
+from autodeploy.custom_ops import candidates
 from autodeploy.runtime.compiled_graph import CompiledGraph
+from autodeploy.runtime.engine import Engine
 from tests.runtime.test_engine import GREEDY, hf_greedy, random_prompts
 from tests.tiny_models import tiny_hf_model
 
 
-def test_the_compiled_graph_serves_hf_greedy_tokens(tiny_checkpoint):
+def test_the_compiled_graph_serves_hf_greedy_tokens_through_token_dispatches(tiny_checkpoint):
+    """On a GPU ``select`` leaves per-token-count dispatches in the graph; torch.compile must trace them
+    (a graph break would fail ``fullgraph`` and leave the graph eager)."""
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", compile={"backend": "torch_compile"}, verify={"enabled": False})
     assert isinstance(llm.engine.graph, CompiledGraph) and llm.engine.graph.failure is None
     assert "torch.compile" in llm.pipeline_report()
+    graph = copy.deepcopy(llm.graph)
+    backends = {b.name: b for b in candidates("rms_norm")}
+    dispatch = token_dispatch("rms_norm", {1: backends["torch"], 8: backends["reference"], 64: backends["torch"]}, (0, 1))
+    norms = [node for node in graph.graph.nodes if node.target == backends["torch"].op]
+    assert norms
+    for node in norms:
+        node.target = dispatch
+    graph.recompile()
+    engine = Engine(graph, llm.graph_inputs, llm._kv_caches, llm.settings, llm.tokenizer, [], llm.vocab_size)
+    llm._engine = engine
     prompts = random_prompts(3, seed=31, lengths=(1, 40))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
     hf = tiny_hf_model("llama")
     assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 6) for p in prompts]
-    assert llm.engine.graph.failure is None  # prefill, decode and mixed steps all ran compiled
+    assert engine.graph.failure is None  # prefill, decode and mixed steps all ran compiled
 
 
 class CompilerMissing(torch._dynamo.exc.TorchDynamoException):

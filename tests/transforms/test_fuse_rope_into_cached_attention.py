@@ -24,6 +24,7 @@ from tests.custom_ops.test_paged_attention_triton import (  # noqa: F401  (the f
 
 ops = torch.ops.autodeploy
 UNFUSED = {"fuse_rope_into_cached_attention": {"enabled": False}}
+FUSED = {"fuse_rope_into_cached_attention": {"enabled": True}}  # off by default until its Triton kernel has passed on a GPU
 QUICK = dict(device="cpu", verify={"enabled": False})
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
 GREEDY = SamplingParams(max_tokens=5, temperature=0, logprobs=0, ignore_eos=True)
@@ -48,7 +49,7 @@ def assert_same_outputs(fused, unfused) -> None:
 
 
 def test_llama_rotates_q_and_k_in_its_cache_write(llama_llm, llama_dir):
-    unfused = autodeploy(str(llama_dir), **QUICK, transforms=UNFUSED)
+    unfused, llama_llm = llama_llm, autodeploy(str(llama_dir), **QUICK, transforms=FUSED)
     assert_same_outputs(llama_llm, unfused)
     assert record(llama_llm).matches == 2  # one per layer
     assert record(llama_llm).notes == "2 attention layers rotate q and k in their cache write (4 ropes folded in)"
@@ -62,7 +63,7 @@ def test_the_triton_kernel_serves_a_fused_graph(tmp_path):
     # On the CPU select never picks Triton, so the fused nodes are retargeted by hand and run in the
     # interpreter: Phi-3's partial rotary, q/k/v as strided views of its fused projection, real angles.
     eager_reference_model("phi3").save_pretrained(tmp_path)
-    llm = autodeploy(str(tmp_path), **QUICK)
+    llm = autodeploy(str(tmp_path), **QUICK, transforms=FUSED)
     expected_logits, expected = llm.logits(SEQUENCES), llm.generate(SEQUENCES, GREEDY)
     fused = llm.graph.graph.find_nodes(op="call_function", target=ops.cached_attention_rope_sdpa.default)
     assert len(fused) == 2
@@ -78,7 +79,7 @@ def test_a_model_without_rope_is_left_alone(tmp_path):
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    llm = autodeploy(str(tmp_path), **QUICK)
+    llm = autodeploy(str(tmp_path), **QUICK, transforms=FUSED)
     assert (record(llm).matches, record(llm).notes) == (0, "no cached_attention reads rope(q) and rope(k)")
     assert record(llm).details == ["2 attention layers left unfused: q is not a rope's output"]
     assert targets(llm).count("autodeploy.cached_attention_sdpa.default") == 2
