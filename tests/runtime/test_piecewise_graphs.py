@@ -12,7 +12,7 @@ import torch
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.runtime.engine import Engine
-from autodeploy.runtime.piecewise_graphs import NotSplittable, eager_nodes, split_into_pieces
+from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs, eager_nodes, split_into_pieces
 from autodeploy.transforms.compile_model import default_prefill_token_sizes
 from tests.runtime.test_engine import GREEDY, hf_greedy, random_prompts
 from tests.tiny_models import tiny_hf_model
@@ -70,16 +70,28 @@ def test_prompt_logits_through_the_pieces_equal_the_eager_graph(llama_llm, monke
     torch.testing.assert_close(pieces, llama_llm.engine.prompt_logits(tokens), atol=1e-6, rtol=0)
 
 
-def test_a_graph_whose_pieces_would_read_step_metadata_is_not_split(llama_llm):
+def test_a_graph_without_recorded_shapes_is_not_split(llama_llm):
+    """Token rows are told apart by the export's shapes; without them the graph stays whole (and eager)."""
     graph = llama_llm.graph
     copy = torch.fx.GraphModule(graph, torch.fx.Graph())
     copy.graph.graph_copy(graph.graph, {})
-    seq_start = next(n for n in copy.graph.nodes if n.op == "placeholder" and n.target == "seq_start")
-    del seq_start.meta["val"]
     input_ids = next(n for n in copy.graph.nodes if n.op == "placeholder" and n.target == "input_ids")
     del input_ids.meta["val"]
     with pytest.raises(NotSplittable, match="recorded shape"):
         split_into_pieces(copy)
+
+
+def test_a_failed_capture_leaves_prefill_eager_with_a_warning(llama_llm, monkeypatch, caplog):
+    def refuse(self, probe_inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(PiecewiseGraphs, "capture_all", refuse)
+    with caplog.at_level("WARNING", logger="autodeploy.runtime.engine"):
+        engine = engine_with_pieces(llama_llm, (16, 64))
+    assert engine.prefill_graphs is None
+    assert any("prefill CUDA graph capture failed" in r.message and "run eagerly" in r.message for r in caplog.records)
+    tokens = random_prompts(1, seed=44, lengths=(30, 30))[0]
+    torch.testing.assert_close(engine.prompt_logits(tokens), llama_llm.engine.prompt_logits(tokens), atol=1e-6, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
