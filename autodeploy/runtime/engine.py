@@ -2,8 +2,9 @@
 
 The engine owns the KV caches, the block pool and the scheduler. ``add_request`` validates a request
 completely before queueing it (a bad request raises ``InvalidRequestError`` and nothing else is
-touched); ``step`` runs one forward for whatever the scheduler planned and returns the requests that
-got new tokens; ``abort`` cancels a request and frees its blocks at once. It is thread-safe.
+touched); ``step`` launches one forward for whatever the scheduler planned, applies the step before it
+(overlapped runtime: the device computes one step while the host prepares the next) and returns the
+requests that got new tokens; ``abort`` cancels a request and frees its blocks at once. It is thread-safe.
 
 Outputs do not depend on who steps: after every step, and when a request is aborted, the engine hands
 each changed request's output to the request's ``OutputSink`` (if it has one). So any number of front
