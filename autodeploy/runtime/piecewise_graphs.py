@@ -16,7 +16,7 @@ and 32 attention calls instead of ~800 kernel launches from Python.
 Token rows are found by contract: the serving signature's ``input_ids[1, T]`` and ``position_ids[1, T]``,
 and tensors crossing between pieces whose dim 1 is the export's token dimension. A graph whose captured
 pieces read any other input, or pass anything else that depends on the token count, is not split
-(``piecewise_blocker`` says why) and its prefill steps run eagerly.
+(``NotSplittable`` says why) and its prefill steps run eagerly.
 
 All pieces are captured before the KV pool is sized (they need no cache: attention is eager), largest
 bucket first, into one memory pool; their outputs stay allocated, and the pool's size is reported. On the
@@ -27,6 +27,7 @@ GPU replays.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,9 @@ class PiecewiseGraphs:
         self.device = device
         self.capture = device.type == "cuda"
         self.split, self.pieces = split_into_pieces(graph)
+        # The split graph's get_attr values (the weights), looked up once rather than at every step.
+        self._attributes = {node: functools.reduce(getattr, node.target.split("."), self.split)
+                            for node in self.split.graph.nodes if node.op == "get_attr"}
         self._buffers: dict[int, dict[int, list[torch.Tensor | None]]] = {}  # bucket → piece → static argument buffers
         self._graphs: dict[int, dict[int, tuple[torch.cuda.CUDAGraph, object]]] = {}  # bucket → piece → (graph, outputs)
         self.pool_bytes = 0
@@ -108,7 +112,7 @@ class PiecewiseGraphs:
             if node.op == "placeholder":
                 values[node] = named[node.target]
             elif node.op == "get_attr":
-                values[node] = _attribute(self.split, node.target)
+                values[node] = self._attributes[node]
             elif node.op == "call_module":
                 index, piece = next(pieces)
                 args = [values[a] for a in node.args]
@@ -157,15 +161,6 @@ class PiecewiseGraphs:
             graph.replay()
             return outputs
         return piece.module(*call_args)
-
-
-def piecewise_blocker(graph: fx.GraphModule) -> str | None:
-    """Why ``graph`` cannot run as captured pieces, or None when it can."""
-    try:
-        split_into_pieces(graph)
-    except NotSplittable as error:
-        return str(error)
-    return None
 
 
 def split_into_pieces(graph: fx.GraphModule) -> tuple[fx.GraphModule, list[_Piece]]:
@@ -246,12 +241,6 @@ def _is_token_rows(value, token) -> bool:
 def _depends_on_tokens(value, token) -> bool:
     shape = getattr(value, "shape", None)
     return shape is not None and any(token in getattr(_expression(dim), "free_symbols", ()) for dim in shape)
-
-
-def _attribute(module: torch.nn.Module, target: str):
-    for name in target.split("."):
-        module = getattr(module, name)
-    return module
 
 
 def _static_buffer(value, token_rows: bool, size: int) -> torch.Tensor | None:
