@@ -1,7 +1,8 @@
-"""The ``triton`` backends of ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``rope``, ``gated_mlp`` and
-``fused_gated_mlp``: registration only.
+"""The ``triton`` backends of ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``rope``, ``gated_mlp``,
+``fused_gated_mlp`` and ``linear`` (few rows only): registration only.
 
-The kernels live in ``custom_ops/triton/`` (``norms.py``, ``rope.py``, ``gated_activation.py``); each
+The kernels live in ``custom_ops/triton/`` (``norms.py``, ``rope.py``, ``gated_activation.py``,
+``skinny_gemm.py``); each
 backend below imports its kernel module on its first call, not here: Triton decides at kernel
 definition whether to interpret (``TRITON_INTERPRET``), and importing the ops must neither fix that
 choice nor need Triton. For the same reason each ``supports`` restates its kernel's limits instead of
@@ -25,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from . import add_rms_norm, fused_gated_mlp, gated_mlp, layer_norm, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from . import add_rms_norm, fused_gated_mlp, gated_mlp, layer_norm, linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
 from .registry import register_backend
 from .triton import triton_unavailable
 
@@ -33,6 +34,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NORM_MAX_HIDDEN = 32768  # norms.MAX_HIDDEN: a whole row is one tile
 _ROPE_MAX_HEAD_DIM = 1024  # rope.MAX_HEAD_DIM
 _GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")  # gated_activation.ACTIVATIONS
+_SKINNY_DTYPES = (torch.float16, torch.bfloat16)  # skinny_gemm.DTYPES
+_SKINNY_MAX_ROWS = 256  # skinny_gemm.MAX_ROWS
 
 
 def _unsupported_dtypes(device: torch.device, x: torch.Tensor, **params: Optional[torch.Tensor]) -> Optional[str]:
@@ -137,9 +140,30 @@ def _fused_gated_mlp_supports(x, gate_up_weight, down_weight, activation, *, dev
     )
 
 
+def _linear_triton(x, weight, bias):
+    from .triton.skinny_gemm import skinny_linear
+
+    return skinny_linear(x, weight, bias)
+
+
+def _linear_supports(x, weight, bias, *, device):
+    reason = triton_unavailable(device)
+    if reason:
+        return reason
+    if x.dtype not in _SKINNY_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return f"needs float16 or bfloat16 x, weight and bias in one dtype (x is {x.dtype}, weight {weight.dtype})"
+    if weight.stride(1) != 1:
+        return "needs a weight with contiguous rows"
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > _SKINNY_MAX_ROWS:
+        return f"a few-row (decode) GEMM: at most {_SKINNY_MAX_ROWS} rows of x (x has {rows})"
+    return True
+
+
 register_backend("rms_norm", "triton", _rms_norm_triton, supports=_rms_norm_supports)
 register_backend("add_rms_norm", "triton", _add_rms_norm_triton, supports=_add_rms_norm_supports)
 register_backend("layer_norm", "triton", _layer_norm_triton, supports=_layer_norm_supports)
 register_backend("rope", "triton", _rope_triton, supports=_rope_supports)
 register_backend("gated_mlp", "triton", _gated_mlp_triton, supports=_gated_mlp_supports)
 register_backend("fused_gated_mlp", "triton", _fused_gated_mlp_triton, supports=_fused_gated_mlp_supports)
+register_backend("linear", "triton", _linear_triton, supports=_linear_supports)

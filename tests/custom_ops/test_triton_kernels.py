@@ -1,5 +1,5 @@
 """The Triton backends of rms_norm, add_rms_norm, layer_norm, rope, gated_mlp and fused_gated_mlp against
-their float32 references.
+their float32 references (the few-row linear's kernel: ``test_skinny_gemm.py``); every backend's supports().
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (``tests/conftest.py`` sets
 TRITON_INTERPRET), which is slow, so the shapes are tiny; they still reach every masked edge: hidden
@@ -22,7 +22,7 @@ from autodeploy.custom_ops.gated_mlp import gated_mlp_reference
 from autodeploy.custom_ops.layer_norm import layer_norm_reference
 from autodeploy.custom_ops.rms_norm import rms_norm_reference
 from autodeploy.custom_ops.rope import rope_reference
-from autodeploy.custom_ops.triton import gated_activation, norms, rope, triton_unavailable
+from autodeploy.custom_ops.triton import gated_activation, norms, rope, skinny_gemm, triton_unavailable
 from tests.custom_ops.activation_formulas import ACTIVATION_FORMULAS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -313,6 +313,7 @@ SUPPORTED_NODES = {
     "rope": (meta(1, 32, 7, 128).transpose(1, 2), meta(1, 7, 128), meta(1, 7, 128), False),
     "gated_mlp": (meta(7, 4096), meta(14336, 4096), meta(14336, 4096), meta(4096, 14336), "silu"),
     "fused_gated_mlp": (meta(7, 4096), meta(28672, 4096), meta(4096, 14336), "silu"),
+    "linear": (meta(1, 7, 4096), meta(6144, 4096), None),
 }
 
 
@@ -345,6 +346,10 @@ def test_supports_cuda_deploys_only(op_name):
         ("fused_gated_mlp", (meta(2, 8), meta(12, 8, dtype=torch.float32), meta(8, 6), "silu"), "gate_up_weight"),
         ("fused_gated_mlp", (meta(2, 8, dtype=torch.float64), meta(12, 8), meta(8, 6), "silu"), "float64"),
         ("fused_gated_mlp", (meta(2, 8), meta(12, 8), meta(8, 6), "gelu_quick"), "activations"),
+        ("linear", (meta(2, 64, dtype=torch.float32), meta(32, 64, dtype=torch.float32), None), "float16 or bfloat16"),
+        ("linear", (meta(2, 64), meta(32, 64), meta(32, dtype=torch.float16)), "one dtype"),
+        ("linear", (meta(2, 64), meta(64, 32).t(), None), "contiguous rows"),
+        ("linear", (meta(2, 129, 64), meta(32, 64), None), "at most 256 rows"),
     ],
 )
 def test_supports_refuses_what_the_kernels_cannot_run(op_name, args, reason):
@@ -356,4 +361,6 @@ def test_supports_limits_match_the_kernels():
     assert triton_backends._NORM_MAX_HIDDEN == norms.MAX_HIDDEN
     assert triton_backends._ROPE_MAX_HEAD_DIM == rope.MAX_HEAD_DIM
     assert triton_backends._GATED_ACTIVATIONS == gated_activation.ACTIVATIONS
+    assert triton_backends._SKINNY_DTYPES == skinny_gemm.DTYPES
+    assert triton_backends._SKINNY_MAX_ROWS == skinny_gemm.MAX_ROWS
     assert set(triton_backends._DTYPES) == set(norms.SUPPORTED_DTYPES) == set(rope.SUPPORTED_DTYPES)

@@ -1,0 +1,239 @@
+"""Triton backend of ``linear`` for few rows: ``x[M, K] @ weight[N, K]ᵀ`` when ``M`` is a decode batch.
+
+With one to a few dozen rows a projection reads its whole weight once and does almost no arithmetic, so
+its floor is the weight's bytes over the memory bandwidth. cuBLAS reaches 72% of that floor for the
+Llama-3-8B q/k/v projection at one row and 63% for o_proj (the H200 profile in ``notes/perf.md``): its
+M = 1 kernels tile the weight in too few, too large blocks for those widths, and split ``K`` across a
+second reduction kernel. Here every program streams a ``[BLOCK_N, K / SPLIT_K]`` slab of contiguous
+weight rows, so a 4096 × 4096 weight is spread over hundreds of programs, all loading at once:
+
+- one row (``M = 1``, :func:`_gemv_kernel`): an element-wise multiply into a ``[BLOCK_N, BLOCK_K]``
+  float32 accumulator, summed over ``K`` once at the end (no tensor cores needed, any ``BLOCK_N``);
+- more rows (:func:`_skinny_kernel`): ``tl.dot`` of a ``[BLOCK_M ≥ 16, BLOCK_K]`` tile of ``x`` (rows past
+  ``M`` masked to zero) with the weight tile, accumulated in float32.
+
+When the weight is too narrow to fill the card (fewer than ``4 × SMs`` programs) ``K`` is split and each
+split writes float32 partial sums that :func:`_split_sum_kernel` adds in a fixed order (deterministic,
+unlike atomics), with the bias. Math in float32, one rounding to ``x``'s dtype: the reference's result up
+to the half-precision contract. :func:`skinny_config` picks the launch from the shape alone (no timing:
+the op runs inside CUDA-graph capture, where a benchmark cannot), and the autotuner decides per
+token bucket whether this backend beats cuBLAS at all.
+
+Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the tests do)::
+
+    import torch
+    from autodeploy.custom_ops.triton.skinny_gemm import skinny_linear
+
+    x = torch.randn(1, 4096, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(6144, 4096, dtype=torch.bfloat16, device="cuda")
+    out = skinny_linear(x, weight, None)               # [1, 6144], x @ weight.T
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import INTERPRETED
+
+DTYPES = (torch.float16, torch.bfloat16)
+MAX_ROWS = 256  # past a few hundred rows the product is compute-bound: cuBLAS's tiles are the right ones
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """How the kernel is launched: rows of ``x``, weight rows and reduction columns per program (``block_m``
+    is 1 for the one-row kernel, else at least 16: ``tl.dot``'s smallest tile), ``K`` splits, warps."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int) -> SkinnyConfig:
+    """The launch for ``x[rows, in_features] @ weight[out_features, in_features]ᵀ`` on ``num_sms`` SMs.
+
+    Narrow weight blocks spread the weight over many programs (all of them resident at once, so every SM
+    streams); ``K`` is split only while that still leaves fewer than four programs per SM, and never into
+    splits of fewer than two ``BLOCK_K`` steps.
+    """
+    if rows == 1:
+        block_m, block_n, block_k = 1, 8, 512
+    else:
+        block_m = min(max(16, triton.next_power_of_2(rows)), 64)
+        block_n, block_k = (32, 256) if block_m <= 16 else (32, 128)
+    block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
+    programs = triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m)
+    split = 1
+    while programs * split < 4 * num_sms and in_features >= 2 * split * 2 * block_k:
+        split *= 2
+    return SkinnyConfig(block_m, block_n, block_k, split)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_row_stride,
+    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # One program: BLOCK_N weight rows × one K split, for the single row of x.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_PER_SPLIT + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_row_stride + offs_k[None, :]
+    x_ptrs = x_ptr + offs_k
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        if MASKED:
+            in_k = (offs_k + k0) < K
+            x = tl.load(x_ptrs, mask=in_k, other=0.0)
+            w = tl.load(w_ptrs, mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
+        else:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    total = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+    else:
+        tl.store(out_ptr + pid_k * N + cols, total, mask=cols < N)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_row_stride,
+    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # One program: BLOCK_M rows of x × BLOCK_N weight rows × one K split, on the tensor cores.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_PER_SPLIT + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * x_row_stride + offs_k[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_row_stride + offs_k[None, :]
+    in_m = rows[:, None] < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        if MASKED:
+            in_k = (offs_k[None, :] + k0) < K
+            x = tl.load(x_ptrs, mask=in_m & in_k, other=0.0)
+            w = tl.load(w_ptrs, mask=(cols[:, None] < N) & in_k, other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=in_m, other=0.0)
+            w = tl.load(w_ptrs)
+        acc += tl.dot(x, tl.trans(w))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    mask = in_m & (cols[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(
+    part_ptr, bias_ptr, out_ptr, total, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    # out[i] = Σ_s part[s, i] (+ bias[i % N]) over the flattened [M, N] output, splits in a fixed order.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + split * total + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count will do, an H200's keeps the CPU tests' launches like the GPU's
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, config: Optional[SkinnyConfig] = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x[..., K]`` with few rows, ``weight[N, K]`` with contiguous rows and
+    ``bias[N]`` or None, all float16 or bfloat16 in one dtype; returns ``[..., N]`` in that dtype.
+
+    ``x``'s rows may be strided (the gate half of a ``[T, 2I]`` GEMM output is read in place); other layouts
+    are copied first. ``config`` overrides :func:`skinny_config`'s launch. Raises ``ValueError`` for inputs
+    the kernel does not take.
+    """
+    if x.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(
+            f"skinny_linear: tensors are on {x.device}; the Triton kernel needs CUDA tensors, "
+            f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU."
+        )
+    out_features, in_features = weight.shape
+    if (
+        x.dtype not in DTYPES
+        or weight.dtype != x.dtype
+        or (bias is not None and (bias.dtype != x.dtype or bias.shape != (out_features,)))
+        or x.shape[-1] != in_features
+        or weight.stride(1) != 1
+    ):
+        raise ValueError(
+            f"skinny_linear: needs x[..., K] and weight[N, K] (contiguous rows) and bias[N] in one dtype of "
+            f"{DTYPES}; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} strides "
+            f"{weight.stride()}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}."
+        )
+    rows = x.reshape(x.numel() // in_features if in_features else x.shape[:-1].numel(), in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    num_rows = rows.shape[0]
+    out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or out_features == 0:
+        return out.view(*x.shape[:-1], out_features)
+    if in_features == 0:
+        out.zero_()
+        return (out if bias is None else out.add_(bias)).view(*x.shape[:-1], out_features)
+    config = config or skinny_config(num_rows, out_features, in_features, _num_sms(x.device))
+    split = config.split_k
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split), config.block_k) * config.block_k
+    split = triton.cdiv(in_features, k_per_split)  # a split past the end would only add zeros
+    masked = in_features % k_per_split != 0 or out_features % config.block_n != 0
+    target = out if split == 1 else torch.empty((split, num_rows, out_features), dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
+    common = dict(
+        HAS_BIAS=bias is not None, MASKED=masked, K_PER_SPLIT=k_per_split, SPLIT_K=split, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if config.block_m == 1:
+        if num_rows != 1:
+            raise ValueError(f"skinny_linear: a block_m = 1 launch takes one row of x; got {num_rows}.")
+        _gemv_kernel[(triton.cdiv(out_features, config.block_n), split)](
+            rows, weight, bias_arg, target, out_features, in_features, weight.stride(0), **common
+        )
+    else:
+        grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(num_rows, config.block_m), split)
+        _skinny_kernel[grid](
+            rows, weight, bias_arg, target, num_rows, out_features, in_features, rows.stride(0), weight.stride(0),
+            BLOCK_M=config.block_m, **common,
+        )
+    if split > 1:
+        total = num_rows * out_features
+        _split_sum_kernel[(triton.cdiv(total, 1024),)](
+            target, bias_arg, out, total, out_features, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=1024,
+            num_warps=4,
+        )
+    return out.view(*x.shape[:-1], out_features)

@@ -1,0 +1,87 @@
+"""The few-row linear kernel against cuBLAS at Llama-3-8B's projection shapes, and a sweep of its launches.
+
+    python3 scripts/sweep_skinny_gemm.py [ROWS,...]      # default 1,32
+
+Every time is per call from a CUDA graph of many calls (no launch gaps, as in a replayed decode step),
+cycling over enough weight copies that none is read from L2. Prints, per shape and row count: the
+bandwidth floor (weight bytes over 4.27 TB/s), cuBLAS, the default launch (``skinny_config``) and the
+best launch of the sweep, each with its share of the floor, and checks the best against the reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from autodeploy.custom_ops.triton.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear
+
+BANDWIDTH = 4.27e12  # bytes/s, the H200's measured copy bandwidth (notes/select.md)
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
+L2_BYTES = 256 << 20  # cycle over at least this many weight bytes
+
+
+def seconds_per_call(fn, weights, x, calls: int = 48) -> float:
+    graph = torch.cuda.CUDAGraph()
+    fn(x, weights[0])
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for index in range(calls):
+            fn(x, weights[index % len(weights)])
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(samples)[len(samples) // 2]
+
+
+def sweep(rows: int) -> list[SkinnyConfig]:
+    if rows == 1:
+        space = itertools.product([1], [4, 8, 16, 32], [256, 512, 1024], [1, 2, 4], [4])
+    else:
+        block_m = min(max(16, 1 << (rows - 1).bit_length()), 64)
+        space = itertools.product([block_m], [16, 32, 64], [128, 256], [1, 2, 4], [4])
+    return [SkinnyConfig(m, n, k, s, w) for m, n, k, s, w in space]
+
+
+def main() -> None:
+    rows_list = [int(r) for r in (sys.argv[1] if len(sys.argv) > 1 else "1,32").split(",")]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}  SMs {sms}  torch {torch.__version__}")
+    for (name, (n, k)), rows in itertools.product(SHAPES.items(), rows_list):
+        nbytes = n * k * 2
+        copies = max(2, -(-L2_BYTES // nbytes))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        floor = nbytes / BANDWIDTH
+        cublas = seconds_per_call(lambda a, w: F.linear(a, w), weights, x)
+        default = skinny_config(rows, n, k, sms)
+        timed = {}
+        for config in [default] + sweep(rows):
+            if config in timed:
+                continue
+            try:
+                timed[config] = seconds_per_call(lambda a, w, c=config: skinny_linear(a, w, None, config=c), weights, x)
+            except Exception as error:  # a launch that does not compile (registers, shared memory) is skipped
+                print(f"  skip {config}: {type(error).__name__}: {str(error)[:120]}")
+        best = min(timed, key=timed.get)
+        expected = F.linear(x.float(), weights[0].float())
+        error = ((skinny_linear(x, weights[0], None, config=best).float() - expected).norm() / expected.norm()).item()
+        pct = lambda t: f"{t * 1e6:7.2f} µs ({100 * floor / t:3.0f}%)"  # noqa: E731
+        print(f"{name:8s} M={rows:<3d} floor {floor * 1e6:6.2f} µs | cuBLAS {pct(cublas)} | default {pct(timed[default])} "
+              f"{default} | best {pct(timed[best])} {best} | rel err {error:.1e}")
+        top = sorted(timed, key=timed.get)[:5]
+        print("   top5: " + "; ".join(f"{c.block_n}/{c.block_k}/{c.split_k}/w{c.num_warps} {timed[c] * 1e6:.2f}" for c in top))
+        del weights
+
+
+if __name__ == "__main__":
+    main()
