@@ -140,6 +140,31 @@ def _fused_gated_mlp_supports(x, gate_up_weight, down_weight, activation, *, dev
     )
 
 
+def _fused_gated_mlp_skinny(x, gate_up_weight, down_weight, activation):
+    from .triton.gated_activation import fused_gated_mlp_skinny
+
+    return fused_gated_mlp_skinny(x, gate_up_weight, down_weight, activation)
+
+
+def _fused_gated_mlp_skinny_supports(x, gate_up_weight, down_weight, activation, *, device):
+    reason = _fused_gated_mlp_supports(x, gate_up_weight, down_weight, activation, device=device)
+    if reason is not True:
+        return reason
+    return _few_rows(x, gate_up_weight, down_weight) or True
+
+
+def _few_rows(x: torch.Tensor, *weights: torch.Tensor) -> Optional[str]:
+    """Why the few-row GEMM kernel cannot take ``x`` and these weights, or ``None`` when it can."""
+    if x.dtype not in _SKINNY_DTYPES:
+        return f"needs float16 or bfloat16 x, weight and bias in one dtype (x is {x.dtype})"
+    if any(weight.stride(1) != 1 for weight in weights):
+        return "needs weights with contiguous rows"
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > _SKINNY_MAX_ROWS:
+        return f"a few-row (decode) GEMM: at most {_SKINNY_MAX_ROWS} rows of x (x has {rows})"
+    return None
+
+
 def _linear_triton(x, weight, bias):
     from .triton.skinny_gemm import skinny_linear
 
@@ -150,14 +175,9 @@ def _linear_supports(x, weight, bias, *, device):
     reason = triton_unavailable(device)
     if reason:
         return reason
-    if x.dtype not in _SKINNY_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return f"needs float16 or bfloat16 x, weight and bias in one dtype (x is {x.dtype}, weight {weight.dtype})"
-    if weight.stride(1) != 1:
-        return "needs a weight with contiguous rows"
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows > _SKINNY_MAX_ROWS:
-        return f"a few-row (decode) GEMM: at most {_SKINNY_MAX_ROWS} rows of x (x has {rows})"
-    return True
+    return _few_rows(x, weight) or True
 
 
 register_backend("rms_norm", "triton", _rms_norm_triton, supports=_rms_norm_supports)
@@ -167,3 +187,6 @@ register_backend("rope", "triton", _rope_triton, supports=_rope_supports)
 register_backend("gated_mlp", "triton", _gated_mlp_triton, supports=_gated_mlp_supports)
 register_backend("fused_gated_mlp", "triton", _fused_gated_mlp_triton, supports=_fused_gated_mlp_supports)
 register_backend("linear", "triton", _linear_triton, supports=_linear_supports)
+register_backend(
+    "fused_gated_mlp", "triton_skinny", _fused_gated_mlp_skinny, supports=_fused_gated_mlp_skinny_supports
+)

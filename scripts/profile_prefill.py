@@ -43,13 +43,17 @@ matrices = [p for p in llm.graph.parameters() if p.dim() == 2]
 vocab_matrices = [p for p in matrices if p.shape[0] == llm.vocab_size]  # the embedding table and the LM head
 linear_weights = sum(p.numel() for p in matrices) - sum(p.numel() for p in vocab_matrices)
 gemm_flops = 2 * TOKENS * linear_weights + 2 * vocab_matrices[-1].numel()  # the LM head: the last position only
-prompt = [(7 * i) % 30000 + 10 for i in range(TOKENS)]
+def prompt(run: int) -> list[int]:
+    """A different prompt per run: a repeated one would be served from the prefix cache, not prefilled."""
+    return [(7 * i + 1000 * run) % 30000 + 10 for i in range(TOKENS)]
+
+
 params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-for _ in range(2):  # warm-up: Triton compiles, autotuned kernels load
-    llm.generate([prompt], params)
+for run in range(2):  # warm-up: Triton compiles, autotuned kernels load
+    llm.generate([prompt(run)], params)
 torch.cuda.synchronize()
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-    llm.generate([prompt], params)
+    llm.generate([prompt(2)], params)
     torch.cuda.synchronize()
 events = prof.key_averages()
 print(events.table(sort_by="self_cuda_time_total", row_limit=16))

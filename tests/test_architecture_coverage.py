@@ -18,9 +18,8 @@ def deployed(request, tmp_path_factory):
     reference = eager_reference_model(arch)
     directory = tmp_path_factory.mktemp(arch)
     reference.save_pretrained(directory)
-    # The rope fusion is off by default (its Triton kernel awaits a GPU run); here it is on, so every
-    # architecture checks the fused cache write against HF eager too.
-    return arch, reference, autodeploy(str(directory), device="cpu", transforms={"fuse_rope_into_cached_attention": {"enabled": True}})
+    # Default pipeline: the rope fusion is on, so every architecture checks the fused cache write against HF too.
+    return arch, reference, autodeploy(str(directory), device="cpu")
 
 
 def test_every_layer_is_canonical(deployed):

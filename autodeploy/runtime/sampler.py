@@ -12,6 +12,7 @@ to the next forward and reads the host copy a step later (``PendingSample.result
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -107,17 +108,48 @@ def launch_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSampl
     if logits.shape[1] > _MAX_VOCAB:
         raise ValueError(f"vocabulary of {logits.shape[1]} tokens is larger than the sampler supports ({_MAX_VOCAB})")
     if all(_is_plain_greedy(row.params) for row in rows):
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         return PendingSample(tokens, tokens, rows, 0)
 
     raw = logits.float()
     penalized = _apply_penalties(raw, rows)
-    tokens = penalized.argmax(dim=-1)
+    tokens = greedy_tokens(penalized)
     drawing = [i for i, row in enumerate(rows) if row.params.temperature > 0]
     if drawing:
         index = to_device(drawing, torch.long, logits.device)
         tokens = tokens.index_copy(0, index, _draw(penalized.index_select(0, index), [rows[i] for i in drawing]))
     return _packed(raw, tokens, rows)
+
+
+_ARGMAX_ROWS = 32  # from this many rows on, one argmax already spreads over the card (a block per row)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for ``[rows, vocab]`` logits, lowest index first among equal maxima.
+
+    A plain argmax reduces each row in one thread block: on an H200, 29 µs for one row of Llama-3's
+    128,256 logits, against 4.4 ms for the rest of the decode step. With few rows the vocabulary is cut
+    into chunks (a divisor of it, :func:`_argmax_chunk`) reduced in parallel, then the chunk maxima:
+    ``max`` returns the first maximum of each chunk and ``argmax`` the first chunk holding the row's
+    maximum, so the token is the same.
+    """
+    rows, vocab = logits.shape
+    chunk = _argmax_chunk(vocab)
+    if chunk is None or rows >= _ARGMAX_ROWS:
+        return logits.argmax(dim=-1)
+    values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)
+    return (best * chunk + within.gather(-1, best)).squeeze(-1)
+
+
+@functools.cache
+def _argmax_chunk(vocab: int) -> int | None:
+    """The smallest divisor of ``vocab`` from 256 through 2,048 that still leaves 64 chunks, or None.
+
+    >>> _argmax_chunk(128256), _argmax_chunk(32000), _argmax_chunk(50257)
+    (256, 256, None)
+    """
+    return next((size for size in range(256, 2049) if vocab % size == 0 and vocab // size >= 64), None)
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:

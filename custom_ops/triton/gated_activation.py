@@ -236,3 +236,17 @@ def fused_gated_mlp_triton(
     # The product overwrites the gate half in place; the down GEMM reads that half through its row
     # stride (cuBLAS takes a leading dimension of 2I), so nothing is copied.
     return F.linear(gated_activation(gate, up, activation, out=gate), down_weight)
+
+
+def fused_gated_mlp_skinny(
+    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """``fused_gated_mlp_triton`` with both GEMMs in the few-row kernel (``skinny_gemm.skinny_linear``, float16
+    or bfloat16, a decode step's rows) instead of cuBLAS; the down GEMM reads the gate half in place."""
+    from .skinny_gemm import skinny_linear
+
+    inner = fused_gated_mlp_inner_size("fused_gated_mlp_skinny", x, gate_up_weight, down_weight)
+    _check_weights("fused_gated_mlp_skinny", x, gate_up=gate_up_weight, down=down_weight)
+    gate_up = skinny_linear(x, gate_up_weight, None)
+    gate, up = gate_up[..., :inner], gate_up[..., inner:]
+    return skinny_linear(gated_activation(gate, up, activation, out=gate), down_weight, None)

@@ -55,24 +55,26 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    swap: bool = False  # several rows: the weight tile as the dot's left operand (out[N, M] = W · xᵀ)
 
 
 def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int) -> SkinnyConfig:
     """The launch for ``x[rows, in_features] @ weight[out_features, in_features]ᵀ`` on ``num_sms`` SMs.
 
-    Narrow weight blocks spread the weight over many programs (all of them resident at once, so every SM
-    streams); ``K`` is split only while that still leaves fewer than four programs per SM, and never into
-    splits of fewer than two ``BLOCK_K`` steps.
+    From ``scripts/sweep_skinny_gemm.py`` on an H200 (``notes/perf.md``): narrow weight blocks (8 rows, 1,024
+    columns a step at one row of ``x``) put hundreds of programs on the card, all resident and streaming;
+    ``K`` is split only when the blocks would leave SMs idle (a split's partial sums cost a second kernel,
+    and splitting o_proj's 512 programs measured slower, 12.0 against 10.4 µs).
     """
     if rows == 1:
-        block_m, block_n, block_k = 1, 8, 512
+        block_m, block_n, block_k = 1, 8, 1024
     else:
         block_m = min(max(16, triton.next_power_of_2(rows)), 64)
-        block_n, block_k = (32, 256) if block_m <= 16 else (32, 128)
+        block_n, block_k = 32, 256
     block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
     programs = triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m)
     split = 1
-    while programs * split < 4 * num_sms and in_features >= 2 * split * 2 * block_k:
+    while programs * split < num_sms // 2 and in_features >= 2 * split * 2 * block_k:
         split *= 2
     return SkinnyConfig(block_m, block_n, block_k, split)
 
@@ -146,6 +148,44 @@ def _skinny_kernel(
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _skinny_swapped_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_row_stride,
+    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # _skinny_kernel with the operands swapped: acc[BLOCK_N, BLOCK_M] = w_tile · x_tileᵀ, so the wide weight
+    # tile is the dot's M side (64+ rows: Hopper's warpgroup MMA) and the few rows of x its N side.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_PER_SPLIT + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * x_row_stride + offs_k[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_row_stride + offs_k[None, :]
+    in_m = rows[:, None] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        if MASKED:
+            in_k = (offs_k[None, :] + k0) < K
+            x = tl.load(x_ptrs, mask=in_m & in_k, other=0.0)
+            w = tl.load(w_ptrs, mask=(cols[:, None] < N) & in_k, other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=in_m, other=0.0)
+            w = tl.load(w_ptrs)
+        acc += tl.dot(w, tl.trans(x))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    mask = (cols[:, None] < N) & (rows[None, :] < M)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows[None, :] * N + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=mask)
 
 
 @triton.jit
@@ -226,7 +266,8 @@ def skinny_linear(
         )
     else:
         grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(num_rows, config.block_m), split)
-        _skinny_kernel[grid](
+        kernel = _skinny_swapped_kernel if config.swap else _skinny_kernel
+        kernel[grid](
             rows, weight, bias_arg, target, num_rows, out_features, in_features, rows.stride(0), weight.stride(0),
             BLOCK_M=config.block_m, **common,
         )

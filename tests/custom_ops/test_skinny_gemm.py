@@ -60,6 +60,8 @@ def test_one_row(dtype, out_features, in_features, bias, config):
         ((2, 9, 256), 64, False, None),                    # leading dims flattened: 18 rows, a 32-row block
         ((17, 256), 64, True, SkinnyConfig(16, 16, 32, 2)),  # two row blocks, K split
         ((70, 48), 33, True, SkinnyConfig(64, 16, 32, 3)),   # three splits, one of them past K
+        ((5, 96), 40, True, SkinnyConfig(16, 64, 32, swap=True)),          # weight tile as the left operand
+        ((20, 256), 100, True, SkinnyConfig(32, 64, 32, 2, swap=True)),    # swapped, masked, K split
     ],
 )
 def test_several_rows(dtype, shape, out_features, bias, config):
@@ -82,14 +84,16 @@ def test_empty_inputs():
     torch.testing.assert_close(no_depth, bias.expand(2, 16))
 
 
-def test_launches_spread_a_narrow_weight_over_the_card():
-    # An H200 (132 SMs), Llama-3-8B's projections at one row: hundreds of programs, K split only when narrow.
+def test_launches_split_k_only_when_the_weight_is_too_narrow_to_fill_the_card():
+    # An H200 (132 SMs), Llama-3-8B's projections: q/k/v at one row is 768 programs, no split.
     qkv = skinny_config(1, 6144, 4096, 132)
-    assert qkv.block_m == 1 and 6144 // qkv.block_n * qkv.split_k >= 4 * 132
-    wide = skinny_config(1, 128256, 4096, 132)
-    assert wide.split_k == 1
+    assert (qkv.block_m, qkv.block_n, qkv.split_k) == (1, 8, 1)
     several = skinny_config(20, 4096, 4096, 132)
-    assert several.block_m == 32 and 4096 // several.block_n * several.split_k >= 4 * 132
+    assert several.block_m == 32 and several.split_k == 1
+    narrow = skinny_config(1, 256, 4096, 132)  # 32 programs: K split, as far as two BLOCK_K steps a split allow
+    assert narrow.split_k == 2
+    shallow = skinny_config(1, 16, 64, 132)  # too short to split: every split keeps two BLOCK_K steps
+    assert shallow.split_k == 1 and shallow.block_k == 64
 
 
 @pytest.mark.parametrize(
@@ -106,3 +110,17 @@ def test_launches_spread_a_narrow_weight_over_the_card():
 def test_unsupported_inputs_raise(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_gated_mlp_with_few_row_gemms(rows):
+    # fused_gated_mlp's triton_skinny backend: both GEMMs here, the down one over the gate half in place.
+    from autodeploy.custom_ops.fused_gated_mlp import fused_gated_mlp_reference
+    from autodeploy.custom_ops.triton.gated_activation import fused_gated_mlp_skinny
+
+    x = random(rows, 32, dtype=torch.float16, seed=0)
+    gate_up, down = random(2 * 40, 32, dtype=torch.float16, seed=1), random(32, 40, dtype=torch.float16, seed=2)
+    got = torch.ops.autodeploy.fused_gated_mlp_triton_skinny.default(x, gate_up, down, "silu")
+    torch.testing.assert_close(got, fused_gated_mlp_skinny(x, gate_up, down, "silu"), rtol=0, atol=0)
+    expected = fused_gated_mlp_reference(x.double(), gate_up.double(), down.double(), "silu")
+    assert ((got.double() - expected).norm() / expected.norm()).item() <= 1e-2

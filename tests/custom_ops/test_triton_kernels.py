@@ -318,7 +318,9 @@ SUPPORTED_NODES = {
 
 
 def triton_backend(op_name: str):
-    return next(backend for backend in canonical_ops()[op_name].backends if backend.name == "triton")
+    """``op_name``'s ``triton`` backend; ``fused_gated_mlp_skinny`` names ``fused_gated_mlp``'s ``triton_skinny``."""
+    op_name, name = ("fused_gated_mlp", "triton_skinny") if op_name == "fused_gated_mlp_skinny" else (op_name, "triton")
+    return next(backend for backend in canonical_ops()[op_name].backends if backend.name == name)
 
 
 @pytest.mark.parametrize("op_name", sorted(SUPPORTED_NODES))
@@ -350,6 +352,9 @@ def test_supports_cuda_deploys_only(op_name):
         ("linear", (meta(2, 64), meta(32, 64), meta(32, dtype=torch.float16)), "one dtype"),
         ("linear", (meta(2, 64), meta(64, 32).t(), None), "contiguous rows"),
         ("linear", (meta(2, 129, 64), meta(32, 64), None), "at most 256 rows"),
+        ("fused_gated_mlp_skinny", (meta(257, 8), meta(12, 8), meta(8, 6), "silu"), "at most 256 rows"),
+        ("fused_gated_mlp_skinny", (meta(2, 8, dtype=torch.float32), meta(12, 8, dtype=torch.float32),
+                                    meta(8, 6, dtype=torch.float32), "silu"), "float16 or bfloat16"),
     ],
 )
 def test_supports_refuses_what_the_kernels_cannot_run(op_name, args, reason):

@@ -281,3 +281,23 @@ def test_logits_must_have_one_row_per_sampling_row():
 def test_docstring_example():
     result = doctest.testmod(sampler)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_greedy_tokens_in_chunks_are_the_argmax_lowest_index_first():
+    from autodeploy.runtime.sampler import _argmax_chunk, greedy_tokens
+
+    vocab = 256 * 70
+    assert _argmax_chunk(vocab) == 256
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=gen).to(torch.bfloat16)  # bf16 rounding makes equal values common
+    logits[1, [10, 300, 9000]] = 50.0          # a tie across chunks: the first chunk's wins
+    logits[2, [3000, 3001]] = 50.0             # a tie inside one chunk
+    logits[3, 7777] = float("nan")             # argmax takes NaN as the maximum
+    logits[4] = 1.0                            # all equal: token 0
+    for rows in (logits, logits[:1], logits.float()):
+        assert torch.equal(greedy_tokens(rows), rows.argmax(dim=-1))
+    assert greedy_tokens(logits).tolist()[1:] == [10, 3000, 7777, 0]
+    wide = torch.randn(40, vocab, generator=gen)  # many rows: the plain argmax
+    assert torch.equal(greedy_tokens(wide), wide.argmax(dim=-1))
+    odd = torch.randn(3, 50257, generator=gen)  # no divisor to chunk by
+    assert torch.equal(greedy_tokens(odd), odd.argmax(dim=-1))
