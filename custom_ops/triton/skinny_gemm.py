@@ -61,22 +61,28 @@ class SkinnyConfig:
 def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int) -> SkinnyConfig:
     """The launch for ``x[rows, in_features] @ weight[out_features, in_features]ᵀ`` on ``num_sms`` SMs.
 
-    From ``scripts/sweep_skinny_gemm.py`` on an H200 (``notes/perf.md``): narrow weight blocks (8 rows, 1,024
-    columns a step at one row of ``x``) put hundreds of programs on the card, all resident and streaming;
-    ``K`` is split only when the blocks would leave SMs idle (a split's partial sums cost a second kernel,
-    and splitting o_proj's 512 programs measured slower, 12.0 against 10.4 µs).
+    From ``scripts/sweep_skinny_gemm.py`` on an H200 (``notes/perf.md``), Llama-3-8B's projections:
+
+    - one row: narrow weight blocks (8 rows, 1,024 columns a step) put hundreds of programs on the card,
+      all resident and streaming;
+    - several rows: the swapped kernel over 64 weight rows and 256 columns a step, best or within 3% of
+      the best at 8 and 32 rows for every projection but gate/up, whose 28,672-row weight does best
+      stepping 64 columns (57.7 against 61.0 µs at 32 rows);
+    - ``K`` is split only where the blocks leave SMs idle and each split keeps at least 4,096 columns (a
+      split's partial sums cost a second kernel: o_proj split in two measured 12.0 against 10.4 µs at one
+      row, 12.6 against 11.9 µs at 32; the 14,336-deep down projection gains from it).
     """
     if rows == 1:
-        block_m, block_n, block_k = 1, 8, 1024
+        block_m, block_n, block_k, swap = 1, 8, 1024, False
     else:
         block_m = min(max(16, triton.next_power_of_2(rows)), 64)
-        block_n, block_k = 32, 256
+        block_n, block_k, swap = 64, 64 if out_features >= 16384 else 256, True
     block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
     programs = triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m)
     split = 1
-    while programs * split < num_sms // 2 and in_features >= 2 * split * 2 * block_k:
+    while programs * split < num_sms // 2 and in_features // (2 * split) >= 4096:
         split *= 2
-    return SkinnyConfig(block_m, block_n, block_k, split)
+    return SkinnyConfig(block_m, block_n, block_k, split, swap=swap)
 
 
 @triton.jit

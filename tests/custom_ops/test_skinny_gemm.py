@@ -87,12 +87,14 @@ def test_empty_inputs():
 def test_launches_split_k_only_when_the_weight_is_too_narrow_to_fill_the_card():
     # An H200 (132 SMs), Llama-3-8B's projections: q/k/v at one row is 768 programs, no split.
     qkv = skinny_config(1, 6144, 4096, 132)
-    assert (qkv.block_m, qkv.block_n, qkv.split_k) == (1, 8, 1)
-    several = skinny_config(20, 4096, 4096, 132)
-    assert several.block_m == 32 and several.split_k == 1
-    narrow = skinny_config(1, 256, 4096, 132)  # 32 programs: K split, as far as two BLOCK_K steps a split allow
+    assert (qkv.block_m, qkv.block_n, qkv.split_k, qkv.swap) == (1, 8, 1, False)
+    o_proj = skinny_config(20, 4096, 4096, 132)  # 64 programs, but splits of 2,048 columns measured slower
+    assert (o_proj.block_m, o_proj.split_k, o_proj.swap) == (32, 1, True)
+    down = skinny_config(20, 4096, 14336, 132)  # deep enough to split once
+    assert down.split_k == 2
+    narrow = skinny_config(1, 256, 14336, 132)
     assert narrow.split_k == 2
-    shallow = skinny_config(1, 16, 64, 132)  # too short to split: every split keeps two BLOCK_K steps
+    shallow = skinny_config(1, 16, 64, 132)  # too short to split
     assert shallow.split_k == 1 and shallow.block_k == 64
 
 

@@ -67,9 +67,10 @@ def test_larger_batches_and_prefill_steps_run_eagerly(llama_llm):
 def test_the_compile_stage_declares_sizes_only_for_capturable_gpu_graphs(llama_llm):
     assert "decode: no CUDA graphs (they need a GPU; the deploy runs on cpu)" in llama_llm.pipeline_report()
     assert llama_llm.engine.decode_graphs is None
-    # On the CPU attention runs the SDPA kernel, which reads kv_lens on the host: no graph could hold it.
+    # On the CPU attention (RoPE fused into its cache write) runs the SDPA kernel, which reads kv_lens on the
+    # host: no graph could hold it.
     blockers = uncapturable_nodes(llama_llm.graph)
-    assert len(blockers) == 2 and all(b.endswith("cached_attention_sdpa") for b in blockers)
+    assert len(blockers) == 2 and all(b.endswith("cached_attention_rope_sdpa") for b in blockers)
 
 
 @pytest.mark.parametrize("settings, message", [
