@@ -42,9 +42,9 @@ def default_tokens(llama_llm):
 
 
 def test_every_canonical_node_is_retargeted_and_the_report_says_why(llama_llm):
-    assert kernels(llama_llm, "cached_attention") == ["sdpa", "sdpa"]
+    assert kernels(llama_llm, "cached_attention_rope") == ["sdpa", "sdpa"]  # RoPE fused into the cache write
     report = llama_llm.pipeline_report()
-    assert "cached_attention ×2 → cached_attention_sdpa (only candidate)" in report
+    assert "cached_attention_rope ×2 → cached_attention_rope_sdpa (only candidate)" in report
     assert "fused_gated_mlp ×2 → fused_gated_mlp_torch (only candidate)" in report  # fuse_gate_up's op, as any other
 
 
