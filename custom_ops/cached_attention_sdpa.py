@@ -1,6 +1,8 @@
 """The ``sdpa`` backend of ``cached_attention``: PyTorch's fused attention over the gathered blocks.
 
-Prompt chunks loop over sequences as the reference does, but each chunk's attention is one
+Prompts with nothing cached before them attend over their own new keys with SDPA's causal kernel (one
+batched call when they share a length); other prompt chunks loop over sequences as the reference does,
+but each chunk's attention is one
 ``scaled_dot_product_attention`` call with ``enable_gqa`` (no copy of the KV heads per query head, no
 float32 logits tensor), which halves attention time on CPUs (8 decodes × 200 tokens, 6/2 heads ×
 64: 1.32 → 0.70 ms per layer, measured). SDPA has no soft-capping or sinks: its ``supports`` refuses
@@ -48,8 +50,25 @@ def cached_attention_sdpa(
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     starts, lengths = seq_start.tolist(), kv_lens.tolist()
     num_prefill, num_decode = batch_info.tolist()[:2]
-    for s in range(num_prefill):
+    # A prompt with nothing cached before it attends over its own new keys, causally: no gather from the
+    # cache and no mask to build (SDPA's own causal kernel). It reads k and v as given, so only when the
+    # cache holds them unconverted, and only without a window or ALiBi, which need the explicit mask.
+    plain = sliding_window is None and slopes is None and k_cache.dtype == k.dtype and v_cache.dtype == v.dtype
+    fresh = [plain and lengths[s] == starts[s + 1] - starts[s] for s in range(num_prefill)]
+    if num_prefill > 1 and all(fresh) and len({lengths[s] for s in range(num_prefill)}) == 1:
+        _same_length_prompts(q, k, v, out, starts[0], num_prefill, lengths[0], scale)
+        num_done = num_prefill
+    else:
+        num_done = 0
+    for s in range(num_done, num_prefill):
         first, last, kv_len = starts[s], starts[s + 1], lengths[s]
+        if fresh[s]:
+            keys, values = k[0, first:last].transpose(0, 1), v[0, first:last].transpose(0, 1)
+            attended = F.scaled_dot_product_attention(
+                q[0, first:last].transpose(0, 1), keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+            out[0, first:last] = attended.transpose(0, 1)
+            continue
         keys, values = (t.transpose(0, 1) for t in gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len))  # [Hkv, kv_len, D]
         mask = None
         if last - first > 1 or sliding_window is not None or slopes is not None:
@@ -73,12 +92,28 @@ def cached_attention_sdpa(
     return out
 
 
+def _same_length_prompts(q, k, v, out, first, count, length, scale) -> None:
+    """``count`` fresh prompts of ``length`` tokens each, consecutive from token ``first``: one causal SDPA
+    call over them as a batch (a bench's or a batch API call's prompts) instead of one call each."""
+    span = slice(first, first + count * length)
+    q_s, k_s, v_s = (t[0, span].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))  # [S, H, L, D]
+    attended = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale, enable_gqa=True)
+    out[0, span] = attended.transpose(1, 2).flatten(0, 1)
+
+
 def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_window, slopes) -> torch.Tensor:
     """The decodes' attention as one SDPA call over their keys padded to the longest (masked past each
     one's length): one gather and one kernel instead of a loop of small ones. ``q[B, Hq, D]`` → ``[B, Hq, Dv]``."""
     longest = max(lengths)
-    blocks = block_tables[:, : -(-longest // k_cache.shape[1])].long()
-    keys, values = (cache[blocks].flatten(1, 2)[:, :longest].transpose(1, 2) for cache in (k_cache, v_cache))  # [B, Hkv, L, D]
+    blocks = block_tables[:, : -(-longest // k_cache.shape[1])].reshape(-1)
+    # index_select over whole blocks, not cache[blocks]: 30 against 49 µs a gather on a CPU (demo model's decode).
+    keys, values = (
+        cache.index_select(0, blocks).view(len(lengths), -1, *cache.shape[2:])[:, :longest].transpose(1, 2)
+        for cache in (k_cache, v_cache)
+    )  # [B, Hkv, L, D]
+    if min(lengths) == longest and slopes is None and (sliding_window is None or longest <= sliding_window):
+        # Every decode sees all of its keys (one sequence, or a batch of prompts of one length): no padding, no mask.
+        return F.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
     query_pos = torch.tensor(lengths, device=q.device)[:, None] - 1  # each decode's one query sits at its last position
     key_pos = torch.arange(longest, device=q.device)[None, :]
     visible = key_pos <= query_pos

@@ -95,3 +95,14 @@ class CleanupTransposes(Transform):
         logger.debug("cleanup_transposes: %d rewrites (%d folded into one permute)", rewrites, folded)
         notes = f"{rewrites} rewrites, {folded} folded into one permute"
         return TransformResult(matches=rewrites, changed=rewrites > 0, notes=notes)
+
+
+@register_transform("refold_transposes")
+class RefoldTransposes(CleanupTransposes):
+    """``cleanup_transposes`` once more, after the cache stage (YAML: ``refold_transposes: {stage: cache}``).
+
+    ``insert_cached_attention`` hands its op q, k and v as ``[1, T, H, D]`` and its output back in HF's
+    ``[B, H, S, D]``, so each attention layer meets HF's own head transposes back to back: eight per layer
+    of Llama that undo each other. Views cost nothing on a GPU inside a CUDA graph, but each is a few
+    microseconds of dispatch in an eager CPU step.
+    """

@@ -135,7 +135,8 @@ class Engine:
         self._step_lock = threading.Lock()  # one step at a time
         self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
         self._stepping = False
-        self.overlap = settings.scheduler.overlap
+        overlap = settings.scheduler.overlap
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap  # None: on GPUs (see SchedulerSettings)
         self._in_flight: _Step | None = None  # the step launched and not yet applied (overlapped runtime)
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
 

@@ -112,6 +112,23 @@ def test_sdpa_backend_equals_the_reference(seed, chunks, decodes, block_size, wi
     assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)
 
 
+@pytest.mark.parametrize(
+    "chunks, decodes, window",
+    [
+        ([(0, 7)] * 3, [12, 12], None),   # fresh prompts of one length: one batched causal call; uniform decodes
+        ([(0, 7), (0, 5)], [3], None),     # fresh prompts of two lengths: one causal call each; a lone decode
+        ([(0, 7), (4, 3)], [12, 12], 16),  # a prefixed chunk among fresh ones; a window wider than every length
+        ([(0, 7)] * 2, [12, 12], 5),       # a window that hides keys: masks, no fast path
+    ],
+)
+def test_sdpa_fast_paths_equal_the_reference(chunks, decodes, window):
+    inputs = mixed_batch(11, chunks, decodes, 4)
+    expected, k_ref, v_ref = run(cached_attention_reference, inputs, window)
+    got, k_new, v_new = run(cached_attention_sdpa, inputs, window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)
+
+
 def test_sdpa_refuses_soft_capping_and_sinks_so_select_passes_them_on():
     sdpa = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "sdpa")
     inputs = [t.to("meta") for t in mixed_batch(3, [(5, 6)], [9], block_size=4)]
