@@ -35,7 +35,6 @@ _NORM_MAX_HIDDEN = 32768  # norms.MAX_HIDDEN: a whole row is one tile
 _ROPE_MAX_HEAD_DIM = 1024  # rope.MAX_HEAD_DIM
 _GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")  # gated_activation.ACTIVATIONS
 _SKINNY_DTYPES = (torch.float16, torch.bfloat16)  # skinny_gemm.DTYPES
-_SKINNY_MAX_ROWS = 256  # skinny_gemm.MAX_ROWS
 
 
 def _unsupported_dtypes(device: torch.device, x: torch.Tensor, **params: Optional[torch.Tensor]) -> Optional[str]:
@@ -159,10 +158,7 @@ def _few_rows(x: torch.Tensor, *weights: torch.Tensor) -> Optional[str]:
         return f"needs float16 or bfloat16 x, weight and bias in one dtype (x is {x.dtype})"
     if any(weight.stride(1) != 1 for weight in weights):
         return "needs weights with contiguous rows"
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows > _SKINNY_MAX_ROWS:
-        return f"a few-row (decode) GEMM: at most {_SKINNY_MAX_ROWS} rows of x (x has {rows})"
-    return None
+    return None  # any row count is correct; the autotuner keeps it where it is fast (decode sizes)
 
 
 def _linear_triton(x, weight, bias):

@@ -41,7 +41,6 @@ import triton.language as tl
 from . import INTERPRETED
 
 DTYPES = (torch.float16, torch.bfloat16)
-MAX_ROWS = 256  # past a few hundred rows the product is compute-bound: cuBLAS's tiles are the right ones
 
 
 @dataclass(frozen=True)
