@@ -28,7 +28,9 @@ def test_equals_gated_mlp_over_the_split_weights(leading, hidden, inner, activat
     down = torch.randn(hidden, inner, generator=gen).to(dtype)
     out = fused_gated_mlp(x, torch.cat([gate, up]), down, activation)
     assert out.dtype == dtype and out.shape == x.shape
-    assert torch.equal(out, gated_mlp(x, gate, up, down, activation))
+    # The same arithmetic over views of the concatenated weight; a CPU GEMM may still round differently when
+    # the up half starts at an address of another alignment (hidden = inner = 5: 9.5e-7 apart in float32).
+    torch.testing.assert_close(out, gated_mlp(x, gate, up, down, activation))
 
 
 def test_gate_rows_come_first():
