@@ -1,5 +1,5 @@
 """The ``triton`` backends of ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``rope``, ``gated_mlp``,
-``fused_gated_mlp`` and ``linear`` (few rows only): registration only.
+``fused_gated_mlp`` (also ``triton_skinny``) and ``linear`` (a few-row GEMM): registration only.
 
 The kernels live in ``custom_ops/triton/`` (``norms.py``, ``rope.py``, ``gated_activation.py``,
 ``skinny_gemm.py``); each
@@ -149,10 +149,10 @@ def _fused_gated_mlp_skinny_supports(x, gate_up_weight, down_weight, activation,
     reason = _fused_gated_mlp_supports(x, gate_up_weight, down_weight, activation, device=device)
     if reason is not True:
         return reason
-    return _few_rows(x, gate_up_weight, down_weight) or True
+    return _skinny_unsupported(x, gate_up_weight, down_weight) or True
 
 
-def _few_rows(x: torch.Tensor, *weights: torch.Tensor) -> Optional[str]:
+def _skinny_unsupported(x: torch.Tensor, *weights: torch.Tensor) -> Optional[str]:
     """Why the few-row GEMM kernel cannot take ``x`` and these weights, or ``None`` when it can."""
     if x.dtype not in _SKINNY_DTYPES:
         return f"needs float16 or bfloat16 x, weight and bias in one dtype (x is {x.dtype})"
@@ -173,7 +173,7 @@ def _linear_supports(x, weight, bias, *, device):
         return reason
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return f"needs float16 or bfloat16 x, weight and bias in one dtype (x is {x.dtype}, weight {weight.dtype})"
-    return _few_rows(x, weight) or True
+    return _skinny_unsupported(x, weight) or True
 
 
 register_backend("rms_norm", "triton", _rms_norm_triton, supports=_rms_norm_supports)
