@@ -78,3 +78,37 @@ def hf_offline(monkeypatch, tmp_path) -> Path:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     return cache
+
+
+# Every Triton launch of a CPU session, compiled for Hopper once the tests are done (tests/hopper_compile.py):
+# the interpreter accepts kernels the GPU compiler rejects, and only this finds them before a GPU does.
+_hopper_launches: list[dict] | None = None
+
+
+def pytest_sessionstart(session):
+    global _hopper_launches, _hopper_recording
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tests.hopper_compile import recorded_launches
+
+        _hopper_recording = recorded_launches()
+        _hopper_launches = _hopper_recording.__enter__()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _hopper_launches is None:
+        return
+    _hopper_recording.__exit__(None, None, None)
+    if not _hopper_launches:
+        return
+    from tests.hopper_compile import compile_for_hopper
+
+    failures = compile_for_hopper(_hopper_launches, workers=os.cpu_count() or 1)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    reporter.ensure_newline()
+    if failures:
+        reporter.section("Triton kernels that do not compile for Hopper (sm_90)", red=True)
+        for failure in failures:
+            reporter.write_line(failure)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    else:
+        reporter.write_line(f"{len(_hopper_launches)} Triton launches of this session compile for Hopper (sm_90).")
