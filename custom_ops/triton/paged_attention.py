@@ -266,17 +266,36 @@ def _prefill_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["first_decode", "stride_bt"])  # batch-dependent: see the note on integer arguments above
+@triton.jit
+def _split_keys(kv_len, window, num_splits, spread_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+                MAX_KEYS_PER_SPLIT: tl.constexpr):
+    """(first visible key, keys per split, splits used) for a query at ``kv_len - 1``.
+
+    Splits divide the keys the query may see (a window leaves none idle), in whole tiles. A sequence
+    spreads its keys over ``spread_splits`` (what fills the card at this batch), and over more of the
+    grid's ``num_splits`` only past ``MAX_KEYS_PER_SPLIT`` keys a split: the grid is sized for the longest
+    sequence (a CUDA graph's for the longest possible), and a short sequence cut into one-tile splits
+    would only add programs (each holding its pipeline's shared memory) and partial results to merge."""
+    visible_first = 0
+    if HAS_WINDOW:
+        visible_first = tl.maximum(kv_len - window, 0)
+    visible = kv_len - visible_first
+    keys = tl.maximum(tl.cdiv(visible, num_splits), tl.minimum(tl.cdiv(visible, spread_splits), MAX_KEYS_PER_SPLIT))
+    keys_per_split = tl.cdiv(keys, BLOCK_N) * BLOCK_N
+    return visible_first, keys_per_split, tl.cdiv(visible, keys_per_split)
+
+
+@triton.jit(do_not_specialize=["first_decode", "stride_bt", "spread_splits"])  # batch-dependent: see the note on integer arguments above
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partials_ptr,
     seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
-    scale, logit_cap, window, first_decode, q_heads,
+    scale, logit_cap, window, first_decode, q_heads, spread_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_KEYS_PER_SPLIT: tl.constexpr,
 ):
     decode = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -285,15 +304,9 @@ def _decode_kernel(
     seq = first_decode + decode
     token = tl.load(seq_start_ptr + seq).to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + seq)
-
-    # The query sits at kv_len - 1; splits divide the keys it may see, so a window leaves none idle. Each
-    # sequence spreads its own keys over all splits, in whole tiles: the grid is sized for the longest one
-    # (a CUDA graph's for the longest possible), and a short sequence would otherwise leave its keys to one
-    # program looping over them while the others find nothing to do.
-    visible_first = 0
-    if HAS_WINDOW:
-        visible_first = tl.maximum(kv_len - window, 0)
-    keys_per_split = tl.cdiv(tl.cdiv(kv_len - visible_first, num_splits), BLOCK_N) * BLOCK_N
+    visible_first, keys_per_split, used_splits = _split_keys(
+        kv_len, window, num_splits, spread_splits, HAS_WINDOW, BLOCK_N, MAX_KEYS_PER_SPLIT
+    )
     split_first = visible_first + split * keys_per_split
     split_end = tl.minimum(split_first + keys_per_split, kv_len)
 
@@ -306,12 +319,12 @@ def _decode_kernel(
         mask=head_valid[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
-    if SINGLE_SPLIT and HAS_SINKS:  # with several splits, the merge adds the sink once
-        row_max = tl.load(sinks_ptr + heads, mask=head_valid, other=0.0).to(tl.float32) * _LOG2E
-        row_sum = tl.full([GROUP_PAD], 1.0, tl.float32)
-    else:
-        row_max = tl.full([GROUP_PAD], _NO_LOGIT, tl.float32)
-        row_sum = tl.zeros([GROUP_PAD], tl.float32)
+    row_max = tl.full([GROUP_PAD], _NO_LOGIT, tl.float32)
+    row_sum = tl.zeros([GROUP_PAD], tl.float32)
+    if HAS_SINKS:  # a sequence in one split adds its sink here; over several, the merge adds it once
+        sink = tl.load(sinks_ptr + heads, mask=head_valid, other=0.0).to(tl.float32) * _LOG2E
+        row_max = tl.where(used_splits == 1, sink, row_max)
+        row_sum = tl.where(used_splits == 1, 1.0, row_sum)
     acc = tl.zeros([GROUP_PAD, DV_PAD], tl.float32)
     slopes = tl.zeros([GROUP_PAD], tl.float32)
     if HAS_ALIBI:
@@ -335,31 +348,46 @@ def _decode_kernel(
 
     value_dims = tl.arange(0, DV_PAD)
     value_mask = head_valid[:, None] & (value_dims[None, :] < VALUE_DIM)
-    if SINGLE_SPLIT:
-        tl.store(
-            out_ptr + token * stride_ot + heads[:, None] * stride_oh + value_dims[None, :],
-            (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
-            mask=value_mask,
-        )
-    else:
-        # A workspace row per (decode, query head, split): [max, sum, acc…]. An empty split leaves
-        # (_NO_LOGIT, 0, 0…), which the merge weighs 0.
+    out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + value_dims[None, :]
+    if SINGLE_SPLIT:  # no workspace: partials_ptr is None
+        tl.store(out_ptrs, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=value_mask)
+    elif used_splits == 1:  # the merge leaves this sequence alone
+        if split == 0:
+            tl.store(out_ptrs, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=value_mask)
+    elif split < used_splits:
+        # A workspace row per (decode, query head, split): [max, sum, acc…]; the merge reads the used ones.
         partials = partials_ptr + ((decode * q_heads + heads) * num_splits + split) * (VALUE_DIM + 2)
         tl.store(partials, row_max, mask=head_valid)
         tl.store(partials + 1, row_sum, mask=head_valid)
         tl.store(partials[:, None] + 2 + value_dims[None, :], acc, mask=value_mask)
 
 
-@triton.jit(do_not_specialize=["first_decode", "num_splits"])  # batch-dependent: see the note on integer arguments above
+@triton.jit(do_not_specialize=["first_decode", "num_splits", "spread_splits"])  # batch-dependent: see the note on integer arguments above
 def _merge_splits_kernel(
-    partials_ptr, out_ptr, seq_start_ptr, sinks_ptr,
-    stride_ot, stride_oh, first_decode, q_heads, num_splits,
+    partials_ptr, out_ptr, seq_start_ptr, kv_lens_ptr, sinks_ptr,
+    stride_ot, stride_oh, first_decode, q_heads, num_splits, window, spread_splits,
     VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, MAX_KEYS_PER_SPLIT: tl.constexpr,
 ):
     decode = tl.program_id(0)
     head = tl.program_id(1)
+    kv_len = tl.load(kv_lens_ptr + first_decode + decode)
+    _, _, used_splits = _split_keys(kv_len, window, num_splits, spread_splits, HAS_WINDOW, BLOCK_N, MAX_KEYS_PER_SPLIT)
+    if used_splits > 1:  # a sequence in one split wrote its output itself
+        _merge_used_splits(
+            partials_ptr, out_ptr, seq_start_ptr, sinks_ptr, stride_ot, stride_oh, first_decode, q_heads,
+            num_splits, used_splits, decode, head, VALUE_DIM, DV_PAD, SPLITS_PAD, HAS_SINKS,
+        )
+
+
+@triton.jit
+def _merge_used_splits(
+    partials_ptr, out_ptr, seq_start_ptr, sinks_ptr, stride_ot, stride_oh, first_decode, q_heads,
+    num_splits, used_splits, decode, head,
+    VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
     splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < num_splits
+    split_valid = splits < used_splits
     partials = partials_ptr + ((decode * q_heads + head) * num_splits + splits) * (VALUE_DIM + 2)
     split_max = tl.load(partials, mask=split_valid, other=_NO_LOGIT)
     split_sum = tl.load(partials + 1, mask=split_valid, other=0.0)
@@ -520,10 +548,14 @@ def _launch_decode(
 ) -> None:
     block_n, num_warps, num_stages = _decode_config(max(shared["D_PAD"], shared["DV_PAD"]))
     max_visible = max_kv_len if sliding_window is None else min(max_kv_len, sliding_window)
-    num_splits = num_decode_splits or _decode_splits(num_decode * kv_heads, max_visible, out.device)
-    keys_per_split = triton.cdiv(triton.cdiv(max_visible, num_splits), block_n) * block_n
-    if num_decode_splits is None:  # rounding up to whole tiles may leave trailing splits with nothing to do
+    if num_decode_splits is None:
+        spread, num_splits = _decode_splits(num_decode * kv_heads, max_visible, out.device)
+        keys_per_split = triton.cdiv(triton.cdiv(max_visible, num_splits), block_n) * block_n
+        # rounding up to whole tiles may leave trailing splits with nothing to do
         num_splits = triton.cdiv(max_visible, keys_per_split)
+        spread = min(spread, num_splits)
+    else:  # every sequence over all the splits asked for
+        spread = num_splits = num_decode_splits
     value_dim = shared["VALUE_DIM"]
     partials = None
     if num_splits > 1:
@@ -531,17 +563,18 @@ def _launch_decode(
     group = shared["GROUP"]
     _decode_kernel[(num_decode, kv_heads, num_splits)](
         **shared, partials_ptr=partials,
-        first_decode=num_prefill, q_heads=q_heads,
+        first_decode=num_prefill, q_heads=q_heads, spread_splits=spread,
         # tl.dot needs at least 16 rows; the padded head rows are masked out.
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
-        num_warps=num_warps, num_stages=num_stages,
+        MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_decode, q_heads)](
-            partials, out[0], shared["seq_start_ptr"], shared["sinks_ptr"],
-            out.stride(1), out.stride(2), num_prefill, q_heads, num_splits,
+            partials, out[0], shared["seq_start_ptr"], shared["kv_lens_ptr"], shared["sinks_ptr"],
+            out.stride(1), out.stride(2), num_prefill, q_heads, num_splits, shared["window"], spread,
             VALUE_DIM=value_dim, DV_PAD=shared["DV_PAD"], SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HAS_SINKS=shared["HAS_SINKS"],
+            HAS_SINKS=shared["HAS_SINKS"], HAS_WINDOW=shared["HAS_WINDOW"], BLOCK_N=block_n,
+            MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT,
         )
 
 
@@ -566,13 +599,15 @@ def _decode_config(dim_pad: int) -> tuple[int, int, int]:
     return 64, 4, 3
 
 
-def _decode_splits(programs_per_split: int, max_visible: int, device: torch.device) -> int:
-    """Splits per sequence: enough programs for about two per multiprocessor, none longer than
-    ``_MAX_KEYS_PER_SPLIT`` keys, none shorter than ``_MIN_KEYS_PER_SPLIT``."""
-    for_occupancy = triton.cdiv(2 * _multiprocessors(device), programs_per_split)
-    for_long_sequences = triton.cdiv(max_visible, _MAX_KEYS_PER_SPLIT)
-    wanted = max(for_occupancy, for_long_sequences)
-    return max(1, min(wanted, triton.cdiv(max_visible, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
+def _decode_splits(programs_per_split: int, max_visible: int, device: torch.device) -> tuple[int, int]:
+    """(splits every sequence spreads over, splits in the grid). The first fills the card: about two
+    programs per multiprocessor, what the decode kernel's pipelined tiles let reside (a sequence cut into
+    more programs than that runs in waves, each program a tile or two). The grid adds splits for the
+    longest sequence, none longer than ``_MAX_KEYS_PER_SPLIT`` keys; both stay at most ``_MAX_SPLITS``
+    and leave no split shorter than ``_MIN_KEYS_PER_SPLIT`` at ``max_visible`` keys."""
+    most = max(1, min(triton.cdiv(max_visible, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
+    spread = min(max(1, 2 * _multiprocessors(device) // programs_per_split), most)
+    return spread, min(max(spread, triton.cdiv(max_visible, _MAX_KEYS_PER_SPLIT)), most)
 
 
 @functools.lru_cache(maxsize=None)

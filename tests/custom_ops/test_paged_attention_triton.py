@@ -133,6 +133,19 @@ def test_decode_batch(num_decode_splits):
     assert_matches_reference(paged_batch(decodes=[1, 8, 17, 200]), num_decode_splits=num_decode_splits)
 
 
+def test_short_sequences_take_fewer_splits_than_the_grid(monkeypatch):
+    # The grid is sized for the longest sequence; the others spread only over what fills the card (one split
+    # in the interpreter) and write their output themselves, while the longest cuts its keys at the most a
+    # split may hold (64 here): one split for 5 keys, two for 70, five for 300, with sinks, with a window.
+    from autodeploy.custom_ops.triton import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_MIN_KEYS_PER_SPLIT", 64)
+    monkeypatch.setattr(paged_attention, "_MAX_KEYS_PER_SPLIT", 64)
+    batch = paged_batch([(4, 9)], [5, 70, 300], q_heads=4, kv_heads=2)
+    assert_matches_reference(batch, sinks=torch.randn(4, device=DEVICE))
+    assert_matches_reference(batch, sliding_window=100)
+
+
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("num_decode_splits", [1, 2])
 def test_mixed_batch_with_gqa(group, num_decode_splits):
@@ -262,6 +275,13 @@ def test_production_shapes(head_dim, block_size):
     sinks = torch.randn(16, device=DEVICE)
     assert_matches_reference(batch, atol=2e-2)
     assert_matches_reference(batch, atol=2e-2, sliding_window=512, sinks=sinks)
+    # Enough decodes to fill the card without splitting: the short ones keep to one split, the long one
+    # still cuts its keys at _MAX_KEYS_PER_SPLIT.
+    batch = paged_batch(
+        [(64, 64)], [5000, 37, 1] + [150] * 80, q_heads=16, kv_heads=4,
+        head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16,
+    )
+    assert_matches_reference(batch, atol=2e-2, sinks=sinks)
 
 
 @gpu_only
