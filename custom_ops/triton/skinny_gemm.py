@@ -81,7 +81,13 @@ def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int) 
     split = 1
     while programs * split < num_sms // 2 and in_features // (2 * split) >= 4096:
         split *= 2
-    return SkinnyConfig(block_m, block_n, block_k, split, swap=swap)
+    # Up to four stages of the x and weight tiles in flight, as many as fit in shared memory (64 rows of x
+    # beside 64 weight rows, 256 columns a step, take 64 KB a stage: three).
+    stages = max(1, min(4, _PIPELINE_BYTES // ((block_m + block_n) * block_k * 2)))
+    return SkinnyConfig(block_m, block_n, block_k, split, num_stages=stages, swap=swap)
+
+
+_PIPELINE_BYTES = 200 << 10  # of the H100/H200's 227 KB of shared memory a block, with room for the epilogue
 
 
 @triton.jit

@@ -98,6 +98,16 @@ def test_launches_split_k_only_when_the_weight_is_too_narrow_to_fill_the_card():
     assert shallow.split_k == 1 and shallow.block_k == 64
 
 
+@pytest.mark.parametrize("rows", [1, 8, 32, 64, 512, 2048])
+@pytest.mark.parametrize("out_features, in_features", [(6144, 4096), (4096, 14336), (28672, 4096)])
+def test_launches_fit_in_shared_memory(rows, out_features, in_features):
+    # The autotuner times the backend at every token bucket: a launch past the 227 KB a block may hold
+    # would not compile there (64 rows and four 64 KB stages did, before the stages were counted).
+    config = skinny_config(rows, out_features, in_features, 132)
+    stage = (config.block_m + config.block_n) * config.block_k * 2
+    assert config.num_stages >= 1 and stage * config.num_stages <= 200 << 10
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
