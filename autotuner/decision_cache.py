@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: weights that fit in the L2 cache are timed over rotated copies (tuner.rotated_input_sets)
 
 
 def default_cache_dir() -> Path:

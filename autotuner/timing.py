@@ -5,8 +5,8 @@ on a CPU with the monotonic ``perf_counter``. Calls cycle through several copies
 candidate is not flattered by finding its operands already in cache.
 
 ``graphed=True`` (a deploy whose decode steps replay CUDA graphs) times what such a step pays: the
-kernels alone. ``GRAPHED_CALLS`` calls are captured in one CUDA graph and each timed replay counts for
-that many; eager timings of small ops measure the gaps the host leaves between launches instead, which
+kernels alone. ``GRAPHED_CALLS`` calls (or one per input set, if more) are captured in one CUDA graph and
+each timed replay counts for that many; eager timings of small ops measure the gaps the host leaves between launches instead, which
 a replayed graph does not have (measured on the H200: eager, torch's 8-kernel RoPE beat the one-kernel
 Triton RoPE at every decode size). A candidate that cannot be captured is timed eagerly.
 """
@@ -67,12 +67,14 @@ GRAPHED_CALLS = 8
 def _graphed_median_seconds(
     run: Callable[[Sequence[Any]], Any], input_sets: Sequence[Sequence[Any]], device: torch.device, repeats: int
 ) -> float | None:
-    """Median seconds per call of ``GRAPHED_CALLS`` calls replayed as one CUDA graph; None if capture fails."""
+    """Median seconds per call of ``GRAPHED_CALLS`` calls (or one per input set) replayed as one CUDA graph;
+    None if capture fails."""
+    calls = max(GRAPHED_CALLS, len(input_sets))
     graph = torch.cuda.CUDAGraph()
     try:
         torch.cuda.synchronize(device)
         with torch.cuda.graph(graph):
-            for index in range(GRAPHED_CALLS):
+            for index in range(calls):
                 run(input_sets[index % len(input_sets)])
     except Exception:  # it syncs with the host, or allocates in a way capture forbids
         torch.cuda.synchronize(device)
@@ -85,5 +87,5 @@ def _graphed_median_seconds(
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / GRAPHED_CALLS)
+        samples.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(samples)

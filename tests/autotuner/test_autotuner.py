@@ -208,3 +208,21 @@ def test_graph_timing_counts_kernels_not_launch_gaps():
         return args[0].sum().item()
 
     assert median_seconds(None, syncs, inputs, device, graphed=True) > 0
+
+
+def test_timings_rotate_over_copies_of_weights_that_fit_in_the_cache():
+    # A 4 KB weight, a 2 KB activation: with a 16 KB cache, the sets must together exceed 32 KB, each later
+    # set holding its own copy of the weight; past the cache (or without one: the CPU) the weight is shared.
+    from autodeploy.autotuner.tuner import MAX_ROTATIONS, ROTATIONS, rotated_input_sets
+
+    weight = torch.randn(32, 32)
+    make_inputs = lambda: [torch.randn(16, 32), weight]  # noqa: E731
+    probe = make_inputs()
+    sets = rotated_input_sets(probe, make_inputs, cache_bytes=16 << 10)
+    assert len(sets) == 6  # 6 KB each: 36 KB > 32 KB
+    assert sets[0][1] is weight and all(s[1] is not weight and torch.equal(s[1], weight) for s in sets[1:])
+    assert len({id(s[0]) for s in sets}) == len(sets)
+    for cache_bytes in (0, 1 << 10):
+        sets = rotated_input_sets(probe, make_inputs, cache_bytes=cache_bytes)
+        assert len(sets) == ROTATIONS and all(s[1] is weight for s in sets)
+    assert len(rotated_input_sets(probe, make_inputs, cache_bytes=1 << 30)) == MAX_ROTATIONS
