@@ -5,7 +5,7 @@
 # 1/32/256 against hf-eager and hf-compile in the same run), bench_alone (the same without baselines, AD_SET
 # applied), generate (scripts/bench_gpu_generate.py),
 # bench_eager (autodeploy bench with compile.backend=none, no baselines), tests (the files in $TESTS),
-# profile (scripts/profile_engine_step.py), suite (the whole test suite on the GPU, 12 workers),
+# profile (scripts/profile_engine_step.py at $PROFILE_B, default 1,256), suite (the whole test suite on the GPU, 12 workers),
 # serve (1,024 requests, at most 256 in flight, 128 in / 128 out), prefill (scripts/profile_prefill.py),
 # build (scripts/time_build.py cold, then warm, over fresh cache folders), sweep (scripts/sweep_skinny_gemm.py).
 # Limits: <STEP>_S, e.g. BENCH_S=420. Extra autodeploy settings for bench/generate/profile: AD_SET="--set k=v".
@@ -32,7 +32,7 @@ for s in ${STEPS:-backends bench}; do case $s in
       --out "$OUT/bench_eager.json" ;;
   tests) step tests ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider -n 8 ${TESTS:-tests/runtime/test_cuda_graphs.py} ;;
   generate) AUTODEPLOY_CONFIG= step generate ${GENERATE_S:-240} python3 scripts/bench_gpu_generate.py $MODEL ${BATCHES:-1,32,256} ;;
-  profile) AUTODEPLOY_CONFIG= step profile ${PROFILE_S:-120} python3 scripts/profile_engine_step.py 1,256 ${AD_SET:-} ;;
+  profile) AUTODEPLOY_CONFIG= step profile ${PROFILE_S:-120} python3 scripts/profile_engine_step.py ${PROFILE_B:-1,256} ${AD_SET:-} ;;
   serve) AUTODEPLOY_CONFIG= step serve ${SERVE_S:-300} python3 -m autodeploy bench $MODEL --set weights=random ${AD_SET:-} \
       --workload concurrency --concurrency 256 --num-requests 1024 --input-dist fixed:128 --output-dist fixed:128 \
       --repeats 1 --no-progress --out "$OUT/serve.json" ;;

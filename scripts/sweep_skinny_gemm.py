@@ -47,11 +47,11 @@ def sweep(rows: int) -> list[SkinnyConfig]:
     if rows == 1:
         space = itertools.product([1], [4, 8, 16, 32], [256, 512, 1024], [1, 2, 4], [4])
     else:
+        # The plain kernel lost to the swapped one at every shape (notes/perf.md); narrow weight tiles (16, 32
+        # rows: Ampere-style MMAs) put more programs on the narrow projections.
         block_m = min(max(16, 1 << (rows - 1).bit_length()), 64)
-        plain = [SkinnyConfig(block_m, n, k, s) for n, k, s in itertools.product([16, 32, 64], [128, 256], [1, 2, 4])]
-        swapped = [SkinnyConfig(block_m, n, k, s, swap=True)
-                   for n, k, s in itertools.product([64, 128], [64, 128, 256], [1, 2, 4, 8])]
-        return plain + swapped
+        return [SkinnyConfig(block_m, n, k, s, num_warps=w, num_stages=st, swap=True)
+                for n, k, s, w, st in itertools.product([16, 32, 64, 128], [64, 128, 256], [1, 2, 4], [4, 8], [3, 4])]
     return [SkinnyConfig(m, n, k, s, w) for m, n, k, s, w in space]
 
 
@@ -82,7 +82,7 @@ def main() -> None:
         print(f"{name:8s} M={rows:<3d} floor {floor * 1e6:6.2f} µs | cuBLAS {pct(cublas)} | default {pct(timed[default])} "
               f"{default} | best {pct(timed[best])} {best} | rel err {error:.1e}")
         top = sorted(timed, key=timed.get)[:5]
-        print("   top5: " + "; ".join(f"{c.block_n}/{c.block_k}/{c.split_k}/w{c.num_warps}{'/swap' if c.swap else ''} {timed[c] * 1e6:.2f}"
+        print("   top5: " + "; ".join(f"{c.block_n}/{c.block_k}/{c.split_k}/w{c.num_warps}/s{c.num_stages}{'/swap' if c.swap else ''} {timed[c] * 1e6:.2f}"
                                  for c in top))
         del weights
 
