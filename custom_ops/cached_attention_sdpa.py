@@ -47,9 +47,12 @@ def cached_attention_sdpa(
     check_alibi_slopes("cached_attention_sdpa", alibi_slopes, q.shape[2])
     slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32, device=q.device)[:, None, None]
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    num_prefill, num_decode = batch_info.tolist()[:2]
+    if num_prefill == 0 and q.shape[1] == num_decode:  # decodes only: their batch is the whole output (a CPU step counts its ops)
+        attended = _decode_batch(q[0], k_cache, v_cache, block_tables, kv_lens.tolist(), scale, sliding_window, slopes)
+        return attended[None]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     starts, lengths = seq_start.tolist(), kv_lens.tolist()
-    num_prefill, num_decode = batch_info.tolist()[:2]
     # A prompt with nothing cached before it attends over its own new keys, causally: no gather from the
     # cache and no mask to build (SDPA's own causal kernel). It reads k and v as given, so only when the
     # cache holds them unconverted, and only without a window or ALiBi, which need the explicit mask.
