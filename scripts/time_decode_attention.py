@@ -1,0 +1,84 @@
+"""The paged decode kernel alone at Llama-3-8B's attention shape, as a replayed decode step runs it.
+
+    python3 scripts/time_decode_attention.py
+
+B decodes of about 200 keys (32 query heads, 8 KV heads, head dim 128, bf16, 16-token pages), with the
+host's longest length set to 8,192 as in a captured CUDA graph, so the grid has the splits a graph has.
+Per B and per pipeline-stage count: microseconds per call (a CUDA graph of 20 calls), the K/V bytes
+over 4.27 TB/s, and the error against the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autodeploy.custom_ops.cached_attention import cached_attention_reference
+from autodeploy.custom_ops.triton import paged_attention
+from autodeploy.custom_ops.triton.paged_attention import attend_over_cache
+
+BANDWIDTH = 4.27e12
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU (TRITON_INTERPRET=1): a check of B = 1 only
+CAPTURED_MAX_KV = 8192
+
+
+def batch(decodes: int, keys: int = 200, page: int = 16):
+    gen = torch.Generator().manual_seed(0)
+    lengths = [keys - (i * 7) % 40 for i in range(decodes)]
+    pages = [-(-n // page) for n in lengths]
+    spare = -(-decodes // page)  # pages the reference writes this step's (unused) keys into
+    order = torch.randperm(sum(pages) + spare, generator=gen)
+    tables = torch.zeros(decodes, CAPTURED_MAX_KV // page, dtype=torch.int32)
+    taken = 0
+    for row, count in enumerate(pages):
+        tables[row, :count] = order[taken : taken + count]
+        taken += count
+    k_cache = torch.randn(sum(pages) + spare, page, 8, 128, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(sum(pages) + spare, page, 8, 128, generator=gen).to(torch.bfloat16)
+    free = order[taken:].long()
+    slots = (free[:, None] * page + torch.arange(page)).flatten()[:decodes]
+    q = torch.randn(1, decodes, 32, 128, generator=gen).to(torch.bfloat16)
+    seq_start = torch.arange(decodes + 1, dtype=torch.int32)
+    kv_lens = torch.tensor(lengths, dtype=torch.int32)
+    cuda = [t.to(DEVICE) for t in (q, k_cache, v_cache, seq_start, kv_lens, tables, slots)]
+    info = torch.tensor([0, decodes, 1, CAPTURED_MAX_KV], dtype=torch.int32)
+    return cuda, info, sum(lengths) * 8 * 128 * 2 * 2
+
+
+def main() -> None:
+    if DEVICE != "cuda":  # Triton 3.6's interpreter with numpy >= 2.4 (see tests/custom_ops/test_paged_attention_triton.py)
+        from triton.runtime import interpreter
+
+        patch = interpreter._patch_lang_tensor
+        interpreter._patch_lang_tensor = lambda tensor, scope: (
+            patch(tensor, scope), scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item())))
+    original = paged_attention._decode_config
+    for decodes in (1, 32, 256) if DEVICE == "cuda" else (1,):
+        (q, k_cache, v_cache, seq_start, kv_lens, tables, slots), info, nbytes = batch(decodes)
+        new_kv = q[:, :, :8]  # written to spare pages no table points to: the cached keys stay as they are
+        expected = cached_attention_reference(q, new_kv, new_kv, k_cache.clone(), v_cache.clone(), seq_start,
+                                              kv_lens, tables, slots, info, 128**-0.5)
+        for stages in (1, 2, 3):
+            paged_attention._decode_config = lambda dim_pad, s=stages: (64, 4, s)
+            run = lambda: attend_over_cache(q[0], k_cache, v_cache, seq_start, kv_lens, tables, info, 128**-0.5)  # noqa: E731
+            got = run()
+            error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+            if DEVICE != "cuda":
+                print(f"B={decodes} stages {stages}: rel err {error:.1e} (interpreter: not timed)")
+                continue
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(20):
+                    run()
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(5):
+                start.record(); graph.replay(); end.record(); end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / 20)
+            print(f"B={decodes:<4d} stages {stages}: {sorted(times)[2]:7.2f} us per call (kernel + merge), floor "
+                  f"{nbytes / BANDWIDTH * 1e6:6.2f} us, rel err {error:.1e}", flush=True)
+        paged_attention._decode_config = original
+
+
+if __name__ == "__main__":
+    main()
