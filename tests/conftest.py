@@ -104,7 +104,7 @@ def pytest_sessionfinish(session, exitstatus):
 
     failures = compile_for_hopper(_hopper_launches, workers=os.cpu_count() or 1)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    reporter.ensure_newline()
+    reporter.write("\n")  # after the progress line of -q, which ends without one
     if failures:
         reporter.section("Triton kernels that do not compile for Hopper (sm_90)", red=True)
         for failure in failures:
