@@ -5,9 +5,9 @@ on a CPU with the monotonic ``perf_counter``. Calls cycle through several copies
 candidate is not flattered by finding its operands already in cache.
 
 ``graphed=True`` (a deploy whose decode steps replay CUDA graphs) times what such a step pays: the
-kernels alone. ``GRAPHED_CALLS`` calls (or one per input set, if more) are captured in one CUDA graph and
-each timed replay counts for that many; eager timings of small ops measure the gaps the host leaves between launches instead, which
-a replayed graph does not have (measured on the H200: eager, torch's 8-kernel RoPE beat the one-kernel
+kernels alone. ``GRAPHED_CALLS`` calls (or one per input set, if more) are captured in one CUDA graph
+and each timed replay counts for that many; eager timings of small ops measure the gaps the host leaves
+between launches instead, which a replayed graph does not have (measured on the H200: eager, torch's 8-kernel RoPE beat the one-kernel
 Triton RoPE at every decode size). A candidate that cannot be captured is timed eagerly.
 """
 
