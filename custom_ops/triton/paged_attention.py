@@ -19,8 +19,9 @@ float32, base 2 (``exp2``):
   multiprocessor, and none over 2048 keys (the host knows only the longest sequence; a few long ones
   among many short ones must not run alone). A program takes all query heads of its kv head (GQA), so
   each K/V tile is loaded once for the group. Splits write partial (max, sum, unnormalised output) to
-  a workspace, and a second kernel merges them with a log-sum-exp; sinks join the denominator there,
-  once. With one split the first kernel finishes the softmax itself.
+  a workspace and count their arrival on a per-(sequence, kv head) counter; the last to arrive merges
+  them with a log-sum-exp (sinks join the denominator there, once), so no second kernel is launched. A
+  sequence whose keys fit one split finishes the softmax itself.
 
 Example (a 3-token prompt, then a one-token decode at position 2; on a CPU, Triton's interpreter runs
 it too, as ``tests/custom_ops/test_paged_attention_triton.py`` does)::
@@ -50,6 +51,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETED, SUPPORTED_DTYPES
+from .launch import dependent_launch, wait_for_previous_kernel
 
 from ..attention import check_alibi_slopes
 
@@ -64,6 +66,7 @@ _MIN_KEYS_PER_SPLIT = 256
 # alone at the end. A partial result costs well under 1% of the bytes of 2048 keys.
 _MAX_KEYS_PER_SPLIT = 2048
 _MAX_SPLITS = 64
+_MERGE_TILE = 4096  # elements of the merge's partial-results tile: 32 a thread at 4 warps
 
 # Triton compiles a kernel once per value class of each integer argument (1, a multiple of 16, other).
 # Arguments that follow the batch (the block table's width, the first decode's index, split sizes, query
@@ -287,16 +290,19 @@ def _split_keys(kv_len, window, num_splits, spread_splits, HAS_WINDOW: tl.conste
 
 @triton.jit(do_not_specialize=["first_decode", "stride_bt", "spread_splits"])  # batch-dependent: see the note on integer arguments above
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partials_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partials_ptr, arrivals_ptr,
     seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     scale, logit_cap, window, first_decode, q_heads, spread_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_KEYS_PER_SPLIT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_GROUP_PAD: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_KEYS_PER_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     decode = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -361,59 +367,66 @@ def _decode_kernel(
         tl.store(partials, row_max, mask=head_valid)
         tl.store(partials + 1, row_sum, mask=head_valid)
         tl.store(partials[:, None] + 2 + value_dims[None, :], acc, mask=value_mask)
-
-
-@triton.jit(do_not_specialize=["first_decode", "num_splits", "spread_splits"])  # batch-dependent: see the note on integer arguments above
-def _merge_splits_kernel(
-    partials_ptr, out_ptr, seq_start_ptr, kv_lens_ptr, sinks_ptr,
-    stride_ot, stride_oh, first_decode, q_heads, num_splits, window, spread_splits,
-    VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, MAX_KEYS_PER_SPLIT: tl.constexpr,
-):
-    decode = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_len = tl.load(kv_lens_ptr + first_decode + decode)
-    _, _, used_splits = _split_keys(kv_len, window, num_splits, spread_splits, HAS_WINDOW, BLOCK_N, MAX_KEYS_PER_SPLIT)
-    if used_splits > 1:  # a sequence in one split wrote its output itself
-        _merge_used_splits(
-            partials_ptr, out_ptr, seq_start_ptr, sinks_ptr, stride_ot, stride_oh, first_decode, q_heads,
-            num_splits, used_splits, decode, head, VALUE_DIM, DV_PAD, SPLITS_PAD, HAS_SINKS,
-        )
+        # The last split of this (sequence, kv head) to arrive merges them all: no second kernel to
+        # launch. The barrier makes every thread's stores precede the release of the counter, and the
+        # merger resets the counter for the next launch (a replayed graph's included).
+        tl.debug_barrier()
+        arrival = arrivals_ptr + decode * tl.num_programs(1) + kv_head
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == used_splits - 1:
+            _merge_splits(
+                partials_ptr, out_ptr, sinks_ptr, token, stride_ot, stride_oh, q_heads, num_splits, used_splits,
+                decode, kv_head, GROUP, MERGE_GROUP_PAD, VALUE_DIM, DV_PAD, SPLITS_PAD, MERGE_SPLITS, HAS_SINKS,
+            )
+            tl.atomic_xchg(arrival, 0, sem="relaxed")
 
 
 @triton.jit
-def _merge_used_splits(
-    partials_ptr, out_ptr, seq_start_ptr, sinks_ptr, stride_ot, stride_oh, first_decode, q_heads,
-    num_splits, used_splits, decode, head,
-    VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+def _merge_splits(
+    partials_ptr, out_ptr, sinks_ptr, token, stride_ot, stride_oh, q_heads, num_splits, used_splits, decode,
+    kv_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, MERGE_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
+    """Combine the partial results of ``used_splits`` splits with a log-sum-exp into the output rows of
+    one kv head's query heads. All heads at once (``GROUP_PAD`` rows: no ``tl.dot`` here, so no padding
+    to 16) and ``MERGE_SPLITS`` splits a step, so the dependent loads are few. The partials were written
+    by other programs: loads go through L2 (``.cg``), not L1."""
+    group_rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + group_rows
+    head_valid = group_rows < GROUP
+    rows = (decode * q_heads + heads) * num_splits
     splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < used_splits
-    partials = partials_ptr + ((decode * q_heads + head) * num_splits + splits) * (VALUE_DIM + 2)
-    split_max = tl.load(partials, mask=split_valid, other=_NO_LOGIT)
-    split_sum = tl.load(partials + 1, mask=split_valid, other=0.0)
-    overall_max = tl.max(split_max, 0)
+    stats = partials_ptr + (rows[:, None] + splits[None, :]) * (VALUE_DIM + 2)
+    stats_valid = head_valid[:, None] & (splits[None, :] < used_splits)
+    split_max = tl.load(stats, mask=stats_valid, other=_NO_LOGIT, cache_modifier=".cg")
+    split_sum = tl.load(stats + 1, mask=stats_valid, other=0.0, cache_modifier=".cg")
+    overall_max = tl.max(split_max, 1)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        sink = tl.load(sinks_ptr + heads, mask=head_valid, other=0.0).to(tl.float32) * _LOG2E
         overall_max = tl.maximum(overall_max, sink)
-    weights = tl.exp2(split_max - overall_max)
-    total = tl.sum(split_sum * weights, 0)
+    total = tl.sum(split_sum * tl.exp2(split_max - overall_max[:, None]), 1)
     if HAS_SINKS:
         total += tl.exp2(sink - overall_max)
 
     value_dims = tl.arange(0, DV_PAD)
     value_valid = value_dims < VALUE_DIM
-    split_acc = tl.load(
-        partials[:, None] + 2 + value_dims[None, :],
-        mask=split_valid[:, None] & value_valid[None, :],
-        other=0.0,
-    )
-    out = tl.sum(split_acc * weights[:, None], 0) / total
-    token = tl.load(seq_start_ptr + first_decode + decode).to(tl.int64)
+    chunk = tl.arange(0, MERGE_SPLITS)
+    acc = tl.zeros([GROUP_PAD, DV_PAD], tl.float32)
+    for first in range(0, used_splits, MERGE_SPLITS):
+        chunk_rows = partials_ptr + (rows[:, None] + first + chunk[None, :]) * (VALUE_DIM + 2)
+        chunk_valid = head_valid[:, None] & (first + chunk[None, :] < used_splits)
+        chunk_max = tl.load(chunk_rows, mask=chunk_valid, other=_NO_LOGIT, cache_modifier=".cg")
+        weights = tl.exp2(chunk_max - overall_max[:, None])
+        values = tl.load(
+            chunk_rows[:, :, None] + 2 + value_dims[None, None, :],
+            mask=chunk_valid[:, :, None] & value_valid[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += tl.sum(values * weights[:, :, None], 1)
     tl.store(
-        out_ptr + token * stride_ot + head * stride_oh + value_dims,
-        out.to(out_ptr.dtype.element_ty),
-        mask=value_valid,
+        out_ptr + token * stride_ot + heads[:, None] * stride_oh + value_dims[None, :],
+        (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+        mask=head_valid[:, None] & value_valid[None, :],
     )
 
 
@@ -557,26 +570,39 @@ def _launch_decode(
         spread = min(spread, num_splits)
     else:  # every sequence over all the splits asked for
         spread = num_splits = num_decode_splits
-    value_dim = shared["VALUE_DIM"]
-    partials = None
+    partials = arrivals = None
     if num_splits > 1:
-        partials = torch.empty((num_decode, q_heads, num_splits, value_dim + 2), dtype=torch.float32, device=out.device)
-    group = shared["GROUP"]
+        partials = torch.empty(
+            (num_decode, q_heads, num_splits, shared["VALUE_DIM"] + 2), dtype=torch.float32, device=out.device
+        )
+        arrivals = _arrival_counters(num_decode * kv_heads, out.device)
+    splits_pad, merge_group_pad = triton.next_power_of_2(num_splits), triton.next_power_of_2(shared["GROUP"])
+    # as many splits a merge step as keep its [heads, splits, dims] tile at ~32 registers a thread
+    merge_splits = max(1, min(splits_pad, _MERGE_TILE // (merge_group_pad * shared["DV_PAD"])))
     _decode_kernel[(num_decode, kv_heads, num_splits)](
-        **shared, partials_ptr=partials,
+        **shared, partials_ptr=partials, arrivals_ptr=arrivals,
         first_decode=num_prefill, q_heads=q_heads, spread_splits=spread,
         # tl.dot needs at least 16 rows; the padded head rows are masked out.
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
+        GROUP_PAD=max(16, triton.next_power_of_2(shared["GROUP"])), BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
+        SPLITS_PAD=splits_pad, MERGE_GROUP_PAD=merge_group_pad, MERGE_SPLITS=merge_splits,
         MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT, num_warps=num_warps, num_stages=num_stages,
+        **dependent_launch(out.device),
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_decode, q_heads)](
-            partials, out[0], shared["seq_start_ptr"], shared["kv_lens_ptr"], shared["sinks_ptr"],
-            out.stride(1), out.stride(2), num_prefill, q_heads, num_splits, shared["window"], spread,
-            VALUE_DIM=value_dim, DV_PAD=shared["DV_PAD"], SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HAS_SINKS=shared["HAS_SINKS"], HAS_WINDOW=shared["HAS_WINDOW"], BLOCK_N=block_n,
-            MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT,
-        )
+
+
+# Per device, one zeroed counter per (decode, kv head) that split programs count their arrival on; the
+# merging program sets it back to zero, so it stays zeroed between launches and is never cleared by a
+# kernel of its own (a CUDA graph keeps the address it was captured with: the buffer only ever grows).
+_ARRIVALS: dict = {}
+_MIN_ARRIVAL_COUNTERS = 1 << 16
+
+
+def _arrival_counters(count: int, device: torch.device) -> torch.Tensor:
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(_MIN_ARRIVAL_COUNTERS, triton.next_power_of_2(count)), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = counters
+    return counters
 
 
 def _padded_dim(head_dim: int) -> int:
@@ -598,8 +624,9 @@ def _decode_config(dim_pad: int) -> tuple[int, int, int]:
     if dim_pad > 128:  # as for prefill: three stages of 64-key, 256-wide tiles would not fit in shared memory
         return 32, 4, 3
     # Two stages, not three: at 256 decodes (~200 keys, Llama-3-8B heads, graph-sized grid) 72.2 against
-    # 81.7 µs with the merge, the same at one decode (6.05) and 14.5 against 14.1 at 32
-    # (scripts/time_decode_attention.py on an H200): a program holds less shared memory, so more reside.
+    # 81.7 µs (kernel and the separate merge it then had), the same at one decode (6.05) and 14.5 against
+    # 14.1 at 32 (scripts/time_decode_attention.py on an H200): a program holds less shared memory, so more
+    # reside.
     return 64, 4, 2
 
 

@@ -146,6 +146,16 @@ def test_short_sequences_take_fewer_splits_than_the_grid(monkeypatch):
     assert_matches_reference(batch, sliding_window=100)
 
 
+def test_the_merge_takes_splits_a_few_at_a_time(monkeypatch):
+    # The last split to arrive merges: here two splits a step (a tile of 2 heads x 2 splits x 16 dims), so
+    # five splits take three steps, the last one half empty; with sinks, which the merge adds once.
+    from autodeploy.custom_ops.triton import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_MERGE_TILE", 64)
+    batch = paged_batch(decodes=[300, 70], q_heads=4, kv_heads=2)
+    assert_matches_reference(batch, num_decode_splits=5, sinks=torch.randn(4, device=DEVICE))
+
+
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("num_decode_splits", [1, 2])
 def test_mixed_batch_with_gqa(group, num_decode_splits):
