@@ -4,8 +4,9 @@ Llama-3-8B-shaped config, random bf16 weights; B requests of 128 prompt tokens, 
 For each B: the median wall time of a decode step, then the torch profiler over three consecutive decode
 steps: CUDA kernel time against wall time (how much of the step the GPU is busy: the rest is the host),
 host launch calls, and the top CUDA ops. Decode steps replay CUDA graphs unless run with
-``--set compile.backend=none``; the overlapped runtime unless ``--set scheduler.overlap=false``.
-Run: python scripts/profile_engine_step.py [B,...] [--set key=value ...]
+``--set compile.backend=none``; the overlapped runtime unless ``--set scheduler.overlap=false``; the
+Triton kernels with programmatic dependent launch unless ``--no-pdl`` (custom_ops/triton/launch.py).
+Run: python scripts/profile_engine_step.py [B,...] [--no-pdl] [--set key=value ...]
 """
 
 import statistics
@@ -15,9 +16,11 @@ import time
 import torch
 
 from autodeploy import SamplingParams, autodeploy
+from autodeploy.custom_ops.triton import launch
 
 BATCHES = [int(b) for b in (sys.argv[1] if len(sys.argv) > 1 else "1,256").split(",")]
-SETS = [a for a in sys.argv[2:] if a != "--set"]
+SETS = [a for a in sys.argv[2:] if a not in ("--set", "--no-pdl")]
+launch.DEPENDENT_LAUNCH = "--no-pdl" not in sys.argv[2:]
 PROFILED_STEPS = 3
 llm = autodeploy("llama-3-8b", weights="random", max_batch_size=max(BATCHES), set_arguments=SETS)
 engine = llm.engine
@@ -52,5 +55,5 @@ for batch in BATCHES:
         if decoding:
             decode_ms.append(1000 * (time.perf_counter() - began))
     ttft_ms = statistics.median(1000 * r.metrics().time_to_first_token for r in requests)
-    print(f"B={batch}: decode step wall ms median {statistics.median(decode_ms):.2f} over {len(decode_ms)} steps, "
+    print(f"B={batch}{'' if launch.DEPENDENT_LAUNCH else ' (no PDL)'}: decode step wall ms median {statistics.median(decode_ms):.2f} over {len(decode_ms)} steps, "
           f"TTFT median {ttft_ms:.1f} ms", flush=True)

@@ -33,7 +33,7 @@ _POINTER_TYPES = {
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
     torch.bool: "i1",
 }
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 
 
 def _is_constexpr(parameter: inspect.Parameter) -> bool:
@@ -66,6 +66,8 @@ def describe_launch(fn, args: tuple, kwargs: dict) -> dict:
             signature[name] = "*" + _POINTER_TYPES[value.dtype]
         else:
             signature[name] = _scalar_type(value)
+    if "USE_PDL" in constants:  # the interpreter launches without dependent launch; a Hopper launch with it
+        constants["USE_PDL"], options["launch_pdl"] = True, True
     return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constants": constants,
             "options": options}
 

@@ -58,6 +58,7 @@ import triton.language as tl
 
 from ..fused_gated_mlp import fused_gated_mlp_inner_size
 from . import INTERPRETED, SUPPORTED_DTYPES
+from .launch import dependent_launch, wait_for_previous_kernel
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
 
@@ -102,10 +103,11 @@ def activation_config(num_rows: int, inner: int) -> ActivationConfig:
 @triton.jit
 def _gated_activation_kernel(
     gate_ptr, up_ptr, out_ptr, inner, gate_row_stride, up_row_stride, out_row_stride,
-    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program per (row, column block): rows may be strided (the halves of one [T, 2I] GEMM output).
     # int64 row offsets: a long prefill's [tokens, 2I] passes 2**31 elements (128k tokens × 2 × 14336).
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = columns < inner
@@ -184,7 +186,7 @@ def gated_activation(
     config = config or activation_config(num_rows, inner)
     _gated_activation_kernel[(num_rows, triton.cdiv(inner, config.block_size))](
         gate_rows, up_rows, out_rows, inner, gate_rows.stride(0), up_rows.stride(0), out_rows.stride(0),
-        ACTIVATION=activation, BLOCK=config.block_size, num_warps=config.num_warps,
+        ACTIVATION=activation, BLOCK=config.block_size, num_warps=config.num_warps, **dependent_launch(out.device),
     )
     return out
 

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETED, SUPPORTED_DTYPES
+from .launch import dependent_launch, wait_for_previous_kernel
 
 MAX_HIDDEN = 32768
 
@@ -97,8 +98,9 @@ def _rms_normalise(x, cols, weight_ptr, eps, weight_offset, HIDDEN: tl.constexpr
 @triton.jit(do_not_specialize=["num_rows"])  # the token count: one compile for all
 def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr, stride_row, num_rows, eps, weight_offset,
-    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     x, rows, cols, mask = _load_rows(x_ptr, stride_row, num_rows, ROWS, HIDDEN, BLOCK_H)
     out = _rms_normalise(x, cols, weight_ptr, eps, weight_offset, HIDDEN)
     tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -107,8 +109,9 @@ def _rms_norm_kernel(
 @triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_residual, num_rows, eps, weight_offset,
-    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     x, rows, cols, mask = _load_rows(x_ptr, stride_x, num_rows, ROWS, HIDDEN, BLOCK_H)
     residual, _, _, _ = _load_rows(residual_ptr, stride_residual, num_rows, ROWS, HIDDEN, BLOCK_H)
     # The sum is rounded to the model's dtype before it is normalised, as the unfused add rounds it.
@@ -162,7 +165,7 @@ def rms_norm_triton(
     _rms_norm_kernel[(triton.cdiv(rows.shape[0], config.rows_per_program),)](
         rows, weight.contiguous(), out, rows.stride(0), rows.shape[0], eps, weight_offset,
         HIDDEN=rows.shape[1], BLOCK_H=triton.next_power_of_2(rows.shape[1]), ROWS=config.rows_per_program,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **dependent_launch(out.device),
     )
     return out
 
@@ -198,7 +201,7 @@ def add_rms_norm_triton(
         rows, residual_rows, weight.contiguous(), out, total, rows.stride(0), residual_rows.stride(0), rows.shape[0],
         eps, weight_offset,
         HIDDEN=rows.shape[1], BLOCK_H=triton.next_power_of_2(rows.shape[1]), ROWS=config.rows_per_program,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **dependent_launch(out.device),
     )
     return out, total
 

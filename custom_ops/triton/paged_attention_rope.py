@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from . import SUPPORTED_DTYPES
+from .launch import dependent_launch, wait_for_previous_kernel
 from .paged_attention import attend_over_cache, cache_arguments, check_supported
 from .rope import load_angles, rotate_rows
 
@@ -47,11 +48,12 @@ def _rope_write_kv_kernel(
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, ROTARY_HALF: tl.constexpr, PAIRS_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (new token, role): role 0 rotates the token's query heads into ``q_out``, role 1
     its keys into their cache slot and copies its values beside them. (``D_PAD``: unused, taken with the
     other cache arguments.)"""
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos_first, cos_second, sin_first, sin_second = load_angles(
         cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, ROTARY_HALF, PAIRS_PAD, INTERLEAVED
@@ -142,7 +144,7 @@ def cached_attention_rope_triton(
             KV_HEADS_PAD=triton.next_power_of_2(kv_heads), ROTARY_HALF=rotary_dim // 2,
             PAIRS_PAD=triton.next_power_of_2(rotary_dim // 2),
             PASS_PAD=triton.next_power_of_2(head_dim - rotary_dim) if rotary_dim < head_dim else 0,
-            INTERLEAVED=interleaved,
+            INTERLEAVED=interleaved, **dependent_launch(q.device),
         )
     return attend_over_cache(
         rotated_q, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window,

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETED
+from .launch import dependent_launch, wait_for_previous_kernel
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -94,9 +95,10 @@ _PIPELINE_BYTES = 200 << 10  # of the H100/H200's 227 KB of shared memory a bloc
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_row_stride,
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program: BLOCK_N weight rows × one K split, for the single row of x.
+    wait_for_previous_kernel(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,9 +130,10 @@ def _gemv_kernel(
 def _skinny_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_row_stride,
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program: BLOCK_M rows of x × BLOCK_N weight rows × one K split, on the tensor cores.
+    wait_for_previous_kernel(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -165,10 +168,11 @@ def _skinny_kernel(
 def _skinny_swapped_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_row_stride,
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # _skinny_kernel with the operands swapped: acc[BLOCK_N, BLOCK_M] = w_tile · x_tileᵀ, so the wide weight
     # tile is the dot's M side (64+ rows: Hopper's warpgroup MMA) and the few rows of x its N side.
+    wait_for_previous_kernel(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -201,9 +205,11 @@ def _skinny_swapped_kernel(
 
 @triton.jit
 def _split_sum_kernel(
-    part_ptr, bias_ptr, out_ptr, total, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
+    part_ptr, bias_ptr, out_ptr, total, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # out[i] = Σ_s part[s, i] (+ bias[i % N]) over the flattened [M, N] output, splits in a fixed order.
+    wait_for_previous_kernel(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -268,6 +274,7 @@ def skinny_linear(
     common = dict(
         HAS_BIAS=bias is not None, MASKED=masked, K_PER_SPLIT=k_per_split, SPLIT_K=split, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        **dependent_launch(x.device),
     )
     if config.block_m == 1:
         if num_rows != 1:
@@ -286,6 +293,6 @@ def skinny_linear(
         total = num_rows * out_features
         _split_sum_kernel[(triton.cdiv(total, 1024),)](
             target, bias_arg, out, total, out_features, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=1024,
-            num_warps=4,
+            num_warps=4, **dependent_launch(x.device),
         )
     return out.view(*x.shape[:-1], out_features)
