@@ -30,3 +30,20 @@ def test_triton_engine_serves_a_mixed_batch_like_hf(tiny_checkpoint, arch):
     agree = sum(o.token_ids == hf_greedy(hf, p, 8) for p, o in zip(prompts, outputs))
     assert agree == len(prompts), f"{agree}/{len(prompts)} requests equal HF greedy"
     assert llm.engine.pool.num_used_blocks == 0
+
+
+def test_a_saved_gpu_deployment_reloads_with_identical_logits_and_tokens(tiny_checkpoint, tmp_path, monkeypatch):
+    # bf16 on the GPU: Triton kernels chosen by select, decode steps in CUDA graphs; the reload resolves
+    # the kernels by name, captures its own graphs and must serve bit for bit what the build served.
+    built = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="bfloat16")
+    saved = built.save(tmp_path / "deployment")
+    sequences = [list(range(3, 40)), [5], list(range(100, 117))]
+    want = built.logits(sequences)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want_tokens = [o.token_ids for o in built.generate([[7, 8, 9], list(range(20, 60))], params)]
+    monkeypatch.setattr("torch.export.export", lambda *a, **k: pytest.fail("a reload must not export"))
+    reloaded = autodeploy(str(saved))
+    for expected, got in zip(want, reloaded.logits(sequences)):
+        assert torch.equal(expected, got)
+    assert [o.token_ids for o in reloaded.generate([[7, 8, 9], list(range(20, 60))], params)] == want_tokens
+    assert reloaded.pipeline_report() == built.pipeline_report()
