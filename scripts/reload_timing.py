@@ -4,7 +4,8 @@
     python scripts/reload_timing.py path/to/checkpoint --repeats 3 --set device=cpu
 
 Per model: ``autodeploy(MODEL)`` then ``llm.save(DIR)`` in one process, ``autodeploy(DIR)`` in another (the
-median of ``--repeats``). Each line gives the call's own time and the process's (imports included).
+median of ``--repeats``). Each line gives the call's own time and the process's (imports included), then
+where the last reload's time went (its phases, as ``autodeploy.artifact.load`` logs them).
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ llm.save(sys.argv[2])
 print(json.dumps({"call": built, "save": time.perf_counter() - start - built}))
 """
 _RELOAD = """
-import json, sys, time
+import json, logging, sys, time
 from autodeploy import autodeploy
+phases = []
+handler = logging.Handler()
+handler.emit = lambda record: phases.append(record.getMessage())
+logging.getLogger("autodeploy.artifact.load").addHandler(handler)
+logging.getLogger("autodeploy.artifact.load").setLevel(logging.INFO)
 start = time.perf_counter()
 autodeploy(sys.argv[1])
-print(json.dumps({"call": time.perf_counter() - start}))
+print(json.dumps({"call": time.perf_counter() - start, "phases": phases}))
 """
 
 
@@ -59,6 +65,8 @@ def main() -> None:
     print(f"{args.model or 'demo'}: build {build['call']:.2f}s (save {build['save']:.2f}s, process {build_wall:.1f}s); "
           f"reload {reload_call:.2f}s = {reload_call / build['call']:.0%} of the build (process {reload_wall:.1f}s = "
           f"{reload_wall / build_wall:.0%})")
+    for message in reloads[-1][0]["phases"]:
+        print(f"  last reload: {message}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Serve a saved deployment as it was built: no export, no transforms, no verification (it was verified at build).
 
-Every file is checked against the manifest's sha256 before it is used (the weights while the graph loads);
+Every file is checked against the manifest's digest before it is used (the weights while the graph loads);
 the graph archive is checked for anything it must not hold before ``torch.export.load`` reads it; tensors
 come from safetensors. Nothing is unpickled. Whether this process may serve the deployment as saved (same
 library versions and device kind) is the caller's question (``Manifest.environment_mismatches``);
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -83,23 +84,34 @@ def load_deployment(
 ) -> LLM:
     """The ``LLM`` saved in ``directory``, with the overrides a reload allows (``reload_settings.py``)."""
     directory = Path(directory)
+    began = time.perf_counter()
+    seconds: dict[str, float] = {}
+
+    def timed(phase: str, work, *arguments):
+        start = time.perf_counter()
+        result = work(*arguments)
+        seconds[phase] = time.perf_counter() - start
+        return result
+
     with ThreadPoolExecutor(max_workers=1) as background:
-        # The weights' sha256, the one long read, runs while the graph deserializes (hashing leaves the GIL).
-        weights_verified = background.submit(manifest.verify_files, directory, (WEIGHTS,))
+        # The weights' digest, the one long read, runs while the graph deserializes (hashing leaves the GIL).
+        weights_verified = background.submit(timed, "weights' digest", manifest.verify_files, directory, (WEIGHTS,))
         manifest.verify_files(directory, tuple(sorted({*manifest.files, *_READ} - {WEIGHTS})))
         _refuse_unlisted_tokenizer_files(directory, manifest)
         settings = reload_settings(load_yaml(directory / SETTINGS), config_files, overrides, set_arguments,
                                    rebuild_command(manifest, directory))
-        program = load_program((directory / GRAPH).read_bytes(), str(directory / GRAPH))
-        weights_verified.result()
+        program = timed("graph (torch.export.load)", load_program, (directory / GRAPH).read_bytes(), str(directory / GRAPH))
+        timed("waiting for the digest", weights_verified.result)
     serving, tuning = _read_json(directory / SERVING), _read_json(directory / TUNING)
     try:
         placements = serving["tensors"]
-        tensors_by_key = load_tensors(directory / WEIGHTS, {entry["key"]: entry["device"] for entry in placements.values()})
+        tensors_by_key = timed("tensors", load_tensors, directory / WEIGHTS,
+                               {entry["key"]: entry["device"] for entry in placements.values()})
         tensors = {name: tensors_by_key[entry["key"]] for name, entry in placements.items()}
         graph_inputs = tuple(serving["graph_inputs"])
         kv_caches = tuple(_kv_cache_spec(fields) for fields in serving["kv_caches"])
-        graph = served_graph(program, str(directory / GRAPH), tensors, graph_inputs, tuning["dispatches"], tuning["kernels"])
+        graph = timed("graph assembly", served_graph, program, str(directory / GRAPH), tensors, graph_inputs,
+                      tuning["dispatches"], tuning["kernels"])
         records = [TransformRecord(**fields) for fields in _read_json(directory / BUILD_REPORT)]
         eos_token_ids = [int(token) for token in serving["eos_token_ids"]]
         # Captured sizes above a smaller max_batch_size would never be replayed; cap them as the compile stage does.
@@ -110,7 +122,8 @@ def load_deployment(
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{directory}: a deployment file lacks an entry or has the wrong shape ({type(error).__name__}: "
                               f"{error}); save the deployment again") from error
-    logger.info("reloaded the deployment in %s (built from %s; verification %s)", directory,
+    logger.info("reloaded the deployment in %s in %.2f s (%s; built from %s; verification %s)", directory,
+                time.perf_counter() - began, ", ".join(f"{phase} {value:.2f} s" for phase, value in seconds.items()),
                 manifest.source.get("model") or "the demo model", manifest.reload_verification)
     return LLM(graph, graph_inputs, settings, _load_tokenizer(directory, settings), eos_token_ids, records, kv_caches,
                manifest.source.get("directory"), verification, decode_sizes, token_sizes)

@@ -25,7 +25,7 @@ from autodeploy.errors import ConfigError
 
 from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS, is_saved_deployment
 from .graph_archive import export_served_graph
-from .manifest import Manifest, device_kind, package_versions, sha256_of
+from .manifest import Manifest, device_kind, package_versions, file_digest
 from .weights_file import save_tensors
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def save_deployment(
         (staging / SETTINGS).write_text(settings_to_yaml(settings))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(staging / TOKENIZER))
-        files = {path.relative_to(staging).as_posix(): sha256_of(path) for path in sorted(staging.rglob("*")) if path.is_file()}
+        files = {path.relative_to(staging).as_posix(): file_digest(path) for path in sorted(staging.rglob("*")) if path.is_file()}
         Manifest(
             versions=package_versions(),
             device=device_kind(str(settings.device)),

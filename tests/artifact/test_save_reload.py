@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from autodeploy import LLM, SamplingParams, autodeploy
+from autodeploy.artifact import manifest as manifest_module
 from autodeploy.autotuner import describe_dispatch, token_dispatch
 from autodeploy.custom_ops import candidates
 from autodeploy.errors import CheckpointError, ConfigError
@@ -84,6 +85,23 @@ def test_a_tampered_weights_file_is_a_checkpoint_error(saved, tmp_path):
     (copied / "weights.safetensors").write_bytes(bytes(weights))
     with pytest.raises(CheckpointError, match=r"weights.safetensors does not match the sha256"):
         autodeploy(str(copied))
+
+
+def test_a_file_over_one_chunk_is_digested_chunk_by_chunk_and_any_changed_byte_shows(tmp_path, monkeypatch):
+    # 64 MiB chunks in a deployment; 1 KiB ones here: 2.5 chunks, hashed on the pool, then their digests.
+    monkeypatch.setattr(manifest_module, "DIGEST_CHUNK", 1024)
+    data = bytearray(torch.randint(0, 256, (2560,), dtype=torch.uint8).numpy().tobytes())
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(data))
+    chunks = [hashlib.sha256(data[start:start + 1024]).digest() for start in range(0, len(data), 1024)]
+    assert manifest_module.file_digest(path) == hashlib.sha256(b"".join(chunks)).hexdigest()
+    for position in (0, 1500, len(data) - 1):  # a byte in each chunk, the short last one included
+        changed = bytearray(data)
+        changed[position] ^= 0x01
+        path.write_bytes(bytes(changed))
+        assert manifest_module.file_digest(path) != hashlib.sha256(b"".join(chunks)).hexdigest()
+    path.write_bytes(bytes(data[:2048]))  # truncated at a chunk boundary
+    assert manifest_module.file_digest(path) != hashlib.sha256(b"".join(chunks)).hexdigest()
 
 
 def test_a_truncated_graph_archive_is_a_checkpoint_error_even_when_its_sha256_is_updated(saved, tmp_path):
