@@ -66,6 +66,9 @@ class VerifySettings:
 
     enabled: bool = True
     tolerance: Dict[str, float] = field(default_factory=lambda: {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2})
+    # When layers quantize their activations (fp8), at least this: the reference rounds its activations
+    # too, but last-bit differences upstream become whole fp8 steps at rounding boundaries.
+    quantized_activations_tolerance: float = 5e-2
 
 
 @dataclass
@@ -100,6 +103,19 @@ class CompileSettings:
 
 
 @dataclass
+class QuantizeSettings:
+    """The quantize stage (``transforms/quantize_linear.py``): ``default`` is the scheme of every projection no
+    rule in ``layers`` names (globs over module paths, first match wins). Schemes: ``int8_wo``,
+    ``int4_wo`` (groups of ``int4_group_size`` inputs), ``fp8`` (weight scales per output ``channel`` or per
+    ``tensor``: ``fp8_weight_scale``; activations per token), ``none`` (the model's dtype)."""
+
+    default: str = "none"
+    layers: Dict[str, str] = field(default_factory=dict)
+    int4_group_size: int = 128
+    fp8_weight_scale: str = "channel"
+
+
+@dataclass
 class DeploySettings:
     """Top-level settings. ``auto`` values are resolved from the model and hardware (see auto_settings)."""
 
@@ -122,6 +138,7 @@ class DeploySettings:
     kv_cache: KVCacheSettings = field(default_factory=KVCacheSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     verify: VerifySettings = field(default_factory=VerifySettings)
+    quantize: QuantizeSettings = field(default_factory=QuantizeSettings)
     transforms: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -111,18 +111,35 @@ class _NameMapper:
         return renamed, pattern
 
 
-def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, groups, filled: set[str], source: str) -> None:
+def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, groups, filled: set[str], source: str,
+               quantized=None) -> None:
+    """Copy one checkpoint tensor into the graph parameter ``name``, or, for a weight the quantize stage
+    replaced (``quantized``: graph name → ``QuantizedWeight``), its scheme's tensors computed from it."""
     if name is None:  # a tensor the graph no longer uses (dead code removed it)
         return
-    target = gm.get_parameter(name)
-    if tuple(tensor.shape) != tuple(target.shape):
+    record = (quantized or {}).get(name)
+    expected = tuple(record.shape) if record is not None else tuple(gm.get_parameter(name).shape)
+    if tuple(tensor.shape) != expected:
         raise CheckpointError(
-            f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)} but the model expects {tuple(target.shape)} "
+            f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)} but the model expects {expected} "
             f"for {name.removeprefix(GRAPH_PREFIX)!r}; does config.json match these weights?"
         )
+    if record is not None:
+        _fill_quantized(gm, record, tensor, groups, filled)
+        return
     with torch.no_grad():
-        target.copy_(tensor)
+        gm.get_parameter(name).copy_(tensor)
     filled.update(groups[name])
+
+
+def _fill_quantized(gm: fx.GraphModule, record, tensor: torch.Tensor, groups, filled: set[str]) -> None:
+    from autodeploy.custom_ops.quantized_linear import quantize_weight
+
+    stored = quantize_weight(record.scheme, tensor.to(next(iter(gm.get_parameter(t) for t in record.targets.values())).device))
+    with torch.no_grad():
+        for role, target in record.targets.items():
+            gm.get_parameter(target).copy_(stored[role])
+            filled.update(groups[target])
 
 
 def _check_fused_sources(target: str, meta_tensor: torch.Tensor, hf_model: nn.Module, reader: CheckpointReader | StateDictReader) -> None:
@@ -151,8 +168,11 @@ def _check_fused_sources(target: str, meta_tensor: torch.Tensor, hf_model: nn.Mo
             )
 
 
-def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: CheckpointReader | StateDictReader, groups) -> int:
+def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: CheckpointReader | StateDictReader, groups,
+                    quantized=None) -> int:
+    quantized = quantized or {}
     mapper = _NameMapper(factory.meta_model)
+    known = {**groups, **{name: [name] for name in quantized}}  # graph names a checkpoint tensor may fill
     filled: set[str] = set()
     pending: dict[str, object] = {}  # fused targets: a converter collecting lazy reads of its sources
     unexpected = []
@@ -162,7 +182,7 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
             unexpected.append(key)
             continue
         if pattern is None:
-            _copy_into(gm, mapper.graph_name(renamed, groups), reader.read(key), groups, filled, key)
+            _copy_into(gm, mapper.graph_name(renamed, known), reader.read(key), groups, filled, key, quantized)
             continue
         converter = pending.setdefault(renamed, copy.deepcopy(mapper.by_pattern[pattern]))
         converter.collected_tensors[pattern].append(lambda key=key: reader.read(key))
@@ -174,7 +194,7 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
             raise CheckpointError(f"cannot build {target!r} from the checkpoint's tensors: {error}") from error
         for name, tensor in converted.items():
             tensor = tensor[0] if isinstance(tensor, list) else tensor
-            _copy_into(gm, mapper.graph_name(name, groups), tensor, groups, filled, target)
+            _copy_into(gm, mapper.graph_name(name, known), tensor, groups, filled, target, quantized)
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
     missing = sorted({name for name in groups if name not in filled})
@@ -195,12 +215,16 @@ def random_parameter(name: str, shape: torch.Size, std: float, device: torch.dev
     return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).mul_(std)
 
 
-def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed: int) -> int:
-    """Random weights for benchmarking (``random_parameter``), tied weights filled once."""
+def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed: int, quantized=None) -> int:
+    """Random weights for benchmarking (``random_parameter``), tied weights filled once; a weight the quantize
+    stage replaced is drawn in float32 and quantized."""
     std = getattr(factory.hf_config, "initializer_range", 0.02)
     device = next(iter(gm.parameters())).device
     generator = torch.Generator(device=device).manual_seed(seed)  # on the device: 8B values in seconds
     done = set()
+    for record in (quantized or {}).values():
+        weight = random_parameter(record.source, torch.Size(record.shape), std, device, generator)
+        _fill_quantized(gm, record, weight, groups, done)
     for name in groups:
         if name in done:
             continue
@@ -241,11 +265,12 @@ class LoadWeights(Transform):
         factory: ModelFactory = context.model_factory
         moved = move_graph_to_device(gm, device)
         groups = _allocate_parameters(gm, device)
+        quantized = context.state.get("quantized_weights")  # the quantize stage's weights (transforms/quantize_linear.py)
         if settings.weights == "random":
-            count = initialize_randomly(gm, factory, groups, settings.seed)
+            count = initialize_randomly(gm, factory, groups, settings.seed, quantized)
             notes = f"{count} random tensors"
         else:
-            count = load_checkpoint(gm, factory, factory.checkpoint_reader(), groups)
+            count = load_checkpoint(gm, factory, factory.checkpoint_reader(), groups, quantized)
             notes = f"{count} tensors from {factory.source.directory.name}"
         restore_buffers(gm, factory, device)
         return TransformResult(matches=count, changed=True, notes=f"{notes} on {device}; {moved} device args retargeted")

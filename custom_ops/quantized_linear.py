@@ -1,0 +1,228 @@
+"""Quantized projections: the weight schemes, their storage, and the canonical ops that read it.
+
+A scheme turns a float weight ``w[N, K]`` (``nn.Linear`` layout) into the tensors its op stores:
+
+- ``int8_wo``: ``qweight`` int8 ``[N, K]`` and ``scale`` float32 ``[N]``, symmetric per output channel:
+  ``w ≈ qweight · scale``, ``scale = max|w[n]| / 127``. Activations stay in the model's dtype.
+- ``int4_wo``: ``qweight`` uint8 ``[N, K/2]`` (two 4-bit values a byte, the even ``k`` in the low nibble),
+  ``scale`` float32 and ``zero`` uint8 ``[N, K/group_size]``, asymmetric per group of ``group_size``
+  inputs (128 by default): ``w ≈ (q − zero) · scale`` with ``q, zero ∈ [0, 15]``.
+- ``fp8``: ``qweight`` float8_e4m3fn ``[N, K]`` and ``scale`` float32 ``[N]`` (``per_channel``) or ``[1]``
+  (per tensor), ``scale = max|w| / 448``. Activations are quantized the same way, per token, when the
+  op runs (dynamic): ``x ≈ x_q · x_scale``, ``x_scale = max|x[t]| / 448``.
+
+:func:`quantize_weight` and :func:`dequantize_weight` convert; each op's reference dequantizes and
+computes in float32 (float64 for float64 inputs), so it is exact up to the scheme's declared rounding.
+
+```python
+import torch
+from autodeploy.custom_ops.quantized_linear import QuantScheme, dequantize_weight, quantize_weight
+scheme = QuantScheme("int4_wo", group_size=32)
+w = torch.randn(8, 64)
+stored = quantize_weight(scheme, w)                 # {"qweight": uint8 [8, 32], "scale": [8, 2], "zero": [8, 2]}
+assert (dequantize_weight(scheme, stored) - w).abs().max() <= stored["scale"].max() / 2 + 1e-6
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .compute_dtype import compute_dtype
+from .registry import register_backend, register_op
+
+SCHEMES = ("int8_wo", "int4_wo", "fp8")
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+_INT8_MAX = 127.0
+_UINT4_MAX = 15
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A weight scheme and its options: ``group_size`` (``int4_wo``), ``per_channel`` (``fp8``)."""
+
+    name: str
+    group_size: int = 128
+    per_channel: bool = True
+
+    def __post_init__(self):
+        if self.name not in SCHEMES:
+            raise ValueError(f"unknown quantization scheme {self.name!r}; schemes: {', '.join(SCHEMES)}, none.")
+        if self.group_size < 2 or self.group_size % 2:
+            raise ValueError(f"int4_wo group_size must be an even number ≥ 2; got {self.group_size}.")
+
+    def check_shape(self, shape: tuple[int, ...]) -> str | None:
+        """Why a ``[N, K]`` weight cannot take this scheme, or None."""
+        if len(shape) != 2:
+            return f"a {self.name} weight must be 2-D [N, K]; got {tuple(shape)}"
+        if self.name == "int4_wo" and shape[1] % self.group_size:
+            return f"int4_wo needs K ({shape[1]}) to be a multiple of group_size {self.group_size}"
+        return None
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    # An all-zero row or group quantizes to zeros with scale 1 instead of dividing by zero.
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize_weight(scheme: QuantScheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors ``scheme`` stores for ``weight[N, K]``, by role (see the module docstring)."""
+    problem = scheme.check_shape(tuple(weight.shape))
+    if problem:
+        raise ValueError(problem)
+    w = weight.detach().to(torch.float32)
+    if scheme.name == "int8_wo":
+        scale = _safe(w.abs().amax(dim=1) / _INT8_MAX)
+        qweight = torch.round(w / scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+        return {"qweight": qweight, "scale": scale}
+    if scheme.name == "fp8":
+        amax = w.abs().amax(dim=1) if scheme.per_channel else w.abs().amax().reshape(1)
+        scale = _safe(amax / FP8_MAX)
+        qweight = (w / (scale[:, None] if scheme.per_channel else scale)).clamp_(-FP8_MAX, FP8_MAX)
+        return {"qweight": qweight.to(torch.float8_e4m3fn), "scale": scale}
+    rows, columns = w.shape
+    groups = w.reshape(rows, columns // scheme.group_size, scheme.group_size)
+    low, high = groups.amin(dim=2).clamp(max=0.0), groups.amax(dim=2).clamp(min=0.0)  # zero stays exact
+    scale = _safe((high - low) / _UINT4_MAX)
+    zero = torch.round(-low / scale).clamp_(0, _UINT4_MAX)
+    q = torch.round(groups / scale[..., None] + zero[..., None]).clamp_(0, _UINT4_MAX).to(torch.uint8)
+    return {"qweight": pack_int4(q.reshape(rows, columns)), "scale": scale, "zero": zero.to(torch.uint8)}
+
+
+def dequantize_weight(scheme: QuantScheme, stored: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``w[N, K]`` in ``dtype`` as the scheme's op sees it."""
+    qweight, scale = stored["qweight"], stored["scale"].to(dtype)
+    if scheme.name == "int8_wo":
+        return qweight.to(dtype) * scale[:, None]
+    if scheme.name == "fp8":
+        return qweight.to(dtype) * (scale[:, None] if scale.numel() > 1 else scale)
+    q = unpack_int4(qweight).to(dtype)
+    rows, columns = q.shape
+    group_size = columns // scale.shape[1]
+    groups = q.reshape(rows, -1, group_size) - stored["zero"].to(dtype)[..., None]
+    return (groups * scale[..., None]).reshape(rows, columns)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` values in [0, 15] → uint8 ``[N, K/2]``: ``k = 2j`` in the low nibble of byte ``j``."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: uint8 ``[N, K/2]`` → uint8 ``[N, K]``."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+
+
+def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_q, x_scale)``: float8_e4m3fn values and one float32 scale per token (the last dim reduced)."""
+    x32 = x.to(torch.float32)
+    scale = _safe(x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX)
+    return (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fake_quantize_activations_fp8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through the fp8 op's activation rounding, in ``x``'s dtype (what verification's reference applies)."""
+    x_q, scale = quantize_activations_fp8(x)
+    return (x_q.to(torch.float32) * scale).to(x.dtype)
+
+
+def _check_linear(name: str, x: torch.Tensor, rows: int, columns: int, bias: Optional[torch.Tensor]) -> None:
+    if x.shape[-1] != columns or (bias is not None and bias.shape != (rows,)):
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)} needs K={columns} and bias [N={rows}]; "
+            f"got bias {None if bias is None else tuple(bias.shape)}."
+        )
+
+
+def int8_wo_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``F.linear(x, qweight · scale[:, None], bias)``: int8 weights ``[N, K]`` with a float32 scale per output
+    channel ``[N]``; returns ``[..., N]`` in ``x``'s dtype, computed in float32 (float64 for float64 x)."""
+    _check_linear("int8_wo_linear", x, qweight.shape[0], qweight.shape[1], bias)
+    dtype = compute_dtype(x.dtype)
+    weight = dequantize_weight(QuantScheme("int8_wo"), {"qweight": qweight, "scale": scale}, dtype)
+    return F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype)).to(x.dtype)
+
+
+def int4_wo_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``F.linear(x, (q − zero) · scale, bias)`` over packed 4-bit weights: ``qweight`` uint8 ``[N, K/2]``,
+    ``scale`` float32 and ``zero`` uint8 ``[N, K/G]`` for groups of ``G = K / scale.shape[1]`` inputs;
+    returns ``[..., N]`` in ``x``'s dtype, computed in float32 (float64 for float64 x)."""
+    rows, columns = qweight.shape[0], 2 * qweight.shape[1]
+    _check_linear("int4_wo_linear", x, rows, columns, bias)
+    if scale.shape != zero.shape or scale.dim() != 2 or scale.shape[0] != rows or columns % scale.shape[1]:
+        raise ValueError(
+            f"int4_wo_linear: scale and zero must be [N={rows}, K/G] with G dividing K={columns}; "
+            f"got {tuple(scale.shape)} and {tuple(zero.shape)}."
+        )
+    dtype = compute_dtype(x.dtype)
+    stored = {"qweight": qweight, "scale": scale, "zero": zero}
+    weight = dequantize_weight(QuantScheme("int4_wo", group_size=columns // scale.shape[1]), stored, dtype)
+    return F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype)).to(x.dtype)
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``F.linear(x_q · x_scale, qweight · scale, bias)``: float8_e4m3fn weights ``[N, K]`` with float32 scales
+    per output channel ``[N]`` or per tensor ``[1]``, activations quantized to float8_e4m3fn per token here;
+    returns ``[..., N]`` in ``x``'s dtype, computed in float32 (float64 for float64 x)."""
+    _check_linear("fp8_linear", x, qweight.shape[0], qweight.shape[1], bias)
+    dtype = compute_dtype(x.dtype)
+    x_q, x_scale = quantize_activations_fp8(x)
+    activations = x_q.to(dtype) * x_scale.to(dtype)
+    weight = dequantize_weight(QuantScheme("fp8"), {"qweight": qweight, "scale": scale}, dtype)
+    return F.linear(activations, weight, None if bias is None else bias.to(dtype)).to(x.dtype)
+
+
+def _linear_fake(x, qweight, *rest):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+def _int4_fake(x, qweight, scale, zero, bias):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+_W = torch.linspace(-1.0, 1.0, 32).reshape(4, 8)  # the example inputs register_op checks the fake against
+_INT8, _INT4, _FP8 = (quantize_weight(QuantScheme(name, group_size=4), _W) for name in SCHEMES)
+int8_wo_linear = register_op(
+    "int8_wo_linear", int8_wo_linear_reference, _linear_fake,
+    example_inputs=(torch.ones(2, 8), _INT8["qweight"], _INT8["scale"], torch.zeros(4)),
+)
+int4_wo_linear = register_op(
+    "int4_wo_linear", int4_wo_linear_reference, _int4_fake,
+    example_inputs=(torch.ones(2, 8), _INT4["qweight"], _INT4["scale"], _INT4["zero"], None),
+)
+fp8_linear = register_op(
+    "fp8_linear", fp8_linear_reference, _linear_fake,
+    example_inputs=(torch.ones(2, 8), _FP8["qweight"], _FP8["scale"], torch.zeros(4)),
+)
+OPS = {"int8_wo": torch.ops.autodeploy.int8_wo_linear.default, "int4_wo": torch.ops.autodeploy.int4_wo_linear.default,
+       "fp8": torch.ops.autodeploy.fp8_linear.default}
+
+
+def int8_wo_linear_torch(x, qweight, scale, bias):
+    """gpt-fast's int8 weight-only linear: ``F.linear(x, qweight.to(x.dtype)) * scale`` in ``x``'s dtype."""
+    out = F.linear(x, qweight.to(x.dtype)) * scale.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _native_dtype_supports(x, qweight, *rest, device):
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"computes in x's own dtype, one of float32/float16/bfloat16 (x is {x.dtype})"
+    bias = rest[-1]
+    if bias is not None and bias.dtype != x.dtype:
+        return f"bias dtype {bias.dtype} differs from x's {x.dtype}"
+    return True
+
+
+register_backend("int8_wo_linear", "torch", int8_wo_linear_torch, supports=_native_dtype_supports)

@@ -1,0 +1,106 @@
+"""The quantized linear ops against float64 products over their dequantized weights, and the storage layouts."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.custom_ops.quantized_linear import (
+    FP8_MAX,
+    QuantScheme,
+    dequantize_weight,
+    pack_int4,
+    quantize_activations_fp8,
+    quantize_weight,
+    unpack_int4,
+)
+
+ops = torch.ops.autodeploy
+
+
+def _dot(x: torch.Tensor, weight: torch.Tensor, bias):
+    out = (x.double().unsqueeze(-2) * weight.double()).sum(-1)
+    return out if bias is None else out + bias.double()
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 9), groups=st.integers(1, 3), tokens=st.integers(1, 5), with_bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_each_scheme_equals_a_float64_product_over_its_dequantized_weight(rows, groups, tokens, with_bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    columns = 8 * groups
+    weight = torch.randn(rows, columns, generator=gen)
+    x = torch.randn(tokens, columns, generator=gen)
+    bias = torch.randn(rows, generator=gen) if with_bias else None
+    for scheme in (QuantScheme("int8_wo"), QuantScheme("int4_wo", group_size=8), QuantScheme("fp8"),
+                   QuantScheme("fp8", per_channel=False)):
+        stored = quantize_weight(scheme, weight)
+        dequantized = dequantize_weight(scheme, stored, torch.float64)
+        if scheme.name == "fp8":
+            x_q, x_scale = quantize_activations_fp8(x)
+            activations = x_q.double() * x_scale.double()
+            got = ops.fp8_linear(x, stored["qweight"], stored["scale"], bias)
+        elif scheme.name == "int8_wo":
+            activations = x
+            got = ops.int8_wo_linear(x, stored["qweight"], stored["scale"], bias)
+        else:
+            activations = x
+            got = ops.int4_wo_linear(x, stored["qweight"], stored["scale"], stored["zero"], bias)
+        torch.testing.assert_close(got.double(), _dot(activations, dequantized, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_rounding_is_the_declared_one():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 256, generator=gen, dtype=torch.float64)
+    int8 = quantize_weight(QuantScheme("int8_wo"), weight)
+    # symmetric: at most half a step per element, the largest |w| of each row exact
+    error = (dequantize_weight(QuantScheme("int8_wo"), int8, torch.float64) - weight).abs()
+    assert (error <= int8["scale"].double()[:, None] / 2 + 1e-7).all()
+    assert int8["qweight"].abs().amax(dim=1).eq(127).all()
+    int4 = quantize_weight(QuantScheme("int4_wo", group_size=64), weight)
+    error = (dequantize_weight(QuantScheme("int4_wo", group_size=64), int4, torch.float64) - weight).abs()
+    step = int4["scale"].double().repeat_interleave(64, dim=1)
+    assert (error <= step / 2 + 1e-6).all()
+    assert int4["zero"].max() <= 15 and int4["scale"].shape == (16, 4)
+    fp8 = quantize_weight(QuantScheme("fp8"), weight)
+    relative = (dequantize_weight(QuantScheme("fp8"), fp8, torch.float64) - weight).abs() / weight.abs()
+    assert relative[weight.abs() > fp8["scale"].double()[:, None] * 2**-6].max() <= 2**-4  # 3 mantissa bits
+    assert fp8["qweight"].float().abs().amax(dim=1).eq(FP8_MAX).all()
+
+
+@given(st.lists(st.integers(0, 15), min_size=2, max_size=64).filter(lambda v: len(v) % 2 == 0))
+def test_packed_int4_round_trips(values):
+    q = torch.tensor(values, dtype=torch.uint8).reshape(1, -1)
+    packed = pack_int4(q)
+    assert packed.shape == (1, len(values) // 2) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    assert int(packed[0, 0]) == values[0] | (values[1] << 4)  # the even k in the low nibble
+
+
+def test_an_all_zero_row_stays_zero_and_finite():
+    weight = torch.zeros(2, 16)
+    weight[1] = torch.arange(16.0)
+    for scheme in (QuantScheme("int8_wo"), QuantScheme("int4_wo", group_size=8), QuantScheme("fp8")):
+        back = dequantize_weight(scheme, quantize_weight(scheme, weight))
+        assert torch.isfinite(back).all() and torch.equal(back[0], torch.zeros(16))
+
+
+def test_bad_schemes_and_shapes_are_value_errors():
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int3'"):
+        QuantScheme("int3")
+    with pytest.raises(ValueError, match="multiple of group_size 128"):
+        quantize_weight(QuantScheme("int4_wo"), torch.randn(4, 100))
+    with pytest.raises(ValueError, match="even number"):
+        QuantScheme("int4_wo", group_size=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_torch_backend_matches_the_reference(dtype):
+    gen = torch.Generator().manual_seed(1)
+    stored = quantize_weight(QuantScheme("int8_wo"), torch.randn(24, 64, generator=gen))
+    x, bias = torch.randn(5, 64, generator=gen).to(dtype), torch.randn(24, generator=gen).to(dtype)
+    want = ops.int8_wo_linear(x, stored["qweight"], stored["scale"], bias).float()
+    got = ops.int8_wo_linear_torch(x, stored["qweight"], stored["scale"], bias).float()
+    assert got.dtype == want.dtype
+    assert (got - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)

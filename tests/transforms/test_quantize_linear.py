@@ -1,0 +1,123 @@
+"""``quantize_linear``: per-layer schemes on the tiny models, token-identical to Hugging Face over the same
+quantized weights, and the bad inputs of the ``quantize`` settings."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from autodeploy import SamplingParams, autodeploy
+from autodeploy.cli.main import main
+from autodeploy.custom_ops.quantized_linear import QuantScheme, dequantize_weight, quantize_weight
+from autodeploy.errors import ConfigError
+from tests.runtime.test_engine import hf_greedy, random_prompts
+from tests.tiny_models import tiny_hf_model
+
+QUANTIZED_OPS = {"int8_wo": "int8_wo_linear", "int4_wo": "int4_wo_linear", "fp8": "fp8_linear"}
+
+
+def quantized_ops(llm) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in llm.graph.graph.nodes:
+        name = str(node.target).removeprefix("autodeploy.").split(".")[0]
+        for scheme, op in QUANTIZED_OPS.items():
+            if node.op == "call_function" and name.startswith(op):
+                counts[scheme] = counts.get(scheme, 0) + 1
+    return counts
+
+
+def quantize_hf_weights(model: nn.Module, scheme: QuantScheme) -> nn.Module:
+    """The HF model with every projection replaced by its dequantized weight (the LM head too unless it is
+    tied to the embedding): the function a weight-only deploy must serve exactly."""
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and not (tied and name == "lm_head"):
+                module.weight.copy_(dequantize_weight(scheme, quantize_weight(scheme, module.weight)))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("scheme", ["int8_wo", "int4_wo"])
+def test_weight_only_deploys_generate_what_hf_generates_over_the_same_quantized_weights(tiny_checkpoint, arch, scheme):
+    llm = autodeploy(str(tiny_checkpoint(arch)), device="cpu", quantize={"default": scheme, "int4_group_size": 32})
+    hf = tiny_hf_model(arch)
+    untied_head = hf.lm_head.weight is not hf.get_input_embeddings().weight
+    assert quantized_ops(llm) == {scheme: 2 * 7 + untied_head}  # q, k, v, o, gate, up, down a layer
+    hf = quantize_hf_weights(hf, QuantScheme(scheme, group_size=32))
+    prompts = random_prompts(6, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for prompt, output in zip(prompts, llm.generate(prompts, params)):
+        assert output.token_ids == hf_greedy(hf, prompt, 8)
+    assert llm.verification.relative_error <= 1e-4  # against the quantized reference, at float32's tolerance
+
+
+def test_fp8_deploys_verify_against_a_reference_that_rounds_its_activations_too(tiny_checkpoint):
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "fp8"})
+    assert quantized_ops(llm) == {"fp8": 14}
+    assert "fp8 activations" in llm.verification.note
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6
+
+
+def test_a_mixed_config_applies_each_layers_scheme_as_inspect_shows(tiny_checkpoint, capsys):
+    layers = '{"layers.0.self_attn.*": fp8, "*.mlp.down_proj": none, "*.mlp.*": int4_wo}'
+    code = main(["inspect", str(tiny_checkpoint("llama")), "--set", "quantize.default=int8_wo",
+                 "--set", f"quantize.layers={layers}", "--set", "quantize.int4_group_size=32"])
+    assert code in (0, None)
+    shown = dict(line.strip().split(": ") for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("  model.layers."))
+    expected = {}
+    for layer in (0, 1):
+        for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            expected[f"model.layers.{layer}.self_attn.{projection}"] = "fp8" if layer == 0 else "int8_wo"
+        expected[f"model.layers.{layer}.mlp.gate_proj"] = expected[f"model.layers.{layer}.mlp.up_proj"] = "int4_wo"
+    assert shown == expected  # down_proj: none, so not listed; the tied LM head is not quantized
+
+
+def test_a_checkpoint_and_random_weights_quantize_alike(tiny_checkpoint):
+    built = autodeploy(str(tiny_checkpoint("mistral")), device="cpu", weights="random", quantize={"default": "int8_wo"})
+    assert quantized_ops(built) == {"int8_wo": 15}  # 7 a layer and the (untied) LM head
+    assert all(torch.isfinite(t).all() for t in built.logits([[3, 4, 5]]))
+
+
+def test_moe_routers_and_experts_stay_unquantized_and_attention_is_quantized(tiny_checkpoint):
+    llm = autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", quantize={"default": "int8_wo"})
+    assert quantized_ops(llm) == {"int8_wo": 9}  # q, k, v, o of two layers and the LM head
+    report = llm.pipeline_report()
+    assert "MoE router" in report and "block_sparse_moe" not in report.split("quantize_linear:")[1].split("kept")[0]
+    assert any("moe" in str(node.target) for node in llm.graph.graph.nodes)
+
+
+def test_a_quantized_deployment_saves_and_reloads_with_identical_logits(tiny_checkpoint, tmp_path):
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "int4_wo", "int4_group_size": 32,
+                                                                             "layers": {"*.self_attn.*": "fp8"}})
+    reloaded = autodeploy(str(llm.save(tmp_path / "quantized")))
+    sequences = [[3, 4, 5, 6], list(range(10, 40))]
+    for want, got in zip(llm.logits(sequences), reloaded.logits(sequences)):
+        assert torch.equal(want, got)
+    assert quantized_ops(reloaded) == quantized_ops(llm) == {"fp8": 8, "int4_wo": 6}
+
+
+def test_an_unknown_scheme_is_a_config_error_before_anything_is_built(tiny_checkpoint):
+    with pytest.raises(ConfigError, match=r"quantize.default: unknown quantization scheme 'int3'.*int8_wo"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "int3"})
+    with pytest.raises(ConfigError, match=r"quantize.layers\['lm_head'\]: unknown quantization scheme 'fp4'"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"layers": {"lm_head": "fp4"}})
+    with pytest.raises(ConfigError, match="fp8_weight_scale must be 'channel' or 'tensor'"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "fp8", "fp8_weight_scale": "row"})
+
+
+def test_a_glob_that_matches_nothing_is_a_warning_naming_it(tiny_checkpoint, caplog):
+    with caplog.at_level(logging.WARNING):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"layers": {"*.attn.q*": "int8_wo"}})
+    assert "quantize.layers['*.attn.q*'] matches no quantizable layer" in caplog.text
+
+
+def test_a_group_size_that_does_not_divide_the_layer_is_a_config_error_naming_it(tiny_checkpoint):
+    with pytest.raises(ConfigError, match=r"model.layers.0.self_attn.q_proj: int4_wo needs K \(64\) to be a multiple of "
+                                          r"group_size 48"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "int4_wo", "int4_group_size": 48})

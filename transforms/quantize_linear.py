@@ -1,0 +1,260 @@
+"""``quantize_linear`` (stage ``quantize``): projections become quantized ops, scheme by scheme per layer.
+
+Reads the ``quantize`` settings: ``default`` (the scheme of every projection no rule names) and
+``layers`` (globs over module paths, first match wins; ``none`` keeps a layer in the model's dtype).
+A module path is the Hugging Face module's name, matched with or without the base model's prefix:
+``model.layers.0.mlp.gate_proj`` is also ``layers.0.mlp.gate_proj``, so ``"*.mlp.*"`` and ``"layers.0.*"``
+both name it; the LM head is ``lm_head``.
+
+```yaml
+quantize:
+  default: int8_wo
+  layers: {"lm_head": none, "*.mlp.*": int4_wo}
+```
+
+Every canonical ``linear`` whose weight the graph reads straight from the module becomes the scheme's op
+(``custom_ops/quantized_linear.py``); a ``gated_mlp`` or ``mlp`` with a quantized projection is split
+into its projections (each quantized by its own rule, or a plain ``linear``) and its activation. The
+stage runs before ``load_weights``, on the meta graph: the float weight leaves the module, the scheme's
+tensors (meta for now) take its place, and ``context.state["quantized_weights"]`` records which
+checkpoint weight each is computed from, so ``load_weights`` quantizes every weight as it streams in
+(no float copy of the model is ever whole). A weight read by any other node (tied to the embedding)
+stays in the model's dtype, as do MoE routers and experts (experts are not quantized by this stage).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.fx import GraphModule
+
+from autodeploy.custom_ops.quantized_linear import OPS, QuantScheme, quantize_weight
+from autodeploy.errors import ConfigError
+from autodeploy.transforms.shape_propagation import propagate_shapes
+from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+
+logger = logging.getLogger(__name__)
+
+LINEAR = torch.ops.autodeploy.linear.default
+GATED_MLP = torch.ops.autodeploy.gated_mlp.default
+MLP = torch.ops.autodeploy.mlp.default
+MOE = torch.ops.autodeploy.moe.default
+NONE = "none"
+STATE_KEY = "quantized_weights"
+_WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
+_ACTIVATIONS = {
+    "silu": (torch.ops.aten.silu.default, {}),
+    "gelu_tanh": (torch.ops.aten.gelu.default, {"approximate": "tanh"}),
+    "gelu": (torch.ops.aten.gelu.default, {}),
+    "relu": (torch.ops.aten.relu.default, {}),
+}
+_ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero"}  # stored tensor → attribute
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One weight the stage quantized: ``source`` (its graph name before, e.g. ``model.model.layers.0.mlp.up_proj.weight``),
+    its float ``shape``, the ``scheme`` and the graph names of the tensors the scheme stores, by role."""
+
+    source: str
+    path: str
+    shape: tuple[int, ...]
+    scheme: QuantScheme
+    targets: dict[str, str]
+
+
+@dataclass
+class QuantizeLinearConfig(TransformConfig):
+    stage: str = "quantize"
+
+
+def parse_plan(settings) -> tuple[QuantScheme | None, list[tuple[str, QuantScheme | None]]]:
+    """(default scheme, [(glob, scheme)]) from the ``quantize`` settings; ``None`` is ``none``. Unknown scheme
+    names and bad options are ``ConfigError``s naming the key."""
+
+    def scheme(name, where: str) -> QuantScheme | None:
+        if not isinstance(name, str):
+            raise ConfigError(f"{where} must be a scheme name; got {name!r}")
+        if name == NONE:
+            return None
+        try:
+            return QuantScheme(name, group_size=int(settings.int4_group_size), per_channel=settings.fp8_weight_scale == "channel")
+        except ValueError as error:
+            raise ConfigError(f"{where}: {error}") from error
+
+    if settings.fp8_weight_scale not in ("channel", "tensor"):
+        raise ConfigError(f"quantize.fp8_weight_scale must be 'channel' or 'tensor'; got {settings.fp8_weight_scale!r}")
+    rules = [(str(glob), scheme(name, f"quantize.layers[{glob!r}]")) for glob, name in dict(settings.layers).items()]
+    return scheme(settings.default, "quantize.default"), rules
+
+
+def module_path(weight_target: str) -> str:
+    """The Hugging Face module that owns a graph weight: ``model.model.layers.0.mlp.up_proj.weight`` →
+    ``model.layers.0.mlp.up_proj``."""
+    return weight_target.removeprefix(_WRAPPER).rpartition(".")[0]
+
+
+def _matches(glob: str, path: str) -> bool:
+    return fnmatch.fnmatchcase(path, glob) or ("." in path and fnmatch.fnmatchcase(path.partition(".")[2], glob))
+
+
+class _Planner:
+    """Decides a scheme per weight and remembers which rules matched something."""
+
+    def __init__(self, default: QuantScheme | None, rules: list[tuple[str, QuantScheme | None]]):
+        self.default, self.rules, self.used = default, rules, set()
+
+    def scheme_for(self, path: str) -> QuantScheme | None:
+        for glob, scheme in self.rules:
+            if _matches(glob, path):
+                self.used.add(glob)
+                return scheme
+        return self.default
+
+
+class _Rewriter:
+    def __init__(self, gm: GraphModule):
+        self.gm = gm
+        self.graph = gm.graph
+        aliases: dict[int, int] = {}
+        for _, parameter in gm.named_parameters(remove_duplicate=False):
+            aliases[id(parameter)] = aliases.get(id(parameter), 0) + 1
+        self.shared = {name for name, p in gm.named_parameters(remove_duplicate=False) if aliases[id(p)] > 1}
+        self.records: list[QuantizedWeight] = []
+
+    def own_weight(self, node) -> torch.Tensor | None:
+        """The 2-D parameter a get_attr node reads, when nothing else reads it (under any name)."""
+        if not isinstance(node, fx.Node) or node.op != "get_attr" or len(node.users) != 1 or node.target in self.shared:
+            return None
+        try:
+            tensor = self.gm.get_parameter(node.target)
+        except AttributeError:
+            return None
+        return tensor if tensor.dim() == 2 else None
+
+    def quantized_linear(self, x: fx.Node, weight_node: fx.Node, bias: fx.Node | None, scheme: QuantScheme) -> fx.Node:
+        """A node of ``scheme``'s op over new (meta) parameters in place of ``weight_node``'s."""
+        source = weight_node.target
+        weight = self.gm.get_parameter(source)
+        stored = quantize_weight(scheme, weight.to("meta"))
+        owner_path, _, leaf = source.rpartition(".")
+        owner = self.gm.get_submodule(owner_path)
+        prefix = "" if leaf == "weight" else f"{leaf}_"
+        targets, nodes = {}, []
+        for role, tensor in stored.items():
+            attribute = prefix + _ROLES[role]
+            owner.register_parameter(attribute, nn.Parameter(tensor, requires_grad=False))
+            targets[role] = f"{owner_path}.{attribute}"
+            nodes.append(self.graph.get_attr(targets[role]))
+        delattr(owner, leaf)
+        out = self.graph.call_function(OPS[scheme.name], (x, *nodes, bias))
+        self.records.append(QuantizedWeight(source, module_path(source), tuple(weight.shape), scheme, targets))
+        return out
+
+    def projection(self, x: fx.Node, weight_node: fx.Node, bias: fx.Node | None, scheme: QuantScheme | None) -> fx.Node:
+        if scheme is None:
+            return self.graph.call_function(LINEAR, (x, weight_node, bias))
+        return self.quantized_linear(x, weight_node, bias, scheme)
+
+    def activation(self, name: str, gate: fx.Node, up: fx.Node | None) -> fx.Node:
+        op, kwargs = _ACTIVATIONS[name]
+        activated = self.graph.call_function(op, (gate,), kwargs)
+        return activated if up is None else self.graph.call_function(torch.ops.aten.mul.Tensor, (activated, up))
+
+
+def _routes_experts(node: fx.Node, depth: int = 4) -> bool:
+    """Whether ``node``'s value reaches a ``moe`` op as its router logits (through reshapes and casts). A
+    router stays in the model's dtype: its near-tied logits pick the experts, and it is a sliver of the
+    weights."""
+    for user in node.users:
+        if user.target is MOE and len(user.args) > 1 and user.args[1] is node:
+            return True
+        if depth and user.op == "call_function" and len(user.users) == 1 and _routes_experts(user, depth - 1):
+            return True
+    return False
+
+
+def _copy_meta(new: fx.Node, old: fx.Node) -> None:
+    new.meta.update({k: v for k, v in old.meta.items() if k != "val"})  # values: propagate_shapes
+
+
+@register_transform("quantize_linear")
+class QuantizeLinear(Transform):
+    config_class = QuantizeLinearConfig
+
+    def validate(self, context: TransformContext) -> None:
+        parse_plan(context.settings.quantize)
+
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
+        default, rules = parse_plan(context.settings.quantize)
+        if default is None and all(scheme is None for _, scheme in rules):
+            return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")
+        planner, rewriter = _Planner(default, rules), _Rewriter(module)
+        kept, split = [], 0
+        for node in list(module.graph.nodes):
+            if node.op != "call_function" or node.target not in (LINEAR, GATED_MLP, MLP):
+                continue
+            if node.target is LINEAR:
+                weights = {"": node.args[1]}
+            elif node.target is GATED_MLP:
+                weights = dict(zip(("gate", "up", "down"), node.args[1:4]))
+            else:
+                weights = {"up": node.args[1], "down": node.args[3]}
+            if any(rewriter.own_weight(w) is None for w in weights.values()) or _routes_experts(node):
+                kept.append(node.name)
+                continue
+            schemes = {role: planner.scheme_for(module_path(w.target)) for role, w in weights.items()}
+            if all(s is None for s in schemes.values()):
+                continue
+            problems = [s.check_shape(tuple(module.get_parameter(weights[r].target).shape)) for r, s in schemes.items() if s]
+            if any(problems):
+                raise ConfigError(f"quantize: {module_path(next(iter(weights.values())).target)}: "
+                                  f"{next(p for p in problems if p)}; name another scheme for it under quantize.layers")
+            with module.graph.inserting_before(node):
+                out = self._rewrite(rewriter, node, weights, schemes)
+            _copy_meta(out, node)
+            node.replace_all_uses_with(out)
+            module.graph.erase_node(node)
+            for weight in weights.values():
+                if not weight.users:
+                    module.graph.erase_node(weight)
+            split += node.target is not LINEAR
+        for glob, _ in rules:
+            if glob not in planner.used:
+                logger.warning("quantize.layers[%r] matches no quantizable layer of this model; check the module paths "
+                               "(e.g. 'layers.0.mlp.gate_proj', 'lm_head')", glob)
+        module.graph.lint()
+        module.recompile()
+        if rewriter.records:
+            propagate_shapes(module)
+        context.state[STATE_KEY] = {r.source: r for r in rewriter.records}
+        counts: dict[str, int] = {}
+        for record in rewriter.records:
+            counts[record.scheme.name] = counts.get(record.scheme.name, 0) + 1
+        details = [f"{r.path}: {r.scheme.name}" for r in rewriter.records]
+        if kept:
+            details.append(f"kept in the model's dtype (a weight shared or not read straight from the module, or an "
+                           f"MoE router): {', '.join(kept)}")
+        return TransformResult(
+            matches=len(rewriter.records), changed=bool(rewriter.records),
+            notes=", ".join(f"{n} {scheme}" for scheme, n in sorted(counts.items())) + (f"; {split} MLPs split" if split else ""),
+            details=details,
+        )
+
+    @staticmethod
+    def _rewrite(rewriter: _Rewriter, node: fx.Node, weights: dict, schemes: dict) -> fx.Node:
+        x = node.args[0]
+        if node.target is LINEAR:
+            return rewriter.projection(x, weights[""], node.args[2], schemes[""])
+        if node.target is GATED_MLP:
+            gate = rewriter.projection(x, weights["gate"], None, schemes["gate"])
+            up = rewriter.projection(x, weights["up"], None, schemes["up"])
+            hidden = rewriter.activation(node.args[4], gate, up)
+            return rewriter.projection(hidden, weights["down"], None, schemes["down"])
+        up = rewriter.projection(x, weights["up"], node.args[2], schemes["up"])
+        hidden = rewriter.activation(node.args[5], up, None)
+        return rewriter.projection(hidden, weights["down"], node.args[4], schemes["down"])
