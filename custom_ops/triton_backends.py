@@ -1,8 +1,9 @@
 """The ``triton`` backends of ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``rope``, ``gated_mlp``,
-``fused_gated_mlp`` (also ``triton_skinny``) and ``linear`` (a few-row GEMM): registration only.
+``fused_gated_mlp`` (also ``triton_skinny``), ``linear`` (a few-row GEMM) and the weight-only quantized
+linears (dequantising GEMVs): registration only.
 
 The kernels live in ``custom_ops/triton/`` (``norms.py``, ``rope.py``, ``gated_activation.py``,
-``skinny_gemm.py``); each
+``skinny_gemm.py``, ``quantized_gemv.py``); each
 backend below imports its kernel module on its first call, not here: Triton decides at kernel
 definition whether to interpret (``TRITON_INTERPRET``), and importing the ops must neither fix that
 choice nor need Triton. For the same reason each ``supports`` restates its kernel's limits instead of
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from . import add_rms_norm, fused_gated_mlp, gated_mlp, layer_norm, linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from . import add_rms_norm, fused_gated_mlp, gated_mlp, layer_norm, linear, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
 from .registry import register_backend
 from .triton import triton_unavailable
 
@@ -176,6 +177,32 @@ def _linear_supports(x, weight, bias, *, device):
     return _skinny_unsupported(x, weight) or True
 
 
+def _int8_wo_linear_triton(x, qweight, scale, bias):
+    from .triton.quantized_gemv import int8_wo_gemv
+
+    return int8_wo_gemv(x, qweight, scale, bias)
+
+
+def _int4_wo_linear_triton(x, qweight, scale, zero, bias):
+    from .triton.quantized_gemv import int4_wo_gemv
+
+    return int4_wo_gemv(x, qweight, scale, zero, bias)
+
+
+def _weight_only_supports(x, qweight, scale, *rest, device):
+    # quantized_gemv.unsupported, restated: x in a float dtype, the bias in x's, int4 groups a power of two
+    reason = _unsupported_dtypes(device, x, bias=rest[-1])
+    if reason:
+        return reason
+    if not all(t.is_contiguous() for t in (qweight, scale, *rest[:-1])):
+        return "needs the quantized weight, scales and zero points contiguous"
+    if rest[:-1]:
+        group_size = 2 * qweight.shape[1] // scale.shape[1]
+        if group_size & (group_size - 1):
+            return f"int4 groups of a power of two inputs (group_size {group_size})"
+    return True
+
+
 register_backend("rms_norm", "triton", _rms_norm_triton, supports=_rms_norm_supports)
 register_backend("add_rms_norm", "triton", _add_rms_norm_triton, supports=_add_rms_norm_supports)
 register_backend("layer_norm", "triton", _layer_norm_triton, supports=_layer_norm_supports)
@@ -183,6 +210,8 @@ register_backend("rope", "triton", _rope_triton, supports=_rope_supports)
 register_backend("gated_mlp", "triton", _gated_mlp_triton, supports=_gated_mlp_supports)
 register_backend("fused_gated_mlp", "triton", _fused_gated_mlp_triton, supports=_fused_gated_mlp_supports)
 register_backend("linear", "triton", _linear_triton, supports=_linear_supports)
+register_backend("int8_wo_linear", "triton", _int8_wo_linear_triton, supports=_weight_only_supports)
+register_backend("int4_wo_linear", "triton", _int4_wo_linear_triton, supports=_weight_only_supports)
 register_backend(
     "fused_gated_mlp", "triton_skinny", _fused_gated_mlp_skinny, supports=_fused_gated_mlp_skinny_supports
 )

@@ -104,3 +104,57 @@ def test_the_int8_torch_backend_matches_the_reference(dtype):
     got = ops.int8_wo_linear_torch(x, stored["qweight"], stored["scale"], bias).float()
     assert got.dtype == want.dtype
     assert (got - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+# The dequantising GEMV kernels (custom_ops/triton/quantized_gemv.py): in Triton's interpreter on the CPU
+# (tests/conftest.py sets TRITON_INTERPRET), on the GPU where there is one. Shapes reach the masked edges:
+# widths that do not fill a block of 16 rows, depths that do not fill a 512-column step (int8). Their
+# loops run to a runtime bound, which the interpreter needs the paged-attention tests' fixture for.
+from tests.custom_ops.test_paged_attention_triton import DEVICE, interpreter_loops_with_numpy_2_4  # noqa: E402, F401
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "with_bias"), [(1, 40, 96, True), (3, 16, 600, False)])
+def test_the_int8_gemv_kernel_matches_the_reference(dtype, rows, out_features, in_features, with_bias):
+    from autodeploy.custom_ops.triton.quantized_gemv import int8_wo_gemv
+
+    gen = torch.Generator().manual_seed(rows)
+    stored = {k: v.to(DEVICE) for k, v in quantize_weight(QuantScheme("int8_wo"), torch.randn(out_features, in_features, generator=gen)).items()}
+    x = torch.randn(rows, in_features, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(out_features, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    want = ops.int8_wo_linear(x, stored["qweight"], stored["scale"], bias).double()
+    got = int8_wo_gemv(x, stored["qweight"], stored["scale"], bias)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "group_size", "with_bias"),
+                         [(1, 40, 128, 32, True), (2, 16, 256, 128, False), (1, 8, 64, 2, False)])
+def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, in_features, group_size, with_bias):
+    from autodeploy.custom_ops.triton.quantized_gemv import int4_wo_gemv
+
+    gen = torch.Generator().manual_seed(group_size)
+    scheme = QuantScheme("int4_wo", group_size=group_size)
+    stored = {k: v.to(DEVICE) for k, v in quantize_weight(scheme, torch.randn(out_features, in_features, generator=gen)).items()}
+    x = (torch.randn(rows, 1, in_features, generator=gen) + 0.5).to(dtype).to(DEVICE)  # Σx ≠ 0: the zero points count
+    bias = torch.randn(out_features, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    want = ops.int4_wo_linear(x, stored["qweight"], stored["scale"], stored["zero"], bias).double()
+    got = int4_wo_gemv(x, stored["qweight"], stored["scale"], stored["zero"], bias)
+    assert got.dtype == dtype and got.shape == want.shape == (rows, 1, out_features)
+    assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_the_triton_backends_serve_cuda_deploys_only_and_name_what_they_cannot_take():
+    from autodeploy.custom_ops import candidates
+
+    int4 = next(b for b in candidates("int4_wo_linear") if b.name == "triton")
+    meta = dict(device="meta")
+    x = torch.empty(1, 256, dtype=torch.bfloat16, **meta)
+    args = (x, torch.empty(64, 128, dtype=torch.uint8, **meta), torch.empty(64, 2, **meta),
+            torch.empty(64, 2, dtype=torch.uint8, **meta), None)
+    assert int4.check(args, torch.device("cuda")) is None
+    assert "CUDA" in int4.check(args, torch.device("cpu"))
+    odd_groups = (x[:, :192], torch.empty(64, 96, dtype=torch.uint8, **meta), torch.empty(64, 2, **meta),
+                  torch.empty(64, 2, dtype=torch.uint8, **meta), None)
+    assert "power of two" in int4.check(odd_groups, torch.device("cuda"))
