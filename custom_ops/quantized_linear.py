@@ -226,3 +226,34 @@ def _native_dtype_supports(x, qweight, *rest, device):
 
 
 register_backend("int8_wo_linear", "torch", int8_wo_linear_torch, supports=_native_dtype_supports)
+
+
+def fp8_linear_torch(x, qweight, scale, bias):
+    """``fp8_linear`` with ``torch._scaled_mm`` (CUTLASS/cuBLASLt on Hopper): activations quantized per token
+    here, the product scaled by the token's and the output channel's scales (row-wise scaling)."""
+    out_features, in_features = qweight.shape
+    rows = x.reshape(-1, in_features)
+    x_q, x_scale = quantize_activations_fp8(rows)
+    weight_scale = scale.reshape(1, -1).expand(1, out_features).contiguous()
+    out = torch._scaled_mm(x_q, qweight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], out_features)
+
+
+def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
+    if device.type == "cuda":
+        if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
+            return "float8 matmuls need compute capability 8.9 or later (Ada, Hopper)"
+        if x.dtype != torch.bfloat16:
+            return f"row-wise scaled fp8 matmuls on CUDA write bfloat16 (x is {x.dtype})"
+        if qweight.shape[0] % 16 or qweight.shape[1] % 16:
+            return f"needs N and K multiples of 16 (weight {tuple(qweight.shape)})"
+    elif x.dtype not in (torch.float32, torch.bfloat16):
+        return f"computes in float32 or bfloat16 (x is {x.dtype})"
+    if bias is not None and bias.dtype != x.dtype:
+        return f"bias dtype {bias.dtype} differs from x's {x.dtype}"
+    return True
+
+
+register_backend("fp8_linear", "torch", fp8_linear_torch, supports=_fp8_scaled_mm_supports)

@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 
 from autodeploy.autotuner import relative_error, tolerance
 from autodeploy.custom_ops import canonical_ops
+from autodeploy.custom_ops.quantized_linear import QuantScheme, quantize_weight
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,10 +45,15 @@ def inputs(op: str, tokens: int, dtype: torch.dtype) -> tuple:
         experts, inner = 8, 2048
         return (x[0], torch.randn(tokens, experts, device="cuda", dtype=dtype), weight(experts, 2 * inner, HIDDEN, dtype=dtype),
                 weight(experts, HIDDEN, inner, dtype=dtype), 2)
+    if op in QUANTIZED:
+        stored = quantize_weight(QuantScheme(QUANTIZED[op]), weight(HIDDEN, HIDDEN, dtype=torch.float32))
+        return (x, *stored.values(), None)
     raise KeyError(op)
 
 
-OPS = ("linear", "rms_norm", "add_rms_norm", "layer_norm", "rope", "gated_mlp", "fused_gated_mlp", "mlp", "moe")
+QUANTIZED = {"int8_wo_linear": "int8_wo", "int4_wo_linear": "int4_wo", "fp8_linear": "fp8"}
+OPS = ("linear", "rms_norm", "add_rms_norm", "layer_norm", "rope", "gated_mlp", "fused_gated_mlp", "mlp", "moe",
+       *QUANTIZED)
 CASES = [(op, backend.name) for op in OPS for backend in canonical_ops()[op].backends]
 
 

@@ -158,3 +158,15 @@ def test_the_triton_backends_serve_cuda_deploys_only_and_name_what_they_cannot_t
     odd_groups = (x[:, :192], torch.empty(64, 96, dtype=torch.uint8, **meta), torch.empty(64, 2, **meta),
                   torch.empty(64, 2, dtype=torch.uint8, **meta), None)
     assert "power of two" in int4.check(odd_groups, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_the_fp8_scaled_mm_backend_matches_the_reference(dtype, per_channel):
+    gen = torch.Generator().manual_seed(2)
+    stored = quantize_weight(QuantScheme("fp8", per_channel=per_channel), torch.randn(32, 64, generator=gen))
+    x, bias = torch.randn(2, 3, 64, generator=gen).to(dtype), torch.randn(32, generator=gen).to(dtype)
+    want = ops.fp8_linear(x, stored["qweight"], stored["scale"], bias).double()
+    got = ops.fp8_linear_torch(x, stored["qweight"], stored["scale"], bias)
+    assert got.dtype == dtype and got.shape == want.shape == (2, 3, 32)
+    assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
