@@ -225,7 +225,16 @@ def _native_dtype_supports(x, qweight, *rest, device):
     return True
 
 
+def int4_wo_linear_torch(x, qweight, scale, zero, bias):
+    """The weight dequantized into ``x``'s dtype, then ``F.linear`` (cuBLAS on GPUs): a weight-sized temporary
+    a call, the fallback for row counts past the dequantising GEMV's."""
+    group_size = 2 * qweight.shape[1] // scale.shape[1]
+    weight = dequantize_weight(QuantScheme("int4_wo", group_size=group_size), {"qweight": qweight, "scale": scale, "zero": zero}, x.dtype)
+    return F.linear(x, weight, bias)
+
+
 register_backend("int8_wo_linear", "torch", int8_wo_linear_torch, supports=_native_dtype_supports)
+register_backend("int4_wo_linear", "torch", int4_wo_linear_torch, supports=_native_dtype_supports)
 
 
 def fp8_linear_torch(x, qweight, scale, bias):

@@ -96,6 +96,17 @@ def test_bad_schemes_and_shapes_are_value_errors():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int4_torch_backend_matches_the_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    stored = quantize_weight(QuantScheme("int4_wo", group_size=16), torch.randn(24, 64, generator=gen))
+    x, bias = torch.randn(5, 64, generator=gen).to(dtype), torch.randn(24, generator=gen).to(dtype)
+    want = ops.int4_wo_linear(x, *stored.values(), bias).float()
+    got = ops.int4_wo_linear_torch(x, *stored.values(), bias)
+    assert got.dtype == dtype
+    assert (got.float() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_int8_torch_backend_matches_the_reference(dtype):
     gen = torch.Generator().manual_seed(1)
     stored = quantize_weight(QuantScheme("int8_wo"), torch.randn(24, 64, generator=gen))
