@@ -187,7 +187,13 @@ class QuantizeLinear(Transform):
     config_class = QuantizeLinearConfig
 
     def validate(self, context: TransformContext) -> None:
-        parse_plan(context.settings.quantize)
+        default, rules = parse_plan(context.settings.quantize)
+        device = torch.device(context.settings.device)
+        fp8 = any(scheme is not None and scheme.name == "fp8" for scheme in [default, *(s for _, s in rules)])
+        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ConfigError(f"quantize: fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); this one is "
+                              f"{major}.{minor}. Use int8_wo or int4_wo, which run on any GPU")
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         default, rules = parse_plan(context.settings.quantize)

@@ -121,3 +121,17 @@ def test_a_group_size_that_does_not_divide_the_layer_is_a_config_error_naming_it
     with pytest.raises(ConfigError, match=r"model.layers.0.self_attn.q_proj: int4_wo needs K \(64\) to be a multiple of "
                                           r"group_size 48"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "int4_wo", "int4_group_size": 48})
+
+
+def test_fp8_on_a_gpu_without_fp8_is_a_config_error_naming_schemes_that_work(monkeypatch):
+    from types import SimpleNamespace
+
+    from autodeploy.config import QuantizeSettings
+    from autodeploy.transforms.quantize_linear import QuantizeLinear, QuantizeLinearConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    context = SimpleNamespace(settings=SimpleNamespace(device="cuda", quantize=QuantizeSettings(layers={"*.mlp.*": "fp8"})))
+    with pytest.raises(ConfigError, match=r"fp8 needs a GPU of compute capability 8.9.*8.0. Use int8_wo or int4_wo"):
+        QuantizeLinear(QuantizeLinearConfig()).validate(context)
+    context.settings.quantize = QuantizeSettings(default="int8_wo")
+    QuantizeLinear(QuantizeLinearConfig()).validate(context)  # weight-only schemes run anywhere
