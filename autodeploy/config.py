@@ -103,16 +103,28 @@ class CompileSettings:
 
 
 @dataclass
+class CalibrationSettings:
+    """The text activation-aware schemes (``int4_awq``) calibrate on (``autodeploy/models/calibration.py``):
+    ``builtin`` (Python standard-library modules) or a text / JSONL file; ``samples`` windows of ``seq_len`` tokens."""
+
+    dataset: str = "builtin"
+    samples: int = 128
+    seq_len: int = 512
+
+
+@dataclass
 class QuantizeSettings:
     """The quantize stage (``transforms/quantize_linear.py``): ``default`` is the scheme of every projection no
     rule in ``layers`` names (globs over module paths, first match wins). Schemes: ``int8_wo``,
-    ``int4_wo`` (groups of ``int4_group_size`` inputs), ``fp8`` (weight scales per output ``channel`` or per
+    ``int4_wo`` (groups of ``int4_group_size`` inputs), ``int4_awq`` (the same, activation-aware, from
+    ``calibration``), ``fp8`` (weight scales per output ``channel`` or per
     ``tensor``: ``fp8_weight_scale``; activations per token), ``none`` (the model's dtype)."""
 
     default: str = "none"
     layers: Dict[str, str] = field(default_factory=dict)
     int4_group_size: int = 128
     fp8_weight_scale: str = "channel"
+    calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
 
 
 @dataclass

@@ -270,7 +270,7 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         twin_graph = twin_pipeline.run(twin_context)
         match_notes = _match_notes(twin_pipeline.records)
     quantized = twin_context.state.get("quantized_weights") or {}
-    _quantize_like_the_deploy(reference, quantized)
+    _quantize_like_the_deploy(reference, quantized, twin_graph)
     tolerance = float(settings.verify.tolerance[dtype])
     if any(record.scheme.name == "fp8" for record in quantized.values()):
         # Rounding activations to fp8 (3 mantissa bits) turns the last-bit differences any two correct
@@ -284,18 +284,18 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
     return graph, report
 
 
-def _quantize_like_the_deploy(reference: nn.Module, quantized: dict) -> None:
+def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.GraphModule) -> None:
     """Give the Hugging Face reference the rounding the quantize stage chose: each quantized weight replaced
-    by its dequantized value, and fp8 layers' inputs rounded per token as the fp8 op rounds them. The
-    comparison then holds the deploy to the quantized model's function at the usual tolerance, instead of
-    loosening it by the quantization error."""
-    from autodeploy.custom_ops.quantized_linear import dequantize_weight, fake_quantize_activations_fp8, quantize_weight
+    by the value the deployed ``graph``'s stored tensors dequantize to, and fp8 layers' inputs rounded per
+    token as the fp8 op rounds them. The comparison then holds the deploy to the quantized model's function
+    at the usual tolerance, instead of loosening it by the quantization error."""
+    from autodeploy.custom_ops.quantized_linear import dequantize_weight, fake_quantize_activations_fp8
 
     for record in quantized.values():
         name = record.source.removeprefix(GRAPH_PREFIX)
         parameter = reference.get_parameter(name)
+        stored = {role: graph.get_parameter(target).detach().to(parameter.device) for role, target in record.targets.items()}
         with torch.no_grad():
-            stored = quantize_weight(record.scheme, parameter)
             parameter.data = dequantize_weight(record.scheme, stored, torch.float32).to(parameter.dtype)
         if record.scheme.name == "fp8":
             owner = reference.get_submodule(name.rpartition(".")[0])

@@ -7,6 +7,10 @@ A scheme turns a float weight ``w[N, K]`` (``nn.Linear`` layout) into the tensor
 - ``int4_wo``: ``qweight`` uint8 ``[N, K/2]`` (two 4-bit values a byte, the even ``k`` in the low nibble),
   ``scale`` float32 and ``zero`` uint8 ``[N, K/group_size]``, asymmetric per group of ``group_size``
   inputs (128 by default): ``w ≈ (q − zero) · scale`` with ``q, zero ∈ [0, 15]``.
+- ``int4_awq``: ``int4_wo``'s storage for ``w · diag(s)`` and ``smooth = 1 / s`` float32 ``[K]``, the op
+  computing ``x · smooth`` first (activation-aware: AWQ). ``s = a^α`` from the mean ``|x|`` of each input
+  channel over calibration text (``a``), normalised, with ``α`` searched over 0, 0.1, …, 1 for the least
+  error ``Σ_k E[x_k²] · Σ_n (w − ŵ)²_nk``. ``α = 0`` is round-to-nearest, so it never does worse by that measure.
 - ``fp8``: ``qweight`` float8_e4m3fn ``[N, K]`` and ``scale`` float32 ``[N]`` (``per_channel``) or ``[1]``
   (per tensor), ``scale = max|w| / 448``. Activations are quantized the same way, per token, when the
   op runs (dynamic): ``x ≈ x_q · x_scale``, ``x_scale = max|x[t]| / 448``.
@@ -35,7 +39,8 @@ import torch.nn.functional as F
 from .compute_dtype import compute_dtype
 from .registry import register_backend, register_op
 
-SCHEMES = ("int8_wo", "int4_wo", "fp8")
+SCHEMES = ("int8_wo", "int4_wo", "int4_awq", "fp8")
+CALIBRATED = ("int4_awq",)  # schemes whose quantize_weight takes the layer's input statistics
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _INT8_MAX = 127.0
 _UINT4_MAX = 15
@@ -59,8 +64,8 @@ class QuantScheme:
         """Why a ``[N, K]`` weight cannot take this scheme, or None."""
         if len(shape) != 2:
             return f"a {self.name} weight must be 2-D [N, K]; got {tuple(shape)}"
-        if self.name == "int4_wo" and shape[1] % self.group_size:
-            return f"int4_wo needs K ({shape[1]}) to be a multiple of group_size {self.group_size}"
+        if self.name in ("int4_wo", "int4_awq") and shape[1] % self.group_size:
+            return f"{self.name} needs K ({shape[1]}) to be a multiple of group_size {self.group_size}"
         return None
 
 
@@ -69,12 +74,16 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def quantize_weight(scheme: QuantScheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The tensors ``scheme`` stores for ``weight[N, K]``, by role (see the module docstring)."""
+def quantize_weight(scheme: QuantScheme, weight: torch.Tensor, statistics: dict[str, torch.Tensor] | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The tensors ``scheme`` stores for ``weight[N, K]``, by role (see the module docstring); ``int4_awq``
+    takes the layer's input ``statistics`` (``mean_abs`` and ``mean_square``, ``[K]`` each)."""
     problem = scheme.check_shape(tuple(weight.shape))
     if problem:
         raise ValueError(problem)
     w = weight.detach().to(torch.float32)
+    if scheme.name == "int4_awq":
+        return _awq(scheme, w, statistics)
     if scheme.name == "int8_wo":
         scale = _safe(w.abs().amax(dim=1) / _INT8_MAX)
         qweight = torch.round(w / scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
@@ -94,7 +103,10 @@ def quantize_weight(scheme: QuantScheme, weight: torch.Tensor) -> dict[str, torc
 
 
 def dequantize_weight(scheme: QuantScheme, stored: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``w[N, K]`` in ``dtype`` as the scheme's op sees it."""
+    """``w[N, K]`` in ``dtype`` as the scheme's op sees it (``int4_awq``: with its smoothing folded back in)."""
+    if scheme.name == "int4_awq":
+        plain = QuantScheme("int4_wo", group_size=scheme.group_size)
+        return dequantize_weight(plain, stored, dtype) * stored["smooth"].to(dtype)[None, :]
     qweight, scale = stored["qweight"], stored["scale"].to(dtype)
     if scheme.name == "int8_wo":
         return qweight.to(dtype) * scale[:, None]
@@ -105,6 +117,26 @@ def dequantize_weight(scheme: QuantScheme, stored: dict[str, torch.Tensor], dtyp
     group_size = columns // scale.shape[1]
     groups = q.reshape(rows, -1, group_size) - stored["zero"].to(dtype)[..., None]
     return (groups * scale[..., None]).reshape(rows, columns)
+
+
+def _awq(scheme: QuantScheme, w: torch.Tensor, statistics: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    if statistics is None:
+        raise ValueError("int4_awq needs the layer's calibration statistics (mean_abs, mean_square)")
+    plain = QuantScheme("int4_wo", group_size=scheme.group_size)
+    if w.device.type == "meta":  # shapes only (the quantize stage, before weights exist)
+        return {**quantize_weight(plain, w), "smooth": torch.empty(w.shape[1], device="meta")}
+    mean_abs = statistics["mean_abs"].to(w.device, torch.float32).clamp(min=1e-8)
+    weights = statistics["mean_square"].to(w.device, torch.float32)
+    best = None
+    for step in range(11):
+        s = mean_abs.pow(step / 10)
+        s = (s / (s.max() * s.min()).sqrt()).clamp(min=1e-4)
+        stored = quantize_weight(plain, w * s[None, :])
+        error = ((dequantize_weight(plain, stored, torch.float32) / s[None, :] - w).square().sum(0) * weights).sum()
+        if best is None or error < best[0]:
+            best = (error, stored, s)
+    _, stored, s = best
+    return {**stored, "smooth": (1.0 / s).contiguous()}
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -170,6 +202,19 @@ def int4_wo_linear_reference(
     return F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype)).to(x.dtype)
 
 
+def int4_awq_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, smooth: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``int4_wo_linear(x · smooth, …)``: AWQ's 4-bit weights of ``w · diag(1 / smooth)`` over inputs scaled by
+    ``smooth`` float32 ``[K]``; returns ``[..., N]`` in ``x``'s dtype, computed in float32 (float64 for float64 x)."""
+    if smooth.shape != (x.shape[-1],):
+        raise ValueError(f"int4_awq_linear: smooth must be [K={x.shape[-1]}]; got {tuple(smooth.shape)}.")
+    dtype = compute_dtype(x.dtype)
+    smoothed = x.to(dtype) * smooth.to(dtype)
+    return int4_wo_linear_reference(smoothed, qweight, scale, zero, None if bias is None else bias.to(dtype)).to(x.dtype)
+
+
 def fp8_linear_reference(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
@@ -193,7 +238,8 @@ def _int4_fake(x, qweight, scale, zero, bias):
 
 
 _W = torch.linspace(-1.0, 1.0, 32).reshape(4, 8)  # the example inputs register_op checks the fake against
-_INT8, _INT4, _FP8 = (quantize_weight(QuantScheme(name, group_size=4), _W) for name in SCHEMES)
+_STATISTICS = {"mean_abs": torch.linspace(0.5, 2.0, 8), "mean_square": torch.linspace(0.5, 4.0, 8)}
+_INT8, _INT4, _AWQ, _FP8 = (quantize_weight(QuantScheme(name, group_size=4), _W, _STATISTICS) for name in SCHEMES)
 int8_wo_linear = register_op(
     "int8_wo_linear", int8_wo_linear_reference, _linear_fake,
     example_inputs=(torch.ones(2, 8), _INT8["qweight"], _INT8["scale"], torch.zeros(4)),
@@ -202,12 +248,16 @@ int4_wo_linear = register_op(
     "int4_wo_linear", int4_wo_linear_reference, _int4_fake,
     example_inputs=(torch.ones(2, 8), _INT4["qweight"], _INT4["scale"], _INT4["zero"], None),
 )
+int4_awq_linear = register_op(
+    "int4_awq_linear", int4_awq_linear_reference, lambda x, qweight, scale, zero, smooth, bias: _int4_fake(x, qweight, scale, zero, bias),
+    example_inputs=(torch.ones(2, 8), _AWQ["qweight"], _AWQ["scale"], _AWQ["zero"], _AWQ["smooth"], None),
+)
 fp8_linear = register_op(
     "fp8_linear", fp8_linear_reference, _linear_fake,
     example_inputs=(torch.ones(2, 8), _FP8["qweight"], _FP8["scale"], torch.zeros(4)),
 )
 OPS = {"int8_wo": torch.ops.autodeploy.int8_wo_linear.default, "int4_wo": torch.ops.autodeploy.int4_wo_linear.default,
-       "fp8": torch.ops.autodeploy.fp8_linear.default}
+       "int4_awq": torch.ops.autodeploy.int4_awq_linear.default, "fp8": torch.ops.autodeploy.fp8_linear.default}
 
 
 def int8_wo_linear_torch(x, qweight, scale, bias):
@@ -235,6 +285,8 @@ def int4_wo_linear_torch(x, qweight, scale, zero, bias):
 
 register_backend("int8_wo_linear", "torch", int8_wo_linear_torch, supports=_native_dtype_supports)
 register_backend("int4_wo_linear", "torch", int4_wo_linear_torch, supports=_native_dtype_supports)
+register_backend("int4_awq_linear", "torch", lambda x, qweight, scale, zero, smooth, bias: int4_wo_linear_torch(
+    x * smooth.to(x.dtype), qweight, scale, zero, bias), supports=_native_dtype_supports)
 
 
 def fp8_linear_torch(x, qweight, scale, bias):

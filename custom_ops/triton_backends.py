@@ -189,6 +189,12 @@ def _int4_wo_linear_triton(x, qweight, scale, zero, bias):
     return int4_wo_gemv(x, qweight, scale, zero, bias)
 
 
+def _int4_awq_linear_triton(x, qweight, scale, zero, smooth, bias):
+    from .triton.quantized_gemv import int4_wo_gemv
+
+    return int4_wo_gemv(x * smooth.to(x.dtype), qweight, scale, zero, bias)
+
+
 def _weight_only_supports(x, qweight, scale, *rest, device):
     # quantized_gemv.unsupported, restated: x in a float dtype, the bias in x's, int4 groups a power of two
     reason = _unsupported_dtypes(device, x, bias=rest[-1])
@@ -212,6 +218,7 @@ register_backend("fused_gated_mlp", "triton", _fused_gated_mlp_triton, supports=
 register_backend("linear", "triton", _linear_triton, supports=_linear_supports)
 register_backend("int8_wo_linear", "triton", _int8_wo_linear_triton, supports=_weight_only_supports)
 register_backend("int4_wo_linear", "triton", _int4_wo_linear_triton, supports=_weight_only_supports)
+register_backend("int4_awq_linear", "triton", _int4_awq_linear_triton, supports=_weight_only_supports)
 register_backend(
     "fused_gated_mlp", "triton_skinny", _fused_gated_mlp_skinny, supports=_fused_gated_mlp_skinny_supports
 )

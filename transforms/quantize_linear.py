@@ -27,12 +27,13 @@ from __future__ import annotations
 import fnmatch
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import fx, nn
 from torch.fx import GraphModule
 
-from autodeploy.custom_ops.quantized_linear import OPS, QuantScheme, quantize_weight
+from autodeploy.custom_ops.quantized_linear import CALIBRATED, OPS, QuantScheme, quantize_weight
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.shape_propagation import propagate_shapes
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
@@ -52,7 +53,7 @@ _ACTIVATIONS = {
     "gelu": (torch.ops.aten.gelu.default, {}),
     "relu": (torch.ops.aten.relu.default, {}),
 }
-_ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero"}  # stored tensor → attribute
+_ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero", "smooth": "input_smooth"}  # stored tensor → attribute
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,9 @@ class _Rewriter:
         """A node of ``scheme``'s op over new (meta) parameters in place of ``weight_node``'s."""
         source = weight_node.target
         weight = self.gm.get_parameter(source)
-        stored = quantize_weight(scheme, weight.to("meta"))
+        columns = weight.shape[1]
+        meta_statistics = {"mean_abs": torch.empty(columns, device="meta"), "mean_square": torch.empty(columns, device="meta")}
+        stored = quantize_weight(scheme, weight.to("meta"), meta_statistics)
         owner_path, _, leaf = source.rpartition(".")
         owner = self.gm.get_submodule(owner_path)
         prefix = "" if leaf == "weight" else f"{leaf}_"
@@ -188,6 +191,16 @@ class QuantizeLinear(Transform):
 
     def validate(self, context: TransformContext) -> None:
         default, rules = parse_plan(context.settings.quantize)
+        schemes = {scheme.name for scheme in [default, *(s for _, s in rules)] if scheme is not None}
+        if schemes & set(CALIBRATED):  # the calibration itself runs in load_weights (autodeploy/models/calibration.py)
+            calibration = context.settings.quantize.calibration
+            if context.settings.weights == "random":
+                raise ConfigError("int4_awq calibrates on the checkpoint's weights; with weights=random use int4_wo")
+            if calibration.dataset != "builtin" and not Path(calibration.dataset).is_file():
+                raise ConfigError(f"quantize.calibration.dataset: {calibration.dataset!r} is neither 'builtin' nor a readable file")
+            if calibration.samples < 1 or calibration.seq_len < 1:
+                raise ConfigError(f"quantize.calibration needs samples ≥ 1 and seq_len ≥ 1; got {calibration.samples} "
+                                  f"and {calibration.seq_len}")
         device = torch.device(context.settings.device)
         fp8 = any(scheme is not None and scheme.name == "fp8" for scheme in [default, *(s for _, s in rules)])
         if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):

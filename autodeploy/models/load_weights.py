@@ -17,7 +17,9 @@ import torch
 from torch import fx, nn
 from tqdm import tqdm
 
+from autodeploy.custom_ops.quantized_linear import CALIBRATED
 from autodeploy.errors import CheckpointError
+from autodeploy.models.calibration import calibrate
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
@@ -112,7 +114,7 @@ class _NameMapper:
 
 
 def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, groups, filled: set[str], source: str,
-               quantized=None) -> None:
+               quantized=None, statistics=None) -> None:
     """Copy one checkpoint tensor into the graph parameter ``name``, or, for a weight the quantize stage
     replaced (``quantized``: graph name → ``QuantizedWeight``), its scheme's tensors computed from it."""
     if name is None:  # a tensor the graph no longer uses (dead code removed it)
@@ -125,17 +127,18 @@ def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, group
             f"for {name.removeprefix(GRAPH_PREFIX)!r}; does config.json match these weights?"
         )
     if record is not None:
-        _fill_quantized(gm, record, tensor, groups, filled)
+        _fill_quantized(gm, record, tensor, groups, filled, statistics)
         return
     with torch.no_grad():
         gm.get_parameter(name).copy_(tensor)
     filled.update(groups[name])
 
 
-def _fill_quantized(gm: fx.GraphModule, record, tensor: torch.Tensor, groups, filled: set[str]) -> None:
+def _fill_quantized(gm: fx.GraphModule, record, tensor: torch.Tensor, groups, filled: set[str], statistics=None) -> None:
     from autodeploy.custom_ops.quantized_linear import quantize_weight
 
-    stored = quantize_weight(record.scheme, tensor.to(next(iter(gm.get_parameter(t) for t in record.targets.values())).device))
+    device = gm.get_parameter(next(iter(record.targets.values()))).device
+    stored = quantize_weight(record.scheme, tensor.to(device), (statistics or {}).get(record.path))
     with torch.no_grad():
         for role, target in record.targets.items():
             gm.get_parameter(target).copy_(stored[role])
@@ -169,7 +172,7 @@ def _check_fused_sources(target: str, meta_tensor: torch.Tensor, hf_model: nn.Mo
 
 
 def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: CheckpointReader | StateDictReader, groups,
-                    quantized=None) -> int:
+                    quantized=None, statistics=None) -> int:
     quantized = quantized or {}
     mapper = _NameMapper(factory.meta_model)
     known = {**groups, **{name: [name] for name in quantized}}  # graph names a checkpoint tensor may fill
@@ -182,7 +185,7 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
             unexpected.append(key)
             continue
         if pattern is None:
-            _copy_into(gm, mapper.graph_name(renamed, known), reader.read(key), groups, filled, key, quantized)
+            _copy_into(gm, mapper.graph_name(renamed, known), reader.read(key), groups, filled, key, quantized, statistics)
             continue
         converter = pending.setdefault(renamed, copy.deepcopy(mapper.by_pattern[pattern]))
         converter.collected_tensors[pattern].append(lambda key=key: reader.read(key))
@@ -194,7 +197,7 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
             raise CheckpointError(f"cannot build {target!r} from the checkpoint's tensors: {error}") from error
         for name, tensor in converted.items():
             tensor = tensor[0] if isinstance(tensor, list) else tensor
-            _copy_into(gm, mapper.graph_name(name, known), tensor, groups, filled, target, quantized)
+            _copy_into(gm, mapper.graph_name(name, known), tensor, groups, filled, target, quantized, statistics)
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
     missing = sorted({name for name in groups if name not in filled})
@@ -266,11 +269,15 @@ class LoadWeights(Transform):
         moved = move_graph_to_device(gm, device)
         groups = _allocate_parameters(gm, device)
         quantized = context.state.get("quantized_weights")  # the quantize stage's weights (transforms/quantize_linear.py)
+        statistics = None
+        calibrated = sorted({r.path for r in (quantized or {}).values() if r.scheme.name in CALIBRATED})
+        if calibrated:
+            statistics = calibrate(factory, settings, calibrated)
         if settings.weights == "random":
             count = initialize_randomly(gm, factory, groups, settings.seed, quantized)
             notes = f"{count} random tensors"
         else:
-            count = load_checkpoint(gm, factory, factory.checkpoint_reader(), groups, quantized)
+            count = load_checkpoint(gm, factory, factory.checkpoint_reader(), groups, quantized, statistics)
             notes = f"{count} tensors from {factory.source.directory.name}"
         restore_buffers(gm, factory, device)
         return TransformResult(matches=count, changed=True, notes=f"{notes} on {device}; {moved} device args retargeted")

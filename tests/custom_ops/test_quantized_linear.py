@@ -181,3 +181,45 @@ def test_the_fp8_scaled_mm_backend_matches_the_reference(dtype, per_channel):
     got = ops.fp8_linear_torch(x, stored["qweight"], stored["scale"], bias)
     assert got.dtype == dtype and got.shape == want.shape == (2, 3, 32)
     assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def _awq_inputs(seed: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(12, 64, generator=gen, dtype=torch.float64)
+    activations = torch.randn(200, 64, generator=gen, dtype=torch.float64) * torch.logspace(-1, 1, 64, dtype=torch.float64)
+    statistics = {"mean_abs": activations.abs().mean(0).float(), "mean_square": activations.square().mean(0).float()}
+    return weight, activations, statistics
+
+
+def test_int4_awq_equals_a_float64_product_over_its_effective_weight():
+    weight, activations, statistics = _awq_inputs()
+    scheme = QuantScheme("int4_awq", group_size=16)
+    stored = quantize_weight(scheme, weight, statistics)
+    assert set(stored) == {"qweight", "scale", "zero", "smooth"} and stored["smooth"].shape == (64,)
+    x = activations[:5].float()
+    got = ops.int4_awq_linear(x, *stored.values(), None)
+    torch.testing.assert_close(got.double(), _dot(x, dequantize_weight(scheme, stored, torch.float64), None),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_int4_awq_never_reconstructs_the_layers_output_worse_than_round_to_nearest():
+    weight, activations, statistics = _awq_inputs()
+    errors = {}
+    for name in ("int4_wo", "int4_awq"):
+        scheme = QuantScheme(name, group_size=16)
+        effective = dequantize_weight(scheme, quantize_weight(scheme, weight, statistics), torch.float64)
+        errors[name] = ((activations @ effective.T - activations @ weight.T).square().sum()).item()
+    # channels of very different scales: protecting the large ones pays
+    assert errors["int4_awq"] < 0.9 * errors["int4_wo"], errors
+    with pytest.raises(ValueError, match="needs the layer's calibration statistics"):
+        quantize_weight(QuantScheme("int4_awq", group_size=16), weight)
+
+
+def test_the_int4_awq_backends_match_the_reference():
+    weight, activations, statistics = _awq_inputs(5)
+    stored = {k: v.to(DEVICE) for k, v in quantize_weight(QuantScheme("int4_awq", group_size=16), weight, statistics).items()}
+    x = activations[:3].float().to(DEVICE)
+    want = ops.int4_awq_linear(x, *stored.values(), None).double()
+    for backend in (ops.int4_awq_linear_torch, ops.int4_awq_linear_triton):
+        got = backend(x, *stored.values(), None)
+        assert (got.double() - want).norm() / want.norm() <= 1e-5

@@ -135,3 +135,44 @@ def test_fp8_on_a_gpu_without_fp8_is_a_config_error_naming_schemes_that_work(mon
         QuantizeLinear(QuantizeLinearConfig()).validate(context)
     context.settings.quantize = QuantizeSettings(default="int8_wo")
     QuantizeLinear(QuantizeLinearConfig()).validate(context)  # weight-only schemes run anywhere
+
+
+AWQ = {"default": "int4_awq", "int4_group_size": 32, "calibration": {"samples": 4, "seq_len": 64}}
+
+
+def test_an_awq_deploy_calibrates_once_then_reuses_the_cached_statistics(tiny_checkpoint, tmp_path, monkeypatch):
+    from autodeploy.models import calibration
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runs = []
+    original = calibration.input_statistics
+    monkeypatch.setattr(calibration, "input_statistics", lambda *a: runs.append(1) or original(*a))
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=AWQ)
+    assert quantized_ops(llm) == {}  # counted below: int4_awq is its own op
+    awq = [n for n in llm.graph.graph.nodes if "int4_awq_linear" in str(n.target)]
+    assert len(awq) == 14
+    assert llm.verification.relative_error <= 1e-4  # held to HF over the deployed (smoothed) weights
+    smooth = llm.graph.get_parameter("model.model.layers.0.mlp.down_proj.input_smooth")
+    assert not torch.allclose(smooth, torch.ones_like(smooth))  # the search moved off round-to-nearest
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6
+    calibrated = len(runs)  # the model, and the twin on its own random weights
+    autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=AWQ)
+    assert len(runs) == calibrated + 1  # the twin again; the model's statistics come from the cache
+    assert list((tmp_path / "autodeploy" / "calibration").glob("*.pt"))
+
+
+def test_awq_calibration_bad_inputs_are_config_errors(tiny_checkpoint, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("def f(): pass\n")
+    with pytest.raises(ConfigError, match=r"has \d+ tokens, fewer than samples × seq_len = 4 × 64"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu",
+                   quantize={**AWQ, "calibration": {"dataset": str(short), "samples": 4, "seq_len": 64}})
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "x = 1"}\n{"prompt": "y"}\n')
+    with pytest.raises(ConfigError, match=r"broken.jsonl:2: a calibration line must be a JSON object with a \"text\""):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**AWQ, "calibration": {"dataset": str(broken)}})
+    with pytest.raises(ConfigError, match="neither 'builtin' nor a readable file"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**AWQ, "calibration": {"dataset": "nope.txt"}})
+    with pytest.raises(ConfigError, match="with weights=random use int4_wo"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", weights="random", quantize=AWQ)

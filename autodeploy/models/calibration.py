@@ -1,0 +1,154 @@
+"""Calibration for activation-aware quantization: per input channel statistics of each projection's input.
+
+The ``quantize`` settings' ``calibration`` names the text (``builtin``: Python standard-library modules
+that ship with every interpreter, or a path to a text or JSONL file of ``{"text": …}`` lines), how many
+windows of how many tokens to run (``samples`` × ``seq_len``). The model runs in float32 on the CPU
+with the checkpoint's weights (Hugging Face eager), one window at a time. A forward pre-hook on each
+projection that asks for statistics accumulates ``mean |x|`` and ``mean x²`` of its input over every
+token. Results are cached on disk (``$XDG_CACHE_HOME/autodeploy/calibration``), keyed by the weights'
+identity, the text and the window sizes, so a second build does not run the model again.
+
+```python
+from autodeploy.models.calibration import calibration_windows
+windows = calibration_windows(tokenizer, "builtin", samples=4, seq_len=64)   # 4 lists of 64 token ids
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autodeploy.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Held out: json/ (the accuracy workload's perplexity text in README) is not among these.
+_BUILTIN_MODULES = ("argparse.py", "textwrap.py", "difflib.py", "dataclasses.py", "inspect.py", "typing.py",
+                    "pathlib.py", "csv.py", "functools.py", "collections/__init__.py", "enum.py", "shutil.py")
+
+
+def _builtin_text() -> str:
+    library = Path(sysconfig.get_paths()["stdlib"])
+    return "\n\n".join((library / name).read_text(encoding="utf-8") for name in _BUILTIN_MODULES if (library / name).is_file())
+
+
+def calibration_text(dataset: str) -> str:
+    """The calibration text: ``builtin`` or a text / JSONL file (one ``{"text": …}`` object a line)."""
+    if dataset == "builtin":
+        return _builtin_text()
+    path = Path(dataset)
+    if not path.is_file():
+        raise ConfigError(f"quantize.calibration.dataset: {dataset!r} is neither 'builtin' nor a readable file")
+    if path.suffix == ".jsonl":
+        texts = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    texts.append(str(json.loads(line)["text"]))
+                except (ValueError, KeyError, TypeError) as error:
+                    raise ConfigError(f"{path}:{number}: a calibration line must be a JSON object with a \"text\" "
+                                      f"field ({type(error).__name__})") from error
+        return "\n\n".join(texts)
+    return path.read_text(encoding="utf-8")
+
+
+def calibration_windows(tokenizer, dataset: str, samples: int, seq_len: int) -> list[list[int]]:
+    """``samples`` consecutive windows of ``seq_len`` token ids from the calibration text; a text shorter
+    than that is a ``ConfigError`` saying how many tokens it has."""
+    if samples < 1 or seq_len < 1:
+        raise ConfigError(f"quantize.calibration needs samples ≥ 1 and seq_len ≥ 1; got {samples} and {seq_len}")
+    if tokenizer is None:
+        raise ConfigError("calibration needs the checkpoint's tokenizer, and it has none; pass tokenizer=…")
+    ids = tokenizer(calibration_text(dataset), add_special_tokens=False).input_ids
+    if len(ids) < samples * seq_len:
+        raise ConfigError(
+            f"the calibration set {dataset!r} has {len(ids)} tokens, fewer than samples × seq_len = "
+            f"{samples} × {seq_len}; lower quantize.calibration.samples or seq_len, or give a longer text"
+        )
+    return [ids[i * seq_len:(i + 1) * seq_len] for i in range(samples)]
+
+
+def _cache_file(identity: str, dataset: str, samples: int, seq_len: int, modules: list[str]) -> Path:
+    text = calibration_text(dataset)
+    key = hashlib.sha256(json.dumps([identity, hashlib.sha256(text.encode()).hexdigest(), samples, seq_len, modules]).encode())
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autodeploy" / "calibration"
+    return root / f"{key.hexdigest()[:32]}.pt"
+
+
+def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Run ``model`` over ``windows`` and return, per module name, ``mean_abs`` and ``mean_square`` of its
+    input's last dimension (float32, on the CPU)."""
+    sums: dict[str, dict[str, torch.Tensor]] = {}
+    counts: dict[str, int] = {}
+
+    def hook(name):
+        def record(module, args):
+            x = args[0].detach().to(torch.float32).reshape(-1, args[0].shape[-1])
+            entry = sums.setdefault(name, {"mean_abs": torch.zeros(x.shape[1]), "mean_square": torch.zeros(x.shape[1])})
+            entry["mean_abs"] += x.abs().sum(0).cpu()
+            entry["mean_square"] += x.square().sum(0).cpu()
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return record
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in modules]
+    vocab = model.get_input_embeddings().num_embeddings
+    try:
+        with torch.no_grad():
+            for window in windows:
+                model(input_ids=torch.tensor([[token % vocab for token in window]]), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [name for name in modules if name not in sums]
+    if missing:
+        raise ConfigError(f"calibration: modules {missing[:3]} never ran on the calibration text; they cannot be "
+                          f"calibrated: name another scheme for them under quantize.layers")
+    return {name: {k: v / counts[name] for k, v in entry.items()} for name, entry in sums.items()}
+
+
+def calibrate(factory, settings, modules: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """The input statistics of ``modules`` (Hugging Face module names) for this model and calibration set,
+    from the cache or by running the model once."""
+    calibration = settings.quantize.calibration
+    dataset, samples, seq_len = str(calibration.dataset), int(calibration.samples), int(calibration.seq_len)
+    if settings.weights == "random" and factory.tensors is None:
+        raise ConfigError("int4_awq calibrates on the checkpoint's weights; with weights=random use int4_wo")
+    cache = None
+    if factory.tensors is None:  # a checkpoint folder; a twin's in-memory weights are calibrated afresh
+        identity = json.dumps([str(factory.source.directory), _checkpoint_stamp(factory.source.directory)])
+        cache = _cache_file(identity, dataset, samples, seq_len, sorted(modules))
+        if cache.is_file():
+            return torch.load(cache, weights_only=True)
+    windows = calibration_windows(factory.load_tokenizer(settings.tokenizer), dataset, samples, seq_len)
+    model = _float_model(factory)
+    logger.info("calibrating %d projections on %d × %d tokens of %s", len(modules), samples, seq_len, dataset)
+    statistics = input_statistics(model, windows, modules)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(statistics, cache)
+    return statistics
+
+
+def _checkpoint_stamp(directory: Path) -> list:
+    return sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in Path(directory).glob("*.safetensors"))
+
+
+def _float_model(factory) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if factory.tensors is not None:  # the twin: its weights are in memory
+        model = AutoModelForCausalLM.from_config(factory.hf_config, dtype=torch.float32,
+                                                 trust_remote_code=factory.trust_remote_code)
+        model.load_state_dict({k: v.to(torch.float32) for k, v in factory.tensors.items()}, strict=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(factory.source.directory), dtype=torch.float32,
+                                                     trust_remote_code=factory.trust_remote_code)
+    return model.eval()
