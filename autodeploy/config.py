@@ -104,7 +104,7 @@ class CompileSettings:
 
 @dataclass
 class CalibrationSettings:
-    """The text activation-aware schemes (``int4_awq``) calibrate on (``autodeploy/models/calibration.py``):
+    """The text the calibrated schemes (``int4_awq``, ``int4_gptq``) calibrate on (``autodeploy/models/calibration.py``):
     ``builtin`` (Python standard-library modules) or a text / JSONL file; ``samples`` windows of ``seq_len`` tokens."""
 
     dataset: str = "builtin"
@@ -117,7 +117,7 @@ class QuantizeSettings:
     """The quantize stage (``transforms/quantize_linear.py``): ``default`` is the scheme of every projection no
     rule in ``layers`` names (globs over module paths, first match wins). Schemes: ``int8_wo``,
     ``int4_wo`` (groups of ``int4_group_size`` inputs), ``int4_awq`` (the same, activation-aware, from
-    ``calibration``), ``fp8`` (weight scales per output ``channel`` or per
+    ``calibration``), ``int4_gptq`` (the same layout, GPTQ rounding from ``calibration``), ``fp8`` (weight scales per output ``channel`` or per
     ``tensor``: ``fp8_weight_scale``; activations per token), ``none`` (the model's dtype)."""
 
     default: str = "none"

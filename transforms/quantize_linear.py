@@ -195,7 +195,7 @@ class QuantizeLinear(Transform):
         if schemes & set(CALIBRATED):  # the calibration itself runs in load_weights (autodeploy/models/calibration.py)
             calibration = context.settings.quantize.calibration
             if context.settings.weights == "random":
-                raise ConfigError("int4_awq calibrates on the checkpoint's weights; with weights=random use int4_wo")
+                raise ConfigError("int4_awq and int4_gptq calibrate on the checkpoint's weights; with weights=random use int4_wo")
             if calibration.dataset != "builtin" and not Path(calibration.dataset).is_file():
                 raise ConfigError(f"quantize.calibration.dataset: {calibration.dataset!r} is neither 'builtin' nor a readable file")
             if calibration.samples < 1 or calibration.seq_len < 1:

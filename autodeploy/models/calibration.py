@@ -1,11 +1,11 @@
-"""Calibration for activation-aware quantization: per input channel statistics of each projection's input.
+"""Calibration for activation-aware quantization (AWQ) and GPTQ: statistics of each projection's input.
 
 The ``quantize`` settings' ``calibration`` names the text (``builtin``: Python standard-library modules
 that ship with every interpreter, or a path to a text or JSONL file of ``{"text": …}`` lines), how many
 windows of how many tokens to run (``samples`` × ``seq_len``). The model runs in float32 on the CPU
 with the checkpoint's weights (Hugging Face eager), one window at a time. A forward pre-hook on each
 projection that asks for statistics accumulates ``mean |x|`` and ``mean x²`` of its input over every
-token. Results are cached on disk (``$XDG_CACHE_HOME/autodeploy/calibration``), keyed by the weights'
+token, and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a 14,336-wide input). Results are cached on disk (``$XDG_CACHE_HOME/autodeploy/calibration``), keyed by the weights'
 identity, the text and the window sizes, so a second build does not run the model again.
 
 ```python
@@ -83,9 +83,11 @@ def _cache_file(identity: str, dataset: str, samples: int, seq_len: int, modules
     return root / f"{key.hexdigest()[:32]}.pt"
 
 
-def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[str], hessian_modules=()
+                     ) -> dict[str, dict[str, torch.Tensor]]:
     """Run ``model`` over ``windows`` and return, per module name, ``mean_abs`` and ``mean_square`` of its
-    input's last dimension (float32, on the CPU)."""
+    input's last dimension (float32, on the CPU), and for ``hessian_modules`` also ``hessian``: ``E[x xᵀ]``."""
+    hessian_modules = set(hessian_modules)
     sums: dict[str, dict[str, torch.Tensor]] = {}
     counts: dict[str, int] = {}
 
@@ -95,6 +97,8 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
             entry = sums.setdefault(name, {"mean_abs": torch.zeros(x.shape[1]), "mean_square": torch.zeros(x.shape[1])})
             entry["mean_abs"] += x.abs().sum(0).cpu()
             entry["mean_square"] += x.square().sum(0).cpu()
+            if name in hessian_modules:
+                entry["hessian"] = entry.get("hessian", 0) + (x.T.double() @ x.double()).cpu()
             counts[name] = counts.get(name, 0) + x.shape[0]
         return record
 
@@ -111,26 +115,26 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
     if missing:
         raise ConfigError(f"calibration: modules {missing[:3]} never ran on the calibration text; they cannot be "
                           f"calibrated: name another scheme for them under quantize.layers")
-    return {name: {k: v / counts[name] for k, v in entry.items()} for name, entry in sums.items()}
+    return {name: {k: (v / counts[name]).to(torch.float32) for k, v in entry.items()} for name, entry in sums.items()}
 
 
-def calibrate(factory, settings, modules: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """The input statistics of ``modules`` (Hugging Face module names) for this model and calibration set,
-    from the cache or by running the model once."""
+def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] = ()) -> dict[str, dict[str, torch.Tensor]]:
+    """The input statistics of ``modules`` (Hugging Face module names; ``hessian_modules`` with their input
+    Hessians too) for this model and calibration set, from the cache or by running the model once."""
     calibration = settings.quantize.calibration
     dataset, samples, seq_len = str(calibration.dataset), int(calibration.samples), int(calibration.seq_len)
     if settings.weights == "random" and factory.tensors is None:
-        raise ConfigError("int4_awq calibrates on the checkpoint's weights; with weights=random use int4_wo")
+        raise ConfigError("int4_awq and int4_gptq calibrate on the checkpoint's weights; with weights=random use int4_wo")
     cache = None
     if factory.tensors is None:  # a checkpoint folder; a twin's in-memory weights are calibrated afresh
         identity = json.dumps([str(factory.source.directory), _checkpoint_stamp(factory.source.directory)])
-        cache = _cache_file(identity, dataset, samples, seq_len, sorted(modules))
+        cache = _cache_file(identity, dataset, samples, seq_len, [sorted(modules), sorted(hessian_modules)])
         if cache.is_file():
             return torch.load(cache, weights_only=True)
     windows = calibration_windows(factory.load_tokenizer(settings.tokenizer), dataset, samples, seq_len)
     model = _float_model(factory)
     logger.info("calibrating %d projections on %d × %d tokens of %s", len(modules), samples, seq_len, dataset)
-    statistics = input_statistics(model, windows, modules)
+    statistics = input_statistics(model, windows, modules, hessian_modules)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(statistics, cache)

@@ -272,7 +272,8 @@ class LoadWeights(Transform):
         statistics = None
         calibrated = sorted({r.path for r in (quantized or {}).values() if r.scheme.name in CALIBRATED})
         if calibrated:
-            statistics = calibrate(factory, settings, calibrated)
+            hessians = sorted({r.path for r in quantized.values() if r.scheme.name == "int4_gptq"})
+            statistics = calibrate(factory, settings, calibrated, hessians)
         if settings.weights == "random":
             count = initialize_randomly(gm, factory, groups, settings.seed, quantized)
             notes = f"{count} random tensors"

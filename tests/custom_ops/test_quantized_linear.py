@@ -223,3 +223,19 @@ def test_the_int4_awq_backends_match_the_reference():
     for backend in (ops.int4_awq_linear_torch, ops.int4_awq_linear_triton):
         got = backend(x, *stored.values(), None)
         assert (got.double() - want).norm() / want.norm() <= 1e-5
+
+
+def test_int4_gptq_reconstructs_correlated_inputs_far_better_than_round_to_nearest():
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(32, 128, generator=gen)
+    inputs = torch.randn(500, 16, generator=gen) @ torch.randn(16, 128, generator=gen) + 0.1 * torch.randn(500, 128, generator=gen)
+    statistics = {"hessian": inputs.T @ inputs / len(inputs)}
+    errors = {}
+    for name in ("int4_wo", "int4_gptq"):
+        scheme = QuantScheme(name, group_size=32)
+        stored = quantize_weight(scheme, weight, statistics)
+        assert set(stored) == {"qweight", "scale", "zero"}  # int4_wo's layout: the same op serves both
+        errors[name] = ((inputs @ dequantize_weight(scheme, stored).T - inputs @ weight.T).square().sum()).item()
+    assert errors["int4_gptq"] < 0.25 * errors["int4_wo"], errors
+    with pytest.raises(ValueError, match="needs the layer's calibration Hessian"):
+        quantize_weight(QuantScheme("int4_gptq", group_size=32), weight, {"mean_abs": torch.ones(128)})

@@ -176,3 +176,11 @@ def test_awq_calibration_bad_inputs_are_config_errors(tiny_checkpoint, tmp_path)
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**AWQ, "calibration": {"dataset": "nope.txt"}})
     with pytest.raises(ConfigError, match="with weights=random use int4_wo"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", weights="random", quantize=AWQ)
+
+
+def test_a_gptq_deploy_serves_int4_wo_ops_holding_its_rounding(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**AWQ, "default": "int4_gptq"})
+    assert quantized_ops(llm) == {"int4_wo": 14}
+    assert llm.verification.relative_error <= 1e-4
+    assert "14 int4_gptq" in next(r.notes for r in llm.records if r.name == "quantize_linear")
