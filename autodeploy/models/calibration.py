@@ -5,8 +5,10 @@ that ship with every interpreter, or a path to a text or JSONL file of ``{"text"
 windows of how many tokens to run (``samples`` × ``seq_len``). The model runs in float32 on the CPU
 with the checkpoint's weights (Hugging Face eager), one window at a time. A forward pre-hook on each
 projection that asks for statistics accumulates ``mean |x|`` and ``mean x²`` of its input over every
-token, and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a 14,336-wide input). Results are cached on disk (``$XDG_CACHE_HOME/autodeploy/calibration``), keyed by the weights'
-identity, the text and the window sizes, so a second build does not run the model again.
+token, and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a 14,336-wide input).
+Statistics of up to ``CACHE_LIMIT_BYTES`` (1 GiB) are cached on disk
+(``$XDG_CACHE_HOME/autodeploy/calibration``), keyed by the checkpoint, the text and the window sizes, so
+a second build does not run the model again; larger ones (a large model's Hessians) are recomputed.
 
 ```python
 from autodeploy.models.calibration import calibration_windows
@@ -31,6 +33,7 @@ from autodeploy.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # Held out: json/ (the accuracy workload's perplexity text in README) is not among these.
+CACHE_LIMIT_BYTES = 1 << 30  # statistics past this (GPTQ's Hessians of a large model) are recomputed, not cached
 _BUILTIN_MODULES = ("argparse.py", "textwrap.py", "difflib.py", "dataclasses.py", "inspect.py", "typing.py",
                     "pathlib.py", "csv.py", "functools.py", "collections/__init__.py", "enum.py", "shutil.py")
 
@@ -135,9 +138,12 @@ def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] 
     model = _float_model(factory)
     logger.info("calibrating %d projections on %d × %d tokens of %s", len(modules), samples, seq_len, dataset)
     statistics = input_statistics(model, windows, modules, hessian_modules)
-    if cache is not None:
+    size = sum(t.numel() * t.element_size() for entry in statistics.values() for t in entry.values())
+    if cache is not None and size <= CACHE_LIMIT_BYTES:
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(statistics, cache)
+    elif cache is not None:
+        logger.info("calibration statistics not cached: %.1f GB is past the %.1f GB limit", size / 1e9, CACHE_LIMIT_BYTES / 1e9)
     return statistics
 
 

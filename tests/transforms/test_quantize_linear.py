@@ -184,3 +184,12 @@ def test_a_gptq_deploy_serves_int4_wo_ops_holding_its_rounding(tiny_checkpoint, 
     assert quantized_ops(llm) == {"int4_wo": 14}
     assert llm.verification.relative_error <= 1e-4
     assert "14 int4_gptq" in next(r.notes for r in llm.records if r.name == "quantize_linear")
+
+
+def test_statistics_past_the_cache_limit_are_recomputed_not_written(tiny_checkpoint, tmp_path, monkeypatch):
+    from autodeploy.models import calibration
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibration, "CACHE_LIMIT_BYTES", 1024)  # the tiny model's Hessians are larger
+    autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**AWQ, "default": "int4_gptq"})
+    assert not list(tmp_path.glob("autodeploy/calibration/*.pt"))
