@@ -101,9 +101,7 @@ def quantize_weight(scheme: QuantScheme, weight: torch.Tensor, statistics: dict[
         return {"qweight": qweight.to(torch.float8_e4m3fn), "scale": scale}
     rows, columns = w.shape
     groups = w.reshape(rows, columns // scheme.group_size, scheme.group_size)
-    low, high = groups.amin(dim=2).clamp(max=0.0), groups.amax(dim=2).clamp(min=0.0)  # zero stays exact
-    scale = _safe((high - low) / _UINT4_MAX)
-    zero = torch.round(-low / scale).clamp_(0, _UINT4_MAX)
+    scale, zero = _group_grid(groups)
     q = torch.round(groups / scale[..., None] + zero[..., None]).clamp_(0, _UINT4_MAX).to(torch.uint8)
     return {"qweight": pack_int4(q.reshape(rows, columns)), "scale": scale, "zero": zero.to(torch.uint8)}
 
@@ -147,9 +145,10 @@ def _awq(scheme: QuantScheme, w: torch.Tensor, statistics: dict[str, torch.Tenso
     return {**stored, "smooth": (1.0 / s).contiguous()}
 
 
-def _group_grid(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero) ``[N]`` of ``int4_wo``'s asymmetric grid for one group of columns ``[N, G]``."""
-    low, high = columns.amin(dim=1).clamp(max=0.0), columns.amax(dim=1).clamp(min=0.0)
+def _group_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of ``int4_wo``'s asymmetric grid over the last dim of ``groups`` (``[..., G]``); the grid
+    spans 0, so zero stays exact."""
+    low, high = groups.amin(dim=-1).clamp(max=0.0), groups.amax(dim=-1).clamp(min=0.0)
     scale = _safe((high - low) / _UINT4_MAX)
     return scale, torch.round(-low / scale).clamp_(0, _UINT4_MAX)
 

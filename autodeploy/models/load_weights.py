@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 from tqdm import tqdm
 
-from autodeploy.custom_ops.quantized_linear import CALIBRATED
+from autodeploy.custom_ops.quantized_linear import CALIBRATED, quantize_weight
 from autodeploy.errors import CheckpointError
 from autodeploy.models.calibration import calibrate
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
@@ -135,8 +135,6 @@ def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, group
 
 
 def _fill_quantized(gm: fx.GraphModule, record, tensor: torch.Tensor, groups, filled: set[str], statistics=None) -> None:
-    from autodeploy.custom_ops.quantized_linear import quantize_weight
-
     device = gm.get_parameter(next(iter(record.targets.values()))).device
     stored = quantize_weight(record.scheme, tensor.to(device), (statistics or {}).get(record.path))
     with torch.no_grad():
