@@ -34,6 +34,7 @@ assert (dequantize_weight(scheme, stored) - w).abs().max() <= stored["scale"].ma
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -353,6 +354,18 @@ def fp8_linear_torch(x, qweight, scale, bias):
     return out.view(*x.shape[:-1], out_features)
 
 
+@functools.cache
+def _cpu_takes_row_wise_scales() -> bool:
+    """Whether this PyTorch's CPU ``torch._scaled_mm`` takes per-row scales (2.11's oneDNN path takes
+    per-tensor scales only): a 16×16 product tried once."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
     if device.type == "cuda":
         if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
@@ -363,6 +376,8 @@ def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
             return f"needs N and K multiples of 16 (weight {tuple(qweight.shape)})"
     elif x.dtype not in (torch.float32, torch.bfloat16):
         return f"computes in float32 or bfloat16 (x is {x.dtype})"
+    elif not _cpu_takes_row_wise_scales():
+        return f"torch {torch.__version__}'s CPU torch._scaled_mm takes per-tensor scales only, not per-token"
     if bias is not None and bias.dtype != x.dtype:
         return f"bias dtype {bias.dtype} differs from x's {x.dtype}"
     return True

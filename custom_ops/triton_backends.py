@@ -195,6 +195,18 @@ def _int4_awq_linear_triton(x, qweight, scale, zero, smooth, bias):
     return int4_wo_gemv(x * smooth.to(x.dtype), qweight, scale, zero, bias)
 
 
+def _fp8_linear_triton(x, qweight, scale, bias):
+    from .triton.quantized_gemv import fp8_gemv
+
+    return fp8_gemv(x, qweight, scale, bias)
+
+
+def _fp8_supports(x, qweight, scale, bias, *, device):
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
+        return "float8 conversions need compute capability 8.9 or later (Ada, Hopper)"
+    return _weight_only_supports(x, qweight, scale, bias, device=device)
+
+
 def _weight_only_supports(x, qweight, scale, *rest, device):
     # quantized_gemv.unsupported, restated: x in a float dtype, the bias in x's, int4 groups a power of two
     reason = _unsupported_dtypes(device, x, bias=rest[-1])
@@ -219,6 +231,7 @@ register_backend("linear", "triton", _linear_triton, supports=_linear_supports)
 register_backend("int8_wo_linear", "triton", _int8_wo_linear_triton, supports=_weight_only_supports)
 register_backend("int4_wo_linear", "triton", _int4_wo_linear_triton, supports=_weight_only_supports)
 register_backend("int4_awq_linear", "triton", _int4_awq_linear_triton, supports=_weight_only_supports)
+register_backend("fp8_linear", "triton", _fp8_linear_triton, supports=_fp8_supports)
 register_backend(
     "fused_gated_mlp", "triton_skinny", _fused_gated_mlp_skinny, supports=_fused_gated_mlp_skinny_supports
 )

@@ -1,4 +1,4 @@
-"""Triton backends of ``int8_wo_linear`` and ``int4_wo_linear`` for decode rows: dequantise in the GEMV.
+"""Triton backends of ``int8_wo_linear``, ``int4_wo_linear`` and ``fp8_linear`` for decode rows: dequantise in the GEMV.
 
 A decode step's projections read their whole weight for a few rows of activations. A weight-only
 scheme's floor is its stored bytes over the memory bandwidth: half a bf16 weight's for int8, a quarter
@@ -8,7 +8,9 @@ dequantises in registers and keeps float32 sums:
 - int8 (:func:`_int8_gemv_kernel`): ``Σ_k q[n, k] · x[k]``, times the row's scale once at the end;
 - int4 (:func:`_int4_gemv_kernel`): a group of ``GROUP`` inputs (``GROUP / 2`` packed bytes) a step, the
   low and high nibbles against the even and odd ``x``; a group adds
-  ``scale[n, g] · (Σ q · x − zero[n, g] · Σ x)``.
+  ``scale[n, g] · (Σ q · x − zero[n, g] · Σ x)``;
+- fp8 (:func:`_fp8_gemv_kernel`): the row's max |x| first, then ``Σ_k w[n, k] · round_e4m3(x[k] / s_x)``,
+  times ``s_x`` and the channel's (or tensor's) weight scale.
 
 More rows re-read the weight (from L2 while it stays there): the autotuner keeps these kernels where they
 beat the reference, at decode sizes. Results are the reference's up to float32 summation order, rounded
@@ -90,6 +92,39 @@ def _int4_gemv_kernel(
     tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_q, stride_s,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1).to(tl.int64)
+    col_ok = cols < N
+    offsets = tl.arange(0, BLOCK_K)
+    peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # the token's scale: max |x| / 448 (1 for an all-zero row)
+        k = k0 + offsets
+        peak = tl.maximum(peak, tl.abs(tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)))
+    x_scale = tl.max(peak, axis=0) / 448.0
+    x_scale = tl.where(x_scale > 0, x_scale, 1.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offsets
+        k_ok = k < K
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+        # x / scale correctly rounded, then to e4m3 to nearest even: the bits torch's rounding gives
+        x_q = tl.clamp(tl.math.div_rn(x, x_scale + tl.zeros_like(x)), -448.0, 448.0)
+        x_q = x_q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+        q = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_q + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += q.to(tl.float32) * x_q[None, :]
+    total = tl.sum(acc, axis=1) * x_scale * tl.load(scale_ptr + cols * stride_s, mask=col_ok, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
 def unsupported(x: torch.Tensor, bias: Optional[torch.Tensor], group_size: int | None = None) -> str | None:
     """Why these kernels cannot take ``x`` (and an int4 layout of ``group_size``), or None."""
     if x.dtype not in DTYPES:
@@ -141,5 +176,22 @@ def int4_wo_gemv(
             rows, qweight, scale, zero, bias if bias is not None else out, out, out_features, in_features,
             rows.stride(0), qweight.stride(0), scale.stride(0), GROUP=group_size, HAS_BIAS=bias is not None,
             BLOCK_N=_BLOCK_N, num_warps=4, **dependent_launch(x.device),
+        )
+    return out.view(*x.shape[:-1], out_features)
+
+
+def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``fp8_linear`` (same arguments and result) as one GEMV: each program rounds its row of ``x`` to e4m3
+    with the token's scale (as ``quantize_activations_fp8`` does) while it streams the fp8 weight rows, so
+    a decode row costs one kernel instead of the activation quantization's half dozen plus the GEMM."""
+    rows = _rows(x, "fp8_gemv", bias)
+    (out_features, in_features), num_rows = qweight.shape, rows.shape[0]
+    out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
+    if num_rows and out_features:
+        _fp8_gemv_kernel[(triton.cdiv(out_features, _BLOCK_N), num_rows)](
+            rows, qweight, scale, bias if bias is not None else out, out, out_features, in_features, rows.stride(0),
+            qweight.stride(0), 1 if scale.numel() > 1 else 0, HAS_BIAS=bias is not None, BLOCK_N=_BLOCK_N,
+            BLOCK_K=min(_INT8_BLOCK_K, max(16, triton.next_power_of_2(in_features))), num_warps=4,
+            **dependent_launch(x.device),
         )
     return out.view(*x.shape[:-1], out_features)
