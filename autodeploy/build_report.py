@@ -43,7 +43,7 @@ class VerificationReport:
         note = f"; {self.note}" if self.note else ""
         return (
             f"verified on a twin ({self.twin}; {self.device} {self.dtype}): max |Δlogit| {self.max_abs_error:.2g} "
-            f"(relative {self.relative_error:.2g} ≤ {self.tolerance:g}) in {self.seconds:.1f}s{note}"
+            f"(relative {self.relative_error:.2g} ≤ {self.tolerance:.3g}) in {self.seconds:.1f}s{note}"
         )
 
 

@@ -35,7 +35,7 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.quantized_linear import CALIBRATED, OPS, QuantScheme, quantize_weight
 from autodeploy.errors import ConfigError
-from autodeploy.transforms.shape_propagation import propagate_shapes
+from autodeploy.transforms.shape_propagation import infer_values
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def _routes_experts(node: fx.Node, depth: int = 4) -> bool:
 
 
 def _copy_meta(new: fx.Node, old: fx.Node) -> None:
-    new.meta.update({k: v for k, v in old.meta.items() if k != "val"})  # values: propagate_shapes
+    new.meta.update({k: v for k, v in old.meta.items() if k != "val"})  # values: infer_values
 
 
 @register_transform("quantize_linear")
@@ -214,6 +214,7 @@ class QuantizeLinear(Transform):
             return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")
         planner, rewriter = _Planner(default, rules), _Rewriter(module)
         kept, split = [], 0
+        existing = set(module.graph.nodes)
         for node in list(module.graph.nodes):
             if node.op != "call_function" or node.target not in (LINEAR, GATED_MLP, MLP):
                 continue
@@ -248,8 +249,8 @@ class QuantizeLinear(Transform):
                                "(e.g. 'layers.0.mlp.gate_proj', 'lm_head')", glob)
         module.graph.lint()
         module.recompile()
-        if rewriter.records:
-            propagate_shapes(module)
+        # Only the new nodes get values: the rest keep export's (a quantized op returns what the linear did).
+        infer_values(module, [n for n in module.graph.nodes if n not in existing])
         context.state[STATE_KEY] = {r.source: r for r in rewriter.records}
         counts: dict[str, int] = {}
         for record in rewriter.records:

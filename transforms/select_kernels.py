@@ -160,7 +160,8 @@ class _Problem:
             if isinstance(value, torch.Tensor):
                 if value.device.type == "meta" and leaf.op == "get_attr":
                     return "weights are on the meta device"
-                if not value.dtype.is_floating_point:
+                # Weights are the graph's own (packed int4, int8, fp8 included); only activations are synthesized.
+                if leaf.op != "get_attr" and not value.dtype.is_floating_point:
                     return "integer inputs (indices, sequence metadata) are not synthesized"
             elif value is None:
                 return "an input has no recorded value"
@@ -289,10 +290,9 @@ class SelectKernels(Transform):
                 return decided[key]
             logger.debug("select: %s not tuned (%s); first supported backend", node.name, untunable or "no token dimension")
         chosen = supported[0]
-        if chosen.name == REFERENCE and len(options) > 1:
-            refused = "; ".join(f"{name}: {why}" for name, why in reasons.items() if why)
-            return chosen.op, Choice(chosen.name, f"only candidate — {refused}")
-        return chosen.op, Choice(chosen.name, "only candidate" if len(contenders) <= 1 else "first supported")
+        why = "only candidate" if len(contenders) <= 1 else "first supported"
+        refused = "; ".join(f"{name}: {reason}" for name, reason in reasons.items() if reason)
+        return chosen.op, Choice(chosen.name, f"{why} — {refused}" if refused else why)
 
 
 def _runs(table: dict[int, Any]) -> str:

@@ -24,6 +24,7 @@ print(linear.meta["val"].shape)  # torch.Size([s31, 8]): the batch dim is still 
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any
 
 import torch
@@ -93,3 +94,26 @@ def propagate_shapes(gm: GraphModule) -> GraphModule:
     with shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
         _FakeValuePropagation(gm, fake_mode).run(*inputs)
     return gm
+
+
+def infer_values(gm: GraphModule, nodes: list) -> None:
+    """Set ``meta["val"]`` of just ``nodes`` (in graph order, each after its inputs) from their inputs'
+    values, for a pass that inserted them where the nodes around keep their values. Unlike a whole-graph
+    :func:`propagate_shapes` this never recomputes a value the export produced: on torch 2.11 re-running
+    the rotary angles specialised their dims to the example sizes."""
+    values = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if "val" in n.meta]
+    fake_mode = detect_fake_mode(values)
+    if fake_mode is None:
+        raise TransformError("cannot infer values: no placeholder holds a fake tensor, so there is no FakeTensorMode")
+    shape_env = fake_mode.shape_env
+    with shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
+        for node in nodes:
+            if node.op == "get_attr":
+                value = operator.attrgetter(node.target)(gm)
+                node.meta["val"] = fake_mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+                continue
+            if node.op != "call_function":
+                raise TransformError(f"cannot infer the value of {node.op} node {node.name}")
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta["val"])
+            with fake_mode:
+                node.meta["val"] = node.target(*args, **kwargs)

@@ -58,6 +58,14 @@ def test_a_quantized_bf16_deploy_verifies_and_serves_with_gpu_kernels(tiny_check
     ops = {str(n.target) for n in llm.graph.graph.nodes
            if n.op == "call_function" and ("wo_linear" in str(n.target) or "fp8_linear" in str(n.target))}
     assert ops, "no quantized op in the served graph"
+    report = llm.pipeline_report()
+    # Quantized projections must not stop the rest of the decode path from taking its GPU kernels.
+    kernels = {n.meta["autodeploy_kernel"].backend for n in llm.graph.graph.nodes
+               if "wo_linear" in str(n.target) or "fp8_linear" in str(n.target)}
+    assert "reference" not in kernels, report
+    targets = {str(n.target) for n in llm.graph.graph.nodes if n.op == "call_function"}
+    assert not any("cached_attention_rope_sdpa" in t for t in targets), report
+    assert "decode stays eager" not in report, report
     assert llm.verification.relative_error <= llm.verification.tolerance
     out = llm.generate([[5, 6, 7, 8], list(range(30, 90))], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in out)

@@ -84,6 +84,16 @@ def test_a_checkpoint_and_random_weights_quantize_alike(tiny_checkpoint):
     assert all(torch.isfinite(t).all() for t in built.logits([[3, 4, 5]]))
 
 
+def test_quantizing_leaves_the_values_of_the_rest_of_the_graph_symbolic(tiny_checkpoint):
+    # quantize_linear infers values for its own nodes only. Re-running the whole graph on torch 2.11
+    # specialised the rotary angles to the example sizes ([2, 4, R]), and the Triton attention refused them.
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "int4_wo", "int4_group_size": 32})
+    seq = next(n for n in llm.graph.graph.nodes if n.name == "input_ids").meta["val"].shape[1]
+    attention = next(n for n in llm.graph.graph.nodes if "cached_attention_rope" in str(n.target))
+    for value in (a.meta["val"] for a in attention.args[:5]):
+        assert isinstance(value.shape[1], torch.SymInt) and value.shape[1].node.expr == seq.node.expr, value.shape
+
+
 def test_moe_routers_and_experts_stay_unquantized_and_attention_is_quantized(tiny_checkpoint):
     llm = autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", quantize={"default": "int8_wo"})
     assert quantized_ops(llm) == {"int8_wo": 9}  # q, k, v, o of two layers and the LM head

@@ -44,8 +44,8 @@ def default_tokens(llama_llm):
 def test_every_canonical_node_is_retargeted_and_the_report_says_why(llama_llm):
     assert kernels(llama_llm, "cached_attention_rope") == ["sdpa", "sdpa"]  # RoPE fused into the cache write
     report = llama_llm.pipeline_report()
-    assert "cached_attention_rope ×2 → cached_attention_rope_sdpa (only candidate)" in report
-    assert "fused_gated_mlp ×2 → fused_gated_mlp_torch (only candidate)" in report  # fuse_gate_up's op, as any other
+    assert "cached_attention_rope ×2 → cached_attention_rope_sdpa (only candidate" in report
+    assert "fused_gated_mlp ×2 → fused_gated_mlp_torch (only candidate" in report  # fuse_gate_up's op, as any other
 
 
 def test_a_preference_per_op_and_per_node_glob(llama_dir, default_tokens):
@@ -131,7 +131,7 @@ def test_autotuner_disabled_takes_the_first_supported(llama_dir, user_kernels, t
     llm = autodeploy(str(llama_dir), **QUICK, autotuner={"enabled": False})
     first = kernels(llm, "rms_norm")
     assert len(set(first)) == 1 and first[0] != "user_wrong"
-    assert "(first supported)" in llm.pipeline_report()
+    assert "(first supported" in llm.pipeline_report()
 
 
 def test_the_tune_command_prints_the_decision_table_and_a_rerun_reuses_it(llama_dir, user_kernels, tmp_path, capsys):
