@@ -4,8 +4,9 @@
 
 B decodes of about 200 keys (32 query heads, 8 KV heads, head dim 128, bf16, 16-token pages), with the
 host's longest length set to 8,192 as in a captured CUDA graph, so the grid has the splits a graph has.
-Per B and per pipeline-stage count: microseconds per call (a CUDA graph of 20 calls), the K/V bytes
-over 4.27 TB/s, and the error against the reference.
+Per B, over tile widths, warps, pipeline stages and forced splits per sequence: the eight fastest and
+the shipped launch, in microseconds per call (a CUDA graph of 20 calls), beside the K/V bytes over
+4.27 TB/s and the error against the reference.
 """
 
 from __future__ import annotations
@@ -52,31 +53,39 @@ def main() -> None:
         interpreter._patch_lang_tensor = lambda tensor, scope: (
             patch(tensor, scope), scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item())))
     original = paged_attention._decode_config
+    # (BLOCK_N, warps, stages): the shipped config first, then the sweep (all of it on the GPU only)
+    configs = [original(128)] + [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)
+                                 if (n, w, s) != original(128) and not (n == 128 and s == 3)]
     for decodes in (1, 32, 256) if DEVICE == "cuda" else (1,):
         (q, k_cache, v_cache, seq_start, kv_lens, tables, slots), info, nbytes = batch(decodes)
         new_kv = q[:, :, :8]  # written to spare pages no table points to: the cached keys stay as they are
         expected = cached_attention_reference(q, new_kv, new_kv, k_cache.clone(), v_cache.clone(), seq_start,
                                               kv_lens, tables, slots, info, 128**-0.5)
-        for stages in (1, 2, 3):
-            paged_attention._decode_config = lambda dim_pad, s=stages: (64, 4, s)
-            run = lambda: attend_over_cache(q[0], k_cache, v_cache, seq_start, kv_lens, tables, info, 128**-0.5)  # noqa: E731
-            got = run()
-            error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
-            if DEVICE != "cuda":
-                print(f"B={decodes} stages {stages}: rel err {error:.1e} (interpreter: not timed)")
-                continue
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(20):
-                    run()
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(5):
-                start.record(); graph.replay(); end.record(); end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / 20)
-            print(f"B={decodes:<4d} stages {stages}: {sorted(times)[2]:7.2f} us per call (merge included), floor "
-                  f"{nbytes / BANDWIDTH * 1e6:6.2f} us, rel err {error:.1e}", flush=True)
+        results = []
+        for config in configs if DEVICE == "cuda" else configs[:1]:
+            for splits in (None, 1, 2, 4) if DEVICE == "cuda" else (None,):
+                paged_attention._decode_config = lambda dim_pad, c=config: c
+                run = lambda: attend_over_cache(q[0], k_cache, v_cache, seq_start, kv_lens, tables, info, 128**-0.5,  # noqa: E731
+                                                num_decode_splits=splits)
+                got = run()
+                error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+                if DEVICE != "cuda":
+                    print(f"B={decodes} {config}: rel err {error:.1e} (interpreter: not timed)")
+                    continue
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(20):
+                        run()
+                graph.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                times = []
+                for _ in range(5):
+                    start.record(); graph.replay(); end.record(); end.synchronize()
+                    times.append(start.elapsed_time(end) * 1e3 / 20)
+                results.append((sorted(times)[2], config, splits, error))
+        for micros, config, splits, error in sorted(results)[:8] + [r for r in results if r[1] == configs[0] and r[2] is None]:
+            print(f"B={decodes:<4d} BLOCK_N, warps, stages {config} splits {splits or 'auto'}: {micros:7.2f} us per call "
+                  f"(merge included), floor {nbytes / BANDWIDTH * 1e6:6.2f} us, rel err {error:.1e}", flush=True)
         paged_attention._decode_config = original
 
 
