@@ -5,7 +5,7 @@
 
 Per model: ``autodeploy(MODEL)`` then ``llm.save(DIR)`` in one process, ``autodeploy(DIR)`` in another (the
 median of ``--repeats``). Each line gives the call's own time and the process's (imports included), then
-where the last reload's time went (its phases, as ``autodeploy.artifact.load`` logs them).
+where the last reload's time went (its phases, as ``autodeploy.artifact.load`` and the engine log them).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from autodeploy import autodeploy
 phases = []
 handler = logging.Handler()
 handler.emit = lambda record: phases.append(record.getMessage())
-logging.getLogger("autodeploy.artifact.load").addHandler(handler)
-logging.getLogger("autodeploy.artifact.load").setLevel(logging.INFO)
+for name in ("autodeploy.artifact.load", "autodeploy.runtime.engine"):
+    logging.getLogger(name).addHandler(handler)
+    logging.getLogger(name).setLevel(logging.INFO)
 start = time.perf_counter()
 autodeploy(sys.argv[1])
 print(json.dumps({"call": time.perf_counter() - start, "phases": phases}))

@@ -9,8 +9,10 @@ library versions and device kind) is the caller's question (``Manifest.environme
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +77,18 @@ def _load_tokenizer(directory: Path, settings):
         raise CheckpointError(f"the saved tokenizer in {location} cannot be loaded: {error_summary(error)}") from error
 
 
+@contextlib.contextmanager
+def _short_gil_turns(seconds: float = 2e-4):
+    """While the graph deserializes (pure Python, holding the GIL) the weight readers come back from each
+    read, hash and copy wanting the GIL, and by default wait up to 5 ms for the deserializer to yield it."""
+    default = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(default)
+
+
 def load_deployment(
     directory: str | Path,
     manifest: Manifest,
@@ -93,20 +107,27 @@ def load_deployment(
         seconds[phase] = time.perf_counter() - start
         return result
 
-    with ThreadPoolExecutor(max_workers=1) as background:
-        # The weights' digest, the one long read, runs while the graph deserializes (hashing leaves the GIL).
-        weights_verified = background.submit(timed, "weights' digest", manifest.verify_files, directory, (WEIGHTS,))
-        manifest.verify_files(directory, tuple(sorted({*manifest.files, *_READ} - {WEIGHTS})))
-        _refuse_unlisted_tokenizer_files(directory, manifest)
-        settings = reload_settings(load_yaml(directory / SETTINGS), config_files, overrides, set_arguments,
-                                   rebuild_command(manifest, directory))
-        program = timed("graph (torch.export.load)", load_program, (directory / GRAPH).read_bytes(), str(directory / GRAPH))
-        timed("waiting for the digest", weights_verified.result)
+    manifest.verify_files(directory, tuple(sorted({*manifest.files, *_READ} - {WEIGHTS})))
+    _refuse_unlisted_tokenizer_files(directory, manifest)
+    settings = reload_settings(load_yaml(directory / SETTINGS), config_files, overrides, set_arguments,
+                               rebuild_command(manifest, directory))
     serving, tuning = _read_json(directory / SERVING), _read_json(directory / TUNING)
     try:
         placements = serving["tensors"]
-        tensors_by_key = timed("tensors", load_tensors, directory / WEIGHTS,
-                               {entry["key"]: entry["device"] for entry in placements.values()})
+        devices = {entry["key"]: entry["device"] for entry in placements.values()}
+    except (KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{directory / SERVING} lacks its tensors' placements ({type(error).__name__}: {error}); "
+                              f"save the deployment again") from error
+    if not (directory / WEIGHTS).is_file():
+        raise CheckpointError(f"{directory / WEIGHTS} is missing from the saved deployment; save the deployment again")
+    with ThreadPoolExecutor(max_workers=1) as background, _short_gil_turns():
+        # The one long read (the weights onto their devices, hashed as they are read) runs while the graph
+        # deserializes: reading, hashing and copying leave the GIL. No tensor is used before the digest matched.
+        weights_read = background.submit(timed, "weights (read, hashed, copied)", load_tensors, directory / WEIGHTS, devices)
+        program = timed("graph (torch.export.load)", load_program, (directory / GRAPH).read_bytes(), str(directory / GRAPH))
+        tensors_by_key, digest = timed("waiting for the weights", weights_read.result)
+    manifest.check_digest(directory, WEIGHTS, digest)
+    try:
         tensors = {name: tensors_by_key[entry["key"]] for name, entry in placements.items()}
         graph_inputs = tuple(serving["graph_inputs"])
         kv_caches = tuple(_kv_cache_spec(fields) for fields in serving["kv_caches"])

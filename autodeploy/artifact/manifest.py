@@ -63,18 +63,22 @@ def file_digest(path: Path) -> str:
     """The file's sha256 when it holds at most ``DIGEST_CHUNK`` bytes; otherwise the sha256 of the
     concatenated sha256s of its ``DIGEST_CHUNK``-byte chunks, hashed on as many threads as there are cores
     (hashlib leaves the GIL while it hashes)."""
-    size = os.path.getsize(path)
     with open(path, "rb") as file:
         descriptor = file.fileno()
 
         def chunk_sha256(offset: int) -> bytes:
             return hashlib.sha256(os.pread(descriptor, DIGEST_CHUNK, offset)).digest()
 
-        if size <= DIGEST_CHUNK:
-            return hashlib.sha256(file.read()).hexdigest()
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-            chunks = list(pool.map(chunk_sha256, range(0, size, DIGEST_CHUNK)))
-    return hashlib.sha256(b"".join(chunks)).hexdigest()
+            return digest_of_chunks(list(pool.map(chunk_sha256, range(0, os.path.getsize(path), DIGEST_CHUNK))))
+
+
+def digest_of_chunks(chunk_sha256s: list[bytes]) -> str:
+    """:func:`file_digest` from the sha256s of the file's ``DIGEST_CHUNK``-byte chunks, in order (a reader
+    that hashes each chunk as it reads it, ``weights_file.load_tensors``, needs no second pass)."""
+    if len(chunk_sha256s) <= 1:  # one chunk: its own sha256 is the file's (an empty file's too)
+        return chunk_sha256s[0].hex() if chunk_sha256s else hashlib.sha256(b"").hexdigest()
+    return hashlib.sha256(b"".join(chunk_sha256s)).hexdigest()
 
 
 @dataclass
@@ -143,8 +147,12 @@ class Manifest:
                 raise CheckpointError(f"{directory / MANIFEST_FILE} lists {name!r}, which is outside the deployment folder")
             if not path.is_file():
                 raise CheckpointError(f"{path} is missing from the saved deployment; save the deployment again")
-            if file_digest(path) != digest:
-                raise CheckpointError(
-                    f"{path} does not match the sha256 digest its manifest recorded: the file was truncated, corrupted or "
-                    f"edited since it was saved; save the deployment again (autodeploy build … --out {directory})"
-                )
+            self.check_digest(directory, name, file_digest(path))
+
+    def check_digest(self, directory: Path, name: str, digest: str) -> None:
+        """``digest`` (the file's, as :func:`file_digest` computes it) is the one recorded for ``name``."""
+        if self.files.get(name) != digest:
+            raise CheckpointError(
+                f"{Path(directory) / name} does not match the sha256 digest its manifest recorded: the file was truncated, "
+                f"corrupted or edited since it was saved; save the deployment again (autodeploy build … --out {directory})"
+            )

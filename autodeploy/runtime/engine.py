@@ -111,7 +111,16 @@ class Engine:
         block_size = settings.kv_cache.block_size
         warmed_up = []
         graph_sizes = sorted(set(decode_graph_batch_sizes))
+        started = phase_began = time.perf_counter()
+        phases: dict[str, float] = {}
+
+        def phase_done(name: str) -> None:
+            nonlocal phase_began
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - phase_began
+            phase_began = time.perf_counter()
+
         self.prefill_graphs = self._capture_prefill_graphs(kv_caches, prefill_graph_token_sizes) if prefill_graph_token_sizes else None
+        phase_done("prefill graphs")
 
         def warm_up(num_tokens: int) -> None:
             self._warm_up(kv_caches, min(num_tokens, self.max_num_tokens, self.max_seq_len))
@@ -123,10 +132,15 @@ class Engine:
         )
         if not warmed_up and check_logits:  # only GPU pool sizing needs the full budget; every device checks the logits
             self._warm_up(kv_caches, min(_LOGITS_CHECK_TOKENS, self.max_num_tokens, self.max_seq_len))
+        phase_done("warm-up")
         # With decode graphs, one block more than the pool hands out: the padding rows' keys and values go there.
         self.caches = allocate_kv_caches(kv_caches, num_blocks + bool(graph_sizes), block_size, self.device)
         self.pool = KVBlockPool(num_blocks, block_size, settings.kv_cache.prefix_caching)
+        phase_done("KV pool")
         self.decode_graphs = self._capture_decode_graphs(graph_sizes, pad_block=num_blocks) if graph_sizes else None
+        phase_done("decode graphs")
+        logger.info("engine ready in %.2f s (%s)", time.perf_counter() - started,
+                    ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()

@@ -16,6 +16,7 @@ import torch
 
 from autodeploy import LLM, SamplingParams, autodeploy
 from autodeploy.artifact import manifest as manifest_module
+from autodeploy.artifact.weights_file import load_tensors, save_tensors
 from autodeploy.autotuner import describe_dispatch, token_dispatch
 from autodeploy.custom_ops import candidates
 from autodeploy.errors import CheckpointError, ConfigError
@@ -183,3 +184,19 @@ def test_a_file_the_manifest_does_not_list_in_the_tokenizer_folder_is_refused(sa
     (copied / "tokenizer" / "tokenization_evil.py").write_text("raise SystemExit")
     with pytest.raises(CheckpointError, match="tokenization_evil.py was not saved with the deployment"):
         autodeploy(str(copied))
+
+
+def test_the_weights_are_read_once_into_aligned_tensors_with_the_files_digest(tmp_path, monkeypatch):
+    # 1 KiB chunks: tensors start and end inside chunks and span several; the digest is file_digest's.
+    monkeypatch.setattr(manifest_module, "DIGEST_CHUNK", 1024)
+    gen = torch.Generator().manual_seed(0)
+    saved = {"a": torch.randn(700, generator=gen), "b": torch.randn(3, 333, generator=gen).to(torch.bfloat16),
+             "c": torch.randint(-100, 100, (1500,), dtype=torch.int8, generator=gen), "d": torch.tensor(2.5),
+             "e": torch.randn(5, generator=gen).to(torch.float8_e4m3fn)}
+    path = tmp_path / "weights.safetensors"
+    save_tensors(saved, path)
+    tensors, digest = load_tensors(path, {key: "cpu" for key in saved})
+    assert digest == manifest_module.file_digest(path)
+    for key, tensor in saved.items():
+        assert tensors[key].dtype == tensor.dtype and torch.equal(tensors[key].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+        assert tensors[key].data_ptr() % 64 == 0
