@@ -117,6 +117,32 @@ class _Planner:
         return self.default
 
 
+class _CheckpointPlanner:
+    """The schemes a pre-quantized checkpoint's quantization config gives its layers (``models/prequantized.py``)."""
+
+    def __init__(self, found, model: nn.Module):
+        self.found, self.model, self.used = found, model, set()
+
+    def scheme_for(self, path: str) -> QuantScheme | None:
+        try:
+            module = self.model.get_submodule(path)
+        except AttributeError:
+            module = None
+        return self.found.scheme_for(path, module)
+
+
+def _checkpoint_quantization(context: TransformContext):
+    """The checkpoint's own quantization, or None; a ``ConfigError`` when the settings ask for another."""
+    factory = context.model_factory
+    found = factory.prequantized if factory is not None else None
+    if found is not None and (context.settings.quantize.default != NONE or dict(context.settings.quantize.layers)):
+        raise ConfigError(
+            f"{factory.source.name} is already quantized ({found.method}): its layers keep the checkpoint's schemes. "
+            f"Remove quantize.default / quantize.layers, or deploy the float checkpoint to quantize it here"
+        )
+    return found
+
+
 class _Rewriter:
     def __init__(self, gm: GraphModule):
         self.gm = gm
@@ -191,6 +217,9 @@ class QuantizeLinear(Transform):
 
     def validate(self, context: TransformContext) -> None:
         default, rules = parse_plan(context.settings.quantize)
+        found = _checkpoint_quantization(context)
+        if found is not None:
+            rules = [(None, scheme) for _, scheme in found.rules]
         schemes = {scheme.name for scheme in [default, *(s for _, s in rules)] if scheme is not None}
         if schemes & set(CALIBRATED):  # the calibration itself runs in load_weights (autodeploy/models/calibration.py)
             calibration = context.settings.quantize.calibration
@@ -210,9 +239,11 @@ class QuantizeLinear(Transform):
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         default, rules = parse_plan(context.settings.quantize)
-        if default is None and all(scheme is None for _, scheme in rules):
+        found = _checkpoint_quantization(context)
+        if found is None and default is None and all(scheme is None for _, scheme in rules):
             return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")
-        planner, rewriter = _Planner(default, rules), _Rewriter(module)
+        planner = _Planner(default, rules) if found is None else _CheckpointPlanner(found, context.model_factory.meta_model)
+        rewriter = _Rewriter(module)
         kept, split = [], 0
         existing = set(module.graph.nodes)
         for node in list(module.graph.nodes):
@@ -259,10 +290,12 @@ class QuantizeLinear(Transform):
         if kept:
             details.append(f"kept in the model's dtype (a weight shared or not read straight from the module, or an "
                            f"MoE router): {', '.join(kept)}")
+        source = f" as the checkpoint's {found.method} quantization gives them" if found is not None else ""
         return TransformResult(
             matches=len(rewriter.records), changed=bool(rewriter.records),
-            notes=", ".join(f"{n} {scheme}" for scheme, n in sorted(counts.items())) + (f"; {split} MLPs split" if split else ""),
-            details=details,
+            notes=", ".join(f"{n} {scheme}" for scheme, n in sorted(counts.items())) + source
+            + (f"; {split} MLPs split" if split else ""),
+            details=details + [f"served differently from the checkpoint: {note}" for note in (found.notes if found else [])],
         )
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""The ``autodeploy`` command line: run, build, config show, inspect, tune, bench.
+"""The ``autodeploy`` command line: run, build, quantize, config show, inspect, tune, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
 ``bench --baseline`` exits with code 3 when a metric regressed. ``--debug`` and ``--version`` go
@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", required=True, metavar="DIR", help="folder to write (new, empty, or an earlier deployment, which is replaced)")
     _add_settings_arguments(build)
 
+    quantize = commands.add_parser("quantize", help="quantize a checkpoint as the quantize settings say and write it as a "
+                                                     "compressed-tensors checkpoint folder that autodeploy (and vLLM) serve")
+    quantize.add_argument("model", help="checkpoint folder or hub id of the float model")
+    quantize.add_argument("--out", required=True, metavar="DIR", help="folder to write (new or empty)")
+    _add_settings_arguments(quantize)
+
     config = commands.add_parser("config", help="configuration commands")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", help="print the merged settings (with auto values resolved when a model is given)")
@@ -124,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch (fewer threads measure more steadily on a shared machine)")
     bench.add_argument("--no-progress", action="store_true")
     _add_settings_arguments(bench)
-    for subcommand in (run, build, config, show, inspect, tune, bench):
+    for subcommand in (run, build, quantize, config, show, inspect, tune, bench):
         _add_global_flags(subcommand, version_line, top_level=False)
     return parser
 
@@ -242,6 +248,15 @@ def _build(args) -> None:
           f"on {llm.settings.device} {llm.settings.dtype}); serve it with: autodeploy run {directory}")
 
 
+def _quantize(args) -> None:
+    from autodeploy.quantized_checkpoint import quantize_checkpoint
+
+    start = time.perf_counter()
+    directory = quantize_checkpoint(args.model, args.out, args.config, args.set_arguments)
+    size_mb = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file()) / 1e6
+    print(f"wrote {directory} ({size_mb:.1f} MB in {time.perf_counter() - start:.1f}s); serve it with: autodeploy run {directory}")
+
+
 def _config_show(args) -> None:
     from autodeploy import deployment_settings  # through the package: it registers the built-in transforms
     from autodeploy.config import load_settings, settings_to_yaml
@@ -283,7 +298,8 @@ def _tune(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"run": _run, "build": _build, "config": _config_show, "inspect": _inspect, "tune": _tune, "bench": _bench}
+    handlers = {"run": _run, "build": _build, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
+                "bench": _bench}
     try:
         code = handlers[args.command](args)
     except AutoDeployError as error:

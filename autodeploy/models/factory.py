@@ -8,6 +8,7 @@ meta so export traces a single-device model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections import Counter
@@ -194,6 +195,13 @@ class ModelFactory:
                     submodule._buffers[name] = buffer.to("meta")
         self.meta_model = model
         return model
+
+    @functools.cached_property
+    def prequantized(self):
+        """The checkpoint's own quantization (``autodeploy/models/prequantized.py``), or None for a float checkpoint."""
+        from autodeploy.models.prequantized import detect_prequantized
+
+        return detect_prequantized(self.hf_config, self.source.directory)
 
     def checkpoint_reader(self) -> CheckpointReader | StateDictReader:
         """Where ``load_weights`` reads the weights: the in-memory ``tensors`` if given, else the checkpoint folder."""

@@ -169,15 +169,59 @@ def _check_fused_sources(target: str, meta_tensor: torch.Tensor, hf_model: nn.Mo
             )
 
 
+# Tensors a quantizing tool stores for a layer (compressed-tensors, AutoAWQ / GPTQ, ModelOpt) besides ``weight``.
+_QUANTIZATION_LEAVES = {"weight_scale", "weight_zero_point", "weight_packed", "weight_shape", "weight_g_idx", "input_scale",
+                        "weight_global_scale", "qweight", "qzeros", "scales", "g_idx"}
+
+
+def _prequantized_layer(key: str, mapper: _NameMapper, known, quantized) -> tuple[str, str] | None:
+    """(graph weight name, leaf) when ``key`` is one of a quantized layer's tensors in a pre-quantized checkpoint."""
+    module, _, leaf = key.rpartition(".")
+    if leaf == "bias":
+        return None
+    name = mapper.graph_name(mapper.rename(f"{module}.weight")[0], known)
+    if name in quantized:
+        return name, leaf
+    if leaf in _QUANTIZATION_LEAVES:
+        raise CheckpointError(
+            f"checkpoint tensor {key!r} quantizes {module}, which autodeploy keeps in the model's dtype (MoE experts and "
+            f"routers, weights tied to the embedding, layers the quantization config does not name): a checkpoint that "
+            f"quantized it cannot be served yet"
+        )
+    return None
+
+
+def _fill_prequantized(gm: fx.GraphModule, record, stored: dict[str, torch.Tensor], groups, filled: set[str]) -> None:
+    with torch.no_grad():
+        for role, target in record.targets.items():
+            parameter, value = gm.get_parameter(target), stored[role]
+            if tuple(value.shape) != tuple(parameter.shape) or value.dtype != parameter.dtype:
+                raise CheckpointError(
+                    f"{record.path}: the checkpoint's tensors give its {record.scheme.name} {role} as "
+                    f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}, the model needs "
+                    f"{str(parameter.dtype).removeprefix('torch.')} {tuple(parameter.shape)}"
+                )
+            parameter.copy_(value)
+            filled.update(groups[target])
+
+
 def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: CheckpointReader | StateDictReader, groups,
-                    quantized=None, statistics=None) -> int:
+                    quantized=None, statistics=None, prequantized=None) -> int:
+    """Fill the graph's parameters from ``reader``. A weight the quantize stage replaced is quantized from the
+    checkpoint's float tensor, or, in a ``prequantized`` checkpoint (``models/prequantized.py``), converted
+    from the tensors the quantizing tool stored for its layer."""
     quantized = quantized or {}
     mapper = _NameMapper(factory.meta_model)
     known = {**groups, **{name: [name] for name in quantized}}  # graph names a checkpoint tensor may fill
     filled: set[str] = set()
     pending: dict[str, object] = {}  # fused targets: a converter collecting lazy reads of its sources
+    layers: dict[str, dict[str, str]] = {}  # a pre-quantized layer's graph weight name → its tensors' keys by leaf
     unexpected = []
     for key in tqdm(sorted(reader.keys()), desc="loading weights", unit="tensor", leave=False, mininterval=2.0, disable=None):
+        layer = _prequantized_layer(key, mapper, known, quantized) if prequantized is not None else None
+        if layer is not None:
+            layers.setdefault(layer[0], {})[layer[1]] = key
+            continue
         renamed, pattern = mapper.rename(key)
         if renamed not in mapper.model_keys:
             unexpected.append(key)
@@ -196,6 +240,15 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
         for name, tensor in converted.items():
             tensor = tensor[0] if isinstance(tensor, list) else tensor
             _copy_into(gm, mapper.graph_name(name, known), tensor, groups, filled, target, quantized, statistics)
+    if prequantized is not None:
+        for name, record in quantized.items():
+            keys = layers.get(name)
+            if not keys:
+                raise CheckpointError(f"{prequantized.method} checkpoint {reader.directory} has no tensors for the quantized "
+                                      f"layer {record.path} (e.g. {record.path}.weight_scale or .qweight)")
+            stored = prequantized.stored(record.path, record.scheme, {leaf: reader.read(key) for leaf, key in keys.items()},
+                                         record.shape)
+            _fill_prequantized(gm, record, stored, groups, filled)
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
     missing = sorted({name for name in groups if name not in filled})
@@ -276,7 +329,8 @@ class LoadWeights(Transform):
             count = initialize_randomly(gm, factory, groups, settings.seed, quantized)
             notes = f"{count} random tensors"
         else:
-            count = load_checkpoint(gm, factory, factory.checkpoint_reader(), groups, quantized, statistics)
+            prequantized = factory.prequantized if factory.tensors is None else None  # the twin's weights are float
+            count = load_checkpoint(gm, factory, factory.checkpoint_reader(), groups, quantized, statistics, prequantized)
             notes = f"{count} tensors from {factory.source.directory.name}"
         restore_buffers(gm, factory, device)
         return TransformResult(matches=count, changed=True, notes=f"{notes} on {device}; {moved} device args retargeted")

@@ -1,0 +1,170 @@
+"""``autodeploy quantize MODEL --out DIR``: a Hugging Face checkpoint folder whose linear layers hold the
+quantize stage's weights, described by a ``quantization_config`` in the compressed-tensors format (what
+llm-compressor writes and vLLM reads). ``autodeploy(DIR)`` serves it without quantizing again
+(``models/prequantized.py``), so int4_gptq's calibration, say, runs once.
+
+The pipeline runs up to and including ``load_weights`` (export on meta, match, quantize, weights streamed
+in and quantized). Each quantized layer is written as compressed-tensors stores its scheme; the tensors
+are packed and the config built with the ``compressed-tensors`` package:
+
+| our scheme | compressed-tensors group | tensors |
+|---|---|---|
+| ``fp8`` | float-quantized; weights fp8 per channel or tensor; input activations fp8, dynamic, per token | ``weight`` (float8_e4m3fn), ``weight_scale`` |
+| ``int8_wo`` | pack-quantized; weights int8 per channel, symmetric | ``weight_packed``, ``weight_scale``, ``weight_shape`` |
+| ``int4_wo``, ``int4_gptq`` | pack-quantized; weights int4 per group, asymmetric | ``weight_packed``, ``weight_scale``, ``weight_zero_point``, ``weight_shape`` |
+
+``int4_awq`` is refused before any work: its per-input smoothing has no field in the format. Every other parameter is
+written as the model holds it, under its Hugging Face name; the tokenizer and generation config are copied.
+
+    quantize_checkpoint("path/to/llama", "llama-int4", quantize={"default": "int4_gptq"})
+    llm = autodeploy("llama-int4")      # int4_wo layers, nothing recalibrated
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autodeploy.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_GRAPH_PREFIX = "model."  # the exported graph holds the HF model as attribute ``model``
+# Files of a checkpoint folder besides config and weights that a served model reads.
+_COPIED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
+           "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path] = (), set_arguments: Iterable[str] = (),
+                        **overrides: Any) -> Path:
+    """Quantize ``model``'s checkpoint as the ``quantize`` settings say and write it to ``out`` (a new or
+    empty folder). Returns ``out``."""
+    from autodeploy.api import deployment_settings
+    from autodeploy.models.factory import config_dtype
+    from autodeploy.models.prequantized import require_compressed_tensors
+    from autodeploy.pipeline import Pipeline
+    from autodeploy.transforms.quantize_linear import STATE_KEY, parse_plan
+    from autodeploy.transforms.registry import TransformContext
+
+    require_compressed_tensors()
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not empty; write the quantized checkpoint to a new or empty folder")
+    settings, factory = deployment_settings(model, config, set_arguments, **overrides)
+    if settings.weights != "checkpoint":
+        raise ConfigError("autodeploy quantize writes a checkpoint's weights quantized; weights=random has none to write")
+    if factory.prequantized is not None:
+        raise ConfigError(f"{factory.source.name} is already quantized ({factory.prequantized.method}); quantize its float checkpoint")
+    default, rules = parse_plan(settings.quantize)
+    schemes = {scheme.name for scheme in [default, *(scheme for _, scheme in rules)] if scheme is not None}
+    if "int4_awq" in schemes:
+        raise ConfigError("int4_awq keeps a per-input smoothing that compressed-tensors has no field for; write int4_gptq "
+                          "or int4_wo instead")
+    nothing = ("the quantize settings quantize no layer (quantize.default is none and no quantize.layers rule names a "
+               "scheme that matches one); nothing to write")
+    if not schemes:
+        raise ConfigError(nothing)
+    pipeline = Pipeline.from_settings(settings)
+    context = TransformContext(settings=settings, model_factory=factory)
+    graph = pipeline.run(context, stop=pipeline.first_index_of_stage("fuse"))
+    records = context.state.get(STATE_KEY) or {}
+    if not records:
+        raise ConfigError(nothing)
+    tensors = _float_tensors(graph, records, factory.meta_model, config_dtype(factory.hf_config))
+    groups: dict[tuple, list[str]] = {}
+    for record in records.values():
+        stored = {role: graph.get_parameter(target).detach().cpu() for role, target in record.targets.items()}
+        tensors.update(_compressed(record.path, record.scheme, stored))
+        groups.setdefault(_group_key(record.scheme), []).append(record.path)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_weights(tensors, out)
+    hf_config = factory.hf_config.to_dict()
+    hf_config["quantization_config"] = _quantization_config(groups)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    for name in _COPIED:
+        if (factory.source.directory / name).is_file():
+            shutil.copy2(factory.source.directory / name, out / name)
+    logger.info("wrote %s: %d quantized layers (%s)", out, len(records),
+                ", ".join(f"{len(paths)} {key[0]}" for key, paths in groups.items()))
+    return out
+
+
+def _float_tensors(graph, records: Mapping, meta_model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every other parameter under its Hugging Face name, in the checkpoint's ``dtype`` (the build may have
+    computed in float32), with the model's fused layouts turned back into the checkpoint's (transformers'
+    own conversion rules)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    quantized = {target for record in records.values() for target in record.targets.values()}
+    names_of: dict[int, list[str]] = {}
+    for name, parameter in graph.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(parameter), []).append(name)
+    tensors = {}
+    for name, parameter in graph.named_parameters():
+        if name in quantized:
+            continue
+        # Tied weights are stored once, under the embedding's name rather than the LM head's.
+        aliases = sorted(names_of[id(parameter)], key=lambda alias: "lm_head" in alias)
+        value = parameter.detach().cpu()
+        tensors[aliases[0].removeprefix(_GRAPH_PREFIX)] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
+    try:
+        return dict(revert_weight_conversion(meta_model, tensors))
+    except Exception as error:  # a conversion transformers cannot revert: the model's own names then
+        logger.warning("writing the model's own parameter names (transformers could not revert its conversions: %s)", error)
+        return tensors
+
+
+def _group_key(scheme) -> tuple:
+    return (scheme.name if scheme.name != "int4_gptq" else "int4_wo", scheme.group_size, scheme.per_channel)
+
+
+def _compressed(path: str, scheme, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors compressed-tensors stores for one layer, from our layout."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from autodeploy.custom_ops.quantized_linear import unpack_int4
+
+    qweight, scale = stored["qweight"], stored["scale"].to(torch.float32)
+    if scheme.name == "fp8":
+        return {f"{path}.weight": qweight, f"{path}.weight_scale": scale.reshape(-1, 1) if scheme.per_channel else scale.reshape(1)}
+    if scheme.name == "int8_wo":
+        return {f"{path}.weight_packed": pack_to_int32(qweight, 8), f"{path}.weight_scale": scale.reshape(-1, 1),
+                f"{path}.weight_shape": torch.tensor(list(qweight.shape))}
+    signed = (unpack_int4(qweight).to(torch.int16) - 8).to(torch.int8)  # compressed-tensors' int4 range is [-8, 7]
+    zero_point = (stored["zero"].to(torch.int16) - 8).to(torch.int8)
+    return {f"{path}.weight_packed": pack_to_int32(signed, 4), f"{path}.weight_scale": scale,
+            f"{path}.weight_zero_point": pack_to_int32(zero_point, 4, packed_dim=0),
+            f"{path}.weight_shape": torch.tensor(list(signed.shape))}
+
+
+def _quantization_config(groups: dict[tuple, list[str]]) -> dict:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    schemes, formats = {}, set()
+    for index, ((name, group_size, per_channel), paths) in enumerate(sorted(groups.items())):
+        if name == "fp8":
+            weights = QuantizationArgs(num_bits=8, type="float", strategy="channel" if per_channel else "tensor", symmetric=True)
+            inputs = QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+            fmt = "float-quantized"
+        elif name == "int8_wo":
+            weights, inputs, fmt = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True), None, "pack-quantized"
+        else:
+            weights = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=False)
+            inputs, fmt = None, "pack-quantized"
+        formats.add(fmt)
+        schemes[f"group_{index}"] = QuantizationScheme(targets=sorted(paths), weights=weights, input_activations=inputs, format=fmt)
+    config = QuantizationConfig(config_groups=schemes, format=formats.pop() if len(formats) == 1 else "mixed-precision",
+                                quantization_status="compressed")
+    return config.model_dump(mode="json", exclude_none=True)
+
+
+def _write_weights(tensors: dict[str, torch.Tensor], out: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    save_torch_state_dict(tensors, str(out), max_shard_size="5GB", safe_serialization=True)
