@@ -66,7 +66,7 @@ class VerifySettings:
 
     enabled: bool = True
     tolerance: Dict[str, float] = field(default_factory=lambda: {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2})
-    # When layers quantize their activations (fp8), at least this, and at least twice the effect rounding
+    # When layers quantize their activations (fp8, smoothquant), at least this, and at least twice the effect rounding
     # the activations has on the reference: per-token scales follow each token's max |x|, so a last-bit
     # difference upstream moves a token's whole rounding grid.
     quantized_activations_tolerance: float = 1e-1
@@ -119,12 +119,15 @@ class QuantizeSettings:
     rule in ``layers`` names (globs over module paths, first match wins). Schemes: ``int8_wo``,
     ``int4_wo`` (groups of ``int4_group_size`` inputs), ``int4_awq`` (the same, activation-aware, from
     ``calibration``), ``int4_gptq`` (the same layout, GPTQ rounding from ``calibration``), ``fp8`` (weight scales per output ``channel`` or per
-    ``tensor``: ``fp8_weight_scale``; activations per token), ``none`` (the model's dtype)."""
+    ``tensor``: ``fp8_weight_scale``; activations per token), ``smoothquant`` (W8A8: int8 weights and
+    activations, ``smoothquant_alpha`` of the activations' range moved into the weights, from ``calibration``),
+    ``none`` (the model's dtype)."""
 
     default: str = "none"
     layers: Dict[str, str] = field(default_factory=dict)
     int4_group_size: int = 128
     fp8_weight_scale: str = "channel"
+    smoothquant_alpha: float = 0.5
     calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
 
 

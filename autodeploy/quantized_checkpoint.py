@@ -13,7 +13,8 @@ are packed and the config built with the ``compressed-tensors`` package:
 | ``int8_wo`` | pack-quantized; weights int8 per channel, symmetric | ``weight_packed``, ``weight_scale``, ``weight_shape`` |
 | ``int4_wo``, ``int4_gptq`` | pack-quantized; weights int4 per group, asymmetric | ``weight_packed``, ``weight_scale``, ``weight_zero_point``, ``weight_shape`` |
 
-``int4_awq`` is refused before any work: its per-input smoothing has no field in the format. Every other parameter is
+``int4_awq`` and ``smoothquant`` are refused before any work: their per-input smoothing has no field in
+the format. Every other parameter is
 written as the model holds it, under its Hugging Face name; the tokenizer and generation config are copied.
 
     quantize_checkpoint("path/to/llama", "llama-int4", quantize={"default": "int4_gptq"})
@@ -63,9 +64,10 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
         raise ConfigError(f"{factory.source.name} is already quantized ({factory.prequantized.method}); quantize its float checkpoint")
     default, rules = parse_plan(settings.quantize)
     schemes = {scheme.name for scheme in [default, *(scheme for _, scheme in rules)] if scheme is not None}
-    if "int4_awq" in schemes:
-        raise ConfigError("int4_awq keeps a per-input smoothing that compressed-tensors has no field for; write int4_gptq "
-                          "or int4_wo instead")
+    smoothed = sorted(schemes & {"int4_awq", "smoothquant"})
+    if smoothed:
+        raise ConfigError(f"{' and '.join(smoothed)} keep a per-input smoothing that compressed-tensors has no field for; "
+                          f"write int4_gptq, int4_wo, int8_wo or fp8 instead")
     nothing = ("the quantize settings quantize no layer (quantize.default is none and no quantize.layers rule names a "
                "scheme that matches one); nothing to write")
     if not schemes:

@@ -273,11 +273,11 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
     rounding = _quantize_like_the_deploy(reference, quantized, twin_graph)
     tolerance = float(settings.verify.tolerance[dtype])
     if rounding is not None:
-        # Rounding activations to fp8 with per-token scales makes any two correct implementations differ by
-        # about the rounding's own effect (_rounding_effect): the deploy is held to twice that.
+        # Rounding activations (fp8, or int8 after smoothing) with per-token scales makes any two correct
+        # implementations differ by about the rounding's own effect (_rounding_effect): the deploy is held to twice that.
         effect = _rounding_effect(reference, rounding, twin.config.get_text_config().vocab_size, device)
         tolerance = max(tolerance, float(settings.verify.quantized_activations_tolerance), 2 * effect)
-        note = "; ".join(filter(None, [note, f"fp8 activations: tolerance {tolerance:.3g} (2× their rounding's "
+        note = "; ".join(filter(None, [note, f"quantized activations: tolerance {tolerance:.3g} (2× their rounding's "
                                               f"effect on the reference, {effect:.3g})"]))
     report = _compare(factory, twin, reference, twin_graph, twin_context, match_notes, settings, device, dtype, began,
                       tolerance)
@@ -288,8 +288,8 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
 
 def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.GraphModule) -> _ActivationRounding | None:
     """Give the Hugging Face reference the rounding the quantize stage chose: each quantized weight replaced
-    by the value the deployed ``graph``'s stored tensors dequantize to, and fp8 layers' inputs rounded per
-    token as the fp8 op rounds them. The comparison then holds the deploy to the quantized model's function
+    by the value the deployed ``graph``'s stored tensors dequantize to, and fp8 and smoothquant layers'
+    inputs rounded per token as their ops round them. The comparison then holds the deploy to the quantized model's function
     at the usual tolerance, instead of loosening it by the quantization error."""
     from autodeploy.custom_ops.quantized_linear import dequantize_weight
 
@@ -300,23 +300,29 @@ def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.G
         stored = {role: graph.get_parameter(target).detach().to(parameter.device) for role, target in record.targets.items()}
         with torch.no_grad():
             parameter.data = dequantize_weight(record.scheme, stored, torch.float32).to(parameter.dtype)
-        if record.scheme.name == "fp8":
+        if record.scheme.name in ("fp8", "smoothquant"):
             owner = reference.get_submodule(name.rpartition(".")[0])
             rounding = rounding or _ActivationRounding()
-            owner.register_forward_pre_hook(rounding)
+            owner.register_forward_pre_hook(rounding.hook(stored.get("smooth") if record.scheme.name == "smoothquant" else None))
     return rounding
 
 
 class _ActivationRounding:
-    """The forward pre-hook that rounds an fp8 layer's input per token as the fp8 op does; switchable, so the
-    reference can also be run unrounded."""
+    """Forward pre-hooks that round a layer's input per token as its op does (fp8, or int8 after smoothing);
+    switchable together, so the reference can also be run unrounded."""
 
     enabled = True
 
-    def __call__(self, module, args):
-        from autodeploy.custom_ops.quantized_linear import fake_quantize_activations_fp8
+    def hook(self, smooth: torch.Tensor | None):
+        from autodeploy.custom_ops.quantized_linear import fake_quantize_activations_fp8, fake_quantize_activations_int8
 
-        return (fake_quantize_activations_fp8(args[0]), *args[1:]) if self.enabled else None
+        def round_input(module, args):
+            if not self.enabled:
+                return None
+            rounded = fake_quantize_activations_fp8(args[0]) if smooth is None else fake_quantize_activations_int8(args[0], smooth)
+            return (rounded, *args[1:])
+
+        return round_input
 
 
 def _rounding_effect(reference: nn.Module, rounding: _ActivationRounding, vocab: int, device) -> float:

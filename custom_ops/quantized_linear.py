@@ -18,6 +18,11 @@ A scheme turns a float weight ``w[N, K]`` (``nn.Linear`` layout) into the tensor
 - ``fp8``: ``qweight`` float8_e4m3fn ``[N, K]`` and ``scale`` float32 ``[N]`` (``per_channel``) or ``[1]``
   (per tensor), ``scale = max|w| / 448``. Activations are quantized the same way, per token, when the
   op runs (dynamic): ``x ≈ x_q · x_scale``, ``x_scale = max|x[t]| / 448``.
+- ``smoothquant`` (W8A8): ``int8_wo``'s storage for ``w · diag(s)`` and ``smooth = 1 / s`` float32 ``[K]``,
+  ``s_k = max|x_k|^α / max_n |w_nk|^(1−α)`` from the largest input each channel took over calibration
+  text (``max_abs``; ``alpha`` 0.5 by default): outlier channels of the activations move into the
+  weights. The op quantizes ``x · smooth`` to int8 per token as it runs (``max|·| / 127``) and sums
+  int8 products in int32.
 
 :func:`quantize_weight` and :func:`dequantize_weight` convert; each op's reference dequantizes and
 computes in float32 (float64 for float64 inputs), so it is exact up to the scheme's declared rounding.
@@ -44,8 +49,8 @@ import torch.nn.functional as F
 from .compute_dtype import compute_dtype
 from .registry import register_backend, register_op
 
-SCHEMES = ("int8_wo", "int4_wo", "int4_awq", "int4_gptq", "fp8")
-CALIBRATED = ("int4_awq", "int4_gptq")  # schemes whose quantize_weight takes the layer's input statistics
+SCHEMES = ("int8_wo", "int4_wo", "int4_awq", "int4_gptq", "fp8", "smoothquant")
+CALIBRATED = ("int4_awq", "int4_gptq", "smoothquant")  # schemes whose quantize_weight takes the layer's input statistics
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _INT8_MAX = 127.0
 _UINT4_MAX = 15
@@ -53,17 +58,21 @@ _UINT4_MAX = 15
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """A weight scheme and its options: ``group_size`` (``int4_wo``), ``per_channel`` (``fp8``)."""
+    """A weight scheme and its options: ``group_size`` (``int4_wo``), ``per_channel`` (``fp8``), ``alpha``
+    (``smoothquant``: how much of the activations' range moves into the weights)."""
 
     name: str
     group_size: int = 128
     per_channel: bool = True
+    alpha: float = 0.5
 
     def __post_init__(self):
         if self.name not in SCHEMES:
             raise ValueError(f"unknown quantization scheme {self.name!r}; schemes: {', '.join(SCHEMES)}, none.")
         if self.group_size < 2 or self.group_size % 2:
             raise ValueError(f"int4_wo group_size must be an even number ≥ 2; got {self.group_size}.")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"smoothquant alpha must lie in [0, 1]; got {self.alpha}.")
 
     def check_shape(self, shape: tuple[int, ...]) -> str | None:
         """Why a ``[N, K]`` weight cannot take this scheme, or None."""
@@ -91,6 +100,8 @@ def quantize_weight(scheme: QuantScheme, weight: torch.Tensor, statistics: dict[
         return _awq(scheme, w, statistics)
     if scheme.name == "int4_gptq":
         return _gptq(scheme, w, statistics)
+    if scheme.name == "smoothquant":
+        return _smoothquant(scheme, w, statistics)
     if scheme.name == "int8_wo":
         scale = _safe(w.abs().amax(dim=1) / _INT8_MAX)
         qweight = torch.round(w / scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
@@ -114,6 +125,8 @@ def dequantize_weight(scheme: QuantScheme, stored: dict[str, torch.Tensor], dtyp
         return dequantize_weight(plain, stored, dtype) * stored["smooth"].to(dtype)[None, :]
     if scheme.name == "int4_gptq":
         return dequantize_weight(QuantScheme("int4_wo", group_size=scheme.group_size), stored, dtype)
+    if scheme.name == "smoothquant":
+        return dequantize_weight(QuantScheme("int8_wo"), stored, dtype) * stored["smooth"].to(dtype)[None, :]
     qweight, scale = stored["qweight"], stored["scale"].to(dtype)
     if scheme.name == "int8_wo":
         return qweight.to(dtype) * scale[:, None]
@@ -144,6 +157,16 @@ def _awq(scheme: QuantScheme, w: torch.Tensor, statistics: dict[str, torch.Tenso
             best = (error, stored, s)
     _, stored, s = best
     return {**stored, "smooth": (1.0 / s).contiguous()}
+
+
+def _smoothquant(scheme: QuantScheme, w: torch.Tensor, statistics: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    if statistics is None or "max_abs" not in statistics:
+        raise ValueError("smoothquant needs the layer's input statistics (max_abs, from calibration)")
+    x_max, w_max = statistics["max_abs"].to(w.device, torch.float32), w.abs().amax(dim=0)
+    # A channel that never carried a value (or whose weights are all zero) keeps s = 1.
+    s = torch.where((x_max > 0) & (w_max > 0), x_max.pow(scheme.alpha) / w_max.pow(1.0 - scheme.alpha), torch.ones_like(x_max))
+    s = s.clamp(min=1e-5)
+    return {**quantize_weight(QuantScheme("int8_wo"), w * s[None, :]), "smooth": 1.0 / s}
 
 
 def _group_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,6 +229,21 @@ def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     x32 = x.to(torch.float32)
     scale = _safe(x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX)
     return (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_q, x_scale)``: int8 values in [-127, 127] and one scale per token (the last dim reduced), in
+    ``x``'s float dtype: ``x ≈ x_q · x_scale``, ``x_scale = max|x[t]| / 127``."""
+    scale = _safe(x.abs().amax(dim=-1, keepdim=True) / _INT8_MAX)
+    return torch.round(x / scale).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale
+
+
+def fake_quantize_activations_int8(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
+    """``x`` through the smoothquant op's rounding, in ``x``'s dtype, for a layer holding its effective weight
+    ``w · diag(s) · diag(smooth)``: ``Q(x · smooth) / smooth`` (what verification's reference applies)."""
+    smoothed = x.to(torch.float32) * smooth.to(x.device, torch.float32)
+    x_q, scale = quantize_activations_int8(smoothed)
+    return (x_q.to(torch.float32) * scale / smooth.to(x.device, torch.float32)).to(x.dtype)
 
 
 def fake_quantize_activations_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -279,6 +317,22 @@ def fp8_linear_reference(
     return F.linear(activations, weight, None if bias is None else bias.to(dtype)).to(x.dtype)
 
 
+def int8_w8a8_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, smooth: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """SmoothQuant's W8A8 linear: ``x · smooth`` quantized to int8 per token (``quantize_activations_int8``),
+    times the int8 weights ``[N, K]``, the int32 sums scaled by the token's and the output channel's scale
+    ``[N]``; returns ``[..., N]`` in ``x``'s dtype. The rounding is computed in float32 (float64 for float64
+    x), the sums exactly (float64 holds them)."""
+    _check_linear("int8_w8a8_linear", x, qweight.shape[0], qweight.shape[1], bias)
+    if smooth.shape != (x.shape[-1],):
+        raise ValueError(f"int8_w8a8_linear: smooth must be [K={x.shape[-1]}]; got {tuple(smooth.shape)}.")
+    x_q, x_scale = quantize_activations_int8(x.to(compute_dtype(x.dtype)) * smooth.to(compute_dtype(x.dtype)))
+    sums = F.linear(x_q.to(torch.float64), qweight.to(torch.float64))
+    out = sums * x_scale.to(torch.float64) * scale.to(torch.float64)
+    return (out if bias is None else out + bias.to(torch.float64)).to(x.dtype)
+
+
 def _linear_fake(x, qweight, *rest):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
@@ -288,9 +342,10 @@ def _int4_fake(x, qweight, scale, zero, bias):
 
 
 _W = torch.linspace(-1.0, 1.0, 32).reshape(4, 8)  # the example inputs register_op checks the fake against
-_STATISTICS = {"mean_abs": torch.linspace(0.5, 2.0, 8), "mean_square": torch.linspace(0.5, 4.0, 8)}
-_INT8, _INT4, _AWQ, _FP8 = (quantize_weight(QuantScheme(name, group_size=4), _W, _STATISTICS)
-                            for name in ("int8_wo", "int4_wo", "int4_awq", "fp8"))
+_STATISTICS = {"mean_abs": torch.linspace(0.5, 2.0, 8), "mean_square": torch.linspace(0.5, 4.0, 8),
+               "max_abs": torch.linspace(1.0, 8.0, 8)}
+_INT8, _INT4, _AWQ, _FP8, _SMOOTH = (quantize_weight(QuantScheme(name, group_size=4), _W, _STATISTICS)
+                                     for name in ("int8_wo", "int4_wo", "int4_awq", "fp8", "smoothquant"))
 int8_wo_linear = register_op(
     "int8_wo_linear", int8_wo_linear_reference, _linear_fake,
     example_inputs=(torch.ones(2, 8), _INT8["qweight"], _INT8["scale"], torch.zeros(4)),
@@ -307,9 +362,13 @@ fp8_linear = register_op(
     "fp8_linear", fp8_linear_reference, _linear_fake,
     example_inputs=(torch.ones(2, 8), _FP8["qweight"], _FP8["scale"], torch.zeros(4)),
 )
+int8_w8a8_linear = register_op(
+    "int8_w8a8_linear", int8_w8a8_linear_reference, lambda x, qweight, scale, smooth, bias: _linear_fake(x, qweight),
+    example_inputs=(torch.ones(2, 8), _SMOOTH["qweight"], _SMOOTH["scale"], _SMOOTH["smooth"], torch.zeros(4)),
+)
 OPS = {"int8_wo": torch.ops.autodeploy.int8_wo_linear.default, "int4_wo": torch.ops.autodeploy.int4_wo_linear.default,
        "int4_awq": torch.ops.autodeploy.int4_awq_linear.default, "int4_gptq": torch.ops.autodeploy.int4_wo_linear.default,
-       "fp8": torch.ops.autodeploy.fp8_linear.default}
+       "fp8": torch.ops.autodeploy.fp8_linear.default, "smoothquant": torch.ops.autodeploy.int8_w8a8_linear.default}
 
 
 def int8_wo_linear_torch(x, qweight, scale, bias):
@@ -384,3 +443,36 @@ def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
 
 
 register_backend("fp8_linear", "torch", fp8_linear_torch, supports=_fp8_scaled_mm_supports)
+
+
+# cuBLASLt's int8 GEMM takes more than 16 rows, and K and N multiples of 8: decode rows are padded up.
+_INT_MM_MIN_ROWS = 17
+
+
+def int8_w8a8_linear_torch(x, qweight, scale, smooth, bias):
+    """``int8_w8a8_linear`` with ``torch._int_mm`` (int8 × int8 → int32: cuBLASLt on GPUs, oneDNN on CPUs): the
+    activations quantized per token here, the sums scaled in float32."""
+    out_features, in_features = qweight.shape
+    rows = x.reshape(-1, in_features)
+    x_q, x_scale = quantize_activations_int8(rows.to(torch.float32) * smooth)
+    padding = _INT_MM_MIN_ROWS - x_q.shape[0] if x.device.type == "cuda" else 0
+    if padding > 0:
+        x_q = F.pad(x_q, (0, 0, 0, padding))
+    sums = torch._int_mm(x_q, qweight.t())[: rows.shape[0]]
+    out = (sums.to(torch.float32) * x_scale * scale).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], out_features)
+
+
+def _int_mm_supports(x, qweight, scale, smooth, bias, *, device):
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"writes float32/float16/bfloat16 (x is {x.dtype})"
+    if device.type == "cuda" and (qweight.shape[0] % 8 or qweight.shape[1] % 8):
+        return f"cuBLASLt's int8 GEMM needs N and K multiples of 8 (weight {tuple(qweight.shape)})"
+    if bias is not None and bias.dtype != x.dtype:
+        return f"bias dtype {bias.dtype} differs from x's {x.dtype}"
+    return True
+
+
+register_backend("int8_w8a8_linear", "torch", int8_w8a8_linear_torch, supports=_int_mm_supports)

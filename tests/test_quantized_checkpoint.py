@@ -71,7 +71,8 @@ def test_compressed_tensors_decompresses_the_tensors_to_what_our_ops_compute_wit
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"quantize": {"default": "int4_awq", "int4_group_size": 32}}, "int4_awq keeps a per-input smoothing"),
+    ({"quantize": {"default": "int4_awq", "int4_group_size": 32}}, "int4_awq keep a per-input smoothing"),
+    ({"quantize": {"default": "smoothquant"}}, "smoothquant keep a per-input smoothing"),
     ({"quantize": {"default": "none"}}, "quantize no layer"),
     ({"weights": "random", "quantize": {"default": "int8_wo"}}, "weights=random has none to write"),
 ])

@@ -12,6 +12,10 @@ quantize:
   layers: {"lm_head": none, "*.mlp.*": int4_wo}
 ```
 
+A checkpoint quantized by another tool (``context.model_factory.prequantized``: compressed-tensors, AWQ,
+GPTQ, ModelOpt) gives each layer its scheme instead, and ``quantize`` settings beside it are a
+``ConfigError``; ``load_weights`` then converts the checkpoint's tensors rather than quantizing.
+
 Every canonical ``linear`` whose weight the graph reads straight from the module becomes the scheme's op
 (``custom_ops/quantized_linear.py``); a ``gated_mlp`` or ``mlp`` with a quantized projection is split
 into its projections (each quantized by its own rule, or a plain ``linear``) and its activation. The
@@ -83,7 +87,8 @@ def parse_plan(settings) -> tuple[QuantScheme | None, list[tuple[str, QuantSchem
         if name == NONE:
             return None
         try:
-            return QuantScheme(name, group_size=int(settings.int4_group_size), per_channel=settings.fp8_weight_scale == "channel")
+            return QuantScheme(name, group_size=int(settings.int4_group_size), per_channel=settings.fp8_weight_scale == "channel",
+                               alpha=float(settings.smoothquant_alpha))
         except ValueError as error:
             raise ConfigError(f"{where}: {error}") from error
 
@@ -168,7 +173,7 @@ class _Rewriter:
         source = weight_node.target
         weight = self.gm.get_parameter(source)
         columns = weight.shape[1]
-        meta_statistics = {"mean_abs": torch.empty(columns, device="meta"), "mean_square": torch.empty(columns, device="meta")}
+        meta_statistics = {key: torch.empty(columns, device="meta") for key in ("mean_abs", "mean_square", "max_abs")}
         stored = quantize_weight(scheme, weight.to("meta"), meta_statistics)
         owner_path, _, leaf = source.rpartition(".")
         owner = self.gm.get_submodule(owner_path)
@@ -224,7 +229,8 @@ class QuantizeLinear(Transform):
         if schemes & set(CALIBRATED):  # the calibration itself runs in load_weights (autodeploy/models/calibration.py)
             calibration = context.settings.quantize.calibration
             if context.settings.weights == "random":
-                raise ConfigError("int4_awq and int4_gptq calibrate on the checkpoint's weights; with weights=random use int4_wo")
+                raise ConfigError("int4_awq, int4_gptq and smoothquant calibrate on the checkpoint's weights; with weights=random "
+                                  "use int4_wo, int8_wo or fp8")
             if calibration.dataset != "builtin" and not Path(calibration.dataset).is_file():
                 raise ConfigError(f"quantize.calibration.dataset: {calibration.dataset!r} is neither 'builtin' nor a readable file")
             if calibration.samples < 1 or calibration.seq_len < 1:

@@ -1,11 +1,11 @@
-"""Calibration for activation-aware quantization (AWQ) and GPTQ: statistics of each projection's input.
+"""Calibration for activation-aware quantization (AWQ), GPTQ and SmoothQuant: statistics of each projection's input.
 
 The ``quantize`` settings' ``calibration`` names the text (``builtin``: Python standard-library modules
 that ship with every interpreter, or a path to a text or JSONL file of ``{"text": …}`` lines), how many
 windows of how many tokens to run (``samples`` × ``seq_len``). The model runs in float32 on the CPU
 with the checkpoint's weights (Hugging Face eager), one window at a time. A forward pre-hook on each
-projection that asks for statistics accumulates ``mean |x|`` and ``mean x²`` of its input over every
-token, and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a 14,336-wide input).
+projection that asks for statistics accumulates ``mean |x|``, ``mean x²`` and ``max |x|`` of its input
+over every token, and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a 14,336-wide input).
 Statistics of up to ``CACHE_LIMIT_BYTES`` (1 GiB) are cached on disk
 (``$XDG_CACHE_HOME/autodeploy/calibration``), keyed by the checkpoint, the text and the window sizes, so
 a second build does not run the model again; larger ones (a large model's Hessians) are recomputed.
@@ -33,6 +33,7 @@ from autodeploy.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # Held out: json/ (the accuracy workload's perplexity text in README) is not among these.
+_STATISTICS_VERSION = 2  # 2: max_abs (smoothquant) beside the means; part of the cache key
 CACHE_LIMIT_BYTES = 1 << 30  # statistics past this (GPTQ's Hessians of a large model) are recomputed, not cached
 _BUILTIN_MODULES = ("argparse.py", "textwrap.py", "difflib.py", "dataclasses.py", "inspect.py", "typing.py",
                     "pathlib.py", "csv.py", "functools.py", "collections/__init__.py", "enum.py", "shutil.py")
@@ -81,15 +82,16 @@ def calibration_windows(tokenizer, dataset: str, samples: int, seq_len: int) -> 
 
 def _cache_file(identity: str, dataset: str, samples: int, seq_len: int, modules: list[str]) -> Path:
     text = calibration_text(dataset)
-    key = hashlib.sha256(json.dumps([identity, hashlib.sha256(text.encode()).hexdigest(), samples, seq_len, modules]).encode())
+    key = hashlib.sha256(json.dumps([identity, hashlib.sha256(text.encode()).hexdigest(), samples, seq_len, modules,
+                                     _STATISTICS_VERSION]).encode())
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autodeploy" / "calibration"
     return root / f"{key.hexdigest()[:32]}.pt"
 
 
 def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[str], hessian_modules=()
                      ) -> dict[str, dict[str, torch.Tensor]]:
-    """Run ``model`` over ``windows`` and return, per module name, ``mean_abs`` and ``mean_square`` of its
-    input's last dimension (float32, on the CPU), and for ``hessian_modules`` also ``hessian``: ``E[x xᵀ]``."""
+    """Run ``model`` over ``windows`` and return, per module name, ``mean_abs``, ``mean_square`` and ``max_abs``
+    of its input's last dimension (float32, on the CPU), and for ``hessian_modules`` also ``hessian``: ``E[x xᵀ]``."""
     hessian_modules = set(hessian_modules)
     sums: dict[str, dict[str, torch.Tensor]] = {}
     counts: dict[str, int] = {}
@@ -97,9 +99,11 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
     def hook(name):
         def record(module, args):
             x = args[0].detach().to(torch.float32).reshape(-1, args[0].shape[-1])
-            entry = sums.setdefault(name, {"mean_abs": torch.zeros(x.shape[1]), "mean_square": torch.zeros(x.shape[1])})
+            entry = sums.setdefault(name, {"mean_abs": torch.zeros(x.shape[1]), "mean_square": torch.zeros(x.shape[1]),
+                                           "max_abs": torch.zeros(x.shape[1])})
             entry["mean_abs"] += x.abs().sum(0).cpu()
             entry["mean_square"] += x.square().sum(0).cpu()
+            entry["max_abs"] = torch.maximum(entry["max_abs"], x.abs().amax(0).cpu())
             if name in hessian_modules:
                 entry["hessian"] = entry.get("hessian", 0) + (x.T.double() @ x.double()).cpu()
             counts[name] = counts.get(name, 0) + x.shape[0]
@@ -118,7 +122,8 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
     if missing:
         raise ConfigError(f"calibration: modules {missing[:3]} never ran on the calibration text; they cannot be "
                           f"calibrated: name another scheme for them under quantize.layers")
-    return {name: {k: (v / counts[name]).to(torch.float32) for k, v in entry.items()} for name, entry in sums.items()}
+    return {name: {k: (v if k == "max_abs" else v / counts[name]).to(torch.float32) for k, v in entry.items()}
+            for name, entry in sums.items()}
 
 
 def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] = ()) -> dict[str, dict[str, torch.Tensor]]:
@@ -127,7 +132,8 @@ def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] 
     calibration = settings.quantize.calibration
     dataset, samples, seq_len = str(calibration.dataset), int(calibration.samples), int(calibration.seq_len)
     if settings.weights == "random" and factory.tensors is None:
-        raise ConfigError("int4_awq and int4_gptq calibrate on the checkpoint's weights; with weights=random use int4_wo")
+        raise ConfigError("int4_awq, int4_gptq and smoothquant calibrate on the checkpoint's weights; with weights=random "
+                          "use int4_wo, int8_wo or fp8")
     cache = None
     if factory.tensors is None:  # a checkpoint folder; a twin's in-memory weights are calibrated afresh
         identity = json.dumps([str(factory.source.directory), _checkpoint_stamp(factory.source.directory)])

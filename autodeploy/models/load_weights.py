@@ -320,16 +320,17 @@ class LoadWeights(Transform):
         moved = move_graph_to_device(gm, device)
         groups = _allocate_parameters(gm, device)
         quantized = context.state.get("quantized_weights")  # the quantize stage's weights (transforms/quantize_linear.py)
+        # A pre-quantized checkpoint's values are used as they are (the twin's weights are float).
+        prequantized = factory.prequantized if factory.tensors is None and settings.weights == "checkpoint" else None
         statistics = None
         calibrated = sorted({r.path for r in (quantized or {}).values() if r.scheme.name in CALIBRATED})
-        if calibrated:
+        if calibrated and prequantized is None:
             hessians = sorted({r.path for r in quantized.values() if r.scheme.name == "int4_gptq"})
             statistics = calibrate(factory, settings, calibrated, hessians)
         if settings.weights == "random":
             count = initialize_randomly(gm, factory, groups, settings.seed, quantized)
             notes = f"{count} random tensors"
         else:
-            prequantized = factory.prequantized if factory.tensors is None else None  # the twin's weights are float
             count = load_checkpoint(gm, factory, factory.checkpoint_reader(), groups, quantized, statistics, prequantized)
             notes = f"{count} tensors from {factory.source.directory.name}"
         restore_buffers(gm, factory, device)

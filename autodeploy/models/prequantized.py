@@ -3,7 +3,7 @@ schemes, their tensors into our layouts (``custom_ops/quantized_linear.py``).
 
 | format | how it is recognised | weights → scheme |
 |---|---|---|
-| compressed-tensors (llm-compressor's, vLLM reads it) | ``quantization_config.quant_method: compressed-tensors`` | float-quantized fp8 per channel or tensor → ``fp8``; int-quantized or pack-quantized 8-bit per channel → ``int8_wo``; pack-quantized 4-bit per group → ``int4_wo`` |
+| compressed-tensors (llm-compressor's, vLLM reads it) | ``quantization_config.quant_method: compressed-tensors`` | float-quantized fp8 per channel or tensor → ``fp8``; int-quantized or pack-quantized 8-bit per channel → ``int8_wo``, with int8 activations (W8A8) → ``smoothquant`` (its smoothing already folded into the weights); pack-quantized 4-bit per group → ``int4_wo`` |
 | AutoAWQ (GEMM layout) | ``quant_method: awq`` | 4-bit per group with zero points → ``int4_wo`` |
 | GPTQ (AutoGPTQ / GPTQModel) | ``quant_method: gptq`` | 4-bit per group, without act-order → ``int4_wo`` |
 | NVIDIA ModelOpt (TensorRT-LLM's export) | ``hf_quant_config.json`` (or ``quant_method: modelopt``) | ``FP8`` → ``fp8`` per tensor; ``FP8_PER_CHANNEL_PER_TOKEN`` → ``fp8`` per channel |
@@ -14,9 +14,8 @@ of the decoder blocks, less ``modules_to_not_convert``; ModelOpt every linear la
 ``exclude_modules`` (globs). MoE routers and experts, and weights tied to the embedding, stay unquantized
 here as everywhere (``transforms/quantize_linear.py``), so a checkpoint that quantized them is refused.
 
-Activations: our ``fp8`` op quantizes them per token as it runs. A checkpoint that calibrated static
-activation scales (``input_scale``), or that quantized activations to int8 (W8A8), is served with per-token
-fp8 activations, respectively with activations in the model's dtype (as ``int8_wo``); a warning says so.
+Activations: our ``fp8`` and ``smoothquant`` ops quantize them per token as they run. A checkpoint that
+calibrated static activation scales (``input_scale``) is served with per-token scales; a warning says so.
 
     found = detect_prequantized(hf_config, directory)        # None for a float checkpoint
     found.scheme_for("model.layers.0.mlp.down_proj", module)  # QuantScheme("int4_wo", group_size=128)
@@ -132,6 +131,12 @@ def _int8(layer: _Layer) -> dict[str, torch.Tensor]:
     return {"qweight": qweight, "scale": scale.to(torch.float32).reshape(-1)}
 
 
+def _int8_w8a8(layer: _Layer) -> dict[str, torch.Tensor]:
+    """W8A8: int8 weights, activations quantized per token by the op; llm-compressor folds SmoothQuant's
+    smoothing into the preceding weights, so the op's own smoothing is one."""
+    return {**_int8(layer), "smooth": torch.ones(layer.shape[1])}
+
+
 def _packed_int4(layer: _Layer) -> dict[str, torch.Tensor]:
     require_compressed_tensors()
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -199,6 +204,7 @@ def _gptq(layer: _Layer, zero_offset: int) -> dict[str, torch.Tensor]:
 _CONVERTERS: dict[str, Callable[[_Layer], dict[str, torch.Tensor]]] = {
     "float8": _float8,
     "int8": _int8,
+    "int8_w8a8": _int8_w8a8,
     "packed_int4": _packed_int4,
     "awq": _awq,
     "gptq": lambda layer: _gptq(layer, 1),
@@ -263,7 +269,7 @@ def _compressed_tensors(config: dict) -> PrequantizedCheckpoint:
                       ours))
     if parsed.kv_cache_scheme is not None:
         notes.append("its KV cache scheme is not applied: the KV cache is kept in the model's dtype")
-    layouts = {"fp8": "float8", "int8_wo": "int8", "int4_wo": "packed_int4"}
+    layouts = {"fp8": "float8", "int8_wo": "int8", "int4_wo": "packed_int4", "smoothquant": "int8_w8a8"}
     return PrequantizedCheckpoint(f"compressed-tensors ({parsed.format})", layouts, rules, notes)
 
 
@@ -281,9 +287,14 @@ def _compressed_tensors_scheme(scheme, fmt: str, where: str) -> tuple[QuantSchem
                     f"are quantized to fp8 per token at run time")
         return _scheme("fp8", described, per_channel=strategy == "channel"), note
     if kind == "int" and bits == 8 and strategy == "channel" and weights.symmetric and fmt in ("int-quantized", "pack-quantized", "naive-quantized"):
-        if inputs is not None:
-            note = f"{where}: int8 activations (W8A8) are served in the model's dtype (int8_wo): no int8 GEMM yet"
-        return _scheme("int8_wo", described), note
+        if inputs is None:
+            return _scheme("int8_wo", described), None
+        if str(inputs.type) != "int" or int(inputs.num_bits) != 8:
+            raise CheckpointError(f"{described}: int8 weights with {inputs.type}{inputs.num_bits} activations; autodeploy "
+                                  f"serves int8 weights with int8 activations (W8A8) or unquantized ones")
+        if not inputs.dynamic or str(inputs.strategy) != "token":
+            note = f"{where}: int8 activations with static scales in the checkpoint are quantized per token at run time"
+        return _scheme("smoothquant", described), note  # W8A8; its smoothing is folded into the checkpoint's norms
     if kind == "int" and bits == 4 and strategy == "group" and fmt == "pack-quantized" and inputs is None:
         return _scheme("int4_wo", described, group_size=int(weights.group_size)), None
     raise CheckpointError(

@@ -46,13 +46,14 @@ def inputs(op: str, tokens: int, dtype: torch.dtype) -> tuple:
         return (x[0], torch.randn(tokens, experts, device="cuda", dtype=dtype), weight(experts, 2 * inner, HIDDEN, dtype=dtype),
                 weight(experts, HIDDEN, inner, dtype=dtype), 2)
     if op in QUANTIZED:
-        statistics = {"mean_abs": torch.rand(HIDDEN, device="cuda") + 0.1, "mean_square": torch.rand(HIDDEN, device="cuda") + 0.1}
+        statistics = {key: torch.rand(HIDDEN, device="cuda") + 0.1 for key in ("mean_abs", "mean_square", "max_abs")}
         stored = quantize_weight(QuantScheme(QUANTIZED[op]), weight(HIDDEN, HIDDEN, dtype=torch.float32), statistics)
         return (x, *stored.values(), None)
     raise KeyError(op)
 
 
-QUANTIZED = {"int8_wo_linear": "int8_wo", "int4_wo_linear": "int4_wo", "int4_awq_linear": "int4_awq", "fp8_linear": "fp8"}
+QUANTIZED = {"int8_wo_linear": "int8_wo", "int4_wo_linear": "int4_wo", "int4_awq_linear": "int4_awq", "fp8_linear": "fp8",
+             "int8_w8a8_linear": "smoothquant"}
 OPS = ("linear", "rms_norm", "add_rms_norm", "layer_norm", "rope", "gated_mlp", "fused_gated_mlp", "mlp", "moe",
        *QUANTIZED)
 CASES = [(op, backend.name) for op in OPS for backend in canonical_ops()[op].backends]

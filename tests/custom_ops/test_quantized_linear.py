@@ -290,3 +290,63 @@ def test_int4_gptq_reconstructs_correlated_inputs_far_better_than_round_to_neare
     assert errors["int4_gptq"] < 0.25 * errors["int4_wo"], errors
     with pytest.raises(ValueError, match="needs the layer's calibration Hessian"):
         quantize_weight(QuantScheme("int4_gptq", group_size=32), weight, {"mean_abs": torch.ones(128)})
+
+
+# SmoothQuant (W8A8): int8 weights of w · diag(s), int8 activations of x · (1/s) per token.
+def _outlier_inputs(tokens: int, columns: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, columns, generator=gen)
+    x[:, :: max(1, columns // 4)] *= 40.0  # a few outlier channels, as LLM activations have
+    return x
+
+
+def test_smoothquant_stores_the_weight_times_s_and_its_effective_weight_is_the_original():
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(24, 64, generator=gen), _outlier_inputs(32, 64, 1)
+    stored = quantize_weight(QuantScheme("smoothquant", alpha=0.5), w, {"max_abs": x.abs().amax(0)})
+    assert stored["qweight"].dtype == torch.int8 and stored["smooth"].shape == (64,)
+    s = x.abs().amax(0).sqrt() / w.abs().amax(0).sqrt()
+    assert torch.allclose(1 / stored["smooth"], s, rtol=1e-6)
+    effective = dequantize_weight(QuantScheme("smoothquant"), stored)  # (q · scale) · diag(smooth)
+    step = (stored["scale"][:, None] * stored["smooth"][None, :]).double()
+    assert ((effective.double() - w.double()).abs() <= step / 2 + 1e-6).all()
+
+
+def test_the_w8a8_reference_rounds_activations_per_token_and_sums_exactly():
+    gen = torch.Generator().manual_seed(2)
+    w, x = torch.randn(16, 48, generator=gen), _outlier_inputs(5, 48, 3)
+    stored = quantize_weight(QuantScheme("smoothquant"), w, {"max_abs": x.abs().amax(0)})
+    bias = torch.randn(16, generator=gen)
+    got = ops.int8_w8a8_linear(x, stored["qweight"], stored["scale"], stored["smooth"], bias)
+    smoothed = x * stored["smooth"]
+    x_scale = smoothed.abs().amax(-1, keepdim=True) / 127
+    x_q = torch.round(smoothed / x_scale).clamp(-127, 127)
+    want = (x_q.double() @ stored["qweight"].double().T) * x_scale.double() * stored["scale"].double() + bias.double()
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_smoothing_beats_plain_w8a8_on_activations_with_outlier_channels():
+    # alpha = 0 leaves the activations' outliers where they are (s = 1 / max|w|), so each token's int8 grid is
+    # set by its outliers; alpha = 0.5 moves half of their range into the weights.
+    gen = torch.Generator().manual_seed(4)
+    w, x = torch.randn(64, 128, generator=gen) * 0.05, _outlier_inputs(64, 128, 5)
+    want = x.double() @ w.double().T
+    errors = {}
+    for alpha in (0.0, 0.5):
+        stored = quantize_weight(QuantScheme("smoothquant", alpha=alpha), w, {"max_abs": x.abs().amax(0)})
+        got = ops.int8_w8a8_linear(x, stored["qweight"], stored["scale"], stored["smooth"], None)
+        errors[alpha] = ((got.double() - want).norm() / want.norm()).item()
+    assert errors[0.5] < 0.5 * errors[0.0], errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int_mm_backend_matches_the_reference(dtype):
+    gen = torch.Generator().manual_seed(6)
+    w, x = torch.randn(32, 64, generator=gen), _outlier_inputs(6, 64, 7).reshape(2, 3, 64)
+    stored = quantize_weight(QuantScheme("smoothquant"), w, {"max_abs": x.reshape(-1, 64).abs().amax(0)})
+    bias = torch.randn(32, generator=gen).to(dtype)
+    args = (x.to(dtype), stored["qweight"], stored["scale"], stored["smooth"], bias)
+    want = ops.int8_w8a8_linear(*args).double()
+    got = ops.int8_w8a8_linear_torch(*args)
+    assert got.dtype == dtype and got.shape == (2, 3, 32)
+    assert (got.double() - want).norm() / want.norm() <= (1e-6 if dtype == torch.float32 else 1e-2)

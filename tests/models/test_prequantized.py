@@ -148,6 +148,23 @@ def test_each_format_serves_the_logits_of_the_same_values_quantized_here(name, f
     assert served.generate(PROMPTS, params)[0].token_ids == here.generate(PROMPTS, params)[0].token_ids
 
 
+def test_a_w8a8_checkpoint_serves_int8_activations_over_its_int8_weights(float_llama, tmp_path):
+    # Its smoothing is folded into the checkpoint's weights: the op's own is one. Against the same int8 weights
+    # with unquantized activations, only the activations' rounding differs.
+    int8 = QuantScheme("int8_wo")
+    w8a8 = write_prequantized(float_llama, tmp_path / "w8a8", int8, compressed_tensors_layer("int8_wo"),
+                              ct_config(INT8, {**INT8, "strategy": "token", "dynamic": True}, "int-quantized"))
+    w8a16 = write_prequantized(float_llama, tmp_path / "w8a16", int8, compressed_tensors_layer("int8_wo"),
+                               ct_config(INT8, fmt="int-quantized"))
+    served = autodeploy(str(w8a8), device="cpu")
+    assert len([n for n in served.graph.graph.nodes if "int8_w8a8_linear" in str(n.target)]) == 14
+    smooth = served.graph.get_parameter("model.model.layers.0.self_attn.q_proj.input_smooth")
+    assert torch.equal(smooth, torch.ones_like(smooth))
+    for got, want in zip(served.logits(PROMPTS), autodeploy(str(w8a16), device="cpu").logits(PROMPTS)):
+        relative = ((got - want).norm() / want.norm()).item()
+        assert 0 < relative < 5e-2
+
+
 def test_static_activation_scales_are_served_per_token_with_a_warning(float_llama, tmp_path, caplog):
     static = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
     directory = write_prequantized(float_llama, tmp_path / "static", QuantScheme("fp8"), compressed_tensors_layer("fp8"),

@@ -58,7 +58,7 @@ def test_weight_only_deploys_generate_what_hf_generates_over_the_same_quantized_
 def test_fp8_deploys_verify_against_a_reference_that_rounds_its_activations_too(tiny_checkpoint):
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "fp8"})
     assert quantized_ops(llm) == {"fp8": 14}
-    assert "fp8 activations" in llm.verification.note
+    assert "quantized activations: tolerance" in llm.verification.note
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 6
 
@@ -171,6 +171,23 @@ def test_an_awq_deploy_calibrates_once_then_reuses_the_cached_statistics(tiny_ch
     autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=AWQ)
     assert len(runs) == calibrated + 1  # the twin again; the model's statistics come from the cache
     assert list((tmp_path / "autodeploy" / "calibration").glob("*.pt"))
+
+
+def test_a_smoothquant_deploy_runs_int8_activations_and_verifies_against_a_reference_that_rounds_them(tiny_checkpoint,
+                                                                                                       tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    settings = {"default": "smoothquant", "calibration": {"samples": 4, "seq_len": 64}}
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=settings)
+    w8a8 = [n for n in llm.graph.graph.nodes if "int8_w8a8_linear" in str(n.target)]
+    assert len(w8a8) == 14
+    assert "quantized activations: tolerance" in llm.verification.note
+    assert llm.verification.relative_error <= llm.verification.tolerance
+    smooth = llm.graph.get_parameter("model.model.layers.0.self_attn.q_proj.input_smooth")
+    assert not torch.allclose(smooth, torch.ones_like(smooth))  # calibrated, not identity
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6
+    with pytest.raises(ConfigError, match="smoothquant alpha must lie in"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**settings, "smoothquant_alpha": 1.5})
 
 
 def test_awq_calibration_bad_inputs_are_config_errors(tiny_checkpoint, tmp_path):
