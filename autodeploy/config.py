@@ -119,7 +119,8 @@ class QuantizeSettings:
     rule in ``layers`` names (globs over module paths, first match wins). Schemes: ``int8_wo``,
     ``int4_wo`` (groups of ``int4_group_size`` inputs), ``int4_awq`` (the same, activation-aware, from
     ``calibration``), ``int4_gptq`` (the same layout, GPTQ rounding from ``calibration``), ``fp8`` (weight scales per output ``channel`` or per
-    ``tensor``: ``fp8_weight_scale``; activations per token), ``smoothquant`` (W8A8: int8 weights and
+    ``tensor``: ``fp8_weight_scale``; activations with a scale per token, or one per layer from ``calibration``:
+    ``fp8_activations``), ``smoothquant`` (W8A8: int8 weights and
     activations, ``smoothquant_alpha`` of the activations' range moved into the weights, from ``calibration``),
     ``none`` (the model's dtype)."""
 
@@ -127,6 +128,7 @@ class QuantizeSettings:
     layers: Dict[str, str] = field(default_factory=dict)
     int4_group_size: int = 128
     fp8_weight_scale: str = "channel"
+    fp8_activations: str = "dynamic"
     smoothquant_alpha: float = 0.5
     calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
 

@@ -9,7 +9,7 @@ are packed and the config built with the ``compressed-tensors`` package:
 
 | our scheme | compressed-tensors group | tensors |
 |---|---|---|
-| ``fp8`` | float-quantized; weights fp8 per channel or tensor; input activations fp8, dynamic, per token | ``weight`` (float8_e4m3fn), ``weight_scale`` |
+| ``fp8`` | float-quantized; weights fp8 per channel or tensor; input activations fp8, dynamic per token or static per tensor | ``weight`` (float8_e4m3fn), ``weight_scale`` (and ``input_scale`` when static) |
 | ``int8_wo`` | pack-quantized; weights int8 per channel, symmetric | ``weight_packed``, ``weight_scale``, ``weight_shape`` |
 | ``int4_wo``, ``int4_gptq`` | pack-quantized; weights int4 per group, asymmetric | ``weight_packed``, ``weight_scale``, ``weight_zero_point``, ``weight_shape`` |
 
@@ -123,7 +123,8 @@ def _float_tensors(graph, records: Mapping, meta_model, dtype: torch.dtype) -> d
 
 
 def _group_key(scheme) -> tuple:
-    return (scheme.name if scheme.name != "int4_gptq" else "int4_wo", scheme.group_size, scheme.per_channel)
+    return (scheme.name if scheme.name != "int4_gptq" else "int4_wo", scheme.group_size, scheme.per_channel,
+            scheme.static_activations)
 
 
 def _compressed(path: str, scheme, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -134,7 +135,9 @@ def _compressed(path: str, scheme, stored: dict[str, torch.Tensor]) -> dict[str,
 
     qweight, scale = stored["qweight"], stored["scale"].to(torch.float32)
     if scheme.name == "fp8":
-        return {f"{path}.weight": qweight, f"{path}.weight_scale": scale.reshape(-1, 1) if scheme.per_channel else scale.reshape(1)}
+        static = {f"{path}.input_scale": stored["input_scale"].to(torch.float32).reshape(1)} if scheme.static_activations else {}
+        return {f"{path}.weight": qweight, f"{path}.weight_scale": scale.reshape(-1, 1) if scheme.per_channel else scale.reshape(1),
+                **static}
     if scheme.name == "int8_wo":
         return {f"{path}.weight_packed": pack_to_int32(qweight, 8), f"{path}.weight_scale": scale.reshape(-1, 1),
                 f"{path}.weight_shape": torch.tensor(list(qweight.shape))}
@@ -149,10 +152,11 @@ def _quantization_config(groups: dict[tuple, list[str]]) -> dict:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     schemes, formats = {}, set()
-    for index, ((name, group_size, per_channel), paths) in enumerate(sorted(groups.items())):
+    for index, ((name, group_size, per_channel, static), paths) in enumerate(sorted(groups.items())):
         if name == "fp8":
             weights = QuantizationArgs(num_bits=8, type="float", strategy="channel" if per_channel else "tensor", symmetric=True)
-            inputs = QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+            inputs = QuantizationArgs(num_bits=8, type="float", strategy="tensor" if static else "token", symmetric=True,
+                                      dynamic=not static)
             fmt = "float-quantized"
         elif name == "int8_wo":
             weights, inputs, fmt = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True), None, "pack-quantized"

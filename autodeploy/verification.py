@@ -303,7 +303,7 @@ def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.G
         if record.scheme.name in ("fp8", "smoothquant"):
             owner = reference.get_submodule(name.rpartition(".")[0])
             rounding = rounding or _ActivationRounding()
-            owner.register_forward_pre_hook(rounding.hook(stored.get("smooth") if record.scheme.name == "smoothquant" else None))
+            owner.register_forward_pre_hook(rounding.hook(record.scheme.name, stored))
     return rounding
 
 
@@ -313,13 +313,18 @@ class _ActivationRounding:
 
     enabled = True
 
-    def hook(self, smooth: torch.Tensor | None):
+    def hook(self, scheme: str, stored: dict[str, torch.Tensor]):
+        """The pre-hook of one layer: ``smoothquant`` rounds ``x · smooth`` to int8, ``fp8`` to e4m3 with a scale
+        per token or the layer's static ``input_scale``."""
         from autodeploy.custom_ops.quantized_linear import fake_quantize_activations_fp8, fake_quantize_activations_int8
 
         def round_input(module, args):
             if not self.enabled:
                 return None
-            rounded = fake_quantize_activations_fp8(args[0]) if smooth is None else fake_quantize_activations_int8(args[0], smooth)
+            if scheme == "smoothquant":
+                rounded = fake_quantize_activations_int8(args[0], stored["smooth"])
+            else:
+                rounded = fake_quantize_activations_fp8(args[0], stored.get("input_scale"))
             return (rounded, *args[1:])
 
         return round_input

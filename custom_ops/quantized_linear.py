@@ -17,7 +17,9 @@ A scheme turns a float weight ``w[N, K]`` (``nn.Linear`` layout) into the tensor
   by then. Minimises ``‖(w − ŵ) x‖²`` over the calibration inputs far better than rounding each value.
 - ``fp8``: ``qweight`` float8_e4m3fn ``[N, K]`` and ``scale`` float32 ``[N]`` (``per_channel``) or ``[1]``
   (per tensor), ``scale = max|w| / 448``. Activations are quantized the same way, per token, when the
-  op runs (dynamic): ``x ≈ x_q · x_scale``, ``x_scale = max|x[t]| / 448``.
+  op runs (dynamic): ``x ≈ x_q · x_scale``, ``x_scale = max|x[t]| / 448``. With ``static_activations``
+  one ``input_scale`` float32 ``[1]`` per layer serves every token instead: the largest input the layer
+  took over calibration text, over 448 (``fp8_static_linear``; values past it saturate at ±448).
 - ``smoothquant`` (W8A8): ``int8_wo``'s storage for ``w · diag(s)`` and ``smooth = 1 / s`` float32 ``[K]``,
   ``s_k = max|x_k|^α / max_n |w_nk|^(1−α)`` from the largest input each channel took over calibration
   text (``max_abs``; ``alpha`` 0.5 by default): outlier channels of the activations move into the
@@ -50,7 +52,6 @@ from .compute_dtype import compute_dtype
 from .registry import register_backend, register_op
 
 SCHEMES = ("int8_wo", "int4_wo", "int4_awq", "int4_gptq", "fp8", "smoothquant")
-CALIBRATED = ("int4_awq", "int4_gptq", "smoothquant")  # schemes whose quantize_weight takes the layer's input statistics
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _INT8_MAX = 127.0
 _UINT4_MAX = 15
@@ -58,13 +59,15 @@ _UINT4_MAX = 15
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """A weight scheme and its options: ``group_size`` (``int4_wo``), ``per_channel`` (``fp8``), ``alpha``
-    (``smoothquant``: how much of the activations' range moves into the weights)."""
+    """A weight scheme and its options: ``group_size`` (``int4_wo``), ``per_channel`` and
+    ``static_activations`` (``fp8``), ``alpha`` (``smoothquant``: how much of the activations' range moves
+    into the weights)."""
 
     name: str
     group_size: int = 128
     per_channel: bool = True
     alpha: float = 0.5
+    static_activations: bool = False
 
     def __post_init__(self):
         if self.name not in SCHEMES:
@@ -73,6 +76,18 @@ class QuantScheme:
             raise ValueError(f"int4_wo group_size must be an even number ≥ 2; got {self.group_size}.")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"smoothquant alpha must lie in [0, 1]; got {self.alpha}.")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether :func:`quantize_weight` takes the layer's input statistics (from calibration)."""
+        return self.name in ("int4_awq", "int4_gptq", "smoothquant") or (self.name == "fp8" and self.static_activations)
+
+    @property
+    def op(self):
+        """The canonical op that computes with this scheme's storage."""
+        if self.name == "fp8" and self.static_activations:
+            return torch.ops.autodeploy.fp8_static_linear.default
+        return OPS[self.name]
 
     def check_shape(self, shape: tuple[int, ...]) -> str | None:
         """Why a ``[N, K]`` weight cannot take this scheme, or None."""
@@ -110,7 +125,12 @@ def quantize_weight(scheme: QuantScheme, weight: torch.Tensor, statistics: dict[
         amax = w.abs().amax(dim=1) if scheme.per_channel else w.abs().amax().reshape(1)
         scale = _safe(amax / FP8_MAX)
         qweight = (w / (scale[:, None] if scheme.per_channel else scale)).clamp_(-FP8_MAX, FP8_MAX)
-        return {"qweight": qweight.to(torch.float8_e4m3fn), "scale": scale}
+        stored = {"qweight": qweight.to(torch.float8_e4m3fn), "scale": scale}
+        if scheme.static_activations:
+            if statistics is None or "max_abs" not in statistics:
+                raise ValueError("fp8 with static activation scales needs the layer's input statistics (max_abs, from calibration)")
+            stored["input_scale"] = _safe(statistics["max_abs"].to(w.device, torch.float32).amax().reshape(1) / FP8_MAX)
+        return stored
     rows, columns = w.shape
     groups = w.reshape(rows, columns // scheme.group_size, scheme.group_size)
     scale, zero = _group_grid(groups)
@@ -246,8 +266,16 @@ def fake_quantize_activations_int8(x: torch.Tensor, smooth: torch.Tensor) -> tor
     return (x_q.to(torch.float32) * scale / smooth.to(x.device, torch.float32)).to(x.dtype)
 
 
-def fake_quantize_activations_fp8(x: torch.Tensor) -> torch.Tensor:
-    """``x`` through the fp8 op's activation rounding, in ``x``'s dtype (what verification's reference applies)."""
+def quantize_activations_fp8_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn values of ``x / input_scale`` (one float32 scale ``[1]`` for every token), saturated at ±448."""
+    return (x.to(torch.float32) / input_scale.to(x.device, torch.float32)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fake_quantize_activations_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` through the fp8 op's activation rounding, in ``x``'s dtype (what verification's reference applies):
+    per token, or with the layer's static ``input_scale``."""
+    if input_scale is not None:
+        return (quantize_activations_fp8_static(x, input_scale).to(torch.float32) * input_scale.to(x.device)).to(x.dtype)
     x_q, scale = quantize_activations_fp8(x)
     return (x_q.to(torch.float32) * scale).to(x.dtype)
 
@@ -317,6 +345,21 @@ def fp8_linear_reference(
     return F.linear(activations, weight, None if bias is None else bias.to(dtype)).to(x.dtype)
 
 
+def fp8_static_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``fp8_linear`` with one static activation scale ``input_scale`` float32 ``[1]`` (from calibration) for
+    every token: ``F.linear(fp8(x / input_scale) · input_scale, qweight · scale, bias)``; returns ``[..., N]``
+    in ``x``'s dtype, computed in float32 (float64 for float64 x)."""
+    _check_linear("fp8_static_linear", x, qweight.shape[0], qweight.shape[1], bias)
+    if input_scale.numel() != 1:
+        raise ValueError(f"fp8_static_linear: input_scale must hold one value; got shape {tuple(input_scale.shape)}.")
+    dtype = compute_dtype(x.dtype)
+    activations = quantize_activations_fp8_static(x, input_scale).to(dtype) * input_scale.to(dtype)
+    weight = dequantize_weight(QuantScheme("fp8"), {"qweight": qweight, "scale": scale}, dtype)
+    return F.linear(activations, weight, None if bias is None else bias.to(dtype)).to(x.dtype)
+
+
 def int8_w8a8_linear_reference(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, smooth: torch.Tensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
@@ -346,6 +389,7 @@ _STATISTICS = {"mean_abs": torch.linspace(0.5, 2.0, 8), "mean_square": torch.lin
                "max_abs": torch.linspace(1.0, 8.0, 8)}
 _INT8, _INT4, _AWQ, _FP8, _SMOOTH = (quantize_weight(QuantScheme(name, group_size=4), _W, _STATISTICS)
                                      for name in ("int8_wo", "int4_wo", "int4_awq", "fp8", "smoothquant"))
+_FP8_STATIC = quantize_weight(QuantScheme("fp8", static_activations=True), _W, _STATISTICS)
 int8_wo_linear = register_op(
     "int8_wo_linear", int8_wo_linear_reference, _linear_fake,
     example_inputs=(torch.ones(2, 8), _INT8["qweight"], _INT8["scale"], torch.zeros(4)),
@@ -361,6 +405,10 @@ int4_awq_linear = register_op(
 fp8_linear = register_op(
     "fp8_linear", fp8_linear_reference, _linear_fake,
     example_inputs=(torch.ones(2, 8), _FP8["qweight"], _FP8["scale"], torch.zeros(4)),
+)
+fp8_static_linear = register_op(
+    "fp8_static_linear", fp8_static_linear_reference, lambda x, qweight, scale, input_scale, bias: _linear_fake(x, qweight),
+    example_inputs=(torch.ones(2, 8), _FP8_STATIC["qweight"], _FP8_STATIC["scale"], _FP8_STATIC["input_scale"], torch.zeros(4)),
 )
 int8_w8a8_linear = register_op(
     "int8_w8a8_linear", int8_w8a8_linear_reference, lambda x, qweight, scale, smooth, bias: _linear_fake(x, qweight),
@@ -443,6 +491,24 @@ def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
 
 
 register_backend("fp8_linear", "torch", fp8_linear_torch, supports=_fp8_scaled_mm_supports)
+
+
+def fp8_static_linear_torch(x, qweight, scale, input_scale, bias):
+    """``fp8_static_linear`` with ``torch._scaled_mm``: activations quantized with the layer's one scale, passed
+    row-wise (every row the same) beside the weight's row-wise scales."""
+    out_features, in_features = qweight.shape
+    rows = x.reshape(-1, in_features)
+    x_scale = input_scale.reshape(1, 1).to(torch.float32).expand(rows.shape[0], 1).contiguous()
+    weight_scale = scale.reshape(1, -1).expand(1, out_features).contiguous()
+    out = torch._scaled_mm(quantize_activations_fp8_static(rows, input_scale), qweight.t(), scale_a=x_scale,
+                           scale_b=weight_scale, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], out_features)
+
+
+register_backend("fp8_static_linear", "torch", fp8_static_linear_torch,
+                 supports=lambda x, qweight, scale, input_scale, bias, *, device: _fp8_scaled_mm_supports(x, qweight, scale, bias, device=device))
 
 
 # cuBLASLt's int8 GEMM takes more than 16 rows, and K and N multiples of 8: decode rows are padded up.

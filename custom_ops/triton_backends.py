@@ -201,6 +201,12 @@ def _fp8_linear_triton(x, qweight, scale, bias):
     return fp8_gemv(x, qweight, scale, bias)
 
 
+def _fp8_static_linear_triton(x, qweight, scale, input_scale, bias):
+    from .triton.quantized_gemv import fp8_gemv
+
+    return fp8_gemv(x, qweight, scale, bias, input_scale)
+
+
 def _fp8_supports(x, qweight, scale, bias, *, device):
     if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
         return "float8 conversions need compute capability 8.9 or later (Ada, Hopper)"
@@ -232,6 +238,8 @@ register_backend("int8_wo_linear", "triton", _int8_wo_linear_triton, supports=_w
 register_backend("int4_wo_linear", "triton", _int4_wo_linear_triton, supports=_weight_only_supports)
 register_backend("int4_awq_linear", "triton", _int4_awq_linear_triton, supports=_weight_only_supports)
 register_backend("fp8_linear", "triton", _fp8_linear_triton, supports=_fp8_supports)
+register_backend("fp8_static_linear", "triton", _fp8_static_linear_triton,
+                 supports=lambda x, qweight, scale, input_scale, bias, *, device: _fp8_supports(x, qweight, scale, bias, device=device))
 register_backend(
     "fused_gated_mlp", "triton_skinny", _fused_gated_mlp_skinny, supports=_fused_gated_mlp_skinny_supports
 )

@@ -70,6 +70,18 @@ def test_compressed_tensors_decompresses_the_tensors_to_what_our_ops_compute_wit
             assert torch.equal(theirs, ours), path
 
 
+def test_static_fp8_scales_travel_as_input_scale(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    settings = {"default": "fp8", "fp8_activations": "static", "calibration": {"samples": 4, "seq_len": 64}}
+    out = quantize_checkpoint(str(tiny_checkpoint("llama")), tmp_path / "static", device="cpu", quantize=settings)
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["input_activations"]["strategy"] == "tensor" and group["input_activations"]["dynamic"] is False
+    assert "model.layers.1.mlp.up_proj.input_scale" in load_file(out / "model.safetensors")
+    here = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=settings)
+    for got, want in zip(autodeploy(str(out), device="cpu").logits(PROMPTS), here.logits(PROMPTS)):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ({"quantize": {"default": "int4_awq", "int4_group_size": 32}}, "int4_awq keep a per-input smoothing"),
     ({"quantize": {"default": "smoothquant"}}, "smoothquant keep a per-input smoothing"),

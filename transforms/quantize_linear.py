@@ -37,7 +37,7 @@ import torch
 from torch import fx, nn
 from torch.fx import GraphModule
 
-from autodeploy.custom_ops.quantized_linear import CALIBRATED, OPS, QuantScheme, quantize_weight
+from autodeploy.custom_ops.quantized_linear import QuantScheme, quantize_weight
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.shape_propagation import infer_values
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
@@ -57,7 +57,8 @@ _ACTIVATIONS = {
     "gelu": (torch.ops.aten.gelu.default, {}),
     "relu": (torch.ops.aten.relu.default, {}),
 }
-_ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero", "smooth": "input_smooth"}  # stored tensor → attribute
+_ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero", "smooth": "input_smooth",
+          "input_scale": "input_scale"}  # stored tensor → attribute
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,15 @@ def parse_plan(settings) -> tuple[QuantScheme | None, list[tuple[str, QuantSchem
             return None
         try:
             return QuantScheme(name, group_size=int(settings.int4_group_size), per_channel=settings.fp8_weight_scale == "channel",
-                               alpha=float(settings.smoothquant_alpha))
+                               alpha=float(settings.smoothquant_alpha), static_activations=settings.fp8_activations == "static")
         except ValueError as error:
             raise ConfigError(f"{where}: {error}") from error
 
     if settings.fp8_weight_scale not in ("channel", "tensor"):
         raise ConfigError(f"quantize.fp8_weight_scale must be 'channel' or 'tensor'; got {settings.fp8_weight_scale!r}")
+    if settings.fp8_activations not in ("dynamic", "static"):
+        raise ConfigError(f"quantize.fp8_activations must be 'dynamic' (a scale per token) or 'static' (one per layer, from "
+                          f"calibration); got {settings.fp8_activations!r}")
     rules = [(str(glob), scheme(name, f"quantize.layers[{glob!r}]")) for glob, name in dict(settings.layers).items()]
     return scheme(settings.default, "quantize.default"), rules
 
@@ -185,7 +189,7 @@ class _Rewriter:
             targets[role] = f"{owner_path}.{attribute}"
             nodes.append(self.graph.get_attr(targets[role]))
         delattr(owner, leaf)
-        out = self.graph.call_function(OPS[scheme.name], (x, *nodes, bias))
+        out = self.graph.call_function(scheme.op, (x, *nodes, bias))
         self.records.append(QuantizedWeight(source, module_path(source), tuple(weight.shape), scheme, targets))
         return out
 
@@ -225,12 +229,13 @@ class QuantizeLinear(Transform):
         found = _checkpoint_quantization(context)
         if found is not None:
             rules = [(None, scheme) for _, scheme in found.rules]
-        schemes = {scheme.name for scheme in [default, *(s for _, s in rules)] if scheme is not None}
-        if schemes & set(CALIBRATED):  # the calibration itself runs in load_weights (autodeploy/models/calibration.py)
+        all_schemes = [scheme for scheme in [default, *(s for _, s in rules)] if scheme is not None]
+        schemes = {scheme.name for scheme in all_schemes}
+        if any(scheme.calibrated for scheme in all_schemes):  # calibration runs in load_weights (models/calibration.py)
             calibration = context.settings.quantize.calibration
             if context.settings.weights == "random":
-                raise ConfigError("int4_awq, int4_gptq and smoothquant calibrate on the checkpoint's weights; with weights=random "
-                                  "use int4_wo, int8_wo or fp8")
+                raise ConfigError("int4_awq, int4_gptq, smoothquant and static fp8 activations calibrate on the checkpoint's "
+                                  "weights; with weights=random use int4_wo, int8_wo or fp8 with dynamic activations")
             if calibration.dataset != "builtin" and not Path(calibration.dataset).is_file():
                 raise ConfigError(f"quantize.calibration.dataset: {calibration.dataset!r} is neither 'builtin' nor a readable file")
             if calibration.samples < 1 or calibration.seq_len < 1:

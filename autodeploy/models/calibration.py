@@ -132,8 +132,8 @@ def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] 
     calibration = settings.quantize.calibration
     dataset, samples, seq_len = str(calibration.dataset), int(calibration.samples), int(calibration.seq_len)
     if settings.weights == "random" and factory.tensors is None:
-        raise ConfigError("int4_awq, int4_gptq and smoothquant calibrate on the checkpoint's weights; with weights=random "
-                          "use int4_wo, int8_wo or fp8")
+        raise ConfigError("int4_awq, int4_gptq, smoothquant and static fp8 activations calibrate on the checkpoint's "
+                          "weights; with weights=random use int4_wo, int8_wo or fp8 with dynamic activations")
     cache = None
     if factory.tensors is None:  # a checkpoint folder; a twin's in-memory weights are calibrated afresh
         identity = json.dumps([str(factory.source.directory), _checkpoint_stamp(factory.source.directory)])

@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 from tqdm import tqdm
 
-from autodeploy.custom_ops.quantized_linear import CALIBRATED, quantize_weight
+from autodeploy.custom_ops.quantized_linear import quantize_weight
 from autodeploy.errors import CheckpointError
 from autodeploy.models.calibration import calibrate
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
@@ -323,7 +323,7 @@ class LoadWeights(Transform):
         # A pre-quantized checkpoint's values are used as they are (the twin's weights are float).
         prequantized = factory.prequantized if factory.tensors is None and settings.weights == "checkpoint" else None
         statistics = None
-        calibrated = sorted({r.path for r in (quantized or {}).values() if r.scheme.name in CALIBRATED})
+        calibrated = sorted({r.path for r in (quantized or {}).values() if r.scheme.calibrated})
         if calibrated and prequantized is None:
             hessians = sorted({r.path for r in quantized.values() if r.scheme.name == "int4_gptq"})
             statistics = calibrate(factory, settings, calibrated, hessians)

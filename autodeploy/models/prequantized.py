@@ -6,7 +6,7 @@ schemes, their tensors into our layouts (``custom_ops/quantized_linear.py``).
 | compressed-tensors (llm-compressor's, vLLM reads it) | ``quantization_config.quant_method: compressed-tensors`` | float-quantized fp8 per channel or tensor → ``fp8``; int-quantized or pack-quantized 8-bit per channel → ``int8_wo``, with int8 activations (W8A8) → ``smoothquant`` (its smoothing already folded into the weights); pack-quantized 4-bit per group → ``int4_wo`` |
 | AutoAWQ (GEMM layout) | ``quant_method: awq`` | 4-bit per group with zero points → ``int4_wo`` |
 | GPTQ (AutoGPTQ / GPTQModel) | ``quant_method: gptq`` | 4-bit per group, without act-order → ``int4_wo`` |
-| NVIDIA ModelOpt (TensorRT-LLM's export) | ``hf_quant_config.json`` (or ``quant_method: modelopt``) | ``FP8`` → ``fp8`` per tensor; ``FP8_PER_CHANNEL_PER_TOKEN`` → ``fp8`` per channel |
+| NVIDIA ModelOpt (TensorRT-LLM's export) | ``hf_quant_config.json`` (or ``quant_method: modelopt``) | ``FP8`` → ``fp8`` per tensor, static activation scales; ``FP8_PER_CHANNEL_PER_TOKEN`` → ``fp8`` per channel |
 
 The compressed-tensors config is parsed, and its targets and ignore list matched against the model's
 modules, by the ``compressed-tensors`` package itself. The AWQ and GPTQ tools quantize every linear layer
@@ -14,8 +14,9 @@ of the decoder blocks, less ``modules_to_not_convert``; ModelOpt every linear la
 ``exclude_modules`` (globs). MoE routers and experts, and weights tied to the embedding, stay unquantized
 here as everywhere (``transforms/quantize_linear.py``), so a checkpoint that quantized them is refused.
 
-Activations: our ``fp8`` and ``smoothquant`` ops quantize them per token as they run. A checkpoint that
-calibrated static activation scales (``input_scale``) is served with per-token scales; a warning says so.
+Activations: a layer's static ``input_scale`` (fp8 per tensor) is used as stored; a checkpoint whose fp8
+layers leave activations unquantized, or quantize them in another way, is served with fp8 activations
+per token, and a warning says so.
 
     found = detect_prequantized(hf_config, directory)        # None for a float checkpoint
     found.scheme_for("model.layers.0.mlp.down_proj", module)  # QuantScheme("int4_wo", group_size=128)
@@ -114,7 +115,10 @@ def _float8(layer: _Layer) -> dict[str, torch.Tensor]:
     qweight = layer.tensor("weight", (torch.float8_e4m3fn,), ((rows, columns),))
     scale_shapes = ((rows, 1), (rows,)) if layer.scheme.per_channel else ((), (1,), (1, 1))
     scale = layer.tensor("weight_scale", _FLOAT_SCALES, scale_shapes)
-    return {"qweight": qweight, "scale": scale.to(torch.float32).reshape(-1)}
+    stored = {"qweight": qweight, "scale": scale.to(torch.float32).reshape(-1)}
+    if layer.scheme.static_activations:
+        stored["input_scale"] = layer.tensor("input_scale", _FLOAT_SCALES, ((), (1,), (1, 1))).to(torch.float32).reshape(1)
+    return stored
 
 
 def _int8(layer: _Layer) -> dict[str, torch.Tensor]:
@@ -282,10 +286,10 @@ def _compressed_tensors_scheme(scheme, fmt: str, where: str) -> tuple[QuantSchem
     kind, bits, strategy = str(weights.type), int(weights.num_bits), str(weights.strategy)
     note = None
     if kind == "float" and bits == 8 and strategy in ("channel", "tensor") and fmt in ("float-quantized", "naive-quantized"):
-        if inputs is None or not inputs.dynamic or str(inputs.strategy) != "token":
-            note = (f"{where}: activations {'unquantized' if inputs is None else 'with static scales'} in the checkpoint "
-                    f"are quantized to fp8 per token at run time")
-        return _scheme("fp8", described, per_channel=strategy == "channel"), note
+        static = inputs is not None and not inputs.dynamic and str(inputs.strategy) == "tensor"
+        if inputs is None or not (static or str(inputs.strategy) == "token"):
+            note = f"{where}: activations {'unquantized' if inputs is None else inputs.strategy} in the checkpoint are quantized to fp8 per token at run time"
+        return _scheme("fp8", described, per_channel=strategy == "channel", static_activations=static), note
     if kind == "int" and bits == 8 and strategy == "channel" and weights.symmetric and fmt in ("int-quantized", "pack-quantized", "naive-quantized"):
         if inputs is None:
             return _scheme("int8_wo", described), None
@@ -353,13 +357,12 @@ def _gptq_config(config: dict) -> PrequantizedCheckpoint:
 def _modelopt(config: dict) -> PrequantizedCheckpoint:
     where = f"NVIDIA ModelOpt quantization ({MODELOPT_CONFIG} or quant_method modelopt)"
     algorithm = str(config.get("quant_algo"))
-    schemes = {"FP8": _scheme("fp8", where, per_channel=False), "FP8_PER_CHANNEL_PER_TOKEN": _scheme("fp8", where)}
+    schemes = {"FP8": _scheme("fp8", where, per_channel=False, static_activations=True),
+               "FP8_PER_CHANNEL_PER_TOKEN": _scheme("fp8", where)}
     if algorithm not in schemes:
         raise CheckpointError(f"{where}: quant_algo {algorithm!r}; autodeploy reads {', '.join(schemes)}")
     excluded = [str(glob) for glob in config.get("exclude_modules") or []]
     notes = []
-    if algorithm == "FP8":
-        notes.append("its static activation scales (input_scale) are not used: activations are quantized to fp8 per token at run time")
     if config.get("kv_cache_quant_algo"):
         notes.append(f"kv_cache_quant_algo {config['kv_cache_quant_algo']} is not applied: the KV cache is kept in the model's dtype")
 

@@ -9,8 +9,8 @@ dequantises in registers and keeps float32 sums:
 - int4 (:func:`_int4_gemv_kernel`): a group of ``GROUP`` inputs (``GROUP / 2`` packed bytes) a step, the
   low and high nibbles against the even and odd ``x``; a group adds
   ``scale[n, g] · (Σ q · x − zero[n, g] · Σ x)``;
-- fp8 (:func:`_fp8_gemv_kernel`): the row's max |x| first, then ``Σ_k w[n, k] · round_e4m3(x[k] / s_x)``,
-  times ``s_x`` and the channel's (or tensor's) weight scale.
+- fp8 (:func:`_fp8_gemv_kernel`): the row's max |x| first (or the layer's static scale), then
+  ``Σ_k w[n, k] · round_e4m3(x[k] / s_x)``, times ``s_x`` and the channel's (or tensor's) weight scale.
 
 More rows re-read the weight (from L2 while it stays there): the autotuner keeps these kernels where they
 beat the reference, at decode sizes. Results are the reference's up to float32 summation order, rounded
@@ -94,20 +94,24 @@ def _int4_gemv_kernel(
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_q, stride_s,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, input_scale_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_q, stride_s,
+    HAS_BIAS: tl.constexpr, STATIC_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1).to(tl.int64)
     col_ok = cols < N
     offsets = tl.arange(0, BLOCK_K)
-    peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # the token's scale: max |x| / 448 (1 for an all-zero row)
-        k = k0 + offsets
-        peak = tl.maximum(peak, tl.abs(tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)))
-    x_scale = tl.max(peak, axis=0) / 448.0
-    x_scale = tl.where(x_scale > 0, x_scale, 1.0)
+    if STATIC_SCALE:  # the layer's one scale, from calibration
+        x_scale = tl.load(input_scale_ptr)
+    else:  # the token's scale: max |x| / 448 (1 for an all-zero row)
+        peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offsets
+            peak = tl.maximum(peak, tl.abs(tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)))
+        x_scale = tl.max(peak, axis=0) / 448.0
+        x_scale = tl.where(x_scale > 0, x_scale, 1.0)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offsets
@@ -180,17 +184,20 @@ def int4_wo_gemv(
     return out.view(*x.shape[:-1], out_features)
 
 
-def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+             input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``fp8_linear`` (same arguments and result) as one GEMV: each program rounds its row of ``x`` to e4m3
     with the token's scale (as ``quantize_activations_fp8`` does) while it streams the fp8 weight rows, so
-    a decode row costs one kernel instead of the activation quantization's half dozen plus the GEMM."""
+    a decode row costs one kernel instead of the activation quantization's half dozen plus the GEMM. With
+    ``input_scale`` (float32 ``[1]``), ``fp8_static_linear``: that one scale serves every row."""
     rows = _rows(x, "fp8_gemv", bias)
     (out_features, in_features), num_rows = qweight.shape, rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows and out_features:
         _fp8_gemv_kernel[(triton.cdiv(out_features, _BLOCK_N), num_rows)](
-            rows, qweight, scale, bias if bias is not None else out, out, out_features, in_features, rows.stride(0),
-            qweight.stride(0), 1 if scale.numel() > 1 else 0, HAS_BIAS=bias is not None, BLOCK_N=_BLOCK_N,
+            rows, qweight, scale, input_scale if input_scale is not None else scale, bias if bias is not None else out, out,
+            out_features, in_features, rows.stride(0), qweight.stride(0), 1 if scale.numel() > 1 else 0,
+            HAS_BIAS=bias is not None, STATIC_SCALE=input_scale is not None, BLOCK_N=_BLOCK_N,
             BLOCK_K=min(_INT8_BLOCK_K, max(16, triton.next_power_of_2(in_features))), num_warps=4,
             **dependent_launch(x.device),
         )

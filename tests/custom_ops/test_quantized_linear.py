@@ -350,3 +350,51 @@ def test_the_int_mm_backend_matches_the_reference(dtype):
     got = ops.int8_w8a8_linear_torch(*args)
     assert got.dtype == dtype and got.shape == (2, 3, 32)
     assert (got.double() - want).norm() / want.norm() <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+# fp8 with static activation scales: one input_scale per layer, from calibration's max |x|.
+def test_static_fp8_uses_one_scale_for_every_token_and_saturates_past_it():
+    gen = torch.Generator().manual_seed(8)
+    w, x = torch.randn(16, 32, generator=gen), torch.randn(4, 32, generator=gen)
+    scheme = QuantScheme("fp8", static_activations=True)
+    assert scheme.calibrated and scheme.op is ops.fp8_static_linear.default
+    stored = quantize_weight(scheme, w, {"max_abs": torch.full((32,), 2.0)})
+    assert torch.equal(stored["input_scale"], torch.tensor([2.0 / FP8_MAX]))
+    x[0, 0] = 50.0  # past the calibrated range: saturates at 448 · input_scale = 2
+    got = ops.fp8_static_linear(x, stored["qweight"], stored["scale"], stored["input_scale"], None)
+    rounded = (x / stored["input_scale"]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * stored["input_scale"]
+    assert rounded[0, 0] == 2.0
+    want = rounded.double() @ dequantize_weight(QuantScheme("fp8"), stored, torch.float64).T
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _static_fp8_case(dtype):
+    gen = torch.Generator().manual_seed(9)
+    stored = quantize_weight(QuantScheme("fp8", static_activations=True), torch.randn(32, 64, generator=gen),
+                             {"max_abs": torch.full((64,), 3.0)})
+    x, bias = torch.randn(3, 64, generator=gen).to(dtype), torch.randn(32, generator=gen).to(dtype)
+    return [t.to(DEVICE) for t in (x, stored["qweight"], stored["scale"], stored["input_scale"], bias)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fp8_gemv_with_a_static_scale_matches_the_reference(dtype, interpreter_rounds_to_fp8_correctly):
+    from autodeploy.custom_ops.triton.quantized_gemv import fp8_gemv
+
+    x, qweight, scale, input_scale, bias = _static_fp8_case(dtype)
+    want = ops.fp8_static_linear(x, qweight, scale, input_scale, bias).double()
+    got = fp8_gemv(x, qweight, scale, bias, input_scale)
+    assert got.dtype == dtype and (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_static_fp8_scaled_mm_backend_matches_the_reference(dtype):
+    from autodeploy.custom_ops import candidates
+
+    args = _static_fp8_case(dtype)
+    scaled_mm = next(b for b in candidates("fp8_static_linear") if b.name == "torch")
+    refused = scaled_mm.check(args, torch.device(DEVICE))
+    if refused:
+        pytest.skip(refused)
+    want = ops.fp8_static_linear(*args).double()
+    got = ops.fp8_static_linear_torch(*args)
+    assert got.dtype == dtype and (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)

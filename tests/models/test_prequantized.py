@@ -73,22 +73,34 @@ def compressed_tensors_layer(scheme_name: str):
             args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
             state, fmt = {"weight": weight, "weight_scale": stored["scale"][:, None]}, "float-quantized"
         compressed = BaseCompressor.get_value_from_registry(fmt).compress(state, QuantizationScheme(targets=["Linear"], weights=args))
-        return {f"{path}.{leaf}": tensor for leaf, tensor in compressed.items()}
+        static = {"input_scale": stored["input_scale"]} if "input_scale" in stored else {}
+        return {f"{path}.{leaf}": tensor for leaf, tensor in {**compressed, **static}.items()}
     return write
 
 
 def modelopt_layer(path: str, stored: dict) -> dict:
     return {f"{path}.weight": stored["qweight"], f"{path}.weight_scale": stored["scale"].reshape(()),
-            f"{path}.input_scale": torch.tensor(0.05)}
+            f"{path}.input_scale": stored["input_scale"].reshape(())}
+
+
+ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero", "input_scale": "input_scale"}
+
+
+def deployed_values(llm, path: str) -> dict:
+    """The tensors the quantize stage stored for the layer at ``path`` of a deploy, by role."""
+    names = dict(llm.graph.named_parameters())
+    return {role: names[f"model.{path}.{attribute}"].detach() for role, attribute in ROLES.items() if f"model.{path}.{attribute}" in names}
 
 
 def write_prequantized(source: Path, out: Path, scheme: QuantScheme, write_layer, quantization_config: dict | None,
-                       extra_files: dict | None = None) -> Path:
-    """A copy of ``source`` whose decoder projections are stored as ``write_layer`` writes ``scheme``'s values."""
+                       extra_files: dict | None = None, values=None) -> Path:
+    """A copy of ``source`` whose decoder projections are stored as ``write_layer`` writes ``scheme``'s values
+    (``values(path, weight)``; by default this scheme's quantization of the weight)."""
     shutil.copytree(source, out)
     tensors = load_file(out / "model.safetensors")
+    values = values or (lambda path, weight: quantize_weight(scheme, weight))
     for path in decoder_linears(tensors):
-        tensors.update(write_layer(path, quantize_weight(scheme, tensors.pop(f"{path}.weight"))))
+        tensors.update(write_layer(path, values(path, tensors.pop(f"{path}.weight"))))
     save_file(tensors, out / "model.safetensors")
     config = json.loads((out / "config.json").read_text())
     if quantization_config is not None:
@@ -109,6 +121,8 @@ INT4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP, 
 INT8 = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
 FP8 = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
 FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+CALIBRATION = {"samples": 4, "seq_len": 64}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False}
 
@@ -118,13 +132,15 @@ FORMATS = {  # name → (our scheme, layer writer, quantization_config, extra fi
                                 {"default": "int8_wo"}),
     "compressed-tensors fp8": ("fp8", compressed_tensors_layer("fp8"), ct_config(FP8, FP8_TOKEN, "float-quantized"), None,
                                {"default": "fp8"}),
+    "compressed-tensors fp8 static": ("fp8", compressed_tensors_layer("fp8"), ct_config(FP8, FP8_STATIC, "float-quantized"),
+                                      None, {"default": "fp8", "fp8_activations": "static", "calibration": CALIBRATION}),
     "awq": ("int4_wo", awq_layer, AWQ, None, {"default": "int4_wo"}),
     "gptq": ("int4_wo", gptq_layer(1), GPTQ, None, {"default": "int4_wo"}),
     "gptq_v2": ("int4_wo", gptq_layer(0), {**GPTQ, "checkpoint_format": "gptq_v2"}, None, {"default": "int4_wo"}),
     "modelopt fp8": ("fp8", modelopt_layer, None,
                      {"hf_quant_config.json": {"producer": {"name": "modelopt"},
                                                "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}},
-                     {"default": "fp8", "fp8_weight_scale": "tensor"}),
+                     {"default": "fp8", "fp8_weight_scale": "tensor", "fp8_activations": "static", "calibration": CALIBRATION}),
 }
 
 
@@ -134,12 +150,13 @@ def float_llama(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_each_format_serves_the_logits_of_the_same_values_quantized_here(name, float_llama, tmp_path):
+def test_each_format_serves_the_logits_of_the_same_values_quantized_here(name, float_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # static fp8 scales calibrate
     scheme_name, write_layer, config, extra, settings = FORMATS[name]
-    scheme = QuantScheme(scheme_name, group_size=GROUP, per_channel=settings.get("fp8_weight_scale") != "tensor")
-    directory = write_prequantized(float_llama, tmp_path / "prequantized", scheme, write_layer, config, extra)
-    served = autodeploy(str(directory), device="cpu")
     here = autodeploy(str(float_llama), device="cpu", quantize={**settings, "int4_group_size": GROUP})
+    directory = write_prequantized(float_llama, tmp_path / "prequantized", None, write_layer, config, extra,
+                                   values=lambda path, weight: deployed_values(here, path))
+    served = autodeploy(str(directory), device="cpu")
     for got, want in zip(served.logits(PROMPTS), here.logits(PROMPTS)):
         assert torch.equal(got, want)
     record = next(r for r in served.records if r.name == "quantize_linear")
@@ -165,13 +182,12 @@ def test_a_w8a8_checkpoint_serves_int8_activations_over_its_int8_weights(float_l
         assert 0 < relative < 5e-2
 
 
-def test_static_activation_scales_are_served_per_token_with_a_warning(float_llama, tmp_path, caplog):
-    static = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
-    directory = write_prequantized(float_llama, tmp_path / "static", QuantScheme("fp8"), compressed_tensors_layer("fp8"),
-                                   ct_config(FP8, static, "float-quantized"))
+def test_fp8_weights_with_unquantized_activations_are_served_per_token_with_a_warning(float_llama, tmp_path, caplog):
+    directory = write_prequantized(float_llama, tmp_path / "w8a16", QuantScheme("fp8"), compressed_tensors_layer("fp8"),
+                                   ct_config(FP8, None, "float-quantized"))
     with caplog.at_level(logging.WARNING):
         llm = autodeploy(str(directory), device="cpu")
-    assert "quantized to fp8 per token at run time" in caplog.text
+    assert "activations unquantized in the checkpoint are quantized to fp8 per token at run time" in caplog.text
     assert all(torch.isfinite(t).all() for t in llm.logits(PROMPTS))
 
 

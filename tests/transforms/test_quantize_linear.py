@@ -190,6 +190,19 @@ def test_a_smoothquant_deploy_runs_int8_activations_and_verifies_against_a_refer
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**settings, "smoothquant_alpha": 1.5})
 
 
+def test_fp8_with_static_activation_scales_calibrates_one_scale_a_layer_and_verifies(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    settings = {"default": "fp8", "fp8_activations": "static", "calibration": {"samples": 4, "seq_len": 64}}
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=settings)
+    assert len([n for n in llm.graph.graph.nodes if "fp8_static_linear" in str(n.target)]) == 14
+    scales = [p for name, p in llm.graph.named_parameters() if name.endswith(".input_scale")]
+    assert len(scales) == 14 and len({float(p) for p in scales}) > 1  # each layer's own range
+    assert "quantized activations: tolerance" in llm.verification.note
+    assert llm.verification.relative_error <= llm.verification.tolerance
+    with pytest.raises(ConfigError, match="fp8_activations must be 'dynamic'"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**settings, "fp8_activations": "per-token"})
+
+
 def test_awq_calibration_bad_inputs_are_config_errors(tiny_checkpoint, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("def f(): pass\n")
