@@ -122,7 +122,8 @@ class QuantizeSettings:
     ``tensor``: ``fp8_weight_scale``; activations with a scale per token, or one per layer from ``calibration``:
     ``fp8_activations``), ``smoothquant`` (W8A8: int8 weights and
     activations, ``smoothquant_alpha`` of the activations' range moved into the weights, from ``calibration``),
-    ``none`` (the model's dtype)."""
+    ``none`` (the model's dtype). MoE experts follow ``experts`` alone (``int8_wo``, ``int4_wo`` or ``none``),
+    whatever the dense layers take."""
 
     default: str = "none"
     layers: Dict[str, str] = field(default_factory=dict)
@@ -130,6 +131,7 @@ class QuantizeSettings:
     fp8_weight_scale: str = "channel"
     fp8_activations: str = "dynamic"
     smoothquant_alpha: float = 0.5
+    experts: str = "none"
     calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
 
 

@@ -19,6 +19,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     mlp,
     moe,
     quantized_linear,
+    quantized_moe,
     rms_norm,
     rope,
     triton_backends,

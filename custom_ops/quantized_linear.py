@@ -52,6 +52,7 @@ from .compute_dtype import compute_dtype
 from .registry import register_backend, register_op
 
 SCHEMES = ("int8_wo", "int4_wo", "int4_awq", "int4_gptq", "fp8", "smoothquant")
+EXPERT_SCHEMES = ("int8_wo", "int4_wo")  # MoE experts' [E, N, K] weights: weight-only, expert by expert
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _INT8_MAX = 127.0
 _UINT4_MAX = 15
@@ -90,11 +91,13 @@ class QuantScheme:
         return OPS[self.name]
 
     def check_shape(self, shape: tuple[int, ...]) -> str | None:
-        """Why a ``[N, K]`` weight cannot take this scheme, or None."""
-        if len(shape) != 2:
-            return f"a {self.name} weight must be 2-D [N, K]; got {tuple(shape)}"
-        if self.name in ("int4_wo", "int4_awq", "int4_gptq") and shape[1] % self.group_size:
-            return f"{self.name} needs K ({shape[1]}) to be a multiple of group_size {self.group_size}"
+        """Why a ``[N, K]`` weight (or MoE experts' ``[E, N, K]``) cannot take this scheme, or None."""
+        if len(shape) == 3 and self.name not in EXPERT_SCHEMES:
+            return f"MoE experts take {' or '.join(EXPERT_SCHEMES)}, not {self.name}"
+        if len(shape) not in (2, 3):
+            return f"a {self.name} weight must be 2-D [N, K] (or MoE experts' [E, N, K]); got {tuple(shape)}"
+        if self.name in ("int4_wo", "int4_awq", "int4_gptq") and shape[-1] % self.group_size:
+            return f"{self.name} needs K ({shape[-1]}) to be a multiple of group_size {self.group_size}"
         return None
 
 
@@ -110,6 +113,10 @@ def quantize_weight(scheme: QuantScheme, weight: torch.Tensor, statistics: dict[
     problem = scheme.check_shape(tuple(weight.shape))
     if problem:
         raise ValueError(problem)
+    if weight.dim() == 3:  # MoE experts: each expert's [N, K] as the rows of one [E·N, K] weight
+        experts = weight.shape[0]
+        stored = quantize_weight(scheme, weight.reshape(-1, weight.shape[-1]))
+        return {role: tensor.reshape(experts, -1, *tensor.shape[1:]) for role, tensor in stored.items()}
     w = weight.detach().to(torch.float32)
     if scheme.name == "int4_awq":
         return _awq(scheme, w, statistics)
@@ -139,7 +146,12 @@ def quantize_weight(scheme: QuantScheme, weight: torch.Tensor, statistics: dict[
 
 
 def dequantize_weight(scheme: QuantScheme, stored: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``w[N, K]`` in ``dtype`` as the scheme's op sees it (``int4_awq``: with its smoothing folded back in)."""
+    """``w[N, K]`` (MoE experts: ``[E, N, K]``) in ``dtype`` as the scheme's op sees it (``int4_awq``: with
+    its smoothing folded back in)."""
+    if stored["qweight"].dim() == 3:
+        experts = stored["qweight"].shape[0]
+        flat = dequantize_weight(scheme, {role: t.reshape(-1, *t.shape[2:]) for role, t in stored.items()}, dtype)
+        return flat.reshape(experts, -1, flat.shape[-1])
     if scheme.name == "int4_awq":
         plain = QuantScheme("int4_wo", group_size=scheme.group_size)
         return dequantize_weight(plain, stored, dtype) * stored["smooth"].to(dtype)[None, :]

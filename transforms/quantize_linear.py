@@ -23,7 +23,8 @@ stage runs before ``load_weights``, on the meta graph: the float weight leaves t
 tensors (meta for now) take its place, and ``context.state["quantized_weights"]`` records which
 checkpoint weight each is computed from, so ``load_weights`` quantizes every weight as it streams in
 (no float copy of the model is ever whole). A weight read by any other node (tied to the embedding)
-stays in the model's dtype, as do MoE routers and experts (experts are not quantized by this stage).
+stays in the model's dtype, as do MoE routers. MoE experts take ``quantize.experts`` (``int8_wo`` or
+``int4_wo``, expert by expert: ``custom_ops/quantized_moe.py``), apart from the dense layers' rules.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import torch
 from torch import fx, nn
 from torch.fx import GraphModule
 
-from autodeploy.custom_ops.quantized_linear import QuantScheme, quantize_weight
+from autodeploy.custom_ops.quantized_linear import EXPERT_SCHEMES, QuantScheme, quantize_weight
+from autodeploy.custom_ops.quantized_moe import OPS as EXPERT_OPS
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.shape_propagation import infer_values
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
@@ -76,6 +78,16 @@ class QuantizedWeight:
 @dataclass
 class QuantizeLinearConfig(TransformConfig):
     stage: str = "quantize"
+
+
+def parse_experts(settings) -> QuantScheme | None:
+    """The scheme of MoE experts' weights (``quantize.experts``), or None."""
+    name = settings.experts
+    if name == NONE:
+        return None
+    if name not in EXPERT_SCHEMES:
+        raise ConfigError(f"quantize.experts: MoE experts take {', '.join(EXPERT_SCHEMES)} or none; got {name!r}")
+    return QuantScheme(name, group_size=int(settings.int4_group_size))
 
 
 def parse_plan(settings) -> tuple[QuantScheme | None, list[tuple[str, QuantScheme | None]]]:
@@ -144,10 +156,11 @@ def _checkpoint_quantization(context: TransformContext):
     """The checkpoint's own quantization, or None; a ``ConfigError`` when the settings ask for another."""
     factory = context.model_factory
     found = factory.prequantized if factory is not None else None
-    if found is not None and (context.settings.quantize.default != NONE or dict(context.settings.quantize.layers)):
+    quantize = context.settings.quantize
+    if found is not None and (quantize.default != NONE or dict(quantize.layers) or quantize.experts != NONE):
         raise ConfigError(
             f"{factory.source.name} is already quantized ({found.method}): its layers keep the checkpoint's schemes. "
-            f"Remove quantize.default / quantize.layers, or deploy the float checkpoint to quantize it here"
+            f"Remove quantize.default / quantize.layers / quantize.experts, or deploy the float checkpoint to quantize it here"
         )
     return found
 
@@ -162,21 +175,31 @@ class _Rewriter:
         self.shared = {name for name, p in gm.named_parameters(remove_duplicate=False) if aliases[id(p)] > 1}
         self.records: list[QuantizedWeight] = []
 
-    def own_weight(self, node) -> torch.Tensor | None:
-        """The 2-D parameter a get_attr node reads, when nothing else reads it (under any name)."""
+    def own_weight(self, node, dims: int = 2) -> torch.Tensor | None:
+        """The ``dims``-D parameter a get_attr node reads, when nothing else reads it (under any name)."""
         if not isinstance(node, fx.Node) or node.op != "get_attr" or len(node.users) != 1 or node.target in self.shared:
             return None
         try:
             tensor = self.gm.get_parameter(node.target)
         except AttributeError:
             return None
-        return tensor if tensor.dim() == 2 else None
+        return tensor if tensor.dim() == dims else None
 
     def quantized_linear(self, x: fx.Node, weight_node: fx.Node, bias: fx.Node | None, scheme: QuantScheme) -> fx.Node:
         """A node of ``scheme``'s op over new (meta) parameters in place of ``weight_node``'s."""
+        return self.graph.call_function(scheme.op, (x, *self.quantized_storage(weight_node, scheme), bias))
+
+    def quantized_experts(self, node: fx.Node, scheme: QuantScheme) -> fx.Node:
+        """A ``moe`` node's quantized counterpart (``custom_ops/quantized_moe.py``), both expert weights in ``scheme``."""
+        x, router_logits, gate_up, down, *options = node.args
+        storage = [*self.quantized_storage(gate_up, scheme), *self.quantized_storage(down, scheme)]
+        return self.graph.call_function(EXPERT_OPS[scheme.name], (x, router_logits, *storage, *options), dict(node.kwargs))
+
+    def quantized_storage(self, weight_node: fx.Node, scheme: QuantScheme) -> list[fx.Node]:
+        """get_attr nodes of ``scheme``'s tensors (new meta parameters) in place of ``weight_node``'s weight."""
         source = weight_node.target
         weight = self.gm.get_parameter(source)
-        columns = weight.shape[1]
+        columns = weight.shape[-1]
         meta_statistics = {key: torch.empty(columns, device="meta") for key in ("mean_abs", "mean_square", "max_abs")}
         stored = quantize_weight(scheme, weight.to("meta"), meta_statistics)
         owner_path, _, leaf = source.rpartition(".")
@@ -189,9 +212,8 @@ class _Rewriter:
             targets[role] = f"{owner_path}.{attribute}"
             nodes.append(self.graph.get_attr(targets[role]))
         delattr(owner, leaf)
-        out = self.graph.call_function(scheme.op, (x, *nodes, bias))
         self.records.append(QuantizedWeight(source, module_path(source), tuple(weight.shape), scheme, targets))
-        return out
+        return nodes
 
     def projection(self, x: fx.Node, weight_node: fx.Node, bias: fx.Node | None, scheme: QuantScheme | None) -> fx.Node:
         if scheme is None:
@@ -226,6 +248,7 @@ class QuantizeLinear(Transform):
 
     def validate(self, context: TransformContext) -> None:
         default, rules = parse_plan(context.settings.quantize)
+        parse_experts(context.settings.quantize)
         found = _checkpoint_quantization(context)
         if found is not None:
             rules = [(None, scheme) for _, scheme in found.rules]
@@ -250,14 +273,18 @@ class QuantizeLinear(Transform):
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         default, rules = parse_plan(context.settings.quantize)
+        experts = parse_experts(context.settings.quantize)
         found = _checkpoint_quantization(context)
-        if found is None and default is None and all(scheme is None for _, scheme in rules):
+        if found is None and experts is None and default is None and all(scheme is None for _, scheme in rules):
             return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")
         planner = _Planner(default, rules) if found is None else _CheckpointPlanner(found, context.model_factory.meta_model)
         rewriter = _Rewriter(module)
         kept, split = [], 0
         existing = set(module.graph.nodes)
         for node in list(module.graph.nodes):
+            if node.op == "call_function" and node.target is MOE and experts is not None:
+                self._quantize_experts(module, rewriter, node, experts, kept)
+                continue
             if node.op != "call_function" or node.target not in (LINEAR, GATED_MLP, MLP):
                 continue
             if node.target is LINEAR:
@@ -296,18 +323,39 @@ class QuantizeLinear(Transform):
         context.state[STATE_KEY] = {r.source: r for r in rewriter.records}
         counts: dict[str, int] = {}
         for record in rewriter.records:
-            counts[record.scheme.name] = counts.get(record.scheme.name, 0) + 1
+            if len(record.shape) == 2:
+                counts[record.scheme.name] = counts.get(record.scheme.name, 0) + 1
+        expert_layers = sorted({r.path for r in rewriter.records if len(r.shape) == 3})
         details = [f"{r.path}: {r.scheme.name}" for r in rewriter.records]
         if kept:
             details.append(f"kept in the model's dtype (a weight shared or not read straight from the module, or an "
                            f"MoE router): {', '.join(kept)}")
         source = f" as the checkpoint's {found.method} quantization gives them" if found is not None else ""
+        experts_note = f"{len(expert_layers)} MoE layers' experts {experts.name}" if expert_layers else ""
         return TransformResult(
             matches=len(rewriter.records), changed=bool(rewriter.records),
-            notes=", ".join(f"{n} {scheme}" for scheme, n in sorted(counts.items())) + source
+            notes=", ".join([*(f"{n} {scheme}" for scheme, n in sorted(counts.items())), *filter(None, [experts_note])]) + source
             + (f"; {split} MLPs split" if split else ""),
             details=details + [f"served differently from the checkpoint: {note}" for note in (found.notes if found else [])],
         )
+
+    @staticmethod
+    def _quantize_experts(module: GraphModule, rewriter: _Rewriter, node: fx.Node, scheme: QuantScheme, kept: list) -> None:
+        weights = node.args[2:4]
+        if any(rewriter.own_weight(w, dims=3) is None for w in weights):
+            kept.append(node.name)
+            return
+        for weight in weights:
+            problem = scheme.check_shape(tuple(module.get_parameter(weight.target).shape))
+            if problem:
+                raise ConfigError(f"quantize.experts: {module_path(weight.target)}: {problem}")
+        with module.graph.inserting_before(node):
+            out = rewriter.quantized_experts(node, scheme)
+        _copy_meta(out, node)
+        node.replace_all_uses_with(out)
+        module.graph.erase_node(node)
+        for weight in weights:
+            module.graph.erase_node(weight)
 
     @staticmethod
     def _rewrite(rewriter: _Rewriter, node: fx.Node, weights: dict, schemes: dict) -> fx.Node:

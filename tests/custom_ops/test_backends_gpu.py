@@ -45,6 +45,12 @@ def inputs(op: str, tokens: int, dtype: torch.dtype) -> tuple:
         experts, inner = 8, 2048
         return (x[0], torch.randn(tokens, experts, device="cuda", dtype=dtype), weight(experts, 2 * inner, HIDDEN, dtype=dtype),
                 weight(experts, HIDDEN, inner, dtype=dtype), 2)
+    if op in QUANTIZED_EXPERTS:
+        experts, inner = 8, 2048
+        scheme = QuantScheme(QUANTIZED_EXPERTS[op])
+        gate_up, down = (quantize_weight(scheme, weight(*shape, dtype=torch.float32)) for shape in
+                         ((experts, 2 * inner, HIDDEN), (experts, HIDDEN, inner)))
+        return (x[0], torch.randn(tokens, experts, device="cuda", dtype=dtype), *gate_up.values(), *down.values(), 2)
     if op in QUANTIZED:
         statistics = {key: torch.rand(HIDDEN, device="cuda") + 0.1 for key in ("mean_abs", "mean_square", "max_abs")}
         stored = quantize_weight(QuantScheme(QUANTIZED[op]), weight(HIDDEN, HIDDEN, dtype=torch.float32), statistics)
@@ -54,8 +60,9 @@ def inputs(op: str, tokens: int, dtype: torch.dtype) -> tuple:
 
 QUANTIZED = {"int8_wo_linear": "int8_wo", "int4_wo_linear": "int4_wo", "int4_awq_linear": "int4_awq", "fp8_linear": "fp8",
              "int8_w8a8_linear": "smoothquant"}
+QUANTIZED_EXPERTS = {"moe_int8_wo": "int8_wo", "moe_int4_wo": "int4_wo"}
 OPS = ("linear", "rms_norm", "add_rms_norm", "layer_norm", "rope", "gated_mlp", "fused_gated_mlp", "mlp", "moe",
-       *QUANTIZED)
+       *QUANTIZED, *QUANTIZED_EXPERTS)
 CASES = [(op, backend.name) for op in OPS for backend in canonical_ops()[op].backends]
 
 

@@ -102,6 +102,30 @@ def test_moe_routers_and_experts_stay_unquantized_and_attention_is_quantized(tin
     assert any("moe" in str(node.target) for node in llm.graph.graph.nodes)
 
 
+@pytest.mark.parametrize("scheme", ["int8_wo", "int4_wo"])
+def test_moe_experts_quantize_apart_from_the_dense_layers_and_generate_what_hf_generates_over_them(tiny_checkpoint, scheme,
+                                                                                                   tmp_path):
+    llm = autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", quantize={"experts": scheme, "int4_group_size": 32})
+    assert quantized_ops(llm) == {}  # attention and the LM head stay as they were
+    assert [str(n.target) for n in llm.graph.graph.nodes if "moe" in str(n.target)] == [f"autodeploy.moe_{scheme}_torch.default"] * 2
+    assert next(r for r in llm.records if r.name == "quantize_linear").notes.startswith(f"2 MoE layers' experts {scheme}")
+    hf = tiny_hf_model("mixtral")
+    quantized = QuantScheme(scheme, group_size=32)
+    with torch.no_grad():
+        for name, parameter in hf.named_parameters():
+            if ".experts." in name:
+                parameter.copy_(dequantize_weight(quantized, quantize_weight(quantized, parameter)))
+    prompts = random_prompts(4, seed=5)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for prompt, output in zip(prompts, outputs):
+        assert output.token_ids == hf_greedy(hf, prompt, 8)
+    assert llm.verification.relative_error <= 1e-4
+    reloaded = autodeploy(str(llm.save(tmp_path / "experts")))
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.logits(prompts), llm.logits(prompts)))
+    with pytest.raises(ConfigError, match="quantize.experts: MoE experts take int8_wo, int4_wo or none; got 'fp8'"):
+        autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", quantize={"experts": "fp8"})
+
+
 def test_a_quantized_deployment_saves_and_reloads_with_identical_logits(tiny_checkpoint, tmp_path):
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "int4_wo", "int4_group_size": 32,
                                                                              "layers": {"*.self_attn.*": "fp8"}})
