@@ -271,14 +271,20 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         match_notes = _match_notes(twin_pipeline.records)
     quantized = twin_context.state.get("quantized_weights") or {}
     rounding = _quantize_like_the_deploy(reference, quantized, twin_graph)
+    if settings.quantize.kv_cache == "fp8":
+        rounding = rounding or _ActivationRounding()
+        if not _round_keys_and_values(reference, rounding):
+            note = "; ".join(filter(None, [note, "fp8 KV cache: the reference's k and v are not rounded (no k_proj/v_proj "
+                                                 "modules to hook)"]))
     tolerance = float(settings.verify.tolerance[dtype])
     if rounding is not None:
-        # Rounding activations (fp8, or int8 after smoothing) with per-token scales makes any two correct
-        # implementations differ by about the rounding's own effect (_rounding_effect): the deploy is held to twice that.
+        # Rounding activations (fp8, or int8 after smoothing) with per-token scales, or keys and values to an fp8
+        # cache, makes any two correct implementations differ by about the rounding's own effect
+        # (_rounding_effect): the deploy is held to twice that.
         effect = _rounding_effect(reference, rounding, twin.config.get_text_config().vocab_size, device)
         tolerance = max(tolerance, float(settings.verify.quantized_activations_tolerance), 2 * effect)
-        note = "; ".join(filter(None, [note, f"quantized activations: tolerance {tolerance:.3g} (2× their rounding's "
-                                              f"effect on the reference, {effect:.3g})"]))
+        note = "; ".join(filter(None, [note, f"quantized {' and '.join(sorted(rounding.kinds))}: tolerance {tolerance:.3g} "
+                                              f"(2× their rounding's effect on the reference, {effect:.3g})"]))
     report = _compare(factory, twin, reference, twin_graph, twin_context, match_notes, settings, device, dtype, began,
                       tolerance)
     report.note = note
@@ -308,15 +314,21 @@ def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.G
 
 
 class _ActivationRounding:
-    """Forward pre-hooks that round a layer's input per token as its op does (fp8, or int8 after smoothing);
-    switchable together, so the reference can also be run unrounded."""
+    """Hooks that round a layer's input per token as its op does (fp8, or int8 after smoothing), or a key or
+    value projection's output as an fp8 KV cache stores it; switchable together, so the reference can also
+    be run unrounded."""
 
     enabled = True
+
+    def __init__(self):
+        self.kinds: set[str] = set()  # what is rounded: "activations", "KV cache"
 
     def hook(self, scheme: str, stored: dict[str, torch.Tensor]):
         """The pre-hook of one layer: ``smoothquant`` rounds ``x · smooth`` to int8, ``fp8`` to e4m3 with a scale
         per token or the layer's static ``input_scale``."""
         from autodeploy.custom_ops.quantized_linear import fake_quantize_activations_fp8, fake_quantize_activations_int8
+
+        self.kinds.add("activations")
 
         def round_input(module, args):
             if not self.enabled:
@@ -328,6 +340,29 @@ class _ActivationRounding:
             return (rounded, *args[1:])
 
         return round_input
+
+    def output_hook(self, dtype: torch.dtype):
+        """A forward hook that rounds a module's output as a KV cache of ``dtype`` stores it."""
+        from autodeploy.custom_ops.cached_attention import to_cache_dtype
+
+        self.kinds.add("KV cache")
+
+        def round_output(module, args, output):
+            return to_cache_dtype(output, dtype).to(output.dtype) if self.enabled else None
+
+        return round_output
+
+
+def _round_keys_and_values(reference: nn.Module, rounding: _ActivationRounding) -> int:
+    """Round the outputs of the reference's key and value projections as an fp8 KV cache stores them; the
+    number of projections hooked. The cache rounds the keys after RoPE, the hook before it: the two differ
+    by about the rounding's own effect, which the tolerance allows twice over."""
+    hooked = 0
+    for name, module in reference.named_modules():
+        if name.rpartition(".")[2] in ("k_proj", "v_proj") and isinstance(module, nn.Linear):
+            module.register_forward_hook(rounding.output_hook(torch.float8_e4m3fn))
+            hooked += 1
+    return hooked
 
 
 def _rounding_effect(reference: nn.Module, rounding: _ActivationRounding, vocab: int, device) -> float:

@@ -7,7 +7,8 @@ per-layer cache, found through its row of ``block_tables``.
 
 Layout and metadata (N sequences, T new tokens in all):
 
-- ``k_cache[num_blocks, block_size, Hkv, D]``, ``v_cache[num_blocks, block_size, Hkv, Dv]``.
+- ``k_cache[num_blocks, block_size, Hkv, D]``, ``v_cache[num_blocks, block_size, Hkv, Dv]``, in the model's dtype
+  or float8_e4m3fn (``quantize.kv_cache: fp8``: values saturated at ±448, no scale; read back into ``q``'s dtype).
 - ``seq_start[N + 1]`` (int32): sequence ``s`` owns tokens ``seq_start[s] : seq_start[s + 1]`` of the row.
 - ``kv_lens[N]`` (int32): tokens of ``s`` in the cache once this step's are written; its new tokens sit
   at absolute positions ``kv_lens[s] - q_len_s … kv_lens[s] - 1``.
@@ -30,12 +31,26 @@ from .registry import register_backend, register_op
 
 
 
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+FP8_CACHE_MAX = 448.0  # float8_e4m3fn's largest finite value: a cache stores values saturated to it, scale 1
+
+
+def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a cache of ``dtype`` stores them: an fp8 cache saturates at ±448 and rounds to nearest."""
+    if dtype in FP8_CACHE_DTYPES:
+        return values.to(torch.float32).clamp(-FP8_CACHE_MAX, FP8_CACHE_MAX).to(dtype)
+    return values.to(dtype)
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store the new tokens' keys and values (``k[1, T, Hkv, D]``) at their slots."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k[0].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v[0].to(v_cache.dtype))
+    """Store the new tokens' keys and values (``k[1, T, Hkv, D]``) at their slots, in the caches' dtype."""
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        stored, flat = to_cache_dtype(new[0], cache.dtype), cache.view(-1, *cache.shape[2:])
+        if cache.dtype in FP8_CACHE_DTYPES:  # index_copy_ has no float8 kernel on CPUs: copy the bytes
+            stored, flat = stored.view(torch.uint8), flat.view(torch.uint8)
+        flat.index_copy_(0, slot_mapping, stored)
 
 
 def gather_sequence_kv(

@@ -72,7 +72,7 @@ def cached_attention_sdpa(
             )
             out[0, first:last] = attended.transpose(0, 1)
             continue
-        keys, values = (t.transpose(0, 1) for t in gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len))  # [Hkv, kv_len, D]
+        keys, values = (t.transpose(0, 1).to(q.dtype) for t in gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len))  # [Hkv, kv_len, D]
         mask = None
         if last - first > 1 or sliding_window is not None or slopes is not None:
             query_pos = torch.arange(kv_len - (last - first), kv_len, device=q.device)[:, None]
@@ -111,9 +111,9 @@ def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_win
     blocks = block_tables[:, : -(-longest // k_cache.shape[1])].reshape(-1)
     # index_select over whole blocks, not cache[blocks]: 30 against 49 µs a gather on a CPU (demo model's decode).
     keys, values = (
-        cache.index_select(0, blocks).view(len(lengths), -1, *cache.shape[2:])[:, :longest].transpose(1, 2)
+        cache.index_select(0, blocks).view(len(lengths), -1, *cache.shape[2:])[:, :longest].transpose(1, 2).to(q.dtype)
         for cache in (k_cache, v_cache)
-    )  # [B, Hkv, L, D]
+    )  # [B, Hkv, L, D], read back from an fp8 cache into q's dtype
     if min(lengths) == longest and slopes is None and (sliding_window is None or longest <= sliding_window):
         # Every decode sees all of its keys (one sequence, or a batch of prompts of one length): no padding, no mask.
         return F.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, enable_gqa=True)[:, :, 0]

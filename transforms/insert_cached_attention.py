@@ -31,7 +31,7 @@ from torch import fx
 from torch.fx import GraphModule
 
 from autodeploy.custom_ops.serving_signature import ATTENTION_METADATA, SEQUENCE_METADATA, KVCacheSpec
-from autodeploy.errors import UnsupportedModelError
+from autodeploy.errors import ConfigError, UnsupportedModelError
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -107,11 +107,30 @@ def _missing_attention_message(gm: GraphModule, found: int, expected: int | None
             f"shows what the match stage left as exported")
 
 
+def kv_cache_dtype(settings) -> torch.dtype | None:
+    """The caches' dtype that ``quantize.kv_cache`` asks for (None: the model's): ``fp8`` stores float8_e4m3fn,
+    saturated at ±448 with no scale, half the bytes of bf16 (twice the blocks in the same memory)."""
+    choice = settings.quantize.kv_cache
+    if choice == "none":
+        return None
+    if choice != "fp8":
+        raise ConfigError(f"quantize.kv_cache must be 'fp8' or 'none'; got {choice!r}")
+    device = torch.device(settings.device)
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"quantize.kv_cache: fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); this one "
+                          f"is {major}.{minor}. Keep the KV cache in the model's dtype (quantize.kv_cache: none)")
+    return torch.float8_e4m3fn
+
+
 @register_transform("insert_cached_attention")
 class InsertCachedAttention(Transform):
     """Swap every ``attention`` for ``cached_attention`` and declare the paged-KV graph inputs."""
 
     config_class = InsertCachedAttentionConfig
+
+    def validate(self, context: TransformContext) -> None:
+        kv_cache_dtype(context.settings)
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         gm, graph = module, module.graph
@@ -132,7 +151,7 @@ class InsertCachedAttention(Transform):
         for layer, node in enumerate(attention):
             q, k, v, scale, *options = node.args
             key, value = k.meta["val"], v.meta["val"]
-            spec = KVCacheSpec.for_layer(layer, key.shape[2], key.shape[3], value.shape[3], key.dtype)
+            spec = KVCacheSpec.for_layer(layer, key.shape[2], key.shape[3], value.shape[3], kv_cache_dtype(context.settings) or key.dtype)
             with graph.inserting_after(last_input):
                 k_cache = graph.placeholder(spec.key_input)
             with graph.inserting_after(k_cache):

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETED, SUPPORTED_DTYPES
+from .cache_store import stored_as
 from .launch import dependent_launch, wait_for_previous_kernel
 
 from ..attention import check_alibi_slopes
@@ -100,8 +101,8 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + token * stride_new_vt + heads * stride_new_vh + value_dims, mask=value_mask)
     k_slot = k_cache_ptr + block * stride_kb + offset * stride_kt
     v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt
-    tl.store(k_slot + heads * stride_kh + dims, k.to(k_cache_ptr.dtype.element_ty), mask=key_mask)
-    tl.store(v_slot + heads * stride_vh + value_dims, v.to(v_cache_ptr.dtype.element_ty), mask=value_mask)
+    tl.store(k_slot + heads * stride_kh + dims, stored_as(k, k_cache_ptr), mask=key_mask)
+    tl.store(v_slot + heads * stride_vh + value_dims, stored_as(v, v_cache_ptr), mask=value_mask)
 
 
 @triton.jit
@@ -169,6 +170,7 @@ def _prefill_tiles(
             k_base, v_base, block_table_row, keys, keys < kv_len, stride_kb, stride_kt, stride_vb, stride_vt,
             HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE,
         )
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache's values, read back
         logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION)
         if HAS_ALIBI:
             logits += slope * (keys[None, :] - query_positions[:, None]).to(tl.float32) * _LOG2E
@@ -352,6 +354,7 @@ def _decode_kernel(
             k_base, v_base, block_table_row, keys, key_valid, stride_kb, stride_kt, stride_vb, stride_vt,
             HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE,
         )
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache's values, read back
         logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION)
         if HAS_ALIBI:  # the query sits at kv_len - 1
             logits += slopes[:, None] * (keys - (kv_len - 1))[None, :].to(tl.float32) * _LOG2E
@@ -676,9 +679,13 @@ def check_supported(
         )
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"cached_attention_triton: q must be [1, T, Hq, D]; got {tuple(q.shape)}.")
-    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    fp8_caches = k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
+    if fp8_caches and device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("cached_attention_triton: float8 caches need compute capability 8.9 or later (Ada, Hopper)")
+    if q.dtype not in SUPPORTED_DTYPES or (not fp8_caches and (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype)):
         raise ValueError(
-            f"cached_attention_triton: q and both caches must share one dtype of {SUPPORTED_DTYPES}; "
+            f"cached_attention_triton: q and both caches must share one dtype of {SUPPORTED_DTYPES} (or the caches be "
+            f"float8_e4m3fn); "
             f"got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}. Use the torch backend otherwise."
         )
     if INTERPRETED and q.dtype == torch.bfloat16:

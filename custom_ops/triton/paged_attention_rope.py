@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from . import SUPPORTED_DTYPES
+from .cache_store import stored_as
 from .launch import dependent_launch, wait_for_previous_kernel
 from .paged_attention import attend_over_cache, cache_arguments, check_supported
 from .rope import load_angles, rotate_rows
@@ -83,7 +84,7 @@ def _rope_write_kv_kernel(
         value_mask = head_valid & (value_dims < VALUE_DIM)
         v = tl.load(v_ptr + token * stride_new_vt + kv_heads * stride_new_vh + value_dims, mask=value_mask)
         v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt + kv_heads * stride_vh
-        tl.store(v_slot + value_dims, v.to(v_cache_ptr.dtype.element_ty), mask=value_mask)
+        tl.store(v_slot + value_dims, stored_as(v, v_cache_ptr), mask=value_mask)
 
 
 def cached_attention_rope_triton(

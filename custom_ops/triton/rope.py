@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETED, SUPPORTED_DTYPES
+from .cache_store import stored_as
 
 MAX_HEAD_DIM = 1024
 
@@ -104,12 +105,12 @@ def _store_pairs(rows, row_valid, first, second, ROWS: tl.constexpr, ROTARY_HALF
     if INTERLEAVED:
         dims = tl.arange(0, 2 * PAIRS_PAD)[None, :]
         span = tl.reshape(tl.join(first, second), (ROWS, 2 * PAIRS_PAD))
-        tl.store(rows + dims, span.to(rows.dtype.element_ty), mask=row_valid & (dims < 2 * ROTARY_HALF))
+        tl.store(rows + dims, stored_as(span, rows), mask=row_valid & (dims < 2 * ROTARY_HALF))
     else:
         pairs = tl.arange(0, PAIRS_PAD)[None, :]
         mask = row_valid & (pairs < ROTARY_HALF)
-        tl.store(rows + pairs, first.to(rows.dtype.element_ty), mask=mask)
-        tl.store(rows + ROTARY_HALF + pairs, second.to(rows.dtype.element_ty), mask=mask)
+        tl.store(rows + pairs, stored_as(first, rows), mask=mask)
+        tl.store(rows + ROTARY_HALF + pairs, stored_as(second, rows), mask=mask)
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def rotate_rows(
         dims = 2 * ROTARY_HALF + tl.arange(0, PASS_PAD)[None, :]
         pass_mask = row_valid & (dims < HEAD_DIM)
         passed = tl.load(x_rows + dims, mask=pass_mask)
-        tl.store(out_rows + dims, passed.to(out_rows.dtype.element_ty), mask=pass_mask)
+        tl.store(out_rows + dims, stored_as(passed, out_rows), mask=pass_mask)
 
 
 @triton.jit(do_not_specialize=["seq_len"])  # the token count: one compile for all
