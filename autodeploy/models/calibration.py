@@ -2,8 +2,9 @@
 
 The ``quantize`` settings' ``calibration`` names the text (``builtin``: Python standard-library modules
 that ship with every interpreter, or a path to a text or JSONL file of ``{"text": …}`` lines), how many
-windows of how many tokens to run (``samples`` × ``seq_len``). The model runs in float32 on the CPU
-with the checkpoint's weights (Hugging Face eager), one window at a time. A forward pre-hook on each
+windows of how many tokens to run (``samples`` × ``seq_len``). The model runs in float32 with the
+checkpoint's weights (Hugging Face eager), one window at a time, on the deploy's GPU when it has one
+(else on the CPU). A forward pre-hook on each
 projection that asks for statistics accumulates ``mean |x|``, ``mean x²`` and ``max |x|`` of its input
 over every token, and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a 14,336-wide input).
 Statistics of up to ``CACHE_LIMIT_BYTES`` (1 GiB) are cached on disk
@@ -111,10 +112,11 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
 
     handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in modules]
     vocab = model.get_input_embeddings().num_embeddings
+    device = next(model.parameters()).device
     try:
         with torch.no_grad():
             for window in windows:
-                model(input_ids=torch.tensor([[token % vocab for token in window]]), use_cache=False)
+                model(input_ids=torch.tensor([[token % vocab for token in window]], device=device), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -141,9 +143,14 @@ def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] 
         if cache.is_file():
             return torch.load(cache, weights_only=True)
     windows = calibration_windows(factory.load_tokenizer(settings.tokenizer), dataset, samples, seq_len)
-    model = _float_model(factory)
-    logger.info("calibrating %d projections on %d × %d tokens of %s", len(modules), samples, seq_len, dataset)
+    # On the deploy's GPU when it has one: a large model's calibration run is hours of float32 on a CPU.
+    device = torch.device(settings.device) if torch.device(settings.device).type == "cuda" else torch.device("cpu")
+    model = _float_model(factory).to(device)
+    logger.info("calibrating %d projections on %d × %d tokens of %s (%s)", len(modules), samples, seq_len, dataset, device)
     statistics = input_statistics(model, windows, modules, hessian_modules)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the float model's memory goes back before the deploy's weights load
     size = sum(t.numel() * t.element_size() for entry in statistics.values() for t in entry.values())
     if cache is not None and size <= CACHE_LIMIT_BYTES:
         cache.parent.mkdir(parents=True, exist_ok=True)
