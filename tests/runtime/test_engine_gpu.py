@@ -49,20 +49,33 @@ def test_a_saved_gpu_deployment_reloads_with_identical_logits_and_tokens(tiny_ch
     assert reloaded.pipeline_report() == built.pipeline_report()
 
 
-@pytest.mark.parametrize("scheme", ["int8_wo", "int4_wo", "fp8"])
-def test_a_quantized_bf16_deploy_verifies_and_serves_with_gpu_kernels(tiny_checkpoint, scheme):
-    # Select picks among the scheme's GPU backends (Triton GEMVs, torch._scaled_mm) and the reference; the
-    # build's verification holds the deploy to HF over the same quantized weights.
-    llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="bfloat16",
-                     quantize={"default": scheme, "int4_group_size": 32})
-    ops = {str(n.target) for n in llm.graph.graph.nodes
-           if n.op == "call_function" and ("wo_linear" in str(n.target) or "fp8_linear" in str(n.target))}
-    assert ops, "no quantized op in the served graph"
+QUANTIZED_GPU = {  # quantize settings → the op its projections become
+    "int8_wo": ({"default": "int8_wo"}, "int8_wo_linear"),
+    "int4_wo": ({"default": "int4_wo", "int4_group_size": 32}, "int4_wo_linear"),
+    "fp8": ({"default": "fp8"}, "fp8_linear"),
+    "fp8 static": ({"default": "fp8", "fp8_activations": "static", "calibration": {"samples": 4, "seq_len": 64}},
+                   "fp8_static_linear"),
+    "smoothquant": ({"default": "smoothquant", "calibration": {"samples": 4, "seq_len": 64}}, "int8_w8a8_linear"),
+    "fp8 KV cache": ({"default": "int8_wo", "kv_cache": "fp8"}, "int8_wo_linear"),
+}
+
+
+@pytest.mark.parametrize("case", QUANTIZED_GPU)
+def test_a_quantized_bf16_deploy_verifies_and_serves_with_gpu_kernels(tiny_checkpoint, case, tmp_path, monkeypatch):
+    # Select picks among the scheme's GPU backends (Triton GEMVs, torch._scaled_mm / _int_mm) and the
+    # reference; the build's verification holds the deploy to HF over the same quantized weights (and the
+    # same rounding of activations and KV cache).
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # calibration statistics
+    settings, op = QUANTIZED_GPU[case]
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="bfloat16", quantize=settings)
+    quantized = [n for n in llm.graph.graph.nodes if n.op == "call_function" and str(n.target).startswith(f"autodeploy.{op}")]
+    assert quantized, "no quantized op in the served graph"
     report = llm.pipeline_report()
     # Quantized projections must not stop the rest of the decode path from taking its GPU kernels.
-    kernels = {n.meta["autodeploy_kernel"].backend for n in llm.graph.graph.nodes
-               if "wo_linear" in str(n.target) or "fp8_linear" in str(n.target)}
+    kernels = {n.meta["autodeploy_kernel"].backend for n in quantized}
     assert "reference" not in kernels, report
+    if settings.get("kv_cache") == "fp8":
+        assert all(cache.dtype == torch.float8_e4m3fn for cache in llm.engine.caches.values())
     targets = {str(n.target) for n in llm.graph.graph.nodes if n.op == "call_function"}
     assert not any("cached_attention_rope_sdpa" in t for t in targets), report
     assert "decode stays eager" not in report, report
