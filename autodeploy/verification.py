@@ -273,7 +273,7 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
     rounding = _quantize_like_the_deploy(reference, quantized, twin_graph)
     if settings.quantize.kv_cache == "fp8":
         rounding = rounding or _ActivationRounding()
-        if not _round_keys_and_values(reference, rounding):
+        if not _round_keys_and_values(reference, rounding, twin_context.kv_cache_scales):
             note = "; ".join(filter(None, [note, "fp8 KV cache: the reference's k and v are not rounded (no k_proj/v_proj "
                                                  "modules to hook)"]))
     tolerance = float(settings.verify.tolerance[dtype])
@@ -341,26 +341,29 @@ class _ActivationRounding:
 
         return round_input
 
-    def output_hook(self, dtype: torch.dtype):
-        """A forward hook that rounds a module's output as a KV cache of ``dtype`` stores it."""
-        from autodeploy.custom_ops.cached_attention import to_cache_dtype
+    def output_hook(self, dtype: torch.dtype, scale: float):
+        """A forward hook that rounds a module's output as a KV cache of ``dtype`` with ``scale`` stores it."""
+        from autodeploy.custom_ops.cached_attention import read_back, to_cache_dtype
 
         self.kinds.add("KV cache")
 
         def round_output(module, args, output):
-            return to_cache_dtype(output, dtype).to(output.dtype) if self.enabled else None
+            return read_back(to_cache_dtype(output.to(torch.float32) / scale, dtype), output.dtype, scale) if self.enabled else None
 
         return round_output
 
 
-def _round_keys_and_values(reference: nn.Module, rounding: _ActivationRounding) -> int:
-    """Round the outputs of the reference's key and value projections as an fp8 KV cache stores them; the
-    number of projections hooked. The cache rounds the keys after RoPE, the hook before it: the two differ
-    by about the rounding's own effect, which the tolerance allows twice over."""
+def _round_keys_and_values(reference: nn.Module, rounding: _ActivationRounding, scales: dict[str, tuple[float, float]]) -> int:
+    """Round the outputs of the reference's key and value projections as an fp8 KV cache stores them, with
+    the twin's calibrated ``scales`` (per attention module); the number of projections hooked. The cache
+    rounds the keys after RoPE, the hook before it: the two differ by about the rounding's own effect,
+    which the tolerance allows twice over."""
     hooked = 0
     for name, module in reference.named_modules():
-        if name.rpartition(".")[2] in ("k_proj", "v_proj") and isinstance(module, nn.Linear):
-            module.register_forward_hook(rounding.output_hook(torch.float8_e4m3fn))
+        attention, _, leaf = name.rpartition(".")
+        if leaf in ("k_proj", "v_proj") and isinstance(module, nn.Linear):
+            k_scale, v_scale = scales.get(attention, (1.0, 1.0))
+            module.register_forward_hook(rounding.output_hook(torch.float8_e4m3fn, k_scale if leaf == "k_proj" else v_scale))
             hooked += 1
     return hooked
 

@@ -8,7 +8,8 @@ per-layer cache, found through its row of ``block_tables``.
 Layout and metadata (N sequences, T new tokens in all):
 
 - ``k_cache[num_blocks, block_size, Hkv, D]``, ``v_cache[num_blocks, block_size, Hkv, Dv]``, in the model's dtype
-  or float8_e4m3fn (``quantize.kv_cache: fp8``: values saturated at ±448, no scale; read back into ``q``'s dtype).
+  or float8_e4m3fn (``quantize.kv_cache: fp8``: values divided by the layer's ``k_scale`` / ``v_scale`` and
+  saturated at ±448; read back into ``q``'s dtype, times the scale).
 - ``seq_start[N + 1]`` (int32): sequence ``s`` owns tokens ``seq_start[s] : seq_start[s + 1]`` of the row.
 - ``kv_lens[N]`` (int32): tokens of ``s`` in the cache once this step's are written; its new tokens sit
   at absolute positions ``kv_lens[s] - q_len_s … kv_lens[s] - 1``.
@@ -42,12 +43,20 @@ def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values.to(dtype)
 
 
+def read_back(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached values in ``dtype``: what ``write_kv_cache`` stored, times the layer's ``scale``."""
+    return stored.to(dtype) if scale == 1.0 else (stored.to(torch.float32) * scale).to(dtype)
+
+
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """Store the new tokens' keys and values (``k[1, T, Hkv, D]``) at their slots, in the caches' dtype."""
-    for new, cache in ((k, k_cache), (v, v_cache)):
-        stored, flat = to_cache_dtype(new[0], cache.dtype), cache.view(-1, *cache.shape[2:])
+    """Store the new tokens' keys and values (``k[1, T, Hkv, D]``) at their slots, in the caches' dtype,
+    divided by the layer's scales (an fp8 cache's; 1 otherwise)."""
+    for new, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        values = new[0] if scale == 1.0 else new[0].to(torch.float32) / scale
+        stored, flat = to_cache_dtype(values, cache.dtype), cache.view(-1, *cache.shape[2:])
         if cache.dtype in FP8_CACHE_DTYPES:  # index_copy_ has no float8 kernel on CPUs: copy the bytes
             stored, flat = stored.view(torch.uint8), flat.view(torch.uint8)
         flat.index_copy_(0, slot_mapping, stored)
@@ -77,17 +86,21 @@ def cached_attention_reference(
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[List[float]] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Write this step's ``k``/``v`` into the caches, then attend each new token over its sequence's
     cached tokens with the ``attention`` op's semantics (causal on absolute positions, GQA, window,
-    soft-cap, sinks, ALiBi). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The oracle: one sequence at a time."""
+    soft-cap, sinks, ALiBi). ``k_scale`` / ``v_scale``: the layer's fp8 cache scales (a stored value times its
+    scale is the value). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The oracle: one sequence at a time."""
     check_alibi_slopes("cached_attention", alibi_slopes, q.shape[2])
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     starts = seq_start.tolist()
     for s, kv_len in enumerate(kv_lens.tolist()):
         first, last = starts[s], starts[s + 1]
-        keys, values = (t.unsqueeze(0) for t in gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len))
+        keys, values = gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len)
+        keys, values = read_back(keys, torch.float32, k_scale)[None], read_back(values, torch.float32, v_scale)[None]
         key_positions = torch.arange(kv_len, device=q.device)
         query_positions = key_positions[kv_len - (last - first) :]
         out[:, first:last] = attend(
@@ -99,7 +112,7 @@ def cached_attention_reference(
 
 def cached_attention_fake(
     q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
-    sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None,
+    sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0,
 ):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
@@ -138,7 +151,7 @@ def _triton_backend(*args, **kwargs):
 
 def _triton_supports(
     q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
-    sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, *, device,
+    sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, *, device,
 ):
     from .triton import triton_unavailable
 

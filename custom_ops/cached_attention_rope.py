@@ -59,6 +59,8 @@ def cached_attention_rope_reference(
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[List[float]] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """``cached_attention(rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved), v, …)`` with
     both ops' references: rotates q ``[1, T, Hq, D]`` and k ``[1, T, Hkv, D]``, writes the rotated keys and
@@ -66,13 +68,13 @@ def cached_attention_rope_reference(
     return cached_attention_reference(
         rope_reference(q, cos, sin, interleaved), rope_reference(k, cos, sin, interleaved), v, k_cache, v_cache,
         seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale, sliding_window, logit_cap, sinks,
-        alibi_slopes,
+        alibi_slopes, k_scale, v_scale,
     )
 
 
 def cached_attention_rope_fake(
     q, k, v, cos, sin, interleaved, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info,
-    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None,
+    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0,
 ):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
@@ -112,7 +114,7 @@ def _triton_backend(*args, **kwargs):
 
 def _triton_supports(
     q, k, v, cos, sin, interleaved, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info,
-    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, *, device,
+    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, *, device,
 ):
     from .triton import triton_unavailable
 
@@ -133,7 +135,7 @@ def _triton_supports(
 
 def cached_attention_rope_sdpa(
     q, k, v, cos, sin, interleaved, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info,
-    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None,
+    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0,
 ):
     """``rope``'s torch backend on q and k, then ``cached_attention``'s SDPA backend: what the unfused graph
     runs on a CPU, in one node. q and k are rotated as one tensor (their heads side by side): the same
@@ -147,13 +149,13 @@ def cached_attention_rope_sdpa(
         q, k = rope_torch(q, cos, sin, interleaved), rope_torch(k, cos, sin, interleaved)
     return cached_attention_sdpa(
         q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
-        sliding_window, logit_cap, sinks, alibi_slopes,
+        sliding_window, logit_cap, sinks, alibi_slopes, k_scale, v_scale,
     )
 
 
 def _sdpa_supports(
     q, k, v, cos, sin, interleaved, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info,
-    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, *, device,
+    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, *, device,
 ):
     if logit_cap is not None or sinks is not None:
         return "SDPA has no soft-capping or sinks"

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import check_alibi_slopes
-from .cached_attention import gather_sequence_kv, write_kv_cache
+from .cached_attention import gather_sequence_kv, read_back, write_kv_cache
 from .registry import register_backend
 
 
@@ -40,16 +40,19 @@ def cached_attention_sdpa(
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[List[float]] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same arguments and result as ``cached_attention_reference`` (without soft-capping or sinks)."""
     if logit_cap is not None or sinks is not None:
         raise ValueError("cached_attention_sdpa: SDPA has no soft-capping or sinks; use the reference or triton backend.")
     check_alibi_slopes("cached_attention_sdpa", alibi_slopes, q.shape[2])
     slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32, device=q.device)[:, None, None]
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_prefill, num_decode = batch_info.tolist()[:2]
     if num_prefill == 0 and q.shape[1] == num_decode:  # decodes only: their batch is the whole output (a CPU step counts its ops)
-        attended = _decode_batch(q[0], k_cache, v_cache, block_tables, kv_lens.tolist(), scale, sliding_window, slopes)
+        attended = _decode_batch(q[0], k_cache, v_cache, block_tables, kv_lens.tolist(), scale, sliding_window, slopes,
+                                 k_scale, v_scale)
         return attended[None]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     starts, lengths = seq_start.tolist(), kv_lens.tolist()
@@ -72,7 +75,8 @@ def cached_attention_sdpa(
             )
             out[0, first:last] = attended.transpose(0, 1)
             continue
-        keys, values = (t.transpose(0, 1).to(q.dtype) for t in gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len))  # [Hkv, kv_len, D]
+        keys, values = gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len)
+        keys, values = read_back(keys, q.dtype, k_scale).transpose(0, 1), read_back(values, q.dtype, v_scale).transpose(0, 1)  # [Hkv, kv_len, D]
         mask = None
         if last - first > 1 or sliding_window is not None or slopes is not None:
             query_pos = torch.arange(kv_len - (last - first), kv_len, device=q.device)[:, None]
@@ -90,7 +94,7 @@ def cached_attention_sdpa(
         first = starts[num_prefill]
         out[0, first : first + num_decode] = _decode_batch(
             q[0, first : first + num_decode], k_cache, v_cache, block_tables[num_prefill:], lengths[num_prefill:],
-            scale, sliding_window, slopes,
+            scale, sliding_window, slopes, k_scale, v_scale,
         )
     return out
 
@@ -104,15 +108,16 @@ def _same_length_prompts(q, k, v, out, first, count, length, scale) -> None:
     out[0, span] = attended.transpose(1, 2).flatten(0, 1)
 
 
-def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_window, slopes) -> torch.Tensor:
+def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_window, slopes, k_scale=1.0, v_scale=1.0
+                  ) -> torch.Tensor:
     """The decodes' attention as one SDPA call over their keys padded to the longest (masked past each
     one's length): one gather and one kernel instead of a loop of small ones. ``q[B, Hq, D]`` → ``[B, Hq, Dv]``."""
     longest = max(lengths)
     blocks = block_tables[:, : -(-longest // k_cache.shape[1])].reshape(-1)
     # index_select over whole blocks, not cache[blocks]: 30 against 49 µs a gather on a CPU (demo model's decode).
     keys, values = (
-        cache.index_select(0, blocks).view(len(lengths), -1, *cache.shape[2:])[:, :longest].transpose(1, 2).to(q.dtype)
-        for cache in (k_cache, v_cache)
+        read_back(cache.index_select(0, blocks).view(len(lengths), -1, *cache.shape[2:])[:, :longest], q.dtype, cache_scale)
+        .transpose(1, 2) for cache, cache_scale in ((k_cache, k_scale), (v_cache, v_scale))
     )  # [B, Hkv, L, D], read back from an fp8 cache into q's dtype
     if min(lengths) == longest and slopes is None and (sliding_window is None or longest <= sliding_window):
         # Every decode sees all of its keys (one sequence, or a batch of prompts of one length): no padding, no mask.
@@ -133,7 +138,7 @@ def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_win
 
 
 def _sdpa_supports(q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
-                   sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, *, device):
+                   sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, *, device):
     if logit_cap is not None or sinks is not None:
         return "SDPA has no soft-capping or sinks"
     return True

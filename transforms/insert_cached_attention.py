@@ -34,6 +34,8 @@ from autodeploy.custom_ops.serving_signature import ATTENTION_METADATA, SEQUENCE
 from autodeploy.errors import ConfigError, UnsupportedModelError
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
+_WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
+
 logger = logging.getLogger(__name__)
 
 @dataclass
@@ -107,9 +109,22 @@ def _missing_attention_message(gm: GraphModule, found: int, expected: int | None
             f"shows what the match stage left as exported")
 
 
+def _cache_scales(node: fx.Node, spec: KVCacheSpec, scales: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """An fp8 cache's ``k_scale`` / ``v_scale`` for the attention at ``node``: calibrated by ``load_weights``
+    for its attention module (``TransformContext.kv_cache_scales``), 1 where there are none (random weights,
+    no k_proj)."""
+    if spec.dtype != torch.float8_e4m3fn:
+        return {}
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack.values()))[0].removeprefix(_WRAPPER) if stack else ""
+    k_scale, v_scale = scales.get(path, (1.0, 1.0))
+    return {"k_scale": k_scale, "v_scale": v_scale} if (k_scale, v_scale) != (1.0, 1.0) else {}
+
+
 def kv_cache_dtype(settings) -> torch.dtype | None:
-    """The caches' dtype that ``quantize.kv_cache`` asks for (None: the model's): ``fp8`` stores float8_e4m3fn,
-    saturated at ±448 with no scale, half the bytes of bf16 (twice the blocks in the same memory)."""
+    """The caches' dtype that ``quantize.kv_cache`` asks for (None: the model's): ``fp8`` stores float8_e4m3fn
+    (each layer's values over its scales, saturated at ±448), half the bytes of bf16: twice the blocks in
+    the same memory."""
     choice = settings.quantize.kv_cache
     if choice == "none":
         return None
@@ -163,6 +178,7 @@ class InsertCachedAttention(Transform):
                 cached = graph.call_function(
                     torch.ops.autodeploy.cached_attention.default,
                     (q, k, v, k_cache, v_cache, *(metadata[n] for n in ATTENTION_METADATA), scale, *options),
+                    _cache_scales(node, spec, context.kv_cache_scales),
                 )
             cached.meta = dict(node.meta)
             node.replace_all_uses_with(cached)

@@ -73,13 +73,16 @@ class TransformContext:
     ``kv_caches`` lists the KV cache pairs among them (``KVCacheSpec``), declared by the cache stage;
     ``decode_graph_batch_sizes``: the batch sizes whose decode steps the runtime captures as CUDA graphs,
     declared by the compile stage (empty: always eager); ``prefill_graph_token_sizes``: the token counts at
-    which prefill and mixed steps replay piecewise CUDA graphs (all but attention), likewise.
+    which prefill and mixed steps replay piecewise CUDA graphs (all but attention), likewise;
+    ``kv_cache_scales``: per attention module path (``model.layers.0.self_attn``), the ``(k_scale, v_scale)``
+    of an fp8 KV cache, calibrated by ``load_weights`` for the cache stage (absent: 1).
     """
 
     settings: Any
     model_factory: Any = None
     graph_inputs: tuple[str, ...] = ()
     kv_caches: tuple[Any, ...] = ()
+    kv_cache_scales: dict[str, tuple[float, float]] = field(default_factory=dict)
     decode_graph_batch_sizes: tuple[int, ...] = ()
     prefill_graph_token_sizes: tuple[int, ...] = ()
     state: dict[str, Any] = field(default_factory=dict)

@@ -89,10 +89,11 @@ def _cache_file(identity: str, dataset: str, samples: int, seq_len: int, modules
     return root / f"{key.hexdigest()[:32]}.pt"
 
 
-def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[str], hessian_modules=()
-                     ) -> dict[str, dict[str, torch.Tensor]]:
+def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[str], hessian_modules=(),
+                     output_modules=()) -> dict[str, dict[str, torch.Tensor]]:
     """Run ``model`` over ``windows`` and return, per module name, ``mean_abs``, ``mean_square`` and ``max_abs``
-    of its input's last dimension (float32, on the CPU), and for ``hessian_modules`` also ``hessian``: ``E[x xᵀ]``."""
+    of its input's last dimension (float32, on the CPU), for ``hessian_modules`` also ``hessian``: ``E[x xᵀ]``,
+    and for ``output_modules`` ``output_max_abs``: the largest |value| of their output (an fp8 KV cache's scale)."""
     hessian_modules = set(hessian_modules)
     sums: dict[str, dict[str, torch.Tensor]] = {}
     counts: dict[str, int] = {}
@@ -110,7 +111,15 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
             counts[name] = counts.get(name, 0) + x.shape[0]
         return record
 
+    def output_hook(name):
+        def record(module, args, output):
+            entry = sums.setdefault(name, {})
+            largest = output.detach().abs().amax().to(torch.float32).cpu().reshape(1)
+            entry["output_max_abs"] = torch.maximum(entry.get("output_max_abs", largest), largest)
+        return record
+
     handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in modules]
+    handles += [model.get_submodule(name).register_forward_hook(output_hook(name)) for name in output_modules]
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
     try:
@@ -120,17 +129,19 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
     finally:
         for handle in handles:
             handle.remove()
-    missing = [name for name in modules if name not in sums]
+    missing = [name for name in [*modules, *output_modules] if name not in sums]
     if missing:
         raise ConfigError(f"calibration: modules {missing[:3]} never ran on the calibration text; they cannot be "
                           f"calibrated: name another scheme for them under quantize.layers")
-    return {name: {k: (v if k == "max_abs" else v / counts[name]).to(torch.float32) for k, v in entry.items()}
-            for name, entry in sums.items()}
+    return {name: {k: (v if k in ("max_abs", "output_max_abs") else v / counts[name]).to(torch.float32)
+                   for k, v in entry.items()} for name, entry in sums.items()}
 
 
-def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] = ()) -> dict[str, dict[str, torch.Tensor]]:
+def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] = (), output_modules: list[str] = ()
+              ) -> dict[str, dict[str, torch.Tensor]]:
     """The input statistics of ``modules`` (Hugging Face module names; ``hessian_modules`` with their input
-    Hessians too) for this model and calibration set, from the cache or by running the model once."""
+    Hessians too, ``output_modules``' largest output) for this model and calibration set, from the cache or by
+    running the model once."""
     calibration = settings.quantize.calibration
     dataset, samples, seq_len = str(calibration.dataset), int(calibration.samples), int(calibration.seq_len)
     if settings.weights == "random" and factory.tensors is None:
@@ -139,15 +150,16 @@ def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] 
     cache = None
     if factory.tensors is None:  # a checkpoint folder; a twin's in-memory weights are calibrated afresh
         identity = json.dumps([str(factory.source.directory), _checkpoint_stamp(factory.source.directory)])
-        cache = _cache_file(identity, dataset, samples, seq_len, [sorted(modules), sorted(hessian_modules)])
+        cache = _cache_file(identity, dataset, samples, seq_len, [sorted(modules), sorted(hessian_modules), sorted(output_modules)])
         if cache.is_file():
             return torch.load(cache, weights_only=True)
     windows = calibration_windows(factory.load_tokenizer(settings.tokenizer), dataset, samples, seq_len)
     # On the deploy's GPU when it has one: a large model's calibration run is hours of float32 on a CPU.
     device = torch.device(settings.device) if torch.device(settings.device).type == "cuda" else torch.device("cpu")
     model = _float_model(factory).to(device)
-    logger.info("calibrating %d projections on %d × %d tokens of %s (%s)", len(modules), samples, seq_len, dataset, device)
-    statistics = input_statistics(model, windows, modules, hessian_modules)
+    logger.info("calibrating %d projections on %d × %d tokens of %s (%s)", len(modules) + len(output_modules), samples, seq_len,
+                dataset, device)
+    statistics = input_statistics(model, windows, modules, hessian_modules, output_modules)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the float model's memory goes back before the deploy's weights load

@@ -81,13 +81,14 @@ _NO_LOGIT = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_multiplier, v_multiplier,
     stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    """One program per new token: its keys and values, all kv heads, to its slot in each cache."""
+    """One program per new token: its keys and values, all kv heads, to its slot in each cache (times the
+    multipliers: 1 / the layer's fp8 scales, 1 for other caches)."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     block = slot // PAGE_SIZE
@@ -101,8 +102,8 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + token * stride_new_vt + heads * stride_new_vh + value_dims, mask=value_mask)
     k_slot = k_cache_ptr + block * stride_kb + offset * stride_kt
     v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt
-    tl.store(k_slot + heads * stride_kh + dims, stored_as(k, k_cache_ptr), mask=key_mask)
-    tl.store(v_slot + heads * stride_vh + value_dims, stored_as(v, v_cache_ptr), mask=value_mask)
+    tl.store(k_slot + heads * stride_kh + dims, stored_as(k * k_multiplier, k_cache_ptr), mask=key_mask)
+    tl.store(v_slot + heads * stride_vh + value_dims, stored_as(v * v_multiplier, v_cache_ptr), mask=value_mask)
 
 
 @triton.jit
@@ -453,6 +454,8 @@ def cached_attention_triton(
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[List[float]] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     num_decode_splits: Optional[int] = None,
     check: bool = True,
@@ -479,7 +482,8 @@ def cached_attention_triton(
     k_tokens, v_tokens = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (k, v))
     if k.shape[1] > 0:
         _write_kv_kernel[(k.shape[1],)](
-            k_tokens, v_tokens, slot_mapping_ptr=slot_mapping, **cache_arguments(k_cache, v_cache),
+            k_tokens, v_tokens, slot_mapping_ptr=slot_mapping, k_multiplier=1.0 / k_scale, v_multiplier=1.0 / v_scale,
+            **cache_arguments(k_cache, v_cache),
             stride_new_kt=k_tokens.stride(0), stride_new_kh=k_tokens.stride(1),
             stride_new_vt=v_tokens.stride(0), stride_new_vh=v_tokens.stride(1),
             KV_HEADS=k_cache.shape[2], HEADS_PAD=triton.next_power_of_2(k_cache.shape[2]),
@@ -487,7 +491,7 @@ def cached_attention_triton(
     q_tokens = q[0] if q.stride(-1) == 1 else q[0].contiguous()
     return attend_over_cache(
         q_tokens, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window, logit_cap,
-        sinks, alibi_slopes, num_decode_splits,
+        sinks, alibi_slopes, num_decode_splits, k_scale, v_scale,
     )
 
 
@@ -517,10 +521,14 @@ def attend_over_cache(
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[List[float]] = None,
     num_decode_splits: Optional[int] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The attention half of :func:`cached_attention_triton`, once this step's keys and values are in the
     caches: the prefill and decode kernels over ``q_tokens [T, Hq, D]`` (last dim contiguous). Returns
-    ``[1, T, Hq, Dv]``."""
+    ``[1, T, Hq, Dv]``. An fp8 cache's scales act outside the kernels: ``k_scale`` scales the logits (it
+    joins ``scale``), ``v_scale`` the output (attention is linear in the values)."""
+    scale = scale * k_scale
     num_prefill, num_decode, max_q_len, max_kv_len = batch_info.tolist()
     out = q_tokens.new_empty((1, *q_tokens.shape[:-1], v_cache.shape[-1]))
     q_heads, kv_heads = q_tokens.shape[1], k_cache.shape[2]
@@ -547,7 +555,7 @@ def attend_over_cache(
         _launch_decode(
             shared, out, num_prefill, num_decode, max_kv_len, q_heads, kv_heads, sliding_window, num_decode_splits
         )
-    return out
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 @functools.lru_cache(maxsize=64)

@@ -43,7 +43,7 @@ from .rope import load_angles, rotate_rows
 
 @triton.jit
 def _rope_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_multiplier, v_multiplier,
     stride_new_qt, stride_new_qh, stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh, stride_cos_t, stride_sin_t,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
@@ -52,8 +52,8 @@ def _rope_write_kv_kernel(
     INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (new token, role): role 0 rotates the token's query heads into ``q_out``, role 1
-    its keys into their cache slot and copies its values beside them. (``D_PAD``: unused, taken with the
-    other cache arguments.)"""
+    its keys into their cache slot and copies its values beside them, times the multipliers (1 / an fp8
+    cache's scales). (``D_PAD``: unused, taken with the other cache arguments.)"""
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos_first, cos_second, sin_first, sin_second = load_angles(
@@ -65,7 +65,7 @@ def _rope_write_kv_kernel(
         q_heads = tl.arange(0, Q_HEADS_PAD)[:, None]
         rotate_rows(
             q_ptr + token * stride_new_qt + q_heads * stride_new_qh, q_out_ptr + (token * Q_HEADS + q_heads) * HEAD_DIM,
-            q_heads < Q_HEADS, cos_first, cos_second, sin_first, sin_second,
+            q_heads < Q_HEADS, cos_first, cos_second, sin_first, sin_second, 1.0,
             Q_HEADS_PAD, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
         )
     else:  # the keys, rotated into their cache slot, and the values beside them
@@ -77,14 +77,14 @@ def _rope_write_kv_kernel(
         rotate_rows(
             k_ptr + token * stride_new_kt + kv_heads * stride_new_kh,
             k_cache_ptr + block * stride_kb + offset * stride_kt + kv_heads * stride_kh,
-            head_valid, cos_first, cos_second, sin_first, sin_second,
+            head_valid, cos_first, cos_second, sin_first, sin_second, k_multiplier,
             KV_HEADS_PAD, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
         )
         value_dims = tl.arange(0, DV_PAD)[None, :]
         value_mask = head_valid & (value_dims < VALUE_DIM)
         v = tl.load(v_ptr + token * stride_new_vt + kv_heads * stride_new_vh + value_dims, mask=value_mask)
         v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt + kv_heads * stride_vh
-        tl.store(v_slot + value_dims, stored_as(v, v_cache_ptr), mask=value_mask)
+        tl.store(v_slot + value_dims, stored_as(v * v_multiplier, v_cache_ptr), mask=value_mask)
 
 
 def cached_attention_rope_triton(
@@ -106,6 +106,8 @@ def cached_attention_rope_triton(
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[List[float]] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     num_decode_splits: Optional[int] = None,
     check: bool = True,
@@ -136,6 +138,7 @@ def cached_attention_rope_triton(
     if tokens > 0:
         _rope_write_kv_kernel[(tokens, 2)](
             q_tokens, k_tokens, v_tokens, cos, sin, rotated_q, slot_mapping_ptr=slot_mapping,
+            k_multiplier=1.0 / k_scale, v_multiplier=1.0 / v_scale,
             **cache_arguments(k_cache, v_cache),
             stride_new_qt=q_tokens.stride(0), stride_new_qh=q_tokens.stride(1),
             stride_new_kt=k_tokens.stride(0), stride_new_kh=k_tokens.stride(1),
@@ -149,7 +152,7 @@ def cached_attention_rope_triton(
         )
     return attend_over_cache(
         rotated_q, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window,
-        logit_cap, sinks, alibi_slopes, num_decode_splits,
+        logit_cap, sinks, alibi_slopes, num_decode_splits, k_scale, v_scale,
     )
 
 

@@ -124,21 +124,22 @@ def load_angles(cos_row, sin_row, ROTARY_HALF: tl.constexpr, PAIRS_PAD: tl.const
 
 @triton.jit
 def rotate_rows(
-    x_rows, out_rows, row_valid, cos_first, cos_second, sin_first, sin_second,
+    x_rows, out_rows, row_valid, cos_first, cos_second, sin_first, sin_second, multiplier,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_HALF: tl.constexpr, PAIRS_PAD: tl.constexpr,
     PASS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     """Rotate the heads at row pointers ``x_rows [ROWS, 1]`` by one token's angles (:func:`load_angles`)
-    and store them at ``out_rows``, in its dtype; dims past ``R`` (partial rotary) are copied unchanged."""
+    and store them at ``out_rows`` times ``multiplier`` (1, or 1 / an fp8 cache's scale), in its dtype;
+    dims past ``R`` (partial rotary) are copied unchanged (times ``multiplier``)."""
     x_first, x_second = _load_pairs(x_rows, row_valid, ROWS, ROTARY_HALF, PAIRS_PAD, INTERLEAVED)
-    out_first = x_first * cos_first - x_second * sin_first
-    out_second = x_second * cos_second + x_first * sin_second
+    out_first = (x_first * cos_first - x_second * sin_first) * multiplier
+    out_second = (x_second * cos_second + x_first * sin_second) * multiplier
     _store_pairs(out_rows, row_valid, out_first, out_second, ROWS, ROTARY_HALF, PAIRS_PAD, INTERLEAVED)
     if PASS_PAD > 0:
         dims = 2 * ROTARY_HALF + tl.arange(0, PASS_PAD)[None, :]
         pass_mask = row_valid & (dims < HEAD_DIM)
         passed = tl.load(x_rows + dims, mask=pass_mask)
-        tl.store(out_rows + dims, stored_as(passed, out_rows), mask=pass_mask)
+        tl.store(out_rows + dims, stored_as(passed.to(tl.float32) * multiplier, out_rows), mask=pass_mask)
 
 
 @triton.jit(do_not_specialize=["seq_len"])  # the token count: one compile for all
@@ -159,7 +160,7 @@ def _rope_kernel(
     rotate_rows(
         x_ptr + batch * stride_xb + position * stride_xs + heads[:, None] * stride_xh,
         out_ptr + (token * num_heads + heads[:, None]) * HEAD_DIM, heads[:, None] < num_heads,
-        cos_first, cos_second, sin_first, sin_second, HEADS, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
+        cos_first, cos_second, sin_first, sin_second, 1.0, HEADS, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
     )
 
 

@@ -143,3 +143,14 @@ def test_sdpa_backend_in_bfloat16():
     expected, _, _ = run(cached_attention_reference, inputs, 4)
     got, _, _ = run(cached_attention_sdpa, inputs, 4)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_an_fp8_cache_stores_values_over_their_scale_and_reads_them_back_times_it():
+    from autodeploy.custom_ops.cached_attention import read_back, write_kv_cache
+
+    k, v = torch.tensor([[[[1.0, -600.0]]]]), torch.tensor([[[[0.01, 2.0]]]])  # [1, T=1, Hkv=1, D=2]
+    k_cache, v_cache = (torch.zeros(2, 2, 1, 2, dtype=torch.float8_e4m3fn) for _ in range(2))
+    write_kv_cache(k, v, k_cache, v_cache, torch.tensor([3]), k_scale=0.5, v_scale=0.01)
+    assert k_cache[1, 1, 0].float().tolist() == [2.0, -448.0]  # 1 / 0.5; -1200 saturates
+    assert read_back(k_cache[1, 1], torch.float32, 0.5)[0].tolist() == [1.0, -224.0]
+    assert read_back(v_cache[1, 1], torch.float32, 0.01)[0].tolist() == pytest.approx([0.01, 2.0], rel=2**-4)

@@ -160,13 +160,15 @@ def test_sdpa_supports_refuses_sinks_and_soft_capping():
     assert not backend("sdpa").capturable and backend("triton").capturable
 
 
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 0.5)])
 @pytest.mark.parametrize("kernel", [cached_attention_rope_triton, cached_attention_rope_sdpa], ids=["triton", "sdpa"])
-def test_fp8_caches_hold_the_rotated_keys_and_the_values(kernel, interpreter_rounds_to_fp8_correctly):
+def test_fp8_caches_hold_the_rotated_keys_and_the_values(kernel, scales, interpreter_rounds_to_fp8_correctly):
     q, k, v, cos, sin, interleaved, k_cache, v_cache, *metadata = with_angles(
         paged_batch([(9, 9), (4, 40)], [33, 5], q_heads=4, kv_heads=2))
     args = (q, k, v, cos, sin, interleaved, k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn), *metadata)
-    expected, expected_caches = run(cached_attention_rope_reference, args)
-    got, caches = run(kernel, args)
+    options = dict(k_scale=scales[0], v_scale=scales[1])
+    expected, expected_caches = run(cached_attention_rope_reference, args, **options)
+    got, caches = run(kernel, args, **options)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
     for written, want in zip(caches, expected_caches):
         assert written.dtype == torch.float8_e4m3fn

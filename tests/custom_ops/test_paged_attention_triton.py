@@ -303,16 +303,18 @@ def test_production_dtypes(dtype):
     assert_matches_reference(batch, atol=1e-4 if dtype == torch.float32 else 2e-2, logit_cap=30.0)
 
 
-@pytest.mark.parametrize("num_decode_splits", [None, 2])
-def test_fp8_caches_store_saturated_values_and_attend_over_them_read_back(num_decode_splits, interpreter_rounds_to_fp8_correctly):
-    # quantize.kv_cache: fp8. Some new keys and values lie past ±448 and must saturate, in both backends alike.
+@pytest.mark.parametrize(("num_decode_splits", "scales"), [(None, (1.0, 1.0)), (2, (1.0, 1.0)), (2, (0.25, 3.0))])
+def test_fp8_caches_store_saturated_values_and_attend_over_them_read_back(num_decode_splits, scales,
+                                                                          interpreter_rounds_to_fp8_correctly):
+    # quantize.kv_cache: fp8. Some new keys and values lie past ±448 · scale and must saturate, in both backends alike.
     q, k, v, k_cache, v_cache, *metadata = paged_batch([(20, 20), (5, 40)], [150, 3], q_heads=4, kv_heads=2)
     q, k, v = q * 0.01, k * 200, v * 200  # logits of order 1 over keys of order 200
     fp8 = (k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn))
+    options = dict(k_scale=scales[0], v_scale=scales[1])
     expected_caches = tuple(c.clone() for c in fp8)
-    expected = cached_attention_reference(q, k, v, *expected_caches, *metadata)
+    expected = cached_attention_reference(q, k, v, *expected_caches, *metadata, **options)
     caches = tuple(c.clone() for c in fp8)
-    got = cached_attention_triton(q, k, v, *caches, *metadata, num_decode_splits=num_decode_splits)
+    got = cached_attention_triton(q, k, v, *caches, *metadata, **options, num_decode_splits=num_decode_splits)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
     for written, want in zip(caches, expected_caches):
         assert written.dtype == torch.float8_e4m3fn

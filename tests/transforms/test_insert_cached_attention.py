@@ -12,9 +12,14 @@ from autodeploy.errors import ConfigError
 PROMPTS = [[3, 4, 5, 6, 7], list(range(40, 90))]
 
 
+FP8_CACHE = {"kv_cache": "fp8", "calibration": {"samples": 4, "seq_len": 64}}
+
+
 @pytest.fixture(scope="module")
-def fp8_cache_llama(tiny_checkpoint):
-    return autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"kv_cache": "fp8"})
+def fp8_cache_llama(tiny_checkpoint, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("calibration")))
+        return autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=FP8_CACHE)
 
 
 def test_an_fp8_kv_cache_halves_the_bytes_a_block_and_verifies_within_its_rounding(fp8_cache_llama, tiny_checkpoint):
@@ -30,6 +35,25 @@ def test_an_fp8_kv_cache_halves_the_bytes_a_block_and_verifies_within_its_roundi
         assert 0 < relative < 5e-2  # rounded, by about fp8's 3 mantissa bits
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert all(len(out.token_ids) == 8 for out in llm.generate(PROMPTS, params))
+
+
+def test_each_layer_takes_scales_calibrated_from_its_key_and_value_projections(fp8_cache_llama):
+    from autodeploy.models.calibration import input_statistics, calibration_windows
+    from autodeploy.models.load_weights import kv_cache_scales
+    from tests.tiny_models import tiny_hf_model
+
+    # The tiny model's keys and values are small: every scale stays 1 (no kwargs on the nodes).
+    assert all("k_scale" not in n.kwargs for n in fp8_cache_llama.graph.graph.nodes)
+    windows = calibration_windows(fp8_cache_llama.tokenizer, "builtin", 4, 64)
+    projections = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "kv"]
+    statistics = input_statistics(tiny_hf_model("llama"), windows, [], output_modules=projections)
+    assert set(kv_cache_scales(statistics, projections).values()) == {(1.0, 1.0)}
+    # Values 100 times larger would pass 448 / 16: their layer's scale keeps them below.
+    for name in projections:
+        statistics[name]["output_max_abs"] = statistics[name]["output_max_abs"] * 100
+    scales = kv_cache_scales(statistics, projections)["model.layers.1.self_attn"]
+    largest = float(statistics["model.layers.1.self_attn.k_proj"]["output_max_abs"]) * 2**0.5
+    assert scales[0] == pytest.approx(largest * 16 / 448) and scales[0] > 1 and scales[1] > 1
 
 
 def test_a_deploy_with_an_fp8_cache_saves_and_reloads(fp8_cache_llama, tmp_path):
@@ -50,3 +74,17 @@ def test_kv_cache_bad_inputs_are_config_errors(tiny_checkpoint, monkeypatch):
     settings = SimpleNamespace(device="cuda", quantize=SimpleNamespace(kv_cache="fp8"))
     with pytest.raises(ConfigError, match=r"compute capability 8.9 .* this one is 8.0. Keep the KV cache"):
         kv_cache_dtype(settings)
+
+
+def test_layers_with_scales_serve_and_verify_with_them(tiny_checkpoint, tmp_path, monkeypatch):
+    # A headroom a million times the calibrated range forces scales past 1 on the tiny model's small values.
+    from autodeploy.models import load_weights
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(load_weights, "_KV_HEADROOM", 1e6)
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=FP8_CACHE)
+    scales = [(n.kwargs["k_scale"], n.kwargs["v_scale"]) for n in llm.graph.graph.nodes if "cached_attention" in str(n.target)]
+    assert len(scales) == 2 and len(set(scales)) == 2 and all(s > 1 for pair in scales for s in pair)
+    assert llm.verification.relative_error <= llm.verification.tolerance
+    reloaded = autodeploy(str(llm.save(tmp_path / "scaled")))
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.logits(PROMPTS), llm.logits(PROMPTS)))
