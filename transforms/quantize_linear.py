@@ -142,7 +142,7 @@ class _CheckpointPlanner:
     """The schemes a pre-quantized checkpoint's quantization config gives its layers (``models/prequantized.py``)."""
 
     def __init__(self, found, model: nn.Module):
-        self.found, self.model, self.used = found, model, set()
+        self.found, self.model = found, model
 
     def scheme_for(self, path: str) -> QuantScheme | None:
         try:

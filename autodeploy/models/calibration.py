@@ -1,4 +1,5 @@
-"""Calibration for activation-aware quantization (AWQ), GPTQ and SmoothQuant: statistics of each projection's input.
+"""Calibration for activation-aware quantization (AWQ), GPTQ, SmoothQuant, static fp8 activation scales and
+fp8 KV cache scales: statistics of each projection's input (and of the key and value projections' outputs).
 
 The ``quantize`` settings' ``calibration`` names the text (``builtin``: Python standard-library modules
 that ship with every interpreter, or a path to a text or JSONL file of ``{"text": …}`` lines), how many
@@ -187,3 +188,27 @@ def _float_model(factory) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(str(factory.source.directory), dtype=torch.float32,
                                                      trust_remote_code=factory.trust_remote_code)
     return model.eval()
+
+
+def kv_projections(model: nn.Module) -> list[str]:
+    """The key and value projections of every attention layer that has them as modules (``…self_attn.k_proj``)."""
+    return [name for name, module in model.named_modules()
+            if name.rpartition(".")[2] in ("k_proj", "v_proj") and isinstance(module, nn.Linear)]
+
+
+# A scale keeps the largest calibrated key or value at 448 / 16 or below: four binades of headroom for inputs
+# larger than any the calibration saw. It is never below 1: on the demo model, scales that lifted small values
+# higher measured no better (perplexity +0.4% against scale 1's +0.05%; notes/quantization.md).
+_KV_HEADROOM = 16.0
+
+
+def kv_cache_scales(statistics: dict, projections: list[str]) -> dict[str, tuple[float, float]]:
+    """Per attention module, the fp8 cache scales of its keys and values: 1, or, where the largest calibrated
+    value times ``_KV_HEADROOM`` passes 448, that over 448. RoPE rotates keys in pairs, so a rotated key can be
+    up to √2 × the larger of its pair: the keys' scale allows for that too."""
+    scales: dict[str, dict[str, float]] = {}
+    for name in projections:
+        attention, _, leaf = name.rpartition(".")
+        largest = float(statistics[name]["output_max_abs"]) * (2**0.5 if leaf == "k_proj" else 1.0)
+        scales.setdefault(attention, {})[leaf] = max(1.0, largest * _KV_HEADROOM / 448.0)
+    return {path: (found.get("k_proj", 1.0), found.get("v_proj", 1.0)) for path, found in scales.items()}

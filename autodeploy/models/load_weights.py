@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from autodeploy.custom_ops.quantized_linear import quantize_weight
 from autodeploy.errors import CheckpointError
-from autodeploy.models.calibration import calibrate
+from autodeploy.models.calibration import calibrate, kv_cache_scales, kv_projections
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
@@ -300,30 +300,6 @@ def restore_buffers(gm: fx.GraphModule, factory: ModelFactory, device: torch.dev
         raise CheckpointError(f"graph tensors {on_meta[:4]} have no values after loading (no checkpoint entry, no buffer)")
 
 
-def _kv_projections(model: nn.Module) -> list[str]:
-    """The key and value projections of every attention layer that has them as modules (``…self_attn.k_proj``)."""
-    return [name for name, module in model.named_modules()
-            if name.rpartition(".")[2] in ("k_proj", "v_proj") and isinstance(module, nn.Linear)]
-
-
-# A scale keeps the largest calibrated key or value at 448 / 16 or below: four binades of headroom for inputs
-# larger than any the calibration saw. It is never below 1: on the demo model, scales that lifted small values
-# higher measured no better (perplexity +0.4% against scale 1's +0.05%; notes/quantization.md).
-_KV_HEADROOM = 16.0
-
-
-def kv_cache_scales(statistics: dict, projections: list[str]) -> dict[str, tuple[float, float]]:
-    """Per attention module, the fp8 cache scales of its keys and values: 1, or, where the largest calibrated
-    value times ``_KV_HEADROOM`` passes 448, that over 448. RoPE rotates keys in pairs, so a rotated key can be
-    up to √2 × the larger of its pair: the keys' scale allows for that too."""
-    scales: dict[str, dict[str, float]] = {}
-    for name in projections:
-        attention, _, leaf = name.rpartition(".")
-        largest = float(statistics[name]["output_max_abs"]) * (2**0.5 if leaf == "k_proj" else 1.0)
-        scales.setdefault(attention, {})[leaf] = max(1.0, largest * _KV_HEADROOM / 448.0)
-    return {path: (found.get("k_proj", 1.0), found.get("v_proj", 1.0)) for path, found in scales.items()}
-
-
 @dataclass
 class LoadWeightsConfig(TransformConfig):
     stage: str = "load_weights"
@@ -350,14 +326,14 @@ class LoadWeights(Transform):
         calibrated = sorted({r.path for r in (quantized or {}).values() if r.scheme.calibrated})
         # An fp8 KV cache's per-layer scales come from the key and value projections' largest outputs,
         # when there are real weights to run (random weights, or a pre-quantized checkpoint: scale 1).
-        kv_projections = _kv_projections(factory.meta_model) if settings.quantize.kv_cache == "fp8" else []
+        key_values = kv_projections(factory.meta_model) if settings.quantize.kv_cache == "fp8" else []
         if prequantized is not None or (settings.weights == "random" and factory.tensors is None):
-            kv_projections = []
-        if (calibrated or kv_projections) and prequantized is None:
+            key_values = []
+        if (calibrated or key_values) and prequantized is None:
             hessians = sorted({r.path for r in (quantized or {}).values() if r.scheme.name == "int4_gptq"})
-            statistics = calibrate(factory, settings, calibrated, hessians, kv_projections)
-            if kv_projections:
-                context.kv_cache_scales = kv_cache_scales(statistics, kv_projections)
+            statistics = calibrate(factory, settings, calibrated, hessians, key_values)
+            if key_values:
+                context.kv_cache_scales = kv_cache_scales(statistics, key_values)
         if settings.weights == "random":
             count = initialize_randomly(gm, factory, groups, settings.seed, quantized)
             notes = f"{count} random tensors"

@@ -38,8 +38,7 @@ def test_an_fp8_kv_cache_halves_the_bytes_a_block_and_verifies_within_its_roundi
 
 
 def test_each_layer_takes_scales_calibrated_from_its_key_and_value_projections(fp8_cache_llama):
-    from autodeploy.models.calibration import input_statistics, calibration_windows
-    from autodeploy.models.load_weights import kv_cache_scales
+    from autodeploy.models.calibration import calibration_windows, input_statistics, kv_cache_scales
     from tests.tiny_models import tiny_hf_model
 
     # The tiny model's keys and values are small: every scale stays 1 (no kwargs on the nodes).
@@ -78,10 +77,10 @@ def test_kv_cache_bad_inputs_are_config_errors(tiny_checkpoint, monkeypatch):
 
 def test_layers_with_scales_serve_and_verify_with_them(tiny_checkpoint, tmp_path, monkeypatch):
     # A headroom a million times the calibrated range forces scales past 1 on the tiny model's small values.
-    from autodeploy.models import load_weights
+    from autodeploy.models import calibration
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(load_weights, "_KV_HEADROOM", 1e6)
+    monkeypatch.setattr(calibration, "_KV_HEADROOM", 1e6)
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=FP8_CACHE)
     scales = [(n.kwargs["k_scale"], n.kwargs["v_scale"]) for n in llm.graph.graph.nodes if "cached_attention" in str(n.target)]
     assert len(scales) == 2 and len(set(scales)) == 2 and all(s > 1 for pair in scales for s in pair)
