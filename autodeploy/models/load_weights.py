@@ -218,6 +218,8 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
     layers: dict[str, dict[str, str]] = {}  # a pre-quantized layer's graph weight name → its tensors' keys by leaf
     unexpected = []
     for key in tqdm(sorted(reader.keys()), desc="loading weights", unit="tensor", leave=False, mininterval=2.0, disable=None):
+        if prequantized is not None and key.rpartition(".")[2] in ("k_scale", "v_scale"):
+            continue  # KV cache scales: checkpoint_kv_cache_scales reads them
         layer = _prequantized_layer(key, mapper, known, quantized) if prequantized is not None else None
         if layer is not None:
             layers.setdefault(layer[0], {})[layer[1]] = key
@@ -300,6 +302,23 @@ def restore_buffers(gm: fx.GraphModule, factory: ModelFactory, device: torch.dev
         raise CheckpointError(f"graph tensors {on_meta[:4]} have no values after loading (no checkpoint entry, no buffer)")
 
 
+def checkpoint_kv_cache_scales(reader: CheckpointReader | StateDictReader) -> dict[str, tuple[float, float]]:
+    """A pre-quantized checkpoint's own fp8 KV cache scales, per attention module: compressed-tensors stores
+    them as ``…self_attn.k_scale`` / ``v_scale``, ModelOpt as ``…self_attn.k_proj.k_scale`` / ``v_proj.v_scale``
+    (a stored value times its scale is the value, as in our caches). Layers without them keep scale 1."""
+    found: dict[str, dict[str, float]] = {}
+    for key in reader.keys():
+        owner, _, leaf = key.rpartition(".")
+        if leaf not in ("k_scale", "v_scale"):
+            continue
+        attention = owner.removesuffix(".k_proj").removesuffix(".v_proj")
+        value = reader.read(key).to(torch.float32)
+        if value.numel() != 1 or not bool(value.isfinite().all()) or float(value) <= 0:
+            raise CheckpointError(f"checkpoint tensor {key!r} is not one positive KV cache scale (shape {tuple(value.shape)})")
+        found.setdefault(attention, {})[leaf] = float(value)
+    return {path: (scales.get("k_scale", 1.0), scales.get("v_scale", 1.0)) for path, scales in found.items()}
+
+
 @dataclass
 class LoadWeightsConfig(TransformConfig):
     stage: str = "load_weights"
@@ -334,6 +353,8 @@ class LoadWeights(Transform):
             statistics = calibrate(factory, settings, calibrated, hessians, key_values)
             if key_values:
                 context.kv_cache_scales = kv_cache_scales(statistics, key_values)
+        if prequantized is not None and settings.quantize.kv_cache == "fp8":
+            context.kv_cache_scales = checkpoint_kv_cache_scales(factory.checkpoint_reader())
         if settings.weights == "random":
             count = initialize_randomly(gm, factory, groups, settings.seed, quantized)
             notes = f"{count} random tensors"

@@ -272,7 +272,7 @@ def _compressed_tensors(config: dict) -> PrequantizedCheckpoint:
         rules.append((lambda path, module, targets=list(scheme.targets): module is not None and is_match(path, module, targets, ignore),
                       ours))
     if parsed.kv_cache_scheme is not None:
-        notes.append("its KV cache scheme and scales are not read: the KV cache follows quantize.kv_cache")
+        notes.append("its KV cache scheme applies only with quantize.kv_cache: fp8 (which then takes its k_scale / v_scale)")
     layouts = {"fp8": "float8", "int8_wo": "int8", "int4_wo": "packed_int4", "smoothquant": "int8_w8a8"}
     return PrequantizedCheckpoint(f"compressed-tensors ({parsed.format})", layouts, rules, notes)
 
@@ -364,8 +364,8 @@ def _modelopt(config: dict) -> PrequantizedCheckpoint:
     excluded = [str(glob) for glob in config.get("exclude_modules") or []]
     notes = []
     if config.get("kv_cache_quant_algo"):
-        notes.append(f"kv_cache_quant_algo {config['kv_cache_quant_algo']} and its scales are not read: the KV cache follows "
-                     f"quantize.kv_cache")
+        notes.append(f"kv_cache_quant_algo {config['kv_cache_quant_algo']} applies only with quantize.kv_cache: fp8 (which "
+                     f"then takes its k_scale / v_scale)")
 
     def matches(path: str, module: nn.Module | None) -> bool:
         return isinstance(module, nn.Linear) and not any(fnmatch.fnmatchcase(path, glob) for glob in excluded)

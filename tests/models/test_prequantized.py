@@ -182,6 +182,25 @@ def test_a_w8a8_checkpoint_serves_int8_activations_over_its_int8_weights(float_l
         assert 0 < relative < 5e-2
 
 
+def test_a_checkpoints_kv_cache_scales_serve_an_fp8_cache(float_llama, tmp_path):
+    config = {**ct_config(FP8, FP8_TOKEN, "float-quantized"),
+              "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}}
+    directory = write_prequantized(float_llama, tmp_path / "kv", QuantScheme("fp8"), compressed_tensors_layer("fp8"), config)
+    tensors = load_file(directory / "model.safetensors")
+    for layer, (k_scale, v_scale) in enumerate([(2.0, 0.5), (4.0, 0.25)]):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v_scale])
+    save_file(tensors, directory / "model.safetensors")
+    served = autodeploy(str(directory), device="cpu", quantize={"kv_cache": "fp8"})
+    scales = [(n.kwargs["k_scale"], n.kwargs["v_scale"]) for n in served.graph.graph.nodes if "cached_attention" in str(n.target)]
+    assert scales == [(2.0, 0.5), (4.0, 0.25)]
+    assert served.verification.relative_error <= served.verification.tolerance
+    plain = autodeploy(str(directory), device="cpu")  # without quantize.kv_cache the scheme is noted, not applied
+    assert all("k_scale" not in n.kwargs for n in plain.graph.graph.nodes)
+    notes = next(r for r in plain.records if r.name == "quantize_linear").details
+    assert any("KV cache scheme applies only with quantize.kv_cache: fp8" in line for line in notes)
+
+
 def test_fp8_weights_with_unquantized_activations_are_served_per_token_with_a_warning(float_llama, tmp_path, caplog):
     directory = write_prequantized(float_llama, tmp_path / "w8a16", QuantScheme("fp8"), compressed_tensors_layer("fp8"),
                                    ct_config(FP8, None, "float-quantized"))
