@@ -28,12 +28,13 @@ from typing import List, Optional
 import torch
 
 from .attention import attend, check_alibi_slopes
+from .compute_dtype import compute_dtype
 from .registry import register_backend, register_op
 
 
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
-FP8_CACHE_MAX = 448.0  # float8_e4m3fn's largest finite value: a cache stores values saturated to it, scale 1
+FP8_CACHE_MAX = 448.0  # float8_e4m3fn's largest finite value: a cache stores values (over its scale) saturated to it
 
 
 def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -45,7 +46,9 @@ def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def read_back(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """Cached values in ``dtype``: what ``write_kv_cache`` stored, times the layer's ``scale``."""
-    return stored.to(dtype) if scale == 1.0 else (stored.to(torch.float32) * scale).to(dtype)
+    if scale == 1.0:
+        return stored.to(dtype)
+    return (stored.to(torch.promote_types(dtype, torch.float32)) * scale).to(dtype)
 
 
 def write_kv_cache(
@@ -100,7 +103,8 @@ def cached_attention_reference(
     for s, kv_len in enumerate(kv_lens.tolist()):
         first, last = starts[s], starts[s + 1]
         keys, values = gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len)
-        keys, values = read_back(keys, torch.float32, k_scale)[None], read_back(values, torch.float32, v_scale)[None]
+        dtype = compute_dtype(q.dtype)  # float64 caches stay float64: the oracle loses no precision
+        keys, values = read_back(keys, dtype, k_scale)[None], read_back(values, dtype, v_scale)[None]
         key_positions = torch.arange(kv_len, device=q.device)
         query_positions = key_positions[kv_len - (last - first) :]
         out[:, first:last] = attend(

@@ -102,11 +102,11 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
     def hook(name):
         def record(module, args):
             x = args[0].detach().to(torch.float32).reshape(-1, args[0].shape[-1])
-            entry = sums.setdefault(name, {"mean_abs": torch.zeros(x.shape[1]), "mean_square": torch.zeros(x.shape[1]),
-                                           "max_abs": torch.zeros(x.shape[1])})
-            entry["mean_abs"] += x.abs().sum(0).cpu()
-            entry["mean_square"] += x.square().sum(0).cpu()
-            entry["max_abs"] = torch.maximum(entry["max_abs"], x.abs().amax(0).cpu())
+            # Sums stay on the model's device (no host sync a call); Hessians, K × K each, on the host.
+            entry = sums.setdefault(name, {key: x.new_zeros(x.shape[1]) for key in ("mean_abs", "mean_square", "max_abs")})
+            entry["mean_abs"] += x.abs().sum(0)
+            entry["mean_square"] += x.square().sum(0)
+            entry["max_abs"] = torch.maximum(entry["max_abs"], x.abs().amax(0))
             if name in hessian_modules:
                 entry["hessian"] = entry.get("hessian", 0) + (x.T.double() @ x.double()).cpu()
             counts[name] = counts.get(name, 0) + x.shape[0]
@@ -115,7 +115,7 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
     def output_hook(name):
         def record(module, args, output):
             entry = sums.setdefault(name, {})
-            largest = output.detach().abs().amax().to(torch.float32).cpu().reshape(1)
+            largest = output.detach().abs().amax().to(torch.float32).reshape(1)
             entry["output_max_abs"] = torch.maximum(entry.get("output_max_abs", largest), largest)
         return record
 
@@ -134,7 +134,7 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
     if missing:
         raise ConfigError(f"calibration: modules {missing[:3]} never ran on the calibration text; they cannot be "
                           f"calibrated: name another scheme for them under quantize.layers")
-    return {name: {k: (v if k in ("max_abs", "output_max_abs") else v / counts[name]).to(torch.float32)
+    return {name: {k: (v if k in ("max_abs", "output_max_abs") else v / counts[name]).to(torch.float32).cpu()
                    for k, v in entry.items()} for name, entry in sums.items()}
 
 
