@@ -37,9 +37,6 @@ from autodeploy.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _GRAPH_PREFIX = "model."  # the exported graph holds the HF model as attribute ``model``
-# Files of a checkpoint folder besides config and weights that a served model reads.
-_COPIED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
-           "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
 def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path] = (), set_arguments: Iterable[str] = (),
@@ -92,9 +89,11 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
     hf_config = factory.hf_config.to_dict()
     hf_config["quantization_config"] = _quantization_config(groups)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    for name in _COPIED:
-        if (factory.source.directory / name).is_file():
-            shutil.copy2(factory.source.directory / name, out / name)
+    tokenizer = factory.load_tokenizer(settings.tokenizer)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    if (factory.source.directory / "generation_config.json").is_file():
+        shutil.copy2(factory.source.directory / "generation_config.json", out / "generation_config.json")
     logger.info("wrote %s: %d quantized layers (%s)", out, len(records),
                 ", ".join(f"{len(paths)} {key[0]}" for key, paths in groups.items()))
     return out
