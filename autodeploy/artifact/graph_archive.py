@@ -21,6 +21,7 @@ loading puts the dispatch back on that node, and each node's recorded choice (ke
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import operator
@@ -30,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx, nn
@@ -160,39 +162,58 @@ def export_served_graph(
     return SavedGraph(buffer.getvalue(), tensors, dispatches, kernels)
 
 
+def _remembering(module: types.ModuleType, name: str, key) -> types.ModuleType:
+    """A copy of ``module`` whose function ``name`` remembers its answers by ``key(*args, **kwargs)`` (``None``:
+    asks the function)."""
+    original, answers = getattr(module, name), {}
+
+    def remembered(*args, **kwargs):
+        found = key(*args, **kwargs)
+        if found is None:
+            return original(*args, **kwargs)
+        if found not in answers:
+            answers[found] = original(*args, **kwargs)
+        return answers[found]
+
+    copy = types.ModuleType(module.__name__)
+    copy.__dict__.update(vars(module))
+    setattr(copy, name, remembered)
+    return copy
+
+
 @contextlib.contextmanager
-def _type_hints_remembered():
-    """While it runs, torch's deserializer sees a ``typing`` whose ``get_type_hints`` remembers its answers.
-    It asks again for every object it builds (16,695 times for a 32-layer graph: 30% of the load, 1.2 s on
-    a CPU core), always about the same few schema classes, which do not change meanwhile."""
+def _deserializer_shortcuts():
+    """While it runs, torch's deserializer sees a ``typing.get_type_hints``, a ``dataclasses.fields`` and a
+    ``sympy.sympify`` that remember their answers. It asks the first two again for every object it builds
+    (16,695 and 26,459 times for a 32-layer graph), always about the same few schema classes, and parses
+    the same few shape expressions (``s0``, ``4096*s0``) again for every tensor: with all three remembered
+    a small 32-layer Llama's graph loads in 0.93 s on a CPU core, against 1.43 s without (type hints alone
+    had saved 30%). An expression's parse depends only on its text within one load: its symbols are the
+    ones the deserializer recorded when it first met them, and it records each once."""
     from torch._export.serde import serialize
 
-    if getattr(serialize, "typing", None) is not typing:  # another torch: leave it as it is
-        yield
+    modules = {"typing": typing, "sympy": sympy, "dataclasses": dataclasses}
+    if any(getattr(serialize, name, None) is not module for name, module in modules.items()):
+        yield  # another torch: leave it as it is
         return
-    answers: dict[tuple, dict] = {}
-
-    def get_type_hints(obj, globalns=None, localns=None, include_extras=False):
-        key = (obj, id(globalns), id(localns), include_extras)
-        if key not in answers:
-            answers[key] = typing.get_type_hints(obj, globalns, localns, include_extras)
-        return answers[key]
-
-    remembering = types.ModuleType("typing")
-    remembering.__dict__.update(vars(typing))
-    remembering.get_type_hints = get_type_hints
-    serialize.typing = remembering
+    serialize.typing = _remembering(
+        typing, "get_type_hints",
+        lambda obj, globalns=None, localns=None, include_extras=False: (obj, id(globalns), id(localns), include_extras))
+    serialize.sympy = _remembering(
+        sympy, "sympify", lambda a, *args, **kwargs: a if isinstance(a, str) and not args else None)
+    serialize.dataclasses = _remembering(dataclasses, "fields", lambda a: a if isinstance(a, type) else None)
     try:
         yield
     finally:
-        serialize.typing = typing
+        for name, module in modules.items():
+            setattr(serialize, name, module)
 
 
 def load_program(archive: bytes, name: str) -> torch.export.ExportedProgram:
     """The program in an archive ``export_served_graph`` wrote, once ``archive_safety`` has passed it."""
     check_graph_archive(archive, name)
     try:
-        with _type_hints_remembered():
+        with _deserializer_shortcuts():
             return torch.export.load(io.BytesIO(archive))
     except Exception as error:  # the loader's errors are of many types; each means this archive cannot serve
         raise CheckpointError(f"{name} could not be loaded as a torch.export program: {type(error).__name__}: "
