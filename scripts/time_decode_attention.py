@@ -64,7 +64,7 @@ def main() -> None:
         results = []
         for config in configs if DEVICE == "cuda" else configs[:1]:
             for splits in (None, 1, 2, 4) if DEVICE == "cuda" else (None,):
-                paged_attention._decode_config = lambda dim_pad, c=config: c
+                paged_attention._decode_config = lambda dim_pad, one_wave=False, c=config: c
                 run = lambda: attend_over_cache(q[0], k_cache, v_cache, seq_start, kv_lens, tables, info, 128**-0.5,  # noqa: E731
                                                 num_decode_splits=splits)
                 got = run()

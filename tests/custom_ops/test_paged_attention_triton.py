@@ -133,6 +133,19 @@ def test_decode_batch(num_decode_splits):
     assert_matches_reference(paged_batch(decodes=[1, 8, 17, 200]), num_decode_splits=num_decode_splits)
 
 
+def test_a_batch_that_fits_in_one_wave_walks_its_keys_in_128_key_tiles(monkeypatch):
+    # With every (sequence, kv head) one resident program, the decode kernel steps 128 keys at a time; a
+    # sequence of 200 keys ends inside its second tile, one of 1 inside its first.
+    from autodeploy.custom_ops.triton import paged_attention
+
+    chosen = []
+    config = paged_attention._decode_config
+    monkeypatch.setattr(paged_attention, "_decode_config", lambda *a: chosen.append(config(*a)) or chosen[-1])
+    monkeypatch.setattr(paged_attention, "_multiprocessors", lambda device: 64)  # the card holds 128 programs
+    assert_matches_reference(paged_batch([(3, 12)], [1, 130, 200], q_heads=4, kv_heads=2), num_decode_splits=None)
+    assert chosen == [(128, 4, 2)]
+
+
 def test_short_sequences_take_fewer_splits_than_the_grid(monkeypatch):
     # The grid is sized for the longest sequence; the others spread only over what fills the card (one split
     # in the interpreter) and write their output themselves, while the longest cuts its keys at the most a
