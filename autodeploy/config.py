@@ -123,7 +123,8 @@ class QuantizeSettings:
     ``fp8_activations``), ``smoothquant`` (W8A8: int8 weights and
     activations, ``smoothquant_alpha`` of the activations' range moved into the weights, from ``calibration``),
     ``none`` (the model's dtype). MoE experts follow ``experts`` alone (``int8_wo``, ``int4_wo`` or ``none``),
-    whatever the dense layers take. ``kv_cache: fp8`` stores the paged KV cache in float8_e4m3fn (the cache
+    whatever the dense layers take. ``embedding: int8`` stores the token embedding table in int8 with a scale
+    per row (when nothing else reads it: not a table tied to the LM head). ``kv_cache: fp8`` stores the paged KV cache in float8_e4m3fn (the cache
     stage reads it)."""
 
     default: str = "none"
@@ -133,6 +134,7 @@ class QuantizeSettings:
     fp8_activations: str = "dynamic"
     smoothquant_alpha: float = 0.5
     experts: str = "none"
+    embedding: str = "none"
     kv_cache: str = "none"
     calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
 

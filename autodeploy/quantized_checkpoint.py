@@ -64,6 +64,9 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
     if settings.quantize.experts != "none":
         raise ConfigError("quantized MoE experts are not written to compressed-tensors yet; set quantize.experts: none "
                           "(the dense layers are written as their schemes say)")
+    if settings.quantize.embedding != "none":
+        raise ConfigError("an int8 embedding table has no compressed-tensors form (the format quantizes linear layers); "
+                          "set quantize.embedding: none here, and quantize.embedding: int8 when deploying the written checkpoint")
     smoothed = sorted(schemes & {"int4_awq", "smoothquant"})
     if smoothed:
         raise ConfigError(f"{' and '.join(smoothed)} keep a per-input smoothing that compressed-tensors has no field for; "

@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     linear,
     mlp,
     moe,
+    quantized_embedding,
     quantized_linear,
     quantized_moe,
     rms_norm,

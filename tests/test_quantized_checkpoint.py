@@ -87,6 +87,7 @@ def test_static_fp8_scales_travel_as_input_scale(tiny_checkpoint, tmp_path, monk
     ({"quantize": {"default": "smoothquant"}}, "smoothquant keep a per-input smoothing"),
     ({"quantize": {"default": "none"}}, "quantize no layer"),
     ({"weights": "random", "quantize": {"default": "int8_wo"}}, "weights=random has none to write"),
+    ({"quantize": {"default": "int8_wo", "embedding": "int8"}}, "an int8 embedding table has no compressed-tensors form"),
 ])
 def test_what_cannot_be_written_is_a_config_error(settings, message, tiny_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match=message):

@@ -25,6 +25,9 @@ checkpoint weight each is computed from, so ``load_weights`` quantizes every wei
 (no float copy of the model is ever whole). A weight read by any other node (tied to the embedding)
 stays in the model's dtype, as do MoE routers. MoE experts take ``quantize.experts`` (``int8_wo`` or
 ``int4_wo``, expert by expert: ``custom_ops/quantized_moe.py``), apart from the dense layers' rules.
+``quantize.embedding: int8`` stores the token embedding table as ``int8_wo`` stores a weight (a scale per
+row) and looks rows up with ``embedding_int8`` (``custom_ops/quantized_embedding.py``), when nothing else
+reads the table (an LM head tied to it keeps both in the model's dtype).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ LINEAR = torch.ops.autodeploy.linear.default
 GATED_MLP = torch.ops.autodeploy.gated_mlp.default
 MLP = torch.ops.autodeploy.mlp.default
 MOE = torch.ops.autodeploy.moe.default
+EMBEDDING = torch.ops.aten.embedding.default
+EMBEDDING_INT8 = torch.ops.autodeploy.embedding_int8.default
+EMBEDDING_SCHEMES = ("int8",)
 NONE = "none"
 STATE_KEY = "quantized_weights"
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
@@ -80,14 +86,25 @@ class QuantizeLinearConfig(TransformConfig):
     stage: str = "quantize"
 
 
-def parse_experts(settings) -> QuantScheme | None:
-    """The scheme of MoE experts' weights (``quantize.experts``), or None."""
-    name = settings.experts
+def _option(settings, key: str, allowed: tuple[str, ...], what_takes: str) -> str | None:
+    """``quantize.<key>`` when it is one of ``allowed``, None for ``none``, else a ``ConfigError``."""
+    name = getattr(settings, key)
     if name == NONE:
         return None
-    if name not in EXPERT_SCHEMES:
-        raise ConfigError(f"quantize.experts: MoE experts take {', '.join(EXPERT_SCHEMES)} or none; got {name!r}")
-    return QuantScheme(name, group_size=int(settings.int4_group_size))
+    if name not in allowed:
+        raise ConfigError(f"quantize.{key}: {what_takes} {', '.join(allowed)} or none; got {name!r}")
+    return name
+
+
+def parse_experts(settings) -> QuantScheme | None:
+    """The scheme of MoE experts' weights (``quantize.experts``), or None."""
+    name = _option(settings, "experts", EXPERT_SCHEMES, "MoE experts take")
+    return None if name is None else QuantScheme(name, group_size=int(settings.int4_group_size))
+
+
+def parse_embedding(settings) -> QuantScheme | None:
+    """How the token embedding table is stored (``quantize.embedding``): ``int8`` is ``int8_wo``'s layout."""
+    return None if _option(settings, "embedding", EMBEDDING_SCHEMES, "the embedding table takes") is None else QuantScheme("int8_wo")
 
 
 def parse_plan(settings) -> tuple[QuantScheme | None, list[tuple[str, QuantScheme | None]]]:
@@ -189,6 +206,12 @@ class _Rewriter:
         """A node of ``scheme``'s op over new (meta) parameters in place of ``weight_node``'s."""
         return self.graph.call_function(scheme.op, (x, *self.quantized_storage(weight_node, scheme), bias))
 
+    def quantized_embedding(self, node: fx.Node, scheme: QuantScheme) -> fx.Node:
+        """An ``aten.embedding`` node's ``embedding_int8`` counterpart over the table's int8 rows and scales."""
+        weight, input_ids = node.args[:2]
+        dtype = self.gm.get_parameter(weight.target).dtype
+        return self.graph.call_function(EMBEDDING_INT8, (input_ids, *self.quantized_storage(weight, scheme), dtype))
+
     def quantized_experts(self, node: fx.Node, scheme: QuantScheme) -> fx.Node:
         """A ``moe`` node's quantized counterpart (``custom_ops/quantized_moe.py``), both expert weights in ``scheme``."""
         x, router_logits, gate_up, down, *options = node.args
@@ -249,6 +272,7 @@ class QuantizeLinear(Transform):
     def validate(self, context: TransformContext) -> None:
         default, rules = parse_plan(context.settings.quantize)
         parse_experts(context.settings.quantize)
+        parse_embedding(context.settings.quantize)
         found = _checkpoint_quantization(context)
         if found is not None:
             rules = [(None, scheme) for _, scheme in found.rules]
@@ -274,16 +298,24 @@ class QuantizeLinear(Transform):
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         default, rules = parse_plan(context.settings.quantize)
         experts = parse_experts(context.settings.quantize)
+        embedding = parse_embedding(context.settings.quantize)
         found = _checkpoint_quantization(context)
-        if found is None and experts is None and default is None and all(scheme is None for _, scheme in rules):
+        if (found is None and experts is None and embedding is None and default is None
+                and all(scheme is None for _, scheme in rules)):
             return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")
         planner = _Planner(default, rules) if found is None else _CheckpointPlanner(found, context.model_factory.meta_model)
         rewriter = _Rewriter(module)
-        kept, split = [], 0
+        kept, split, tables = [], 0, []
         existing = set(module.graph.nodes)
         for node in list(module.graph.nodes):
             if node.op == "call_function" and node.target is MOE and experts is not None:
                 self._quantize_experts(module, rewriter, node, experts, kept)
+                continue
+            if node.op == "call_function" and node.target is EMBEDDING and embedding is not None:
+                if self._quantize_embedding(rewriter, node, embedding):
+                    tables.append(module_path(rewriter.records[-1].source))
+                else:
+                    kept.append(node.name)
                 continue
             if node.op != "call_function" or node.target not in (LINEAR, GATED_MLP, MLP):
                 continue
@@ -323,7 +355,7 @@ class QuantizeLinear(Transform):
         context.state[STATE_KEY] = {r.source: r for r in rewriter.records}
         counts: dict[str, int] = {}
         for record in rewriter.records:
-            if len(record.shape) == 2:
+            if len(record.shape) == 2 and module_path(record.source) not in tables:
                 counts[record.scheme.name] = counts.get(record.scheme.name, 0) + 1
         expert_layers = sorted({r.path for r in rewriter.records if len(r.shape) == 3})
         details = [f"{r.path}: {r.scheme.name}" for r in rewriter.records]
@@ -332,12 +364,27 @@ class QuantizeLinear(Transform):
                            f"MoE router): {', '.join(kept)}")
         source = f" as the checkpoint's {found.method} quantization gives them" if found is not None else ""
         experts_note = f"{len(expert_layers)} MoE layers' experts {experts.name}" if expert_layers else ""
+        tables_note = f"embedding table{'s' if len(tables) > 1 else ''} int8" if tables else ""
         return TransformResult(
             matches=len(rewriter.records), changed=bool(rewriter.records),
-            notes=", ".join([*(f"{n} {scheme}" for scheme, n in sorted(counts.items())), *filter(None, [experts_note])]) + source
+            notes=", ".join([*(f"{n} {scheme}" for scheme, n in sorted(counts.items())), *filter(None, [experts_note, tables_note])]) + source
             + (f"; {split} MLPs split" if split else ""),
             details=details + [f"served differently from the checkpoint: {note}" for note in (found.notes if found else [])],
         )
+
+    @staticmethod
+    def _quantize_embedding(rewriter: _Rewriter, node: fx.Node, scheme: QuantScheme) -> bool:
+        """Rewrite one embedding lookup over its own table (False: the table is shared, e.g. tied to the LM head)."""
+        weight = node.args[0]
+        if rewriter.own_weight(weight) is None:
+            return False
+        with rewriter.graph.inserting_before(node):
+            out = rewriter.quantized_embedding(node, scheme)
+        _copy_meta(out, node)
+        node.replace_all_uses_with(out)
+        rewriter.graph.erase_node(node)
+        rewriter.graph.erase_node(weight)
+        return True
 
     @staticmethod
     def _quantize_experts(module: GraphModule, rewriter: _Rewriter, node: fx.Node, scheme: QuantScheme, kept: list) -> None:

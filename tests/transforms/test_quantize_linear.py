@@ -126,6 +126,37 @@ def test_moe_experts_quantize_apart_from_the_dense_layers_and_generate_what_hf_g
         autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", quantize={"experts": "fp8"})
 
 
+def test_an_int8_embedding_table_generates_what_hf_generates_over_the_same_rows_and_reloads(tiny_checkpoint, tmp_path):
+    llm = autodeploy(str(tiny_checkpoint("qwen2")), device="cpu", quantize={"embedding": "int8", "default": "int8_wo"})
+    lookups = [str(n.target) for n in llm.graph.graph.nodes if "embedding" in str(n.target)]
+    assert lookups == ["autodeploy.embedding_int8.default"]
+    assert llm.graph.get_parameter("model.model.embed_tokens.qweight").dtype == torch.int8
+    assert next(r for r in llm.records if r.name == "quantize_linear").notes == "15 int8_wo, embedding table int8; 2 MLPs split"
+    scheme = QuantScheme("int8_wo")
+    hf = quantize_hf_weights(tiny_hf_model("qwen2"), scheme)
+    table = hf.get_input_embeddings().weight
+    with torch.no_grad():
+        table.copy_(dequantize_weight(scheme, quantize_weight(scheme, table)))
+    prompts = random_prompts(4, seed=7)
+    for prompt, output in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))):
+        assert output.token_ids == hf_greedy(hf, prompt, 8)
+    assert llm.verification.relative_error <= 1e-4
+    reloaded = autodeploy(str(llm.save(tmp_path / "int8-embedding")))
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.logits(prompts), llm.logits(prompts)))
+
+
+def test_an_embedding_table_tied_to_the_lm_head_stays_in_the_models_dtype(tiny_checkpoint):
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"embedding": "int8"})
+    assert [str(n.target) for n in llm.graph.graph.nodes if "embedding" in str(n.target)] == ["aten.embedding.default"]
+    record = next(r for r in llm.records if r.name == "quantize_linear")
+    assert "kept in the model's dtype" in record.details[-1] and "embedding" in record.details[-1]
+
+
+def test_an_unknown_embedding_scheme_is_a_config_error(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="quantize.embedding: the embedding table takes int8 or none; got 'int4_wo'"):
+        autodeploy(str(tiny_checkpoint("qwen2")), device="cpu", quantize={"embedding": "int4_wo"})
+
+
 def test_a_quantized_deployment_saves_and_reloads_with_identical_logits(tiny_checkpoint, tmp_path):
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "int4_wo", "int4_group_size": 32,
                                                                              "layers": {"*.self_attn.*": "fp8"}})
