@@ -12,6 +12,16 @@ deleted, so no second copy is kept; the peak is one group's weights more). Weigh
 (tied embeddings) are left alone. The graph then holds, per layer, ``linear(x, <...>.q_proj_k_proj_v_proj.weight)``;
 the ``select`` stage and the autotuner treat it like any linear.
 
+Quantized projections of one scheme fuse alike, where every tensor the op takes after ``x`` holds a row per
+output feature: ``int8_wo_linear`` (int8 rows, a scale each), ``int4_wo_linear`` (packed rows, their group
+scales and zero points; one group size) and ``fp8_linear`` with a scale per channel. Each of those tensors
+is concatenated along its rows, so every output feature is computed exactly as before. Under quantization
+the gate and up projections are separate nodes over one input, so they fuse here too. Schemes that hold a
+tensor per input column (``int4_awq``'s and ``smoothquant``'s smoothing) or one scale per layer (static
+fp8, per-tensor fp8) stay apart. Where each projection's rows went is kept in
+``context.state[MOVED]`` (old target → new target, first row, rows): verification reads a quantized
+weight's stored tensors by the names the quantize stage gave them.
+
     # YAML: transforms: {fuse_gemms: {enabled: false}} keeps every projection separate
 """
 
@@ -33,6 +43,10 @@ from autodeploy.transforms.registry import Transform, TransformConfig, Transform
 logger = logging.getLogger(__name__)
 
 LINEAR = torch.ops.autodeploy.linear.default
+MOVED = "concatenated_parameters"
+# Ops whose every argument after x is a row-per-output-feature tensor (the bias last, or None).
+ROW_WISE = (LINEAR, torch.ops.autodeploy.int8_wo_linear.default, torch.ops.autodeploy.int4_wo_linear.default,
+            torch.ops.autodeploy.fp8_linear.default)
 
 
 @dataclass
@@ -45,36 +59,58 @@ def _own_parameter(node: fx.Node | None) -> bool:
     return node is not None and node.op == "get_attr" and len(node.users) == 1
 
 
+def _row_tensors(node: fx.Node, parameters: dict) -> list[torch.Tensor | None] | None:
+    """The tensors ``node`` takes after ``x`` (None for a missing bias), when each is a parameter of its own
+    with a row per output feature (the weight's rows); else None."""
+    tensors = []
+    for argument in node.args[1:]:
+        if argument is None:
+            tensors.append(None)
+            continue
+        if not _own_parameter(argument) or argument.target not in parameters:
+            return None
+        tensors.append(parameters[argument.target])
+    weight = tensors[0]
+    if weight is None or weight.dim() != 2 or any(t is not None and t.shape[0] != weight.shape[0] for t in tensors):
+        return None
+    return tensors
+
+
 def _groups(gm: GraphModule) -> list[list[fx.Node]]:
-    """Linears to fuse: same input, weight dtype and input size, biases on all or none, weights their own."""
+    """Projections to fuse: one op and input, the same dtypes and per-row shapes of every tensor (so the
+    same input size and, for int4, group size), biases on all or none, tensors their own."""
     by_input: dict[tuple, list[fx.Node]] = defaultdict(list)
     parameters = dict(gm.named_parameters(remove_duplicate=False))
-    for node in gm.graph.find_nodes(op="call_function", target=LINEAR):
-        x, weight, bias = node.args
-        if not _own_parameter(weight) or (bias is not None and not (_own_parameter(bias) and bias.target in parameters)):
-            continue
-        tensor = parameters.get(weight.target)
-        if tensor is None or tensor.dim() != 2:
-            continue
-        by_input[(x, tensor.dtype, tensor.shape[1], bias is None)].append(node)
+    for target in ROW_WISE:
+        for node in gm.graph.find_nodes(op="call_function", target=target):
+            tensors = _row_tensors(node, parameters)
+            if tensors is None:
+                continue
+            layout = tuple(None if t is None else (t.dtype, tuple(t.shape[1:])) for t in tensors)
+            by_input[(target, node.args[0], layout)].append(node)
     return [nodes for nodes in by_input.values() if len(nodes) > 1]
 
 
-def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> None:
+def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> dict[str, tuple[str, int, int]]:
+    """Fuse ``nodes``; returns where each concatenated tensor's rows went (old target → new, first row, rows)."""
     graph = gm.graph
     order = {node: index for index, node in enumerate(graph.nodes)}
     nodes = sorted(nodes, key=order.__getitem__)
-    x = nodes[0].args[0]
+    x, op = nodes[0].args[0], nodes[0].target
     sizes = [gm.get_parameter(n.args[1].target).shape[0] for n in nodes]
     values = [n.meta.get("val") for n in nodes]
-    weight_target, weight = concatenate_parameters(gm, [n.args[1].target for n in nodes])
-    bias_target = bias = None
-    if nodes[0].args[2] is not None:
-        bias_target, bias = concatenate_parameters(gm, [n.args[2].target for n in nodes])
+    moved = {}
+    for i in range(1, len(nodes[0].args)):
+        if nodes[0].args[i] is not None:
+            first = 0
+            for node, rows in zip(nodes, sizes):
+                moved[node.args[i].target] = (i, first, rows)
+                first += rows
+    concatenated = [None if nodes[0].args[i] is None else concatenate_parameters(gm, [n.args[i].target for n in nodes])
+                    for i in range(1, len(nodes[0].args))]
     with graph.inserting_before(nodes[0]):
-        weight_node = graph.get_attr(weight_target)
-        bias_node = graph.get_attr(bias_target) if bias_target else None
-        fused = graph.call_function(LINEAR, (x, weight_node, bias_node))
+        tensor_nodes = [None if c is None else graph.get_attr(c[0]) for c in concatenated]
+        fused = graph.call_function(op, (x, *tensor_nodes))
         parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (fused, sizes, -1))
         outputs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(nodes))]
     # Module stacks and the like (what verification names a diverging module by): each output keeps its
@@ -88,9 +124,9 @@ def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> None:
         with fake_mode:
             fused.meta["val"] = torch.cat(values, dim=-1)
             parts.meta["val"] = list(torch.split(fused.meta["val"], sizes, dim=-1))
-            weight_node.meta["val"] = fake_mode.from_tensor(weight)
-            if bias_node is not None:
-                bias_node.meta["val"] = fake_mode.from_tensor(bias)
+            for tensor_node, found in zip(tensor_nodes, concatenated):
+                if tensor_node is not None:
+                    tensor_node.meta["val"] = fake_mode.from_tensor(found[1])
         for output, value in zip(outputs, parts.meta["val"]):
             output.meta["val"] = value
     for node, output in zip(nodes, outputs):
@@ -99,6 +135,7 @@ def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> None:
         graph.erase_node(node)
         for parameter in old_parameters:
             graph.erase_node(parameter)
+    return {old: (concatenated[i - 1][0], first, rows) for old, (i, first, rows) in moved.items()}
 
 
 @register_transform("fuse_gemms")
@@ -107,15 +144,18 @@ class FuseGemms(Transform):
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         groups = _groups(module)
+        moved = context.state.setdefault(MOVED, {})
         for nodes in groups:
-            _fuse(module, nodes)
+            moved.update(_fuse(module, nodes))
         if groups:
             module.graph.lint()
             module.recompile()
         fused = sum(len(g) for g in groups)
         shapes = sorted({len(g) for g in groups})
+        ops = sorted({str(g[0].target).removeprefix("autodeploy.").removesuffix(".default") for g in groups})
         return TransformResult(
             matches=len(groups), changed=bool(groups),
             notes=f"{fused} linears → {len(groups)} GEMMs" if groups else "no linears share an input",
-            details=[f"groups of {', '.join(map(str, shapes))} linears over one input, weights concatenated"] if groups else [],
+            details=[f"groups of {', '.join(map(str, shapes))} projections over one input ({', '.join(ops)}), "
+                     f"their tensors concatenated"] if groups else [],
         )

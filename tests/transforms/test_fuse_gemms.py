@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx, nn
 
@@ -31,6 +32,26 @@ def test_qkv_projections_fuse_and_compute_the_same_logits(tiny_checkpoint):
         assert any(name.endswith("q_proj_k_proj_v_proj_weight") for name in names)
         assert sum(p.numel() for p in fused.graph.parameters()) == sum(p.numel() for p in separate.graph.parameters())
         assert "6 linears → 2 GEMMs" in fused.pipeline_report()
+
+
+@pytest.mark.parametrize("quantize", [{"default": "int8_wo"}, {"default": "int4_wo", "int4_group_size": 32},
+                                      {"default": "fp8"}], ids=["int8_wo", "int4_wo", "fp8 per channel"])
+def test_quantized_projections_over_one_input_fuse_row_by_row_and_compute_the_same_logits(tiny_checkpoint, quantize):
+    directory = str(tiny_checkpoint("qwen2"))  # q/k/v with biases; gate and up are separate nodes once quantized
+    fused = autodeploy(directory, device="cpu", quantize=quantize)
+    separate = autodeploy(directory, device="cpu", quantize=quantize, transforms={"fuse_gemms": {"enabled": False}})
+    sequences = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(fused.logits(sequences), separate.logits(sequences)))
+    assert linears(separate) - linears(fused) == 2 * (2 + 1)  # per layer: q, k, v → one; gate, up → one
+    assert "10 linears → 4 GEMMs" in fused.pipeline_report()
+    assert fused.verification.relative_error == separate.verification.relative_error  # read through the moved rows
+    assert sum(p.numel() for p in fused.graph.parameters()) == sum(p.numel() for p in separate.graph.parameters())
+
+
+def test_projections_with_one_scale_a_layer_stay_apart(tiny_checkpoint):
+    # Per-tensor fp8: each projection's one weight scale cannot become a row of a concatenation.
+    llm = autodeploy(str(tiny_checkpoint("qwen2")), device="cpu", quantize={"default": "fp8", "fp8_weight_scale": "tensor"})
+    assert "no linears share an input" in llm.pipeline_report()
 
 
 class _Three(nn.Module):

@@ -46,7 +46,7 @@ def test_weight_only_deploys_generate_what_hf_generates_over_the_same_quantized_
     llm = autodeploy(str(tiny_checkpoint(arch)), device="cpu", quantize={"default": scheme, "int4_group_size": 32})
     hf = tiny_hf_model(arch)
     untied_head = hf.lm_head.weight is not hf.get_input_embeddings().weight
-    assert quantized_ops(llm) == {scheme: 2 * 7 + untied_head}  # q, k, v, o, gate, up, down a layer
+    assert quantized_ops(llm) == {scheme: 2 * 4 + untied_head}  # q/k/v fused, o, gate/up fused, down a layer
     hf = quantize_hf_weights(hf, QuantScheme(scheme, group_size=32))
     prompts = random_prompts(6, seed=3)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -57,7 +57,7 @@ def test_weight_only_deploys_generate_what_hf_generates_over_the_same_quantized_
 
 def test_fp8_deploys_verify_against_a_reference_that_rounds_its_activations_too(tiny_checkpoint):
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "fp8"})
-    assert quantized_ops(llm) == {"fp8": 14}
+    assert quantized_ops(llm) == {"fp8": 8}  # per layer: q/k/v and gate/up fused (per-channel scales)
     assert "quantized activations: tolerance" in llm.verification.note
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 6
@@ -80,7 +80,7 @@ def test_a_mixed_config_applies_each_layers_scheme_as_inspect_shows(tiny_checkpo
 
 def test_a_checkpoint_and_random_weights_quantize_alike(tiny_checkpoint):
     built = autodeploy(str(tiny_checkpoint("mistral")), device="cpu", weights="random", quantize={"default": "int8_wo"})
-    assert quantized_ops(built) == {"int8_wo": 15}  # 7 a layer and the (untied) LM head
+    assert quantized_ops(built) == {"int8_wo": 9}  # 4 a layer (q/k/v and gate/up fused) and the (untied) LM head
     assert all(torch.isfinite(t).all() for t in built.logits([[3, 4, 5]]))
 
 
@@ -96,7 +96,7 @@ def test_quantizing_leaves_the_values_of_the_rest_of_the_graph_symbolic(tiny_che
 
 def test_moe_routers_and_experts_stay_unquantized_and_attention_is_quantized(tiny_checkpoint):
     llm = autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", quantize={"default": "int8_wo"})
-    assert quantized_ops(llm) == {"int8_wo": 9}  # q, k, v, o of two layers and the LM head
+    assert quantized_ops(llm) == {"int8_wo": 5}  # q/k/v fused and o of two layers, and the LM head
     report = llm.pipeline_report()
     assert "MoE router" in report and "block_sparse_moe" not in report.split("quantize_linear:")[1].split("kept")[0]
     assert any("moe" in str(node.target) for node in llm.graph.graph.nodes)
@@ -164,7 +164,7 @@ def test_a_quantized_deployment_saves_and_reloads_with_identical_logits(tiny_che
     sequences = [[3, 4, 5, 6], list(range(10, 40))]
     for want, got in zip(llm.logits(sequences), reloaded.logits(sequences)):
         assert torch.equal(want, got)
-    assert quantized_ops(reloaded) == quantized_ops(llm) == {"fp8": 8, "int4_wo": 6}
+    assert quantized_ops(reloaded) == quantized_ops(llm) == {"fp8": 4, "int4_wo": 4}  # q/k/v and gate/up fused
 
 
 def test_an_unknown_scheme_is_a_config_error_before_anything_is_built(tiny_checkpoint):
@@ -277,7 +277,7 @@ def test_awq_calibration_bad_inputs_are_config_errors(tiny_checkpoint, tmp_path)
 def test_a_gptq_deploy_serves_int4_wo_ops_holding_its_rounding(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**AWQ, "default": "int4_gptq"})
-    assert quantized_ops(llm) == {"int4_wo": 14}
+    assert quantized_ops(llm) == {"int4_wo": 8}  # gptq stores int4_wo's layout: q/k/v and gate/up fuse
     assert llm.verification.relative_error <= 1e-4
     assert "14 int4_gptq" in next(r.notes for r in llm.records if r.name == "quantize_linear")
 
