@@ -6,8 +6,8 @@ scheme's floor is its stored bytes over the memory bandwidth: half a bf16 weight
 dequantises in registers and keeps float32 sums:
 
 - int8 (:func:`_int8_gemv_kernel`): ``Σ_k q[n, k] · x[k]``, times the row's scale once at the end;
-- int4 (:func:`_int4_gemv_kernel`): a group of ``GROUP`` inputs (``GROUP / 2`` packed bytes) a step, the
-  low and high nibbles against the even and odd ``x``; a group adds
+- int4 (:func:`_int4_gemv_kernel`): ``GROUPS_PER_STEP`` groups of ``GROUP`` inputs (``GROUP / 2`` packed
+  bytes each) a step, the low and high nibbles against the even and odd ``x``; a group adds
   ``scale[n, g] · (Σ q · x − zero[n, g] · Σ x)``;
 - fp8 (:func:`_fp8_gemv_kernel`): the row's max |x| first (or the layer's static scale), then
   ``Σ_k w[n, k] · round_e4m3(x[k] / s_x)``, times ``s_x`` and the channel's (or tensor's) weight scale.
@@ -28,6 +28,7 @@ Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the test
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -38,8 +39,27 @@ from . import INTERPRETED
 from .launch import dependent_launch, wait_for_previous_kernel
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_BLOCK_N = 16  # weight rows a program: Llama-3-8B's 4,096-row projections give 256 programs a row of x
-_INT8_BLOCK_K = 512
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """How a dequantising GEMV is launched: weight rows a program (``block_n``: Llama-3-8B's 4,096-row
+    projections give 256 programs a row of x at 16), int8/fp8 input columns a step (``block_k``), int4
+    groups a step (``groups_per_step``), warps, and pipeline stages (None: Triton's default). Sizes are
+    powers of two.
+    ``scripts/sweep_quantized_gemv.py`` times others against the default on a GPU."""
+
+    block_n: int = 16
+    block_k: int = 512
+    groups_per_step: int = 1
+    num_warps: int = 4
+    num_stages: Optional[int] = None
+
+    def options(self) -> dict:
+        return {"num_warps": self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages})}
+
+
+DEFAULT_LAUNCH = GemvLaunch()
 
 
 @triton.jit
@@ -69,24 +89,32 @@ def _int8_gemv_kernel(
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_q, stride_s,
-    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1).to(tl.int64)
     col_ok = cols < N
     pairs = tl.arange(0, GROUP // 2)
-    q_rows = q_ptr + cols[:, None].to(tl.int64) * stride_q + pairs[None, :]
+    steps = tl.arange(0, GROUPS_PER_STEP)
+    num_groups = K // GROUP
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for group in range(0, K // GROUP):
-        x_even = tl.load(x_ptr + row * stride_xm + group * GROUP + 2 * pairs).to(tl.float32)
-        x_odd = tl.load(x_ptr + row * stride_xm + group * GROUP + 2 * pairs + 1).to(tl.float32)
-        packed = tl.load(q_rows + group * (GROUP // 2), mask=col_ok[:, None], other=0)
-        low, high = (packed & 0x0F).to(tl.float32), (packed >> 4).to(tl.float32)
-        products = tl.sum(low * x_even[None, :] + high * x_odd[None, :], axis=1)
-        zero = tl.load(zero_ptr + cols * stride_s + group, mask=col_ok, other=0).to(tl.float32)
-        scale = tl.load(scale_ptr + cols * stride_s + group, mask=col_ok, other=0.0)
-        acc += scale * (products - zero * tl.sum(x_even + x_odd, axis=0))
+    for first in range(0, num_groups, GROUPS_PER_STEP):
+        groups = first + steps  # [S]
+        group_ok = groups < num_groups
+        x_at = x_ptr + row * stride_xm + groups[:, None] * GROUP + 2 * pairs[None, :]  # [S, GROUP / 2]
+        x_even = tl.load(x_at, mask=group_ok[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_at + 1, mask=group_ok[:, None], other=0.0).to(tl.float32)
+        packed = tl.load(q_ptr + cols[:, None, None].to(tl.int64) * stride_q + groups[None, :, None] * (GROUP // 2)
+                         + pairs[None, None, :], mask=col_ok[:, None, None] & group_ok[None, :, None], other=0)
+        low, high = (packed & 0x0F).to(tl.float32), (packed >> 4).to(tl.float32)  # [BLOCK_N, S, GROUP / 2]
+        products = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK_N, S]
+        tiles = cols[:, None] * stride_s + groups[None, :]
+        tile_ok = col_ok[:, None] & group_ok[None, :]
+        zero = tl.load(zero_ptr + tiles, mask=tile_ok, other=0).to(tl.float32)
+        scale = tl.load(scale_ptr + tiles, mask=tile_ok, other=0.0)
+        acc += tl.sum(scale * (products - zero * tl.sum(x_even + x_odd, axis=1)[None, :]), axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -151,23 +179,28 @@ def _rows(x: torch.Tensor, name: str, bias: Optional[torch.Tensor], group_size: 
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def int8_wo_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _block_k(launch: GemvLaunch, in_features: int) -> int:
+    return min(launch.block_k, max(16, triton.next_power_of_2(in_features)))
+
+
+def int8_wo_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], *,
+                 launch: GemvLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """``int8_wo_linear`` (same arguments and result) with the dequantising GEMV kernel."""
     rows = _rows(x, "int8_wo_gemv", bias)
     (out_features, in_features), num_rows = qweight.shape, rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows and out_features:
-        _int8_gemv_kernel[(triton.cdiv(out_features, _BLOCK_N), num_rows)](
+        _int8_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
             rows, qweight, scale, bias if bias is not None else out, out, out_features, in_features, rows.stride(0),
-            qweight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=_BLOCK_N,
-            BLOCK_K=min(_INT8_BLOCK_K, max(16, triton.next_power_of_2(in_features))), num_warps=4,
-            **dependent_launch(x.device),
+            qweight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, BLOCK_K=_block_k(launch, in_features),
+            **launch.options(), **dependent_launch(x.device),
         )
     return out.view(*x.shape[:-1], out_features)
 
 
 def int4_wo_gemv(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: Optional[torch.Tensor]
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: Optional[torch.Tensor], *,
+    launch: GemvLaunch = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
     """``int4_wo_linear`` (same arguments and result) with the dequantising GEMV kernel."""
     out_features, in_features = qweight.shape[0], 2 * qweight.shape[1]
@@ -176,16 +209,16 @@ def int4_wo_gemv(
     num_rows = rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows and out_features:
-        _int4_gemv_kernel[(triton.cdiv(out_features, _BLOCK_N), num_rows)](
+        _int4_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
             rows, qweight, scale, zero, bias if bias is not None else out, out, out_features, in_features,
-            rows.stride(0), qweight.stride(0), scale.stride(0), GROUP=group_size, HAS_BIAS=bias is not None,
-            BLOCK_N=_BLOCK_N, num_warps=4, **dependent_launch(x.device),
+            rows.stride(0), qweight.stride(0), scale.stride(0), GROUP=group_size, GROUPS_PER_STEP=launch.groups_per_step,
+            HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, **launch.options(), **dependent_launch(x.device),
         )
     return out.view(*x.shape[:-1], out_features)
 
 
 def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-             input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+             input_scale: Optional[torch.Tensor] = None, *, launch: GemvLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """``fp8_linear`` (same arguments and result) as one GEMV: each program rounds its row of ``x`` to e4m3
     with the token's scale (as ``quantize_activations_fp8`` does) while it streams the fp8 weight rows, so
     a decode row costs one kernel instead of the activation quantization's half dozen plus the GEMM. With
@@ -194,11 +227,10 @@ def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: 
     (out_features, in_features), num_rows = qweight.shape, rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows and out_features:
-        _fp8_gemv_kernel[(triton.cdiv(out_features, _BLOCK_N), num_rows)](
+        _fp8_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
             rows, qweight, scale, input_scale if input_scale is not None else scale, bias if bias is not None else out, out,
             out_features, in_features, rows.stride(0), qweight.stride(0), 1 if scale.numel() > 1 else 0,
-            HAS_BIAS=bias is not None, STATIC_SCALE=input_scale is not None, BLOCK_N=_BLOCK_N,
-            BLOCK_K=min(_INT8_BLOCK_K, max(16, triton.next_power_of_2(in_features))), num_warps=4,
-            **dependent_launch(x.device),
+            HAS_BIAS=bias is not None, STATIC_SCALE=input_scale is not None, BLOCK_N=launch.block_n,
+            BLOCK_K=_block_k(launch, in_features), **launch.options(), **dependent_launch(x.device),
         )
     return out.view(*x.shape[:-1], out_features)

@@ -176,6 +176,28 @@ def test_the_fp8_gemv_kernel_matches_the_reference(dtype, rows, out_features, in
     assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("launch", [dict(block_n=8, groups_per_step=2), dict(block_n=32, groups_per_step=4, num_stages=2),
+                                    dict(block_n=16, block_k=32, num_warps=2)], ids=str)
+def test_the_gemv_kernels_compute_the_same_under_every_launch_the_sweep_tries(launch, interpreter_rounds_to_fp8_correctly):
+    # Four int4 groups a step over seven groups: the last step masks one; 32-column int8/fp8 steps over 224.
+    from autodeploy.custom_ops.triton.quantized_gemv import GemvLaunch, fp8_gemv, int4_wo_gemv, int8_wo_gemv
+
+    config = GemvLaunch(**launch)
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(40, 224, generator=gen)
+    x = (torch.randn(2, 224, generator=gen) + 0.5).to(DEVICE)
+    int4 = {k: v.to(DEVICE) for k, v in quantize_weight(QuantScheme("int4_wo", group_size=32), weight).items()}
+    int8 = {k: v.to(DEVICE) for k, v in quantize_weight(QuantScheme("int8_wo"), weight).items()}
+    fp8 = {k: v.to(DEVICE) for k, v in quantize_weight(QuantScheme("fp8"), weight).items()}
+    pairs = [(int4_wo_gemv(x, int4["qweight"], int4["scale"], int4["zero"], None, launch=config),
+              ops.int4_wo_linear(x, int4["qweight"], int4["scale"], int4["zero"], None)),
+             (int8_wo_gemv(x, int8["qweight"], int8["scale"], None, launch=config),
+              ops.int8_wo_linear(x, int8["qweight"], int8["scale"], None)),
+             (fp8_gemv(x, fp8["qweight"], fp8["scale"], None, launch=config), ops.fp8_linear(x, fp8["qweight"], fp8["scale"], None))]
+    for got, want in pairs:
+        assert (got.double() - want.double()).norm() / want.double().norm() <= 1e-5
+
+
 def test_the_triton_backends_serve_cuda_deploys_only_and_name_what_they_cannot_take():
     from autodeploy.custom_ops import candidates
 
