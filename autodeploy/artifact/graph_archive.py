@@ -192,20 +192,21 @@ def _deserializer_shortcuts():
     ones the deserializer recorded when it first met them, and it records each once."""
     from torch._export.serde import serialize
 
-    modules = {"typing": typing, "sympy": sympy, "dataclasses": dataclasses}
-    if any(getattr(serialize, name, None) is not module for name, module in modules.items()):
-        yield  # another torch: leave it as it is
-        return
-    serialize.typing = _remembering(
-        typing, "get_type_hints",
-        lambda obj, globalns=None, localns=None, include_extras=False: (obj, id(globalns), id(localns), include_extras))
-    serialize.sympy = _remembering(
-        sympy, "sympify", lambda a, *args, **kwargs: a if isinstance(a, str) and not args else None)
-    serialize.dataclasses = _remembering(dataclasses, "fields", lambda a: a if isinstance(a, type) else None)
+    shortcuts = {  # the module torch's deserializer imported → its remembering copy
+        "typing": (typing, lambda: _remembering(typing, "get_type_hints", lambda obj, globalns=None, localns=None,
+                                                include_extras=False: (obj, id(globalns), id(localns), include_extras))),
+        "sympy": (sympy, lambda: _remembering(sympy, "sympify",
+                                              lambda a, *args, **kwargs: a if isinstance(a, str) and not args else None)),
+        "dataclasses": (dataclasses, lambda: _remembering(dataclasses, "fields", lambda a: a if isinstance(a, type) else None)),
+    }
+    # Each only where this torch's deserializer uses the module we know (another torch keeps its own).
+    patched = {name: module for name, (module, _) in shortcuts.items() if getattr(serialize, name, None) is module}
+    for name in patched:
+        setattr(serialize, name, shortcuts[name][1]())
     try:
         yield
     finally:
-        for name, module in modules.items():
+        for name, module in patched.items():
             setattr(serialize, name, module)
 
 
