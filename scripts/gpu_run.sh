@@ -5,7 +5,8 @@
 # 1/32/256 against hf-eager and hf-compile in the same run), bench_alone (the same without baselines, AD_SET
 # applied), generate (scripts/bench_gpu_generate.py),
 # bench_quant (bench_alone once per scheme in $SCHEMES, default none fp8 int8_wo int4_wo), reload
-# (scripts/reload_timing.py: build, save, reload in fresh processes, with the reload's phases),
+# (scripts/reload_timing.py: build, save, reload in fresh processes, with the reload's phases), reload_phases
+# (scripts/time_reload_phases.py: the graph's load and the weights' read alone and together, 4 – 16 readers),
 # bench_eager (autodeploy bench with compile.backend=none, no baselines), tests (the files in $TESTS),
 # profile (scripts/profile_engine_step.py at $PROFILE_B, default 1,256), suite (the whole test suite on the GPU, 12 workers),
 # serve (1,024 requests, at most 256 in flight, 128 in / 128 out), prefill (scripts/profile_prefill.py),
@@ -33,6 +34,7 @@ for s in ${STEPS:-backends bench}; do case $s in
   bench_quant) for scheme in ${SCHEMES:-none fp8 int8_wo int4_wo}; do AUTODEPLOY_CONFIG= step bench_$scheme ${BENCH_S:-300} \
       python3 -m autodeploy bench $MODEL --set weights=random --set quantize.default=$scheme ${AD_SET:-} \
       --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress --out "$OUT/bench_$scheme.json"; done ;;
+  reload_phases) AUTODEPLOY_CONFIG= step reload_phases ${RELOAD_S:-300} python3 scripts/time_reload_phases.py $MODEL --set weights=random ${AD_SET:-} ;;
   reload) AUTODEPLOY_CONFIG= step reload ${RELOAD_S:-300} python3 scripts/reload_timing.py $MODEL --repeats 1 --set weights=random ${AD_SET:-} ;;
   bench_eager) AUTODEPLOY_CONFIG= step bench_eager ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random \
       --set compile.backend=none --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress \
