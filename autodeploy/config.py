@@ -124,7 +124,7 @@ class QuantizeSettings:
     activations, ``smoothquant_alpha`` of the activations' range moved into the weights, from ``calibration``),
     ``none`` (the model's dtype). MoE experts follow ``experts`` alone (``int8_wo``, ``int4_wo`` or ``none``),
     whatever the dense layers take. ``embedding: int8`` stores the token embedding table in int8 with a scale
-    per row (when nothing else reads it: not a table tied to the LM head). ``kv_cache: fp8`` stores the paged KV cache in float8_e4m3fn (the cache
+    per row (a table tied to the LM head: once for both, when the head is ``int8_wo``). ``kv_cache: fp8`` stores the paged KV cache in float8_e4m3fn (the cache
     stage reads it)."""
 
     default: str = "none"

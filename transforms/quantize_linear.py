@@ -26,8 +26,9 @@ checkpoint weight each is computed from, so ``load_weights`` quantizes every wei
 stays in the model's dtype, as do MoE routers. MoE experts take ``quantize.experts`` (``int8_wo`` or
 ``int4_wo``, expert by expert: ``custom_ops/quantized_moe.py``), apart from the dense layers' rules.
 ``quantize.embedding: int8`` stores the token embedding table as ``int8_wo`` stores a weight (a scale per
-row) and looks rows up with ``embedding_int8`` (``custom_ops/quantized_embedding.py``), when nothing else
-reads the table (an LM head tied to it keeps both in the model's dtype).
+row) and looks rows up with ``embedding_int8`` (``custom_ops/quantized_embedding.py``). A table tied to
+the LM head is stored once for both when the head's scheme is ``int8_wo`` (the same layout); under any
+other head scheme both stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -206,12 +207,6 @@ class _Rewriter:
         """A node of ``scheme``'s op over new (meta) parameters in place of ``weight_node``'s."""
         return self.graph.call_function(scheme.op, (x, *self.quantized_storage(weight_node, scheme), bias))
 
-    def quantized_embedding(self, node: fx.Node, scheme: QuantScheme) -> fx.Node:
-        """An ``aten.embedding`` node's ``embedding_int8`` counterpart over the table's int8 rows and scales."""
-        weight, input_ids = node.args[:2]
-        dtype = self.gm.get_parameter(weight.target).dtype
-        return self.graph.call_function(EMBEDDING_INT8, (input_ids, *self.quantized_storage(weight, scheme), dtype))
-
     def quantized_experts(self, node: fx.Node, scheme: QuantScheme) -> fx.Node:
         """A ``moe`` node's quantized counterpart (``custom_ops/quantized_moe.py``), both expert weights in ``scheme``."""
         x, router_logits, gate_up, down, *options = node.args
@@ -305,17 +300,23 @@ class QuantizeLinear(Transform):
             return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")
         planner = _Planner(default, rules) if found is None else _CheckpointPlanner(found, context.model_factory.meta_model)
         rewriter = _Rewriter(module)
-        kept, split, tables = [], 0, []
+        kept, split, tables, tied_heads, replaced = [], 0, [], [], set()
         existing = set(module.graph.nodes)
         for node in list(module.graph.nodes):
             if node.op == "call_function" and node.target is MOE and experts is not None:
                 self._quantize_experts(module, rewriter, node, experts, kept)
                 continue
+            if node in replaced:
+                continue
             if node.op == "call_function" and node.target is EMBEDDING and embedding is not None:
-                if self._quantize_embedding(rewriter, node, embedding):
-                    tables.append(module_path(rewriter.records[-1].source))
-                else:
+                head = self._quantize_embedding(rewriter, node, embedding, planner)
+                if head is False:
                     kept.append(node.name)
+                    continue
+                tables.append(module_path(rewriter.records[-1].source))
+                if head is not None:
+                    replaced.add(head)
+                    tied_heads.append(module_path(rewriter.records[-1].source))
                 continue
             if node.op != "call_function" or node.target not in (LINEAR, GATED_MLP, MLP):
                 continue
@@ -364,7 +365,8 @@ class QuantizeLinear(Transform):
                            f"MoE router): {', '.join(kept)}")
         source = f" as the checkpoint's {found.method} quantization gives them" if found is not None else ""
         experts_note = f"{len(expert_layers)} MoE layers' experts {experts.name}" if expert_layers else ""
-        tables_note = f"embedding table{'s' if len(tables) > 1 else ''} int8" if tables else ""
+        tables_note = (f"embedding table{'s' if len(tables) > 1 else ''} int8"
+                       + (" (shared with the tied LM head's int8_wo)" if tied_heads else "") if tables else "")
         return TransformResult(
             matches=len(rewriter.records), changed=bool(rewriter.records),
             notes=", ".join([*(f"{n} {scheme}" for scheme, n in sorted(counts.items())), *filter(None, [experts_note, tables_note])]) + source
@@ -373,18 +375,37 @@ class QuantizeLinear(Transform):
         )
 
     @staticmethod
-    def _quantize_embedding(rewriter: _Rewriter, node: fx.Node, scheme: QuantScheme) -> bool:
-        """Rewrite one embedding lookup over its own table (False: the table is shared, e.g. tied to the LM head)."""
-        weight = node.args[0]
+    def _quantize_embedding(rewriter: _Rewriter, node: fx.Node, scheme: QuantScheme, planner) -> fx.Node | None | bool:
+        """Rewrite one embedding lookup over its own table: returns None, or the LM head it rewrote too, or
+        False when the table stays as it is. A table tied to the LM head is stored once for both when the
+        head's own scheme is ``int8_wo``, whose layout (a scale per row) the lookup shares; under any other
+        head scheme it stays in the model's dtype, as a tied weight does."""
+        weight, input_ids = node.args[:2]
+        head = None
         if rewriter.own_weight(weight) is None:
-            return False
+            others = [user for user in weight.users if user is not node]
+            if (not isinstance(weight, fx.Node) or weight.op != "get_attr" or weight.target in rewriter.shared
+                    or len(others) != 1 or others[0].target is not LINEAR or others[0].args[1] is not weight):
+                return False
+            head_scheme = planner.scheme_for(module_path(weight.target))
+            if head_scheme is None or head_scheme.name != scheme.name:
+                return False
+            head, scheme = others[0], head_scheme
+        dtype = rewriter.gm.get_parameter(weight.target).dtype
         with rewriter.graph.inserting_before(node):
-            out = rewriter.quantized_embedding(node, scheme)
-        _copy_meta(out, node)
-        node.replace_all_uses_with(out)
+            storage = rewriter.quantized_storage(weight, scheme)
+            lookup = rewriter.graph.call_function(EMBEDDING_INT8, (input_ids, *storage, dtype))
+        _copy_meta(lookup, node)
+        node.replace_all_uses_with(lookup)
         rewriter.graph.erase_node(node)
+        if head is not None:
+            with rewriter.graph.inserting_before(head):
+                projection = rewriter.graph.call_function(scheme.op, (head.args[0], *storage, head.args[2]))
+            _copy_meta(projection, head)
+            head.replace_all_uses_with(projection)
+            rewriter.graph.erase_node(head)
         rewriter.graph.erase_node(weight)
-        return True
+        return head
 
     @staticmethod
     def _quantize_experts(module: GraphModule, rewriter: _Rewriter, node: fx.Node, scheme: QuantScheme, kept: list) -> None:

@@ -126,14 +126,11 @@ def test_moe_experts_quantize_apart_from_the_dense_layers_and_generate_what_hf_g
         autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", quantize={"experts": "fp8"})
 
 
-def test_an_int8_embedding_table_generates_what_hf_generates_over_the_same_rows_and_reloads(tiny_checkpoint, tmp_path):
-    llm = autodeploy(str(tiny_checkpoint("qwen2")), device="cpu", quantize={"embedding": "int8", "default": "int8_wo"})
-    lookups = [str(n.target) for n in llm.graph.graph.nodes if "embedding" in str(n.target)]
-    assert lookups == ["autodeploy.embedding_int8.default"]
-    assert llm.graph.get_parameter("model.model.embed_tokens.qweight").dtype == torch.int8
-    assert next(r for r in llm.records if r.name == "quantize_linear").notes == "15 int8_wo, embedding table int8; 2 MLPs split"
+def assert_serves_hf_over_an_int8_table(llm, arch: str, tmp_path) -> None:
+    """``llm`` (int8_wo projections, int8 embedding table) generates what HF generates over the same
+    dequantized weights and table (a tied LM head is the table), and reloads with identical logits."""
     scheme = QuantScheme("int8_wo")
-    hf = quantize_hf_weights(tiny_hf_model("qwen2"), scheme)
+    hf = quantize_hf_weights(tiny_hf_model(arch), scheme)
     table = hf.get_input_embeddings().weight
     with torch.no_grad():
         table.copy_(dequantize_weight(scheme, quantize_weight(scheme, table)))
@@ -141,15 +138,34 @@ def test_an_int8_embedding_table_generates_what_hf_generates_over_the_same_rows_
     for prompt, output in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))):
         assert output.token_ids == hf_greedy(hf, prompt, 8)
     assert llm.verification.relative_error <= 1e-4
-    reloaded = autodeploy(str(llm.save(tmp_path / "int8-embedding")))
+    reloaded = autodeploy(str(llm.save(tmp_path / "int8-table")))
     assert all(torch.equal(a, b) for a, b in zip(reloaded.logits(prompts), llm.logits(prompts)))
 
 
-def test_an_embedding_table_tied_to_the_lm_head_stays_in_the_models_dtype(tiny_checkpoint):
+def test_an_int8_embedding_table_generates_what_hf_generates_over_the_same_rows_and_reloads(tiny_checkpoint, tmp_path):
+    llm = autodeploy(str(tiny_checkpoint("qwen2")), device="cpu", quantize={"embedding": "int8", "default": "int8_wo"})
+    lookups = [str(n.target) for n in llm.graph.graph.nodes if "embedding" in str(n.target)]
+    assert lookups == ["autodeploy.embedding_int8.default"]
+    assert llm.graph.get_parameter("model.model.embed_tokens.qweight").dtype == torch.int8
+    assert next(r for r in llm.records if r.name == "quantize_linear").notes == "15 int8_wo, embedding table int8; 2 MLPs split"
+    assert_serves_hf_over_an_int8_table(llm, "qwen2", tmp_path)
+
+
+def test_an_embedding_table_tied_to_an_unquantized_lm_head_stays_in_the_models_dtype(tiny_checkpoint):
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"embedding": "int8"})
     assert [str(n.target) for n in llm.graph.graph.nodes if "embedding" in str(n.target)] == ["aten.embedding.default"]
     record = next(r for r in llm.records if r.name == "quantize_linear")
     assert "kept in the model's dtype" in record.details[-1] and "embedding" in record.details[-1]
+
+
+def test_a_table_tied_to_an_int8_wo_lm_head_is_stored_once_for_both(tiny_checkpoint, tmp_path):
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={"default": "int8_wo", "embedding": "int8"})
+    table = next(n for n in llm.graph.graph.nodes if n.op == "get_attr" and n.target.endswith("qweight")
+                 and any("embedding_int8" in str(u.target) for u in n.users))
+    assert sorted(str(u.target).split(".")[1].removesuffix("_torch") for u in table.users) == ["embedding_int8", "int8_wo_linear"]
+    assert "embedding table int8 (shared with the tied LM head's int8_wo)" in next(
+        r.notes for r in llm.records if r.name == "quantize_linear")
+    assert_serves_hf_over_an_int8_table(llm, "llama", tmp_path)
 
 
 def test_an_unknown_embedding_scheme_is_a_config_error(tiny_checkpoint):
