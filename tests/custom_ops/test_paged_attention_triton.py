@@ -308,6 +308,22 @@ def test_production_shapes(head_dim, block_size):
 
 
 @gpu_only
+def test_a_one_wave_decode_batch_at_production_shapes(monkeypatch):
+    # As many (sequence, kv head) programs as the card holds at once (B = 33 on an H200): 128-key tiles,
+    # short sequences and one past _MAX_KEYS_PER_SPLIT.
+    from autodeploy.custom_ops.triton import paged_attention
+
+    chosen = []
+    config = paged_attention._decode_config
+    monkeypatch.setattr(paged_attention, "_decode_config", lambda *a: chosen.append(config(*a)) or chosen[-1])
+    decodes = 2 * torch.cuda.get_device_properties(0).multi_processor_count // 8
+    lengths = [2500] + [190 + (i * 7) % 40 for i in range(decodes - 1)]
+    batch = paged_batch([], lengths, q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    assert_matches_reference(batch, atol=2e-2)
+    assert chosen == [(128, 4, 2)]
+
+
+@gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_production_dtypes(dtype):
     batch = paged_batch(
