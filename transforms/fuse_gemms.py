@@ -99,15 +99,12 @@ def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> dict[str, tuple[str, int, in
     x, op = nodes[0].args[0], nodes[0].target
     sizes = [gm.get_parameter(n.args[1].target).shape[0] for n in nodes]
     values = [n.meta.get("val") for n in nodes]
-    moved = {}
-    for i in range(1, len(nodes[0].args)):
-        if nodes[0].args[i] is not None:
-            first = 0
-            for node, rows in zip(nodes, sizes):
-                moved[node.args[i].target] = (i, first, rows)
-                first += rows
     concatenated = [None if nodes[0].args[i] is None else concatenate_parameters(gm, [n.args[i].target for n in nodes])
                     for i in range(1, len(nodes[0].args))]
+    firsts = [sum(sizes[:j]) for j in range(len(nodes))]  # each projection's first row in a concatenation
+    moved = {node.args[i].target: (found[0], first, rows)
+             for i, found in enumerate(concatenated, start=1) if found is not None
+             for node, first, rows in zip(nodes, firsts, sizes)}
     with graph.inserting_before(nodes[0]):
         tensor_nodes = [None if c is None else graph.get_attr(c[0]) for c in concatenated]
         fused = graph.call_function(op, (x, *tensor_nodes))
@@ -135,7 +132,7 @@ def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> dict[str, tuple[str, int, in
         graph.erase_node(node)
         for parameter in old_parameters:
             graph.erase_node(parameter)
-    return {old: (concatenated[i - 1][0], first, rows) for old, (i, first, rows) in moved.items()}
+    return moved
 
 
 @register_transform("fuse_gemms")

@@ -300,7 +300,7 @@ class QuantizeLinear(Transform):
             return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")
         planner = _Planner(default, rules) if found is None else _CheckpointPlanner(found, context.model_factory.meta_model)
         rewriter = _Rewriter(module)
-        kept, split, tables, tied_heads, replaced = [], 0, [], [], set()
+        kept, split, tables, tied_head, replaced = [], 0, [], False, set()
         existing = set(module.graph.nodes)
         for node in list(module.graph.nodes):
             if node.op == "call_function" and node.target is MOE and experts is not None:
@@ -316,7 +316,7 @@ class QuantizeLinear(Transform):
                 tables.append(module_path(rewriter.records[-1].source))
                 if head is not None:
                     replaced.add(head)
-                    tied_heads.append(module_path(rewriter.records[-1].source))
+                    tied_head = True
                 continue
             if node.op != "call_function" or node.target not in (LINEAR, GATED_MLP, MLP):
                 continue
@@ -366,7 +366,7 @@ class QuantizeLinear(Transform):
         source = f" as the checkpoint's {found.method} quantization gives them" if found is not None else ""
         experts_note = f"{len(expert_layers)} MoE layers' experts {experts.name}" if expert_layers else ""
         tables_note = (f"embedding table{'s' if len(tables) > 1 else ''} int8"
-                       + (" (shared with the tied LM head's int8_wo)" if tied_heads else "") if tables else "")
+                       + (" (shared with the tied LM head's int8_wo)" if tied_head else "") if tables else "")
         return TransformResult(
             matches=len(rewriter.records), changed=bool(rewriter.records),
             notes=", ".join([*(f"{n} {scheme}" for scheme, n in sorted(counts.items())), *filter(None, [experts_note, tables_note])]) + source
@@ -383,9 +383,10 @@ class QuantizeLinear(Transform):
         weight, input_ids = node.args[:2]
         head = None
         if rewriter.own_weight(weight) is None:
+            if not isinstance(weight, fx.Node) or weight.op != "get_attr" or weight.target in rewriter.shared:
+                return False
             others = [user for user in weight.users if user is not node]
-            if (not isinstance(weight, fx.Node) or weight.op != "get_attr" or weight.target in rewriter.shared
-                    or len(others) != 1 or others[0].target is not LINEAR or others[0].args[1] is not weight):
+            if len(others) != 1 or others[0].target is not LINEAR or others[0].args[1] is not weight:
                 return False
             head_scheme = planner.scheme_for(module_path(weight.target))
             if head_scheme is None or head_scheme.name != scheme.name:
