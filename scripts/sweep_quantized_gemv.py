@@ -1,12 +1,13 @@
-"""The dequantising GEMVs (int8_wo, int4_wo, fp8) at one row, against their bandwidth floor, over their launches.
+"""The quantized decode kernels (int8_wo, int4_wo, fp8) against their bandwidth floor, over their launches.
 
-    python3 scripts/sweep_quantized_gemv.py [SCHEMES] [SHAPES]     # default: int8_wo,int4_wo,fp8 and every shape
+    python3 scripts/sweep_quantized_gemv.py [SCHEMES] [SHAPES] [ROWS]   # default: every scheme and shape, rows 1,32
 
-Llama-3-8B's projections as a quantized deploy serves them (q/k/v and gate/up fused). Per scheme and
-shape: the floor (the stored bytes, scales included, over 4.27 TB/s), the bf16 few-row kernel's time for
-scale, the scheme's `torch` backend, the default launch (``GemvLaunch()``) and the best of the sweep, each
-with its share of the floor, and the best launch's error against the reference. Times are per call from a
-CUDA graph cycling over enough weight copies to miss L2 (``sweep_skinny_gemm.seconds_per_call``).
+Llama-3-8B's projections as a quantized deploy serves them (q/k/v and gate/up fused). Per scheme, shape
+and row count: the floor (the stored bytes, scales included, over 4.27 TB/s), the bf16 few-row kernel's
+time for scale, the scheme's `torch` backend, the launch the op takes by default, and the best GEMV
+(``GemvLaunch``, one row only) and tile kernel (``TileLaunch``) launches of the sweep, each with its share
+of the floor, and the best launch's error against the reference. Times are per call from a CUDA graph
+cycling over enough weight copies to miss L2 (``sweep_skinny_gemm.seconds_per_call``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autodeploy.custom_ops  # noqa: E402,F401  (registers the ops)
 from autodeploy.custom_ops.quantized_linear import QuantScheme, quantize_weight  # noqa: E402
-from autodeploy.custom_ops.triton.quantized_gemv import GemvLaunch, fp8_gemv, int4_wo_gemv, int8_wo_gemv  # noqa: E402
+from autodeploy.custom_ops.triton.quantized_gemv import GemvLaunch, TileLaunch, fp8_gemv, int4_wo_gemv, int8_wo_gemv  # noqa: E402
 from autodeploy.custom_ops.triton.skinny_gemm import skinny_linear  # noqa: E402
 from sweep_skinny_gemm import BANDWIDTH, L2_BYTES, seconds_per_call  # noqa: E402
 
@@ -34,25 +35,31 @@ KERNELS = {  # scheme → (GEMV, the op (reference; its `torch` backend is <op>_
 }
 
 
-def launches(scheme: str) -> list[GemvLaunch]:
+def launches(scheme: str, rows: int) -> list:
+    tiles = [TileLaunch(block_n=n, block_k=k, num_warps=w, num_stages=st)
+             for n, k, w, st in itertools.product([16, 32, 64], [128] if scheme == "int4_wo" else [128, 256], [4], [3, 5])]
+    if rows > 1:
+        return tiles
     if scheme == "int4_wo":
-        return [GemvLaunch(block_n=n, groups_per_step=g, num_warps=w, num_stages=s)
-                for n, g, w, s in itertools.product([8, 16, 32], [1, 2, 4, 8], [4, 8], [None, 4])]
+        return [GemvLaunch(block_n=n, groups_per_step=g, num_warps=w)
+                for n, g, w in itertools.product([8, 16, 32], [1, 2, 4], [4])] + tiles
     return [GemvLaunch(block_n=n, block_k=k, num_warps=w, num_stages=s)
-            for n, k, w, s in itertools.product([8, 16, 32], [512, 1024, 2048], [4, 8], [None, 4])]
+            for n, k, w, s in itertools.product([8, 16], [1024, 2048], [4, 8], [None])] + tiles
+
+
+def _share(floor: float, seconds: float) -> str:
+    return f"{seconds * 1e6:7.2f} us ({floor / seconds:.0%})"
 
 
 def main() -> None:
     schemes = (sys.argv[1] if len(sys.argv) > 1 else ",".join(KERNELS)).split(",")
-    shapes = (sys.argv[2] if len(sys.argv) > 2 else ",".join(SHAPES)).split(",")
+    shapes = (sys.argv[2] if len(sys.argv) > 2 else "qkv,o_proj,gate_up,down").split(",")
+    row_counts = [int(r) for r in (sys.argv[3] if len(sys.argv) > 3 else "1,32").split(",")]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     for name in shapes:
         n, k = SHAPES[name]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         copies = max(2, -(-L2_BYTES // (n * k * 2)))
         bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-        bf16_time = seconds_per_call(lambda a, w: skinny_linear(a, w, None), bf16, x)
-        print(f"{name} [{n}, {k}]: bf16 few-row kernel {bf16_time * 1e6:.2f} us ({n * k * 2 / BANDWIDTH / bf16_time:.0%} of its floor)")
         for scheme in schemes:
             gemv, op_name, roles = KERNELS[scheme]
             op, torch_backend = getattr(torch.ops.autodeploy, op_name), getattr(torch.ops.autodeploy, f"{op_name}_torch")
@@ -63,21 +70,27 @@ def main() -> None:
                 stored = quantize_weight(QuantScheme(scheme), torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
                 weights.append(tuple(stored[r] for r in roles))
             floor = nbytes / BANDWIDTH
-            torch_time = seconds_per_call(lambda a, w: torch_backend(a, *w, None), weights, x)
-            timed = {}
-            for launch in [GemvLaunch()] + launches(scheme):
-                if launch in timed:
-                    continue
-                try:
-                    timed[launch] = seconds_per_call(lambda a, w, c=launch: gemv(a, *w, None, launch=c), weights, x)
-                except Exception as error:  # a launch that does not compile (registers, shared memory) is skipped
-                    print(f"  skip {launch}: {type(error).__name__}: {str(error)[:100]}")
-            best, default = min(timed, key=timed.get), timed[GemvLaunch()]
-            want = op(x, *weights[0], None).double()
-            error = ((gemv(x, *weights[0], None, launch=best).double() - want).norm() / want.norm()).item()
-            print(f"  {scheme:8s} floor {floor * 1e6:7.2f} us | torch {torch_time * 1e6:7.2f} ({floor / torch_time:.0%}) | "
-                  f"default {default * 1e6:7.2f} ({floor / default:.0%}) | best {timed[best] * 1e6:7.2f} "
-                  f"({floor / timed[best]:.0%}) {best} | rel err {error:.1e}")
+            for rows in row_counts:
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                bf16_time = seconds_per_call(lambda a, w: skinny_linear(a, w, None), bf16, x)
+                torch_time = seconds_per_call(lambda a, w: torch_backend(a, *w, None), weights, x)
+                default_time = seconds_per_call(lambda a, w: gemv(a, *w, None), weights, x)
+                timed = {}
+                for launch in launches(scheme, rows):
+                    try:
+                        timed[launch] = seconds_per_call(lambda a, w, c=launch: gemv(a, *w, None, launch=c), weights, x)
+                    except Exception as error:  # a launch that does not compile (registers, shared memory) is skipped
+                        print(f"  skip {launch}: {type(error).__name__}: {str(error)[:100]}")
+                line = (f"{name:7s} [{n}, {k}] {scheme:8s} rows {rows:2d}: floor {floor * 1e6:6.2f} us | bf16 kernel "
+                        f"{bf16_time * 1e6:6.2f} us | torch {_share(floor, torch_time)} | default {_share(floor, default_time)}")
+                for kind in (GemvLaunch, TileLaunch):
+                    mine = {c: t for c, t in timed.items() if isinstance(c, kind)}
+                    if mine:
+                        best = min(mine, key=mine.get)
+                        want = op(x, *weights[0], None).double()
+                        error = ((gemv(x, *weights[0], None, launch=best).double() - want).norm() / want.norm()).item()
+                        line += f"\n    best {kind.__name__:10s} {_share(floor, mine[best])} {best} rel err {error:.1e}"
+                print(line, flush=True)
         del bf16
 
 

@@ -1,20 +1,24 @@
-"""Triton backends of ``int8_wo_linear``, ``int4_wo_linear`` and ``fp8_linear`` for decode rows: dequantise in the GEMV.
+"""Triton backends of ``int8_wo_linear``, ``int4_wo_linear`` and ``fp8_linear`` for decode rows: dequantise in the kernel.
 
 A decode step's projections read their whole weight for a few rows of activations. A weight-only
-scheme's floor is its stored bytes over the memory bandwidth: half a bf16 weight's for int8, a quarter
-(plus the group scales) for int4. Each program streams ``BLOCK_N`` weight rows for one row of ``x``,
-dequantises in registers and keeps float32 sums:
+scheme's floor is its stored bytes over the memory bandwidth: half a bf16 weight's for int8 and fp8, a
+quarter (plus the group scales) for int4. Two kernels, both float32 sums rounded once to ``x``'s dtype:
 
-- int8 (:func:`_int8_gemv_kernel`): ``Σ_k q[n, k] · x[k]``, times the row's scale once at the end;
-- int4 (:func:`_int4_gemv_kernel`): ``GROUPS_PER_STEP`` groups of ``GROUP`` inputs (``GROUP / 2`` packed
-  bytes each) a step, the low and high nibbles against the even and odd ``x``; a group adds
-  ``scale[n, g] · (Σ q · x − zero[n, g] · Σ x)``;
-- fp8 (:func:`_fp8_gemv_kernel`): the row's max |x| first (or the layer's static scale), then
-  ``Σ_k w[n, k] · round_e4m3(x[k] / s_x)``, times ``s_x`` and the channel's (or tensor's) weight scale.
+- **the GEMV** (one row of ``x`` a program, ``GemvLaunch``): ``BLOCK_N`` weight rows streamed and
+  dequantised in registers. int8 (:func:`_int8_gemv_kernel`): ``Σ_k q[n, k] · x[k]``, times the row's scale
+  once at the end; int4 (:func:`_int4_gemv_kernel`): ``GROUPS_PER_STEP`` groups a step, each weight
+  ``q · scale − zero · scale``, the low and high nibbles against the even and odd ``x``; fp8
+  (:func:`_fp8_gemv_kernel`): the row's max |x| first (or the layer's static scale), then
+  ``Σ_k w[n, k] · e4m3(x[k] / s_x)``, times ``s_x`` and the channel's (or tensor's) weight scale.
+  Integers become floats by placing them in the mantissa of 2²³ (one integer add or or, one float
+  subtract) instead of a conversion instruction, which Hopper issues at an eighth of the float rate;
+- **the tile kernel** (:func:`_tile_kernel`, ``TileLaunch``): up to 64 rows of ``x`` against 32 – 64 weight
+  rows a program on the tensor cores, the weight tile dequantised to ``x``'s half-precision dtype (int8;
+  int4 a group at a time, times the group's scale), or fp8 × fp8 after :func:`_fp8_rows_kernel` has
+  rounded each row of ``x`` to e4m3 once, as ``quantize_activations_fp8`` does.
 
-More rows re-read the weight (from L2 while it stays there): the autotuner keeps these kernels where they
-beat the reference, at decode sizes. Results are the reference's up to float32 summation order, rounded
-once to ``x``'s dtype.
+:func:`default_launch` picks between them from the shape (the sweep's findings); the autotuner keeps
+these backends where they beat the ``torch`` ones. Results are the reference's up to float32 summation order.
 
 Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the tests do)::
 
@@ -37,6 +41,7 @@ import triton.language as tl
 
 from . import INTERPRETED
 from .launch import dependent_launch, wait_for_previous_kernel
+from .skinny_gemm import num_sms
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -63,6 +68,23 @@ DEFAULT_LAUNCH = GemvLaunch()
 
 
 @triton.jit
+def _int8_to_float(q):
+    # int8 → float32 without a conversion instruction (16 a clock an SM on Hopper, slower than the bytes
+    # arrive): q + 128 ∈ [1, 255] in the low mantissa bits of 2²³ is the float 2²³ + 128 + q, exactly.
+    bits = q.to(tl.int32) + 0x4B000080
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _nibbles_to_float(packed):
+    # The low and high 4-bit values of uint8 bytes as float32, the same way: 2²³ + q, less 2²³.
+    word = packed.to(tl.int32)
+    low = ((word & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    high = ((word >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return low, high
+
+
+@triton.jit
 def _int8_gemv_kernel(
     x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_q,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
@@ -79,7 +101,7 @@ def _int8_gemv_kernel(
         x = tl.load(x_ptr + row * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
         q = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_q + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0)
-        acc += q.to(tl.float32) * x[None, :]
+        acc += _int8_to_float(q) * x[None, :]
     total = tl.sum(acc, axis=1) * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -99,7 +121,9 @@ def _int4_gemv_kernel(
     pairs = tl.arange(0, GROUP // 2)
     steps = tl.arange(0, GROUPS_PER_STEP)
     num_groups = K // GROUP
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Element-wise sums, reduced once at the end: a weight is (q − zero) · scale = q · scale − zero · scale,
+    # one multiply-add from the group's two values.
+    acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP, GROUP // 2), dtype=tl.float32)
     for first in range(0, num_groups, GROUPS_PER_STEP):
         groups = first + steps  # [S]
         group_ok = groups < num_groups
@@ -108,16 +132,42 @@ def _int4_gemv_kernel(
         x_odd = tl.load(x_at + 1, mask=group_ok[:, None], other=0.0).to(tl.float32)
         packed = tl.load(q_ptr + cols[:, None, None].to(tl.int64) * stride_q + groups[None, :, None] * (GROUP // 2)
                          + pairs[None, None, :], mask=col_ok[:, None, None] & group_ok[None, :, None], other=0)
-        low, high = (packed & 0x0F).to(tl.float32), (packed >> 4).to(tl.float32)  # [BLOCK_N, S, GROUP / 2]
-        products = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK_N, S]
+        low, high = _nibbles_to_float(packed)  # [BLOCK_N, S, GROUP / 2]
         tiles = cols[:, None] * stride_s + groups[None, :]
         tile_ok = col_ok[:, None] & group_ok[None, :]
-        zero = tl.load(zero_ptr + tiles, mask=tile_ok, other=0).to(tl.float32)
-        scale = tl.load(scale_ptr + tiles, mask=tile_ok, other=0.0)
-        acc += tl.sum(scale * (products - zero * tl.sum(x_even + x_odd, axis=1)[None, :]), axis=1)
+        scale = tl.load(scale_ptr + tiles, mask=tile_ok, other=0.0)[:, :, None]
+        offset = tl.load(zero_ptr + tiles, mask=tile_ok, other=0).to(tl.float32)[:, :, None] * scale
+        acc += (low * scale - offset) * x_even[None, :, :] + (high * scale - offset) * x_odd[None, :, :]
+    acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _to_e4m3(x, x_scale):
+    # x / scale correctly rounded, saturated at ±448, then to e4m3 to nearest even: the bits torch's
+    # quantize_activations_fp8 gives. (x · (1 / scale) would save the division but round differently:
+    # the demo model's fp8 perplexity went from +0.79% to +1.23%, notes/quantization.md.)
+    quotient = tl.math.div_rn(x, x_scale + tl.zeros_like(x))
+    return tl.clamp(quotient, -448.0, 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _row_scale(x_row_ptr, input_scale_ptr, K, STATIC_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A row's fp8 scale: the layer's one static scale (from calibration), or the token's max |x| / 448
+    # (1 for an all-zero row).
+    if STATIC_SCALE:
+        x_scale = tl.load(input_scale_ptr)
+    else:
+        offsets = tl.arange(0, BLOCK_K)
+        peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offsets
+            peak = tl.maximum(peak, tl.abs(tl.load(x_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)))
+        x_scale = tl.max(peak, axis=0) / 448.0
+        x_scale = tl.where(x_scale > 0, x_scale, 1.0)
+    return x_scale
 
 
 @triton.jit
@@ -131,23 +181,13 @@ def _fp8_gemv_kernel(
     row = tl.program_id(1).to(tl.int64)
     col_ok = cols < N
     offsets = tl.arange(0, BLOCK_K)
-    if STATIC_SCALE:  # the layer's one scale, from calibration
-        x_scale = tl.load(input_scale_ptr)
-    else:  # the token's scale: max |x| / 448 (1 for an all-zero row)
-        peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offsets
-            peak = tl.maximum(peak, tl.abs(tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)))
-        x_scale = tl.max(peak, axis=0) / 448.0
-        x_scale = tl.where(x_scale > 0, x_scale, 1.0)
+    x_scale = _row_scale(x_ptr + row * stride_xm, input_scale_ptr, K, STATIC_SCALE, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offsets
         k_ok = k < K
         x = tl.load(x_ptr + row * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
-        # x / scale correctly rounded, then to e4m3 to nearest even: the bits torch's rounding gives
-        x_q = tl.clamp(tl.math.div_rn(x, x_scale + tl.zeros_like(x)), -448.0, 448.0)
-        x_q = x_q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+        x_q = _to_e4m3(x, x_scale).to(tl.float32)
         q = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_q + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
         acc += q.to(tl.float32) * x_q[None, :]
@@ -155,6 +195,119 @@ def _fp8_gemv_kernel(
     if HAS_BIAS:
         total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@dataclass(frozen=True)
+class TileLaunch:
+    """How the few-row tile kernel is launched: ``x`` rows a program (``block_m``, at least 16: ``tl.dot``'s
+    smallest tile; the smallest power of two over the rows, up to 64, when None), weight rows a program
+    (``block_n``), input columns a step (``block_k``; an int4 step stays inside one group), warps and
+    pipeline stages. Sizes are powers of two; ``scripts/sweep_quantized_gemv.py`` times others."""
+
+    block_m: Optional[int] = None
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def options(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+_INT8, _INT4, _FP8 = 0, 1, 2  # the tile kernel's SCHEME
+
+
+def default_launch(scheme: int, num_rows: int, out_features: int, num_sms: int) -> Launch:
+    """The launch for ``num_rows`` rows of a weight of ``out_features`` rows, from ``scripts/sweep_quantized_gemv.py``
+    on an H200 at Llama-3-8B's projections (``notes/quantization.md``, 2026-12-03 evening). A weight is *wide*
+    when its 64-row blocks number at least 0.7 an SM (q/k/v: 96 blocks on 132 SMs, gate/up; not o_proj or
+    down, whose 64 blocks leave half the SMs idle):
+
+    - one row, int8 and fp8 narrow weights: the GEMV over 8 rows × 1,024 columns a program (int8: o_proj
+      7.5 µs, down 20.7 µs, 66% of the floor); int8 wide: 16 × 512 (q/k/v 11.7 µs, gate/up 39.9 µs); int4:
+      8 rows × 4 groups everywhere (the tile kernel lost at every int4 shape);
+    - fp8 wide, any rows: the tile kernel over 64 weight rows × 256 columns, five stages, beside the one-pass
+      row quantizer (q/k/v 9.8 µs at one row against the GEMV's 11.9, gate/up 31.9 against 38.0; at 32 rows
+      10.5 / 9.3 / 34.2 / 24.8 µs for q/k/v / o_proj / gate/up / down, where bf16 takes 16.7 / 11.3 / 64.5 / 31.5);
+    - int8 and int4, more rows: the tile kernel over 64 weight rows (wide) or 32, 128 columns a step, five stages.
+    """
+    wide = triton.cdiv(out_features, 64) >= 0.7 * num_sms
+    if scheme == _FP8 and (wide or num_rows > 1):
+        return TileLaunch(block_n=64, block_k=256, num_stages=5)
+    if num_rows > 1:
+        return TileLaunch(block_n=64 if wide else 32, block_k=128, num_stages=5)
+    if scheme == _INT4:
+        return GemvLaunch(block_n=8, groups_per_step=4)
+    return GemvLaunch(block_n=16, block_k=512) if wide and scheme == _INT8 else GemvLaunch(block_n=8, block_k=1024)
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, x_q_ptr, x_scale_ptr, input_scale_ptr, K, stride_xm, STATIC_SCALE: tl.constexpr,
+                     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    # One row of x to e4m3 and its scale, as quantize_activations_fp8 (or, with STATIC_SCALE, the static
+    # variant) computes them: max |x| / 448 (1 for an all-zero row), then x / scale saturated.
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK_K)
+    x_scale = _row_scale(x_ptr + row * stride_xm, input_scale_ptr, K, STATIC_SCALE, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offsets
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        tl.store(x_q_ptr + row * K + k, _to_e4m3(x, x_scale), mask=k < K)
+    tl.store(x_scale_ptr + row, x_scale)
+
+
+@triton.jit
+def _tile_kernel(
+    x_ptr, x_scale_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_q, stride_s,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # acc[BLOCK_N, BLOCK_M] = w_tile · x_tileᵀ on the tensor cores: the weight rows as the dot's wide side.
+    # fp8 takes x already in e4m3 (_fp8_rows_kernel) with its row scales at x_scale_ptr.
+    wait_for_previous_kernel(USE_PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_ok, row_ok = cols < N, rows < M
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    w_rows = q_ptr + cols[:, None].to(tl.int64) * stride_q
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if SCHEME == 1:
+        # One group a step: Σ (q − zero) · x on the tensor cores (integers in [-15, 15], exact in half
+        # precision), times the group's scale. (Meeting the low and high nibbles with the even and odd
+        # columns of x in two dots instead of interleaving them ran 7× slower on an H200.)
+        offsets = tl.arange(0, BLOCK_K)
+        pairs = tl.arange(0, BLOCK_K // 2)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_rows + (k0 + offsets)[None, :], mask=row_ok[:, None], other=0.0)
+            packed = tl.load(w_rows + (k0 // 2 + pairs)[None, :], mask=col_ok[:, None], other=0)
+            low, high = _nibbles_to_float(packed)
+            q = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # even k low, odd k high
+            at = cols * stride_s + k0 // GROUP
+            zero = tl.load(zero_ptr + at, mask=col_ok, other=0).to(tl.float32)
+            part = tl.dot((q - zero[:, None]).to(x.dtype), tl.trans(x))
+            acc += part * tl.load(scale_ptr + at, mask=col_ok, other=0.0)[:, None]
+    else:
+        offsets = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offsets
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if SCHEME == 0:  # int8 values are exact in half precision; the channel's scale comes last
+                q = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+                acc = tl.dot(_int8_to_float(q).to(x.dtype), tl.trans(x), acc)
+            else:  # e4m3 × e4m3
+                q = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc = tl.dot(q, tl.trans(x), acc)
+        if SCHEME == 0:
+            acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
+        else:
+            acc = acc * tl.load(scale_ptr + cols * stride_s, mask=col_ok, other=0.0)[:, None]
+            acc = acc * tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=col_ok[:, None] & row_ok[None, :])
 
 
 def unsupported(x: torch.Tensor, bias: Optional[torch.Tensor], group_size: int | None = None) -> str | None:
@@ -183,54 +336,115 @@ def _block_k(launch: GemvLaunch, in_features: int) -> int:
     return min(launch.block_k, max(16, triton.next_power_of_2(in_features)))
 
 
+Launch = GemvLaunch | TileLaunch
+
+
+def _tile_takes(x: torch.Tensor, scheme: int, group_size: int = 0) -> bool:
+    # The tile kernel multiplies in x's half-precision dtype (fp8's in e4m3, from any x) and steps a whole
+    # int4 group of at least tl.dot's 16 columns at a time; elsewhere the GEMV serves every row.
+    if scheme == _INT4 and group_size < 16:
+        return False
+    return scheme == _FP8 or x.dtype in (torch.float16, torch.bfloat16)
+
+
+def _pick(launch: Optional[Launch], num_rows: int, out_features: int, x: torch.Tensor, scheme: int,
+          group_size: int = 0) -> Launch:
+    launch = launch or default_launch(scheme, num_rows, out_features, num_sms(x.device))
+    if isinstance(launch, TileLaunch) and not _tile_takes(x, scheme, group_size):
+        return default_launch(scheme, 1, out_features, num_sms(x.device))  # the GEMV, row by row
+    return launch
+
+
+
+def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size: int, launch: TileLaunch) -> None:
+    num_rows, in_features = rows.shape
+    out_features = q.shape[0]
+    x, x_scale = rows, scale  # x_scale: read by fp8 only
+    if scheme == _FP8:
+        x = torch.empty((num_rows, in_features), dtype=torch.float8_e4m3fn, device=rows.device)
+        x_scale = torch.empty(num_rows, dtype=torch.float32, device=rows.device)
+        _fp8_rows_kernel[(num_rows,)](
+            rows, x, x_scale, input_scale if input_scale is not None else x_scale, in_features, rows.stride(0),
+            STATIC_SCALE=input_scale is not None, BLOCK_K=min(2048, max(16, triton.next_power_of_2(in_features))),
+            num_warps=4, **dependent_launch(rows.device),
+        )
+    block_m = launch.block_m or min(max(16, triton.next_power_of_2(num_rows)), 64)
+    block_k = min(launch.block_k, group_size) if scheme == _INT4 else _block_k(launch, in_features)
+    _tile_kernel[(triton.cdiv(out_features, launch.block_n), triton.cdiv(num_rows, block_m))](
+        x, x_scale, q, scale, zero if zero is not None else scale, bias if bias is not None else out, out, num_rows,
+        out_features, in_features, x.stride(0), q.stride(0),
+        scale.stride(0) if scheme == _INT4 else (1 if scale.numel() > 1 else 0), SCHEME=scheme, GROUP=group_size,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=max(16, block_k),
+        **launch.options(), **dependent_launch(rows.device),
+    )
+
+
 def int8_wo_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], *,
-                 launch: GemvLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
-    """``int8_wo_linear`` (same arguments and result) with the dequantising GEMV kernel."""
+                 launch: Optional[Launch] = None) -> torch.Tensor:
+    """``int8_wo_linear`` (same arguments and result): the GEMV for one row, the tile kernel for more (a
+    ``launch`` of either kind overrides the choice)."""
     rows = _rows(x, "int8_wo_gemv", bias)
     (out_features, in_features), num_rows = qweight.shape, rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows and out_features:
-        _int8_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
-            rows, qweight, scale, bias if bias is not None else out, out, out_features, in_features, rows.stride(0),
-            qweight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, BLOCK_K=_block_k(launch, in_features),
-            **launch.options(), **dependent_launch(x.device),
-        )
+        launch = _pick(launch, num_rows, out_features, x, _INT8)
+        if isinstance(launch, TileLaunch):
+            _tile(rows, qweight, scale, None, None, bias, out, _INT8, 0, launch)
+        else:
+            _int8_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
+                rows, qweight, scale, bias if bias is not None else out, out, out_features, in_features, rows.stride(0),
+                qweight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=launch.block_n,
+                BLOCK_K=_block_k(launch, in_features), **launch.options(), **dependent_launch(x.device),
+            )
     return out.view(*x.shape[:-1], out_features)
 
 
 def int4_wo_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: Optional[torch.Tensor], *,
-    launch: GemvLaunch = DEFAULT_LAUNCH,
+    launch: Optional[Launch] = None,
 ) -> torch.Tensor:
-    """``int4_wo_linear`` (same arguments and result) with the dequantising GEMV kernel."""
+    """``int4_wo_linear`` (same arguments and result): the GEMV for one row, the tile kernel for more (a
+    ``launch`` of either kind overrides the choice; groups under 16 inputs always take the GEMV)."""
     out_features, in_features = qweight.shape[0], 2 * qweight.shape[1]
     group_size = in_features // scale.shape[1]
     rows = _rows(x, "int4_wo_gemv", bias, group_size)
     num_rows = rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows and out_features:
-        _int4_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
-            rows, qweight, scale, zero, bias if bias is not None else out, out, out_features, in_features,
-            rows.stride(0), qweight.stride(0), scale.stride(0), GROUP=group_size, GROUPS_PER_STEP=launch.groups_per_step,
-            HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, **launch.options(), **dependent_launch(x.device),
-        )
+        launch = _pick(launch, num_rows, out_features, x, _INT4, group_size)
+        if isinstance(launch, TileLaunch):
+            _tile(rows, qweight, scale, zero, None, bias, out, _INT4, group_size, launch)
+        else:
+            _int4_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
+                rows, qweight, scale, zero, bias if bias is not None else out, out, out_features, in_features,
+                rows.stride(0), qweight.stride(0), scale.stride(0), GROUP=group_size,
+                GROUPS_PER_STEP=launch.groups_per_step, HAS_BIAS=bias is not None, BLOCK_N=launch.block_n,
+                **launch.options(), **dependent_launch(x.device),
+            )
     return out.view(*x.shape[:-1], out_features)
 
 
 def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-             input_scale: Optional[torch.Tensor] = None, *, launch: GemvLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
-    """``fp8_linear`` (same arguments and result) as one GEMV: each program rounds its row of ``x`` to e4m3
+             input_scale: Optional[torch.Tensor] = None, *, launch: Optional[Launch] = None) -> torch.Tensor:
+    """``fp8_linear`` (same arguments and result) in one kernel: each program rounds its rows of ``x`` to e4m3
     with the token's scale (as ``quantize_activations_fp8`` does) while it streams the fp8 weight rows, so
-    a decode row costs one kernel instead of the activation quantization's half dozen plus the GEMM. With
-    ``input_scale`` (float32 ``[1]``), ``fp8_static_linear``: that one scale serves every row."""
+    a decode step costs one kernel instead of the activation quantization's half dozen plus the GEMM: the
+    GEMV for one row, the tile kernel (fp8 × fp8 on the tensor cores) for more; a ``launch`` of either kind
+    overrides the choice. With ``input_scale`` (float32 ``[1]``), ``fp8_static_linear``: that one scale
+    serves every row."""
     rows = _rows(x, "fp8_gemv", bias)
     (out_features, in_features), num_rows = qweight.shape, rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows and out_features:
-        _fp8_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
-            rows, qweight, scale, input_scale if input_scale is not None else scale, bias if bias is not None else out, out,
-            out_features, in_features, rows.stride(0), qweight.stride(0), 1 if scale.numel() > 1 else 0,
-            HAS_BIAS=bias is not None, STATIC_SCALE=input_scale is not None, BLOCK_N=launch.block_n,
-            BLOCK_K=_block_k(launch, in_features), **launch.options(), **dependent_launch(x.device),
-        )
+        launch = _pick(launch, num_rows, out_features, x, _FP8)
+        if isinstance(launch, TileLaunch):
+            _tile(rows, qweight, scale, None, input_scale, bias, out, _FP8, 0, launch)
+        else:
+            _fp8_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
+                rows, qweight, scale, input_scale if input_scale is not None else scale,
+                bias if bias is not None else out, out, out_features, in_features, rows.stride(0), qweight.stride(0),
+                1 if scale.numel() > 1 else 0, HAS_BIAS=bias is not None, STATIC_SCALE=input_scale is not None,
+                BLOCK_N=launch.block_n, BLOCK_K=_block_k(launch, in_features), **launch.options(),
+                **dependent_launch(x.device),
+            )
     return out.view(*x.shape[:-1], out_features)

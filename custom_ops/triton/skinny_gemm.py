@@ -220,7 +220,7 @@ def _split_sum_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any count will do, an H200's keeps the CPU tests' launches like the GPU's
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -264,7 +264,7 @@ def skinny_linear(
     if in_features == 0:
         out.zero_()
         return (out if bias is None else out.add_(bias)).view(*x.shape[:-1], out_features)
-    config = config or skinny_config(num_rows, out_features, in_features, _num_sms(x.device))
+    config = config or skinny_config(num_rows, out_features, in_features, num_sms(x.device))
     split = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(in_features, split), config.block_k) * config.block_k
     split = triton.cdiv(in_features, k_per_split)  # a split past the end would only add zeros

@@ -127,14 +127,14 @@ from tests.custom_ops.test_paged_attention_triton import DEVICE, interpreter_loo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "out_features", "in_features", "with_bias"), [(1, 40, 96, True), (3, 16, 600, False)])
 def test_the_int8_gemv_kernel_matches_the_reference(dtype, rows, out_features, in_features, with_bias):
-    from autodeploy.custom_ops.triton.quantized_gemv import int8_wo_gemv
+    from autodeploy.custom_ops.triton.quantized_gemv import GemvLaunch, int8_wo_gemv
 
     gen = torch.Generator().manual_seed(rows)
     stored = {k: v.to(DEVICE) for k, v in quantize_weight(QuantScheme("int8_wo"), torch.randn(out_features, in_features, generator=gen)).items()}
     x = torch.randn(rows, in_features, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(out_features, generator=gen).to(dtype).to(DEVICE) if with_bias else None
     want = ops.int8_wo_linear(x, stored["qweight"], stored["scale"], bias).double()
-    got = int8_wo_gemv(x, stored["qweight"], stored["scale"], bias)
+    got = int8_wo_gemv(x, stored["qweight"], stored["scale"], bias, launch=GemvLaunch())
     assert got.dtype == dtype and got.shape == want.shape
     assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
 
@@ -143,7 +143,7 @@ def test_the_int8_gemv_kernel_matches_the_reference(dtype, rows, out_features, i
 @pytest.mark.parametrize(("rows", "out_features", "in_features", "group_size", "with_bias"),
                          [(1, 40, 128, 32, True), (2, 16, 256, 128, False), (1, 8, 64, 2, False)])
 def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, in_features, group_size, with_bias):
-    from autodeploy.custom_ops.triton.quantized_gemv import int4_wo_gemv
+    from autodeploy.custom_ops.triton.quantized_gemv import GemvLaunch, int4_wo_gemv
 
     gen = torch.Generator().manual_seed(group_size)
     scheme = QuantScheme("int4_wo", group_size=group_size)
@@ -151,7 +151,7 @@ def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, i
     x = (torch.randn(rows, 1, in_features, generator=gen) + 0.5).to(dtype).to(DEVICE)  # Σx ≠ 0: the zero points count
     bias = torch.randn(out_features, generator=gen).to(dtype).to(DEVICE) if with_bias else None
     want = ops.int4_wo_linear(x, stored["qweight"], stored["scale"], stored["zero"], bias).double()
-    got = int4_wo_gemv(x, stored["qweight"], stored["scale"], stored["zero"], bias)
+    got = int4_wo_gemv(x, stored["qweight"], stored["scale"], stored["zero"], bias, launch=GemvLaunch())
     assert got.dtype == dtype and got.shape == want.shape == (rows, 1, out_features)
     assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
 
@@ -161,7 +161,7 @@ def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, i
                          [(1, 40, 96, True, True), (3, 16, 600, False, False), (2, 8, 64, True, False)])
 def test_the_fp8_gemv_kernel_matches_the_reference(dtype, rows, out_features, in_features, per_channel, with_bias,
                                                   interpreter_rounds_to_fp8_correctly):
-    from autodeploy.custom_ops.triton.quantized_gemv import fp8_gemv
+    from autodeploy.custom_ops.triton.quantized_gemv import GemvLaunch, fp8_gemv
 
     gen = torch.Generator().manual_seed(rows + in_features)
     scheme = QuantScheme("fp8", per_channel=per_channel)
@@ -171,9 +171,62 @@ def test_the_fp8_gemv_kernel_matches_the_reference(dtype, rows, out_features, in
     x = x.to(DEVICE)
     bias = torch.randn(out_features, generator=gen).to(dtype).to(DEVICE) if with_bias else None
     want = ops.fp8_linear(x, stored["qweight"], stored["scale"], bias).double()
-    got = fp8_gemv(x, stored["qweight"], stored["scale"], bias)
+    got = fp8_gemv(x, stored["qweight"], stored["scale"], bias, launch=GemvLaunch())
     assert got.dtype == dtype and got.shape == want.shape and torch.isfinite(got).all()
     assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+# The few-row tile kernel (tl.dot over dequantized tiles; fp8 × fp8): Triton's interpreter garbles a bfloat16
+# tl.dot (numpy has no such type), so bfloat16 runs on the GPU only. One row is padded to tl.dot's 16; 70
+# rows take two 64-row blocks.
+_TILE_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
+
+
+@pytest.mark.parametrize("dtype", _TILE_DTYPES)
+@pytest.mark.parametrize("scheme", ["int8_wo", "int4_wo", "fp8", "fp8_static"])
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "launch"),
+                         [(1, 40, 256, dict(block_k=256)), (2, 40, 256, None), (20, 16, 96, dict(block_n=16, block_k=32)),
+                          (70, 72, 128, dict(block_n=64))],
+                         ids=str)
+def test_the_tile_kernel_matches_the_reference(dtype, scheme, rows, out_features, in_features, launch,
+                                               interpreter_rounds_to_fp8_correctly):
+    from autodeploy.custom_ops.triton.quantized_gemv import TileLaunch, fp8_gemv, int4_wo_gemv, int8_wo_gemv
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = (torch.randn(rows, in_features, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    x[-1] = 0  # an all-zero row: fp8's scale is 1 there, not 0
+    bias = torch.randn(out_features, generator=gen).to(dtype).to(DEVICE)
+    config = TileLaunch(**(launch or {}))
+    if scheme == "int4_wo":
+        s = {k: v.to(DEVICE) for k, v in quantize_weight(QuantScheme("int4_wo", group_size=32), weight).items()}
+        got = int4_wo_gemv(x, s["qweight"], s["scale"], s["zero"], bias, launch=config)
+        want = ops.int4_wo_linear(x, s["qweight"], s["scale"], s["zero"], bias)
+    elif scheme == "int8_wo":
+        s = {k: v.to(DEVICE) for k, v in quantize_weight(QuantScheme("int8_wo"), weight).items()}
+        got, want = int8_wo_gemv(x, s["qweight"], s["scale"], bias, launch=config), ops.int8_wo_linear(x, s["qweight"], s["scale"], bias)
+    else:
+        s = {k: v.to(DEVICE) for k, v in quantize_weight(QuantScheme("fp8"), weight).items()}
+        if scheme == "fp8":
+            got, want = fp8_gemv(x, s["qweight"], s["scale"], bias, launch=config), ops.fp8_linear(x, s["qweight"], s["scale"], bias)
+        else:
+            input_scale = torch.tensor([0.01], device=DEVICE)  # saturates the largest inputs: both must clamp alike
+            got = fp8_gemv(x, s["qweight"], s["scale"], bias, input_scale, launch=config)
+            want = ops.fp8_static_linear(x, s["qweight"], s["scale"], input_scale, bias)
+    assert got.dtype == dtype and got.shape == want.shape == (rows, out_features) and torch.isfinite(got).all()
+    assert (got.double() - want.double()).norm() / want.double().norm() <= 1e-2
+
+
+def test_several_rows_take_the_tile_kernel_and_one_row_or_float32_the_gemv(monkeypatch):
+    from autodeploy.custom_ops.triton import quantized_gemv
+
+    launched = []
+    monkeypatch.setattr(quantized_gemv, "_tile", lambda *args: launched.append("tile"))
+    weight = quantize_weight(QuantScheme("int8_wo"), torch.randn(16, 64))
+    for rows, dtype in [(3, torch.float16), (1, torch.float16), (3, torch.float32)]:
+        quantized_gemv.int8_wo_gemv(torch.randn(rows, 64, dtype=dtype).to(DEVICE), weight["qweight"].to(DEVICE),
+                                    weight["scale"].to(DEVICE), None)
+    assert launched == ["tile"]  # one row: the GEMV (default_launch); float32 rows: the GEMV (no float32 tensor-core dot)
 
 
 @pytest.mark.parametrize("launch", [dict(block_n=8, groups_per_step=2), dict(block_n=32, groups_per_step=4, num_stages=2),
