@@ -52,7 +52,7 @@ class GemvLaunch:
     projections give 256 programs a row of x at 16), int8/fp8 input columns a step (``block_k``), int4
     groups a step (``groups_per_step``), warps, and pipeline stages (None: Triton's default). Sizes are
     powers of two.
-    ``scripts/sweep_quantized_gemv.py`` times others against the default on a GPU."""
+    ``scripts/sweep_quantized_gemv.py`` times others; :func:`default_launch` picks one by shape."""
 
     block_n: int = 16
     block_k: int = 512
@@ -63,8 +63,6 @@ class GemvLaunch:
     def options(self) -> dict:
         return {"num_warps": self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages})}
 
-
-DEFAULT_LAUNCH = GemvLaunch()
 
 
 @triton.jit
@@ -217,21 +215,23 @@ class TileLaunch:
 _INT8, _INT4, _FP8 = 0, 1, 2  # the tile kernel's SCHEME
 
 
-def default_launch(scheme: int, num_rows: int, out_features: int, num_sms: int) -> Launch:
-    """The launch for ``num_rows`` rows of a weight of ``out_features`` rows, from ``scripts/sweep_quantized_gemv.py``
-    on an H200 at Llama-3-8B's projections (``notes/quantization.md``, 2026-12-03 evening). A weight is *wide*
-    when its 64-row blocks number at least 0.7 an SM (q/k/v: 96 blocks on 132 SMs, gate/up; not o_proj or
-    down, whose 64 blocks leave half the SMs idle):
+def default_launch(scheme: int, num_rows: int, out_features: int, sms: int) -> Launch:
+    """The launch for ``num_rows`` rows of a weight of ``out_features`` rows on ``sms`` SMs, from
+    ``scripts/sweep_quantized_gemv.py`` on an H200 at Llama-3-8B's projections (``notes/quantization.md``,
+    2026-12-03 evening). A weight is *wide* when its 64-row blocks number at least 0.7 an SM (q/k/v: 96
+    blocks on 132 SMs, gate/up; not o_proj or down, whose 64 blocks leave half the SMs idle):
 
     - one row, int8 and fp8 narrow weights: the GEMV over 8 rows × 1,024 columns a program (int8: o_proj
       7.5 µs, down 20.7 µs, 66% of the floor); int8 wide: 16 × 512 (q/k/v 11.7 µs, gate/up 39.9 µs); int4:
       8 rows × 4 groups everywhere (the tile kernel lost at every int4 shape);
-    - fp8 wide, any rows: the tile kernel over 64 weight rows × 256 columns, five stages, beside the one-pass
-      row quantizer (q/k/v 9.8 µs at one row against the GEMV's 11.9, gate/up 31.9 against 38.0; at 32 rows
-      10.5 / 9.3 / 34.2 / 24.8 µs for q/k/v / o_proj / gate/up / down, where bf16 takes 16.7 / 11.3 / 64.5 / 31.5);
-    - int8 and int4, more rows: the tile kernel over 64 weight rows (wide) or 32, 128 columns a step, five stages.
+    - fp8, wide weights at one row and every weight at more: the tile kernel over 64 weight rows × 256
+      columns, five stages, after the one-pass row quantizer (q/k/v 9.8 µs at one row against the GEMV's
+      11.9, gate/up 31.9 against 38.0; at 32 rows 10.5 / 9.3 / 34.2 / 24.8 µs for q/k/v / o_proj / gate/up /
+      down, where bf16 takes 16.7 / 11.3 / 64.5 / 31.5);
+    - int8 and int4, more rows: the tile kernel over 64 weight rows (wide) or 32, 128 columns a step,
+      five stages.
     """
-    wide = triton.cdiv(out_features, 64) >= 0.7 * num_sms
+    wide = triton.cdiv(out_features, 64) >= 0.7 * sms
     if scheme == _FP8 and (wide or num_rows > 1):
         return TileLaunch(block_n=64, block_k=256, num_stages=5)
     if num_rows > 1:
