@@ -17,7 +17,8 @@ quarter (plus the group scales) for int4. Two kernels, both float32 sums rounded
   int4 a group at a time, times the group's scale), or fp8 × fp8 after :func:`_fp8_rows_kernel` has
   rounded each row of ``x`` to e4m3 once, as ``quantize_activations_fp8`` does.
 
-:func:`default_launch` picks between them from the shape (the sweep's findings); the autotuner keeps
+:func:`default_launch` picks between them from the shape (the sweep's findings: fp8 always takes the tile
+kernel, int8 and int4 the GEMV for one row); the autotuner keeps
 these backends where they beat the ``torch`` ones. Results are the reference's up to float32 summation order.
 
 Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the tests do)::
@@ -221,24 +222,24 @@ def default_launch(scheme: int, num_rows: int, out_features: int, sms: int) -> L
     2026-12-03 evening). A weight is *wide* when its 64-row blocks number at least 0.7 an SM (q/k/v: 96
     blocks on 132 SMs, gate/up; not o_proj or down, whose 64 blocks leave half the SMs idle):
 
-    - one row, int8 and fp8 narrow weights: the GEMV over 8 rows × 1,024 columns a program (int8: o_proj
-      7.5 µs, down 20.7 µs, 66% of the floor); int8 wide: 16 × 512 (q/k/v 11.7 µs, gate/up 39.9 µs); int4:
-      8 rows × 4 groups everywhere (the tile kernel lost at every int4 shape);
-    - fp8, wide weights at one row and every weight at more: the tile kernel over 64 weight rows × 256
-      columns, five stages, after the one-pass row quantizer (q/k/v 9.8 µs at one row against the GEMV's
-      11.9, gate/up 31.9 against 38.0; at 32 rows 10.5 / 9.3 / 34.2 / 24.8 µs for q/k/v / o_proj / gate/up /
-      down, where bf16 takes 16.7 / 11.3 / 64.5 / 31.5);
+    - fp8, any rows: the tile kernel over 64 weight rows × 256 columns, five stages, after the one-pass row
+      quantizer: at one row q/k/v / o_proj / gate/up / down 9.8 / 8.5 / 31.9 / 23.3 µs, where the GEMV
+      (dividing each value by the row's scale in every program) takes 11.9 / 8.6 / 38.0 / 22.4; at 32 rows
+      10.5 / 9.3 / 34.2 / 24.8 µs, where bf16 takes 16.7 / 11.3 / 64.5 / 31.5;
+    - one row, int8: the GEMV over 16 weight rows × 512 columns a program for wide weights (q/k/v 11.7 µs,
+      gate/up 39.9 µs), else 8 × 1,024 (o_proj 7.5 µs, down 20.7 µs, 66% of the floor); int4: 8 rows × 4
+      groups everywhere (the tile kernel lost at every int4 shape);
     - int8 and int4, more rows: the tile kernel over 64 weight rows (wide) or 32, 128 columns a step,
       five stages.
     """
     wide = triton.cdiv(out_features, 64) >= 0.7 * sms
-    if scheme == _FP8 and (wide or num_rows > 1):
+    if scheme == _FP8:
         return TileLaunch(block_n=64, block_k=256, num_stages=5)
     if num_rows > 1:
         return TileLaunch(block_n=64 if wide else 32, block_k=128, num_stages=5)
     if scheme == _INT4:
         return GemvLaunch(block_n=8, groups_per_step=4)
-    return GemvLaunch(block_n=16, block_k=512) if wide and scheme == _INT8 else GemvLaunch(block_n=8, block_k=1024)
+    return GemvLaunch(block_n=16, block_k=512) if wide else GemvLaunch(block_n=8, block_k=1024)
 
 
 @triton.jit
@@ -426,12 +427,12 @@ def int4_wo_gemv(
 
 def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
              input_scale: Optional[torch.Tensor] = None, *, launch: Optional[Launch] = None) -> torch.Tensor:
-    """``fp8_linear`` (same arguments and result) in one kernel: each program rounds its rows of ``x`` to e4m3
-    with the token's scale (as ``quantize_activations_fp8`` does) while it streams the fp8 weight rows, so
-    a decode step costs one kernel instead of the activation quantization's half dozen plus the GEMM: the
-    GEMV for one row, the tile kernel (fp8 × fp8 on the tensor cores) for more; a ``launch`` of either kind
-    overrides the choice. With ``input_scale`` (float32 ``[1]``), ``fp8_static_linear``: that one scale
-    serves every row."""
+    """``fp8_linear`` (same arguments and result) in two kernels, where ``torch._scaled_mm`` takes the
+    activation quantization's half dozen plus the GEMM: by default the row quantizer (each row of ``x`` to
+    e4m3 with the token's scale, as ``quantize_activations_fp8`` does), then the tile kernel (fp8 × fp8 on
+    the tensor cores). A ``GemvLaunch`` takes the GEMV instead, which rounds each row as it streams the
+    weight rows, in one kernel. With ``input_scale`` (float32 ``[1]``), ``fp8_static_linear``: that one
+    scale serves every row."""
     rows = _rows(x, "fp8_gemv", bias)
     (out_features, in_features), num_rows = qweight.shape, rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
