@@ -50,8 +50,12 @@ def sweep(rows: int) -> list[SkinnyConfig]:
         # The plain kernel lost to the swapped one at every shape (notes/perf.md); narrow weight tiles (16, 32
         # rows: Ampere-style MMAs) put more programs on the narrow projections.
         block_m = min(max(16, 1 << (rows - 1).bit_length()), 64)
-        return [SkinnyConfig(block_m, n, k, s, num_warps=w, num_stages=st, swap=True)
-                for n, k, s, w, st in itertools.product([16, 32, 64, 128], [64, 128, 256], [1, 2, 4], [4, 8], [3, 4])]
+        threads = [SkinnyConfig(block_m, n, k, s, num_warps=w, num_stages=st, swap=True)
+                   for n, k, s, w, st in itertools.product([16, 32, 64, 128], [64, 128, 256], [1, 2, 4], [4, 8], [3, 4])]
+        # The same swapped tiles fetched by the TMA unit, deeper pipelines beside them.
+        tma = [SkinnyConfig(block_m, n, k, s, num_warps=4, num_stages=st, tma=True)
+               for n, k, s, st in itertools.product([64, 128], [64, 128, 256], [1, 2], [3, 4, 5])]
+        return threads + tma
     return [SkinnyConfig(m, n, k, s, w) for m, n, k, s, w in space]
 
 
@@ -82,7 +86,7 @@ def main() -> None:
         print(f"{name:8s} M={rows:<3d} floor {floor * 1e6:6.2f} µs | cuBLAS {pct(cublas)} | default {pct(timed[default])} "
               f"{default} | best {pct(timed[best])} {best} | rel err {error:.1e}")
         top = sorted(timed, key=timed.get)[:5]
-        print("   top5: " + "; ".join(f"{c.block_n}/{c.block_k}/{c.split_k}/w{c.num_warps}/s{c.num_stages}{'/swap' if c.swap else ''} {timed[c] * 1e6:.2f}"
+        print("   top5: " + "; ".join(f"{c.block_n}/{c.block_k}/{c.split_k}/w{c.num_warps}/s{c.num_stages}{'/swap' if c.swap else ''}{'/tma' if c.tma else ''} {timed[c] * 1e6:.2f}"
                                  for c in top))
         del weights
 

@@ -4,7 +4,8 @@ Triton's interpreter runs a kernel's Python body on NumPy: it accepts code that 
 branch that reads a ``None`` pointer the interpreter never reaches, mismatched types across an if/else),
 which then fails only on the GPU, at build. The compiler itself needs no GPU: Triton lowers a kernel to a
 cubin for ``sm_90`` on this machine. :func:`recorded_launches` notes each launch's arguments as types
-(tensors as pointer types, ``None`` and ``tl.constexpr`` parameters as constants) and its launch options;
+(tensors as pointer types, host tensor descriptors as Triton names them, ``None`` and ``tl.constexpr``
+parameters as constants) and its launch options;
 :func:`compile_for_hopper` compiles each distinct one in a child process without ``TRITON_INTERPRET``
 (where ``triton.jit`` makes compilable kernels) and returns the failures.
 
@@ -64,6 +65,10 @@ def describe_launch(fn, args: tuple, kwargs: dict) -> dict:
             constants[name] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + _POINTER_TYPES[value.dtype]
+        elif type(value).__name__ == "TensorDescriptor":  # a host-side TMA descriptor: Triton's own type string
+            from triton.runtime.jit import mangle_type
+
+            signature[name] = mangle_type(value)
         else:
             signature[name] = _scalar_type(value)
     if "USE_PDL" in constants:  # the interpreter launches without dependent launch; a Hopper launch with it

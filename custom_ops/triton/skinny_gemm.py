@@ -10,7 +10,10 @@ weight rows, so a 4096 × 4096 weight is spread over hundreds of programs, all l
 - one row (``M = 1``, :func:`_gemv_kernel`): an element-wise multiply into a ``[BLOCK_N, BLOCK_K]``
   float32 accumulator, summed over ``K`` once at the end (no tensor cores needed, any ``BLOCK_N``);
 - more rows (:func:`_skinny_kernel`): ``tl.dot`` of a ``[BLOCK_M ≥ 16, BLOCK_K]`` tile of ``x`` (rows past
-  ``M`` masked to zero) with the weight tile, accumulated in float32.
+  ``M`` masked to zero) with the weight tile, accumulated in float32; :func:`_skinny_swapped_kernel` with
+  the weight tile as the dot's left operand, and :func:`_skinny_tma_kernel` the same with both tiles
+  fetched by Hopper's TMA unit (``SkinnyConfig.tma``: a candidate of ``scripts/sweep_skinny_gemm.py``,
+  not yet timed on a GPU, so no default launch takes it).
 
 When the weight is too narrow to fill the card (fewer than ``4 × SMs`` programs) ``K`` is split and each
 split writes float32 partial sums that :func:`_split_sum_kernel` adds in a fixed order (deterministic,
@@ -47,7 +50,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class SkinnyConfig:
     """How the kernel is launched: rows of ``x``, weight rows and reduction columns per program (``block_m``
-    is 1 for the one-row kernel, else at least 16: ``tl.dot``'s smallest tile), ``K`` splits, warps."""
+    is 1 for the one-row kernel, else at least 16: ``tl.dot``'s smallest tile), ``K`` splits, warps, stages,
+    and which several-row kernel runs (``swap``, ``tma``; a ``tma`` launch whose rows or weight are not
+    16-byte aligned runs the swapped kernel)."""
 
     block_m: int
     block_n: int
@@ -56,6 +61,7 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     swap: bool = False  # several rows: the weight tile as the dot's left operand (out[N, M] = W · xᵀ)
+    tma: bool = False  # swapped only: the tiles fetched by the Tensor Memory Accelerator (Hopper), not by threads
 
 
 def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int) -> SkinnyConfig:
@@ -204,6 +210,35 @@ def _skinny_swapped_kernel(
 
 
 @triton.jit
+def _skinny_tma_kernel(
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # _skinny_swapped_kernel with its tiles fetched through tensor descriptors: on Hopper the TMA unit copies
+    # each tile into shared memory (past the tensor's edges as zeros), so no thread computes addresses or
+    # masks, and the loop keeps NUM_STAGES tiles in flight.
+    wait_for_previous_kernel(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        w = w_desc.load([pid_n * BLOCK_N, pid_k * K_PER_SPLIT + k0])
+        x = x_desc.load([pid_m * BLOCK_M, pid_k * K_PER_SPLIT + k0])
+        acc = tl.dot(w, tl.trans(x), acc)
+    mask = (cols[:, None] < N) & (rows[None, :] < M)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows[None, :] * N + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=mask)
+
+
+@triton.jit
 def _split_sum_kernel(
     part_ptr, bias_ptr, out_ptr, total, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -224,6 +259,12 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any count will do, an H200's keeps the CPU tests' launches like the GPU's
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the TMA unit can fetch these tiles: 16-byte aligned bases and row strides (else the swapped
+    kernel's thread loads serve the launch)."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (rows, weight))
 
 
 def skinny_linear(
@@ -282,9 +323,20 @@ def skinny_linear(
         _gemv_kernel[(triton.cdiv(out_features, config.block_n), split)](
             rows, weight, bias_arg, target, out_features, in_features, weight.stride(0), **common
         )
+    elif config.tma and _tma_takes(rows, weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(num_rows, config.block_m), split)
+        _skinny_tma_kernel[grid](
+            TensorDescriptor(rows, [num_rows, in_features], [rows.stride(0), 1], [config.block_m, config.block_k]),
+            TensorDescriptor(weight, [out_features, in_features], [weight.stride(0), 1], [config.block_n, config.block_k]),
+            bias_arg, target, num_rows, out_features, K_PER_SPLIT=k_per_split, SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
+            num_warps=config.num_warps, **dependent_launch(x.device),
+        )
     else:
         grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(num_rows, config.block_m), split)
-        kernel = _skinny_swapped_kernel if config.swap else _skinny_kernel
+        kernel = _skinny_swapped_kernel if config.swap or config.tma else _skinny_kernel
         kernel[grid](
             rows, weight, bias_arg, target, num_rows, out_features, in_features, rows.stride(0), weight.stride(0),
             BLOCK_M=config.block_m, **common,

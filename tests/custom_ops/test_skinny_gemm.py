@@ -62,6 +62,8 @@ def test_one_row(dtype, out_features, in_features, bias, config):
         ((70, 48), 33, True, SkinnyConfig(64, 16, 32, 3)),   # three splits, one of them past K
         ((5, 96), 40, True, SkinnyConfig(16, 64, 32, swap=True)),          # weight tile as the left operand
         ((20, 256), 100, True, SkinnyConfig(32, 64, 32, 2, swap=True)),    # swapped, masked, K split
+        ((5, 96), 40, True, SkinnyConfig(16, 64, 32, tma=True)),           # TMA tiles, zero past M, N and K
+        ((20, 256), 100, False, SkinnyConfig(32, 64, 64, 3, tma=True)),    # TMA, K in three splits, one past K
     ],
 )
 def test_several_rows(dtype, shape, out_features, bias, config):
@@ -70,10 +72,17 @@ def test_several_rows(dtype, shape, out_features, bias, config):
     check(x, weight, random(out_features, dtype=dtype, seed=2) if bias else None, config)
 
 
-def test_strided_rows_are_read_in_place():
+@pytest.mark.parametrize("config", [None, SkinnyConfig(16, 32, 32, tma=True)], ids=["own", "tma"])
+def test_strided_rows_are_read_in_place(config):
     gate_up = random(5, 128, dtype=torch.float16, seed=0)
     gate = gate_up[:, :64]  # rows 128 apart: the gate half of a fused gate/up GEMM output
-    check(gate, random(32, 64, dtype=torch.float16, seed=1), None)
+    check(gate, random(32, 64, dtype=torch.float16, seed=1), None, config)
+
+
+def test_tma_launches_fall_back_to_thread_loads_for_unaligned_rows():
+    # 36-byte rows cannot be TMA tiles (16-byte strides): the swapped kernel serves the launch instead.
+    x = random(4, 18, dtype=torch.float16, seed=0)
+    check(x, random(24, 18, dtype=torch.float16, seed=1), None, SkinnyConfig(16, 16, 16, tma=True))
 
 
 def test_empty_inputs():
