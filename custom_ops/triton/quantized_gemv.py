@@ -42,7 +42,7 @@ import triton.language as tl
 
 from . import INTERPRETED
 from .launch import dependent_launch, wait_for_previous_kernel
-from .skinny_gemm import num_sms
+from .skinny_gemm import num_sms, tma_aligned
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -200,14 +200,17 @@ def _fp8_gemv_kernel(
 class TileLaunch:
     """How the few-row tile kernel is launched: ``x`` rows a program (``block_m``, at least 16: ``tl.dot``'s
     smallest tile; the smallest power of two over the rows, up to 64, when None), weight rows a program
-    (``block_n``), input columns a step (``block_k``; an int4 step stays inside one group), warps and
-    pipeline stages. Sizes are powers of two; ``scripts/sweep_quantized_gemv.py`` times others."""
+    (``block_n``), input columns a step (``block_k``; an int4 step stays inside one group), warps,
+    pipeline stages, and whether tensor descriptors fetch the tiles (``tma``: rows or weights that are not
+    16-byte aligned take thread loads instead). Sizes are powers of two; ``scripts/sweep_quantized_gemv.py``
+    times others."""
 
     block_m: Optional[int] = None
     block_n: int = 32
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    tma: bool = False  # the tiles fetched by Hopper's TMA unit (a sweep candidate, not yet timed on a GPU)
 
     def options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -260,12 +263,13 @@ def _fp8_rows_kernel(x_ptr, x_q_ptr, x_scale_ptr, input_scale_ptr, K, stride_xm,
 
 @triton.jit
 def _tile_kernel(
-    x_ptr, x_scale_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_q, stride_s,
-    SCHEME: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr, x_scale_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, x_desc, w_desc, M, N, K, stride_xm, stride_q,
+    stride_s, SCHEME: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # acc[BLOCK_N, BLOCK_M] = w_tile · x_tileᵀ on the tensor cores: the weight rows as the dot's wide side.
-    # fp8 takes x already in e4m3 (_fp8_rows_kernel) with its row scales at x_scale_ptr.
+    # fp8 takes x already in e4m3 (_fp8_rows_kernel) with its row scales at x_scale_ptr. With TMA, the x and
+    # weight tiles come through tensor descriptors (zeros past the edges) instead of masked thread loads.
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -280,8 +284,12 @@ def _tile_kernel(
         offsets = tl.arange(0, BLOCK_K)
         pairs = tl.arange(0, BLOCK_K // 2)
         for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_rows + (k0 + offsets)[None, :], mask=row_ok[:, None], other=0.0)
-            packed = tl.load(w_rows + (k0 // 2 + pairs)[None, :], mask=col_ok[:, None], other=0)
+            if TMA:
+                x = x_desc.load([tl.program_id(1) * BLOCK_M, k0])
+                packed = w_desc.load([tl.program_id(0) * BLOCK_N, k0 // 2])
+            else:
+                x = tl.load(x_rows + (k0 + offsets)[None, :], mask=row_ok[:, None], other=0.0)
+                packed = tl.load(w_rows + (k0 // 2 + pairs)[None, :], mask=col_ok[:, None], other=0)
             low, high = _nibbles_to_float(packed)
             q = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # even k low, odd k high
             at = cols * stride_s + k0 // GROUP
@@ -293,12 +301,18 @@ def _tile_kernel(
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offsets
             k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if SCHEME == 0:  # int8 values are exact in half precision; the channel's scale comes last
+            if TMA:
+                x = x_desc.load([tl.program_id(1) * BLOCK_M, k0])
+                q = w_desc.load([tl.program_id(0) * BLOCK_N, k0])
+            elif SCHEME == 0:
+                x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 q = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+            else:
+                x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                q = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if SCHEME == 0:  # int8 values are exact in half precision; the channel's scale comes last
                 acc = tl.dot(_int8_to_float(q).to(x.dtype), tl.trans(x), acc)
             else:  # e4m3 × e4m3
-                q = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc = tl.dot(q, tl.trans(x), acc)
         if SCHEME == 0:
             acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
@@ -370,12 +384,19 @@ def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size:
             num_warps=4, **dependent_launch(rows.device),
         )
     block_m = launch.block_m or min(max(16, triton.next_power_of_2(num_rows)), 64)
-    block_k = min(launch.block_k, group_size) if scheme == _INT4 else _block_k(launch, in_features)
+    block_k = max(16, min(launch.block_k, group_size) if scheme == _INT4 else _block_k(launch, in_features))
+    w_block_k = block_k // 2 if scheme == _INT4 else block_k  # packed int4: two columns a byte
+    x_desc = w_desc = None
+    if launch.tma and tma_aligned(x, q) and w_block_k * q.element_size() >= 16:  # a TMA tile row: 16 bytes or more
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor(x, [num_rows, in_features], [x.stride(0), 1], [block_m, block_k])
+        w_desc = TensorDescriptor(q, [out_features, q.shape[1]], [q.stride(0), 1], [launch.block_n, w_block_k])
     _tile_kernel[(triton.cdiv(out_features, launch.block_n), triton.cdiv(num_rows, block_m))](
-        x, x_scale, q, scale, zero if zero is not None else scale, bias if bias is not None else out, out, num_rows,
-        out_features, in_features, x.stride(0), q.stride(0),
+        x, x_scale, q, scale, zero if zero is not None else scale, bias if bias is not None else out, out, x_desc,
+        w_desc, num_rows, out_features, in_features, x.stride(0), q.stride(0),
         scale.stride(0) if scheme == _INT4 else (1 if scale.numel() > 1 else 0), SCHEME=scheme, GROUP=group_size,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=max(16, block_k),
+        HAS_BIAS=bias is not None, TMA=x_desc is not None, BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
         **launch.options(), **dependent_launch(rows.device),
     )
 

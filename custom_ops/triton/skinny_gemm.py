@@ -261,10 +261,10 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tma_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the TMA unit can fetch these tiles: 16-byte aligned bases and row strides (else the swapped
-    kernel's thread loads serve the launch)."""
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (rows, weight))
+def tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether the TMA unit can fetch tiles of these row-major tensors: 16-byte aligned bases and row
+    strides (else thread loads serve the launch)."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def skinny_linear(
@@ -323,7 +323,7 @@ def skinny_linear(
         _gemv_kernel[(triton.cdiv(out_features, config.block_n), split)](
             rows, weight, bias_arg, target, out_features, in_features, weight.stride(0), **common
         )
-    elif config.tma and _tma_takes(rows, weight):
+    elif config.tma and tma_aligned(rows, weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(num_rows, config.block_m), split)
