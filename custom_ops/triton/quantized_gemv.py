@@ -14,8 +14,9 @@ quarter (plus the group scales) for int4. Two kernels, both float32 sums rounded
   subtract) instead of a conversion instruction, which Hopper issues at an eighth of the float rate;
 - **the tile kernel** (:func:`_tile_kernel`, ``TileLaunch``): up to 64 rows of ``x`` against 32 – 64 weight
   rows a program on the tensor cores, the weight tile dequantised to ``x``'s half-precision dtype (int8;
-  int4 a group at a time, times the group's scale), or fp8 × fp8 after :func:`_fp8_rows_kernel` has
-  rounded each row of ``x`` to e4m3 once, as ``quantize_activations_fp8`` does.
+  int4 a group at a time, times the group's scale; with ``packed_dequant``, two values an instruction in
+  inline PTX), or fp8 × fp8 after :func:`_fp8_rows_kernel` has rounded each row of ``x`` to e4m3 once, as
+  ``quantize_activations_fp8`` does. ``TileLaunch.tma`` fetches the tiles through tensor descriptors.
 
 :func:`default_launch` picks between them from the shape (the sweep's findings: fp8 always takes the tile
 kernel, int8 and int4 the GEMV for one row); the autotuner keeps
@@ -81,6 +82,45 @@ def _nibbles_to_float(packed):
     low = ((word & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     high = ((word >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     return low, high
+
+
+# Four packed bytes (eight 4-bit values, the even k in the low nibbles) to (q − zero) in half precision, two
+# values an instruction (Marlin's trick): each byte is spread to a 16-bit lane (prmt), a nibble placed in
+# the mantissa of 128.0 (bfloat16 0x4300) or 1024.0 (float16 0x6400) by one lop3, then (128 + zero) or
+# (1024 + zero) subtracted two lanes at a time: exact, as every value is an integer in [-15, 15].
+_NIBBLES_ASM = """
+{
+.reg .b32 t0, t1, s0, s1;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shr.u32 s0, t0, 4;
+shr.u32 s1, t1, 4;
+lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $2, s0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $3, s1, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE $0, $0, $5;
+sub.TYPE $1, $1, $6;
+sub.TYPE $2, $2, $5;
+sub.TYPE $3, $3, $6;
+}
+"""
+_BF16_NIBBLES_ASM = tl.constexpr(_NIBBLES_ASM.replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
+_FP16_NIBBLES_ASM = tl.constexpr(_NIBBLES_ASM.replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
+
+
+@triton.jit
+def _nibbles_minus_zero(packed, zero, dtype: tl.constexpr):
+    # (low − zero, high − zero) of uint8 ``packed`` [BLOCK_N, P] in ``dtype`` (bfloat16 or float16), ``zero``
+    # [BLOCK_N] of float32, by _NIBBLES_ASM, four bytes an instance.
+    if dtype == tl.bfloat16:
+        offset = tl.broadcast_to((zero + 128.0).to(tl.bfloat16)[:, None], packed.shape)
+        return tl.inline_asm_elementwise(_BF16_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r", [packed, offset],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        offset = tl.broadcast_to((zero + 1024.0).to(tl.float16)[:, None], packed.shape)
+        return tl.inline_asm_elementwise(_FP16_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r", [packed, offset],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -211,6 +251,7 @@ class TileLaunch:
     num_warps: int = 4
     num_stages: int = 4
     tma: bool = False  # the tiles fetched by Hopper's TMA unit (a sweep candidate, not yet timed on a GPU)
+    packed_dequant: bool = False  # int4: two values an instruction in inline PTX (GPU only; not yet run on one)
 
     def options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -265,7 +306,8 @@ def _fp8_rows_kernel(x_ptr, x_q_ptr, x_scale_ptr, input_scale_ptr, K, stride_xm,
 def _tile_kernel(
     x_ptr, x_scale_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, x_desc, w_desc, M, N, K, stride_xm, stride_q,
     stride_s, SCHEME: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PACKED_DEQUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # acc[BLOCK_N, BLOCK_M] = w_tile · x_tileᵀ on the tensor cores: the weight rows as the dot's wide side.
     # fp8 takes x already in e4m3 (_fp8_rows_kernel) with its row scales at x_scale_ptr. With TMA, the x and
@@ -290,11 +332,16 @@ def _tile_kernel(
             else:
                 x = tl.load(x_rows + (k0 + offsets)[None, :], mask=row_ok[:, None], other=0.0)
                 packed = tl.load(w_rows + (k0 // 2 + pairs)[None, :], mask=col_ok[:, None], other=0)
-            low, high = _nibbles_to_float(packed)
-            q = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # even k low, odd k high
             at = cols * stride_s + k0 // GROUP
             zero = tl.load(zero_ptr + at, mask=col_ok, other=0).to(tl.float32)
-            part = tl.dot((q - zero[:, None]).to(x.dtype), tl.trans(x))
+            if PACKED_DEQUANT:  # two values an instruction, in inline PTX (GPU only)
+                low, high = _nibbles_minus_zero(packed, zero, x.dtype)
+                w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # even k low, odd k high
+            else:
+                low, high = _nibbles_to_float(packed)
+                q = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+                w = (q - zero[:, None]).to(x.dtype)
+            part = tl.dot(w, tl.trans(x))
             acc += part * tl.load(scale_ptr + at, mask=col_ok, other=0.0)[:, None]
     else:
         offsets = tl.arange(0, BLOCK_K)
@@ -396,7 +443,9 @@ def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size:
         x, x_scale, q, scale, zero if zero is not None else scale, bias if bias is not None else out, out, x_desc,
         w_desc, num_rows, out_features, in_features, x.stride(0), q.stride(0),
         scale.stride(0) if scheme == _INT4 else (1 if scale.numel() > 1 else 0), SCHEME=scheme, GROUP=group_size,
-        HAS_BIAS=bias is not None, TMA=x_desc is not None, BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, TMA=x_desc is not None,
+        PACKED_DEQUANT=launch.packed_dequant and scheme == _INT4 and not INTERPRETED,  # the interpreter runs no PTX
+        BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
         **launch.options(), **dependent_launch(rows.device),
     )
 

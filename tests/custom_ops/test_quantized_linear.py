@@ -187,7 +187,7 @@ _TILE_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.f
 @pytest.mark.parametrize(("rows", "out_features", "in_features", "launch"),
                          [(1, 40, 256, dict(block_k=256)), (2, 40, 256, None), (20, 16, 96, dict(block_n=16, block_k=32)),
                           (70, 72, 128, dict(block_n=64)), (3, 40, 96, dict(block_k=64, tma=True)),
-                          (70, 72, 128, dict(block_n=64, tma=True))],
+                          (70, 72, 128, dict(block_n=64, tma=True)), (5, 40, 128, dict(packed_dequant=True))],
                          ids=str)
 def test_the_tile_kernel_matches_the_reference(dtype, scheme, rows, out_features, in_features, launch,
                                                interpreter_rounds_to_fp8_correctly):
@@ -216,6 +216,21 @@ def test_the_tile_kernel_matches_the_reference(dtype, scheme, rows, out_features
             want = ops.fp8_static_linear(x, s["qweight"], s["scale"], input_scale, bias)
     assert got.dtype == dtype and got.shape == want.shape == (rows, out_features) and torch.isfinite(got).all()
     assert (got.double() - want.double()).norm() / want.double().norm() <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_packed_int4_dequantisation_compiles_for_hopper(dtype):
+    # Its inline PTX runs on a GPU only (the tile test above covers it there); here ptxas assembles it for sm_90.
+    from autodeploy.custom_ops.triton import quantized_gemv
+    from tests.hopper_compile import compile_for_hopper, describe_launch
+
+    kernel = getattr(quantized_gemv._tile_kernel, "fn", quantized_gemv._tile_kernel)
+    x, out = torch.empty(16, 256, dtype=dtype), torch.empty(16, 64, dtype=dtype)
+    packed, scale, zero = torch.empty(64, 128, dtype=torch.uint8), torch.empty(64, 2), torch.empty(64, 2, dtype=torch.uint8)
+    launch = describe_launch(kernel, (x, scale, packed, scale, zero, out, out, None, None, 16, 64, 256, 256, 128, 2), dict(
+        SCHEME=1, GROUP=128, HAS_BIAS=False, TMA=False, PACKED_DEQUANT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+        USE_PDL=True, num_warps=4, num_stages=3))
+    assert compile_for_hopper([launch]) == []
 
 
 def test_several_rows_take_the_tile_kernel_and_one_row_or_float32_the_gemv(monkeypatch):
