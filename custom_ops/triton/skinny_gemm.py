@@ -171,6 +171,19 @@ def _skinny_kernel(
 
 
 @triton.jit
+def _store_swapped(acc, rows, cols, pid_k, bias_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    # A swapped tile acc[BLOCK_N, BLOCK_M] into out[M, N]: with the bias and in out's dtype when K is whole,
+    # else as float32 partial sums of split pid_k.
+    mask = (cols[:, None] < N) & (rows[None, :] < M)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows[None, :] * N + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=mask)
+
+
+@triton.jit
 def _skinny_swapped_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_row_stride,
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -200,13 +213,7 @@ def _skinny_swapped_kernel(
         acc += tl.dot(w, tl.trans(x))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    mask = (cols[:, None] < N) & (rows[None, :] < M)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rows[None, :] * N + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=mask)
+    _store_swapped(acc, rows, cols, pid_k, bias_ptr, out_ptr, M, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -229,13 +236,7 @@ def _skinny_tma_kernel(
         w = w_desc.load([pid_n * BLOCK_N, pid_k * K_PER_SPLIT + k0])
         x = x_desc.load([pid_m * BLOCK_M, pid_k * K_PER_SPLIT + k0])
         acc = tl.dot(w, tl.trans(x), acc)
-    mask = (cols[:, None] < N) & (rows[None, :] < M)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rows[None, :] * N + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=mask)
+    _store_swapped(acc, rows, cols, pid_k, bias_ptr, out_ptr, M, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
