@@ -66,7 +66,6 @@ class GemvLaunch:
         return {"num_warps": self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages})}
 
 
-
 @triton.jit
 def _int8_to_float(q):
     # int8 → float32 without a conversion instruction (16 a clock an SM on Hopper, slower than the bytes
@@ -415,7 +414,6 @@ def _pick(launch: Optional[Launch], num_rows: int, out_features: int, x: torch.T
     if isinstance(launch, TileLaunch) and not _tile_takes(x, scheme, group_size):
         return default_launch(scheme, 1, out_features, num_sms(x.device))  # the GEMV, row by row
     return launch
-
 
 
 def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size: int, launch: TileLaunch) -> None:

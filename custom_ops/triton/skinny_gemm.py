@@ -318,6 +318,7 @@ def skinny_linear(
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
         **dependent_launch(x.device),
     )
+    grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(num_rows, config.block_m), split)
     if config.block_m == 1:
         if num_rows != 1:
             raise ValueError(f"skinny_linear: a block_m = 1 launch takes one row of x; got {num_rows}.")
@@ -327,7 +328,6 @@ def skinny_linear(
     elif config.tma and tma_aligned(rows, weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(num_rows, config.block_m), split)
         _skinny_tma_kernel[grid](
             TensorDescriptor(rows, [num_rows, in_features], [rows.stride(0), 1], [config.block_m, config.block_k]),
             TensorDescriptor(weight, [out_features, in_features], [weight.stride(0), 1], [config.block_n, config.block_k]),
@@ -336,7 +336,6 @@ def skinny_linear(
             num_warps=config.num_warps, **dependent_launch(x.device),
         )
     else:
-        grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(num_rows, config.block_m), split)
         kernel = _skinny_swapped_kernel if config.swap or config.tma else _skinny_kernel
         kernel[grid](
             rows, weight, bias_arg, target, num_rows, out_features, in_features, rows.stride(0), weight.stride(0),
