@@ -245,6 +245,18 @@ def test_several_rows_take_the_tile_kernel_and_one_row_or_float32_the_gemv(monke
     assert launched == ["tile"]  # one row: the GEMV (default_launch); float32 rows: the GEMV (no float32 tensor-core dot)
 
 
+def test_fp8_takes_the_tile_kernel_at_any_rows_of_half_precision_and_the_gemv_for_float32(monkeypatch):
+    from autodeploy.custom_ops.triton import quantized_gemv
+
+    launched = []
+    monkeypatch.setattr(quantized_gemv, "_tile", lambda *args: launched.append("tile"))
+    weight = quantize_weight(QuantScheme("fp8"), torch.randn(16, 64))
+    for rows, dtype in [(3, torch.bfloat16), (1, torch.bfloat16), (3, torch.float32), (1, torch.float32)]:
+        quantized_gemv.fp8_gemv(torch.randn(rows, 64, dtype=dtype).to(DEVICE), weight["qweight"].to(DEVICE),
+                                weight["scale"].to(DEVICE), None)
+    assert launched == ["tile", "tile"]  # float32: the GEMV's float32 sums (Hopper's e4m3 MMA accumulates with fewer bits)
+
+
 @pytest.mark.parametrize("launch", [dict(block_n=8, groups_per_step=2), dict(block_n=32, groups_per_step=4, num_stages=2),
                                     dict(block_n=16, block_k=32, num_warps=2)], ids=str)
 def test_the_gemv_kernels_compute_the_same_under_every_launch_the_sweep_tries(launch, interpreter_rounds_to_fp8_correctly):
