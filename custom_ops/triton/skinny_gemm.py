@@ -12,8 +12,8 @@ weight rows, so a 4096 × 4096 weight is spread over hundreds of programs, all l
 - more rows (:func:`_skinny_kernel`): ``tl.dot`` of a ``[BLOCK_M ≥ 16, BLOCK_K]`` tile of ``x`` (rows past
   ``M`` masked to zero) with the weight tile, accumulated in float32; :func:`_skinny_swapped_kernel` with
   the weight tile as the dot's left operand, and :func:`_skinny_tma_kernel` the same with both tiles
-  fetched by Hopper's TMA unit (``SkinnyConfig.tma``: a candidate of ``scripts/sweep_skinny_gemm.py``,
-  not yet timed on a GPU, so no default launch takes it).
+  fetched by Hopper's TMA unit (``SkinnyConfig.tma``), the default on Hopper: 1 – 9% faster than the
+  swapped kernel at 32 rows in ``scripts/sweep_skinny_gemm.py``.
 
 When the weight is too narrow to fill the card (fewer than ``4 × SMs`` programs) ``K`` is split and each
 split writes float32 partial sums that :func:`_split_sum_kernel` adds in a fixed order (deterministic,
@@ -34,6 +34,7 @@ Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the test
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,8 +65,9 @@ class SkinnyConfig:
     tma: bool = False  # swapped only: the tiles fetched by the Tensor Memory Accelerator (Hopper), not by threads
 
 
-def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int) -> SkinnyConfig:
-    """The launch for ``x[rows, in_features] @ weight[out_features, in_features]ᵀ`` on ``num_sms`` SMs.
+def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int, tma: bool = False) -> SkinnyConfig:
+    """The launch for ``x[rows, in_features] @ weight[out_features, in_features]ᵀ`` on ``num_sms`` SMs, with
+    the TMA kernel for several rows when ``tma`` (a Hopper GPU).
 
     From ``scripts/sweep_skinny_gemm.py`` on an H200 (``notes/perf.md``), Llama-3-8B's projections:
 
@@ -76,10 +78,16 @@ def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int) 
       stepping 64 columns (57.7 against 61.0 µs at 32 rows);
     - ``K`` is split only where the blocks leave SMs idle and each split keeps at least 4,096 columns (a
       split's partial sums cost a second kernel: o_proj split in two measured 12.0 against 10.4 µs at one
-      row, 12.6 against 11.9 µs at 32; the 14,336-deep down projection gains from it).
+      row, 12.6 against 11.9 µs at 32; the 14,336-deep down projection gains from it);
+    - on Hopper, several rows take the TMA kernel: at 32 rows (2026-12-03 sweep) q/k/v 15.7 µs (128 columns
+      a step) against the swapped kernel's 16.6, o_proj 10.3 against 11.2 and down 30.3 against 30.8 (256
+      columns a step), gate/up 58.1 against 63.1 (128 weight rows × 128 columns, three stages; cuBLAS 57.3).
     """
     if rows == 1:
         block_m, block_n, block_k, swap = 1, 8, 1024, False
+    elif tma:
+        block_m = min(max(16, triton.next_power_of_2(rows)), 64)
+        block_n, block_k, swap = (128, 128, False) if out_features >= 16384 else (64, 256 if out_features <= 4096 else 128, False)
     else:
         block_m = min(max(16, triton.next_power_of_2(rows)), 64)
         block_n, block_k, swap = 64, 64 if out_features >= 16384 else 256, True
@@ -88,10 +96,12 @@ def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int) 
     split = 1
     while programs * split < num_sms // 2 and in_features // (2 * split) >= 4096:
         split *= 2
-    # Up to four stages of the x and weight tiles in flight, as many as fit in shared memory (64 rows of x
-    # beside 64 weight rows, 256 columns a step, take 64 KB a stage: three).
-    stages = max(1, min(4, _PIPELINE_BYTES // ((block_m + block_n) * block_k * 2)))
-    return SkinnyConfig(block_m, block_n, block_k, split, num_stages=stages, swap=swap)
+    # Up to four stages of the x and weight tiles in flight (three for the 128-row TMA tiles, as swept), as
+    # many as fit in shared memory (64 rows of x beside 64 weight rows, 256 columns a step, take 64 KB a
+    # stage: three).
+    most = 3 if tma and block_n == 128 else 4
+    stages = max(1, min(most, _PIPELINE_BYTES // ((block_m + block_n) * block_k * 2)))
+    return SkinnyConfig(block_m, block_n, block_k, split, num_stages=stages, swap=swap, tma=tma and rows > 1)
 
 
 _PIPELINE_BYTES = 200 << 10  # of the H100/H200's 227 KB of shared memory a block, with room for the epilogue
@@ -262,6 +272,16 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def has_tma(device: torch.device) -> bool:
+    """Whether ``device`` has Hopper's Tensor Memory Accelerator (a CUDA GPU of compute capability 9.0 or later)."""
+    return device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def tma_aligned(*tensors: torch.Tensor) -> bool:
     """Whether the TMA unit can fetch tiles of these row-major tensors: 16-byte aligned bases and row
     strides (else thread loads serve the launch)."""
@@ -306,7 +326,7 @@ def skinny_linear(
     if in_features == 0:
         out.zero_()
         return (out if bias is None else out.add_(bias)).view(*x.shape[:-1], out_features)
-    config = config or skinny_config(num_rows, out_features, in_features, num_sms(x.device))
+    config = config or skinny_config(num_rows, out_features, in_features, num_sms(x.device), tma=has_tma(x.device))
     split = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(in_features, split), config.block_k) * config.block_k
     split = triton.cdiv(in_features, k_per_split)  # a split past the end would only add zeros

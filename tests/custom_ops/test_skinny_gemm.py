@@ -107,12 +107,24 @@ def test_launches_split_k_only_when_the_weight_is_too_narrow_to_fill_the_card():
     assert shallow.split_k == 1 and shallow.block_k == 64
 
 
+def test_on_hopper_several_rows_take_the_tma_kernel_at_the_launches_the_sweep_found_best():
+    qkv, o_proj, down, gate_up = (skinny_config(32, n, k, 132, tma=True)
+                                  for n, k in [(6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096)])
+    assert all(c.tma and not c.swap and c.block_m == 32 for c in (qkv, o_proj, down, gate_up))
+    assert (qkv.block_n, qkv.block_k, qkv.split_k) == (64, 128, 1)
+    assert (o_proj.block_n, o_proj.block_k, o_proj.split_k, o_proj.num_stages) == (64, 256, 1, 4)
+    assert (down.block_k, down.split_k) == (256, 2)
+    assert (gate_up.block_n, gate_up.block_k, gate_up.num_stages) == (128, 128, 3)
+    assert not skinny_config(1, 6144, 4096, 132, tma=True).tma  # one row: the GEMV
+
+
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("rows", [1, 8, 32, 64, 512, 2048])
 @pytest.mark.parametrize("out_features, in_features", [(6144, 4096), (4096, 14336), (28672, 4096)])
-def test_launches_fit_in_shared_memory(rows, out_features, in_features):
+def test_launches_fit_in_shared_memory(rows, out_features, in_features, tma):
     # The autotuner times the backend at every token bucket: a launch past the 227 KB a block may hold
     # would not compile there (64 rows and four 64 KB stages did, before the stages were counted).
-    config = skinny_config(rows, out_features, in_features, 132)
+    config = skinny_config(rows, out_features, in_features, 132, tma=tma)
     stage = (config.block_m + config.block_n) * config.block_k * 2
     assert config.num_stages >= 1 and stage * config.num_stages <= 200 << 10
 
