@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,28 @@ logger = logging.getLogger(__name__)
 
 TOKEN_INPUTS = ("input_ids", "position_ids")  # the serving signature's [1, T] inputs
 LOGIT_INDEX = "logit_index"
+
+
+@dataclass
+class CaptureTimes:
+    """Where capturing went, summed over captures: the eager run before each on the host (launching), the
+    wait for it on the GPU, and the capture itself (``torch.cuda.graph``: its synchronize and cache release,
+    the launches recorded, the graph instantiated)."""
+
+    launching: float = 0.0
+    running: float = 0.0
+    capturing: float = 0.0
+    count: int = 0
+
+    def add(self, launching: float, running: float, capturing: float) -> None:
+        self.launching += launching
+        self.running += running
+        self.capturing += capturing
+        self.count += 1
+
+    def __str__(self) -> str:
+        return (f"{self.count} captures: eager runs {self.launching:.2f} s on the host + {self.running:.2f} s more "
+                f"on the GPU, captures {self.capturing:.2f} s")
 
 
 class NotSplittable(Exception):
@@ -73,6 +96,7 @@ class PiecewiseGraphs:
         self._buffers: dict[int, dict[int, list[torch.Tensor | None]]] = {}  # bucket → piece → static argument buffers
         self._graphs: dict[int, dict[int, tuple[torch.cuda.CUDAGraph, object]]] = {}  # bucket → piece → (graph, outputs)
         self.pool_bytes = 0
+        self.capture_seconds = CaptureTimes()
 
     @property
     def max_tokens(self) -> int:
@@ -96,8 +120,9 @@ class PiecewiseGraphs:
         if self.capture:
             torch.cuda.synchronize(self.device)
             self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
-            logger.info("prefill CUDA graphs: %d pieces at %d token counts up to %d, %.2f GiB",
-                        sum(p.captured for p in self.pieces), len(self.sizes), self.max_tokens, self.pool_bytes / 2**30)
+            logger.info("prefill CUDA graphs: %d pieces at %d token counts up to %d, %.2f GiB; %s",
+                        sum(p.captured for p in self.pieces), len(self.sizes), self.max_tokens, self.pool_bytes / 2**30,
+                        self.capture_seconds)
 
     def run(self, inputs: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
         """The logits of a step of ``num_tokens`` tokens (``serves(num_tokens)`` must hold)."""
@@ -146,14 +171,18 @@ class PiecewiseGraphs:
             call_args.append(buffer)
         if capture is not None and self.capture:
             pool, stream = capture
+            start = time.perf_counter()
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # Triton compiles, cuBLAS picks its kernels, lazy buffers get made
-                    piece.module(*call_args)
+            with torch.cuda.stream(stream):  # once eagerly: Triton compiles, cuBLAS picks its kernels, lazy buffers get made
+                piece.module(*call_args)
+            launched = time.perf_counter()
+            stream.synchronize()
+            ran = time.perf_counter()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 outputs = piece.module(*call_args)
+            self.capture_seconds.add(launched - start, ran - launched, time.perf_counter() - ran)
             graphs[index] = (graph, outputs)
             return outputs
         if index in graphs:
