@@ -45,8 +45,8 @@ LOGIT_INDEX = "logit_index"
 
 @dataclass
 class CaptureTimes:
-    """Where capturing went, summed over captures: the eager run before each on the host (launching), the
-    wait for it on the GPU, and the capture itself (``torch.cuda.graph``: its synchronize and cache release,
+    """Where capturing went, summed over captures: the eager run before each on the host (launching; a
+    piece whose like already ran at the bucket skips it), the wait for it on the GPU, and the capture itself (``torch.cuda.graph``: its synchronize and cache release,
     the launches recorded, the graph instantiated)."""
 
     launching: float = 0.0
@@ -79,6 +79,12 @@ class _Piece:
     attributes: list[bool]  # per argument: a parameter or buffer of the model (a fixed address)
     token_counts: list[bool]  # per argument: the token count itself (an int: T when eager, the bucket when captured)
 
+    @functools.cached_property
+    def structure(self) -> tuple:
+        """What the piece calls, in order, with which constants: equal for the pieces of two layers alike."""
+        return tuple((n.op, str(n.target), tuple(a if isinstance(a, (int, float, str, bool)) or a is None else type(a).__name__
+                                                 for a in n.args)) for n in self.module.graph.nodes)
+
 
 class PiecewiseGraphs:
     """The split graph of ``graph`` and its captured pieces per token bucket; see the module docstring.
@@ -97,6 +103,7 @@ class PiecewiseGraphs:
         self._graphs: dict[int, dict[int, tuple[torch.cuda.CUDAGraph, object]]] = {}  # bucket → piece → (graph, outputs)
         self.pool_bytes = 0
         self.capture_seconds = CaptureTimes()
+        self._warmed: set[tuple] = set()  # (bucket, piece structure, argument layouts) run eagerly before a capture
 
     @property
     def max_tokens(self) -> int:
@@ -172,9 +179,14 @@ class PiecewiseGraphs:
         if capture is not None and self.capture:
             pool, stream = capture
             start = time.perf_counter()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # once eagerly: Triton compiles, cuBLAS picks its kernels, lazy buffers get made
-                piece.module(*call_args)
+            # Once eagerly first (Triton compiles, cuBLAS picks its kernels, lazy buffers get made), unless a
+            # piece alike (another layer's) already ran on arguments of these shapes at this bucket.
+            warmed = (size, piece.structure, tuple(_layout(a) for a in call_args))
+            if warmed not in self._warmed:
+                self._warmed.add(warmed)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    piece.module(*call_args)
             launched = time.perf_counter()
             stream.synchronize()
             ran = time.perf_counter()
@@ -190,6 +202,12 @@ class PiecewiseGraphs:
             graph.replay()
             return outputs
         return piece.module(*call_args)
+
+
+def _layout(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype, value.data_ptr() % 16)
+    return (type(value).__name__, value if isinstance(value, (int, float, bool)) else None)
 
 
 def split_into_pieces(graph: fx.GraphModule) -> tuple[fx.GraphModule, list[_Piece]]:
