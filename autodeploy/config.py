@@ -96,14 +96,11 @@ class CompileSettings:
     (default: powers of two from 16 to ``scheduler.max_num_tokens``; ``[]``: eager), and everything on the
     CPU runs eagerly. ``torch_compile``: the graph runs under
     ``torch.compile`` (Inductor; our ops opaque to it), on any device. ``torch_compile_cuda_graph``: both,
-    the captured decode steps replaying the compiled graph. ``none``: always eager. ``l2_prefetch_bytes``: in
-    the captured decode steps, each projection starts fetching that much of the next one's weight into L2
-    while the kernels between them run (``runtime/weight_prefetch.py``); 0 turns it off."""
+    the captured decode steps replaying the compiled graph. ``none``: always eager."""
 
     backend: str = "cuda_graph"
     batch_sizes: Optional[List[int]] = None
     prefill_token_sizes: Optional[List[int]] = None  # cuda_graph: piecewise prefill graphs; [] turns them off
-    l2_prefetch_bytes: int = 0  # cuda_graph: in captured decode steps, bytes of each next weight fetched into L2 early; 0: off
 
 
 @dataclass
@@ -326,8 +323,6 @@ def _check_choices(settings: DictConfig) -> None:
     token_sizes = settings.compile.prefill_token_sizes
     if token_sizes is not None and any(size < 1 for size in token_sizes):
         raise ConfigError(f"compile.prefill_token_sizes must list token counts ≥ 1 ([] for none, null for the default), got {list(token_sizes)}")
-    if settings.compile.l2_prefetch_bytes < 0:
-        raise ConfigError(f"compile.l2_prefetch_bytes must be ≥ 0 (0 turns the prefetch off), got {settings.compile.l2_prefetch_bytes}")
     if settings.scheduler.max_num_tokens < 1:
         raise ConfigError(f"scheduler.max_num_tokens must be ≥ 1, got {settings.scheduler.max_num_tokens}")
 

@@ -11,7 +11,7 @@
 # profile (scripts/profile_engine_step.py at $PROFILE_B, default 1,256), suite (the whole test suite on the GPU, 12 workers),
 # serve (1,024 requests, at most 256 in flight, 128 in / 128 out), prefill (scripts/profile_prefill.py),
 # build (scripts/time_build.py cold, then warm, over fresh cache folders), sweep (scripts/sweep_skinny_gemm.py),
-# decode_attention (scripts/time_decode_attention.py), l2_prefetch (scripts/time_l2_prefetch.py at $ROWS), sweep_quant (scripts/sweep_quantized_gemv.py over $SCHEMES_CSV).
+# decode_attention (scripts/time_decode_attention.py), sweep_quant (scripts/sweep_quantized_gemv.py over $SCHEMES_CSV).
 # Limits: <STEP>_S, e.g. BENCH_S=420. Extra autodeploy settings for bench/generate/profile: AD_SET="--set k=v".
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -35,7 +35,7 @@ for s in ${STEPS:-backends bench}; do case $s in
       python3 -m autodeploy bench $MODEL --set weights=random --set quantize.default=$scheme ${AD_SET:-} \
       --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress --out "$OUT/bench_$scheme.json"; done ;;
   reload_phases) AUTODEPLOY_CONFIG= step reload_phases ${RELOAD_S:-300} python3 scripts/time_reload_phases.py $MODEL --set weights=random ${AD_SET:-} ;;
-  reload) AUTODEPLOY_CONFIG= step reload ${RELOAD_S:-300} python3 scripts/reload_timing.py $MODEL --repeats 1 --set weights=random ${AD_SET:-} ${RELOAD_ARGS:-} ;;
+  reload) AUTODEPLOY_CONFIG= step reload ${RELOAD_S:-300} python3 scripts/reload_timing.py $MODEL --repeats 1 --set weights=random ${AD_SET:-} ;;
   bench_eager) AUTODEPLOY_CONFIG= step bench_eager ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random \
       --set compile.backend=none --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress \
       --out "$OUT/bench_eager.json" ;;
@@ -50,7 +50,6 @@ for s in ${STEPS:-backends bench}; do case $s in
       TRITON_CACHE_DIR=/tmp/build-cache/triton step build_$pass ${BUILD_S:-240} python3 scripts/time_build.py; done ;;
   sweep) step sweep ${SWEEP_S:-240} python3 scripts/sweep_skinny_gemm.py ${ROWS:-1,32} ;;
   sweep_quant) step sweep_quant ${SWEEP_S:-300} python3 scripts/sweep_quantized_gemv.py ${SCHEMES_CSV:-int8_wo,int4_wo,fp8} ;;
-  l2_prefetch) step l2_prefetch ${L2_S:-120} python3 scripts/time_l2_prefetch.py ${ROWS:-1,32} ;;
   decode_attention) step decode_attention ${DECODE_ATTENTION_S:-120} python3 scripts/time_decode_attention.py ;;
   suite) step suite ${SUITE_S:-420} python3 -m pytest -q -p no:cacheprovider -n 12 ;;
   *) echo "unknown step $s" ;;

@@ -41,7 +41,6 @@ from autodeploy.runtime.cuda_graphs import DecodeGraphs
 from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
 from autodeploy.runtime.outputs import CompletionOutput
 from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs
-from autodeploy.runtime.weight_prefetch import with_weight_prefetches
 from autodeploy.runtime.request import Request, Sequence
 from autodeploy.runtime.device_copies import to_device
 from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
@@ -428,12 +427,7 @@ class Engine:
         return graphs
 
     def _capture_decode_graphs(self, sizes: list[int], pad_block: int) -> DecodeGraphs | None:
-        graph, prefetch_bytes = self.graph, self.settings.compile.l2_prefetch_bytes
-        if prefetch_bytes and isinstance(graph, fx.GraphModule):
-            graph, count = with_weight_prefetches(graph, prefetch_bytes)
-            logger.info("decode steps prefetch the next weight's first %.0f MiB into L2 at %d projections",
-                        prefetch_bytes / 2**20, count)
-        graphs = DecodeGraphs(graph, self.graph_inputs, self.caches, sizes, self.settings.kv_cache.block_size,
+        graphs = DecodeGraphs(self.graph, self.graph_inputs, self.caches, sizes, self.settings.kv_cache.block_size,
                               self.max_seq_len, pad_block, self.device)
         try:
             with torch.inference_mode():
