@@ -19,7 +19,7 @@ quarter (plus the group scales) for int4. Two kernels, both float32 sums rounded
   ``quantize_activations_fp8`` does. ``TileLaunch.tma`` fetches the tiles through tensor descriptors.
 
 :func:`default_launch` picks between them from the shape (the sweep's findings: fp8 always takes the tile
-kernel, int8 and int4 the GEMV for one row); the autotuner keeps
+kernel, int8 and int4 the GEMV for one row but int4's widest weights); the autotuner keeps
 these backends where they beat the ``torch`` ones. Results are the reference's up to float32 summation order.
 
 Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the tests do)::
@@ -43,7 +43,7 @@ import triton.language as tl
 
 from . import INTERPRETED
 from .launch import dependent_launch, wait_for_previous_kernel
-from .skinny_gemm import num_sms, tma_aligned
+from .skinny_gemm import has_tma, num_sms, tma_aligned
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -249,8 +249,8 @@ class TileLaunch:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    tma: bool = False  # the tiles fetched by Hopper's TMA unit (a sweep candidate, not yet timed on a GPU)
-    packed_dequant: bool = False  # int4: two values an instruction in inline PTX (GPU only; not yet run on one)
+    tma: bool = False  # the tiles fetched by Hopper's TMA unit (on Hopper; thread loads elsewhere)
+    packed_dequant: bool = False  # int4: two values an instruction in inline PTX (on Hopper; elsewhere as without)
 
     def options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -273,12 +273,21 @@ def default_launch(scheme: int, num_rows: int, out_features: int, sms: int) -> L
       gate/up 39.9 µs), else 8 × 1,024 (o_proj 7.5 µs, down 20.7 µs, 66% of the floor); int4: 8 rows × 4
       groups everywhere (the tile kernel lost at every int4 shape);
     - int8 and int4, more rows: the tile kernel over 64 weight rows (wide) or 32, 128 columns a step,
-      five stages.
+      five stages;
+    - int4 on Hopper (2026-12-03 sweep, call 7 of the night session): the tile kernel with the packed
+      dequantisation, TMA for wide weights, at more rows (32 rows: q/k/v 18.3 µs against 28.6, o_proj 15.4
+      against 18.8, gate/up 46.3 against 56.9, down 52.6 against 64.6) and for gate/up at one row (40.7
+      against the GEMV's 49.0; three stages). Elsewhere, and before Hopper, the launches above.
     """
     if scheme == _FP8:
         return TileLaunch(block_n=64, block_k=256, num_stages=5)
+    wide = _wide(out_features, sms)
+    if scheme == _INT4 and num_rows > 1:
+        return TileLaunch(block_n=64 if wide else 32, block_k=128, num_stages=5, tma=wide, packed_dequant=True)
+    if scheme == _INT4 and out_features >= 16384:  # gate/up at one row
+        return TileLaunch(block_n=64, block_k=128, num_stages=3, tma=True, packed_dequant=True)
     if num_rows > 1:
-        return TileLaunch(block_n=64 if _wide(out_features, sms) else 32, block_k=128, num_stages=5)
+        return TileLaunch(block_n=64 if wide else 32, block_k=128, num_stages=5)
     return _gemv_launch(scheme, out_features, sms)
 
 
@@ -443,7 +452,8 @@ def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size:
     block_k = max(16, min(launch.block_k, group_size) if scheme == _INT4 else _block_k(launch, in_features))
     w_block_k = block_k // 2 if scheme == _INT4 else block_k  # packed int4: two columns a byte
     x_desc = w_desc = None
-    if launch.tma and tma_aligned(x, q) and w_block_k * q.element_size() >= 16:  # a TMA tile row: 16 bytes or more
+    hopper = has_tma(rows.device)  # TMA, and the packed dequantisation's bf16x2 PTX, need compute capability 9.0
+    if launch.tma and (hopper or INTERPRETED) and tma_aligned(x, q) and w_block_k * q.element_size() >= 16:  # a TMA tile row: 16 bytes or more
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_desc = TensorDescriptor(x, [num_rows, in_features], [x.stride(0), 1], [block_m, block_k])
@@ -453,7 +463,7 @@ def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size:
         w_desc, num_rows, out_features, in_features, x.stride(0), q.stride(0),
         scale.stride(0) if scheme == _INT4 else (1 if scale.numel() > 1 else 0), SCHEME=scheme, GROUP=group_size,
         HAS_BIAS=bias is not None, TMA=x_desc is not None,
-        PACKED_DEQUANT=launch.packed_dequant and scheme == _INT4 and not INTERPRETED,  # the interpreter runs no PTX
+        PACKED_DEQUANT=launch.packed_dequant and scheme == _INT4 and hopper,  # the interpreter runs no PTX
         BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
         **launch.options(), **dependent_launch(rows.device),
     )

@@ -245,6 +245,17 @@ def test_several_rows_take_the_tile_kernel_and_one_row_or_float32_the_gemv(monke
     assert launched == ["tile"]  # one row: the GEMV (default_launch); float32 rows: the GEMV (no float32 tensor-core dot)
 
 
+def test_int4_launches_follow_the_sweep_packed_tiles_for_rows_and_for_gate_up():
+    from autodeploy.custom_ops.triton.quantized_gemv import _INT4, GemvLaunch, TileLaunch, default_launch
+
+    # An H200's 132 SMs at Llama-3-8B's projections (q/k/v 6,144 rows: wide; o_proj 4,096; gate/up 28,672).
+    assert default_launch(_INT4, 32, 6144, 132) == TileLaunch(block_n=64, block_k=128, num_stages=5, tma=True, packed_dequant=True)
+    assert default_launch(_INT4, 32, 4096, 132) == TileLaunch(block_n=32, block_k=128, num_stages=5, packed_dequant=True)
+    assert default_launch(_INT4, 1, 28672, 132) == TileLaunch(block_n=64, block_k=128, num_stages=3, tma=True, packed_dequant=True)
+    assert isinstance(default_launch(_INT4, 1, 6144, 132), GemvLaunch)
+    assert isinstance(default_launch(_INT4, 1, 4096, 132), GemvLaunch)
+
+
 def test_fp8_takes_the_tile_kernel_at_any_rows_of_half_precision_and_the_gemv_for_float32(monkeypatch):
     from autodeploy.custom_ops.triton import quantized_gemv
 
