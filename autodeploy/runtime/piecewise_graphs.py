@@ -46,8 +46,9 @@ LOGIT_INDEX = "logit_index"
 @dataclass
 class CaptureTimes:
     """Where capturing went, summed over captures: the eager run before each on the host (launching; a
-    piece whose like already ran at the bucket skips it), the wait for it on the GPU, and the capture itself (``torch.cuda.graph``: its synchronize and cache release,
-    the launches recorded, the graph instantiated)."""
+    piece whose like already ran at the bucket skips it), the wait for it on the GPU, and the capture
+    itself (``torch.cuda.graph``: its synchronize and cache release, the launches recorded, the graph
+    instantiated)."""
 
     launching: float = 0.0
     running: float = 0.0
@@ -82,8 +83,10 @@ class _Piece:
     @functools.cached_property
     def structure(self) -> tuple:
         """What the piece calls, in order, with which constants: equal for the pieces of two layers alike."""
-        return tuple((n.op, str(n.target), tuple(a if isinstance(a, (int, float, str, bool)) or a is None else type(a).__name__
-                                                 for a in n.args)) for n in self.module.graph.nodes)
+        def constant(argument):
+            return argument if argument is None or isinstance(argument, (int, float, str, bool)) else type(argument).__name__
+
+        return tuple((n.op, str(n.target), tuple(map(constant, n.args))) for n in self.module.graph.nodes)
 
 
 class PiecewiseGraphs:

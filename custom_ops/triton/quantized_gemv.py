@@ -453,7 +453,8 @@ def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size:
     w_block_k = block_k // 2 if scheme == _INT4 else block_k  # packed int4: two columns a byte
     x_desc = w_desc = None
     hopper = has_tma(rows.device)  # TMA, and the packed dequantisation's bf16x2 PTX, need compute capability 9.0
-    if launch.tma and (hopper or INTERPRETED) and tma_aligned(x, q) and w_block_k * q.element_size() >= 16:  # a TMA tile row: 16 bytes or more
+    tma_rows = w_block_k * q.element_size() >= 16  # a TMA tile row: 16 bytes or more
+    if launch.tma and (hopper or INTERPRETED) and tma_aligned(x, q) and tma_rows:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_desc = TensorDescriptor(x, [num_rows, in_features], [x.stride(0), 1], [block_m, block_k])

@@ -86,11 +86,11 @@ def skinny_config(rows: int, out_features: int, in_features: int, num_sms: int, 
     if rows == 1:
         block_m, block_n, block_k, swap = 1, 8, 1024, False
     elif tma:
-        block_m = min(max(16, triton.next_power_of_2(rows)), 64)
-        block_n, block_k, swap = (128, 128, False) if out_features >= 16384 else (64, 256 if out_features <= 4096 else 128, False)
+        block_m, swap = min(max(16, triton.next_power_of_2(rows)), 64), False
+        block_n, block_k = (128, 128) if out_features >= 16384 else (64, 256 if out_features <= 4096 else 128)
     else:
-        block_m = min(max(16, triton.next_power_of_2(rows)), 64)
-        block_n, block_k, swap = 64, 64 if out_features >= 16384 else 256, True
+        block_m, swap = min(max(16, triton.next_power_of_2(rows)), 64), True
+        block_n, block_k = 64, 64 if out_features >= 16384 else 256
     block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
     programs = triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m)
     split = 1
