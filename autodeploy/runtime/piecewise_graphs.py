@@ -86,7 +86,7 @@ class _Piece:
         def constant(argument):
             return argument if argument is None or isinstance(argument, (int, float, str, bool)) else type(argument).__name__
 
-        return tuple((n.op, str(n.target), tuple(map(constant, n.args))) for n in self.module.graph.nodes)
+        return tuple((n.op, _target_name(n.target), tuple(map(constant, n.args))) for n in self.module.graph.nodes)
 
 
 class PiecewiseGraphs:
@@ -205,6 +205,12 @@ class PiecewiseGraphs:
             graph.replay()
             return outputs
         return piece.module(*call_args)
+
+
+def _target_name(target) -> str:
+    # A token dispatch is made per node, so its str() holds its address; its name says which backend
+    # serves each bucket, which is what makes two calls alike.
+    return target.__name__ if hasattr(target, "by_token_bucket") else str(target)
 
 
 def _layout(value) -> tuple:
