@@ -1,6 +1,7 @@
 """Triton backends of canonical ops; each kernel module is imported on first use by the backend that
 serves it (Triton decides at kernel definition whether to interpret, from ``TRITON_INTERPRET``)."""
 
+import functools
 import importlib.util
 import os
 
@@ -23,3 +24,14 @@ def triton_unavailable(device: torch.device) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed (pip install triton)"
     return None
+
+
+def hopper_or_later(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU of compute capability 9.0 or later: Hopper's TMA unit, programmatic
+    dependent launch and ``bf16x2`` PTX arithmetic, which the kernels here use where it holds."""
+    return device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

@@ -17,11 +17,11 @@ may follow any kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from . import hopper_or_later
 
 DEPENDENT_LAUNCH = True
 
@@ -39,10 +39,5 @@ def dependent_launch(device: torch.device) -> dict:
     """The launch arguments of a kernel that starts with :func:`wait_for_previous_kernel`: with
     programmatic dependent launch on a CUDA device that has it (compute capability 9.0 or later) while
     ``DEPENDENT_LAUNCH`` is set, without it elsewhere (the interpreter included)."""
-    use = DEPENDENT_LAUNCH and device.type == "cuda" and _has_dependent_launch(device.index)
+    use = DEPENDENT_LAUNCH and hopper_or_later(device)
     return {"USE_PDL": True, "launch_pdl": True} if use else {"USE_PDL": False}
-
-
-@functools.lru_cache(maxsize=None)
-def _has_dependent_launch(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9

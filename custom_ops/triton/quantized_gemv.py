@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRETED
+from . import INTERPRETED, hopper_or_later
 from .launch import dependent_launch, wait_for_previous_kernel
-from .skinny_gemm import has_tma, num_sms, tma_aligned
+from .skinny_gemm import num_sms, tma_aligned
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -452,7 +452,7 @@ def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size:
     block_k = max(16, min(launch.block_k, group_size) if scheme == _INT4 else _block_k(launch, in_features))
     w_block_k = block_k // 2 if scheme == _INT4 else block_k  # packed int4: two columns a byte
     x_desc = w_desc = None
-    hopper = has_tma(rows.device)  # TMA, and the packed dequantisation's bf16x2 PTX, need compute capability 9.0
+    hopper = hopper_or_later(rows.device)  # TMA, and the packed dequantisation's bf16x2 PTX, need compute capability 9.0
     tma_rows = w_block_k * q.element_size() >= 16  # a TMA tile row: 16 bytes or more
     if launch.tma and (hopper or INTERPRETED) and tma_aligned(x, q) and tma_rows:
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -34,7 +34,6 @@ Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the test
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRETED
+from . import INTERPRETED, hopper_or_later
 from .launch import dependent_launch, wait_for_previous_kernel
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -272,16 +271,6 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def has_tma(device: torch.device) -> bool:
-    """Whether ``device`` has Hopper's Tensor Memory Accelerator (a CUDA GPU of compute capability 9.0 or later)."""
-    return device.type == "cuda" and _capability(device.index)[0] >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def tma_aligned(*tensors: torch.Tensor) -> bool:
     """Whether the TMA unit can fetch tiles of these row-major tensors: 16-byte aligned bases and row
     strides (else thread loads serve the launch)."""
@@ -326,7 +315,7 @@ def skinny_linear(
     if in_features == 0:
         out.zero_()
         return (out if bias is None else out.add_(bias)).view(*x.shape[:-1], out_features)
-    config = config or skinny_config(num_rows, out_features, in_features, num_sms(x.device), tma=has_tma(x.device))
+    config = config or skinny_config(num_rows, out_features, in_features, num_sms(x.device), tma=hopper_or_later(x.device))
     split = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(in_features, split), config.block_k) * config.block_k
     split = triton.cdiv(in_features, k_per_split)  # a split past the end would only add zeros
