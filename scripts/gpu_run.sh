@@ -11,7 +11,7 @@
 # profile (scripts/profile_engine_step.py at $PROFILE_B, default 1,256), suite (the whole test suite on the GPU, 12 workers),
 # serve (1,024 requests, at most 256 in flight, 128 in / 128 out), prefill (scripts/profile_prefill.py),
 # build (scripts/time_build.py cold, then warm, over fresh cache folders), sweep (scripts/sweep_skinny_gemm.py),
-# decode_attention (scripts/time_decode_attention.py), sweep_quant (scripts/sweep_quantized_gemv.py over $SCHEMES_CSV).
+# decode_attention (scripts/time_decode_attention.py), burst (scripts/time_burst_steps.py at $BURST_B, default 32), sweep_quant (scripts/sweep_quantized_gemv.py over $SCHEMES_CSV).
 # Limits: <STEP>_S, e.g. BENCH_S=420. Extra autodeploy settings for bench/generate/profile: AD_SET="--set k=v".
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -50,6 +50,7 @@ for s in ${STEPS:-backends bench}; do case $s in
       TRITON_CACHE_DIR=/tmp/build-cache/triton step build_$pass ${BUILD_S:-240} python3 scripts/time_build.py; done ;;
   sweep) step sweep ${SWEEP_S:-240} python3 scripts/sweep_skinny_gemm.py ${ROWS:-1,32} ;;
   sweep_quant) step sweep_quant ${SWEEP_S:-300} python3 scripts/sweep_quantized_gemv.py ${SCHEMES_CSV:-int8_wo,int4_wo,fp8} ;;
+  burst) AUTODEPLOY_CONFIG= step burst ${BURST_S:-180} python3 scripts/time_burst_steps.py ${BURST_B:-32} 3 ${AD_SET:-} ;;
   decode_attention) step decode_attention ${DECODE_ATTENTION_S:-120} python3 scripts/time_decode_attention.py ;;
   suite) step suite ${SUITE_S:-420} python3 -m pytest -q -p no:cacheprovider -n 12 ;;
   *) echo "unknown step $s" ;;

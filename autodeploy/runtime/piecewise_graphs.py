@@ -86,7 +86,9 @@ class _Piece:
         def constant(argument):
             return argument if argument is None or isinstance(argument, (int, float, str, bool)) else type(argument).__name__
 
-        return tuple((n.op, _target_name(n.target), tuple(map(constant, n.args))) for n in self.module.graph.nodes)
+        # A placeholder is named after what feeds it (another layer's weight), so only its place counts.
+        return tuple((n.op, None if n.op == "placeholder" else _target_name(n.target), tuple(map(constant, n.args)))
+                     for n in self.module.graph.nodes)
 
 
 class PiecewiseGraphs:

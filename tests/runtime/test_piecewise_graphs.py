@@ -42,7 +42,8 @@ def test_the_split_leaves_attention_and_the_logits_tail_eager(llama_llm):
 
 def test_pieces_of_layers_alike_share_a_structure_though_each_node_has_its_own_dispatch():
     # The capture runs one piece of each structure eagerly per bucket; a token dispatch is made per node,
-    # so the structure names it by its backends, not by the object (its str() holds its address).
+    # so the structure names it by its backends, not by the object (its str() holds its address); each
+    # layer's piece reads its own weights through placeholders named after them, so only their places count.
     from types import SimpleNamespace
 
     from torch import fx
@@ -52,16 +53,16 @@ def test_pieces_of_layers_alike_share_a_structure_though_each_node_has_its_own_d
 
     backends = {1: SimpleNamespace(name="triton", op=torch.neg), 64: SimpleNamespace(name="torch", op=torch.neg)}
 
-    def piece(dispatch, scale) -> _Piece:
+    def piece(dispatch, scale, weight="layers_0_weight") -> _Piece:
         graph = fx.Graph()
-        x = graph.placeholder("x")
-        graph.output(graph.call_function(torch.mul, (graph.call_function(dispatch, (x,)), scale)))
-        return _Piece(fx.GraphModule(torch.nn.Module(), graph), True, [True], [False], [False])
+        x, w = graph.placeholder("x"), graph.placeholder(weight)  # split_module names a placeholder after its feed
+        graph.output(graph.call_function(torch.mul, (graph.call_function(dispatch, (x, w)), scale)))
+        return _Piece(fx.GraphModule(torch.nn.Module(), graph), True, [True, False], [False, True], [False, False])
 
     first, second = token_dispatch("rms_norm", backends, (0, 1)), token_dispatch("rms_norm", backends, (0, 1))
     other = token_dispatch("rms_norm", {1: backends[64]}, (0, 1))
     assert str(first) != str(second)
-    assert piece(first, 2.0).structure == piece(second, 2.0).structure
+    assert piece(first, 2.0).structure == piece(second, 2.0, weight="layers_1_weight").structure
     assert piece(first, 2.0).structure != piece(other, 2.0).structure  # another backend: warmed apart
     assert piece(first, 2.0).structure != piece(second, 3.0).structure  # another constant
 
