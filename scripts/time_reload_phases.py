@@ -4,10 +4,11 @@
     python3 scripts/time_reload_phases.py                                      # the demo model, CPU
 
 Builds and saves the model once, then in a fresh process per line: ``torch.export.load`` of the graph
-alone; the weights file read (hashed, copied onto the devices) alone with 4, 8 and 16 reader threads; and
-both at once as the reload runs them (the weights on a background thread) at each thread count. The
-reload's critical path is the longer branch of the last kind; the lines before say how much of it is the
-branches' own work and how much their contention for the GIL (notes/perf.md).
+alone; the weights file read (hashed, copied onto the devices) alone with 4, 8 and 15 reader threads; and
+both at once as the reload runs them (the weights on background threads) at each thread count. For the
+weights, the time until their copies are done (what the graph's assembly waits for) and until the digest
+is (what serving waits for, while the engine captures its graphs). The lines alone against together say
+how much of each is the branches' own work and how much their contention for the GIL (notes/perf.md).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ autodeploy(sys.argv[1] or None, set_arguments=sys.argv[3:]).save(sys.argv[2])
 """
 _PHASES = """
 import json, sys, time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import autodeploy.custom_ops  # noqa: F401  (registers the ops the graph names)
 from autodeploy.artifact import graph_archive, weights_file
@@ -42,18 +42,17 @@ archive = (directory / GRAPH).read_bytes()
 timed = {}
 def graph():
     start = time.perf_counter(); graph_archive.load_program(archive, GRAPH); timed["graph"] = time.perf_counter() - start
-def weights():
-    start = time.perf_counter(); weights_file.load_tensors(directory / WEIGHTS, devices); timed["weights"] = time.perf_counter() - start
 start = time.perf_counter()
 if mode == "graph":
     graph()
-elif mode == "weights":
-    weights()
 else:
-    with ThreadPoolExecutor(max_workers=1) as background, _short_gil_turns():
-        done = background.submit(weights)
-        graph()
-        done.result()
+    with _short_gil_turns():
+        reading = weights_file.start_reading(directory / WEIGHTS, devices)
+        if mode == "both":
+            graph()
+        reading.tensors(); timed["copies"] = time.perf_counter() - start
+        reading.digest(); timed["digest"] = time.perf_counter() - start
+        reading.close()
 timed["wall"] = time.perf_counter() - start
 print(json.dumps(timed))
 """

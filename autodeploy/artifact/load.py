@@ -15,7 +15,6 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, W
 from .manifest import Manifest
 from .rebuild import rebuild_command
 from .reload_settings import reload_settings
-from .weights_file import load_tensors
+from .weights_file import start_reading
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +119,31 @@ def load_deployment(
                               f"save the deployment again") from error
     if not (directory / WEIGHTS).is_file():
         raise CheckpointError(f"{directory / WEIGHTS} is missing from the saved deployment; save the deployment again")
-    with ThreadPoolExecutor(max_workers=1) as background, _short_gil_turns():
-        # The one long read (the weights onto their devices, hashed as they are read) runs while the graph
-        # deserializes: reading, hashing and copying leave the GIL. No tensor is used before the digest matched.
-        weights_read = background.submit(timed, "weights (read, hashed, copied)", load_tensors, directory / WEIGHTS, devices)
-        program = timed("graph (torch.export.load)", load_program, (directory / GRAPH).read_bytes(), str(directory / GRAPH))
-        tensors_by_key, digest = timed("waiting for the weights", weights_read.result)
-    manifest.check_digest(directory, WEIGHTS, digest)
+    # The weights are read onto their devices on background threads while the graph deserializes, and
+    # hashed while the engine captures its CUDA graphs on them (values do not matter to a capture); the
+    # digest is checked before the LLM is returned, so nothing is served from a file that does not match.
+    with _short_gil_turns():
+        reading = start_reading(directory / WEIGHTS, devices)
+        try:
+            program = timed("graph (torch.export.load)", load_program, (directory / GRAPH).read_bytes(), str(directory / GRAPH))
+            tensors_by_key = timed("waiting for the weights' copies", reading.tensors)
+            llm = _assemble(directory, manifest, settings, program, tensors_by_key, placements, serving, tuning, timed)
+            timed("waiting for the weights' digest", lambda: manifest.check_digest(directory, WEIGHTS, reading.digest()))
+        except Exception as error:
+            # A corrupted file can fail the engine (non-finite logits, say) before its digest is known: say so.
+            if not isinstance(error, CheckpointError):
+                manifest.check_digest(directory, WEIGHTS, reading.digest())
+            raise
+        finally:
+            reading.close()
+    logger.info("reloaded the deployment in %s in %.2f s (%s; built from %s; verification %s)", directory,
+                time.perf_counter() - began, ", ".join(f"{phase} {value:.2f} s" for phase, value in seconds.items()),
+                manifest.source.get("model") or "the demo model", manifest.reload_verification)
+    return llm
+
+
+def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by_key, placements, serving, tuning, timed) -> LLM:
+    """The served graph on the loaded tensors, and the ``LLM`` around it (its engine captures its graphs)."""
     try:
         tensors = {name: tensors_by_key[entry["key"]] for name, entry in placements.items()}
         graph_inputs = tuple(serving["graph_inputs"])
@@ -143,8 +160,5 @@ def load_deployment(
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{directory}: a deployment file lacks an entry or has the wrong shape ({type(error).__name__}: "
                               f"{error}); save the deployment again") from error
-    logger.info("reloaded the deployment in %s in %.2f s (%s; built from %s; verification %s)", directory,
-                time.perf_counter() - began, ", ".join(f"{phase} {value:.2f} s" for phase, value in seconds.items()),
-                manifest.source.get("model") or "the demo model", manifest.reload_verification)
-    return LLM(graph, graph_inputs, settings, _load_tokenizer(directory, settings), eos_token_ids, records, kv_caches,
-               manifest.source.get("directory"), verification, decode_sizes, token_sizes)
+    return timed("engine", LLM, graph, graph_inputs, settings, _load_tokenizer(directory, settings), eos_token_ids, records,
+                 kv_caches, manifest.source.get("directory"), verification, decode_sizes, token_sizes)

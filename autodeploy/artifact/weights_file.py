@@ -5,9 +5,10 @@ computes bit-identical logits. A tensor that several graph inputs share (tied em
 only overlaps another's memory (a view into it) is stored as a copy of its own, since safetensors holds
 no views.
 
-The file is read once, its ``manifest.DIGEST_CHUNK`` chunks shared among threads: each piece read is hashed
-for the file's digest (``manifest.file_digest``) and copied from where it was read into the tensors it
-holds; for a GPU, that buffer is pinned and the copy runs on the thread's own stream while it reads the next.
+Threads share the file's ``manifest.DIGEST_CHUNK`` chunks: first each chunk is read and copied into the
+tensors it holds (for a GPU, from a pinned buffer on the thread's own stream), then each is read again and
+hashed for the file's digest (``manifest.file_digest``), which the caller checks before serving
+(:func:`start_reading`).
 
     keys = save_tensors({"lm_head_weight": w, "embed_weight": w}, path)   # both → "lm_head_weight"
     tensors, digest = load_tensors(path, {"lm_head_weight": "cpu"})
@@ -20,7 +21,8 @@ import json
 import os
 import contextlib
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,8 +33,8 @@ from autodeploy.errors import CheckpointError
 
 from . import manifest
 
-_READ_THREADS = 16  # at most
-_READ_BYTES = 16 << 20  # a thread reads a digest chunk in pieces of this size into two buffers (pinned for a GPU)
+_READ_THREADS = 16  # at most, and one fewer than the cores: the caller's thread works meanwhile
+_READ_BYTES = 32 << 20  # a thread reads its chunks in pieces of this size into its one buffer (pinned for a GPU)
 
 
 def _identity(tensor: torch.Tensor) -> tuple:
@@ -61,28 +63,69 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> dict[str, s
     return keys
 
 
-def load_tensors(path: Path, devices: Mapping[str, str]) -> tuple[dict[str, torch.Tensor], str]:
-    """The tensors under ``devices``' keys, each on its device, and the file's digest (:func:`file_digest`'s),
-    from one read of the file. safetensors checks the header (offsets inside the file, no overlaps, sizes
-    that match dtypes and shapes) and gives each tensor's dtype and shape; nothing is unpickled."""
+class WeightsRead:
+    """The deployment's tensors being read (:func:`start_reading`): ``tensors()`` waits for their copies,
+    ``digest()`` for the file's digest (:func:`manifest.file_digest`'s). ``close()`` waits for the threads."""
+
+    def __init__(self, pool: ThreadPoolExecutor, reader: _ChunkReader, copies: list[Future], hashes: list[Future]):
+        self._pool, self._reader, self._copies, self._hashes = pool, reader, copies, hashes
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        for copy in self._copies:
+            copy.result()
+        return self._reader.tensors
+
+    def digest(self) -> str:
+        return manifest.digest_of_chunks([chunk.result() for chunk in self._hashes])
+
+    def close(self) -> None:
+        for future in (*self._copies, *self._hashes):
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        self._reader.close()
+
+
+def start_reading(path: Path, devices: Mapping[str, str]) -> WeightsRead:
+    """Start reading the tensors under ``devices``' keys, each onto its device, and hashing the file, on
+    background threads. safetensors checks the header (offsets inside the file, no overlaps, sizes that
+    match dtypes and shapes) and gives each tensor's dtype and shape; nothing is unpickled.
+
+    The copies come first: each thread reads a ``manifest.DIGEST_CHUNK`` chunk, ``_READ_BYTES`` at a time,
+    into its buffer (pinned for a GPU) and copies the pieces it holds into their tensors. The file is then read again, a chunk at a
+    time, for its digest: sha256 is the slow half (~0.6 GB/s a core), so the caller can use the tensors
+    (build CUDA graphs on them) while the digest is computed, as long as it checks the digest before
+    anything is served. Each thread takes the GIL a few times a chunk (its reads, hashing and copies
+    leave it), so the caller's own Python work (the graph's deserialization) keeps it nearly to itself."""
     chunk_bytes = manifest.DIGEST_CHUNK
-    read_bytes = min(_READ_BYTES, chunk_bytes)
     spans = _spans(path, devices)
     tensors = {key: torch.empty(shape, dtype=dtype, device=devices[key]) for key, (dtype, shape, _, _) in spans.items()}
-    pieces = {}  # a read's file offset → [(key, offset in the read, offset in the tensor, bytes)]
+    pieces = {}  # a chunk's file offset → [(key, offset in the chunk, offset in the tensor, bytes)]
     for key, (_, _, begin, end) in spans.items():
-        for read in range(begin - begin % read_bytes, end, read_bytes):
-            first, last = max(begin, read), min(end, read + read_bytes)
-            pieces.setdefault(read, []).append((key, first - read, first - begin, last - first))
+        for chunk in range(begin - begin % chunk_bytes, end, chunk_bytes):
+            first, last = max(begin, chunk), min(end, chunk + chunk_bytes)
+            pieces.setdefault(chunk, []).append((key, first - chunk, first - begin, last - first))
     size = path.stat().st_size
     chunks = list(range(0, size, chunk_bytes))
-    workers = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(chunks)))
-    reader = _ShareReader(path, size, chunk_bytes, read_bytes, pieces, tensors, pinned=any(t.is_cuda for t in tensors.values()))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        sha256s = {}
-        for share in pool.map(reader, [chunks[worker::workers] for worker in range(workers)]):
-            sha256s.update(share)
-    return tensors, manifest.digest_of_chunks([sha256s[chunk] for chunk in chunks])
+    pinned = any(t.is_cuda for t in tensors.values())
+    pool = ThreadPoolExecutor(max_workers=max(1, min(_READ_THREADS, (os.cpu_count() or 2) - 1, len(chunks))))
+    reader = _ChunkReader(path, size, chunk_bytes, tensors, pinned)
+    try:
+        copies = [pool.submit(reader.copy, chunk, pieces[chunk]) for chunk in chunks if chunk in pieces]
+        hashes = [pool.submit(reader.sha256, chunk) for chunk in chunks]  # queued behind every copy
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        reader.close()
+        raise
+    return WeightsRead(pool, reader, copies, hashes)
+
+
+def load_tensors(path: Path, devices: Mapping[str, str]) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors under ``devices``' keys, each on its device, and the file's digest, when both are done."""
+    reading = start_reading(path, devices)
+    try:
+        return reading.tensors(), reading.digest()
+    finally:
+        reading.close()
 
 
 def _spans(path: Path, devices: Mapping[str, str]) -> dict[str, tuple[torch.dtype, torch.Size, int, int]]:
@@ -113,45 +156,57 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-class _ShareReader:
-    """Reads a thread's share of the digest chunks, each in ``read_bytes`` pieces into the thread's two
-    buffers in turn: hashes it for the chunk's sha256 and copies each piece into the tensors it holds. For
-    a GPU the copies run on the thread's own stream, and a buffer is refilled once its copies have left
-    it. The reads, hashing and copies leave the GIL."""
+class _ChunkReader:
+    """Per thread: a buffer of ``_READ_BYTES`` (pinned for a GPU), an open file and a stream its copies run on."""
 
-    def __init__(self, path: Path, size: int, chunk_bytes: int, read_bytes: int, pieces: dict,
-                 tensors: dict[str, torch.Tensor], pinned: bool):
-        self.path, self.size, self.chunk_bytes, self.read_bytes = path, size, chunk_bytes, read_bytes
-        self.pieces, self.tensors, self.pinned = pieces, tensors, pinned
+    def __init__(self, path: Path, size: int, chunk_bytes: int, tensors: dict[str, torch.Tensor], pinned: bool):
+        self.path, self.size, self.chunk_bytes, self.tensors, self.pinned = path, size, chunk_bytes, tensors, pinned
+        self.local = threading.local()
+        self.files: list = []  # every thread's, closed by close()
 
-    def __call__(self, chunks: list[int]) -> dict[int, bytes]:
-        stream = torch.cuda.Stream() if self.pinned else None
-        buffers = [torch.empty(self.read_bytes, dtype=torch.uint8, pin_memory=self.pinned) for _ in range(2)]
-        sent: list[torch.cuda.Event | None] = [None, None]
-        sha256s, slot = {}, 0
-        with open(self.path, "rb") as file:
-            for chunk in chunks:
-                sha256 = hashlib.sha256()
-                for read in range(chunk, min(chunk + self.chunk_bytes, self.size), self.read_bytes):
-                    slot = 1 - slot
-                    if sent[slot] is not None:
-                        sent[slot].synchronize()  # its last copies have left the buffer
-                    view = memoryview(buffers[slot].numpy())[: min(self.read_bytes, self.size - read)]
-                    filled = 0
-                    while filled < len(view):
-                        got = os.preadv(file.fileno(), [view[filled:]], read + filled)
-                        if got == 0:
-                            raise CheckpointError(f"{self.path} ended at byte {read + filled} while it was read; save the deployment again")
-                        filled += got
-                    sha256.update(view)
-                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                        for key, at, start, length in self.pieces.get(read, ()):
-                            _as_bytes(self.tensors[key])[start:start + length].copy_(
-                                buffers[slot][at:at + length], non_blocking=stream is not None)
-                    if stream is not None:
-                        sent[slot] = torch.cuda.Event()
-                        sent[slot].record(stream)
-                sha256s[chunk] = sha256.digest()
-        if stream is not None:
-            stream.synchronize()
-        return sha256s
+    def _thread_state(self):
+        state = self.local.__dict__
+        if not state:
+            state["file"] = open(self.path, "rb")
+            self.files.append(state["file"])
+            state["buffer"] = torch.empty(_READ_BYTES, dtype=torch.uint8, pin_memory=self.pinned)
+            state["view"] = memoryview(state["buffer"].numpy())
+            state["stream"] = torch.cuda.Stream() if self.pinned else None
+        return state
+
+    def _reads(self, chunk: int):
+        """The chunk's pieces in turn, each read into the thread's buffer: (file offset, view of the buffer)."""
+        state = self._thread_state()
+        end = min(chunk + self.chunk_bytes, self.size)
+        for read in range(chunk, end, _READ_BYTES):
+            view = state["view"][: min(_READ_BYTES, end - read)]
+            filled = 0
+            while filled < len(view):
+                got = os.preadv(state["file"].fileno(), [view[filled:]], read + filled)
+                if got == 0:
+                    raise CheckpointError(f"{self.path} ended at byte {read + filled} while it was read; save the deployment again")
+                filled += got
+            yield read, view
+
+    def copy(self, chunk: int, pieces: list[tuple[str, int, int, int]]) -> None:
+        state = self._thread_state()
+        buffer, stream = state["buffer"], state["stream"]
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for read, view in self._reads(chunk):
+                for key, at, start, length in pieces:  # each piece's overlap with this read
+                    first, last = max(chunk + at, read), min(chunk + at + length, read + len(view))
+                    if first < last:
+                        _as_bytes(self.tensors[key])[start + first - chunk - at:start + last - chunk - at].copy_(
+                            buffer[first - read:last - read], non_blocking=stream is not None)
+                if stream is not None:
+                    stream.synchronize()  # the buffer is read into again next
+
+    def sha256(self, chunk: int) -> bytes:
+        sha256 = hashlib.sha256()
+        for _, view in self._reads(chunk):
+            sha256.update(view)
+        return sha256.digest()
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()

@@ -101,6 +101,21 @@ def activation_config(num_rows: int, inner: int) -> ActivationConfig:
 
 
 @triton.jit
+def activate(gate, ACTIVATION: tl.constexpr):
+    """``ACTIVATION(gate)`` for a float32 block, one of :data:`ACTIVATIONS` (the formulas above): shared by
+    this module's kernel and the few-row GEMM's gated epilogue (``skinny_gemm.skinny_gated_linear``)."""
+    if ACTIVATION == "silu":
+        activated = gate * tl.sigmoid(gate)
+    elif ACTIVATION == "gelu_tanh":
+        activated = gate * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate))
+    elif ACTIVATION == "gelu":
+        activated = 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
+    else:  # relu
+        activated = tl.maximum(gate, 0.0)
+    return activated
+
+
+@triton.jit
 def _gated_activation_kernel(
     gate_ptr, up_ptr, out_ptr, inner, gate_row_stride, up_row_stride, out_row_stride,
     ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
@@ -113,15 +128,7 @@ def _gated_activation_kernel(
     mask = columns < inner
     gate = tl.load(gate_ptr + row * gate_row_stride + columns, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * up_row_stride + columns, mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION == "silu":
-        activated = gate * tl.sigmoid(gate)
-    elif ACTIVATION == "gelu_tanh":
-        activated = gate * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate))
-    elif ACTIVATION == "gelu":
-        activated = 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
-    else:  # relu
-        activated = tl.maximum(gate, 0.0)
-    out = (activated * up).to(out_ptr.dtype.element_ty)
+    out = (activate(gate, ACTIVATION) * up).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_row_stride + columns, out, mask=mask)
 
 
@@ -243,12 +250,12 @@ def fused_gated_mlp_triton(
 def fused_gated_mlp_skinny(
     x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, activation: str
 ) -> torch.Tensor:
-    """``fused_gated_mlp_triton`` with both GEMMs in the few-row kernel (``skinny_gemm.skinny_linear``, float16
-    or bfloat16, a decode step's rows) instead of cuBLAS; the down GEMM reads the gate half in place."""
-    from .skinny_gemm import skinny_linear
+    """``fused_gated_mlp_triton`` with both GEMMs in the few-row kernels (float16 or bfloat16, a decode step's
+    rows) instead of cuBLAS: ``skinny_gemm.skinny_gated_linear`` for gate/up and the activation (one kernel
+    on Hopper), ``skinny_gemm.skinny_linear`` for down."""
+    # Imported here: skinny_gemm imports this module (the activation formulas and the fall-back step).
+    from .skinny_gemm import skinny_gated_linear, skinny_linear
 
-    inner = fused_gated_mlp_inner_size("fused_gated_mlp_skinny", x, gate_up_weight, down_weight)
+    fused_gated_mlp_inner_size("fused_gated_mlp_skinny", x, gate_up_weight, down_weight)
     _check_weights("fused_gated_mlp_skinny", x, gate_up=gate_up_weight, down=down_weight)
-    gate_up = skinny_linear(x, gate_up_weight, None)
-    gate, up = gate_up[..., :inner], gate_up[..., inner:]
-    return skinny_linear(gated_activation(gate, up, activation, out=gate), down_weight, None)
+    return skinny_linear(skinny_gated_linear(x, gate_up_weight, activation), down_weight, None)

@@ -16,6 +16,7 @@ import torch
 
 from autodeploy import LLM, SamplingParams, autodeploy
 from autodeploy.artifact import manifest as manifest_module
+from autodeploy.artifact import weights_file
 from autodeploy.artifact.weights_file import load_tensors, save_tensors
 from autodeploy.autotuner import describe_dispatch, token_dispatch
 from autodeploy.custom_ops import candidates
@@ -83,6 +84,18 @@ def test_a_tampered_weights_file_is_a_checkpoint_error(saved, tmp_path):
     copied = edited_copy(saved, tmp_path)
     weights = bytearray((copied / "weights.safetensors").read_bytes())
     weights[-5] ^= 0xFF
+    (copied / "weights.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(CheckpointError, match=r"weights.safetensors does not match the sha256"):
+        autodeploy(str(copied))
+
+
+def test_weights_tampered_so_the_engine_fails_are_still_reported_as_tampered(saved, tmp_path):
+    # The digest is computed while the engine is built on the tensors; NaNs everywhere fail that build
+    # (its warm-up checks the logits), and the error says what is wrong: the file, not the model.
+    copied = edited_copy(saved, tmp_path)
+    weights = bytearray((copied / "weights.safetensors").read_bytes())
+    header = 8 + int.from_bytes(weights[:8], "little")
+    weights[header:] = b"\xff" * (len(weights) - header)
     (copied / "weights.safetensors").write_bytes(bytes(weights))
     with pytest.raises(CheckpointError, match=r"weights.safetensors does not match the sha256"):
         autodeploy(str(copied))
@@ -186,9 +199,12 @@ def test_a_file_the_manifest_does_not_list_in_the_tokenizer_folder_is_refused(sa
         autodeploy(str(copied))
 
 
-def test_the_weights_are_read_once_into_aligned_tensors_with_the_files_digest(tmp_path, monkeypatch):
+@pytest.mark.parametrize("read_bytes", [1024, 300])
+def test_the_weights_are_read_into_aligned_tensors_with_the_files_digest(tmp_path, monkeypatch, read_bytes):
     # 1 KiB chunks: tensors start and end inside chunks and span several; the digest is file_digest's.
+    # Reads of 300 bytes: a chunk's pieces straddle the reads too.
     monkeypatch.setattr(manifest_module, "DIGEST_CHUNK", 1024)
+    monkeypatch.setattr(weights_file, "_READ_BYTES", read_bytes)
     gen = torch.Generator().manual_seed(0)
     saved = {"a": torch.randn(700, generator=gen), "b": torch.randn(3, 333, generator=gen).to(torch.bfloat16),
              "c": torch.randint(-100, 100, (1500,), dtype=torch.int8, generator=gen), "d": torch.tensor(2.5),

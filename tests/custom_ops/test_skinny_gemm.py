@@ -3,8 +3,10 @@
 Without a GPU the kernels run in Triton's interpreter (``tests/conftest.py`` sets TRITON_INTERPRET), so the
 shapes are tiny; they reach every edge the launch has: one row (the GEMV kernel) and several (the
 ``tl.dot`` kernel, rows past ``M`` masked), widths and depths that do not fill a block (masked loads),
-``K`` split over programs (the partial-sum kernel), bias, strided rows of ``x``. The interpreter's
-``tl.dot`` garbles bfloat16 (numpy has no such type), so bfloat16 runs the dot kernel on the GPU only.
+``K`` split over programs (the partial-sum kernel), bias, strided rows of ``x``; and the gated kernel
+(``skinny_gated_linear``: gate/up with the activation) against ``act(x·gateᵀ) · (x·upᵀ)``, with its
+two-kernel fall-back. The interpreter's ``tl.dot`` garbles bfloat16 (numpy has no such type), so bfloat16
+runs the dot kernels on the GPU only (``test_skinny_gemm_gpu.py``: the gated kernel at Llama-3-8B's shape).
 Contract: ``‖out − ref‖ / ‖ref‖ ≤ 1e-2`` in half precision.
 """
 
@@ -14,7 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autodeploy.custom_ops.triton.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear
+from autodeploy.custom_ops.triton import skinny_gemm
+from autodeploy.custom_ops.triton.gated_activation import ACTIVATIONS
+from autodeploy.custom_ops.triton.skinny_gemm import (
+    SkinnyConfig, skinny_config, skinny_gated_config, skinny_gated_linear, skinny_linear)
+from tests.custom_ops.activation_formulas import ACTIVATION_FORMULAS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -145,15 +151,97 @@ def test_unsupported_inputs_raise(call, message):
         call()
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_fused_gated_mlp_with_few_row_gemms(rows):
-    # fused_gated_mlp's triton_skinny backend: both GEMMs here, the down one over the gate half in place.
+@pytest.mark.parametrize("hopper", [False, True], ids=["two-kernels", "hopper"])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_fused_gated_mlp_with_few_row_gemms(rows, hopper, monkeypatch):
+    # fused_gated_mlp's triton_skinny backend: both GEMMs here. As on Hopper, several rows take the gated TMA
+    # kernel for gate/up and the activation; else the activation kernel runs over the gate half in place.
     from autodeploy.custom_ops.fused_gated_mlp import fused_gated_mlp_reference
     from autodeploy.custom_ops.triton.gated_activation import fused_gated_mlp_skinny
 
+    monkeypatch.setattr(skinny_gemm, "hopper_or_later", lambda device: hopper)
     x = random(rows, 32, dtype=torch.float16, seed=0)
     gate_up, down = random(2 * 40, 32, dtype=torch.float16, seed=1), random(32, 40, dtype=torch.float16, seed=2)
     got = torch.ops.autodeploy.fused_gated_mlp_triton_skinny.default(x, gate_up, down, "silu")
     torch.testing.assert_close(got, fused_gated_mlp_skinny(x, gate_up, down, "silu"), rtol=0, atol=0)
     expected = fused_gated_mlp_reference(x.double(), gate_up.double(), down.double(), "silu")
     assert ((got.double() - expected).norm() / expected.norm()).item() <= 1e-2
+
+
+def check_gated(x, gate_up_weight, activation, config=None):
+    # act(x @ gateᵀ) * (x @ upᵀ) in float64; returns the result for its layout to be checked.
+    got = skinny_gated_linear(x, gate_up_weight, activation, config=config)
+    gate, up = F.linear(x.double(), gate_up_weight.double()).chunk(2, dim=-1)
+    expected = ACTIVATION_FORMULAS[activation](gate) * up
+    assert got.shape == expected.shape and got.dtype == x.dtype
+    error = ((got.double() - expected).norm() / expected.norm()).item()
+    assert error <= 1e-2, f"relative error {error:.2e}"
+    return got
+
+
+def one_kernel(out, inner):
+    # The gated kernel writes a fresh [rows, I]; the two-kernel path returns the gate half of [rows, 2I].
+    return out.stride(-2) == inner
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("rows, hidden, inner", [(2, 64, 64), (5, 96, 100), (32, 256, 320)])
+def test_gated_kernel_at_its_hopper_launch(rows, hidden, inner, activation):
+    # The launch Hopper takes, in the interpreter: 32 rows of each half a program; 100 and 320 columns leave
+    # a last block past I (its gate tile reads up rows, its up tile zeros past 2I), 96 a K step past H.
+    x = random(rows, hidden, dtype=torch.float16, seed=0)
+    gate_up = random(2 * inner, hidden, dtype=torch.float16, seed=1) / hidden**0.5
+    config = skinny_gated_config(rows, inner, hidden, 132, tma=True)
+    assert one_kernel(check_gated(x, gate_up, activation, config), inner)
+
+
+@pytest.mark.parametrize(
+    "shape, inner, config",
+    [
+        ((2, 9, 128), 100, SkinnyConfig(32, 64, 32, num_stages=2, tma=True)),   # 18 rows; a tile of 64 per half
+        ((5, 256), 72, SkinnyConfig(16, 16, 64, num_stages=3, tma=True)),       # narrow tiles, four K steps
+    ],
+)
+def test_gated_kernel_at_other_launches(shape, inner, config):
+    x = random(*shape, dtype=torch.float16, seed=0)
+    gate_up = random(2 * inner, shape[-1], dtype=torch.float16, seed=1) / shape[-1] ** 0.5
+    assert one_kernel(check_gated(x, gate_up, "silu", config), inner)
+
+
+@pytest.mark.parametrize(
+    "rows, hidden, config",
+    [
+        (1, 64, None),                                    # one row: the GEMV, then the activation kernel
+        (5, 64, None),                                    # the CPU's own launch is not TMA (not Hopper)
+        (5, 64, SkinnyConfig(16, 32, 32, tma=False)),
+        (4, 18, SkinnyConfig(16, 16, 16, tma=True)),      # 36-byte rows: TMA cannot fetch them
+    ],
+)
+def test_gated_linear_falls_back_to_two_kernels(rows, hidden, config):
+    x = random(rows, hidden, dtype=torch.float16, seed=0)
+    gate_up = random(2 * 40, hidden, dtype=torch.float16, seed=1) / hidden**0.5
+    assert not one_kernel(check_gated(x, gate_up, "gelu_tanh", config), 40)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: skinny_gated_linear(random(2, 8, dtype=torch.float16, seed=0), random(8, 8, dtype=torch.float16, seed=1),
+                                     "swish"), "unknown activation"),
+        (lambda: skinny_gated_linear(random(2, 8, dtype=torch.float16, seed=0), random(7, 8, dtype=torch.float16, seed=1),
+                                     "silu"), "odd"),
+        (lambda: skinny_gated_linear(random(2, 32, dtype=torch.float16, seed=0), random(8, 32, dtype=torch.float16, seed=1),
+                                     "silu", config=SkinnyConfig(16, 16, 16, 2, tma=True)), "whole sums"),
+    ],
+)
+def test_gated_linear_refuses_what_it_cannot_compute(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_gated_launch_fetches_as_many_weight_rows_as_the_ungated_one_and_never_splits():
+    # Llama-3-8B's gate/up at 32 rows on an H200: 64 rows of each half where the plain launch takes 128.
+    gate_up = skinny_gated_config(32, 14336, 4096, 132, tma=True)
+    assert (gate_up.block_n, gate_up.block_k, gate_up.num_stages, gate_up.split_k, gate_up.tma) == (64, 128, 3, 1, True)
+    assert skinny_config(32, 2 * 1024, 8192, 132, tma=True).split_k > 1  # narrow and deep: the plain launch splits
+    assert skinny_gated_config(32, 1024, 8192, 132, tma=True).split_k == 1
