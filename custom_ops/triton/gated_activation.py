@@ -10,9 +10,13 @@ writes the product once, in float32 registers between. It reads rows through the
 - ``gated_mlp_triton`` (separate weights) runs two GEMMs and writes the product over ``up``, which it owns;
 - ``fused_gated_mlp_triton`` (one ``gate_up_weight[2I, H]``) runs one GEMM, writes the product over that
   output's gate half and hands the down GEMM that half as a strided view; either way the block holds
-  two ``[tokens, I]`` buffers' worth at its peak instead of three.
+  two ``[tokens, I]`` buffers' worth at its peak instead of three;
+- ``fused_gated_mlp_skinny`` (a decode step's few rows) runs both GEMMs in ``skinny_gemm``'s few-row
+  kernels; with several rows on Hopper its gate/up GEMM computes the activation in its epilogue
+  (``skinny_gemm.skinny_gated_linear``), so :func:`gated_activation` runs only in its fall-back.
 
-Activations (those of ``custom_ops/activations.py``), in float32:
+Activations (those of ``custom_ops/activations.py``), in float32, written once in :func:`activate`
+(this kernel's and the gated GEMM's):
 
 - ``silu``: ``g · σ(g)``;
 - ``gelu_tanh``: ``½g(1 + tanh(u)) = g · σ(2u)``, ``u = √(2/π)(g + 0.044715 g³)`` (no tanh needed);
