@@ -216,3 +216,15 @@ def test_the_weights_are_read_into_aligned_tensors_with_the_files_digest(tmp_pat
     for key, tensor in saved.items():
         assert tensors[key].dtype == tensor.dtype and torch.equal(tensors[key].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
         assert tensors[key].data_ptr() % 64 == 0
+
+
+def test_the_graph_loads_with_remembered_fake_tensors_and_torchs_deserializer_is_left_as_it_was(saved):
+    from torch._export.serde import serialize
+
+    from autodeploy.artifact.graph_archive import load_program
+
+    original = serialize.GraphModuleDeserializer.deserialize_tensor_meta
+    program = load_program((saved / "graph.pt2").read_bytes(), "graph.pt2")
+    assert serialize.GraphModuleDeserializer.deserialize_tensor_meta is original
+    values = [node.meta["val"] for node in program.graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)]
+    assert len({id(value) for value in values}) < len(values)  # nodes alike share one fake tensor
