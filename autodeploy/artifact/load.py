@@ -143,7 +143,7 @@ def load_deployment(
 
 
 def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by_key, placements, serving, tuning, timed) -> LLM:
-    """The served graph on the loaded tensors, and the ``LLM`` around it (its engine captures its graphs)."""
+    """The served graph on the loaded tensors, and the ``LLM`` around it with its engine built."""
     try:
         tensors = {name: tensors_by_key[entry["key"]] for name, entry in placements.items()}
         graph_inputs = tuple(serving["graph_inputs"])
@@ -160,5 +160,8 @@ def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{directory}: a deployment file lacks an entry or has the wrong shape ({type(error).__name__}: "
                               f"{error}); save the deployment again") from error
-    return timed("engine", LLM, graph, graph_inputs, settings, _load_tokenizer(directory, settings), eos_token_ids, records,
-                 kv_caches, manifest.source.get("directory"), verification, decode_sizes, token_sizes)
+    llm = LLM(graph, graph_inputs, settings, _load_tokenizer(directory, settings), eos_token_ids, records, kv_caches,
+              manifest.source.get("directory"), verification, decode_sizes, token_sizes)
+    if llm.can_serve:  # the engine (KV pool, warm-up, CUDA graphs), as a build makes it, while the digest is computed
+        timed("engine", lambda: llm.engine)
+    return llm

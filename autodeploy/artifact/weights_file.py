@@ -33,7 +33,7 @@ from autodeploy.errors import CheckpointError
 
 from . import manifest
 
-_READ_THREADS = 16  # at most, and one fewer than the cores: the caller's thread works meanwhile
+_READ_THREADS = 16  # at most, and two fewer than the cores: the caller's thread works meanwhile
 _READ_BYTES = 32 << 20  # a thread reads its chunks in pieces of this size into its one buffer (pinned for a GPU)
 
 
@@ -107,7 +107,7 @@ def start_reading(path: Path, devices: Mapping[str, str]) -> WeightsRead:
     size = path.stat().st_size
     chunks = list(range(0, size, chunk_bytes))
     pinned = any(t.is_cuda for t in tensors.values())
-    pool = ThreadPoolExecutor(max_workers=max(1, min(_READ_THREADS, (os.cpu_count() or 2) - 1, len(chunks))))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(_READ_THREADS, (os.cpu_count() or 3) - 2, len(chunks))))
     reader = _ChunkReader(path, size, chunk_bytes, tensors, pinned)
     try:
         copies = [pool.submit(reader.copy, chunk, pieces[chunk]) for chunk in chunks if chunk in pieces]

@@ -54,16 +54,18 @@ class CaptureTimes:
     running: float = 0.0
     capturing: float = 0.0
     count: int = 0
+    eager_runs: int = 0
 
-    def add(self, launching: float, running: float, capturing: float) -> None:
+    def add(self, launching: float, running: float, capturing: float, ran_eagerly: bool = True) -> None:
         self.launching += launching
         self.running += running
         self.capturing += capturing
         self.count += 1
+        self.eager_runs += ran_eagerly
 
     def __str__(self) -> str:
-        return (f"{self.count} captures: eager runs {self.launching:.2f} s on the host + {self.running:.2f} s more "
-                f"on the GPU, captures {self.capturing:.2f} s")
+        return (f"{self.count} captures: {self.eager_runs} eager runs {self.launching:.2f} s on the host + "
+                f"{self.running:.2f} s more on the GPU, captures {self.capturing:.2f} s")
 
 
 class NotSplittable(Exception):
@@ -187,7 +189,8 @@ class PiecewiseGraphs:
             # Once eagerly first (Triton compiles, cuBLAS picks its kernels, lazy buffers get made), unless a
             # piece alike (another layer's) already ran on arguments of these shapes at this bucket.
             warmed = (size, piece.structure, tuple(_layout(a) for a in call_args))
-            if warmed not in self._warmed:
+            ran_eagerly = warmed not in self._warmed
+            if ran_eagerly:
                 self._warmed.add(warmed)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
@@ -199,7 +202,7 @@ class PiecewiseGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 outputs = piece.module(*call_args)
-            self.capture_seconds.add(launched - start, ran - launched, time.perf_counter() - ran)
+            self.capture_seconds.add(launched - start, ran - launched, time.perf_counter() - ran, ran_eagerly)
             graphs[index] = (graph, outputs)
             return outputs
         if index in graphs:

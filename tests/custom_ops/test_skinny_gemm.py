@@ -240,8 +240,11 @@ def test_gated_linear_refuses_what_it_cannot_compute(call, message):
 
 
 def test_gated_launch_fetches_as_many_weight_rows_as_the_ungated_one_and_never_splits():
-    # Llama-3-8B's gate/up at 32 rows on an H200: 64 rows of each half where the plain launch takes 128.
+    # Llama-3-8B's gate/up at 32 rows on an H200: 64 rows of each half where the plain launch takes 128,
+    # four stages (the sweep's best) where the plain launch's 128-row tiles fit three.
     gate_up = skinny_gated_config(32, 14336, 4096, 132, tma=True)
-    assert (gate_up.block_n, gate_up.block_k, gate_up.num_stages, gate_up.split_k, gate_up.tma) == (64, 128, 3, 1, True)
+    assert (gate_up.block_n, gate_up.block_k, gate_up.num_stages, gate_up.split_k, gate_up.tma) == (64, 128, 4, 1, True)
+    wide = skinny_gated_config(64, 14336, 4096, 132, tma=True)  # 64 rows of x: four stages still fit the budget
+    assert wide.num_stages * (wide.block_m + 2 * wide.block_n) * wide.block_k * 2 <= 200 << 10
     assert skinny_config(32, 2 * 1024, 8192, 132, tma=True).split_k > 1  # narrow and deep: the plain launch splits
     assert skinny_gated_config(32, 1024, 8192, 132, tma=True).split_k == 1
