@@ -41,3 +41,20 @@ def dependent_launch(device: torch.device) -> dict:
     ``DEPENDENT_LAUNCH`` is set, without it elsewhere (the interpreter included)."""
     use = DEPENDENT_LAUNCH and hopper_or_later(device)
     return {"USE_PDL": True, "launch_pdl": True} if use else {"USE_PDL": False}
+
+
+# Per device, zeroed int32 counters that the programs of one launch count their arrival on (split
+# attention, split GEMMs): the last to arrive finishes the work and sets its counter back to zero, so
+# the counters are zero between launches. Launches on a stream run one after another (a dependent launch
+# waits before touching memory), so all kernels share them. A CUDA graph keeps the address it was
+# captured with: a larger request allocates a new buffer and every earlier one is kept alive.
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_ARRIVAL_COUNTERS = 1 << 16
+
+
+def arrival_counters(count: int, device: torch.device) -> torch.Tensor:
+    """At least ``count`` zeroed counters on ``device`` (see above)."""
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        buffers.append(torch.zeros(max(_MIN_ARRIVAL_COUNTERS, triton.next_power_of_2(count)), dtype=torch.int32, device=device))
+    return buffers[-1]

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from . import INTERPRETED, SUPPORTED_DTYPES
 from .cache_store import stored_as
-from .launch import dependent_launch, wait_for_previous_kernel
+from .launch import arrival_counters, dependent_launch, wait_for_previous_kernel
 
 from ..attention import check_alibi_slopes
 
@@ -593,7 +593,7 @@ def _launch_decode(
         partials = torch.empty(
             (num_decode, q_heads, num_splits, shared["VALUE_DIM"] + 2), dtype=torch.float32, device=out.device
         )
-        arrivals = _arrival_counters(num_decode * kv_heads, out.device)
+        arrivals = arrival_counters(num_decode * kv_heads, out.device)
     splits_pad, merge_group_pad = triton.next_power_of_2(num_splits), triton.next_power_of_2(shared["GROUP"])
     # as many splits a merge step as keep its [heads, splits, dims] tile at ~32 registers a thread
     merge_splits = max(1, min(splits_pad, _MERGE_TILE // (merge_group_pad * shared["DV_PAD"])))
@@ -606,21 +606,6 @@ def _launch_decode(
         MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT, num_warps=num_warps, num_stages=num_stages,
         **dependent_launch(out.device),
     )
-
-
-# Per device, one zeroed counter per (decode, kv head) that split programs count their arrival on; the
-# merging program sets it back to zero, so it stays zeroed between launches and is never cleared by a
-# kernel of its own (a CUDA graph keeps the address it was captured with: the buffer only ever grows).
-_ARRIVALS: dict = {}
-_MIN_ARRIVAL_COUNTERS = 1 << 16
-
-
-def _arrival_counters(count: int, device: torch.device) -> torch.Tensor:
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < count:
-        counters = torch.zeros(max(_MIN_ARRIVAL_COUNTERS, triton.next_power_of_2(count)), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counters
-    return counters
 
 
 def _padded_dim(head_dim: int) -> int:

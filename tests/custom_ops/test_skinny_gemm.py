@@ -70,6 +70,7 @@ def test_one_row(dtype, out_features, in_features, bias, config):
         ((20, 256), 100, True, SkinnyConfig(32, 64, 32, 2, swap=True)),    # swapped, masked, K split
         ((5, 96), 40, True, SkinnyConfig(16, 64, 32, tma=True)),           # TMA tiles, zero past M, N and K
         ((20, 256), 100, False, SkinnyConfig(32, 64, 64, 3, tma=True)),    # TMA, K in three splits, one past K
+        ((70, 256), 100, True, SkinnyConfig(64, 32, 64, 2, tma=True)),     # TMA split: two row blocks, bias
     ],
 )
 def test_several_rows(dtype, shape, out_features, bias, config):
@@ -83,6 +84,25 @@ def test_strided_rows_are_read_in_place(config):
     gate_up = random(5, 128, dtype=torch.float16, seed=0)
     gate = gate_up[:, :64]  # rows 128 apart: the gate half of a fused gate/up GEMM output
     check(gate, random(32, 64, dtype=torch.float16, seed=1), None, config)
+
+
+def test_a_tma_split_launch_sums_its_partials_itself_and_leaves_its_counters_at_zero():
+    # The last split of each tile to arrive adds the partials (no second kernel): the sums are the
+    # reference's, launch after launch, and every arrival counter is back at zero for the next one.
+    from autodeploy.custom_ops.triton import launch
+
+    x, weight, bias = (random(20, 256, dtype=torch.float16, seed=0), random(100, 256, dtype=torch.float16, seed=1),
+                       random(100, dtype=torch.float16, seed=2))
+    launches = []
+    original = skinny_gemm._split_sum_kernel
+    skinny_gemm._split_sum_kernel = type("Counted", (), {"__getitem__": lambda self, grid: launches.append(grid)})()
+    try:
+        for _ in range(2):
+            check(x, weight, bias, SkinnyConfig(16, 32, 64, 4, tma=True))
+    finally:
+        skinny_gemm._split_sum_kernel = original
+    assert launches == []
+    assert all(int(counters.abs().sum()) == 0 for counters in launch._ARRIVALS[x.device])
 
 
 def test_tma_launches_fall_back_to_thread_loads_for_unaligned_rows():

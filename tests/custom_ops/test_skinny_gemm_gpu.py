@@ -1,4 +1,4 @@
-"""The gated few-row GEMM (``skinny_gemm.skinny_gated_linear``) in bfloat16 at Llama-3-8B's gate/up shape and
+"""The few-row GEMMs on the card: the gated one (``skinny_gemm.skinny_gated_linear``) in bfloat16 at Llama-3-8B's gate/up shape and
 a 32-row decode batch, against the float32 reference: ‖out − ref‖/‖ref‖ ≤ 1e-2. On Hopper it is the TMA
 kernel with the activation in its epilogue, elsewhere the two-kernel fall-back. Skips without CUDA."""
 
@@ -30,3 +30,19 @@ def test_gated_gate_up_at_llama_3_8b_shape(activation):
     assert (got.stride(0) == INNER) == hopper_or_later(x.device)
     error = ((got.float() - expected).norm() / expected.norm()).item()
     assert error <= 1e-2, f"relative error {error:.2e}"
+
+
+def test_down_projection_split_on_the_card_sums_its_partials_in_the_kernel():
+    # Llama-3-8B's down projection at 32 rows: on an H200 K is split in two and the last split of each
+    # tile adds the partials (arrival counters); twice, so the counters' reset is exercised too.
+    from autodeploy.custom_ops.triton.skinny_gemm import num_sms, skinny_config, skinny_linear
+
+    x = torch.randn(ROWS, INNER, device="cuda").to(torch.bfloat16)
+    down = (torch.randn(HIDDEN, INNER, device="cuda") / INNER**0.5).to(torch.bfloat16)
+    bias = torch.randn(HIDDEN, device="cuda").to(torch.bfloat16)
+    expected = F.linear(x.float(), down.float(), bias.float())
+    config = skinny_config(ROWS, HIDDEN, INNER, num_sms(x.device), tma=hopper_or_later(x.device))
+    for _ in range(2):
+        got = skinny_linear(x, down, bias, config=config)
+        error = ((got.float() - expected).norm() / expected.norm()).item()
+        assert error <= 1e-2, f"relative error {error:.2e} ({config})"
