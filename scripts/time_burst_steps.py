@@ -62,7 +62,8 @@ for repeat in range(REPEATS):
         if index < 6 or index >= len(steps) - 2:
             print(f"  step {index:3d}: at {1e3 * (began - origin):7.1f} ms, host {1e3 * (ended - began):6.2f} ms, "
                   f"{prefill} prompt tokens, {chunks} chunks")
+    # A call's interval (to the next call) is the step it launched: in the steady state, its GPU time.
     gaps = [b2 - b1 for (b1, _), (b2, _) in zip(steps, steps[1:])]
-    decode_gaps = [gap for gap, (prefill, _) in zip(gaps[1:], plans[2:]) if prefill == 0]
+    decode_gaps = [gap for gap, (prefill, _) in zip(gaps, plans) if prefill == 0]
     print(f"  decode-only steps: {len(decode_gaps)}, median interval {1e3 * statistics.median(decode_gaps):.3f} ms, "
           f"mean {1e3 * statistics.mean(decode_gaps):.3f} ms")
