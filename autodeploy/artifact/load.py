@@ -1,6 +1,8 @@
 """Serve a saved deployment as it was built: no export, no transforms, no verification (it was verified at build).
 
-Every file is checked against the manifest's digest before it is used (the weights while the graph loads);
+Every file is checked against the manifest's digest before it is used (the weights are hashed while the
+engine captures its CUDA graphs on them, whose values a capture does not read, and checked before anything
+is served);
 the graph archive is checked for anything it must not hold before ``torch.export.load`` reads it; tensors
 come from safetensors. Nothing is unpickled. Whether this process may serve the deployment as saved (same
 library versions and device kind) is the caller's question (``Manifest.environment_mismatches``);
