@@ -1,42 +1,30 @@
 """Greedy argmax over Llama-3's 128,256 logits: ``logits.argmax(-1)`` against the chunked argmax of
 ``runtime/sampler.py::greedy_tokens`` (chunk maxima, then the first chunk holding the row's maximum), at
-several row counts, bf16 and float32, each timed inside a CUDA graph of 100 calls (median of 5 replays).
+several row counts, bf16 and float32, each timed inside a CUDA graph of 100 calls (``sweep_skinny_gemm.seconds_per_call``: median of 5 replays).
 
 Run on a GPU: python scripts/time_argmax.py
 """
 
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 from autodeploy.runtime import sampler
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_skinny_gemm import seconds_per_call  # noqa: E402
+
 VOCAB = 128256
 
 
 def timed(function, logits) -> float:
-    function(logits)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(100):
-            function(logits)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 10)  # µs a call
-    return statistics.median(times)
+    """µs a call, in a CUDA graph of 100 calls (one logits tensor: it stays in L2, as the engine's does)."""
+    return seconds_per_call(lambda x, _: function(x), [None], logits, calls=100) * 1e6
 
 
 def chunked(logits):
-    rows, vocab = logits.shape
-    chunk = sampler._argmax_chunk(vocab)
-    values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)
-    return (best * chunk + within.gather(-1, best)).squeeze(-1)
+    return sampler.chunked_argmax(logits, sampler._argmax_chunk(logits.shape[1]))
 
 
 for dtype in (torch.bfloat16, torch.float32):

@@ -139,6 +139,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     chunk = _argmax_chunk(vocab)
     if chunk is None or rows >= _ARGMAX_ROWS:
         return logits.argmax(dim=-1)
+    return chunked_argmax(logits, chunk)
+
+
+def chunked_argmax(logits: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` over ``[rows, vocab]`` through the maxima of ``chunk``-wide pieces (``chunk``
+    divides ``vocab``): the first maximum of each piece, then the first piece holding the row's maximum."""
+    rows, vocab = logits.shape
     values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)
     best = values.argmax(dim=-1, keepdim=True)
     return (best * chunk + within.gather(-1, best)).squeeze(-1)
