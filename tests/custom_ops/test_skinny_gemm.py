@@ -86,7 +86,7 @@ def test_strided_rows_are_read_in_place(config):
     check(gate, random(32, 64, dtype=torch.float16, seed=1), None, config)
 
 
-def test_a_tma_split_launch_sums_its_partials_itself_and_leaves_its_counters_at_zero():
+def test_a_tma_split_launch_sums_its_partials_itself_and_leaves_its_counters_at_zero(monkeypatch):
     # The last split of each tile to arrive adds the partials (no second kernel): the sums are the
     # reference's, launch after launch, and every arrival counter is back at zero for the next one.
     from autodeploy.custom_ops.triton import launch
@@ -94,15 +94,22 @@ def test_a_tma_split_launch_sums_its_partials_itself_and_leaves_its_counters_at_
     x, weight, bias = (random(20, 256, dtype=torch.float16, seed=0), random(100, 256, dtype=torch.float16, seed=1),
                        random(100, dtype=torch.float16, seed=2))
     launches = []
-    original = skinny_gemm._split_sum_kernel
-    skinny_gemm._split_sum_kernel = type("Counted", (), {"__getitem__": lambda self, grid: launches.append(grid)})()
-    try:
-        for _ in range(2):
-            check(x, weight, bias, SkinnyConfig(16, 32, 64, 4, tma=True))
-    finally:
-        skinny_gemm._split_sum_kernel = original
+    monkeypatch.setattr(skinny_gemm, "_split_sum_kernel", _Recorder(launches))
+    for _ in range(2):
+        check(x, weight, bias, SkinnyConfig(16, 32, 64, 4, tma=True))
     assert launches == []
     assert all(int(counters.abs().sum()) == 0 for counters in launch._ARRIVALS[x.device])
+
+
+class _Recorder:
+    """Stands in for a kernel: records each grid it is launched over."""
+
+    def __init__(self, grids: list):
+        self.grids = grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args, **kwargs: None
 
 
 def test_tma_launches_fall_back_to_thread_loads_for_unaligned_rows():
