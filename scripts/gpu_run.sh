@@ -35,7 +35,7 @@ for s in ${STEPS:-backends bench}; do case $s in
       python3 -m autodeploy bench $MODEL --set weights=random --set quantize.default=$scheme ${AD_SET:-} \
       --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress --out "$OUT/bench_$scheme.json"; done ;;
   reload_phases) AUTODEPLOY_CONFIG= step reload_phases ${RELOAD_S:-300} python3 scripts/time_reload_phases.py $MODEL --set weights=random ${AD_SET:-} ;;
-  reload) AUTODEPLOY_CONFIG= step reload ${RELOAD_S:-300} python3 scripts/reload_timing.py $MODEL --repeats 1 --set weights=random ${AD_SET:-} ;;
+  reload) AUTODEPLOY_CONFIG= step reload ${RELOAD_S:-300} python3 scripts/reload_timing.py $MODEL --repeats 1 --set weights=random ${AD_SET:-} ${RELOAD_ARGS:-} ;;
   bench_eager) AUTODEPLOY_CONFIG= step bench_eager ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random \
       --set compile.backend=none --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress \
       --out "$OUT/bench_eager.json" ;;

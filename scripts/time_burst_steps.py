@@ -4,9 +4,12 @@ host with what it planned (prefill tokens, decodes). The first burst after the b
 is done once per process at a new shape; later bursts show the steady state.
 
 Run: [MODEL=...] python scripts/time_burst_steps.py [B] [REPEATS] [--set key=value ...]   (default 32, 3; llama-3-8b, random)
+PROFILE_STEPS=N: the first N steps of the last burst under cProfile, their costliest functions printed after it.
 """
 
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -37,10 +40,19 @@ def recorded_schedule():
 engine.scheduler.schedule = recorded_schedule
 steps: list[tuple[float, float]] = []
 step = engine.step
+PROFILE_STEPS = int(os.environ.get("PROFILE_STEPS", "0"))
+profile = cProfile.Profile() if PROFILE_STEPS else None
+profiling = False
 
 
 def timed_step():
     began = time.perf_counter()
+    if profiling and len(steps) < PROFILE_STEPS:
+        profile.enable()
+        changed = step()
+        profile.disable()
+        steps.append((began, time.perf_counter()))
+        return changed
     changed = step()
     steps.append((began, time.perf_counter()))
     return changed
@@ -51,6 +63,7 @@ run_workload(llm, synthetic_workload(2, 8, 4, llm.vocab_size, llm.settings.max_s
 for repeat in range(REPEATS):
     plans.clear()
     steps.clear()
+    profiling = profile is not None and repeat == REPEATS - 1
     workload = synthetic_workload(BATCH, 128, 128, llm.vocab_size, llm.settings.max_seq_len, seed=0)
     measurement = run_workload(llm, workload, progress=False)
     ttft = sorted(round(t.ttft * 1e3, 1) for t in measurement.timings)
@@ -67,3 +80,8 @@ for repeat in range(REPEATS):
     decode_gaps = [gap for gap, (prefill, _) in zip(gaps, plans) if prefill == 0]
     print(f"  decode-only steps: {len(decode_gaps)}, median interval {1e3 * statistics.median(decode_gaps):.3f} ms, "
           f"mean {1e3 * statistics.mean(decode_gaps):.3f} ms")
+if profile is not None:
+    print(f"the first {PROFILE_STEPS} steps of the last burst, host time (cProfile):")
+    stats = pstats.Stats(profile)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)

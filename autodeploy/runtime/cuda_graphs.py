@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from autodeploy.runtime.piecewise_graphs import CaptureTimes
+from autodeploy.runtime.piecewise_graphs import CaptureTimes, upload
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import PendingTokens, slot
 
@@ -123,6 +123,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 batch.logits = self.graph(*arguments)[0]
+            upload(graph, torch.cuda.current_stream(self.device))
             batch.graph = graph
             times.add(launched - start, ran - launched, time.perf_counter() - ran)
         torch.cuda.synchronize(self.device)

@@ -67,6 +67,9 @@ _MIN_KEYS_PER_SPLIT = 256
 # alone at the end. A partial result costs well under 1% of the bytes of 2048 keys.
 _MAX_KEYS_PER_SPLIT = 2048
 _MAX_SPLITS = 64
+# Launch the grid's last splits first, so those a short sequence leaves empty end while the kernel ahead
+# still runs (the order blocks are handed out in is the grid's, though CUDA does not promise it).
+_EMPTY_SPLITS_FIRST = True
 _MERGE_TILE = 4096  # elements of the merge's partial-results tile: 32 a thread at 4 warps
 
 # Triton compiles a kernel once per value class of each integer argument (1, a multiple of 16, other).
@@ -303,12 +306,14 @@ def _decode_kernel(
     SINGLE_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_GROUP_PAD: tl.constexpr,
     MERGE_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_KEYS_PER_SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    EMPTY_SPLITS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     decode = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    # Blocks are handed out in grid order, z last: with the last splits first, the splits a short
+    # sequence leaves empty end at once, while the kernel ahead still runs (see the early exit below).
+    split = num_splits - 1 - tl.program_id(2) if EMPTY_SPLITS_FIRST else tl.program_id(2)
     seq = first_decode + decode
     kv_len = tl.load(kv_lens_ptr + seq)
     visible_first, keys_per_split, used_splits = _split_keys(
@@ -603,7 +608,8 @@ def _launch_decode(
         # tl.dot needs at least 16 rows; the padded head rows are masked out.
         GROUP_PAD=max(16, triton.next_power_of_2(shared["GROUP"])), BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
         SPLITS_PAD=splits_pad, MERGE_GROUP_PAD=merge_group_pad, MERGE_SPLITS=merge_splits,
-        MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT, num_warps=num_warps, num_stages=num_stages,
+        MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT, EMPTY_SPLITS_FIRST=_EMPTY_SPLITS_FIRST,
+        num_warps=num_warps, num_stages=num_stages,
         **dependent_launch(out.device),
     )
 

@@ -111,3 +111,21 @@ def test_captured_decode_graphs_replay_what_eager_decoding_computes(llama_dir):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     for ours, theirs in zip(got, expected):  # the logits themselves, not only their argmax
         torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graph_uploaded_after_capture_replays_its_work():
+    from autodeploy.runtime.piecewise_graphs import upload
+
+    x = torch.arange(8.0, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        y = x * 2  # eager once before capture, as the engine does
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * 2 + 1
+    assert upload(graph, torch.cuda.current_stream())
+    x.fill_(3.0)
+    graph.replay()
+    torch.testing.assert_close(y, torch.full((8,), 7.0, device="cuda"))
