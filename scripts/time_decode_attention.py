@@ -53,25 +53,26 @@ def main() -> None:
         interpreter._patch_lang_tensor = lambda tensor, scope: (
             patch(tensor, scope), scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item())))
     original = paged_attention._decode_config
-    # (BLOCK_N, warps, stages): the shipped config first, then the sweep (all of it on the GPU only)
-    configs = [original(128)] + [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)
-                                 if (n, w, s) != original(128) and not (n == 128 and s == 3)]
+    # (BLOCK_N, warps, stages), swept on the GPU only
+    configs = [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3) if not (n == 128 and s == 3)]
     for decodes in (1, 32, 256) if DEVICE == "cuda" else (1,):
         (q, k_cache, v_cache, seq_start, kv_lens, tables, slots), info, nbytes = batch(decodes)
         new_kv = q[:, :, :8]  # written to spare pages no table points to: the cached keys stay as they are
         expected = cached_attention_reference(q, new_kv, new_kv, k_cache.clone(), v_cache.clone(), seq_start,
                                               kv_lens, tables, slots, info, 128**-0.5)
         results = []
-        variants = [(c, s, True) for c in configs for s in (None, 1, 2, 4)] + [(c, None, False) for c in configs]
-        for config, splits, empty_first in variants if DEVICE == "cuda" else [(configs[0], None, True)]:
-            paged_attention._decode_config = lambda dim_pad, one_wave=False, c=config: c
+        # (config, forced splits, empty splits first); the shipped launch (None, None, None) first
+        variants = [(None, None, None)] + [(c, s, True) for c in configs for s in (None, 1, 2, 4)] + [
+            (c, None, False) for c in configs]
+        for config, splits, empty_first in variants if DEVICE == "cuda" else variants[:1]:
+            paged_attention._decode_config = original if config is None else lambda dim_pad, one_wave=False, c=config: c
             paged_attention._EMPTY_SPLITS_FIRST = empty_first
             run = lambda: attend_over_cache(q[0], k_cache, v_cache, seq_start, kv_lens, tables, info, 128**-0.5,  # noqa: E731
                                             num_decode_splits=splits)
             got = run()
             error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
             if DEVICE != "cuda":
-                print(f"B={decodes} {config}: rel err {error:.1e} (interpreter: not timed)")
+                print(f"B={decodes} shipped launch: rel err {error:.1e} (interpreter: not timed)")
                 continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -83,13 +84,14 @@ def main() -> None:
             for _ in range(5):
                 start.record(); graph.replay(); end.record(); end.synchronize()
                 times.append(start.elapsed_time(end) * 1e3 / 20)
-            results.append((sorted(times)[2], config, splits or ("auto" if empty_first else "auto, empty splits last"), error))
-        shipped = [r for r in results if r[1] == configs[0] and str(r[2]).startswith("auto")]
+            how = splits or {None: "shipped", True: "auto", False: "auto, empty splits last"}[empty_first]
+            results.append((sorted(times)[2], config, how, error))
+        shipped = [r for r in results if r[2] == "shipped"]
         for micros, config, splits, error in sorted(results, key=lambda r: r[0])[:8] + shipped:
             print(f"B={decodes:<4d} BLOCK_N, warps, stages {config} splits {splits}: {micros:7.2f} us per call "
                   f"(merge included), floor {nbytes / BANDWIDTH * 1e6:6.2f} us, rel err {error:.1e}", flush=True)
         paged_attention._decode_config = original
-        paged_attention._EMPTY_SPLITS_FIRST = True
+        paged_attention._EMPTY_SPLITS_FIRST = None
 
 
 if __name__ == "__main__":

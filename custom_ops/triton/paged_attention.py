@@ -67,9 +67,13 @@ _MIN_KEYS_PER_SPLIT = 256
 # alone at the end. A partial result costs well under 1% of the bytes of 2048 keys.
 _MAX_KEYS_PER_SPLIT = 2048
 _MAX_SPLITS = 64
-# Launch the grid's last splits first, so those a short sequence leaves empty end while the kernel ahead
-# still runs (the order blocks are handed out in is the grid's, though CUDA does not promise it).
-_EMPTY_SPLITS_FIRST = True
+# Whether the grid's last splits are launched first, so that those a short sequence leaves empty end
+# before its working programs start (blocks are handed out in grid order, though CUDA does not promise
+# it). None: for the one-wave launch only. At 32 decodes of ~200 keys (graph-sized grid, 768 of 1,024
+# programs empty; scripts/time_decode_attention.py on an H200) its 128-key tiles took 9.14 µs with the
+# empty splits first against over 10.06 last; the 64-key launch, 13.84 against 11.38, and the same at
+# 1 and 256 decodes (5.31 / 5.25, 56.27 / 56.53).
+_EMPTY_SPLITS_FIRST: bool | None = None
 _MERGE_TILE = 4096  # elements of the merge's partial-results tile: 32 a thread at 4 warps
 
 # Triton compiles a kernel once per value class of each integer argument (1, a multiple of 16, other).
@@ -608,7 +612,7 @@ def _launch_decode(
         # tl.dot needs at least 16 rows; the padded head rows are masked out.
         GROUP_PAD=max(16, triton.next_power_of_2(shared["GROUP"])), BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
         SPLITS_PAD=splits_pad, MERGE_GROUP_PAD=merge_group_pad, MERGE_SPLITS=merge_splits,
-        MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT, EMPTY_SPLITS_FIRST=_EMPTY_SPLITS_FIRST,
+        MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT, EMPTY_SPLITS_FIRST=one_wave if _EMPTY_SPLITS_FIRST is None else _EMPTY_SPLITS_FIRST,
         num_warps=num_warps, num_stages=num_stages,
         **dependent_launch(out.device),
     )
