@@ -10,8 +10,8 @@ A separate op rather than optional angles on ``cached_attention``: a backend reg
 ``cached_attention`` (a user's included) takes that op's arguments and would not know to rotate.
 
 Backends: ``triton`` (``triton/paged_attention_rope.py``: one kernel rotates q and k and writes K/V,
-then ``cached_attention``'s attention kernels) and ``sdpa`` (``rope``'s torch backend on q and k, then
-``cached_attention``'s SDPA backend).
+then ``cached_attention``'s attention kernels; for decodes alone, the decode kernel does both) and
+``sdpa`` (``rope``'s torch backend on q and k, then ``cached_attention``'s SDPA backend).
 
 Example (the reference; the metadata layout is ``cached_attention``'s)::
 

@@ -21,7 +21,9 @@ float32, base 2 (``exp2``):
   each K/V tile is loaded once for the group. Splits write partial (max, sum, unnormalised output) to
   a workspace and count their arrival on a per-(sequence, kv head) counter; the last to arrive merges
   them with a log-sum-exp (sinks join the denominator there, once), so no second kernel is launched. A
-  sequence whose keys fit one split finishes the softmax itself.
+  sequence whose keys fit one split finishes the softmax itself. For ``cached_attention_rope``
+  (``paged_attention_rope.py``), a batch of decodes alone needs no write kernel: the decode kernel rotates
+  q and the new key and writes the caches itself (``HAS_ROPE``).
 
 Example (a 3-token prompt, then a one-token decode at position 2; on a CPU, Triton's interpreter runs
 it too, as ``tests/custom_ops/test_paged_attention_triton.py`` does)::
@@ -53,6 +55,7 @@ import triton.language as tl
 from . import INTERPRETED, SUPPORTED_DTYPES
 from .cache_store import stored_as
 from .launch import arrival_counters, dependent_launch, wait_for_previous_kernel
+from .rope import load_angles, rotate_rows
 
 from ..attention import check_alibi_slopes
 
@@ -311,6 +314,13 @@ def _decode_kernel(
     MERGE_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_KEYS_PER_SPLIT: tl.constexpr,
     EMPTY_SPLITS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+    # The new tokens, unrotated, and their angles, for cached_attention_rope's decode-only batches (HAS_ROPE;
+    # the rope/write kernel's arguments of the same names). Without HAS_ROPE they stay None: not compiled in.
+    new_q_ptr=None, new_k_ptr=None, new_v_ptr=None, cos_ptr=None, sin_ptr=None, slot_mapping_ptr=None,
+    k_multiplier=None, v_multiplier=None, stride_new_qt=None, stride_new_qh=None, stride_new_kt=None,
+    stride_new_kh=None, stride_new_vt=None, stride_new_vh=None, stride_cos_t=None, stride_sin_t=None,
+    ROTARY_HALF: tl.constexpr = None, PAIRS_PAD: tl.constexpr = None, PASS_PAD: tl.constexpr = None,
+    INTERLEAVED: tl.constexpr = None, HAS_ROPE: tl.constexpr = False,
 ):
     decode = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -337,6 +347,44 @@ def _decode_kernel(
     group_rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + group_rows
     head_valid = group_rows < GROUP
+    if HAS_ROPE:
+        # No rope/write kernel ran ahead: rotate this kv head's query heads into the q buffer, as it would.
+        # Every split of this (sequence, kv head) writes these rows with the same bits, so it does not
+        # matter whose write lands last.
+        cos_first, cos_second, sin_first, sin_second = load_angles(
+            cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, ROTARY_HALF, PAIRS_PAD, INTERLEAVED
+        )
+        rotate_rows(
+            new_q_ptr + token * stride_new_qt + heads[:, None] * stride_new_qh,
+            q_ptr + token * stride_qt + heads[:, None] * stride_qh, head_valid[:, None],
+            cos_first, cos_second, sin_first, sin_second, 1.0,
+            GROUP_PAD, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
+        )
+        if split == used_splits - 1:
+            # This split holds the newest key (position kv_len - 1), and no other program reads its slot
+            # this step: it rotates the key into the slot and copies the value beside it.
+            slot = tl.load(slot_mapping_ptr + token)
+            block = slot // PAGE_SIZE
+            offset = slot % PAGE_SIZE
+            one_row = tl.zeros([1, 1], dtype=tl.int64)
+            rotate_rows(
+                new_k_ptr + token * stride_new_kt + kv_head * stride_new_kh + one_row,
+                k_cache_ptr + block * stride_kb + offset * stride_kt + kv_head * stride_kh + one_row, one_row == 0,
+                cos_first, cos_second, sin_first, sin_second, k_multiplier,
+                1, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
+            )
+            new_value_dims = tl.arange(0, DV_PAD)
+            new_value_valid = new_value_dims < VALUE_DIM
+            new_v = tl.load(
+                new_v_ptr + token * stride_new_vt + kv_head * stride_new_vh + new_value_dims, mask=new_value_valid
+            )
+            tl.store(
+                v_cache_ptr + block * stride_vb + offset * stride_vt + kv_head * stride_vh + new_value_dims,
+                stored_as(new_v * v_multiplier, v_cache_ptr), mask=new_value_valid,
+            )
+        # The loads below read what other threads of this program just wrote (q; the new key and value in
+        # the last tile): a CTA barrier makes the block's global writes visible to all its threads.
+        tl.debug_barrier()
     dims = tl.arange(0, D_PAD)
     q = tl.load(
         q_ptr + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
@@ -532,13 +580,23 @@ def attend_over_cache(
     num_decode_splits: Optional[int] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    rope: Optional[dict] = None,
 ) -> torch.Tensor:
     """The attention half of :func:`cached_attention_triton`, once this step's keys and values are in the
     caches: the prefill and decode kernels over ``q_tokens [T, Hq, D]`` (last dim contiguous). Returns
     ``[1, T, Hq, Dv]``. An fp8 cache's scales act outside the kernels: ``k_scale`` scales the logits (it
-    joins ``scale``), ``v_scale`` the output (attention is linear in the values)."""
+    joins ``scale``), ``v_scale`` the output (attention is linear in the values).
+
+    ``rope`` (a batch without prefills only): the decode kernel's arguments for the new tokens, unrotated
+    (``paged_attention_rope``'s fused decode path). The decode kernel then rotates them itself, writing q
+    into the contiguous ``q_tokens`` buffer and the keys and values into the caches."""
     scale = scale * k_scale
     num_prefill, num_decode, max_q_len, max_kv_len = batch_info.tolist()
+    if rope is not None and num_prefill > 0:
+        raise ValueError(
+            f"attend_over_cache: rope (the decode kernel's rotation) needs a batch without prefills; "
+            f"batch_info has {num_prefill}."
+        )
     out = q_tokens.new_empty((1, *q_tokens.shape[:-1], v_cache.shape[-1]))
     q_heads, kv_heads = q_tokens.shape[1], k_cache.shape[2]
     shared = dict(
@@ -562,7 +620,8 @@ def attend_over_cache(
         )
     if num_decode > 0:
         _launch_decode(
-            shared, out, num_prefill, num_decode, max_kv_len, q_heads, kv_heads, sliding_window, num_decode_splits
+            shared, out, num_prefill, num_decode, max_kv_len, q_heads, kv_heads, sliding_window, num_decode_splits,
+            rope,
         )
     return out if v_scale == 1.0 else out.mul_(v_scale)
 
@@ -583,6 +642,7 @@ def _launch_decode(
     kv_heads: int,
     sliding_window: Optional[int],
     num_decode_splits: Optional[int],
+    rope: Optional[dict],
 ) -> None:
     max_visible = max_kv_len if sliding_window is None else min(max_kv_len, sliding_window)
     one_wave = False
@@ -614,7 +674,7 @@ def _launch_decode(
         SPLITS_PAD=splits_pad, MERGE_GROUP_PAD=merge_group_pad, MERGE_SPLITS=merge_splits,
         MAX_KEYS_PER_SPLIT=_MAX_KEYS_PER_SPLIT, EMPTY_SPLITS_FIRST=one_wave if _EMPTY_SPLITS_FIRST is None else _EMPTY_SPLITS_FIRST,
         num_warps=num_warps, num_stages=num_stages,
-        **dependent_launch(out.device),
+        **dependent_launch(out.device), **({} if rope is None else dict(rope, HAS_ROPE=True)),
     )
 
 

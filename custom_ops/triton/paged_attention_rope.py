@@ -8,6 +8,10 @@ token and one role (grid ``T × 2``): all query heads, or all kv heads' keys and
 ``rope``'s Triton kernel's (``rope.rotate_rows``: rotate-half or interleaved pairs, partial rotary, math in
 float32 with one rounding), the attention is ``cached_attention``'s (``paged_attention.attend_over_cache``).
 
+A batch of decodes alone (every captured decode graph) skips that kernel: the decode kernel takes the same
+arguments (``HAS_ROPE``), each of its programs rotates its kv head's query heads, and the split that holds
+the newest key writes it and its value into the caches first, writing the same bits as the kernel would.
+
 Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the tests do)::
 
     import torch
@@ -43,7 +47,7 @@ from .rope import load_angles, rotate_rows
 
 @triton.jit
 def _rope_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_multiplier, v_multiplier,
+    new_q_ptr, new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_multiplier, v_multiplier,
     stride_new_qt, stride_new_qh, stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh, stride_cos_t, stride_sin_t,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
@@ -64,7 +68,7 @@ def _rope_write_kv_kernel(
         # query and key head ranges have different shapes.
         q_heads = tl.arange(0, Q_HEADS_PAD)[:, None]
         rotate_rows(
-            q_ptr + token * stride_new_qt + q_heads * stride_new_qh, q_out_ptr + (token * Q_HEADS + q_heads) * HEAD_DIM,
+            new_q_ptr + token * stride_new_qt + q_heads * stride_new_qh, q_out_ptr + (token * Q_HEADS + q_heads) * HEAD_DIM,
             q_heads < Q_HEADS, cos_first, cos_second, sin_first, sin_second, 1.0,
             Q_HEADS_PAD, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
         )
@@ -75,14 +79,14 @@ def _rope_write_kv_kernel(
         kv_heads = tl.arange(0, KV_HEADS_PAD)[:, None]
         head_valid = kv_heads < KV_HEADS
         rotate_rows(
-            k_ptr + token * stride_new_kt + kv_heads * stride_new_kh,
+            new_k_ptr + token * stride_new_kt + kv_heads * stride_new_kh,
             k_cache_ptr + block * stride_kb + offset * stride_kt + kv_heads * stride_kh,
             head_valid, cos_first, cos_second, sin_first, sin_second, k_multiplier,
             KV_HEADS_PAD, HEAD_DIM, ROTARY_HALF, PAIRS_PAD, PASS_PAD, INTERLEAVED,
         )
         value_dims = tl.arange(0, DV_PAD)[None, :]
         value_mask = head_valid & (value_dims < VALUE_DIM)
-        v = tl.load(v_ptr + token * stride_new_vt + kv_heads * stride_new_vh + value_dims, mask=value_mask)
+        v = tl.load(new_v_ptr + token * stride_new_vt + kv_heads * stride_new_vh + value_dims, mask=value_mask)
         v_slot = v_cache_ptr + block * stride_vb + offset * stride_vt + kv_heads * stride_vh
         tl.store(v_slot + value_dims, stored_as(v * v_multiplier, v_cache_ptr), mask=value_mask)
 
@@ -115,9 +119,10 @@ def cached_attention_rope_triton(
     """``cached_attention_rope`` with Triton kernels: same arguments, same result as its reference.
 
     One launch rotates q and k by ``cos``/``sin`` and writes the rotated keys and the values into the
-    caches; then ``cached_attention``'s prefill and split-K decode kernels attend. Raises ``ValueError``
-    for inputs these kernels do not take (:func:`check_rope_supported`); ``check=False`` skips the checks,
-    for the backend op, whose ``supports`` ran them at build.
+    caches; then ``cached_attention``'s prefill and split-K decode kernels attend. In a batch without
+    prefills (``batch_info``) the decode kernel rotates and writes instead, one launch in all. Raises
+    ``ValueError`` for inputs these kernels do not take (:func:`check_rope_supported`); ``check=False``
+    skips the checks, for the backend op, whose ``supports`` ran them at build.
     """
     if check:
         check_rope_supported(
@@ -135,24 +140,30 @@ def cached_attention_rope_triton(
     # One row of angles per token; a broadcast row (S = 1) is read through a zero stride, never expanded.
     cos, sin = ((t if t.stride(-1) == 1 else t.contiguous()).expand(1, tokens, rotary_dim)[0] for t in (cos, sin))
     rotated_q = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
-    if tokens > 0:
+    # What the rope/write kernel and the decode kernel's fused path both take, under the same names.
+    new_tokens = dict(
+        new_q_ptr=q_tokens, new_k_ptr=k_tokens, new_v_ptr=v_tokens, cos_ptr=cos, sin_ptr=sin,
+        slot_mapping_ptr=slot_mapping, k_multiplier=1.0 / k_scale, v_multiplier=1.0 / v_scale,
+        stride_new_qt=q_tokens.stride(0), stride_new_qh=q_tokens.stride(1),
+        stride_new_kt=k_tokens.stride(0), stride_new_kh=k_tokens.stride(1),
+        stride_new_vt=v_tokens.stride(0), stride_new_vh=v_tokens.stride(1),
+        stride_cos_t=cos.stride(0), stride_sin_t=sin.stride(0),
+        ROTARY_HALF=rotary_dim // 2, PAIRS_PAD=triton.next_power_of_2(rotary_dim // 2),
+        PASS_PAD=triton.next_power_of_2(head_dim - rotary_dim) if rotary_dim < head_dim else 0,
+        INTERLEAVED=interleaved,
+    )
+    # A batch of decodes alone (every captured decode graph) skips the rope/write launch: each decode
+    # program rotates its own query heads and, in the split that reads it, the new key.
+    decodes_alone = int(batch_info[0]) == 0
+    if not decodes_alone:
         _rope_write_kv_kernel[(tokens, 2)](
-            q_tokens, k_tokens, v_tokens, cos, sin, rotated_q, slot_mapping_ptr=slot_mapping,
-            k_multiplier=1.0 / k_scale, v_multiplier=1.0 / v_scale,
-            **cache_arguments(k_cache, v_cache),
-            stride_new_qt=q_tokens.stride(0), stride_new_qh=q_tokens.stride(1),
-            stride_new_kt=k_tokens.stride(0), stride_new_kh=k_tokens.stride(1),
-            stride_new_vt=v_tokens.stride(0), stride_new_vh=v_tokens.stride(1),
-            stride_cos_t=cos.stride(0), stride_sin_t=sin.stride(0),
+            **new_tokens, q_out_ptr=rotated_q, **cache_arguments(k_cache, v_cache),
             Q_HEADS=q_heads, KV_HEADS=kv_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads),
-            KV_HEADS_PAD=triton.next_power_of_2(kv_heads), ROTARY_HALF=rotary_dim // 2,
-            PAIRS_PAD=triton.next_power_of_2(rotary_dim // 2),
-            PASS_PAD=triton.next_power_of_2(head_dim - rotary_dim) if rotary_dim < head_dim else 0,
-            INTERLEAVED=interleaved, **dependent_launch(q.device),
+            KV_HEADS_PAD=triton.next_power_of_2(kv_heads), **dependent_launch(q.device),
         )
     return attend_over_cache(
         rotated_q, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window,
-        logit_cap, sinks, alibi_slopes, num_decode_splits, k_scale, v_scale,
+        logit_cap, sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, rope=new_tokens if decodes_alone else None,
     )
 
 

@@ -1,6 +1,7 @@
 """cached_attention_rope: its reference is rope's and cached_attention's references composed; the Triton
-backend (rotation inside the cache write, through Triton's interpreter on the CPU) and the SDPA backend
-against it, on mixed prefill/decode batches whose caches hold NaN wherever no sequence owns a slot."""
+backend (rotation inside the cache write, or inside the decode kernel for a batch of decodes alone, through
+Triton's interpreter on the CPU) and the SDPA backend against it, on prefill/decode batches whose caches
+hold NaN wherever no sequence owns a slot."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from autodeploy.custom_ops import canonical_ops
 from autodeploy.custom_ops.cached_attention import cached_attention_reference
 from autodeploy.custom_ops.cached_attention_rope import cached_attention_rope_reference, cached_attention_rope_sdpa
 from autodeploy.custom_ops.rope import rope_reference
+from autodeploy.custom_ops.triton import paged_attention_rope
+from autodeploy.custom_ops.triton.paged_attention import attend_over_cache
 from autodeploy.custom_ops.triton.paged_attention_rope import cached_attention_rope_triton
 from tests.custom_ops.test_paged_attention_triton import (  # noqa: F401  (the fixture applies to these tests too)
     DEVICE,
@@ -67,11 +70,73 @@ def test_the_reference_is_rope_then_cached_attention(rotary_dim, interleaved):
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0, equal_nan=True)
 
 
+@pytest.fixture
+def rope_write_launches(monkeypatch) -> list:
+    """The grids the rope/write kernel is launched over while the test runs (it still runs)."""
+    grids = []
+    kernel = paged_attention_rope._rope_write_kv_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(paged_attention_rope, "_rope_write_kv_kernel", Recorder())
+    return grids
+
+
 @pytest.mark.parametrize("num_decode_splits", [1, 3])
-def test_triton_mixed_batch_with_gqa(num_decode_splits):
-    # Prompt chunks (one after a cached prefix) and decodes; 2 query heads per kv head.
+def test_triton_mixed_batch_with_gqa(num_decode_splits, rope_write_launches):
+    # Prompt chunks (one after a cached prefix) and decodes; 2 query heads per kv head. With prefills in the
+    # batch, the rope/write kernel rotates and writes all 16 new tokens before attention.
     args = with_angles(paged_batch([(9, 9), (4, 40)], [33, 5, 70], q_heads=4, kv_heads=2))
     assert_matches_reference(cached_attention_rope_triton, args, launch=dict(num_decode_splits=num_decode_splits))
+    assert rope_write_launches == [(16, 2)]
+
+
+def first_decode_as_a_prefill(args: tuple) -> tuple:
+    """A decode-only batch's arguments with batch_info calling its first decode a one-token prefill: the
+    same attention, through the rope/write kernel and the prefill kernel."""
+    *rest, batch_info, scale = args
+    _, num_decode, _, max_kv_len = batch_info.tolist()
+    return (*rest, torch.tensor([1, num_decode - 1, 1, max_kv_len], dtype=torch.int32), scale)
+
+
+def assert_decode_kernel_rotates_as_the_write_kernel(
+    args: tuple, rope_write_launches: list, *, atol: float, num_decode_splits: int, **options
+) -> None:
+    """A decode-only batch (no rope/write launch) against the reference, and its caches bit for bit against
+    those the rope/write kernel writes. ``options`` (the fp8 scales) go to the reference too."""
+    expected, _ = run(cached_attention_rope_reference, args, **options)
+    got, caches = run(cached_attention_rope_triton, args, **options, num_decode_splits=num_decode_splits)
+    assert rope_write_launches == []
+    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+    _, written_by_write_kernel = run(
+        cached_attention_rope_triton, first_decode_as_a_prefill(args), **options, num_decode_splits=num_decode_splits
+    )
+    assert rope_write_launches == [(args[0].shape[1], 2)]
+    for written, want in zip(caches, written_by_write_kernel):
+        torch.testing.assert_close(written.view(torch.uint8), want.view(torch.uint8), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("num_decode_splits", [1, 2, 3])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
+@pytest.mark.parametrize(
+    "head_dim, rotary_dim, interleaved, q_heads",
+    [
+        (16, 16, False, 4),  # 2 query heads per kv head
+        (32, 12, True, 6),  # 3 per kv head (of a 16-row tile), 6 pairs interleaved, dims 12 … 31 passed through
+    ],
+)
+def test_triton_decode_batch_rotates_inside_the_decode_kernel(
+    num_decode_splits, dtype, atol, head_dim, rotary_dim, interleaved, q_heads, rope_write_launches
+):
+    # Decodes of 1 to 150 keys: over 3 splits of 64 keys the newest key lies in split 0, 1 or 2, and every
+    # used split of a (sequence, kv head) rotates the same query heads.
+    batch = paged_batch(decodes=[1, 9, 70, 150], q_heads=q_heads, kv_heads=2, head_dim=head_dim, dtype=dtype)
+    assert_decode_kernel_rotates_as_the_write_kernel(
+        with_angles(batch, rotary_dim, interleaved), rope_write_launches, atol=atol, num_decode_splits=num_decode_splits
+    )
 
 
 @pytest.mark.parametrize(
@@ -103,14 +168,28 @@ def test_triton_half_precision():
     assert_matches_reference(cached_attention_rope_triton, with_angles(batch), atol=2e-2, launch=dict(num_decode_splits=2))
 
 
+def test_only_a_batch_without_prefills_takes_the_decode_kernels_rotation():
+    # With prefills in the batch, their queries would be left unrotated: refused before any launch.
+    q, _, _, k_cache, v_cache, seq_start, kv_lens, block_tables, _, batch_info, scale = paged_batch([(3, 3)], [5])
+    with pytest.raises(ValueError, match="needs a batch without prefills"):
+        attend_over_cache(q[0], k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, rope={})
+
+
 @gpu_only
 @pytest.mark.parametrize("head_dim, rotary_dim, interleaved", [(128, 128, False), (128, 64, False), (64, 64, True), (256, 256, False)])
-def test_triton_production_shapes(head_dim, rotary_dim, interleaved):
+def test_triton_production_shapes(head_dim, rotary_dim, interleaved, rope_write_launches):
     batch = paged_batch(
         [(300, 300), (128, 1100), (1, 40)], [5000, 37, 1], q_heads=32, kv_heads=8, head_dim=head_dim,
         block_size=32, dtype=torch.bfloat16,
     )
     assert_matches_reference(cached_attention_rope_triton, with_angles(batch, rotary_dim, interleaved), atol=2e-2)
+    # Decodes alone, the decode kernel rotating: a long one over several splits, and enough short ones to
+    # fill the card.
+    batch = paged_batch(
+        [], [5000, 37, 1] + [150] * 80, q_heads=32, kv_heads=8, head_dim=head_dim, block_size=32, dtype=torch.bfloat16
+    )
+    assert_matches_reference(cached_attention_rope_triton, with_angles(batch, rotary_dim, interleaved), atol=2e-2)
+    assert rope_write_launches == [(432, 2)]  # the mixed batch's 432 new tokens only
 
 
 def test_sdpa_backend_matches_the_reference():
@@ -175,3 +254,16 @@ def test_fp8_caches_hold_the_rotated_keys_and_the_values(kernel, scales, interpr
         # A rotated key a last float32 bit from a rounding boundary may land one fp8 step over: rare.
         differ = ~(written.float().nan_to_num(7.0) == want.float().nan_to_num(7.0))
         assert differ.float().mean() < 0.01
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 0.5)])
+def test_fp8_caches_of_a_decode_batch_hold_what_the_write_kernel_writes(
+    scales, rope_write_launches, interpreter_rounds_to_fp8_correctly
+):
+    # The decode kernel's key and value writes go through the same saturating fp8 store, times 1 / scale.
+    q, k, v, cos, sin, interleaved, k_cache, v_cache, *metadata = with_angles(
+        paged_batch(decodes=[5, 70, 33], q_heads=4, kv_heads=2), 8, True)
+    args = (q, k, v, cos, sin, interleaved, k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn), *metadata)
+    assert_decode_kernel_rotates_as_the_write_kernel(
+        args, rope_write_launches, atol=1e-3, k_scale=scales[0], v_scale=scales[1], num_decode_splits=2
+    )
