@@ -5,6 +5,8 @@ is done once per process at a new shape; later bursts show the steady state.
 
 Run: [MODEL=...] python scripts/time_burst_steps.py [B] [REPEATS] [--set key=value ...]   (default 32, 3; llama-3-8b, random)
 PROFILE_STEPS=N: the first N steps of the last burst under cProfile, their costliest functions printed after it.
+EMPTY_SPLITS=first|last: the decode attention grid's empty splits launched first or last, overriding the
+kernel's own choice (paged_attention._EMPTY_SPLITS_FIRST), to compare the two inside the engine.
 """
 
 import cProfile
@@ -23,6 +25,10 @@ BATCH = int(positional[0]) if positional else 32
 REPEATS = int(positional[1]) if len(positional) > 1 else 3
 SETS = [a for a in sys.argv[1 + len(positional):] if a != "--set"]
 
+if os.environ.get("EMPTY_SPLITS"):
+    from autodeploy.custom_ops.triton import paged_attention
+
+    paged_attention._EMPTY_SPLITS_FIRST = {"first": True, "last": False}[os.environ["EMPTY_SPLITS"]]
 MODEL = os.environ.get("MODEL", "llama-3-8b")  # "" is the demo model (a CPU check of this script)
 llm = autodeploy(MODEL or None, **({"weights": "random"} if MODEL else {}), max_batch_size=max(BATCH, 8), set_arguments=SETS)
 engine = llm.engine
