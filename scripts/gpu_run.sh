@@ -10,7 +10,8 @@
 # bench_eager (autodeploy bench with compile.backend=none, no baselines), tests (the files in $TESTS),
 # profile (scripts/profile_engine_step.py at $PROFILE_B, default 1,256), suite (the whole test suite on the GPU, 12 workers),
 # serve (1,024 requests, at most 256 in flight, 128 in / 128 out), prefill (scripts/profile_prefill.py),
-# build (scripts/time_build.py cold, then warm, over fresh cache folders), sweep (scripts/sweep_skinny_gemm.py),
+# build (scripts/time_build.py cold, then warm, over fresh cache folders), sweep (scripts/sweep_skinny_gemm.py;
+# sweep_tma: its TMA launches with K splits),
 # decode_attention (scripts/time_decode_attention.py), burst (scripts/time_burst_steps.py at $BURST_B, default 32), sweep_quant (scripts/sweep_quantized_gemv.py over $SCHEMES_CSV).
 # Limits: <STEP>_S, e.g. BENCH_S=420. Extra autodeploy settings for bench/generate/profile: AD_SET="--set k=v".
 set -u
@@ -49,6 +50,7 @@ for s in ${STEPS:-backends bench}; do case $s in
   build) rm -rf /tmp/build-cache; for pass in cold warm; do AUTODEPLOY_CONFIG= XDG_CACHE_HOME=/tmp/build-cache \
       TRITON_CACHE_DIR=/tmp/build-cache/triton step build_$pass ${BUILD_S:-240} python3 scripts/time_build.py; done ;;
   sweep) step sweep ${SWEEP_S:-240} python3 scripts/sweep_skinny_gemm.py ${ROWS:-1,32} ;;
+  sweep_tma) step sweep_tma ${SWEEP_S:-300} python3 scripts/sweep_skinny_gemm.py tma ${ROWS:-32} ;;
   sweep_quant) step sweep_quant ${SWEEP_S:-300} python3 scripts/sweep_quantized_gemv.py ${SCHEMES_CSV:-int8_wo,int4_wo,fp8} ;;
   burst) AUTODEPLOY_CONFIG= step burst ${BURST_S:-180} python3 scripts/time_burst_steps.py ${BURST_B:-32} 3 ${AD_SET:-} ;;
   decode_attention) step decode_attention ${DECODE_ATTENTION_S:-120} python3 scripts/time_decode_attention.py ;;

@@ -2,6 +2,7 @@
 
     python3 scripts/sweep_skinny_gemm.py [ROWS,...]      # default 1,32
     python3 scripts/sweep_skinny_gemm.py gated [ROWS]    # gate/up with SwiGLU's activation; default 32
+    python3 scripts/sweep_skinny_gemm.py tma [ROWS,...]  # the TMA kernel alone, K split up to 8 ways; default 32
 
 Every time is per call from a CUDA graph of many calls (no launch gaps, as in a replayed decode step),
 cycling over enough weight copies that none is read from L2. Prints, per shape and row count: the
@@ -50,13 +51,19 @@ def seconds_per_call(fn, weights, x, calls: int = 48) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def sweep(rows: int) -> list[SkinnyConfig]:
+def sweep(rows: int, tma_only: bool = False) -> list[SkinnyConfig]:
+    block_m = min(max(16, 1 << (rows - 1).bit_length()), 64)
+    if tma_only:
+        # Since a split launch sums its partials in the kernel (arrival counters), splitting K costs no second
+        # kernel: more programs than the unsplit tiles' 64 – 96 may fill the card's 132 SMs better.
+        # Stages: as many as fit, up to four (skinny_config's rule).
+        return [SkinnyConfig(block_m, n, k, s, num_warps=4, num_stages=min(4, (200 << 10) // ((block_m + n) * k * 2)), tma=True)
+                for n, k, s in itertools.product([32, 64, 128], [128, 256], [1, 2, 3, 4, 8])]
     if rows == 1:
         space = itertools.product([1], [4, 8, 16, 32], [256, 512, 1024], [1, 2, 4], [4])
     else:
         # The plain kernel lost to the swapped one at every shape (notes/perf.md); narrow weight tiles (16, 32
         # rows: Ampere-style MMAs) put more programs on the narrow projections.
-        block_m = min(max(16, 1 << (rows - 1).bit_length()), 64)
         threads = [SkinnyConfig(block_m, n, k, s, num_warps=w, num_stages=st, swap=True)
                    for n, k, s, w, st in itertools.product([16, 32, 64, 128], [64, 128, 256], [1, 2, 4], [4, 8], [3, 4])]
         # The same swapped tiles fetched by the TMA unit, deeper pipelines beside them.
@@ -107,14 +114,17 @@ def main() -> None:
     if sys.argv[1:2] == ["gated"]:
         sweep_gated(int(sys.argv[2]) if len(sys.argv) > 2 else 32, sms)
         return
-    rows_list = [int(r) for r in (sys.argv[1] if len(sys.argv) > 1 else "1,32").split(",")]
-    for (name, (n, k)), rows in itertools.product(SHAPES.items(), rows_list):
+    tma_only = sys.argv[1:2] == ["tma"]
+    args = sys.argv[2:] if tma_only else sys.argv[1:]
+    rows_list = [int(r) for r in (args[0] if args else ("32" if tma_only else "1,32")).split(",")]
+    shapes = {name: shape for name, shape in SHAPES.items() if not (tma_only and name == "gate_up")}  # gated: not split
+    for (name, (n, k)), rows in itertools.product(shapes.items(), rows_list):
         weights, x = operands(n, k, rows)
         floor = n * k * 2 / BANDWIDTH
         cublas = seconds_per_call(lambda a, w: F.linear(a, w), weights, x)
-        default = skinny_config(rows, n, k, sms)
+        default = skinny_config(rows, n, k, sms, tma=tma_only)
         timed = {}
-        for config in [default] + sweep(rows):
+        for config in [default] + sweep(rows, tma_only):
             if config in timed:
                 continue
             try:
@@ -127,8 +137,8 @@ def main() -> None:
         pct = lambda t: f"{t * 1e6:7.2f} µs ({100 * floor / t:3.0f}%)"  # noqa: E731
         print(f"{name:8s} M={rows:<3d} floor {floor * 1e6:6.2f} µs | cuBLAS {pct(cublas)} | default {pct(timed[default])} "
               f"{default} | best {pct(timed[best])} {best} | rel err {error:.1e}")
-        top = sorted(timed, key=timed.get)[:5]
-        print("   top5: " + "; ".join(f"{c.block_n}/{c.block_k}/{c.split_k}/w{c.num_warps}/s{c.num_stages}{'/swap' if c.swap else ''}{'/tma' if c.tma else ''} {timed[c] * 1e6:.2f}"
+        top = sorted(timed, key=timed.get)[:8 if tma_only else 5]
+        print("   top: " + "; ".join(f"{c.block_n}/{c.block_k}/{c.split_k}/w{c.num_warps}/s{c.num_stages}{'/swap' if c.swap else ''}{'/tma' if c.tma else ''} {timed[c] * 1e6:.2f}"
                                  for c in top))
         del weights
 
