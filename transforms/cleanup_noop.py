@@ -11,8 +11,10 @@ An op is removed in one of two cases.
 
 * It returns its input or a view of all of it: ``view``/``reshape``/``_unsafe_view``/``expand`` to the
   same shape, a slice covering its whole dim, ``alias``, ``contiguous`` of a tensor that already is,
-  ``to`` with nothing to convert (and ``copy=False``). The output already aliases the input, so
-  replacing it by the input changes nothing, even around in-place ops.
+  ``to`` with nothing to convert (and ``copy=False``), ``dropout`` outside training or with ``p=0`` (ATen
+  returns the input itself; Phi-3's export keeps one after each sublayer, between the projection and the
+  residual add). The output already aliases the input, so replacing it by the input changes nothing, even
+  around in-place ops.
 * It returns a fresh copy equal to its input: ``clone``, ``_to_copy``, ``to(copy=True)``, ``x + 0``,
   ``x - 0``, ``x * 1``, ``x / 1`` (same dtype, device and strides, so later views still apply). Dropping
   the copy makes users share the input's memory. That is only invisible when no node writes in place
@@ -58,7 +60,8 @@ _IDENTITY_OPERAND = {
     aten.div.Tensor: 1,
     aten.div.Scalar: 1,
 }
-_CANDIDATES = {aten.slice.Tensor, aten.alias.default, aten.contiguous.default} | _SHAPE_VIEWS | _CASTS | _COPIES
+_CANDIDATES = {aten.slice.Tensor, aten.alias.default, aten.contiguous.default, aten.dropout.default}
+_CANDIDATES |= _SHAPE_VIEWS | _CASTS | _COPIES
 _CANDIDATES |= set(_IDENTITY_OPERAND)
 
 
@@ -106,6 +109,8 @@ def _returns_input_view(node: Node, arguments: dict, source: FakeTensor, result:
         return True
     if node.target is aten.contiguous.default:
         return _all_equal(source.stride(), result.stride())
+    if node.target is aten.dropout.default:
+        return arguments["train"] is False or _is_number(arguments["p"], 0)
     if node.target in _CASTS:
         return not arguments["copy"] and _same_tensor_metadata(source, result)
     return False

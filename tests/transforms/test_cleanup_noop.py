@@ -76,6 +76,35 @@ class SymbolicSlices(nn.Module):
         return x[:, : x.shape[0]] * 2, x[:5] * 3
 
 
+class Dropouts(nn.Module):
+    """Dropout as an exported eval-mode model keeps it (Phi-3: after each sublayer): outside training, or
+    with p = 0, ATen hands back the input; in training with p > 0 it is random and must stay."""
+
+    def forward(self, x):
+        y = aten.dropout(x, 0.1, False) + 1
+        y = aten.dropout(y, 0.0, True) * 2
+        return aten.dropout(y, 0.5, True)
+
+
+def test_dropout_goes_outside_training_or_at_p_zero_only():
+    gm = export_dynamic(Dropouts(), torch.randn(3, 4), dynamic_dims={0: "batch"})
+    assert call_targets(gm)["aten.dropout.default"] == 3
+
+    run_transform("cleanup_noop", gm)
+
+    dropouts = [n for n in gm.graph.nodes if n.target is aten.dropout.default]
+    assert [(n.args[1], n.args[2]) for n in dropouts] == [(0.5, True)]
+
+
+def test_a_phi3_deployment_keeps_no_dropout(tmp_path):
+    from autodeploy import autodeploy
+    from tests.coverage_models import eager_reference_model
+
+    eager_reference_model("phi3").save_pretrained(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", verify={"enabled": False})
+    assert not [n for n in llm.graph.graph.nodes if "dropout" in str(n.target)]
+
+
 def test_slice_is_removed_only_when_full_for_every_dynamic_size():
     # rows >= 5 > 4 columns, so the first slice is full for every size; the second only for rows == 5.
     x = torch.randn(5, 4)
