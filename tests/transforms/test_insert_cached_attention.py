@@ -87,3 +87,19 @@ def test_layers_with_scales_serve_and_verify_with_them(tiny_checkpoint, tmp_path
     assert llm.verification.relative_error <= llm.verification.tolerance
     reloaded = autodeploy(str(llm.save(tmp_path / "scaled")))
     assert all(torch.equal(a, b) for a, b in zip(reloaded.logits(PROMPTS), llm.logits(PROMPTS)))
+
+
+def test_a_random_weight_config_without_a_tokenizer_serves_an_fp8_cache_at_scale_one(tmp_path):
+    # The deploy does not calibrate random weights; its verification twin has nothing to calibrate on either
+    # (no tokenizer), so both keep scale 1 instead of failing the build (as the H200 benchmark of the
+    # Llama-3-8B config did).
+    from tests.tiny_models import tiny_config
+
+    tiny_config("llama").save_pretrained(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", weights="random", quantize={"kv_cache": "fp8"})
+    assert {spec.dtype for spec in llm._kv_caches} == {torch.float8_e4m3fn}
+    assert llm.verification.relative_error <= llm.verification.tolerance
+    attention = [n for n in llm.graph.graph.nodes if "cached_attention" in str(n.target)]
+    assert attention and not any("k_scale" in n.kwargs for n in attention)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert all(len(out.token_ids) == 4 for out in llm.generate(PROMPTS, params))
