@@ -348,11 +348,6 @@ class LoadWeights(Transform):
         key_values = kv_projections(factory.meta_model) if settings.quantize.kv_cache == "fp8" else []
         if prequantized is not None or (settings.weights == "random" and factory.tensors is None):
             key_values = []
-        if key_values and not calibrated and factory.load_tokenizer(settings.tokenizer) is None:
-            # Nothing to calibrate on (a random-weight deploy's verification twin, a checkpoint without a tokenizer):
-            # scale 1, the deploy's own choice for random weights and the best measured on the demo model.
-            logger.info("fp8 KV cache: no tokenizer to calibrate its scales on; they stay 1")
-            key_values = []
         if (calibrated or key_values) and prequantized is None:
             hessians = sorted({r.path for r in (quantized or {}).values() if r.scheme.name == "int4_gptq"})
             statistics = calibrate(factory, settings, calibrated, hessians, key_values)
