@@ -1,6 +1,7 @@
 """The ``triton`` backends of ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``rope``, ``gated_mlp``,
-``fused_gated_mlp`` (also ``triton_skinny``), ``linear`` (a few-row GEMM) and the weight-only quantized
-linears (dequantising GEMVs): registration only.
+``fused_gated_mlp`` (also ``triton_skinny``), ``linear`` (a few-row GEMM) and the quantized linears
+(dequantising GEMVs and tile kernels; for fp8 also ``triton_scaled_mm``: the Triton row quantizer, then
+``torch._scaled_mm``): registration only.
 
 The kernels live in ``custom_ops/triton/`` (``norms.py``, ``rope.py``, ``gated_activation.py``,
 ``skinny_gemm.py``, ``quantized_gemv.py``); each
@@ -207,6 +208,26 @@ def _fp8_static_linear_triton(x, qweight, scale, input_scale, bias):
     return fp8_gemv(x, qweight, scale, bias, input_scale)
 
 
+def _fp8_linear_scaled_mm(x, qweight, scale, bias):
+    from .triton.quantized_gemv import fp8_scaled_mm
+
+    return fp8_scaled_mm(x, qweight, scale, bias)
+
+
+def _fp8_static_linear_scaled_mm(x, qweight, scale, input_scale, bias):
+    from .triton.quantized_gemv import fp8_scaled_mm
+
+    return fp8_scaled_mm(x, qweight, scale, bias, input_scale)
+
+
+def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
+    # the Triton row quantizer's limits, then torch._scaled_mm's (quantized_linear's torch backend)
+    reason = _fp8_supports(x, qweight, scale, bias, device=device)
+    if reason is not True:
+        return reason
+    return quantized_linear._fp8_scaled_mm_supports(x, qweight, scale, bias, device=device)
+
+
 def _fp8_supports(x, qweight, scale, bias, *, device):
     if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
         return "float8 conversions need compute capability 8.9 or later (Ada, Hopper)"
@@ -240,6 +261,10 @@ register_backend("int4_awq_linear", "triton", _int4_awq_linear_triton, supports=
 register_backend("fp8_linear", "triton", _fp8_linear_triton, supports=_fp8_supports)
 register_backend("fp8_static_linear", "triton", _fp8_static_linear_triton,
                  supports=lambda x, qweight, scale, input_scale, bias, *, device: _fp8_supports(x, qweight, scale, bias, device=device))
+register_backend("fp8_linear", "triton_scaled_mm", _fp8_linear_scaled_mm, supports=_fp8_scaled_mm_supports)
+register_backend("fp8_static_linear", "triton_scaled_mm", _fp8_static_linear_scaled_mm,
+                 supports=lambda x, qweight, scale, input_scale, bias, *, device: _fp8_scaled_mm_supports(
+                     x, qweight, scale, bias, device=device))
 register_backend(
     "fused_gated_mlp", "triton_skinny", _fused_gated_mlp_skinny, supports=_fused_gated_mlp_skinny_supports
 )

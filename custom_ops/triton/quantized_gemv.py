@@ -436,18 +436,27 @@ def _pick(launch: Optional[Launch], num_rows: int, out_features: int, x: torch.T
     return launch
 
 
-def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size: int, launch: TileLaunch) -> None:
+def _fp8_rows(rows: torch.Tensor, input_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``rows`` (``[M, K]``, last dim contiguous) in e4m3, and its float32 scale ``[M]``: one
+    kernel, the bits of ``quantize_activations_fp8`` (or, with ``input_scale``, the static variant's)."""
     num_rows, in_features = rows.shape
-    out_features = q.shape[0]
-    x, x_scale = rows, scale  # x_scale: read by fp8 only
-    if scheme == _FP8:
-        x = torch.empty((num_rows, in_features), dtype=torch.float8_e4m3fn, device=rows.device)
-        x_scale = torch.empty(num_rows, dtype=torch.float32, device=rows.device)
+    x = torch.empty((num_rows, in_features), dtype=torch.float8_e4m3fn, device=rows.device)
+    x_scale = torch.empty(num_rows, dtype=torch.float32, device=rows.device)
+    if num_rows:
         _fp8_rows_kernel[(num_rows,)](
             rows, x, x_scale, input_scale if input_scale is not None else x_scale, in_features, rows.stride(0),
             STATIC_SCALE=input_scale is not None, BLOCK_K=min(2048, max(16, triton.next_power_of_2(in_features))),
             num_warps=4, **dependent_launch(rows.device),
         )
+    return x, x_scale
+
+
+def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size: int, launch: TileLaunch) -> None:
+    num_rows, in_features = rows.shape
+    out_features = q.shape[0]
+    x, x_scale = rows, scale  # x_scale: read by fp8 only
+    if scheme == _FP8:
+        x, x_scale = _fp8_rows(rows, input_scale)
     block_m = launch.block_m or min(max(16, triton.next_power_of_2(num_rows)), 64)
     block_k = max(16, min(launch.block_k, group_size) if scheme == _INT4 else _block_k(launch, in_features))
     w_block_k = block_k // 2 if scheme == _INT4 else block_k  # packed int4: two columns a byte
@@ -538,4 +547,19 @@ def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: 
                 BLOCK_N=launch.block_n, BLOCK_K=_block_k(launch, in_features), **launch.options(),
                 **dependent_launch(x.device),
             )
+    return out.view(*x.shape[:-1], out_features)
+
+
+def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                  input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``fp8_linear`` (same arguments and result; with ``input_scale``, ``fp8_static_linear``) as the row
+    quantizer above, then ``torch._scaled_mm`` (cuBLASLt, row-wise scales): the ``torch`` backend's product
+    without its half dozen elementwise kernels for the activations' rounding."""
+    rows = _rows(x, "fp8_scaled_mm", bias)
+    out_features = qweight.shape[0]
+    x_q, x_scale = _fp8_rows(rows, input_scale)
+    weight_scale = scale.reshape(1, -1).expand(1, out_features).contiguous()
+    out = torch._scaled_mm(x_q, qweight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
     return out.view(*x.shape[:-1], out_features)

@@ -487,3 +487,46 @@ def test_the_static_fp8_scaled_mm_backend_matches_the_reference(dtype):
     want = ops.fp8_static_linear(*args).double()
     got = ops.fp8_static_linear_torch(*args)
     assert got.dtype == dtype and (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_the_triton_scaled_mm_backend_matches_the_reference(static, rows, interpreter_rounds_to_fp8_correctly):
+    """The Triton row quantizer, then torch._scaled_mm: the per-token (or static) rounding's bits, the
+    product the reference's up to bfloat16's output rounding."""
+    from autodeploy.custom_ops import candidates
+
+    op_name = "fp8_static_linear" if static else "fp8_linear"
+    gen = torch.Generator().manual_seed(rows)
+    stored = quantize_weight(QuantScheme("fp8", static_activations=static), torch.randn(48, 64, generator=gen),
+                             {"max_abs": torch.full((64,), 3.0)} if static else None)
+    x, bias = torch.randn(rows, 64, generator=gen).to(torch.bfloat16), torch.randn(48, generator=gen).to(torch.bfloat16)
+    args = [t.to(DEVICE) for t in (x, stored["qweight"], stored["scale"], *([stored["input_scale"]] if static else []), bias)]
+    backend = next(b for b in candidates(op_name) if b.name == "triton_scaled_mm")
+    if DEVICE == "cuda":
+        refused = backend.check(args, torch.device(DEVICE))
+        if refused:
+            pytest.skip(refused)
+        got = backend.op(*args)
+    else:  # the backend serves CUDA deploys only; its kernel runs in the interpreter, beside the CPU's _scaled_mm
+        from autodeploy.custom_ops.quantized_linear import _cpu_takes_row_wise_scales
+        from autodeploy.custom_ops.triton.quantized_gemv import fp8_scaled_mm
+
+        if not _cpu_takes_row_wise_scales():
+            pytest.skip(f"torch {torch.__version__}'s CPU torch._scaled_mm takes per-tensor scales only")
+        got = fp8_scaled_mm(*args[:3], args[-1], args[3] if static else None)
+    want = getattr(ops, op_name)(*args).double()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    assert (got.double() - want).norm() / want.norm() <= 1e-2
+
+
+def test_the_triton_scaled_mm_backend_names_what_it_cannot_take():
+    from autodeploy.custom_ops import candidates
+
+    backend = next(b for b in candidates("fp8_linear") if b.name == "triton_scaled_mm")
+    meta = dict(device="meta")
+    args = [torch.empty(3, 64, dtype=torch.float16, **meta), torch.empty(48, 64, dtype=torch.float8_e4m3fn, **meta),
+            torch.empty(48, **meta), None]
+    assert "CUDA" in backend.check(args, torch.device("cpu")) or "scaled" in backend.check(args, torch.device("cpu"))
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        assert "bfloat16" in backend.check(args, torch.device("cuda"))  # cuBLASLt's row-wise scaling writes bfloat16
