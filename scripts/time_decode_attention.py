@@ -1,15 +1,18 @@
 """The paged decode kernel alone at Llama-3-8B's attention shape, as a replayed decode step runs it.
 
-    python3 scripts/time_decode_attention.py
+    python3 scripts/time_decode_attention.py [fp8]
 
 B decodes of about 200 keys (32 query heads, 8 KV heads, head dim 128, bf16, 16-token pages), with the
 host's longest length set to 8,192 as in a captured CUDA graph, so the grid has the splits a graph has.
 Per B, over tile widths, warps, pipeline stages and forced splits per sequence (and, with the splits
 chosen per batch, the grid's empty splits launched first or last): the eight fastest and the shipped launch, in microseconds per call (a CUDA graph of 20 calls), beside the K/V bytes over
-4.27 TB/s and the error against the reference.
+4.27 TB/s and the error against the reference. With ``fp8``: float8_e4m3fn caches (half the bytes), the
+launches tried with the dots in float16 (``paged_attention.FP8_IN_F16``, shipped) and in bfloat16.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -20,6 +23,8 @@ from autodeploy.custom_ops.triton.paged_attention import attend_over_cache
 BANDWIDTH = 4.27e12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU (TRITON_INTERPRET=1): a check of B = 1 only
 CAPTURED_MAX_KV = 8192
+FP8 = sys.argv[1:] == ["fp8"]
+CACHE_DTYPE = torch.float8_e4m3fn if FP8 else torch.bfloat16
 
 
 def batch(decodes: int, keys: int = 200, page: int = 16):
@@ -33,8 +38,8 @@ def batch(decodes: int, keys: int = 200, page: int = 16):
     for row, count in enumerate(pages):
         tables[row, :count] = order[taken : taken + count]
         taken += count
-    k_cache = torch.randn(sum(pages) + spare, page, 8, 128, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(sum(pages) + spare, page, 8, 128, generator=gen).to(torch.bfloat16)
+    k_cache = torch.randn(sum(pages) + spare, page, 8, 128, generator=gen).to(CACHE_DTYPE)
+    v_cache = torch.randn(sum(pages) + spare, page, 8, 128, generator=gen).to(CACHE_DTYPE)
     free = order[taken:].long()
     slots = (free[:, None] * page + torch.arange(page)).flatten()[:decodes]
     q = torch.randn(1, decodes, 32, 128, generator=gen).to(torch.bfloat16)
@@ -42,7 +47,7 @@ def batch(decodes: int, keys: int = 200, page: int = 16):
     kv_lens = torch.tensor(lengths, dtype=torch.int32)
     cuda = [t.to(DEVICE) for t in (q, k_cache, v_cache, seq_start, kv_lens, tables, slots)]
     info = torch.tensor([0, decodes, 1, CAPTURED_MAX_KV], dtype=torch.int32)
-    return cuda, info, sum(lengths) * 8 * 128 * 2 * 2
+    return cuda, info, sum(lengths) * 8 * 128 * 2 * CACHE_DTYPE.itemsize
 
 
 def main() -> None:
@@ -62,11 +67,15 @@ def main() -> None:
                                               kv_lens, tables, slots, info, 128**-0.5)
         results = []
         # (config, forced splits, empty splits first); the shipped launch (None, None, None) first
-        variants = [(None, None, None)] + [(c, s, True) for c in configs for s in (None, 1, 2, 4)] + [
-            (c, None, False) for c in configs]
-        for config, splits, empty_first in variants if DEVICE == "cuda" else variants[:1]:
+        variants = [(None, None, None, True)] + [(c, s, True, True) for c in configs for s in (None, 1, 2, 4)] + [
+            (c, None, False, True) for c in configs]
+        if FP8:  # the dots in float16 (shipped) and in bfloat16, over the automatic splits
+            variants = [(None, None, None, True), (None, None, None, False)] + [
+                (c, None, True, f16) for c in configs for f16 in (True, False)]
+        for config, splits, empty_first, f16 in variants if DEVICE == "cuda" else variants[:1]:
             paged_attention._decode_config = original if config is None else lambda dim_pad, one_wave=False, c=config: c
             paged_attention._EMPTY_SPLITS_FIRST = empty_first
+            paged_attention.FP8_IN_F16 = f16
             run = lambda: attend_over_cache(q[0], k_cache, v_cache, seq_start, kv_lens, tables, info, 128**-0.5,  # noqa: E731
                                             num_decode_splits=splits)
             got = run()
@@ -85,13 +94,16 @@ def main() -> None:
                 start.record(); graph.replay(); end.record(); end.synchronize()
                 times.append(start.elapsed_time(end) * 1e3 / 20)
             how = splits or {None: "shipped", True: "auto", False: "auto, empty splits last"}[empty_first]
+            if FP8:
+                how += ", float16 dots" if f16 else ", bfloat16 dots"
             results.append((sorted(times)[2], config, how, error))
-        shipped = [r for r in results if r[2] == "shipped"]
+        shipped = [r for r in results if r[2].startswith("shipped")]
         for micros, config, splits, error in sorted(results, key=lambda r: r[0])[:8] + shipped:
             print(f"B={decodes:<4d} BLOCK_N, warps, stages {config} splits {splits}: {micros:7.2f} us per call "
                   f"(merge included), floor {nbytes / BANDWIDTH * 1e6:6.2f} us, rel err {error:.1e}", flush=True)
         paged_attention._decode_config = original
         paged_attention._EMPTY_SPLITS_FIRST = None
+        paged_attention.FP8_IN_F16 = True
 
 
 if __name__ == "__main__":

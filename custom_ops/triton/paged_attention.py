@@ -77,6 +77,8 @@ _MAX_SPLITS = 64
 # empty splits first against over 10.06 last; the 64-key launch, 13.84 against 11.38, and the same at
 # 1 and 256 decodes (5.31 / 5.25, 56.27 / 56.53).
 _EMPTY_SPLITS_FIRST: bool | None = None
+# An fp8 cache read by bfloat16 queries: both dots in float16 (see _in_float16); False keeps bfloat16.
+FP8_IN_F16 = True
 _MERGE_TILE = 4096  # elements of the merge's partial-results tile: 32 a thread at 4 warps
 
 # Triton compiles a kernel once per value class of each integer argument (1, a multiple of 16, other).
@@ -154,6 +156,15 @@ def _gather_kv(
 
 
 @triton.jit
+def _in_float16(q):
+    """bfloat16 queries as float16, for the dots over an fp8 cache (``FP8_IN_F16``): Hopper converts e4m3
+    pairs to float16 in one instruction, to bfloat16 only through float32, and the cache's tiles are
+    converted to the queries' dtype. bfloat16 queries are exact in float16 from 6e-5 to 65,504; past that
+    they saturate (a logit that large already swamps the softmax)."""
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION: tl.constexpr):
     """Fold one tile of base-2 ``logits [ROWS, BLOCK_N]`` and its values into the running state."""
     new_max = tl.maximum(row_max, tl.max(logits, 1))
@@ -204,7 +215,7 @@ def _prefill_kernel(
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_IN_F16: tl.constexpr,
 ):
     head = tl.program_id(0)
     # A chunk's last query blocks see the most keys; launching them first shortens the tail.
@@ -226,6 +237,8 @@ def _prefill_kernel(
         mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
+    if FP8_IN_F16:
+        q = _in_float16(q)
 
     # Key tiles first_tile … end_tile - 1 are visible to some row of this block; of them, free_first …
     # free_end - 1 are visible to every row and skip the mask.
@@ -312,7 +325,8 @@ def _decode_kernel(
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_GROUP_PAD: tl.constexpr,
     MERGE_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_KEYS_PER_SPLIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_IN_F16: tl.constexpr,
+    MAX_KEYS_PER_SPLIT: tl.constexpr,
     EMPTY_SPLITS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
     # The new tokens, unrotated, and their angles, for cached_attention_rope's decode-only batches (HAS_ROPE;
     # the rope/write kernel's arguments of the same names). Without HAS_ROPE they stay None: not compiled in.
@@ -391,6 +405,8 @@ def _decode_kernel(
         mask=head_valid[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
+    if FP8_IN_F16:
+        q = _in_float16(q)
     row_max = tl.full([GROUP_PAD], _NO_LOGIT, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     if HAS_SINKS:  # a sequence in one split adds its sink here; over several, the merge adds it once
@@ -610,6 +626,7 @@ def attend_over_cache(
         HAS_ALIBI=alibi_slopes is not None,
         # fp32 dots would otherwise run in TF32 on the GPU, ~1e-3 off the float32 reference.
         DOT_PRECISION="ieee" if q_tokens.dtype == torch.float32 else "tf32",
+        FP8_IN_F16=FP8_IN_F16 and q_tokens.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn,
     )
     if num_prefill > 0:
         block_m, block_n, num_warps, num_stages = _prefill_config(max_q_len, max(shared["D_PAD"], shared["DV_PAD"]))
@@ -763,7 +780,7 @@ def check_supported(
             f"float8_e4m3fn); "
             f"got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}. Use the torch backend otherwise."
         )
-    if INTERPRETED and q.dtype == torch.bfloat16:
+    if INTERPRETED and q.dtype == torch.bfloat16 and not (fp8_caches and FP8_IN_F16):  # fp8 caches: float16 dots
         raise ValueError(
             "cached_attention_triton: Triton's interpreter multiplies the bit patterns of bfloat16 tl.dot "
             "operands (triton-lang/triton#11584); run bfloat16 on a GPU, or float16/float32 in the interpreter."

@@ -13,7 +13,7 @@ import torch
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops import canonical_ops
 from autodeploy.custom_ops.cached_attention import cached_attention_reference
-from autodeploy.custom_ops.triton.paged_attention import cached_attention_triton
+from autodeploy.custom_ops.triton.paged_attention import attend_over_cache, cached_attention_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-sized shapes; the interpreter is too slow")
@@ -349,3 +349,30 @@ def test_fp8_caches_store_saturated_values_and_attend_over_them_read_back(num_de
         assert written.dtype == torch.float8_e4m3fn
         torch.testing.assert_close(written.float(), want.float(), atol=0, rtol=0, equal_nan=True)
     assert expected_caches[0].float().nan_to_num().abs().max() == 448  # saturated, not infinite or NaN
+
+
+def _bfloat16_queries_over_fp8_caches(prefills, decodes, q_multiplier=1.0):
+    # The reference attends and writes this step's keys and values into the caches; the Triton kernels then
+    # attend over the caches it wrote (attend_over_cache: the interpreter cannot run the bfloat16 write).
+    q, k, v, k_cache, v_cache, seq_start, kv_lens, tables, slots, info, scale = paged_batch(
+        prefills, decodes, q_heads=4, kv_heads=2, dtype=torch.bfloat16)
+    caches = (k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn))
+    expected = cached_attention_reference(q * q_multiplier, k, v, *caches, seq_start, kv_lens, tables, slots, info, scale)
+    return expected, lambda **options: attend_over_cache(
+        (q * q_multiplier)[0], *caches, seq_start, kv_lens, tables, info, scale, **options)
+
+
+@pytest.mark.parametrize("num_decode_splits", [None, 2])
+def test_bfloat16_queries_attend_over_fp8_caches_in_float16(num_decode_splits, interpreter_rounds_to_fp8_correctly):
+    # bfloat16 queries against fp8 caches: both dots run in float16 (paged_attention.FP8_IN_F16), prefill
+    # and decode rows alike, to the reference's result over the same caches within bfloat16's rounding.
+    expected, attend = _bfloat16_queries_over_fp8_caches([(12, 20)], [150, 3])
+    got = attend(num_decode_splits=num_decode_splits)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_bfloat16_queries_past_float16s_range_saturate_instead_of_turning_the_output_into_nan(
+        interpreter_rounds_to_fp8_correctly):
+    _, attend = _bfloat16_queries_over_fp8_caches([], [40, 9], q_multiplier=1e6)  # |q| ~ 1e6: infinite in float16
+    assert attend().isfinite().all()
