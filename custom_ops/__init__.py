@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     cached_attention_sdpa,
     cutlass_backends,
     fused_gated_mlp,
+    gated_activation,
     gated_mlp,
     layer_norm,
     linear,

@@ -1,5 +1,5 @@
-"""The ``triton`` backends of ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``rope``, ``gated_mlp``,
-``fused_gated_mlp`` (also ``triton_skinny``), ``linear`` (a few-row GEMM) and the quantized linears
+"""The ``triton`` backends of ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``rope``, ``gated_activation``,
+``gated_mlp``, ``fused_gated_mlp`` (also ``triton_skinny``), ``linear`` (a few-row GEMM) and the quantized linears
 (dequantising GEMVs and tile kernels; for fp8 also ``triton_scaled_mm``: the Triton row quantizer, then
 ``torch._scaled_mm``): registration only.
 
@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import add_rms_norm, fused_gated_mlp, gated_mlp, layer_norm, linear, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from . import add_rms_norm, fused_gated_mlp, gated_activation, gated_mlp, layer_norm, linear, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
 from .registry import register_backend
 from .triton import triton_unavailable
 
@@ -117,6 +117,16 @@ def _unsupported_activation(activation: str) -> Optional[str]:
     if activation not in _GATED_ACTIVATIONS:
         return f"activations {', '.join(_GATED_ACTIVATIONS)} only (got {activation!r})"
     return None
+
+
+def _gated_activation_triton(gate, up, activation):
+    from .triton.gated_activation import gated_activation
+
+    return gated_activation(gate, up, activation)
+
+
+def _gated_activation_supports(gate, up, activation, *, device):
+    return _unsupported_dtypes(device, gate, up=up) or _unsupported_activation(activation) or True
 
 
 def _gated_mlp_supports(x, gate_weight, up_weight, down_weight, activation, *, device):
@@ -252,6 +262,7 @@ register_backend("rms_norm", "triton", _rms_norm_triton, supports=_rms_norm_supp
 register_backend("add_rms_norm", "triton", _add_rms_norm_triton, supports=_add_rms_norm_supports)
 register_backend("layer_norm", "triton", _layer_norm_triton, supports=_layer_norm_supports)
 register_backend("rope", "triton", _rope_triton, supports=_rope_supports)
+register_backend("gated_activation", "triton", _gated_activation_triton, supports=_gated_activation_supports)
 register_backend("gated_mlp", "triton", _gated_mlp_triton, supports=_gated_mlp_supports)
 register_backend("fused_gated_mlp", "triton", _fused_gated_mlp_triton, supports=_fused_gated_mlp_supports)
 register_backend("linear", "triton", _linear_triton, supports=_linear_supports)

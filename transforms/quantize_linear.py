@@ -18,7 +18,8 @@ GPTQ, ModelOpt) gives each layer its scheme instead, and ``quantize`` settings b
 
 Every canonical ``linear`` whose weight the graph reads straight from the module becomes the scheme's op
 (``custom_ops/quantized_linear.py``); a ``gated_mlp`` or ``mlp`` with a quantized projection is split
-into its projections (each quantized by its own rule, or a plain ``linear``) and its activation. The
+into its projections (each quantized by its own rule, or a plain ``linear``) and its activation (for a
+gated MLP the canonical ``gated_activation``, which keeps a fused kernel). The
 stage runs before ``load_weights``, on the meta graph: the float weight leaves the module, the scheme's
 tensors (meta for now) take its place, and ``context.state["quantized_weights"]`` records which
 checkpoint weight each is computed from, so ``load_weights`` quantizes every weight as it streams in
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 LINEAR = torch.ops.autodeploy.linear.default
 GATED_MLP = torch.ops.autodeploy.gated_mlp.default
+GATED_ACTIVATION = torch.ops.autodeploy.gated_activation.default
 MLP = torch.ops.autodeploy.mlp.default
 MOE = torch.ops.autodeploy.moe.default
 EMBEDDING = torch.ops.aten.embedding.default
@@ -239,9 +241,10 @@ class _Rewriter:
         return self.quantized_linear(x, weight_node, bias, scheme)
 
     def activation(self, name: str, gate: fx.Node, up: fx.Node | None) -> fx.Node:
+        if up is not None:
+            return self.graph.call_function(GATED_ACTIVATION, (gate, up, name))
         op, kwargs = _ACTIVATIONS[name]
-        activated = self.graph.call_function(op, (gate,), kwargs)
-        return activated if up is None else self.graph.call_function(torch.ops.aten.mul.Tensor, (activated, up))
+        return self.graph.call_function(op, (gate,), kwargs)
 
 
 def _routes_experts(node: fx.Node, depth: int = 4) -> bool:

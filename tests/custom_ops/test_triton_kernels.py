@@ -1,4 +1,4 @@
-"""The Triton backends of rms_norm, add_rms_norm, layer_norm, rope, gated_mlp and fused_gated_mlp against
+"""The Triton backends of rms_norm, add_rms_norm, layer_norm, rope, gated_activation, gated_mlp and fused_gated_mlp against
 their float32 references (the few-row linear's kernel: ``test_skinny_gemm.py``); every backend's supports().
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (``tests/conftest.py`` sets
@@ -18,6 +18,7 @@ import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops import canonical_ops, triton_backends
 from autodeploy.custom_ops.add_rms_norm import add_rms_norm_reference
 from autodeploy.custom_ops.fused_gated_mlp import fused_gated_mlp_reference
+from autodeploy.custom_ops.gated_activation import gated_activation_reference
 from autodeploy.custom_ops.gated_mlp import gated_mlp_reference
 from autodeploy.custom_ops.layer_norm import layer_norm_reference
 from autodeploy.custom_ops.rms_norm import rms_norm_reference
@@ -243,6 +244,28 @@ def test_gated_activation_over_every_config_and_layout():
     column_strided = random(333, 6).t()
     assert_matches(gated_activation.gated_activation(column_strided, column_strided, "relu"),
                    ACTIVATION_FORMULAS["relu"](column_strided) * column_strided)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_gated_activation_op_over_the_halves_of_a_fused_projection(backend, dtype):
+    # What quantize_linear emits between a gated MLP's quantized projections, once fuse_gemms has
+    # concatenated gate and up: the two halves of one [1, T, 2I] output, rows 2I apart.
+    gate_up = random(1, 3, 2 * 300, dtype=dtype, scale=3.0)
+    gate, up = gate_up[..., :300], gate_up[..., 300:]
+    got = getattr(torch.ops.autodeploy, f"gated_activation_{backend}").default(gate, up, "silu")
+    expected = gated_activation_reference(gate, up, "silu")
+    assert expected.is_contiguous() and expected.shape == (1, 3, 300)
+    assert_matches(got.contiguous(), expected)
+    assert torch.allclose(expected.double(), (ACTIVATION_FORMULAS["silu"](gate.double()) * up.double()),
+                          rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_the_gated_activation_op_refuses_mismatched_halves():
+    with pytest.raises(ValueError, match="gate and up must share one shape and dtype"):
+        gated_activation_reference(random(2, 8), random(2, 6), "silu")
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        gated_activation_reference(random(2, 8), random(2, 8), "swish")
 
 
 def test_gated_activation_refuses_an_out_it_cannot_write_through():
