@@ -4,7 +4,7 @@
 # Steps: tune, backends (every backend against its reference at 8B shapes), bench (autodeploy bench at
 # 1/32/256 against hf-eager and hf-compile in the same run), bench_alone (the same without baselines, AD_SET
 # applied), generate (scripts/bench_gpu_generate.py),
-# bench_quant (bench_alone once per scheme in $SCHEMES, default none fp8 int8_wo int4_wo), reload
+# bench_quant (bench_alone once per scheme in $SCHEMES, default none fp8 int8_wo int4_wo; SCHEME+kv adds an fp8 KV cache), reload
 # (scripts/reload_timing.py: build, save, reload in fresh processes, with the reload's phases), reload_phases
 # (scripts/time_reload_phases.py: the graph's load and the weights' read alone and together, 4 – 16 readers),
 # bench_eager (autodeploy bench with compile.backend=none, no baselines), tests (the files in $TESTS),
@@ -12,7 +12,7 @@
 # serve (1,024 requests, at most 256 in flight, 128 in / 128 out), prefill (scripts/profile_prefill.py),
 # build (scripts/time_build.py cold, then warm, over fresh cache folders), sweep (scripts/sweep_skinny_gemm.py;
 # sweep_tma: its TMA launches with K splits),
-# decode_attention (scripts/time_decode_attention.py), burst (scripts/time_burst_steps.py at $BURST_B, default 32), sweep_quant (scripts/sweep_quantized_gemv.py over $SCHEMES_CSV).
+# decode_attention (scripts/time_decode_attention.py $DECODE_ATTENTION_ARGS: fp8 for fp8 caches), burst (scripts/time_burst_steps.py at $BURST_B, default 32), sweep_quant (scripts/sweep_quantized_gemv.py over $SCHEMES_CSV).
 # Limits: <STEP>_S, e.g. BENCH_S=420. Extra autodeploy settings for bench/generate/profile: AD_SET="--set k=v".
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -32,8 +32,9 @@ for s in ${STEPS:-backends bench}; do case $s in
       --no-progress --out "$OUT/bench.json" ;;
   bench_alone) AUTODEPLOY_CONFIG= step bench_alone ${BENCH_S:-420} python3 -m autodeploy bench $MODEL --set weights=random ${AD_SET:-} \
       --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress --out "$OUT/bench_alone.json" ;;
-  bench_quant) for scheme in ${SCHEMES:-none fp8 int8_wo int4_wo}; do AUTODEPLOY_CONFIG= step bench_$scheme ${BENCH_S:-300} \
-      python3 -m autodeploy bench $MODEL --set weights=random --set quantize.default=$scheme ${AD_SET:-} \
+  bench_quant) for scheme in ${SCHEMES:-none fp8 int8_wo int4_wo}; do kv=; [[ $scheme == *+kv ]] && kv="--set quantize.kv_cache=fp8"
+      AUTODEPLOY_CONFIG= step bench_$scheme ${BENCH_S:-300} \
+      python3 -m autodeploy bench $MODEL --set weights=random --set quantize.default=${scheme%+kv} $kv ${AD_SET:-} \
       --batch ${BATCHES:-1,32,256} --input-len 128 --output-len 128 --repeats 1 --no-progress --out "$OUT/bench_$scheme.json"; done ;;
   reload_phases) AUTODEPLOY_CONFIG= step reload_phases ${RELOAD_S:-300} python3 scripts/time_reload_phases.py $MODEL --set weights=random ${AD_SET:-} ;;
   reload) AUTODEPLOY_CONFIG= step reload ${RELOAD_S:-300} python3 scripts/reload_timing.py $MODEL --repeats 1 --set weights=random ${AD_SET:-} ${RELOAD_ARGS:-} ;;
@@ -53,7 +54,7 @@ for s in ${STEPS:-backends bench}; do case $s in
   sweep_tma) step sweep_tma ${SWEEP_S:-300} python3 scripts/sweep_skinny_gemm.py tma ${ROWS:-32} ;;
   sweep_quant) step sweep_quant ${SWEEP_S:-300} python3 scripts/sweep_quantized_gemv.py ${SCHEMES_CSV:-int8_wo,int4_wo,fp8} ;;
   burst) AUTODEPLOY_CONFIG= step burst ${BURST_S:-180} python3 scripts/time_burst_steps.py ${BURST_B:-32} 3 ${AD_SET:-} ;;
-  decode_attention) step decode_attention ${DECODE_ATTENTION_S:-120} python3 scripts/time_decode_attention.py ;;
+  decode_attention) step decode_attention ${DECODE_ATTENTION_S:-120} python3 scripts/time_decode_attention.py ${DECODE_ATTENTION_ARGS:-} ;;
   suite) step suite ${SUITE_S:-420} python3 -m pytest -q -p no:cacheprovider -n 12 ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -42,7 +42,7 @@ for batch in BATCHES:
                 torch.cuda.synchronize()
             wall_ms = 1000 * (time.perf_counter() - began) / PROFILED_STEPS
             events = prof.key_averages()
-            print(events.table(sort_by="self_cuda_time_total", row_limit=24))
+            print(events.table(sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=110))
             print(events.table(sort_by="self_cpu_time_total", row_limit=10))
             launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"))
             kernel_ms = sum(getattr(e, "self_device_time_total", 0) for e in events
