@@ -46,6 +46,7 @@ from autodeploy.pipeline import Pipeline
 from autodeploy.runtime.engine import Engine
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import build_step_inputs
+from autodeploy.transforms.fold_smoothing import FOLDED
 from autodeploy.transforms.fuse_gemms import MOVED
 from autodeploy.transforms.registry import TransformContext
 
@@ -271,7 +272,8 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         twin_graph = twin_pipeline.run(twin_context)
         match_notes = _match_notes(twin_pipeline.records)
     quantized = twin_context.state.get("quantized_weights") or {}
-    rounding = _quantize_like_the_deploy(reference, quantized, twin_graph, twin_context.state.get(MOVED) or {})
+    rounding = _quantize_like_the_deploy(reference, quantized, twin_graph, twin_context.state.get(MOVED) or {},
+                                         twin_context.state.get(FOLDED) or {})
     if settings.quantize.kv_cache == "fp8":
         rounding = rounding or _ActivationRounding()
         if not _round_keys_and_values(reference, rounding, twin_context.kv_cache_scales):
@@ -293,8 +295,12 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
     return graph, report
 
 
-def _stored(graph: fx.GraphModule, target: str, moved: dict[str, tuple[str, int, int]]) -> torch.Tensor:
-    """The tensor the quantize stage named ``target``, or its rows in the concatenation ``fuse_gemms`` moved it to."""
+def _stored(graph: fx.GraphModule, target: str, moved: dict[str, tuple[str, int, int]],
+            folded: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor the quantize stage named ``target``, or its rows in the concatenation ``fuse_gemms`` moved it
+    to, or the smoothing ``fold_smoothing`` moved out of the graph."""
+    if target in folded:
+        return folded[target]
     if target not in moved:
         return graph.get_parameter(target)
     fused, first, rows = moved[target]
@@ -302,7 +308,8 @@ def _stored(graph: fx.GraphModule, target: str, moved: dict[str, tuple[str, int,
 
 
 def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.GraphModule,
-                              moved: dict[str, tuple[str, int, int]]) -> _ActivationRounding | None:
+                              moved: dict[str, tuple[str, int, int]], folded: dict[str, torch.Tensor]
+                              ) -> _ActivationRounding | None:
     """Give the Hugging Face reference the rounding the quantize stage chose: each quantized weight replaced
     by the value the deployed ``graph``'s stored tensors dequantize to, and fp8 and smoothquant layers'
     inputs rounded per token as their ops round them. The comparison then holds the deploy to the quantized model's function
@@ -313,7 +320,8 @@ def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.G
     for record in quantized.values():
         name = record.source.removeprefix(GRAPH_PREFIX)
         parameter = reference.get_parameter(name)
-        stored = {role: _stored(graph, target, moved).detach().to(parameter.device) for role, target in record.targets.items()}
+        stored = {role: _stored(graph, target, moved, folded).detach().to(parameter.device)
+                  for role, target in record.targets.items()}
         with torch.no_grad():
             parameter.data = dequantize_weight(record.scheme, stored, torch.float32).to(parameter.dtype)
         if record.scheme.name in ("fp8", "smoothquant"):

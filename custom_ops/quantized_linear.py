@@ -24,7 +24,9 @@ A scheme turns a float weight ``w[N, K]`` (``nn.Linear`` layout) into the tensor
   ``s_k = max|x_k|^α / max_n |w_nk|^(1−α)`` from the largest input each channel took over calibration
   text (``max_abs``; ``alpha`` 0.5 by default): outlier channels of the activations move into the
   weights. The op quantizes ``x · smooth`` to int8 per token as it runs (``max|·| / 127``) and sums
-  int8 products in int32.
+  int8 products in int32. Projections over one input share ``s`` (its ``max_n`` taken over all their
+  weights: calibration's ``weight_max_abs``, combined by ``share_smoothing``), so the ``fold_smoothing``
+  transform can move ``smooth`` into the norm or linear before them.
 
 :func:`quantize_weight` and :func:`dequantize_weight` convert; each op's reference dequantizes and
 computes in float32 (float64 for float64 inputs), so it is exact up to the scheme's declared rounding.
@@ -194,11 +196,32 @@ def _awq(scheme: QuantScheme, w: torch.Tensor, statistics: dict[str, torch.Tenso
 def _smoothquant(scheme: QuantScheme, w: torch.Tensor, statistics: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     if statistics is None or "max_abs" not in statistics:
         raise ValueError("smoothquant needs the layer's input statistics (max_abs, from calibration)")
-    x_max, w_max = statistics["max_abs"].to(w.device, torch.float32), w.abs().amax(dim=0)
+    x_max = statistics["max_abs"].to(w.device, torch.float32)
+    # Projections over one input take their group's largest weights (share_smoothing): one s for all of them.
+    w_max = statistics["weight_max_abs"].to(w.device, torch.float32) if "weight_max_abs" in statistics else w.abs().amax(dim=0)
     # A channel that never carried a value (or whose weights are all zero) keeps s = 1.
     s = torch.where((x_max > 0) & (w_max > 0), x_max.pow(scheme.alpha) / w_max.pow(1.0 - scheme.alpha), torch.ones_like(x_max))
     s = s.clamp(min=1e-5)
     return {**quantize_weight(QuantScheme("int8_wo"), w * s[None, :]), "smooth": 1.0 / s}
+
+
+def share_smoothing(statistics: dict[str, dict[str, torch.Tensor]], groups: list[tuple[str, ...]]
+                    ) -> dict[str, dict[str, torch.Tensor]]:
+    """``statistics`` (per module path) with each group of projections over one input (``groups``) given the
+    group's largest inputs and weights (``max_abs``, ``weight_max_abs``: element-wise maxima over its
+    members), so ``smoothquant`` finds one ``s`` for all of them. Paths without statistics are left out of
+    their group; other entries are returned as they are."""
+    shared = dict(statistics)
+    for group in groups:
+        members = [statistics[path] for path in group if path in statistics]
+        if len(members) < 2:
+            continue
+        combined = {key: torch.stack([m[key] for m in members]).amax(0)
+                    for key in ("max_abs", "weight_max_abs") if all(key in m for m in members)}
+        for path in group:
+            if path in statistics:
+                shared[path] = {**statistics[path], **combined}
+    return shared
 
 
 def _group_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,16 +396,18 @@ def fp8_static_linear_reference(
 
 
 def int8_w8a8_linear_reference(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, smooth: torch.Tensor, bias: Optional[torch.Tensor]
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, smooth: Optional[torch.Tensor], bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
     """SmoothQuant's W8A8 linear: ``x · smooth`` quantized to int8 per token (``quantize_activations_int8``),
     times the int8 weights ``[N, K]``, the int32 sums scaled by the token's and the output channel's scale
-    ``[N]``; returns ``[..., N]`` in ``x``'s dtype. The rounding is computed in float32 (float64 for float64
-    x), the sums exactly (float64 holds them)."""
+    ``[N]``; returns ``[..., N]`` in ``x``'s dtype. ``smooth`` None: ``x`` arrives smoothed (the
+    ``fold_smoothing`` transform moved the factors into the op before, or a W8A8 checkpoint into its norms).
+    The rounding is computed in float32 (float64 for float64 x), the sums exactly (float64 holds them)."""
     _check_linear("int8_w8a8_linear", x, qweight.shape[0], qweight.shape[1], bias)
-    if smooth.shape != (x.shape[-1],):
+    if smooth is not None and smooth.shape != (x.shape[-1],):
         raise ValueError(f"int8_w8a8_linear: smooth must be [K={x.shape[-1]}]; got {tuple(smooth.shape)}.")
-    x_q, x_scale = quantize_activations_int8(x.to(compute_dtype(x.dtype)) * smooth.to(compute_dtype(x.dtype)))
+    smoothed = x.to(compute_dtype(x.dtype))
+    x_q, x_scale = quantize_activations_int8(smoothed if smooth is None else smoothed * smooth.to(smoothed.dtype))
     sums = F.linear(x_q.to(torch.float64), qweight.to(torch.float64))
     out = sums * x_scale.to(torch.float64) * scale.to(torch.float64)
     return (out if bias is None else out + bias.to(torch.float64)).to(x.dtype)
@@ -532,7 +557,7 @@ def int8_w8a8_linear_torch(x, qweight, scale, smooth, bias):
     activations quantized per token here, the sums scaled in float32."""
     out_features, in_features = qweight.shape
     rows = x.reshape(-1, in_features)
-    x_q, x_scale = quantize_activations_int8(rows.to(torch.float32) * smooth)
+    x_q, x_scale = quantize_activations_int8(rows.to(torch.float32) if smooth is None else rows.to(torch.float32) * smooth)
     padding = _INT_MM_MIN_ROWS - x_q.shape[0] if x.device.type == "cuda" else 0
     if padding > 0:
         x_q = F.pad(x_q, (0, 0, 0, padding))

@@ -14,7 +14,8 @@ the ``select`` stage and the autotuner treat it like any linear.
 
 Quantized projections of one scheme fuse alike, where every tensor the op takes after ``x`` holds a row per
 output feature: ``int8_wo_linear`` (int8 rows, a scale each), ``int4_wo_linear`` (packed rows, their group
-scales and zero points; one group size) and ``fp8_linear`` with a scale per channel. Each of those tensors
+scales and zero points; one group size), ``fp8_linear`` with a scale per channel and ``int8_w8a8_linear``
+whose smoothing ``fold_smoothing`` moved into the norm before it. Each of those tensors
 is concatenated along its rows, so every output feature is computed exactly as before. Under quantization
 the gate and up projections are separate nodes over one input, so they fuse here too. Schemes that hold a
 tensor per input column (``int4_awq``'s and ``smoothquant``'s smoothing) or one scale per layer (static
@@ -46,7 +47,8 @@ LINEAR = torch.ops.autodeploy.linear.default
 MOVED = "concatenated_parameters"
 # Ops whose every argument after x is a row-per-output-feature tensor (the bias last, or None).
 ROW_WISE = (LINEAR, torch.ops.autodeploy.int8_wo_linear.default, torch.ops.autodeploy.int4_wo_linear.default,
-            torch.ops.autodeploy.fp8_linear.default)
+            torch.ops.autodeploy.fp8_linear.default, torch.ops.autodeploy.int8_w8a8_linear.default)
+SMOOTHQUANT = torch.ops.autodeploy.int8_w8a8_linear.default  # row-wise once fold_smoothing took its smoothing
 
 
 @dataclass
@@ -83,6 +85,8 @@ def _groups(gm: GraphModule) -> list[list[fx.Node]]:
     parameters = dict(gm.named_parameters(remove_duplicate=False))
     for target in ROW_WISE:
         for node in gm.graph.find_nodes(op="call_function", target=target):
+            if target is SMOOTHQUANT and node.args[3] is not None:  # a smoothing [K] is per input column
+                continue
             tensors = _row_tensors(node, parameters)
             if tensors is None:
                 continue

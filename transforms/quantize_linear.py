@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 LINEAR = torch.ops.autodeploy.linear.default
 GATED_MLP = torch.ops.autodeploy.gated_mlp.default
 GATED_ACTIVATION = torch.ops.autodeploy.gated_activation.default
+SMOOTHQUANT = torch.ops.autodeploy.int8_w8a8_linear.default
 MLP = torch.ops.autodeploy.mlp.default
 MOE = torch.ops.autodeploy.moe.default
 EMBEDDING = torch.ops.aten.embedding.default
@@ -61,6 +62,7 @@ EMBEDDING_INT8 = torch.ops.autodeploy.embedding_int8.default
 EMBEDDING_SCHEMES = ("int8",)
 NONE = "none"
 STATE_KEY = "quantized_weights"
+SMOOTHING_GROUPS = "smoothing_groups"  # smoothquant projections over one input: they share s (share_smoothing)
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
 _ACTIVATIONS = {
     "silu": (torch.ops.aten.silu.default, {}),
@@ -259,6 +261,18 @@ def _routes_experts(node: fx.Node, depth: int = 4) -> bool:
     return False
 
 
+def _smoothing_groups(module: GraphModule, records: list[QuantizedWeight]) -> list[tuple[str, ...]]:
+    """The module paths of the ``smoothquant`` projections that read one input, one tuple per input (q/k/v,
+    gate/up): ``load_weights`` gives each group one smoothing, which ``fold_smoothing`` can then move into
+    the norm before them."""
+    path_of = {r.targets["smooth"]: r.path for r in records if "smooth" in r.targets}
+    by_input: dict[fx.Node, list[str]] = {}
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target is SMOOTHQUANT and node.args[3].target in path_of:
+            by_input.setdefault(node.args[0], []).append(path_of[node.args[3].target])
+    return [tuple(paths) for paths in by_input.values() if len(paths) > 1]
+
+
 def _copy_meta(new: fx.Node, old: fx.Node) -> None:
     new.meta.update({k: v for k, v in old.meta.items() if k != "val"})  # values: infer_values
 
@@ -357,6 +371,7 @@ class QuantizeLinear(Transform):
         # Only the new nodes get values: the rest keep export's (a quantized op returns what the linear did).
         infer_values(module, [n for n in module.graph.nodes if n not in existing])
         context.state[STATE_KEY] = {r.source: r for r in rewriter.records}
+        context.state[SMOOTHING_GROUPS] = _smoothing_groups(module, rewriter.records)
         counts: dict[str, int] = {}
         for record in rewriter.records:
             if len(record.shape) == 2 and module_path(record.source) not in tables:

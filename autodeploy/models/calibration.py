@@ -7,7 +7,7 @@ windows of how many tokens to run (``samples`` × ``seq_len``). The model runs i
 checkpoint's weights (Hugging Face eager), one window at a time, on the deploy's GPU when it has one
 (else on the CPU). A forward pre-hook on each
 projection that asks for statistics accumulates ``mean |x|``, ``mean x²`` and ``max |x|`` of its input
-over every token, and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a 14,336-wide input).
+over every token (beside its weights' ``max |w|`` per input, ``weight_max_abs``), and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a 14,336-wide input).
 Statistics of up to ``CACHE_LIMIT_BYTES`` (1 GiB) are cached on disk
 (``$XDG_CACHE_HOME/autodeploy/calibration``), keyed by the checkpoint, the text and the window sizes, so
 a second build does not run the model again; larger ones (a large model's Hessians) are recomputed.
@@ -35,7 +35,7 @@ from autodeploy.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # Held out: json/ (the accuracy workload's perplexity text in README) is not among these.
-_STATISTICS_VERSION = 2  # 2: max_abs (smoothquant) beside the means; part of the cache key
+_STATISTICS_VERSION = 3  # 2: max_abs (smoothquant) beside the means; 3: weight_max_abs; part of the cache key
 CACHE_LIMIT_BYTES = 1 << 30  # statistics past this (GPTQ's Hessians of a large model) are recomputed, not cached
 _BUILTIN_MODULES = ("argparse.py", "textwrap.py", "difflib.py", "dataclasses.py", "inspect.py", "typing.py",
                     "pathlib.py", "csv.py", "functools.py", "collections/__init__.py", "enum.py", "shutil.py")
@@ -103,7 +103,9 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
         def record(module, args):
             x = args[0].detach().to(torch.float32).reshape(-1, args[0].shape[-1])
             # Sums stay on the model's device (no host sync a call); Hessians, K × K each, on the host.
-            entry = sums.setdefault(name, {key: x.new_zeros(x.shape[1]) for key in ("mean_abs", "mean_square", "max_abs")})
+            entry = sums[name]
+            for key in ("mean_abs", "mean_square", "max_abs"):
+                entry.setdefault(key, x.new_zeros(x.shape[1]))
             entry["mean_abs"] += x.abs().sum(0)
             entry["mean_square"] += x.square().sum(0)
             entry["max_abs"] = torch.maximum(entry["max_abs"], x.abs().amax(0))
@@ -119,6 +121,8 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
             entry["output_max_abs"] = torch.maximum(entry.get("output_max_abs", largest), largest)
         return record
 
+    for name in modules:  # smoothquant's max_n |w_nk| (shared over the projections of one input: share_smoothing)
+        sums.setdefault(name, {})["weight_max_abs"] = _weight_column_max(model.get_submodule(name))
     handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in modules]
     handles += [model.get_submodule(name).register_forward_hook(output_hook(name)) for name in output_modules]
     vocab = model.get_input_embeddings().num_embeddings
@@ -130,12 +134,19 @@ def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[s
     finally:
         for handle in handles:
             handle.remove()
-    missing = [name for name in [*modules, *output_modules] if name not in sums]
+    missing = ([name for name in modules if name not in counts]
+               + [name for name in output_modules if "output_max_abs" not in sums.get(name, {})])
     if missing:
         raise ConfigError(f"calibration: modules {missing[:3]} never ran on the calibration text; they cannot be "
                           f"calibrated: name another scheme for them under quantize.layers")
-    return {name: {k: (v if k in ("max_abs", "output_max_abs") else v / counts[name]).to(torch.float32).cpu()
+    return {name: {k: (v if k in ("max_abs", "output_max_abs", "weight_max_abs") else v / counts[name]).to(torch.float32).cpu()
                    for k, v in entry.items()} for name, entry in sums.items()}
+
+
+def _weight_column_max(module: nn.Module) -> torch.Tensor:
+    """``max_n |w_nk|`` per input ``k`` of a projection: ``nn.Linear`` keeps ``[N, K]``, GPT-2's ``Conv1D`` ``[K, N]``."""
+    weight = module.weight.detach().to(torch.float32)
+    return weight.abs().amax(1 if type(module).__name__ == "Conv1D" else 0)
 
 
 def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] = (), output_modules: list[str] = ()

@@ -17,11 +17,12 @@ import torch
 from torch import fx, nn
 from tqdm import tqdm
 
-from autodeploy.custom_ops.quantized_linear import quantize_weight
+from autodeploy.custom_ops.quantized_linear import quantize_weight, share_smoothing
 from autodeploy.errors import CheckpointError
 from autodeploy.models.calibration import calibrate, kv_cache_scales, kv_projections
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
+from autodeploy.transforms.quantize_linear import SMOOTHING_GROUPS
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -350,7 +351,8 @@ class LoadWeights(Transform):
             key_values = []
         if (calibrated or key_values) and prequantized is None:
             hessians = sorted({r.path for r in (quantized or {}).values() if r.scheme.name == "int4_gptq"})
-            statistics = calibrate(factory, settings, calibrated, hessians, key_values)
+            statistics = share_smoothing(calibrate(factory, settings, calibrated, hessians, key_values),
+                                         context.state.get(SMOOTHING_GROUPS, []))
             if key_values:
                 context.kv_cache_scales = kv_cache_scales(statistics, key_values)
         if prequantized is not None and settings.quantize.kv_cache == "fp8":

@@ -13,6 +13,7 @@ from autodeploy.custom_ops.quantized_linear import (
     pack_int4,
     quantize_activations_fp8,
     quantize_weight,
+    share_smoothing,
     unpack_int4,
 )
 
@@ -412,6 +413,30 @@ def test_the_w8a8_reference_rounds_activations_per_token_and_sums_exactly():
     x_q = torch.round(smoothed / x_scale).clamp(-127, 127)
     want = (x_q.double() @ stored["qweight"].double().T) * x_scale.double() * stored["scale"].double() + bias.double()
     assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_projections_over_one_input_share_one_smoothing_and_a_smoothed_input_needs_none():
+    # q, k and v read one input: with their group's largest weights (share_smoothing), each finds the same s,
+    # so the factors can move into the norm before them (fold_smoothing) and each op take x as it is.
+    gen = torch.Generator().manual_seed(3)
+    x = _outlier_inputs(8, 64, 2)
+    weights = {name: torch.randn(rows, 64, generator=gen) * (i + 1) for i, (name, rows) in enumerate((("q", 32), ("k", 16), ("v", 16)))}
+    statistics = {name: {"max_abs": x.abs().amax(0), "weight_max_abs": w.abs().amax(0)} for name, w in weights.items()}
+    statistics["o"] = {"max_abs": torch.ones(64), "weight_max_abs": torch.ones(64)}
+    shared = share_smoothing(statistics, [("q", "k", "v"), ("absent", "o")])
+    assert shared["o"] is statistics["o"]  # a group of one known projection: as it was
+    largest = torch.stack([w.abs().amax(0) for w in weights.values()]).amax(0)
+    stored = {name: quantize_weight(QuantScheme("smoothquant"), w, shared[name]) for name, w in weights.items()}
+    for name in "kv":
+        assert torch.equal(stored[name]["smooth"], stored["q"]["smooth"])
+    assert torch.allclose(1 / stored["q"]["smooth"], x.abs().amax(0).sqrt() / largest.sqrt(), rtol=1e-6)
+    # The smoothed input, fed to the op without smoothing, gives what the op computes with its smoothing.
+    smooth, stored_q = stored["q"]["smooth"], stored["q"]
+    with_smoothing = ops.int8_w8a8_linear(x, stored_q["qweight"], stored_q["scale"], smooth, None)
+    folded = ops.int8_w8a8_linear(x * smooth, stored_q["qweight"], stored_q["scale"], None, None)
+    assert torch.equal(with_smoothing, folded)
+    assert torch.equal(ops.int8_w8a8_linear_torch(x * smooth, stored_q["qweight"], stored_q["scale"], None, None),
+                       ops.int8_w8a8_linear_torch(x, stored_q["qweight"], stored_q["scale"], smooth, None))
 
 
 def test_smoothing_beats_plain_w8a8_on_activations_with_outlier_channels():

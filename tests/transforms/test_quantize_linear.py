@@ -250,15 +250,39 @@ def test_a_smoothquant_deploy_runs_int8_activations_and_verifies_against_a_refer
     settings = {"default": "smoothquant", "calibration": {"samples": 4, "seq_len": 64}}
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=settings)
     w8a8 = [n for n in llm.graph.graph.nodes if "int8_w8a8_linear" in str(n.target)]
-    assert len(w8a8) == 14
+    # Per layer: q/k/v and gate/up, their smoothing folded into the norms before them, fuse into one GEMM
+    # each; down's smoothing moves into up's rows; o_proj (reading attention's heads) keeps its own.
+    assert len(w8a8) == 8
+    assert sorted(n.args[3] is None for n in w8a8) == [False] * 2 + [True] * 6
     assert "quantized activations: tolerance" in llm.verification.note
     assert llm.verification.relative_error <= llm.verification.tolerance
-    smooth = llm.graph.get_parameter("model.model.layers.0.self_attn.q_proj.input_smooth")
+    smooth = llm.graph.get_parameter("model.model.layers.0.self_attn.o_proj.input_smooth")
     assert not torch.allclose(smooth, torch.ones_like(smooth))  # calibrated, not identity
+    assert not any(name.endswith("q_proj.input_smooth") for name, _ in llm.graph.named_parameters())
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 6
     with pytest.raises(ConfigError, match="smoothquant alpha must lie in"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**settings, "smoothquant_alpha": 1.5})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_folding_smoothquant_smoothing_keeps_the_function(tiny_checkpoint, tmp_path, monkeypatch, arch):
+    # The folded deploy (norm weights and up rows times the factors; Qwen2's q/k/v have biases) against the same deploy with the smoothing left in the ops: the same logits up to rounding, and
+    # verification's reference (the unfolded model) agrees with both alike.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    settings = {"default": "smoothquant", "calibration": {"samples": 4, "seq_len": 64}}
+    folded = autodeploy(str(tiny_checkpoint(arch)), device="cpu", quantize=settings)
+    kept = autodeploy(str(tiny_checkpoint(arch)), device="cpu", quantize=settings,
+                      set_arguments=["transforms.fold_smoothing.enabled=false"])
+    (report,) = [r for r in folded.records if r.name == "fold_smoothing"]
+    smoothed = [n.args[3].target for n in folded.graph.graph.nodes if "int8_w8a8_linear" in str(n.target) and n.args[3]]
+    assert len(smoothed) == 2 and all(t.endswith("o_proj.input_smooth") for t in smoothed)  # o_proj keeps its own
+    assert report.matches >= 6  # per layer: the input norm, the post-attention norm, up (qwen2: also the final norm)
+    assert all(n.args[3] is not None for n in kept.graph.graph.nodes if "int8_w8a8_linear" in str(n.target))
+    assert folded.verification.relative_error <= kept.verification.relative_error * 1.5 + 1e-6
+    prompt = [[5, 6, 7, 8, 9, 10]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert folded.generate(prompt, params)[0].token_ids == kept.generate(prompt, params)[0].token_ids
 
 
 def test_fp8_with_static_activation_scales_calibrates_one_scale_a_layer_and_verifies(tiny_checkpoint, tmp_path, monkeypatch):

@@ -1,0 +1,170 @@
+"""``fold_smoothing`` (stage ``fuse``): SmoothQuant's smoothing moved into the norm or linear before it.
+
+A ``smoothquant`` projection (``int8_w8a8_linear``) multiplies its input by ``smooth`` (``1 / s``, one
+factor per input channel) before it rounds the input to int8. Where the input comes out of an op that
+is linear per channel, the factors can be applied there once, at build, and the projections take the
+input as it is (``smooth`` None): one multiply less per projection at run time, and projections over one
+input then share every tensor row-wise, so ``fuse_gemms`` can concatenate them (q/k/v, gate/up).
+
+Folded, when every reader of the input is a ``smoothquant`` projection with equal factors
+(``load_weights`` gives the projections over one input one smoothing: ``share_smoothing``):
+
+- into an ``rms_norm`` (Gemma's ``weight_offset``: ``(offset + w) · smooth − offset``), the normed output of
+  an ``add_rms_norm``, or a ``layer_norm`` (weight and bias): the norm's own weight, in its dtype;
+- into the up projection before a ``gated_activation`` (the down projection's input is
+  ``act(gate) · up``, linear in ``up``): the rows of a ``linear``'s weight and bias, or the per-row scales of
+  an ``int8_w8a8_linear``, ``int8_wo_linear`` or per-channel ``fp8_linear`` (exact: the scale absorbs the factor).
+
+Factors that are all one (a W8A8 checkpoint's: its smoothing is in its norms already) are dropped
+wherever they are. Anything else keeps its smoothing in the op, e.g. ``o_proj``, whose input is attention's output: its
+channels are heads that share key-value heads, so no single weight before it scales them one by one.
+The factors folded, and the row scales of a quantized up projection as they were before, are kept in
+``context.state[FOLDED]`` (parameter name → tensor): verification builds its Hugging Face reference from
+the quantize stage's tensors (the unfolded model, whose norms are the checkpoint's) and rounds each
+projection's input as the op would have, the same function up to rounding.
+
+    # YAML: transforms: {fold_smoothing: {enabled: false}} leaves the smoothing in the ops
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.fx import GraphModule
+
+from autodeploy.transforms.quantize_linear import GATED_ACTIVATION, LINEAR, SMOOTHQUANT
+from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+
+RMS_NORM = torch.ops.autodeploy.rms_norm.default
+ADD_RMS_NORM = torch.ops.autodeploy.add_rms_norm.default
+LAYER_NORM = torch.ops.autodeploy.layer_norm.default
+# Projections whose output rows carry one scale each (the argument index of that [N] tensor).
+ROW_SCALED = {SMOOTHQUANT: 2, torch.ops.autodeploy.int8_wo_linear.default: 2, torch.ops.autodeploy.fp8_linear.default: 2}
+FOLDED = "folded_smoothing"
+
+
+@dataclass
+class FoldSmoothingConfig(TransformConfig):
+    stage: str = "fuse"
+
+
+def _own(gm: GraphModule, node) -> torch.Tensor | None:
+    """The parameter a get_attr node reads, when that node is its only reader in the graph."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or len(node.users) != 1:
+        return None
+    if sum(n.op == "get_attr" and n.target == node.target for n in gm.graph.nodes) != 1:
+        return None
+    try:
+        return gm.get_parameter(node.target)
+    except AttributeError:
+        return None
+
+
+def _scale_rows(tensor: torch.Tensor, factors: torch.Tensor, offset: float = 0.0) -> None:
+    """``tensor ← (offset + tensor) · factors − offset`` over its first dim, computed in float32, in place."""
+    shape = (-1,) + (1,) * (tensor.dim() - 1)
+    scaled = (offset + tensor.to(torch.float32)) * factors.to(tensor.device, torch.float32).reshape(shape) - offset
+    with torch.no_grad():
+        tensor.copy_(scaled.to(tensor.dtype))
+
+
+def _fold_into_producer(gm: GraphModule, source: fx.Node, factors: torch.Tensor, originals: dict) -> str | None:
+    """Apply ``factors`` per channel to what ``source`` computes by changing its parameters; returns what was
+    changed, or None when ``source`` is not an op this transform can fold into (its parameters untouched).
+    A quantized projection's scales keep their values before the fold in ``originals`` (by parameter name)."""
+    producer, index = source, None
+    if source.op == "call_function" and source.target is operator.getitem:
+        producer, index = source.args[0], source.args[1]
+    if producer.op != "call_function":
+        return None
+    if producer.target is RMS_NORM or (producer.target is ADD_RMS_NORM and index == 0):
+        # The other output of add_rms_norm (the residual sum) does not pass through the weight.
+        weight_argument, offset_index = (1, 3) if producer.target is RMS_NORM else (2, 4)
+        weight = _own(gm, producer.args[weight_argument])
+        if weight is None or weight.shape != factors.shape:
+            return None
+        offset = producer.args[offset_index] if len(producer.args) > offset_index else producer.kwargs.get("weight_offset", 0.0)
+        _scale_rows(weight, factors, float(offset))
+        return f"{producer.name} weight"
+    if producer.target is LAYER_NORM and index is None:
+        weight, bias = _own(gm, producer.args[1]), producer.args[2]
+        bias_tensor = None if bias is None else _own(gm, bias)
+        if weight is None or weight.shape != factors.shape or (bias is not None and bias_tensor is None):
+            return None
+        for tensor in (weight, bias_tensor):
+            if tensor is not None:
+                _scale_rows(tensor, factors)
+        return f"{producer.name} weight{'' if bias is None else ' and bias'}"
+    if producer.target is GATED_ACTIVATION and index is None:
+        up = producer.args[1]
+        if not isinstance(up, fx.Node) or len(up.users) != 1 or up.op != "call_function":
+            return None
+        if up.target is LINEAR:
+            weight, bias = _own(gm, up.args[1]), up.args[2]
+            bias_tensor = None if bias is None else _own(gm, bias)
+            if weight is None or weight.shape[0] != factors.shape[0] or (bias is not None and bias_tensor is None):
+                return None
+            for tensor in (weight, bias_tensor):
+                if tensor is not None:
+                    _scale_rows(tensor, factors)
+        elif up.target in ROW_SCALED:
+            scale, bias = _own(gm, up.args[ROW_SCALED[up.target]]), up.args[-1]
+            bias_tensor = None if bias is None else _own(gm, bias)
+            if scale is None or scale.shape != factors.shape or (bias is not None and bias_tensor is None):
+                return None  # a per-tensor fp8 scale cannot take a factor per row
+            originals.setdefault(up.args[ROW_SCALED[up.target]].target, scale.detach().clone())
+            for tensor in (scale, bias_tensor):
+                if tensor is not None:
+                    _scale_rows(tensor, factors)
+        else:
+            return None
+        return f"{up.name} rows"
+    return None
+
+
+@register_transform("fold_smoothing")
+class FoldSmoothing(Transform):
+    config_class = FoldSmoothingConfig
+
+    def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
+        readers: dict[fx.Node, list[fx.Node]] = {}
+        for node in module.graph.find_nodes(op="call_function", target=SMOOTHQUANT):
+            if node.args[3] is not None:
+                readers.setdefault(node.args[0], []).append(node)
+        folded = context.state.setdefault(FOLDED, {})
+        details, kept, moved = [], [], 0
+        for source, projections in readers.items():
+            smooths = [module.get_parameter(p.args[3].target) for p in projections]
+            if any(not torch.equal(smooths[0], other) for other in smooths[1:]):
+                kept.append(f"{source.name}: its projections' smoothing differs")
+                continue
+            if set(source.users) != set(projections) and not bool((smooths[0] == 1).all()):
+                kept.append(f"{source.name}: read by other ops too")
+                continue
+            # All ones (a W8A8 checkpoint's, whose smoothing is in its norms already): nothing to move.
+            ones = bool((smooths[0] == 1).all())
+            changed = "nothing (all ones)" if ones else _fold_into_producer(module, source, smooths[0], folded)
+            if changed is None:
+                kept.append(f"{source.name}: not a norm or an up projection")
+                continue
+            for projection in projections:
+                smooth_node = projection.args[3]
+                folded[smooth_node.target] = module.get_parameter(smooth_node.target).detach().clone()
+                projection.update_arg(3, None)
+                if not smooth_node.users:
+                    module.graph.erase_node(smooth_node)
+                    owner, _, leaf = smooth_node.target.rpartition(".")
+                    delattr(module.get_submodule(owner), leaf)
+            details.append(f"{', '.join(p.name for p in projections)}: smoothing folded into {changed}")
+            moved += len(projections)
+        if details:
+            module.graph.lint()
+            module.recompile()
+        total = sum(len(p) for p in readers.values())
+        notes = (f"smoothing folded into {len(details)} norms or linears ({moved} of {total} smoothquant projections)"
+                 if readers else "no smoothquant projection with its own smoothing")
+        return TransformResult(matches=len(details), changed=bool(details), notes=notes,
+                               details=details + [f"kept in the op: {k}" for k in kept])
