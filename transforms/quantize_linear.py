@@ -23,7 +23,9 @@ gated MLP the canonical ``gated_activation``, which keeps a fused kernel). The
 stage runs before ``load_weights``, on the meta graph: the float weight leaves the module, the scheme's
 tensors (meta for now) take its place, and ``context.state["quantized_weights"]`` records which
 checkpoint weight each is computed from, so ``load_weights`` quantizes every weight as it streams in
-(no float copy of the model is ever whole). A weight read by any other node (tied to the embedding)
+(no float copy of the model is ever whole). When a scheme calibrates (or the KV cache is fp8), the graph
+as this stage found it is kept in ``context.state[CALIBRATION_GRAPH]`` (a copy over the same meta
+parameters): calibration loads the float weights into it and runs it first (``models/calibration.py``). A weight read by any other node (tied to the embedding)
 stays in the model's dtype, as do MoE routers. MoE experts take ``quantize.experts`` (``int8_wo`` or
 ``int4_wo``, expert by expert: ``custom_ops/quantized_moe.py``), apart from the dense layers' rules.
 ``quantize.embedding: int8`` stores the token embedding table as ``int8_wo`` stores a weight (a scale per
@@ -63,6 +65,7 @@ EMBEDDING_SCHEMES = ("int8",)
 NONE = "none"
 STATE_KEY = "quantized_weights"
 SMOOTHING_GROUPS = "smoothing_groups"  # smoothquant projections over one input: they share s (share_smoothing)
+CALIBRATION_GRAPH = "calibration_graph"  # the graph as this stage found it (meta): what calibration runs
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
 _ACTIVATIONS = {
     "silu": (torch.ops.aten.silu.default, {}),
@@ -261,6 +264,14 @@ def _routes_experts(node: fx.Node, depth: int = 4) -> bool:
     return False
 
 
+def _snapshot(module: GraphModule) -> GraphModule:
+    """A copy of ``module``'s graph over the same (meta) parameters, which the rewrite below leaves in place for
+    it: calibration loads the checkpoint's weights into it and runs it (``models/calibration.py``)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(module.graph, {}))
+    return GraphModule(module, graph)
+
+
 def _smoothing_groups(module: GraphModule, records: list[QuantizedWeight]) -> list[tuple[str, ...]]:
     """The module paths of the ``smoothquant`` projections that read one input, one tuple per input (q/k/v,
     gate/up): ``load_weights`` gives each group one smoothing, which ``fold_smoothing`` can then move into
@@ -312,6 +323,10 @@ class QuantizeLinear(Transform):
         experts = parse_experts(context.settings.quantize)
         embedding = parse_embedding(context.settings.quantize)
         found = _checkpoint_quantization(context)
+        # A pre-quantized checkpoint's calibrated schemes are not calibrated again, but its verification twin's are.
+        calibrated = any(s is not None and s.calibrated for s in (default, *(s for _, s in rules)))
+        if found is not None or calibrated or context.settings.quantize.kv_cache == "fp8":
+            context.state[CALIBRATION_GRAPH] = _snapshot(module)
         if (found is None and experts is None and embedding is None and default is None
                 and all(scheme is None for _, scheme in rules)):
             return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")

@@ -3,11 +3,14 @@ fp8 KV cache scales: statistics of each projection's input (and of the key and v
 
 The ``quantize`` settings' ``calibration`` names the text (``builtin``: Python standard-library modules
 that ship with every interpreter, or a path to a text or JSONL file of ``{"text": …}`` lines), how many
-windows of how many tokens to run (``samples`` × ``seq_len``). The model runs in float32 with the
-checkpoint's weights (Hugging Face eager), one window at a time, on the deploy's GPU when it has one
-(else on the CPU). A forward pre-hook on each
-projection that asks for statistics accumulates ``mean |x|``, ``mean x²`` and ``max |x|`` of its input
-over every token (beside its weights' ``max |w|`` per input, ``weight_max_abs``), and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a 14,336-wide input).
+windows of how many tokens to run (``samples`` × ``seq_len``). What runs is the partially transformed
+graph: the canonical graph as the ``quantize`` stage found it (after ``match``), with the checkpoint's
+weights in the deploy's dtype, one window at a time, on the deploy's GPU when it has one (else on the
+CPU); so the statistics are those of the ops the deploy runs. For each projection that asks for statistics
+(a canonical ``linear``, or a projection inside ``gated_mlp`` / ``mlp``) it accumulates ``mean |x|``,
+``mean x²`` and ``max |x|`` of its input over every token, in float32 (beside its weights' ``max |w|`` per
+input, ``weight_max_abs``), and for GPTQ its Hessian ``E[x xᵀ]`` (``K × K`` float32: 0.8 GB for a
+14,336-wide input).
 Statistics of up to ``CACHE_LIMIT_BYTES`` (1 GiB) are cached on disk
 (``$XDG_CACHE_HOME/autodeploy/calibration``), keyed by the checkpoint, the text and the window sizes, so
 a second build does not run the model again; larger ones (a large model's Hessians) are recomputed.
@@ -28,14 +31,14 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from autodeploy.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 # Held out: json/ (the accuracy workload's perplexity text in README) is not among these.
-_STATISTICS_VERSION = 3  # 2: max_abs (smoothquant) beside the means; 3: weight_max_abs; part of the cache key
+_STATISTICS_VERSION = 4  # 2: max_abs (smoothquant); 3: weight_max_abs; 4: from the canonical graph; part of the cache key
 CACHE_LIMIT_BYTES = 1 << 30  # statistics past this (GPTQ's Hessians of a large model) are recomputed, not cached
 _BUILTIN_MODULES = ("argparse.py", "textwrap.py", "difflib.py", "dataclasses.py", "inspect.py", "typing.py",
                     "pathlib.py", "csv.py", "functools.py", "collections/__init__.py", "enum.py", "shutil.py")
@@ -90,70 +93,136 @@ def _cache_file(identity: str, dataset: str, samples: int, seq_len: int, modules
     return root / f"{key.hexdigest()[:32]}.pt"
 
 
-def input_statistics(model: nn.Module, windows: list[list[int]], modules: list[str], hessian_modules=(),
+class _Statistics:
+    """Sums of each watched projection's input (and output) over every calibration token."""
+
+    def __init__(self, hessian_modules):
+        self.hessian_modules = set(hessian_modules)
+        self.sums: dict[str, dict[str, torch.Tensor]] = {}
+        self.counts: dict[str, int] = {}
+
+    def weights(self, name: str, weight: torch.Tensor) -> None:
+        """smoothquant's ``max_n |w_nk|`` of a ``[N, K]`` weight (shared over one input's projections: share_smoothing)."""
+        self.sums.setdefault(name, {})["weight_max_abs"] = weight.detach().to(torch.float32).abs().amax(0)
+
+    def inputs(self, name: str, value: torch.Tensor) -> None:
+        x = value.detach().to(torch.float32).reshape(-1, value.shape[-1])
+        # Sums stay on the model's device (no host sync a call); Hessians, K × K each, on the host.
+        entry = self.sums.setdefault(name, {})
+        for key in ("mean_abs", "mean_square", "max_abs"):
+            entry.setdefault(key, x.new_zeros(x.shape[1]))
+        entry["mean_abs"] += x.abs().sum(0)
+        entry["mean_square"] += x.square().sum(0)
+        entry["max_abs"] = torch.maximum(entry["max_abs"], x.abs().amax(0))
+        if name in self.hessian_modules:
+            entry["hessian"] = entry.get("hessian", 0) + (x.T.double() @ x.double()).cpu()
+        self.counts[name] = self.counts.get(name, 0) + x.shape[0]
+
+    def outputs(self, name: str, value: torch.Tensor) -> None:
+        entry = self.sums.setdefault(name, {})
+        largest = value.detach().abs().amax().to(torch.float32).reshape(1)
+        entry["output_max_abs"] = torch.maximum(entry.get("output_max_abs", largest), largest)
+
+    def result(self, modules, output_modules) -> dict[str, dict[str, torch.Tensor]]:
+        missing = ([name for name in modules if name not in self.counts]
+                   + [name for name in output_modules if "output_max_abs" not in self.sums.get(name, {})])
+        if missing:
+            raise ConfigError(f"calibration: modules {missing[:3]} never ran on the calibration text; they cannot be "
+                              f"calibrated: name another scheme for them under quantize.layers")
+        means = ("mean_abs", "mean_square", "hessian")
+        return {name: {k: (v / self.counts[name] if k in means else v).to(torch.float32).cpu() for k, v in entry.items()}
+                for name, entry in self.sums.items()}
+
+
+def _weight_path(node) -> str | None:
+    """The module path of the projection whose weight a get_attr node reads (``model.layers.0.mlp.up_proj``)."""
+    from autodeploy.transforms.quantize_linear import module_path
+
+    return module_path(node.target) if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+def graph_statistics(graph: fx.GraphModule, windows: list[list[int]], modules: list[str], hessian_modules=(),
                      output_modules=()) -> dict[str, dict[str, torch.Tensor]]:
-    """Run ``model`` over ``windows`` and return, per module name, ``mean_abs``, ``mean_square`` and ``max_abs``
-    of its input's last dimension (float32, on the CPU), for ``hessian_modules`` also ``hessian``: ``E[x xᵀ]``,
-    and for ``output_modules`` ``output_max_abs``: the largest |value| of their output (an fp8 KV cache's scale)."""
-    hessian_modules = set(hessian_modules)
-    sums: dict[str, dict[str, torch.Tensor]] = {}
-    counts: dict[str, int] = {}
+    """Run the canonical graph (after ``match``, before ``quantize``, with the checkpoint's weights) over
+    ``windows`` and return, per projection (module path), ``mean_abs``, ``mean_square`` and ``max_abs`` of its
+    input's last dimension and its weights' ``weight_max_abs`` (float32, on the CPU), for ``hessian_modules``
+    also ``hessian``: ``E[x xᵀ]``, and for ``output_modules`` ``output_max_abs``: the largest |value| of
+    their output (an fp8 KV cache's scale). Projections are the canonical ``linear`` nodes and the
+    gate / up / down of ``gated_mlp`` and the up / down of ``mlp``, whose inner input (``act(gate) · up``,
+    ``act(up)``) is computed here as the op computes it."""
+    import torch.nn.functional as F
 
-    def hook(name):
-        def record(module, args):
-            x = args[0].detach().to(torch.float32).reshape(-1, args[0].shape[-1])
-            # Sums stay on the model's device (no host sync a call); Hessians, K × K each, on the host.
-            entry = sums[name]
-            for key in ("mean_abs", "mean_square", "max_abs"):
-                entry.setdefault(key, x.new_zeros(x.shape[1]))
-            entry["mean_abs"] += x.abs().sum(0)
-            entry["mean_square"] += x.square().sum(0)
-            entry["max_abs"] = torch.maximum(entry["max_abs"], x.abs().amax(0))
-            if name in hessian_modules:
-                entry["hessian"] = entry.get("hessian", 0) + (x.T.double() @ x.double()).cpu()
-            counts[name] = counts.get(name, 0) + x.shape[0]
-        return record
+    from autodeploy.custom_ops.activations import activation_fn
 
-    def output_hook(name):
-        def record(module, args, output):
-            entry = sums.setdefault(name, {})
-            largest = output.detach().abs().amax().to(torch.float32).reshape(1)
-            entry["output_max_abs"] = torch.maximum(entry.get("output_max_abs", largest), largest)
-        return record
+    linear, gated, plain = (torch.ops.autodeploy.linear.default, torch.ops.autodeploy.gated_mlp.default,
+                            torch.ops.autodeploy.mlp.default)
+    wanted, outputs = set(modules), set(output_modules)
+    statistics = _Statistics(hessian_modules)
+    watched: dict[fx.Node, object] = {}
 
-    for name in modules:  # smoothquant's max_n |w_nk| (shared over the projections of one input: share_smoothing)
-        sums.setdefault(name, {})["weight_max_abs"] = _weight_column_max(model.get_submodule(name))
-    handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in modules]
-    handles += [model.get_submodule(name).register_forward_hook(output_hook(name)) for name in output_modules]
-    vocab = model.get_input_embeddings().num_embeddings
-    device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            for window in windows:
-                model(input_ids=torch.tensor([[token % vocab for token in window]], device=device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    missing = ([name for name in modules if name not in counts]
-               + [name for name in output_modules if "output_max_abs" not in sums.get(name, {})])
-    if missing:
-        raise ConfigError(f"calibration: modules {missing[:3]} never ran on the calibration text; they cannot be "
-                          f"calibrated: name another scheme for them under quantize.layers")
-    return {name: {k: (v if k in ("max_abs", "output_max_abs", "weight_max_abs") else v / counts[name]).to(torch.float32).cpu()
-                   for k, v in entry.items()} for name, entry in sums.items()}
+    def weight(node):
+        return graph.get_parameter(node.target)
+
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or node.target not in (linear, gated, plain):
+            continue
+        if node.target is linear:
+            path = _weight_path(node.args[1])
+            if path in wanted or path in outputs:
+                watched[node] = ("linear", path)
+            if path in wanted:
+                statistics.weights(path, weight(node.args[1]))
+            continue
+        roles = ({"gate": node.args[1], "up": node.args[2], "down": node.args[3]} if node.target is gated
+                 else {"up": node.args[1], "down": node.args[3]})
+        paths = {role: _weight_path(w) for role, w in roles.items()}
+        if any(p in wanted for p in paths.values()):
+            watched[node] = ("gated" if node.target is gated else "mlp", paths)
+            for role, path in paths.items():
+                if path in wanted:
+                    statistics.weights(path, weight(roles[role]))
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node):
+            result = super().run_node(node)
+            if node not in watched:
+                return result
+            kind, paths = watched[node]
+            args = [self.env[a] if isinstance(a, fx.Node) else a for a in node.args]
+            if kind == "linear":
+                if paths in wanted:
+                    statistics.inputs(paths, args[0])
+                if paths in outputs:
+                    statistics.outputs(paths, result)
+                return result
+            x = args[0].to(torch.float32)
+            for role in ("gate", "up"):
+                if paths.get(role) in wanted:
+                    statistics.inputs(paths[role], x)
+            if paths["down"] in wanted:
+                if kind == "gated":
+                    act = activation_fn(args[4])
+                    inner = act(F.linear(x, args[1].to(torch.float32))) * F.linear(x, args[2].to(torch.float32))
+                else:
+                    up_bias = None if args[2] is None else args[2].to(torch.float32)
+                    inner = activation_fn(args[5])(F.linear(x, args[1].to(torch.float32), up_bias))
+                statistics.inputs(paths["down"], inner)
+            return result
+
+    recorder = Recorder(graph)
+    device = next(graph.parameters()).device
+    with torch.no_grad():
+        for window in windows:
+            ids = torch.tensor([window], device=device)
+            recorder.run(ids, torch.arange(len(window), device=device)[None])
+    return statistics.result(modules, output_modules)
 
 
-def _weight_column_max(module: nn.Module) -> torch.Tensor:
-    """``max_n |w_nk|`` per input ``k`` of a projection: ``nn.Linear`` keeps ``[N, K]``, GPT-2's ``Conv1D`` ``[K, N]``."""
-    weight = module.weight.detach().to(torch.float32)
-    return weight.abs().amax(1 if type(module).__name__ == "Conv1D" else 0)
-
-
-def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] = (), output_modules: list[str] = ()
-              ) -> dict[str, dict[str, torch.Tensor]]:
-    """The input statistics of ``modules`` (Hugging Face module names; ``hessian_modules`` with their input
-    Hessians too, ``output_modules``' largest output) for this model and calibration set, from the cache or by
-    running the model once."""
+def calibrate(factory, settings, float_graph, modules: list[str], hessian_modules: list[str] = (),
+              output_modules: list[str] = ()) -> dict[str, dict[str, torch.Tensor]]:
+    """The input statistics of ``modules`` (module paths; ``hessian_modules`` with their input Hessians too,
+    ``output_modules``' largest output) for this model and calibration set, from the cache or by running
+    ``float_graph(device)`` once: the canonical graph before ``quantize``, with the checkpoint's weights."""
     calibration = settings.quantize.calibration
     dataset, samples, seq_len = str(calibration.dataset), int(calibration.samples), int(calibration.seq_len)
     if settings.weights == "random" and factory.tensors is None:
@@ -175,11 +244,11 @@ def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] 
     windows = calibration_windows(tokenizer, dataset, samples, seq_len)
     # On the deploy's GPU when it has one: a large model's calibration run is hours of float32 on a CPU.
     device = torch.device(settings.device) if torch.device(settings.device).type == "cuda" else torch.device("cpu")
-    model = _float_model(factory).to(device)
+    graph = float_graph(device)
     logger.info("calibrating %d projections on %d × %d tokens of %s (%s)", len(modules) + len(output_modules), samples, seq_len,
                 dataset, device)
-    statistics = input_statistics(model, windows, modules, hessian_modules, output_modules)
-    del model
+    statistics = graph_statistics(graph, windows, modules, hessian_modules, output_modules)
+    del graph
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the float model's memory goes back before the deploy's weights load
     size = sum(t.numel() * t.element_size() for entry in statistics.values() for t in entry.values())
@@ -193,19 +262,6 @@ def calibrate(factory, settings, modules: list[str], hessian_modules: list[str] 
 
 def _checkpoint_stamp(directory: Path) -> list:
     return sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in Path(directory).glob("*.safetensors"))
-
-
-def _float_model(factory) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    if factory.tensors is not None:  # the twin: its weights are in memory
-        model = AutoModelForCausalLM.from_config(factory.hf_config, dtype=torch.float32,
-                                                 trust_remote_code=factory.trust_remote_code)
-        model.load_state_dict({k: v.to(torch.float32) for k, v in factory.tensors.items()}, strict=False)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(factory.source.directory), dtype=torch.float32,
-                                                     trust_remote_code=factory.trust_remote_code)
-    return model.eval()
 
 
 def kv_projections(model: nn.Module) -> list[str]:

@@ -22,7 +22,7 @@ from autodeploy.errors import CheckpointError
 from autodeploy.models.calibration import calibrate, kv_cache_scales, kv_projections
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
-from autodeploy.transforms.quantize_linear import SMOOTHING_GROUPS
+from autodeploy.transforms.quantize_linear import CALIBRATION_GRAPH, SMOOTHING_GROUPS
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -292,6 +292,16 @@ def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed:
     return len(done)
 
 
+def _float_graph(snapshot: fx.GraphModule, factory: ModelFactory, device: torch.device) -> fx.GraphModule:
+    """The quantize stage's snapshot of the canonical graph with the checkpoint's weights on ``device``: what
+    calibration runs."""
+    move_graph_to_device(snapshot, device)
+    groups = _allocate_parameters(snapshot, device)
+    load_checkpoint(snapshot, factory, factory.checkpoint_reader(), groups)
+    restore_buffers(snapshot, factory, device)
+    return snapshot
+
+
 def restore_buffers(gm: fx.GraphModule, factory: ModelFactory, device: torch.device) -> None:
     for name, _ in list(gm.named_buffers()):
         value = factory.buffers.get(name.removeprefix(GRAPH_PREFIX))
@@ -343,6 +353,7 @@ class LoadWeights(Transform):
         # A pre-quantized checkpoint's values are used as they are (the twin's weights are float).
         prequantized = factory.prequantized if factory.tensors is None and settings.weights == "checkpoint" else None
         statistics = None
+        snapshot = context.state.pop(CALIBRATION_GRAPH, None)  # dropped after: its float weights are the model's size
         calibrated = sorted({r.path for r in (quantized or {}).values() if r.scheme.calibrated})
         # An fp8 KV cache's per-layer scales come from the key and value projections' largest outputs,
         # when there are real weights to run (random weights, or a pre-quantized checkpoint: scale 1).
@@ -351,7 +362,8 @@ class LoadWeights(Transform):
             key_values = []
         if (calibrated or key_values) and prequantized is None:
             hessians = sorted({r.path for r in (quantized or {}).values() if r.scheme.name == "int4_gptq"})
-            statistics = share_smoothing(calibrate(factory, settings, calibrated, hessians, key_values),
+            statistics = share_smoothing(calibrate(factory, settings, lambda on: _float_graph(snapshot, factory, on),
+                                                   calibrated, hessians, key_values),
                                          context.state.get(SMOOTHING_GROUPS, []))
             if key_values:
                 context.kv_cache_scales = kv_cache_scales(statistics, key_values)

@@ -227,8 +227,8 @@ def test_an_awq_deploy_calibrates_once_then_reuses_the_cached_statistics(tiny_ch
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     runs = []
-    original = calibration.input_statistics
-    monkeypatch.setattr(calibration, "input_statistics", lambda *a: runs.append(1) or original(*a))
+    original = calibration.graph_statistics
+    monkeypatch.setattr(calibration, "graph_statistics", lambda *a: runs.append(1) or original(*a))
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=AWQ)
     assert quantized_ops(llm) == {}  # counted below: int4_awq is its own op
     awq = [n for n in llm.graph.graph.nodes if "int4_awq_linear" in str(n.target)]
@@ -242,6 +242,43 @@ def test_an_awq_deploy_calibrates_once_then_reuses_the_cached_statistics(tiny_ch
     autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=AWQ)
     assert len(runs) == calibrated + 1  # the twin again; the model's statistics come from the cache
     assert list((tmp_path / "autodeploy" / "calibration").glob("*.pt"))
+
+
+def test_calibration_runs_the_canonical_graph_and_sees_what_the_models_projections_see(tiny_checkpoint, tmp_path,
+                                                                                        monkeypatch):
+    # The graph as the quantize stage finds it (after match: gated_mlp holds gate, up and down), with the
+    # checkpoint's weights: each projection's input statistics equal what pre-hooks on the HF modules record.
+    from autodeploy.models import calibration
+    from tests.tiny_models import tiny_hf_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    original = calibration.graph_statistics
+    monkeypatch.setattr(calibration, "graph_statistics", lambda *a: calls.append((a, original(*a))) or calls[-1][1])
+    autodeploy(str(tiny_checkpoint("llama")), device="cpu", set_arguments=["verify.enabled=false"],
+               quantize={"default": "int4_gptq", "int4_group_size": 32, "calibration": {"samples": 2, "seq_len": 32}})
+    ((graph, windows, modules, hessians, _), statistics), = calls
+    assert len(modules) == 14 and set(hessians) == set(modules)
+    model, seen = tiny_hf_model("llama"), {}
+
+    def hook(name):
+        def record(module, args):
+            seen.setdefault(name, []).append(args[0].reshape(-1, args[0].shape[-1]))
+        return record
+
+    for name in modules:
+        model.get_submodule(name).register_forward_pre_hook(hook(name))
+    with torch.no_grad():
+        for window in windows:
+            model(input_ids=torch.tensor([window]), use_cache=False)
+    for name in modules:
+        x = torch.cat(seen[name])
+        torch.testing.assert_close(statistics[name]["max_abs"], x.abs().amax(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(statistics[name]["mean_abs"], x.abs().mean(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(statistics[name]["hessian"], (x.T.double() @ x.double() / len(x)).float(),
+                                   rtol=1e-4, atol=1e-6)
+        weight = model.get_submodule(name).weight
+        assert torch.equal(statistics[name]["weight_max_abs"], weight.abs().amax(0))
 
 
 def test_a_smoothquant_deploy_runs_int8_activations_and_verifies_against_a_reference_that_rounds_them(tiny_checkpoint,
