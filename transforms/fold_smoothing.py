@@ -134,6 +134,8 @@ class FoldSmoothing(Transform):
         for node in module.graph.find_nodes(op="call_function", target=SMOOTHQUANT):
             if node.args[3] is not None:
                 readers.setdefault(node.args[0], []).append(node)
+        if any(module.get_parameter(p.args[3].target).is_meta for nodes in readers.values() for p in nodes):
+            return TransformResult(notes="weights not loaded (meta device): the smoothing stays in the ops")
         folded = context.state.setdefault(FOLDED, {})
         details, kept, moved = [], [], 0
         for source, projections in readers.items():

@@ -97,3 +97,11 @@ def test_smoothing_stays_in_the_ops_where_a_fold_would_change_another_reader(ext
     assert torch.equal(gm.get_parameter("norm_weight"), weight)
     projections = list(gm.graph.find_nodes(op="call_function", target=ops.int8_w8a8_linear.default))
     assert [n.args[3] is None for n in projections] == [False, False, True]
+
+
+def test_a_graph_without_weights_keeps_its_smoothing():
+    # autodeploy inspect on the meta device: nothing to multiply yet, so nothing moves.
+    gm = _graph("rms_norm").to("meta")
+    result = FoldSmoothing(FoldSmoothingConfig()).apply(gm, SimpleNamespace(state={}))
+    assert not result.changed and "meta device" in result.notes
+    assert all(n.args[3] is not None for n in gm.graph.find_nodes(op="call_function", target=ops.int8_w8a8_linear.default))

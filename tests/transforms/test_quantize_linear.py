@@ -320,6 +320,8 @@ def test_folding_smoothquant_smoothing_keeps_the_function(tiny_checkpoint, tmp_p
     prompt = [[5, 6, 7, 8, 9, 10]]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert folded.generate(prompt, params)[0].token_ids == kept.generate(prompt, params)[0].token_ids
+    reloaded = autodeploy(str(folded.save(tmp_path / "folded")))  # the folded norms and ops travel as they are
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.logits(prompt), folded.logits(prompt)))
 
 
 def test_fp8_with_static_activation_scales_calibrates_one_scale_a_layer_and_verifies(tiny_checkpoint, tmp_path, monkeypatch):
