@@ -485,17 +485,23 @@ register_backend("int4_awq_linear", "torch", lambda x, qweight, scale, zero, smo
     x * smooth.to(x.dtype), qweight, scale, zero, bias), supports=_native_dtype_supports)
 
 
-def fp8_linear_torch(x, qweight, scale, bias):
-    """``fp8_linear`` with ``torch._scaled_mm`` (CUTLASS/cuBLASLt on Hopper): activations quantized per token
-    here, the product scaled by the token's and the output channel's scales (row-wise scaling)."""
-    out_features, in_features = qweight.shape
-    rows = x.reshape(-1, in_features)
-    x_q, x_scale = quantize_activations_fp8(rows)
+def scaled_mm_rows(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The fp8 linears' product once ``x``'s rows are quantized (``x_q [M, K]`` e4m3, ``x_scale`` one float32
+    scale a row): ``torch._scaled_mm`` with row-wise scales, the bias added, ``x``'s leading dims and dtype."""
+    out_features = qweight.shape[0]
     weight_scale = scale.reshape(1, -1).expand(1, out_features).contiguous()
-    out = torch._scaled_mm(x_q, qweight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
+    out = torch._scaled_mm(x_q, qweight.t(), scale_a=x_scale.reshape(-1, 1), scale_b=weight_scale, out_dtype=x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out_features)
+
+
+def fp8_linear_torch(x, qweight, scale, bias):
+    """``fp8_linear`` with ``torch._scaled_mm`` (CUTLASS/cuBLASLt on Hopper): activations quantized per token
+    here, the product scaled by the token's and the output channel's scales (row-wise scaling)."""
+    x_q, x_scale = quantize_activations_fp8(x.reshape(-1, qweight.shape[1]))
+    return scaled_mm_rows(x, x_q, x_scale, qweight, scale, bias)
 
 
 @functools.cache
@@ -533,15 +539,9 @@ register_backend("fp8_linear", "torch", fp8_linear_torch, supports=_fp8_scaled_m
 def fp8_static_linear_torch(x, qweight, scale, input_scale, bias):
     """``fp8_static_linear`` with ``torch._scaled_mm``: activations quantized with the layer's one scale, passed
     row-wise (every row the same) beside the weight's row-wise scales."""
-    out_features, in_features = qweight.shape
-    rows = x.reshape(-1, in_features)
+    rows = x.reshape(-1, qweight.shape[1])
     x_scale = input_scale.reshape(1, 1).to(torch.float32).expand(rows.shape[0], 1).contiguous()
-    weight_scale = scale.reshape(1, -1).expand(1, out_features).contiguous()
-    out = torch._scaled_mm(quantize_activations_fp8_static(rows, input_scale), qweight.t(), scale_a=x_scale,
-                           scale_b=weight_scale, out_dtype=x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], out_features)
+    return scaled_mm_rows(x, quantize_activations_fp8_static(rows, input_scale), x_scale, qweight, scale, bias)
 
 
 register_backend("fp8_static_linear", "torch", fp8_static_linear_torch,

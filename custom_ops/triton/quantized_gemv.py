@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantized_linear import scaled_mm_rows
 from . import INTERPRETED, hopper_or_later
 from .launch import dependent_launch, wait_for_previous_kernel
 from .skinny_gemm import num_sms, tma_aligned
@@ -555,11 +556,5 @@ def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, b
     """``fp8_linear`` (same arguments and result; with ``input_scale``, ``fp8_static_linear``) as the row
     quantizer above, then ``torch._scaled_mm`` (cuBLASLt, row-wise scales): the ``torch`` backend's product
     without its half dozen elementwise kernels for the activations' rounding."""
-    rows = _rows(x, "fp8_scaled_mm", bias)
-    out_features = qweight.shape[0]
-    x_q, x_scale = _fp8_rows(rows, input_scale)
-    weight_scale = scale.reshape(1, -1).expand(1, out_features).contiguous()
-    out = torch._scaled_mm(x_q, qweight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale, out_dtype=x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], out_features)
+    x_q, x_scale = _fp8_rows(_rows(x, "fp8_scaled_mm", bias), input_scale)
+    return scaled_mm_rows(x, x_q, x_scale, qweight, scale, bias)
