@@ -71,6 +71,18 @@ def _scale_rows(tensor: torch.Tensor, factors: torch.Tensor, offset: float = 0.0
         tensor.copy_(scaled.to(tensor.dtype))
 
 
+def _scale_own(gm: GraphModule, rows: fx.Node, bias, factors: torch.Tensor, offset: float = 0.0) -> bool:
+    """Scale the parameter ``rows`` reads (a factor per row) and ``bias``'s, when each is its reader's own and
+    has a row per factor; False (nothing changed) otherwise."""
+    tensors = [_own(gm, rows)] + ([] if bias is None else [_own(gm, bias)])
+    if any(t is None or t.shape[0] != factors.shape[0] for t in tensors):
+        return False
+    _scale_rows(tensors[0], factors, offset)
+    for tensor in tensors[1:]:
+        _scale_rows(tensor, factors)
+    return True
+
+
 def _fold_into_producer(gm: GraphModule, source: fx.Node, factors: torch.Tensor, originals: dict) -> str | None:
     """Apply ``factors`` per channel to what ``source`` computes by changing its parameters; returns what was
     changed, or None when ``source`` is not an op this transform can fold into (its parameters untouched).
@@ -83,45 +95,24 @@ def _fold_into_producer(gm: GraphModule, source: fx.Node, factors: torch.Tensor,
     if producer.target is RMS_NORM or (producer.target is ADD_RMS_NORM and index == 0):
         # The other output of add_rms_norm (the residual sum) does not pass through the weight.
         weight_argument, offset_index = (1, 3) if producer.target is RMS_NORM else (2, 4)
-        weight = _own(gm, producer.args[weight_argument])
-        if weight is None or weight.shape != factors.shape:
-            return None
         offset = producer.args[offset_index] if len(producer.args) > offset_index else producer.kwargs.get("weight_offset", 0.0)
-        _scale_rows(weight, factors, float(offset))
-        return f"{producer.name} weight"
+        return f"{producer.name} weight" if _scale_own(gm, producer.args[weight_argument], None, factors, float(offset)) else None
     if producer.target is LAYER_NORM and index is None:
-        weight, bias = _own(gm, producer.args[1]), producer.args[2]
-        bias_tensor = None if bias is None else _own(gm, bias)
-        if weight is None or weight.shape != factors.shape or (bias is not None and bias_tensor is None):
-            return None
-        for tensor in (weight, bias_tensor):
-            if tensor is not None:
-                _scale_rows(tensor, factors)
-        return f"{producer.name} weight{'' if bias is None else ' and bias'}"
+        changed = f"{producer.name} weight{'' if producer.args[2] is None else ' and bias'}"
+        return changed if _scale_own(gm, producer.args[1], producer.args[2], factors) else None
     if producer.target is GATED_ACTIVATION and index is None:
         up = producer.args[1]
-        if not isinstance(up, fx.Node) or len(up.users) != 1 or up.op != "call_function":
+        if not isinstance(up, fx.Node) or up.op != "call_function" or len(up.users) != 1:
             return None
         if up.target is LINEAR:
-            weight, bias = _own(gm, up.args[1]), up.args[2]
-            bias_tensor = None if bias is None else _own(gm, bias)
-            if weight is None or weight.shape[0] != factors.shape[0] or (bias is not None and bias_tensor is None):
-                return None
-            for tensor in (weight, bias_tensor):
-                if tensor is not None:
-                    _scale_rows(tensor, factors)
-        elif up.target in ROW_SCALED:
-            scale, bias = _own(gm, up.args[ROW_SCALED[up.target]]), up.args[-1]
-            bias_tensor = None if bias is None else _own(gm, bias)
-            if scale is None or scale.shape != factors.shape or (bias is not None and bias_tensor is None):
-                return None  # a per-tensor fp8 scale cannot take a factor per row
-            originals.setdefault(up.args[ROW_SCALED[up.target]].target, scale.detach().clone())
-            for tensor in (scale, bias_tensor):
-                if tensor is not None:
-                    _scale_rows(tensor, factors)
+            rows = up.args[1]
+        elif up.target in ROW_SCALED:  # a per-tensor fp8 scale cannot take a factor per row: _scale_own refuses it
+            rows = up.args[ROW_SCALED[up.target]]
+            if _own(gm, rows) is not None:
+                originals.setdefault(rows.target, gm.get_parameter(rows.target).detach().clone())
         else:
             return None
-        return f"{up.name} rows"
+        return f"{up.name} rows" if _scale_own(gm, rows, up.args[-1], factors) else None
     return None
 
 
@@ -143,11 +134,11 @@ class FoldSmoothing(Transform):
             if any(not torch.equal(smooths[0], other) for other in smooths[1:]):
                 kept.append(f"{source.name}: its projections' smoothing differs")
                 continue
-            if set(source.users) != set(projections) and not bool((smooths[0] == 1).all()):
-                kept.append(f"{source.name}: read by other ops too")
-                continue
             # All ones (a W8A8 checkpoint's, whose smoothing is in its norms already): nothing to move.
             ones = bool((smooths[0] == 1).all())
+            if set(source.users) != set(projections) and not ones:
+                kept.append(f"{source.name}: read by other ops too")
+                continue
             changed = "nothing (all ones)" if ones else _fold_into_producer(module, source, smooths[0], folded)
             if changed is None:
                 kept.append(f"{source.name}: not a norm or an up projection")

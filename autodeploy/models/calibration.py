@@ -31,9 +31,12 @@ import sysconfig
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
+from autodeploy.custom_ops.activations import activation_fn
 from autodeploy.errors import ConfigError
+from autodeploy.transforms.quantize_linear import module_path
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +139,6 @@ class _Statistics:
 
 def _weight_path(node) -> str | None:
     """The module path of the projection whose weight a get_attr node reads (``model.layers.0.mlp.up_proj``)."""
-    from autodeploy.transforms.quantize_linear import module_path
-
     return module_path(node.target) if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
@@ -150,10 +151,6 @@ def graph_statistics(graph: fx.GraphModule, windows: list[list[int]], modules: l
     their output (an fp8 KV cache's scale). Projections are the canonical ``linear`` nodes and the
     gate / up / down of ``gated_mlp`` and the up / down of ``mlp``, whose inner input (``act(gate) · up``,
     ``act(up)``) is computed here as the op computes it."""
-    import torch.nn.functional as F
-
-    from autodeploy.custom_ops.activations import activation_fn
-
     linear, gated, plain = (torch.ops.autodeploy.linear.default, torch.ops.autodeploy.gated_mlp.default,
                             torch.ops.autodeploy.mlp.default)
     wanted, outputs = set(modules), set(output_modules)
