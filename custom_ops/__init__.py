@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     cached_attention_rope,
     cached_attention_sdpa,
     cutlass_backends,
+    fp8_activations,
     fused_gated_mlp,
     gated_activation,
     gated_mlp,

@@ -485,23 +485,24 @@ register_backend("int4_awq_linear", "torch", lambda x, qweight, scale, zero, smo
     x * smooth.to(x.dtype), qweight, scale, zero, bias), supports=_native_dtype_supports)
 
 
-def scaled_mm_rows(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                   bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The fp8 linears' product once ``x``'s rows are quantized (``x_q [M, K]`` e4m3, ``x_scale`` one float32
-    scale a row): ``torch._scaled_mm`` with row-wise scales, the bias added, ``x``'s leading dims and dtype."""
+def scaled_mm_rows(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                   bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The fp8 linears' product once the activations' rows are quantized (``x_q [..., K]`` e4m3, ``x_scale``
+    one float32 scale a row): ``torch._scaled_mm`` with row-wise scales, the bias added; ``[..., N]`` in ``dtype``."""
     out_features = qweight.shape[0]
     weight_scale = scale.reshape(1, -1).expand(1, out_features).contiguous()
-    out = torch._scaled_mm(x_q, qweight.t(), scale_a=x_scale.reshape(-1, 1), scale_b=weight_scale, out_dtype=x.dtype)
+    out = torch._scaled_mm(x_q.reshape(-1, x_q.shape[-1]), qweight.t(), scale_a=x_scale.reshape(-1, 1),
+                           scale_b=weight_scale, out_dtype=dtype)
     if bias is not None:
         out = out + bias
-    return out.view(*x.shape[:-1], out_features)
+    return out.view(*x_q.shape[:-1], out_features)
 
 
 def fp8_linear_torch(x, qweight, scale, bias):
     """``fp8_linear`` with ``torch._scaled_mm`` (CUTLASS/cuBLASLt on Hopper): activations quantized per token
     here, the product scaled by the token's and the output channel's scales (row-wise scaling)."""
-    x_q, x_scale = quantize_activations_fp8(x.reshape(-1, qweight.shape[1]))
-    return scaled_mm_rows(x, x_q, x_scale, qweight, scale, bias)
+    x_q, x_scale = quantize_activations_fp8(x)
+    return scaled_mm_rows(x_q, x_scale, qweight, scale, bias, x.dtype)
 
 
 @functools.cache
@@ -516,21 +517,27 @@ def _cpu_takes_row_wise_scales() -> bool:
     return True
 
 
-def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
+def scaled_mm_supports(dtype: torch.dtype, qweight: torch.Tensor, bias: Optional[torch.Tensor], device: torch.device):
+    """Whether ``torch._scaled_mm`` with row-wise scales computes an fp8 linear writing ``dtype`` on
+    ``device``: True, or why not."""
     if device.type == "cuda":
         if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
             return "float8 matmuls need compute capability 8.9 or later (Ada, Hopper)"
-        if x.dtype != torch.bfloat16:
-            return f"row-wise scaled fp8 matmuls on CUDA write bfloat16 (x is {x.dtype})"
+        if dtype != torch.bfloat16:
+            return f"row-wise scaled fp8 matmuls on CUDA write bfloat16 (the output is {dtype})"
         if qweight.shape[0] % 16 or qweight.shape[1] % 16:
             return f"needs N and K multiples of 16 (weight {tuple(qweight.shape)})"
-    elif x.dtype not in (torch.float32, torch.bfloat16):
-        return f"computes in float32 or bfloat16 (x is {x.dtype})"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        return f"computes in float32 or bfloat16 (the output is {dtype})"
     elif not _cpu_takes_row_wise_scales():
         return f"torch {torch.__version__}'s CPU torch._scaled_mm takes per-tensor scales only, not per-token"
-    if bias is not None and bias.dtype != x.dtype:
-        return f"bias dtype {bias.dtype} differs from x's {x.dtype}"
+    if bias is not None and bias.dtype != dtype:
+        return f"bias dtype {bias.dtype} differs from the output's {dtype}"
     return True
+
+
+def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
+    return scaled_mm_supports(x.dtype, qweight, bias, device)
 
 
 register_backend("fp8_linear", "torch", fp8_linear_torch, supports=_fp8_scaled_mm_supports)
@@ -541,7 +548,7 @@ def fp8_static_linear_torch(x, qweight, scale, input_scale, bias):
     row-wise (every row the same) beside the weight's row-wise scales."""
     rows = x.reshape(-1, qweight.shape[1])
     x_scale = input_scale.reshape(1, 1).to(torch.float32).expand(rows.shape[0], 1).contiguous()
-    return scaled_mm_rows(x, quantize_activations_fp8_static(rows, input_scale), x_scale, qweight, scale, bias)
+    return scaled_mm_rows(quantize_activations_fp8_static(x, input_scale), x_scale, qweight, scale, bias, x.dtype)
 
 
 register_backend("fp8_static_linear", "torch", fp8_static_linear_torch,

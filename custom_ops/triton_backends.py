@@ -1,7 +1,8 @@
 """The ``triton`` backends of ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``rope``, ``gated_activation``,
-``gated_mlp``, ``fused_gated_mlp`` (also ``triton_skinny``), ``linear`` (a few-row GEMM) and the quantized linears
+``gated_mlp``, ``fused_gated_mlp`` (also ``triton_skinny``), ``linear`` (a few-row GEMM), the quantized linears
 (dequantising GEMVs and tile kernels; for fp8 also ``triton_scaled_mm``: the Triton row quantizer, then
-``torch._scaled_mm``): registration only.
+``torch._scaled_mm``) and the fp8-writing ops (``add_rms_norm_fp8``, ``gated_activation_fp8``,
+``fp8_prequantized_linear``): registration only.
 
 The kernels live in ``custom_ops/triton/`` (``norms.py``, ``rope.py``, ``gated_activation.py``,
 ``skinny_gemm.py``, ``quantized_gemv.py``); each
@@ -28,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from . import add_rms_norm, fused_gated_mlp, gated_activation, gated_mlp, layer_norm, linear, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from . import add_rms_norm, fp8_activations, fused_gated_mlp, gated_activation, gated_mlp, layer_norm, linear, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
 from .registry import register_backend
 from .triton import triton_unavailable
 
@@ -230,6 +231,52 @@ def _fp8_static_linear_scaled_mm(x, qweight, scale, input_scale, bias):
     return fp8_scaled_mm(x, qweight, scale, bias, input_scale)
 
 
+def _no_fp8(device: torch.device) -> Optional[str]:
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
+        return "float8 conversions need compute capability 8.9 or later (Ada, Hopper)"
+    return None
+
+
+def _add_rms_norm_fp8_triton(x, residual, weight, eps, weight_offset=0.0):
+    from .triton.norms import add_rms_norm_fp8_triton
+
+    return add_rms_norm_fp8_triton(x, residual, weight, eps, weight_offset)
+
+
+def _add_rms_norm_fp8_supports(x, residual, weight, eps, weight_offset=0.0, *, device):
+    return _unsupported_dtypes(device, x, residual=residual, weight=weight) or _norm_too_wide(x) or _no_fp8(device) or True
+
+
+def _gated_activation_fp8_triton(gate, up, activation):
+    from .triton.gated_activation import gated_activation_fp8
+
+    return gated_activation_fp8(gate, up, activation)
+
+
+def _gated_activation_fp8_supports(gate, up, activation, *, device):
+    return _unsupported_dtypes(device, gate, up=up) or _unsupported_activation(activation) or _no_fp8(device) or True
+
+
+def _fp8_prequantized_linear_triton(x_q, x_scale, qweight, scale, bias, dtype):
+    from .triton.quantized_gemv import fp8_prequantized_gemm
+
+    return fp8_prequantized_gemm(x_q, x_scale, qweight, scale, bias, dtype)
+
+
+def _fp8_prequantized_linear_supports(x_q, x_scale, qweight, scale, bias, dtype, *, device):
+    # quantized_gemv.fp8_prequantized_gemm's limits, restated
+    reason = triton_unavailable(device) or _no_fp8(device)
+    if reason:
+        return reason
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"the e4m3 tile kernel writes float16 or bfloat16 (the output is {dtype})"
+    if bias is not None and bias.dtype != dtype:
+        return f"needs the bias in the output's dtype (bias {bias.dtype}, output {dtype})"
+    if not (qweight.is_contiguous() and scale.is_contiguous()):
+        return "needs the quantized weight and its scales contiguous"
+    return True
+
+
 def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
     # the Triton row quantizer's limits, then torch._scaled_mm's (quantized_linear's torch backend)
     reason = _fp8_supports(x, qweight, scale, bias, device=device)
@@ -239,9 +286,7 @@ def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
 
 
 def _fp8_supports(x, qweight, scale, bias, *, device):
-    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
-        return "float8 conversions need compute capability 8.9 or later (Ada, Hopper)"
-    return _weight_only_supports(x, qweight, scale, bias, device=device)
+    return _no_fp8(device) or _weight_only_supports(x, qweight, scale, bias, device=device)
 
 
 def _weight_only_supports(x, qweight, scale, *rest, device):
@@ -279,3 +324,7 @@ register_backend("fp8_static_linear", "triton_scaled_mm", _fp8_static_linear_sca
 register_backend(
     "fused_gated_mlp", "triton_skinny", _fused_gated_mlp_skinny, supports=_fused_gated_mlp_skinny_supports
 )
+register_backend("add_rms_norm_fp8", "triton", _add_rms_norm_fp8_triton, supports=_add_rms_norm_fp8_supports)
+register_backend("gated_activation_fp8", "triton", _gated_activation_fp8_triton, supports=_gated_activation_fp8_supports)
+register_backend("fp8_prequantized_linear", "triton", _fp8_prequantized_linear_triton,
+                 supports=_fp8_prequantized_linear_supports)

@@ -62,6 +62,7 @@ import triton.language as tl
 
 from ..fused_gated_mlp import fused_gated_mlp_inner_size
 from . import INTERPRETED, SUPPORTED_DTYPES
+from .fp8 import fp8_row_scale, to_e4m3
 from .launch import dependent_launch, wait_for_previous_kernel
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
@@ -136,6 +137,41 @@ def _gated_activation_kernel(
     tl.store(out_ptr + row * out_row_stride + columns, out, mask=mask)
 
 
+@triton.jit
+def _gated_block(gate_row, up_row, columns, inner, ACTIVATION: tl.constexpr):
+    """``act(gate) * up`` at ``columns`` of one row, rounded to the inputs' dtype and back to float32 (zeros
+    past ``inner``)."""
+    mask = columns < inner
+    gate = tl.load(gate_row + columns, mask=mask, other=0.0)
+    up = tl.load(up_row + columns, mask=mask, other=0.0).to(tl.float32)
+    return (activate(gate.to(tl.float32), ACTIVATION) * up).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _gated_activation_fp8_kernel(
+    gate_ptr, up_ptr, q_ptr, scale_ptr, inner, gate_row_stride, up_row_stride,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # One program per row, two passes over it: the row's max |act(gate)·up| (rounded to the model's dtype,
+    # as the unfused op writes it), then each value divided by the row's scale into e4m3. The second pass
+    # reads what the first just read (from L2 at a decode step's rows).
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    peak = tl.zeros((BLOCK,), dtype=tl.float32)
+    for first in range(0, inner, BLOCK):
+        product = _gated_block(gate_ptr + row * gate_row_stride, up_ptr + row * up_row_stride, first + offsets, inner,
+                               ACTIVATION)
+        peak = tl.maximum(peak, tl.abs(product))
+    x_scale = fp8_row_scale(tl.max(peak, axis=0))
+    for first in range(0, inner, BLOCK):
+        columns = first + offsets
+        product = _gated_block(gate_ptr + row * gate_row_stride, up_ptr + row * up_row_stride, columns, inner,
+                               ACTIVATION)
+        tl.store(q_ptr + row * inner + columns, to_e4m3(product, x_scale), mask=columns < inner)
+    tl.store(scale_ptr + row, x_scale)
+
+
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as ``[rows, inner]`` with contiguous rows: a view where its layout allows, else a copy."""
     rows = tensor.reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
@@ -149,6 +185,22 @@ def _writable_rows(tensor: torch.Tensor) -> Optional[torch.Tensor]:
     except RuntimeError:  # leading dims that no single row stride spans
         return None
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else None
+
+
+def _check_inputs(name: str, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
+    """``ValueError`` for an unknown activation or inputs the kernels do not take."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{name}: unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}.")
+    if gate.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(
+            f"{name}: tensors are on {gate.device}; the Triton kernel needs CUDA tensors, "
+            f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU."
+        )
+    if gate.dtype not in SUPPORTED_DTYPES or up.dtype != gate.dtype or gate.shape != up.shape:
+        raise ValueError(
+            f"{name}: gate and up must share one shape and one dtype of {SUPPORTED_DTYPES}; "
+            f"got gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}."
+        )
 
 
 def gated_activation(
@@ -167,18 +219,7 @@ def gated_activation(
     receives the result instead of a new tensor. ``config`` overrides :func:`activation_config`'s launch.
     Raises ``ValueError`` for an unknown activation or inputs the kernel does not take.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"gated_activation: unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}.")
-    if gate.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(
-            f"gated_activation: tensors are on {gate.device}; the Triton kernel needs CUDA tensors, "
-            f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU."
-        )
-    if gate.dtype not in SUPPORTED_DTYPES or up.dtype != gate.dtype or gate.shape != up.shape:
-        raise ValueError(
-            f"gated_activation: gate and up must share one shape and one dtype of {SUPPORTED_DTYPES}; "
-            f"got gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}."
-        )
+    _check_inputs("gated_activation", gate, up, activation)
     if out is None:
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     elif out.shape != gate.shape or out.dtype != gate.dtype:
@@ -200,6 +241,24 @@ def gated_activation(
         ACTIVATION=activation, BLOCK=config.block_size, num_warps=config.num_warps, **dependent_launch(out.device),
     )
     return out
+
+
+def gated_activation_fp8(gate: torch.Tensor, up: torch.Tensor, activation: str, *, block: int = 2048,
+                         num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gated_activation_fp8``: ``act(gate) * up`` rounded to ``gate``'s dtype, then each row to e4m3 with
+    its float32 scale, ``(x_q, x_scale [..., 1])``, in one kernel (one program a row, ``block`` columns a
+    step); same result as ``gated_activation_fp8_reference``. Inputs as :func:`gated_activation`'s."""
+    _check_inputs("gated_activation_fp8", gate, up, activation)
+    x_q = torch.empty(gate.shape, dtype=torch.float8_e4m3fn, device=gate.device)
+    x_scale = torch.empty((*gate.shape[:-1], 1), dtype=torch.float32, device=gate.device)
+    if gate.numel():
+        gate_rows, up_rows = _rows(gate), _rows(up)
+        num_rows, inner = gate_rows.shape
+        _gated_activation_fp8_kernel[(num_rows,)](
+            gate_rows, up_rows, x_q, x_scale, inner, gate_rows.stride(0), up_rows.stride(0), ACTIVATION=activation,
+            BLOCK=min(block, max(16, triton.next_power_of_2(inner))), num_warps=num_warps, **dependent_launch(gate.device),
+        )
+    return x_q, x_scale
 
 
 def _check_weights(name: str, x: torch.Tensor, **weights: torch.Tensor) -> None:

@@ -17,7 +17,10 @@ dtype at the end; the output is contiguous, in ``x``'s shape. Any leading dims a
 ``x`` may be a strided view whose last dim is contiguous (else it is copied first). ``add_rms_norm``'s
 kernel is the RMSNorm kernel with a second input: it adds ``x`` and ``residual`` in float32, stores the
 sum rounded to their dtype, and normalises that rounded sum (``add_rms_norm_reference``'s semantics), so
-the residual stream costs two reads and two writes per row instead of the unfused three and two.
+the residual stream costs two reads and two writes per row instead of the unfused three and two. Its
+``add_rms_norm_fp8`` variant writes the norm as e4m3 rows with a float32 scale each, for the fp8 GEMM
+after it (``custom_ops/fp8_activations.py``): the row is whole in registers, so its max |x| is one more
+reduction.
 
 Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the tests do)::
 
@@ -42,6 +45,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETED, SUPPORTED_DTYPES
+from .fp8 import fp8_row_scale, to_e4m3
 from .launch import dependent_launch, wait_for_previous_kernel
 
 MAX_HIDDEN = 32768
@@ -110,6 +114,7 @@ def _rms_norm_kernel(
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_residual, num_rows, eps, weight_offset,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_OUT: tl.constexpr = False, scale_ptr=None,
 ):
     wait_for_previous_kernel(USE_PDL)
     x, rows, cols, mask = _load_rows(x_ptr, stride_x, num_rows, ROWS, HIDDEN, BLOCK_H)
@@ -119,7 +124,15 @@ def _add_rms_norm_kernel(
     offsets = rows[:, None] * HIDDEN + cols[None, :]
     tl.store(sum_ptr + offsets, total, mask=mask)
     out = _rms_normalise(total.to(tl.float32), cols, weight_ptr, eps, weight_offset, HIDDEN)
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_OUT:
+        # add_rms_norm_fp8: the norm rounded to the model's dtype (the unfused norm's output), then each
+        # row to e4m3 with its own scale (quantize_activations_fp8's bits): out_ptr holds e4m3.
+        normed = out.to(sum_ptr.dtype.element_ty).to(tl.float32)
+        x_scale = fp8_row_scale(tl.max(tl.abs(normed), axis=1))
+        tl.store(out_ptr + offsets, to_e4m3(normed, x_scale[:, None]), mask=mask)
+        tl.store(scale_ptr + rows, x_scale, mask=rows < num_rows)
+    else:
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # the token count: one compile for all
@@ -185,25 +198,45 @@ def add_rms_norm_triton(
     ``config`` overrides :func:`norm_config`'s launch. Raises ``ValueError`` for inputs the kernel
     does not take (dtype, hidden size, device, weight shape, a residual of another shape or dtype).
     """
+    return _add_rms_norm(x, residual, weight, eps, weight_offset, config, fp8=False)
+
+
+def add_rms_norm_fp8_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    *,
+    config: Optional[NormConfig] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_fp8`` in one kernel: :func:`add_rms_norm_triton` whose norm leaves as e4m3 rows with
+    their float32 scales, ``(x_q, x_scale [..., 1], total)``; same result as ``add_rms_norm_fp8_reference``.
+    A norm row is whole in one program, so its max |x| costs one more reduction and no second pass."""
+    return _add_rms_norm(x, residual, weight, eps, weight_offset, config, fp8=True)
+
+
+def _add_rms_norm(x, residual, weight, eps, weight_offset, config, *, fp8: bool):
+    name = "add_rms_norm_fp8_triton" if fp8 else "add_rms_norm_triton"
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(
-            f"add_rms_norm_triton: residual must have x's shape and dtype {tuple(x.shape)} {x.dtype}; "
+            f"{name}: residual must have x's shape and dtype {tuple(x.shape)} {x.dtype}; "
             f"got {tuple(residual.shape)} {residual.dtype}."
         )
-    rows = _check_and_flatten("add_rms_norm_triton", x, weight=weight)
-    residual_rows = _check_and_flatten("add_rms_norm_triton", residual)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = _check_and_flatten(name, x, weight=weight)
+    residual_rows = _check_and_flatten(name, residual)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows.numel() == 0:
-        return out, total
-    config = config or norm_config(rows.shape[0], rows.shape[1])
-    _add_rms_norm_kernel[(triton.cdiv(rows.shape[0], config.rows_per_program),)](
-        rows, residual_rows, weight.contiguous(), out, total, rows.stride(0), residual_rows.stride(0), rows.shape[0],
-        eps, weight_offset,
-        HIDDEN=rows.shape[1], BLOCK_H=triton.next_power_of_2(rows.shape[1]), ROWS=config.rows_per_program,
-        num_warps=config.num_warps, **dependent_launch(out.device),
-    )
-    return out, total
+    x_scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if fp8 else None
+    if rows.numel():
+        config = config or norm_config(rows.shape[0], rows.shape[1])
+        _add_rms_norm_kernel[(triton.cdiv(rows.shape[0], config.rows_per_program),)](
+            rows, residual_rows, weight.contiguous(), out, total, rows.stride(0), residual_rows.stride(0),
+            rows.shape[0], eps, weight_offset,
+            HIDDEN=rows.shape[1], BLOCK_H=triton.next_power_of_2(rows.shape[1]), ROWS=config.rows_per_program,
+            FP8_OUT=fp8, scale_ptr=x_scale, num_warps=config.num_warps, **dependent_launch(out.device),
+        )
+    return (out, x_scale, total) if fp8 else (out, total)
 
 
 def layer_norm_triton(

@@ -16,7 +16,8 @@ quarter (plus the group scales) for int4. Two kernels, both float32 sums rounded
   rows a program on the tensor cores, the weight tile dequantised to ``x``'s half-precision dtype (int8;
   int4 a group at a time, times the group's scale; with ``packed_dequant``, two values an instruction in
   inline PTX), or fp8 × fp8 after :func:`_fp8_rows_kernel` has rounded each row of ``x`` to e4m3 once, as
-  ``quantize_activations_fp8`` does. ``TileLaunch.tma`` fetches the tiles through tensor descriptors.
+  ``quantize_activations_fp8`` does (or a norm or activation kernel has, for :func:`fp8_prequantized_gemm`).
+  ``TileLaunch.tma`` fetches the tiles through tensor descriptors.
 
 :func:`default_launch` picks between them from the shape (the sweep's findings: fp8 always takes the tile
 kernel, int8 and int4 the GEMV for one row but int4's widest weights); the autotuner keeps
@@ -43,6 +44,7 @@ import triton.language as tl
 
 from ..quantized_linear import scaled_mm_rows
 from . import INTERPRETED, hopper_or_later
+from .fp8 import fp8_row_scale, to_e4m3
 from .launch import dependent_launch, wait_for_previous_kernel
 from .skinny_gemm import num_sms, tma_aligned
 
@@ -184,15 +186,6 @@ def _int4_gemv_kernel(
 
 
 @triton.jit
-def _to_e4m3(x, x_scale):
-    # x / scale correctly rounded, saturated at ±448, then to e4m3 to nearest even: the bits torch's
-    # quantize_activations_fp8 gives. (x · (1 / scale) would save the division but round differently:
-    # the demo model's fp8 perplexity went from +0.79% to +1.23%, notes/quantization.md.)
-    quotient = tl.math.div_rn(x, x_scale + tl.zeros_like(x))
-    return tl.clamp(quotient, -448.0, 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-
-
-@triton.jit
 def _row_scale(x_row_ptr, input_scale_ptr, K, STATIC_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
     # A row's fp8 scale: the layer's one static scale (from calibration), or the token's max |x| / 448
     # (1 for an all-zero row).
@@ -204,8 +197,7 @@ def _row_scale(x_row_ptr, input_scale_ptr, K, STATIC_SCALE: tl.constexpr, BLOCK_
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offsets
             peak = tl.maximum(peak, tl.abs(tl.load(x_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)))
-        x_scale = tl.max(peak, axis=0) / 448.0
-        x_scale = tl.where(x_scale > 0, x_scale, 1.0)
+        x_scale = fp8_row_scale(tl.max(peak, axis=0))
     return x_scale
 
 
@@ -226,7 +218,7 @@ def _fp8_gemv_kernel(
         k = k0 + offsets
         k_ok = k < K
         x = tl.load(x_ptr + row * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
-        x_q = _to_e4m3(x, x_scale).to(tl.float32)
+        x_q = to_e4m3(x, x_scale).to(tl.float32)
         q = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_q + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
         acc += q.to(tl.float32) * x_q[None, :]
@@ -316,7 +308,7 @@ def _fp8_rows_kernel(x_ptr, x_q_ptr, x_scale_ptr, input_scale_ptr, K, stride_xm,
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offsets
         x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-        tl.store(x_q_ptr + row * K + k, _to_e4m3(x, x_scale), mask=k < K)
+        tl.store(x_q_ptr + row * K + k, to_e4m3(x, x_scale), mask=k < K)
     tl.store(x_scale_ptr + row, x_scale)
 
 
@@ -452,17 +444,15 @@ def _fp8_rows(rows: torch.Tensor, input_scale: Optional[torch.Tensor]) -> tuple[
     return x, x_scale
 
 
-def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size: int, launch: TileLaunch) -> None:
-    num_rows, in_features = rows.shape
+def _tile(x, x_scale, q, scale, zero, bias, out, scheme: int, group_size: int, launch: TileLaunch) -> None:
+    # x: [M, K] rows of activations; for fp8 already in e4m3, with their float32 scales x_scale [M].
+    num_rows, in_features = x.shape
     out_features = q.shape[0]
-    x, x_scale = rows, scale  # x_scale: read by fp8 only
-    if scheme == _FP8:
-        x, x_scale = _fp8_rows(rows, input_scale)
     block_m = launch.block_m or min(max(16, triton.next_power_of_2(num_rows)), 64)
     block_k = max(16, min(launch.block_k, group_size) if scheme == _INT4 else _block_k(launch, in_features))
     w_block_k = block_k // 2 if scheme == _INT4 else block_k  # packed int4: two columns a byte
     x_desc = w_desc = None
-    hopper = hopper_or_later(rows.device)  # TMA, and the packed dequantisation's bf16x2 PTX, need compute capability 9.0
+    hopper = hopper_or_later(x.device)  # TMA, and the packed dequantisation's bf16x2 PTX, need compute capability 9.0
     tma_rows = w_block_k * q.element_size() >= 16  # a TMA tile row: 16 bytes or more
     if launch.tma and (hopper or INTERPRETED) and tma_aligned(x, q) and tma_rows:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -470,13 +460,13 @@ def _tile(rows, q, scale, zero, input_scale, bias, out, scheme: int, group_size:
         x_desc = TensorDescriptor(x, [num_rows, in_features], [x.stride(0), 1], [block_m, block_k])
         w_desc = TensorDescriptor(q, [out_features, q.shape[1]], [q.stride(0), 1], [launch.block_n, w_block_k])
     _tile_kernel[(triton.cdiv(out_features, launch.block_n), triton.cdiv(num_rows, block_m))](
-        x, x_scale, q, scale, zero if zero is not None else scale, bias if bias is not None else out, out, x_desc,
+        x, x_scale if x_scale is not None else scale, q, scale, zero if zero is not None else scale, bias if bias is not None else out, out, x_desc,
         w_desc, num_rows, out_features, in_features, x.stride(0), q.stride(0),
         scale.stride(0) if scheme == _INT4 else (1 if scale.numel() > 1 else 0), SCHEME=scheme, GROUP=group_size,
         HAS_BIAS=bias is not None, TMA=x_desc is not None,
         PACKED_DEQUANT=launch.packed_dequant and scheme == _INT4 and hopper,  # the interpreter runs no PTX
         BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
-        **launch.options(), **dependent_launch(rows.device),
+        **launch.options(), **dependent_launch(x.device),
     )
 
 
@@ -490,7 +480,7 @@ def int8_wo_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
     if num_rows and out_features:
         launch = _pick(launch, num_rows, out_features, x, _INT8)
         if isinstance(launch, TileLaunch):
-            _tile(rows, qweight, scale, None, None, bias, out, _INT8, 0, launch)
+            _tile(rows, None, qweight, scale, None, bias, out, _INT8, 0, launch)
         else:
             _int8_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
                 rows, qweight, scale, bias if bias is not None else out, out, out_features, in_features, rows.stride(0),
@@ -514,7 +504,7 @@ def int4_wo_gemv(
     if num_rows and out_features:
         launch = _pick(launch, num_rows, out_features, x, _INT4, group_size)
         if isinstance(launch, TileLaunch):
-            _tile(rows, qweight, scale, zero, None, bias, out, _INT4, group_size, launch)
+            _tile(rows, None, qweight, scale, zero, bias, out, _INT4, group_size, launch)
         else:
             _int4_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
                 rows, qweight, scale, zero, bias if bias is not None else out, out, out_features, in_features,
@@ -539,7 +529,7 @@ def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: 
     if num_rows and out_features:
         launch = _pick(launch, num_rows, out_features, x, _FP8)
         if isinstance(launch, TileLaunch):
-            _tile(rows, qweight, scale, None, input_scale, bias, out, _FP8, 0, launch)
+            _tile(*_fp8_rows(rows, input_scale), qweight, scale, None, bias, out, _FP8, 0, launch)
         else:
             _fp8_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
                 rows, qweight, scale, input_scale if input_scale is not None else scale,
@@ -557,4 +547,25 @@ def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, b
     quantizer above, then ``torch._scaled_mm`` (cuBLASLt, row-wise scales): the ``torch`` backend's product
     without its half dozen elementwise kernels for the activations' rounding."""
     x_q, x_scale = _fp8_rows(_rows(x, "fp8_scaled_mm", bias), input_scale)
-    return scaled_mm_rows(x, x_q, x_scale, qweight, scale, bias)
+    return scaled_mm_rows(x_q, x_scale, qweight, scale, bias, x.dtype).view(*x.shape[:-1], qweight.shape[0])
+
+
+def fp8_prequantized_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                          bias: Optional[torch.Tensor], dtype: torch.dtype, *,
+                          launch: Optional[TileLaunch] = None) -> torch.Tensor:
+    """``fp8_prequantized_linear`` (same arguments and result): the tile kernel (e4m3 × e4m3 on the tensor
+    cores) over rows that a norm or activation kernel already rounded, ``x_q [..., K]`` with their float32
+    scales ``x_scale [..., 1]``; ``dtype`` is the output's, float16 or bfloat16."""
+    if x_q.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"fp8_prequantized_gemm: tensors are on {x_q.device}; the Triton kernel needs CUDA tensors, "
+                         f"or TRITON_INTERPRET=1 set before this module is imported to run on the CPU.")
+    if dtype not in (torch.float16, torch.bfloat16) or (bias is not None and bias.dtype != dtype):
+        raise ValueError(f"fp8_prequantized_gemm: writes float16 or bfloat16 with the bias in that dtype "
+                         f"(dtype {dtype}, bias {None if bias is None else bias.dtype})")
+    out_features, in_features = qweight.shape
+    rows = x_q.reshape(-1, in_features).contiguous()
+    out = torch.empty((rows.shape[0], out_features), dtype=dtype, device=x_q.device)
+    if rows.shape[0] and out_features:
+        launch = launch or default_launch(_FP8, rows.shape[0], out_features, num_sms(x_q.device))
+        _tile(rows, x_scale.reshape(-1).contiguous(), qweight, scale, None, bias, out, _FP8, 0, launch)
+    return out.view(*x_q.shape[:-1], out_features)

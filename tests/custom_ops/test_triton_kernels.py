@@ -337,6 +337,11 @@ SUPPORTED_NODES = {
     "gated_mlp": (meta(7, 4096), meta(14336, 4096), meta(14336, 4096), meta(4096, 14336), "silu"),
     "fused_gated_mlp": (meta(7, 4096), meta(28672, 4096), meta(4096, 14336), "silu"),
     "linear": (meta(1, 7, 4096), meta(6144, 4096), None),
+    "add_rms_norm_fp8": (meta(7, 4096), meta(7, 4096), meta(4096), 1e-6, 0.0),
+    "gated_activation_fp8": (meta(7, 14336), meta(7, 14336), "silu"),
+    "fp8_prequantized_linear": (meta(7, 4096, dtype=torch.float8_e4m3fn), meta(7, 1, dtype=torch.float32),
+                                meta(6144, 4096, dtype=torch.float8_e4m3fn), meta(6144, dtype=torch.float32), None,
+                                torch.bfloat16),
 }
 
 
@@ -377,6 +382,11 @@ def test_supports_cuda_deploys_only(op_name):
         ("fused_gated_mlp_skinny", (meta(2, 8), meta(12, 8).t().contiguous().t(), meta(8, 6), "silu"), "contiguous rows"),
         ("fused_gated_mlp_skinny", (meta(2, 8, dtype=torch.float32), meta(12, 8, dtype=torch.float32),
                                     meta(8, 6, dtype=torch.float32), "silu"), "float16 or bfloat16"),
+        ("add_rms_norm_fp8", (meta(2, 32769), meta(2, 32769), meta(32769), 1e-6, 0.0), "hidden sizes up to 32768"),
+        ("gated_activation_fp8", (meta(2, 8), meta(2, 8), "gelu_quick"), "activations"),
+        ("fp8_prequantized_linear", (meta(2, 64, dtype=torch.float8_e4m3fn), meta(2, 1, dtype=torch.float32),
+                                     meta(32, 64, dtype=torch.float8_e4m3fn), meta(32, dtype=torch.float32), None,
+                                     torch.float32), "float16 or bfloat16"),
     ],
 )
 def test_supports_refuses_what_the_kernels_cannot_run(op_name, args, reason):

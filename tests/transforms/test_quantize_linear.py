@@ -16,15 +16,17 @@ from autodeploy.errors import ConfigError
 from tests.runtime.test_engine import hf_greedy, random_prompts
 from tests.tiny_models import tiny_hf_model
 
-QUANTIZED_OPS = {"int8_wo": "int8_wo_linear", "int4_wo": "int4_wo_linear", "fp8": "fp8_linear"}
+# fp8 linears whose input a norm or gated activation rounds are fp8_prequantized_linear (fuse_fp8_quantization)
+QUANTIZED_OPS = {"int8_wo": ("int8_wo_linear",), "int4_wo": ("int4_wo_linear",),
+                 "fp8": ("fp8_linear", "fp8_prequantized_linear")}
 
 
 def quantized_ops(llm) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in llm.graph.graph.nodes:
         name = str(node.target).removeprefix("autodeploy.").split(".")[0]
-        for scheme, op in QUANTIZED_OPS.items():
-            if node.op == "call_function" and name.startswith(op):
+        for scheme, ops in QUANTIZED_OPS.items():
+            if node.op == "call_function" and name.startswith(ops):
                 counts[scheme] = counts.get(scheme, 0) + 1
     return counts
 
