@@ -177,6 +177,8 @@ class _Problem:
             if not isinstance(value, torch.Tensor):
                 return value
             shape = self.shapes.concrete(value.shape, num_tokens)
+            if value.dtype.itemsize == 1:  # fp8 activations (rows a norm rounded): torch draws no float8 directly
+                return torch.randn(shape, device=self.device).to(value.dtype)
             return torch.randn(shape, dtype=value.dtype, device=self.device)
 
         return [fx.node.map_aggregate(a, build) for a in self.node.args]

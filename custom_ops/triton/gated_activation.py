@@ -150,25 +150,28 @@ def _gated_block(gate_row, up_row, columns, inner, ACTIVATION: tl.constexpr):
 @triton.jit
 def _gated_activation_fp8_kernel(
     gate_ptr, up_ptr, q_ptr, scale_ptr, inner, gate_row_stride, up_row_stride,
-    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # One program per row, two passes over it: the row's max |act(gate)·up| (rounded to the model's dtype,
-    # as the unfused op writes it), then each value divided by the row's scale into e4m3. The second pass
-    # reads what the first just read (from L2 at a decode step's rows).
+    # One program per row: the row's max |act(gate)·up| (rounded to the model's dtype, as the unfused op
+    # writes it), then each value divided by the row's scale into e4m3. A row of at most BLOCK columns
+    # stays in registers between the two; a wider one is computed twice, a block at a time.
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
+    gate_row, up_row, q_row = gate_ptr + row * gate_row_stride, up_ptr + row * up_row_stride, q_ptr + row * inner
     offsets = tl.arange(0, BLOCK)
-    peak = tl.zeros((BLOCK,), dtype=tl.float32)
-    for first in range(0, inner, BLOCK):
-        product = _gated_block(gate_ptr + row * gate_row_stride, up_ptr + row * up_row_stride, first + offsets, inner,
-                               ACTIVATION)
-        peak = tl.maximum(peak, tl.abs(product))
-    x_scale = fp8_row_scale(tl.max(peak, axis=0))
-    for first in range(0, inner, BLOCK):
-        columns = first + offsets
-        product = _gated_block(gate_ptr + row * gate_row_stride, up_ptr + row * up_row_stride, columns, inner,
-                               ACTIVATION)
-        tl.store(q_ptr + row * inner + columns, to_e4m3(product, x_scale), mask=columns < inner)
+    if ONE_BLOCK:  # inner <= BLOCK
+        product = _gated_block(gate_row, up_row, offsets, inner, ACTIVATION)
+        x_scale = fp8_row_scale(tl.max(tl.abs(product), axis=0))
+        tl.store(q_row + offsets, to_e4m3(product, x_scale), mask=offsets < inner)
+    else:
+        peak = tl.zeros((BLOCK,), dtype=tl.float32)
+        for first in range(0, inner, BLOCK):
+            peak = tl.maximum(peak, tl.abs(_gated_block(gate_row, up_row, first + offsets, inner, ACTIVATION)))
+        x_scale = fp8_row_scale(tl.max(peak, axis=0))
+        for first in range(0, inner, BLOCK):
+            columns = first + offsets
+            product = _gated_block(gate_row, up_row, columns, inner, ACTIVATION)
+            tl.store(q_row + columns, to_e4m3(product, x_scale), mask=columns < inner)
     tl.store(scale_ptr + row, x_scale)
 
 
@@ -243,11 +246,15 @@ def gated_activation(
     return out
 
 
-def gated_activation_fp8(gate: torch.Tensor, up: torch.Tensor, activation: str, *, block: int = 2048,
-                         num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_activation_fp8(gate: torch.Tensor, up: torch.Tensor, activation: str, *, block: int = 16384,
+                         num_warps: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """``gated_activation_fp8``: ``act(gate) * up`` rounded to ``gate``'s dtype, then each row to e4m3 with
     its float32 scale, ``(x_q, x_scale [..., 1])``, in one kernel (one program a row, ``block`` columns a
-    step); same result as ``gated_activation_fp8_reference``. Inputs as :func:`gated_activation`'s."""
+    step: Llama-3-8B's 14,336 in one, 28 values of each input a thread); same result as
+    ``gated_activation_fp8_reference``. Inputs as :func:`gated_activation`'s.
+
+    On an H200 the first version, 2,048 columns a step in two passes, took 16.7 µs at 256 rows of 14,336
+    (one row: 20 µs with the wait on the GEMM before it) where gated_activation takes 6."""
     _check_inputs("gated_activation_fp8", gate, up, activation)
     x_q = torch.empty(gate.shape, dtype=torch.float8_e4m3fn, device=gate.device)
     x_scale = torch.empty((*gate.shape[:-1], 1), dtype=torch.float32, device=gate.device)
@@ -256,7 +263,8 @@ def gated_activation_fp8(gate: torch.Tensor, up: torch.Tensor, activation: str, 
         num_rows, inner = gate_rows.shape
         _gated_activation_fp8_kernel[(num_rows,)](
             gate_rows, up_rows, x_q, x_scale, inner, gate_rows.stride(0), up_rows.stride(0), ACTIVATION=activation,
-            BLOCK=min(block, max(16, triton.next_power_of_2(inner))), num_warps=num_warps, **dependent_launch(gate.device),
+            BLOCK=min(block, max(16, triton.next_power_of_2(inner))), ONE_BLOCK=inner <= block, num_warps=num_warps,
+            **dependent_launch(gate.device),
         )
     return x_q, x_scale
 

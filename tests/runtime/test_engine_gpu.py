@@ -49,10 +49,11 @@ def test_a_saved_gpu_deployment_reloads_with_identical_logits_and_tokens(tiny_ch
     assert reloaded.pipeline_report() == built.pipeline_report()
 
 
-QUANTIZED_GPU = {  # quantize settings → the op its projections become
+QUANTIZED_GPU = {  # quantize settings → the ops its projections become (each must take a GPU kernel)
     "int8_wo": ({"default": "int8_wo"}, "int8_wo_linear"),
     "int4_wo": ({"default": "int4_wo", "int4_group_size": 32}, "int4_wo_linear"),
-    "fp8": ({"default": "fp8"}, "fp8_linear"),
+    # fuse_fp8_quantization: the norms and gated activations before q/k/v, gate/up and down round for them
+    "fp8": ({"default": "fp8"}, ("fp8_linear", "fp8_prequantized_linear", "add_rms_norm_fp8", "gated_activation_fp8")),
     "fp8 static": ({"default": "fp8", "fp8_activations": "static", "calibration": {"samples": 4, "seq_len": 64}},
                    "fp8_static_linear"),
     "smoothquant": ({"default": "smoothquant", "calibration": {"samples": 4, "seq_len": 64}}, "int8_w8a8_linear"),
@@ -66,10 +67,13 @@ def test_a_quantized_bf16_deploy_verifies_and_serves_with_gpu_kernels(tiny_check
     # reference; the build's verification holds the deploy to HF over the same quantized weights (and the
     # same rounding of activations and KV cache).
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # calibration statistics
-    settings, op = QUANTIZED_GPU[case]
+    settings, ops = QUANTIZED_GPU[case]
+    ops = (ops,) if isinstance(ops, str) else ops
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="bfloat16", quantize=settings)
-    quantized = [n for n in llm.graph.graph.nodes if n.op == "call_function" and str(n.target).startswith(f"autodeploy.{op}")]
-    assert quantized, "no quantized op in the served graph"
+    quantized = [n for n in llm.graph.graph.nodes if n.op == "call_function"
+                 and str(n.target).removeprefix("autodeploy.").startswith(ops)]
+    for op in ops:
+        assert any(str(n.target).startswith(f"autodeploy.{op}") for n in quantized), f"no {op} in the served graph"
     report = llm.pipeline_report()
     # Quantized projections must not stop the rest of the decode path from taking its GPU kernels.
     kernels = {n.meta["autodeploy_kernel"].backend for n in quantized}

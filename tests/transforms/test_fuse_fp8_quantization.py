@@ -93,3 +93,17 @@ def test_an_fp8_deploy_fuses_its_roundings_and_serves_the_unfused_logits(tiny_ch
     sequences = [[3, 4, 5, 6], list(range(10, 40))]
     for ours, theirs in zip(llm.logits(sequences), unfused.logits(sequences)):
         assert torch.equal(ours, theirs)
+
+
+def test_the_autotuner_draws_e4m3_rows_for_a_prequantized_linear():
+    # select_kernels times backends on random activations: e4m3 ones are drawn in float32, then rounded.
+    from autodeploy.transforms.select_kernels import _Problem, _TokenShapes
+
+    gm = _graph()
+    FuseFp8Quantization(FuseFp8QuantizationConfig()).apply(gm, SimpleNamespace(state={}))
+    (linear, *_) = gm.graph.find_nodes(op="call_function", target=ops.fp8_prequantized_linear.default)
+    problem = _Problem(linear, gm, _TokenShapes(gm), torch.device("cpu"))
+    assert problem.tunable() is None
+    x_q, x_scale, *rest = problem.make_inputs(5)
+    assert x_q.dtype == torch.float8_e4m3fn and x_q.shape == (5, H) and x_scale.dtype == torch.float32
+    assert ops.fp8_prequantized_linear(x_q, x_scale, *rest).shape == (5, N)
