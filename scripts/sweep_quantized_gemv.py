@@ -1,4 +1,4 @@
-"""The quantized decode kernels (int8_wo, int4_wo, fp8) against their bandwidth floor, over their launches.
+"""The quantized decode kernels (int8_wo, int4_wo, fp8; fp8_pre: fp8 over rows already rounded) against their bandwidth floor, over their launches.
 
     python3 scripts/sweep_quantized_gemv.py [SCHEMES] [SHAPES] [ROWS]   # default: every scheme and shape, rows 1,32
 
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autodeploy.custom_ops  # noqa: E402,F401  (registers the ops)
 from autodeploy.custom_ops.quantized_linear import QuantScheme, quantize_weight  # noqa: E402
-from autodeploy.custom_ops.triton.quantized_gemv import GemvLaunch, TileLaunch, fp8_gemv, int4_wo_gemv, int8_wo_gemv  # noqa: E402
+from autodeploy.custom_ops.triton.quantized_gemv import (  # noqa: E402
+    GemvLaunch, TileLaunch, _fp8_rows, fp8_gemv, fp8_prequantized_gemm, int4_wo_gemv, int8_wo_gemv)
 from autodeploy.custom_ops.triton.skinny_gemm import skinny_linear  # noqa: E402
 from sweep_skinny_gemm import BANDWIDTH, L2_BYTES, seconds_per_call  # noqa: E402
 
@@ -32,10 +33,16 @@ KERNELS = {  # scheme → (GEMV, the op (reference; its `torch` backend is <op>_
     "int8_wo": (int8_wo_gemv, "int8_wo_linear", ("qweight", "scale")),
     "int4_wo": (int4_wo_gemv, "int4_wo_linear", ("qweight", "scale", "zero")),
     "fp8": (fp8_gemv, "fp8_linear", ("qweight", "scale")),
+    # fp8 over rows a norm or activation kernel already rounded (fuse_fp8_quantization): the tile kernel alone
+    "fp8_pre": (None, "fp8_linear", ("qweight", "scale")),
 }
 
 
 def launches(scheme: str, rows: int) -> list:
+    if scheme == "fp8_pre":  # K split over 1 – 4 programs a tile: o_proj and down leave SMs idle at 64-row blocks
+        return [TileLaunch(block_n=n, block_k=k, num_stages=st, tma=tma, split_k=split)
+                for n, k, st, tma, split in itertools.product([32, 64], [128, 256], [3, 5], [False, True], [1, 2, 4])
+                if n == 64 or not tma]
     depths = [128] if scheme == "int4_wo" else [128, 256]
     tiles = [TileLaunch(block_n=n, block_k=k, num_warps=w, num_stages=st, tma=tma)
              for n, k, w, st, tma in itertools.product([16, 32, 64], depths, [4], [3, 5], [False, True])
@@ -68,15 +75,19 @@ def main() -> None:
         for scheme in schemes:
             gemv, op_name, roles = KERNELS[scheme]
             op, torch_backend = getattr(torch.ops.autodeploy, op_name), getattr(torch.ops.autodeploy, f"{op_name}_torch")
-            first = quantize_weight(QuantScheme(scheme), bf16[0])
+            quantized = QuantScheme("fp8" if scheme == "fp8_pre" else scheme)
+            first = quantize_weight(quantized, bf16[0])
             nbytes = sum(first[r].numel() * first[r].element_size() for r in roles)
             weights = [tuple(first[r] for r in roles)]
             while len(weights) < max(2, -(-L2_BYTES // nbytes)):
-                stored = quantize_weight(QuantScheme(scheme), torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
+                stored = quantize_weight(quantized, torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
                 weights.append(tuple(stored[r] for r in roles))
             floor = nbytes / BANDWIDTH
             for rows in row_counts:
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                if scheme == "fp8_pre":
+                    rounded = _fp8_rows(x, None)
+                    gemv = lambda a, *w, launch=None, r=rounded: fp8_prequantized_gemm(*r, *w, torch.bfloat16, launch=launch)  # noqa: E731
                 bf16_time = seconds_per_call(lambda a, w: skinny_linear(a, w, None), bf16, x)
                 torch_time = seconds_per_call(lambda a, w: torch_backend(a, *w, None), weights, x)
                 default_time = seconds_per_call(lambda a, w: gemv(a, *w, None), weights, x)

@@ -45,8 +45,8 @@ import triton.language as tl
 from ..quantized_linear import scaled_mm_rows
 from . import INTERPRETED, hopper_or_later
 from .fp8 import fp8_row_scale, to_e4m3
-from .launch import dependent_launch, wait_for_previous_kernel
-from .skinny_gemm import num_sms, tma_aligned
+from .launch import arrival_counters, dependent_launch, wait_for_previous_kernel
+from .skinny_gemm import _sum_splits_on_arrival, num_sms, tma_aligned
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -244,6 +244,7 @@ class TileLaunch:
     num_stages: int = 4
     tma: bool = False  # the tiles fetched by Hopper's TMA unit (on Hopper; thread loads elsewhere)
     packed_dequant: bool = False  # int4: two values an instruction in inline PTX (on Hopper; elsewhere as without)
+    split_k: int = 1  # the inputs split over this many programs a tile, their partial sums added by the last
 
     def options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -252,8 +253,8 @@ class TileLaunch:
 _INT8, _INT4, _FP8 = 0, 1, 2  # the tile kernel's SCHEME
 
 
-def default_launch(scheme: int, num_rows: int, out_features: int, sms: int) -> Launch:
-    """The launch for ``num_rows`` rows of a weight of ``out_features`` rows on ``sms`` SMs, from
+def default_launch(scheme: int, num_rows: int, out_features: int, sms: int, in_features: int = 0) -> Launch:
+    """The launch for ``num_rows`` rows of a ``[out_features, in_features]`` weight on ``sms`` SMs, from
     ``scripts/sweep_quantized_gemv.py`` on an H200 at Llama-3-8B's projections (``notes/quantization.md``,
     2026-12-03 evening). A weight is *wide* when its 64-row blocks number at least 0.7 an SM (q/k/v: 96
     blocks on 132 SMs, gate/up; not o_proj or down, whose 64 blocks leave half the SMs idle):
@@ -261,7 +262,11 @@ def default_launch(scheme: int, num_rows: int, out_features: int, sms: int) -> L
     - fp8, any rows: the tile kernel over 64 weight rows × 256 columns, five stages, after the one-pass row
       quantizer: at one row q/k/v / o_proj / gate/up / down 9.8 / 8.5 / 31.9 / 23.3 µs, where the GEMV
       (dividing each value by the row's scale in every program) takes 11.9 / 8.6 / 38.0 / 22.4; at 32 rows
-      10.5 / 9.3 / 34.2 / 24.8 µs, where bf16 takes 16.7 / 11.3 / 64.5 / 31.5;
+      10.5 / 9.3 / 34.2 / 24.8 µs, where bf16 takes 16.7 / 11.3 / 64.5 / 31.5. Over rows a norm or
+      activation kernel already rounded (``fp8_prequantized_gemm``; 2026-12-04 sweep, ``fp8_pre``) at one
+      row 8.2 / 6.9 / 30.0 / 18.0 µs (72 / 57 / 92 / 77% of the floor), and down split over two programs
+      a tile (a narrow weight, 64 blocks on 132 SMs, with deep rows) 16.6 µs (83%); at 32 rows down 19.2
+      against 17.9 split (TMA). Splitting q/k/v, o_proj or gate/up gained nothing;
     - one row, int8: the GEMV over 16 weight rows × 512 columns a program for wide weights (q/k/v 11.7 µs,
       gate/up 39.9 µs), else 8 × 1,024 (o_proj 7.5 µs, down 20.7 µs, 66% of the floor); int4: 8 rows × 4
       groups everywhere (the tile kernel lost at every int4 shape);
@@ -272,9 +277,10 @@ def default_launch(scheme: int, num_rows: int, out_features: int, sms: int) -> L
       against 18.8, gate/up 46.3 against 56.9, down 52.6 against 64.6) and for gate/up at one row (40.7
       against the GEMV's 49.0; three stages). Elsewhere, and before Hopper, the launches above.
     """
-    if scheme == _FP8:
-        return TileLaunch(block_n=64, block_k=256, num_stages=5)
     wide = _wide(out_features, sms)
+    if scheme == _FP8:
+        deep = not wide and in_features >= 8192 and num_rows <= 32
+        return TileLaunch(block_n=64, block_k=256, num_stages=5, split_k=2 if deep else 1)
     if scheme == _INT4 and num_rows > 1:
         return TileLaunch(block_n=64 if wide else 32, block_k=128, num_stages=5, tma=wide, packed_dequant=True)
     if scheme == _INT4 and out_features >= 16384:  # gate/up at one row
@@ -317,14 +323,21 @@ def _tile_kernel(
     x_ptr, x_scale_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, x_desc, w_desc, M, N, K, stride_xm, stride_q,
     stride_s, SCHEME: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
     PACKED_DEQUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr = 1, K_PER_SPLIT=None, part_ptr=None, arrivals_ptr=None,
 ):
     # acc[BLOCK_N, BLOCK_M] = w_tile · x_tileᵀ on the tensor cores: the weight rows as the dot's wide side.
     # fp8 takes x already in e4m3 (_fp8_rows_kernel) with its row scales at x_scale_ptr. With TMA, the x and
     # weight tiles come through tensor descriptors (zeros past the edges) instead of masked thread loads.
+    # With SPLIT_K > 1 a program takes K_PER_SPLIT of the inputs (a multiple of BLOCK_K), writes its scaled
+    # partial sums to part_ptr, and the tile's last split to arrive adds them, with the bias, into out_ptr.
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_first = 0
+    k_end = K
+    if SPLIT_K > 1:
+        k_first = tl.program_id(2) * K_PER_SPLIT
+        k_end = tl.minimum(K, k_first + K_PER_SPLIT)
     col_ok, row_ok = cols < N, rows < M
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_rows = q_ptr + cols[:, None].to(tl.int64) * stride_q
@@ -335,7 +348,7 @@ def _tile_kernel(
         # columns of x in two dots instead of interleaving them ran 7× slower on an H200.)
         offsets = tl.arange(0, BLOCK_K)
         pairs = tl.arange(0, BLOCK_K // 2)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_first, k_end, BLOCK_K):
             if TMA:
                 x = x_desc.load([tl.program_id(1) * BLOCK_M, k0])
                 packed = w_desc.load([tl.program_id(0) * BLOCK_N, k0 // 2])
@@ -355,7 +368,7 @@ def _tile_kernel(
             acc += part * tl.load(scale_ptr + at, mask=col_ok, other=0.0)[:, None]
     else:
         offsets = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_first, k_end, BLOCK_K):
             k = k0 + offsets
             k_ok = k < K
             if TMA:
@@ -376,10 +389,16 @@ def _tile_kernel(
         else:
             acc = acc * tl.load(scale_ptr + cols * stride_s, mask=col_ok, other=0.0)[:, None]
             acc = acc * tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-             mask=col_ok[:, None] & row_ok[None, :])
+    if SPLIT_K > 1:
+        offsets = rows[None, :].to(tl.int64) * N + cols[:, None]
+        tl.store(part_ptr + tl.program_id(2) * M * N + offsets, acc, mask=col_ok[:, None] & row_ok[None, :])
+        _sum_splits_on_arrival(part_ptr, out_ptr, bias_ptr, arrivals_ptr + tl.program_id(1) * tl.num_programs(0)
+                               + tl.program_id(0), rows, cols, M, N, HAS_BIAS, SPLIT_K)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=col_ok[:, None] & row_ok[None, :])
 
 
 def unsupported(x: torch.Tensor, bias: Optional[torch.Tensor], group_size: int | None = None) -> str | None:
@@ -423,7 +442,7 @@ def _tile_takes(x: torch.Tensor, scheme: int, group_size: int = 0) -> bool:
 
 def _pick(launch: Optional[Launch], num_rows: int, out_features: int, x: torch.Tensor, scheme: int,
           group_size: int = 0) -> Launch:
-    launch = launch or default_launch(scheme, num_rows, out_features, num_sms(x.device))
+    launch = launch or default_launch(scheme, num_rows, out_features, num_sms(x.device), x.shape[-1])
     if isinstance(launch, TileLaunch) and not _tile_takes(x, scheme, group_size):
         return _gemv_launch(scheme, out_features, num_sms(x.device))  # row by row
     return launch
@@ -459,14 +478,22 @@ def _tile(x, x_scale, q, scale, zero, bias, out, scheme: int, group_size: int, l
 
         x_desc = TensorDescriptor(x, [num_rows, in_features], [x.stride(0), 1], [block_m, block_k])
         w_desc = TensorDescriptor(q, [out_features, q.shape[1]], [q.stride(0), 1], [launch.block_n, w_block_k])
-    _tile_kernel[(triton.cdiv(out_features, launch.block_n), triton.cdiv(num_rows, block_m))](
+    grid = (triton.cdiv(out_features, launch.block_n), triton.cdiv(num_rows, block_m))
+    steps = triton.cdiv(in_features, block_k)
+    k_per_split = triton.cdiv(steps, max(1, min(launch.split_k, steps))) * block_k
+    split_k = triton.cdiv(in_features, k_per_split)  # no split left without inputs
+    split = {}
+    if split_k > 1:
+        split = dict(SPLIT_K=split_k, K_PER_SPLIT=k_per_split, arrivals_ptr=arrival_counters(grid[0] * grid[1], x.device),
+                     part_ptr=torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=x.device))
+    _tile_kernel[(*grid, split_k)](
         x, x_scale if x_scale is not None else scale, q, scale, zero if zero is not None else scale, bias if bias is not None else out, out, x_desc,
         w_desc, num_rows, out_features, in_features, x.stride(0), q.stride(0),
         scale.stride(0) if scheme == _INT4 else (1 if scale.numel() > 1 else 0), SCHEME=scheme, GROUP=group_size,
         HAS_BIAS=bias is not None, TMA=x_desc is not None,
         PACKED_DEQUANT=launch.packed_dequant and scheme == _INT4 and hopper,  # the interpreter runs no PTX
         BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
-        **launch.options(), **dependent_launch(x.device),
+        **split, **launch.options(), **dependent_launch(x.device),
     )
 
 
@@ -566,6 +593,6 @@ def fp8_prequantized_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: tor
     rows = x_q.reshape(-1, in_features).contiguous()
     out = torch.empty((rows.shape[0], out_features), dtype=dtype, device=x_q.device)
     if rows.shape[0] and out_features:
-        launch = launch or default_launch(_FP8, rows.shape[0], out_features, num_sms(x_q.device))
+        launch = launch or default_launch(_FP8, rows.shape[0], out_features, num_sms(x_q.device), in_features)
         _tile(rows, x_scale.reshape(-1).contiguous(), qweight, scale, None, bias, out, _FP8, 0, launch)
     return out.view(*x_q.shape[:-1], out_features)

@@ -95,8 +95,8 @@ def test_the_gated_activation_fp8_kernel_rounds_as_the_reference(dtype, inner, b
     _assert_same_rounding(*gated_activation_fp8(gate, up, "silu", block=block, num_warps=2), want_q, want_scale, dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 20])
-def test_the_prequantized_tile_kernel_matches_the_reference(rows, interpreter_rounds_to_fp8_correctly):
+@pytest.mark.parametrize(("rows", "split_k"), [(1, 1), (20, 1), (1, 3)])
+def test_the_prequantized_tile_kernel_matches_the_reference(rows, split_k, interpreter_rounds_to_fp8_correctly):
     # float16 on the CPU: the interpreter garbles a bfloat16 tl.dot (see test_quantized_linear.py's tile test)
     from autodeploy.custom_ops.triton.quantized_gemv import TileLaunch, fp8_prequantized_gemm
 
@@ -107,7 +107,7 @@ def test_the_prequantized_tile_kernel_matches_the_reference(rows, interpreter_ro
     bias = torch.randn(40, generator=gen).to(dtype).to(DEVICE)
     want = ops.fp8_prequantized_linear(x_q, x_scale, stored["qweight"], stored["scale"], bias, dtype).double()
     got = fp8_prequantized_gemm(x_q, x_scale, stored["qweight"], stored["scale"], bias, dtype,
-                                launch=TileLaunch(block_n=16, block_k=32))
+                                launch=TileLaunch(block_n=16, block_k=32, split_k=split_k))
     assert got.dtype == dtype and got.shape == (rows, 40) and torch.isfinite(got).all()
     assert (got.double() - want).norm() / want.norm() <= 1e-2
 

@@ -188,7 +188,8 @@ _TILE_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.f
 @pytest.mark.parametrize(("rows", "out_features", "in_features", "launch"),
                          [(1, 40, 256, dict(block_k=256)), (2, 40, 256, None), (20, 16, 96, dict(block_n=16, block_k=32)),
                           (70, 72, 128, dict(block_n=64)), (3, 40, 96, dict(block_k=64, tma=True)),
-                          (70, 72, 128, dict(block_n=64, tma=True)), (5, 40, 128, dict(packed_dequant=True))],
+                          (70, 72, 128, dict(block_n=64, tma=True)), (5, 40, 128, dict(packed_dequant=True)),
+                          (3, 40, 256, dict(block_k=32, split_k=3)), (70, 40, 160, dict(block_k=32, split_k=2, tma=True))],
                          ids=str)
 def test_the_tile_kernel_matches_the_reference(dtype, scheme, rows, out_features, in_features, launch,
                                                interpreter_rounds_to_fp8_correctly):
@@ -255,6 +256,17 @@ def test_int4_launches_follow_the_sweep_packed_tiles_for_rows_and_for_gate_up():
     assert default_launch(_INT4, 1, 28672, 132) == TileLaunch(block_n=64, block_k=128, num_stages=3, tma=True, packed_dequant=True)
     assert isinstance(default_launch(_INT4, 1, 6144, 132), GemvLaunch)
     assert isinstance(default_launch(_INT4, 1, 4096, 132), GemvLaunch)
+
+
+def test_fp8_splits_only_the_deep_narrow_weight_at_few_rows():
+    from autodeploy.custom_ops.triton.quantized_gemv import _FP8, default_launch
+
+    # The 2026-12-04 sweep: down (4,096 × 14,336) gains from two programs a tile at 1 and 32 rows; q/k/v,
+    # o_proj and gate/up do not.
+    shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    for rows, name in [(1, "down"), (32, "down"), (1, "qkv"), (1, "o_proj"), (1, "gate_up"), (256, "down")]:
+        assert default_launch(_FP8, rows, shapes[name][0], 132, shapes[name][1]).split_k == (
+            2 if name == "down" and rows <= 32 else 1)
 
 
 def test_fp8_takes_the_tile_kernel_at_any_rows_of_half_precision_and_the_gemv_for_float32(monkeypatch):
