@@ -52,9 +52,11 @@ def launches(scheme: str, rows: int) -> list:
                   for n, st, tma in itertools.product([32, 64], [3, 5], [False, True])]
     if rows > 1:
         return tiles
-    if scheme == "int4_wo":
+    if scheme == "int4_wo":  # the group-wise GEMV, the word-wise one (int32 words of eight values), the tiles
         return [GemvLaunch(block_n=n, groups_per_step=g, num_warps=w)
-                for n, g, w in itertools.product([8, 16, 32], [1, 2, 4], [4])] + tiles
+                for n, g, w in itertools.product([8, 16, 32], [1, 2, 4], [4])] + [
+            GemvLaunch(block_n=n, words=words, num_warps=w)
+            for n, words, w in itertools.product([4, 8, 16, 32], [16, 32, 64], [2, 4, 8]) if n * words >= 64 * w] + tiles
     return [GemvLaunch(block_n=n, block_k=k, num_warps=w, num_stages=s)
             for n, k, w, s in itertools.product([8, 16], [1024, 2048], [4, 8], [None])] + tiles
 

@@ -64,6 +64,7 @@ class GemvLaunch:
     groups_per_step: int = 1
     num_warps: int = 4
     num_stages: Optional[int] = None
+    words: int = 0  # int4: the word-wise GEMV (_int4_words_gemv_kernel), this many int32 words a step; 0: group-wise
 
     def options(self) -> dict:
         return {"num_warps": self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages})}
@@ -183,6 +184,46 @@ def _int4_gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _int4_words_gemv_kernel(
+    x_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_q, stride_s,
+    GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # The packed weight read as int32 words, eight 4-bit values each (input k = 8·word + i in bits 4i – 4i+3,
+    # the byte layout's little-endian reading), WORDS words of BLOCK_N rows a step. Per word, in registers:
+    # Σ_i q_i · x_i and Σ_i x_i, then the group's scale and zero point once: s · (Σ q x − zero · Σ x). Sums
+    # element-wise over [BLOCK_N, WORDS], reduced across threads once at the end.
+    wait_for_previous_kernel(USE_PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1).to(tl.int64)
+    col_ok = cols < N
+    offsets = tl.arange(0, WORDS)
+    x_row = x_ptr + row * stride_xm
+    w_rows = q_ptr + cols[:, None].to(tl.int64) * stride_q
+    s_rows = cols[:, None] * stride_s
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    for first in range(0, K // 8, WORDS):
+        words = first + offsets
+        word_ok = words < K // 8
+        packed = tl.load(w_rows + words[None, :], mask=col_ok[:, None] & word_ok[None, :], other=0)
+        dot = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+        for i in tl.static_range(8):
+            x = tl.load(x_row + words * 8 + i, mask=word_ok, other=0.0).to(tl.float32)
+            q = (((packed >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            dot += q * x[None, :]
+            x_sum += x
+        tile = s_rows + (words // (GROUP // 8))[None, :]
+        tile_ok = col_ok[:, None] & word_ok[None, :]
+        scale = tl.load(scale_ptr + tile, mask=tile_ok, other=0.0)
+        zero = tl.load(zero_ptr + tile, mask=tile_ok, other=0).to(tl.float32)
+        acc += scale * (dot - zero * x_sum[None, :])
+    total = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -532,6 +573,13 @@ def int4_wo_gemv(
         launch = _pick(launch, num_rows, out_features, x, _INT4, group_size)
         if isinstance(launch, TileLaunch):
             _tile(rows, None, qweight, scale, zero, bias, out, _INT4, group_size, launch)
+        elif launch.words and group_size % 8 == 0 and qweight.is_contiguous():
+            _int4_words_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
+                rows, qweight.view(torch.int32), scale, zero, bias if bias is not None else out, out, out_features, in_features,
+                rows.stride(0), qweight.stride(0) // 4, scale.stride(0), GROUP=group_size,
+                WORDS=min(launch.words, triton.next_power_of_2(in_features // 8)), HAS_BIAS=bias is not None,
+                BLOCK_N=launch.block_n, **launch.options(), **dependent_launch(x.device),
+            )
         else:
             _int4_gemv_kernel[(triton.cdiv(out_features, launch.block_n), num_rows)](
                 rows, qweight, scale, zero, bias if bias is not None else out, out, out_features, in_features,

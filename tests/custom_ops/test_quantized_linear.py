@@ -142,8 +142,9 @@ def test_the_int8_gemv_kernel_matches_the_reference(dtype, rows, out_features, i
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "out_features", "in_features", "group_size", "with_bias"),
-                         [(1, 40, 128, 32, True), (2, 16, 256, 128, False), (1, 8, 64, 2, False)])
-def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, in_features, group_size, with_bias):
+                         [(1, 40, 128, 32, True), (2, 16, 256, 128, False), (1, 8, 64, 2, False), (3, 24, 96, 32, False)])
+@pytest.mark.parametrize("words", [0, 8])  # the group-wise GEMV, the word-wise one (groups of 8 or more)
+def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, in_features, group_size, with_bias, words):
     from autodeploy.custom_ops.triton.quantized_gemv import GemvLaunch, int4_wo_gemv
 
     gen = torch.Generator().manual_seed(group_size)
@@ -152,7 +153,7 @@ def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, i
     x = (torch.randn(rows, 1, in_features, generator=gen) + 0.5).to(dtype).to(DEVICE)  # Σx ≠ 0: the zero points count
     bias = torch.randn(out_features, generator=gen).to(dtype).to(DEVICE) if with_bias else None
     want = ops.int4_wo_linear(x, stored["qweight"], stored["scale"], stored["zero"], bias).double()
-    got = int4_wo_gemv(x, stored["qweight"], stored["scale"], stored["zero"], bias, launch=GemvLaunch())
+    got = int4_wo_gemv(x, stored["qweight"], stored["scale"], stored["zero"], bias, launch=GemvLaunch(words=words))
     assert got.dtype == dtype and got.shape == want.shape == (rows, 1, out_features)
     assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
 
