@@ -336,10 +336,11 @@ def _wide(out_features: int, sms: int) -> bool:
 
 
 def _gemv_launch(scheme: int, out_features: int, sms: int) -> GemvLaunch:
-    # int4: 8 rows × 4 groups a program; int8 and fp8 (whose rows the tile kernel does not take): 16 × 512
-    # for wide weights, else 8 × 1,024.
+    # int4: 8 rows × 64 words, 2 warps, word-wise, for wide weights (q/k/v 15.3 against 17.2 µs group-wise,
+    # 2026-12-04 sweep), else 8 rows × 4 groups; int8 and fp8 (whose rows the tile kernel does not take):
+    # 16 × 512 for wide weights, else 8 × 1,024.
     if scheme == _INT4:
-        return GemvLaunch(block_n=8, groups_per_step=4)
+        return GemvLaunch(block_n=8, words=64, num_warps=2) if _wide(out_features, sms) else GemvLaunch(block_n=8, groups_per_step=4)
     return GemvLaunch(block_n=16, block_k=512) if _wide(out_features, sms) else GemvLaunch(block_n=8, block_k=1024)
 
 

@@ -255,8 +255,8 @@ def test_int4_launches_follow_the_sweep_packed_tiles_for_rows_and_for_gate_up():
     assert default_launch(_INT4, 32, 6144, 132) == TileLaunch(block_n=64, block_k=128, num_stages=5, tma=True, packed_dequant=True)
     assert default_launch(_INT4, 32, 4096, 132) == TileLaunch(block_n=32, block_k=128, num_stages=5, packed_dequant=True)
     assert default_launch(_INT4, 1, 28672, 132) == TileLaunch(block_n=64, block_k=128, num_stages=3, tma=True, packed_dequant=True)
-    assert isinstance(default_launch(_INT4, 1, 6144, 132), GemvLaunch)
-    assert isinstance(default_launch(_INT4, 1, 4096, 132), GemvLaunch)
+    assert default_launch(_INT4, 1, 6144, 132) == GemvLaunch(block_n=8, words=64, num_warps=2)  # word-wise: q/k/v
+    assert default_launch(_INT4, 1, 4096, 132) == GemvLaunch(block_n=8, groups_per_step=4)
 
 
 def test_fp8_splits_only_the_deep_narrow_weight_at_few_rows():
