@@ -93,7 +93,7 @@ def main() -> None:
             for _ in range(5):
                 start.record(); graph.replay(); end.record(); end.synchronize()
                 times.append(start.elapsed_time(end) * 1e3 / 20)
-            how = splits or {None: "shipped", True: "auto", False: "auto, empty splits last"}[empty_first]
+            how = str(splits) if splits else {None: "shipped", True: "auto", False: "auto, empty splits last"}[empty_first]
             if FP8:
                 how += ", float16 dots" if f16 else ", bfloat16 dots"
             results.append((sorted(times)[2], config, how, error))
