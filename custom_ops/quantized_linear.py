@@ -224,6 +224,25 @@ def share_smoothing(statistics: dict[str, dict[str, torch.Tensor]], groups: list
     return shared
 
 
+def share_head_smoothing(statistics: dict[str, dict[str, torch.Tensor]], heads: list[tuple[str, int, int, int]]
+                         ) -> dict[str, dict[str, torch.Tensor]]:
+    """``statistics`` with each projection over attention's output (``heads``: ``(path, kv_heads, group,
+    head_dim)``, its input channels ``[kv_heads, group, head_dim]``) given, per channel, the largest inputs and
+    weights over the query heads that share a key-value head: ``smoothquant`` then finds one ``s`` for a value
+    channel, which ``fold_smoothing`` can move into the value projection's rows."""
+    shared = dict(statistics)
+    for path, kv_heads, group, head_dim in heads:
+        if path not in statistics:
+            continue
+        entry = dict(statistics[path])
+        for key in ("max_abs", "weight_max_abs"):
+            if key in entry and entry[key].numel() == kv_heads * group * head_dim:
+                grouped = entry[key].reshape(kv_heads, group, head_dim).amax(1, keepdim=True)
+                entry[key] = grouped.expand(kv_heads, group, head_dim).reshape(-1)
+        shared[path] = entry
+    return shared
+
+
 def _group_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero) of ``int4_wo``'s asymmetric grid over the last dim of ``groups`` (``[..., G]``); the grid
     spans 0, so zero stays exact."""

@@ -15,9 +15,13 @@ Folded, when every reader of the input is a ``smoothquant`` projection with equa
   ``act(gate) · up``, linear in ``up``): the rows of a ``linear``'s weight and bias, or the per-row scales of
   an ``int8_w8a8_linear``, ``int8_wo_linear`` or per-channel ``fp8_linear`` (exact: the scale absorbs the factor).
 
+- into the value projection before attention (o_proj's input is attention's output, heads × value dims,
+  linear in the values channel by channel), when the factors are equal over the query heads that share a
+  key-value head (``load_weights`` shares them: ``share_head_smoothing``), and not with an fp8 KV cache
+  (its value scales were calibrated on the unscaled values): the value projection's rows, as for up.
+
 Factors that are all one (a W8A8 checkpoint's: its smoothing is in its norms already) are dropped
-wherever they are. Anything else keeps its smoothing in the op, e.g. ``o_proj``, whose input is attention's output: its
-channels are heads that share key-value heads, so no single weight before it scales them one by one.
+wherever they are. Anything else keeps its smoothing in the op.
 The factors folded, and the row scales of a quantized up projection as they were before, are kept in
 ``context.state[FOLDED]`` (parameter name → tensor): verification builds its Hugging Face reference from
 the quantize stage's tensors (the unfolded model, whose norms are the checkpoint's) and rounds each
@@ -35,7 +39,14 @@ import torch
 from torch import fx
 from torch.fx import GraphModule
 
-from autodeploy.transforms.quantize_linear import GATED_ACTIVATION, LINEAR, SMOOTHQUANT
+from autodeploy.transforms.quantize_linear import (
+    GATED_ACTIVATION,
+    LINEAR,
+    RESHAPES,
+    SMOOTHQUANT,
+    attention_heads,
+    through_reshapes,
+)
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 RMS_NORM = torch.ops.autodeploy.rms_norm.default
@@ -83,10 +94,46 @@ def _scale_own(gm: GraphModule, rows: fx.Node, bias, factors: torch.Tensor, offs
     return True
 
 
-def _fold_into_producer(gm: GraphModule, source: fx.Node, factors: torch.Tensor, originals: dict) -> str | None:
+def _scale_projection_rows(gm: GraphModule, projection, factors: torch.Tensor, originals: dict) -> str | None:
+    """Scale a ``linear``'s weight and bias rows, or a row-scaled quantized projection's scales and bias, by
+    ``factors`` (one a row), when ``projection`` is the only reader of its parameters and has one reader."""
+    if not isinstance(projection, fx.Node) or projection.op != "call_function" or len(projection.users) != 1:
+        return None
+    if projection.target is LINEAR:
+        rows = projection.args[1]
+    elif projection.target in ROW_SCALED:  # a per-tensor fp8 scale cannot take a factor per row: _scale_own refuses it
+        rows = projection.args[ROW_SCALED[projection.target]]
+        if _own(gm, rows) is not None:
+            originals.setdefault(rows.target, gm.get_parameter(rows.target).detach().clone())
+    else:
+        return None
+    return f"{projection.name} rows" if _scale_own(gm, rows, projection.args[-1], factors) else None
+
+
+def _fold_into_values(gm: GraphModule, source: fx.Node, factors: torch.Tensor, originals: dict) -> str | None:
+    """``source`` is attention's output flattened (heads × value dims, o_proj's input): the factors, equal over
+    the query heads that share a key-value head, scale the value projection's rows (attention is linear in
+    the values, channel by channel)."""
+    heads = attention_heads(source)
+    if heads is None:
+        return None
+    attention, kv_heads, group, head_dim = heads
+    if through_reshapes(source) is not attention or len(attention.users) != 1:
+        return None  # another op reads attention's output on the way
+    grouped = factors.reshape(kv_heads, group, head_dim)
+    if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+        return None
+    return _scale_projection_rows(gm, through_reshapes(attention.args[2]), grouped[:, 0].reshape(-1), originals)
+
+
+def _fold_into_producer(gm: GraphModule, source: fx.Node, factors: torch.Tensor, originals: dict,
+                        values: bool) -> str | None:
     """Apply ``factors`` per channel to what ``source`` computes by changing its parameters; returns what was
     changed, or None when ``source`` is not an op this transform can fold into (its parameters untouched).
-    A quantized projection's scales keep their values before the fold in ``originals`` (by parameter name)."""
+    A quantized projection's scales keep their values before the fold in ``originals`` (by parameter name).
+    ``values``: attention's output may take the factors through its value projection."""
+    if values and source.op == "call_function" and source.target in RESHAPES:
+        return _fold_into_values(gm, source, factors, originals)
     producer, index = source, None
     if source.op == "call_function" and source.target is operator.getitem:
         producer, index = source.args[0], source.args[1]
@@ -101,18 +148,7 @@ def _fold_into_producer(gm: GraphModule, source: fx.Node, factors: torch.Tensor,
         changed = f"{producer.name} weight{'' if producer.args[2] is None else ' and bias'}"
         return changed if _scale_own(gm, producer.args[1], producer.args[2], factors) else None
     if producer.target is GATED_ACTIVATION and index is None:
-        up = producer.args[1]
-        if not isinstance(up, fx.Node) or up.op != "call_function" or len(up.users) != 1:
-            return None
-        if up.target is LINEAR:
-            rows = up.args[1]
-        elif up.target in ROW_SCALED:  # a per-tensor fp8 scale cannot take a factor per row: _scale_own refuses it
-            rows = up.args[ROW_SCALED[up.target]]
-            if _own(gm, rows) is not None:
-                originals.setdefault(rows.target, gm.get_parameter(rows.target).detach().clone())
-        else:
-            return None
-        return f"{up.name} rows" if _scale_own(gm, rows, up.args[-1], factors) else None
+        return _scale_projection_rows(gm, producer.args[1], factors, originals)
     return None
 
 
@@ -128,6 +164,9 @@ class FoldSmoothing(Transform):
         if any(module.get_parameter(p.args[3].target).is_meta for nodes in readers.values() for p in nodes):
             return TransformResult(notes="weights not loaded (meta device): the smoothing stays in the ops")
         folded = context.state.setdefault(FOLDED, {})
+        # An fp8 KV cache's value scales were calibrated on the values as the checkpoint makes them.
+        settings = getattr(context, "settings", None)
+        values = settings is None or settings.quantize.kv_cache != "fp8"
         details, kept, moved = [], [], 0
         for source, projections in readers.items():
             smooths = [module.get_parameter(p.args[3].target) for p in projections]
@@ -139,9 +178,10 @@ class FoldSmoothing(Transform):
             if set(source.users) != set(projections) and not ones:
                 kept.append(f"{source.name}: read by other ops too")
                 continue
-            changed = "nothing (all ones)" if ones else _fold_into_producer(module, source, smooths[0], folded)
+            changed = "nothing (all ones)" if ones else _fold_into_producer(module, source, smooths[0], folded, values)
             if changed is None:
-                kept.append(f"{source.name}: not a norm or an up projection")
+                kept.append(f"{source.name}: not a norm, an up projection or attention over a value projection"
+                            f"{'' if values else ' (values: not with an fp8 KV cache)'} that can take it")
                 continue
             for projection in projections:
                 smooth_node = projection.args[3]

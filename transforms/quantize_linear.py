@@ -65,6 +65,16 @@ EMBEDDING_SCHEMES = ("int8",)
 NONE = "none"
 STATE_KEY = "quantized_weights"
 SMOOTHING_GROUPS = "smoothing_groups"  # smoothquant projections over one input: they share s (share_smoothing)
+# smoothquant projections over attention's output: (path, kv_heads, group, head_dim) (share_head_smoothing)
+HEAD_SMOOTHING = "head_smoothing"
+ATTENTION = torch.ops.autodeploy.attention.default
+# Ops that keep a tensor's values and their row-major order (reshapes, copies), and transposes: a chain of
+# them between attention and a projection is read through when its transposes cancel (HF's pairs, before
+# the cache stage's refold_transposes).
+RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+            torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
+COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
+TRANSPOSE = torch.ops.aten.transpose.int
 CALIBRATION_GRAPH = "calibration_graph"  # the graph as this stage found it (meta): what calibration runs
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
 _ACTIVATIONS = {
@@ -284,6 +294,55 @@ def _smoothing_groups(module: GraphModule, records: list[QuantizedWeight]) -> li
     return [tuple(paths) for paths in by_input.values() if len(paths) > 1]
 
 
+def through_reshapes(node, single_reader: bool = True):
+    """The node behind a chain of :data:`RESHAPES` and transposes from ``node`` (each link read only by the
+    next, when ``single_reader``), or None when the chain's transposes do not cancel, or a reshape sits
+    between them (the values then reach ``node`` in another order)."""
+    order = None  # the transposes' permutation so far, once one is seen
+    while isinstance(node, fx.Node) and node.op == "call_function" and (node.target in RESHAPES or node.target is TRANSPOSE):
+        if single_reader and len(node.users) != 1:
+            break
+        if node.target is TRANSPOSE:
+            rank = node.meta["val"].dim() if isinstance(node.meta.get("val"), torch.Tensor) else None
+            if rank is None:
+                return None
+            order = order or list(range(rank))
+            first, second = (d % rank for d in node.args[1:3])
+            order[first], order[second] = order[second], order[first]
+            if order == sorted(order):
+                order = None  # the transposes so far cancel
+        elif order is not None and node.target not in COPIES:
+            return None
+        node = node.args[0]
+    return node if order is None else None
+
+
+def attention_heads(x) -> tuple[fx.Node, int, int, int] | None:
+    """``(attention node, kv_heads, group, head_dim)`` when ``x`` is a canonical ``attention``'s output
+    ``[..., heads, head_dim]`` flattened by reshapes (a projection's input over heads × value dims); else None."""
+    attention = through_reshapes(x, single_reader=False)
+    if not (isinstance(attention, fx.Node) and attention.op == "call_function" and attention.target is ATTENTION):
+        return None
+    out, values, inputs = (n.meta.get("val") for n in (attention, attention.args[2], x))
+    if not all(isinstance(t, torch.Tensor) for t in (out, values, inputs)) or out.dim() < 2 or values.dim() < 2:
+        return None
+    heads, head_dim, kv_heads = out.shape[-2], out.shape[-1], values.shape[-2]
+    if not all(isinstance(d, int) for d in (heads, head_dim, kv_heads)) or heads % kv_heads or inputs.shape[-1] != heads * head_dim:
+        return None
+    return attention, kv_heads, heads // kv_heads, head_dim
+
+
+def _head_smoothing(module: GraphModule, records: list[QuantizedWeight]) -> list[tuple[str, int, int, int]]:
+    """The ``smoothquant`` projections over attention's output (o_proj) and its head layout."""
+    path_of = {r.targets["smooth"]: r.path for r in records if "smooth" in r.targets}
+    found = []
+    for node in module.graph.find_nodes(op="call_function", target=SMOOTHQUANT):
+        heads = attention_heads(node.args[0])
+        if heads is not None and node.args[3].target in path_of:
+            found.append((path_of[node.args[3].target], *heads[1:]))
+    return found
+
+
 def _copy_meta(new: fx.Node, old: fx.Node) -> None:
     new.meta.update({k: v for k, v in old.meta.items() if k != "val"})  # values: infer_values
 
@@ -387,6 +446,7 @@ class QuantizeLinear(Transform):
         infer_values(module, [n for n in module.graph.nodes if n not in existing])
         context.state[STATE_KEY] = {r.source: r for r in rewriter.records}
         context.state[SMOOTHING_GROUPS] = _smoothing_groups(module, rewriter.records)
+        context.state[HEAD_SMOOTHING] = _head_smoothing(module, rewriter.records)
         counts: dict[str, int] = {}
         for record in rewriter.records:
             if len(record.shape) == 2 and module_path(record.source) not in tables:

@@ -17,12 +17,12 @@ import torch
 from torch import fx, nn
 from tqdm import tqdm
 
-from autodeploy.custom_ops.quantized_linear import quantize_weight, share_smoothing
+from autodeploy.custom_ops.quantized_linear import quantize_weight, share_head_smoothing, share_smoothing
 from autodeploy.errors import CheckpointError
 from autodeploy.models.calibration import calibrate, kv_cache_scales, kv_projections
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
-from autodeploy.transforms.quantize_linear import CALIBRATION_GRAPH, SMOOTHING_GROUPS
+from autodeploy.transforms.quantize_linear import CALIBRATION_GRAPH, HEAD_SMOOTHING, SMOOTHING_GROUPS
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -365,6 +365,10 @@ class LoadWeights(Transform):
             statistics = share_smoothing(calibrate(factory, settings, lambda on: _float_graph(snapshot, factory, on),
                                                    calibrated, hessians, key_values),
                                          context.state.get(SMOOTHING_GROUPS, []))
+            # o_proj: one s per value channel (the query heads sharing a key-value head), so fold_smoothing can
+            # move it into v_proj; not with an fp8 KV cache, whose value scales are calibrated unscaled.
+            if settings.quantize.kv_cache != "fp8":
+                statistics = share_head_smoothing(statistics, context.state.get(HEAD_SMOOTHING, []))
             if key_values:
                 context.kv_cache_scales = kv_cache_scales(statistics, key_values)
         if prequantized is not None and settings.quantize.kv_cache == "fp8":

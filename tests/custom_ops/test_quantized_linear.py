@@ -452,6 +452,23 @@ def test_projections_over_one_input_share_one_smoothing_and_a_smoothed_input_nee
                        ops.int8_w8a8_linear_torch(x, stored_q["qweight"], stored_q["scale"], smooth, None))
 
 
+
+def test_projections_over_attention_share_smoothing_per_value_channel():
+    # o_proj's inputs are [kv_heads, group, head_dim]: the query heads that share a key-value head take the
+    # largest inputs and weights among them, so s is one per value channel (fold_smoothing: into v_proj).
+    from autodeploy.custom_ops.quantized_linear import share_head_smoothing
+
+    gen = torch.Generator().manual_seed(0)
+    stats = {key: torch.rand(2 * 3 * 4, generator=gen) + 0.1 for key in ("max_abs", "weight_max_abs")}
+    shared = share_head_smoothing({"o": {**stats, "mean_abs": torch.ones(24)}, "q": stats}, [("o", 2, 3, 4), ("absent", 1, 1, 1)])
+    for key in ("max_abs", "weight_max_abs"):
+        grouped = shared["o"][key].reshape(2, 3, 4)
+        assert torch.equal(grouped, stats[key].reshape(2, 3, 4).amax(1, keepdim=True).expand(2, 3, 4))
+    assert shared["q"] is stats and torch.equal(shared["o"]["mean_abs"], torch.ones(24))
+    stored = quantize_weight(QuantScheme("smoothquant"), torch.randn(8, 24, generator=gen), shared["o"])
+    smooth = stored["smooth"].reshape(2, 3, 4)
+    assert torch.equal(smooth, smooth[:, :1].expand(2, 3, 4))
+
 def test_smoothing_beats_plain_w8a8_on_activations_with_outlier_channels():
     # alpha = 0 leaves the activations' outliers where they are (s = 1 / max|w|), so each token's int8 grid is
     # set by its outliers; alpha = 0.5 moves half of their range into the weights.
