@@ -11,7 +11,10 @@ and each fp8 linear reading it becomes ``fp8_prequantized_linear(x_q, x_scale, .
 over one norm (q, k and v left apart) share one rounding. The rewrite is exact: the fused ops compute the
 unfused ops' bits. A producer is left as it is (and named in the report) when anything but fp8 linears
 reads its output: that reader needs the unrounded values. ``o_proj`` reads attention's output, which no
-kernel here rounds; per-tensor and static (``fp8_static_linear``) scales keep their own rounding.
+kernel here rounds; static scales (``fp8_static_linear``) keep their own rounding. A float32 deploy on a
+GPU is left as it is: ``fp8_linear``'s GEMV keeps its float32 sums there, and no fast kernel of
+``fp8_prequantized_linear`` writes float32 (the e4m3 tensor-core MMA and ``torch._scaled_mm`` on CUDA
+accumulate or write with fewer bits).
 
     # YAML: transforms: {fuse_fp8_quantization: {enabled: false}} keeps each fp8 linear's own rounding
 """
@@ -114,8 +117,12 @@ class FuseFp8Quantization(Transform):
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
+        settings = getattr(context, "settings", None)
+        on_gpu = settings is not None and torch.device(str(settings.device)).type == "cuda"
         producers = {}
         for linear in graph.find_nodes(op="call_function", target=FP8_LINEAR):
+            if on_gpu and node_value(linear).dtype == torch.float32:
+                continue  # fp8_linear's float32 GEMV serves it (see the module docstring)
             found = _producer(call_arguments(linear, {FP8_LINEAR}, "fp8_linear")["x"])
             if found is not None:
                 producers.setdefault(found[0], found[1])

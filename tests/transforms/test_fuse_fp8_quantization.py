@@ -70,6 +70,16 @@ def test_the_norm_and_the_gated_activation_round_for_their_fp8_linears_with_the_
         assert torch.equal(ours, theirs)
 
 
+def test_a_float32_gpu_deploy_keeps_each_fp8_linears_own_rounding():
+    # There fp8_linear's GEMV sums in float32; no fast fp8_prequantized_linear kernel writes float32.
+    gm = _graph()
+    on_gpu = SimpleNamespace(state={}, settings=SimpleNamespace(device="cuda"))
+    result = FuseFp8Quantization(FuseFp8QuantizationConfig()).apply(gm, on_gpu)
+    assert result.matches == 0 and _targets(gm)["fp8_linear"] == 5
+    on_cpu = SimpleNamespace(state={}, settings=SimpleNamespace(device="cpu"))
+    assert FuseFp8Quantization(FuseFp8QuantizationConfig()).apply(gm, on_cpu).matches == 2
+
+
 def test_a_norm_that_another_op_reads_keeps_its_output_and_is_named():
     gm = _graph(extra_reader=True)
     result = FuseFp8Quantization(FuseFp8QuantizationConfig()).apply(gm, SimpleNamespace(state={}))
