@@ -39,13 +39,14 @@ import torch
 from torch import fx
 from torch.fx import GraphModule
 
+from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.quantize_linear import (
     GATED_ACTIVATION,
     LINEAR,
     RESHAPES,
     SMOOTHQUANT,
     attention_heads,
-    through_reshapes,
+    through_views,
 )
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
@@ -118,12 +119,12 @@ def _fold_into_values(gm: GraphModule, source: fx.Node, factors: torch.Tensor, o
     if heads is None:
         return None
     attention, kv_heads, group, head_dim = heads
-    if through_reshapes(source) is not attention or len(attention.users) != 1:
+    if through_views(source) is not attention or len(attention.users) != 1:
         return None  # another op reads attention's output on the way
     grouped = factors.reshape(kv_heads, group, head_dim)
     if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
         return None
-    return _scale_projection_rows(gm, through_reshapes(attention.args[2]), grouped[:, 0].reshape(-1), originals)
+    return _scale_projection_rows(gm, through_views(attention.args[2]), grouped[:, 0].reshape(-1), originals)
 
 
 def _fold_into_producer(gm: GraphModule, source: fx.Node, factors: torch.Tensor, originals: dict,
@@ -132,7 +133,7 @@ def _fold_into_producer(gm: GraphModule, source: fx.Node, factors: torch.Tensor,
     changed, or None when ``source`` is not an op this transform can fold into (its parameters untouched).
     A quantized projection's scales keep their values before the fold in ``originals`` (by parameter name).
     ``values``: attention's output may take the factors through its value projection."""
-    if values and source.op == "call_function" and source.target in RESHAPES:
+    if values and source.op == "call_function" and (source.target in RESHAPES or permutation(source) is not None):
         return _fold_into_values(gm, source, factors, originals)
     producer, index = source, None
     if source.op == "call_function" and source.target is operator.getitem:

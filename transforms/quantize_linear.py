@@ -48,6 +48,7 @@ from torch.fx import GraphModule
 from autodeploy.custom_ops.quantized_linear import EXPERT_SCHEMES, QuantScheme, quantize_weight
 from autodeploy.custom_ops.quantized_moe import OPS as EXPERT_OPS
 from autodeploy.errors import ConfigError
+from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.shape_propagation import infer_values
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
@@ -68,13 +69,11 @@ SMOOTHING_GROUPS = "smoothing_groups"  # smoothquant projections over one input:
 # smoothquant projections over attention's output: (path, kv_heads, group, head_dim) (share_head_smoothing)
 HEAD_SMOOTHING = "head_smoothing"
 ATTENTION = torch.ops.autodeploy.attention.default
-# Ops that keep a tensor's values and their row-major order (reshapes, copies), and transposes: a chain of
-# them between attention and a projection is read through when its transposes cancel (HF's pairs, before
-# the cache stage's refold_transposes).
+# Ops that keep a tensor's values and their row-major order (reshapes, copies): with transposes that cancel
+# (HF's pairs, before the cache stage's refold_transposes), a chain between attention and a projection.
 RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
             torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
 COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
-TRANSPOSE = torch.ops.aten.transpose.int
 CALIBRATION_GRAPH = "calibration_graph"  # the graph as this stage found it (meta): what calibration runs
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
 _ACTIVATIONS = {
@@ -294,23 +293,21 @@ def _smoothing_groups(module: GraphModule, records: list[QuantizedWeight]) -> li
     return [tuple(paths) for paths in by_input.values() if len(paths) > 1]
 
 
-def through_reshapes(node, single_reader: bool = True):
-    """The node behind a chain of :data:`RESHAPES` and transposes from ``node`` (each link read only by the
-    next, when ``single_reader``), or None when the chain's transposes do not cancel, or a reshape sits
-    between them (the values then reach ``node`` in another order)."""
-    order = None  # the transposes' permutation so far, once one is seen
-    while isinstance(node, fx.Node) and node.op == "call_function" and (node.target in RESHAPES or node.target is TRANSPOSE):
+def through_views(node, single_reader: bool = True):
+    """The node behind a chain of :data:`RESHAPES` and transposes/permutes from ``node`` (each link read only
+    by the next, when ``single_reader``), or None when the chain's permutations do not cancel, or a reshape
+    sits between permutations that do (the values would reach ``node`` in another order)."""
+    order = None  # the permutations composed so far, while they are not the identity
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        dims = permutation(node)
+        if dims is None and node.target not in RESHAPES:
+            break
         if single_reader and len(node.users) != 1:
             break
-        if node.target is TRANSPOSE:
-            rank = node.meta["val"].dim() if isinstance(node.meta.get("val"), torch.Tensor) else None
-            if rank is None:
-                return None
-            order = order or list(range(rank))
-            first, second = (d % rank for d in node.args[1:3])
-            order[first], order[second] = order[second], order[first]
-            if order == sorted(order):
-                order = None  # the transposes so far cancel
+        if dims is not None:  # as cleanup_transposes composes them: node picks dim dims[d] of its input
+            order = dims if order is None else [dims[d] for d in order]
+            if order == list(range(len(order))):
+                order = None
         elif order is not None and node.target not in COPIES:
             return None
         node = node.args[0]
@@ -320,7 +317,7 @@ def through_reshapes(node, single_reader: bool = True):
 def attention_heads(x) -> tuple[fx.Node, int, int, int] | None:
     """``(attention node, kv_heads, group, head_dim)`` when ``x`` is a canonical ``attention``'s output
     ``[..., heads, head_dim]`` flattened by reshapes (a projection's input over heads × value dims); else None."""
-    attention = through_reshapes(x, single_reader=False)
+    attention = through_views(x, single_reader=False)
     if not (isinstance(attention, fx.Node) and attention.op == "call_function" and attention.target is ATTENTION):
         return None
     out, values, inputs = (n.meta.get("val") for n in (attention, attention.args[2], x))

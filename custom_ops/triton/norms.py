@@ -201,15 +201,9 @@ def add_rms_norm_triton(
     return _add_rms_norm(x, residual, weight, eps, weight_offset, config, fp8=False)
 
 
-def add_rms_norm_fp8_triton(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float = 0.0,
-    *,
-    config: Optional[NormConfig] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def add_rms_norm_fp8_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            weight_offset: float = 0.0, *, config: Optional[NormConfig] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``add_rms_norm_fp8`` in one kernel: :func:`add_rms_norm_triton` whose norm leaves as e4m3 rows with
     their float32 scales, ``(x_q, x_scale [..., 1], total)``; same result as ``add_rms_norm_fp8_reference``.
     A norm row is whole in one program, so its max |x| costs one more reduction and no second pass."""

@@ -79,12 +79,16 @@ def _int8_to_float(q):
 
 
 @triton.jit
+def _nibble_to_float(bits):
+    # The low 4 bits of int32 ``bits`` as float32, the same way: 2²³ + q, less 2²³.
+    return ((bits & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def _nibbles_to_float(packed):
-    # The low and high 4-bit values of uint8 bytes as float32, the same way: 2²³ + q, less 2²³.
+    # The low and high 4-bit values of uint8 bytes as float32.
     word = packed.to(tl.int32)
-    low = ((word & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    high = ((word >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return low, high
+    return _nibble_to_float(word), _nibble_to_float(word >> 4)
 
 
 # Four packed bytes (eight 4-bit values, the even k in the low nibbles) to (q − zero) in half precision, two
@@ -212,7 +216,7 @@ def _int4_words_gemv_kernel(
         x_sum = tl.zeros((WORDS,), dtype=tl.float32)
         for i in tl.static_range(8):
             x = tl.load(x_row + words * 8 + i, mask=word_ok, other=0.0).to(tl.float32)
-            q = (((packed >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            q = _nibble_to_float(packed >> (4 * i))
             dot += q * x[None, :]
             x_sum += x
         tile = s_rows + (words // (GROUP // 8))[None, :]
