@@ -56,7 +56,7 @@ def launches(scheme: str, rows: int) -> list:
         return [GemvLaunch(block_n=n, groups_per_step=g, num_warps=w)
                 for n, g, w in itertools.product([8, 16, 32], [1, 2, 4], [4])] + [
             GemvLaunch(block_n=n, words=words, num_warps=w)
-            for n, words, w in itertools.product([4, 8, 16, 32], [16, 32, 64], [2, 4, 8]) if n * words >= 64 * w] + tiles
+            for n, words, w in itertools.product([4, 8, 16], [64, 128, 256], [2, 4, 8]) if n * words >= 64 * w] + tiles
     return [GemvLaunch(block_n=n, block_k=k, num_warps=w, num_stages=s)
             for n, k, w, s in itertools.product([8, 16], [1024, 2048], [4, 8], [None])] + tiles
 
@@ -103,6 +103,8 @@ def main() -> None:
                         f"{bf16_time * 1e6:6.2f} us | torch {_share(floor, torch_time)} | default {_share(floor, default_time)}")
                 for kind in (GemvLaunch, TileLaunch):
                     mine = {c: t for c, t in timed.items() if isinstance(c, kind)}
+                    for runner_up in sorted(mine, key=mine.get)[1:4]:  # the three next best
+                        line += f"\n    next {kind.__name__:10s} {_share(floor, mine[runner_up])} {runner_up}"
                     if mine:
                         best = min(mine, key=mine.get)
                         want = op(x, *weights[0], None).double()

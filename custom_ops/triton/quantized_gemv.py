@@ -196,8 +196,10 @@ def _int4_words_gemv_kernel(
     GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # The packed weight read as int32 words, eight 4-bit values each (input k = 8·word + i in bits 4i – 4i+3,
-    # the byte layout's little-endian reading), WORDS words of BLOCK_N rows a step. Per word, in registers:
-    # Σ_i q_i · x_i and Σ_i x_i, then the group's scale and zero point once: s · (Σ q x − zero · Σ x). Sums
+    # the byte layout's little-endian reading), WORDS words of BLOCK_N rows a step. Each nibble is shifted
+    # into the top of the mantissa of 1.0, the float 1 + q/16 exactly (a shift and an and-or a value, no
+    # subtract), so per word, in registers: d = Σ_i (1 + q_i/16) · x_i and Σ_i x_i, and Σ_i q_i x_i =
+    # 16 · (d − Σ x); then the group's scale and zero point once: s · (16 · d − (16 + zero) · Σ x). Sums
     # element-wise over [BLOCK_N, WORDS], reduced across threads once at the end.
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,14 +218,14 @@ def _int4_words_gemv_kernel(
         x_sum = tl.zeros((WORDS,), dtype=tl.float32)
         for i in tl.static_range(8):
             x = tl.load(x_row + words * 8 + i, mask=word_ok, other=0.0).to(tl.float32)
-            q = _nibble_to_float(packed >> (4 * i))
-            dot += q * x[None, :]
+            shifted = packed << (19 - 4 * i) if 4 * i <= 19 else packed >> (4 * i - 19)
+            dot += ((shifted & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True) * x[None, :]
             x_sum += x
         tile = s_rows + (words // (GROUP // 8))[None, :]
         tile_ok = col_ok[:, None] & word_ok[None, :]
         scale = tl.load(scale_ptr + tile, mask=tile_ok, other=0.0)
         zero = tl.load(zero_ptr + tile, mask=tile_ok, other=0).to(tl.float32)
-        acc += scale * (dot - zero * x_sum[None, :])
+        acc += scale * (16.0 * dot - (16.0 + zero) * x_sum[None, :])
     total = tl.sum(acc, axis=1)
     if HAS_BIAS:
         total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -313,8 +315,9 @@ def default_launch(scheme: int, num_rows: int, out_features: int, sms: int, in_f
       a tile (a narrow weight, 64 blocks on 132 SMs, with deep rows) 16.6 µs (83%); at 32 rows down 19.2
       against 17.9 split (TMA). Splitting q/k/v, o_proj or gate/up gained nothing;
     - one row, int8: the GEMV over 16 weight rows × 512 columns a program for wide weights (q/k/v 11.7 µs,
-      gate/up 39.9 µs), else 8 × 1,024 (o_proj 7.5 µs, down 20.7 µs, 66% of the floor); int4: 8 rows × 4
-      groups everywhere (the tile kernel lost at every int4 shape);
+      gate/up 39.9 µs), else 8 × 1,024 (o_proj 7.5 µs, down 20.7 µs, 66% of the floor); int4: the word-wise
+      GEMV, 8 rows × 256 words (2026-12-04: q/k/v 13.5, o_proj 9.8, down 27.8 µs; splitting a row's words
+      over programs or loading the next step's words ahead gained nothing);
     - int8 and int4, more rows: the tile kernel over 64 weight rows (wide) or 32, 128 columns a step,
       five stages;
     - int4 on Hopper (2026-12-03 sweep, call 7 of the night session): the tile kernel with the packed
@@ -340,11 +343,11 @@ def _wide(out_features: int, sms: int) -> bool:
 
 
 def _gemv_launch(scheme: int, out_features: int, sms: int) -> GemvLaunch:
-    # int4: 8 rows × 64 words, 2 warps, word-wise, for wide weights (q/k/v 15.3 against 17.2 µs group-wise,
-    # 2026-12-04 sweep), else 8 rows × 4 groups; int8 and fp8 (whose rows the tile kernel does not take):
-    # 16 × 512 for wide weights, else 8 × 1,024.
+    # int4: word-wise, 8 rows × 256 words, 4 warps (2026-12-04 fourth-session sweep, nibbles as 1 + q/16:
+    # q/k/v 13.5, o_proj 9.8, down 27.8 µs against 15.3 / 10.9 / 32.4 before); int8 and fp8 (whose rows the
+    # tile kernel does not take): 16 × 512 for wide weights, else 8 × 1,024.
     if scheme == _INT4:
-        return GemvLaunch(block_n=8, words=64, num_warps=2) if _wide(out_features, sms) else GemvLaunch(block_n=8, groups_per_step=4)
+        return GemvLaunch(block_n=8, words=256)
     return GemvLaunch(block_n=16, block_k=512) if _wide(out_features, sms) else GemvLaunch(block_n=8, block_k=1024)
 
 

@@ -143,8 +143,8 @@ def test_the_int8_gemv_kernel_matches_the_reference(dtype, rows, out_features, i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "out_features", "in_features", "group_size", "with_bias"),
                          [(1, 40, 128, 32, True), (2, 16, 256, 128, False), (1, 8, 64, 2, False), (3, 24, 96, 32, False)])
-@pytest.mark.parametrize("words", [0, 8])  # the group-wise GEMV, the word-wise one (groups of 8 or more)
-def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, in_features, group_size, with_bias, words):
+@pytest.mark.parametrize("launch", [{"words": 0}, {"words": 8}, {}])  # group-wise; word-wise (groups of 8 or more), the default
+def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, in_features, group_size, with_bias, launch):
     from autodeploy.custom_ops.triton.quantized_gemv import GemvLaunch, int4_wo_gemv
 
     gen = torch.Generator().manual_seed(group_size)
@@ -153,7 +153,7 @@ def test_the_int4_gemv_kernel_matches_the_reference(dtype, rows, out_features, i
     x = (torch.randn(rows, 1, in_features, generator=gen) + 0.5).to(dtype).to(DEVICE)  # Σx ≠ 0: the zero points count
     bias = torch.randn(out_features, generator=gen).to(dtype).to(DEVICE) if with_bias else None
     want = ops.int4_wo_linear(x, stored["qweight"], stored["scale"], stored["zero"], bias).double()
-    got = int4_wo_gemv(x, stored["qweight"], stored["scale"], stored["zero"], bias, launch=GemvLaunch(words=words))
+    got = int4_wo_gemv(x, stored["qweight"], stored["scale"], stored["zero"], bias, launch=GemvLaunch(**launch))
     assert got.dtype == dtype and got.shape == want.shape == (rows, 1, out_features)
     assert (got.double() - want).norm() / want.norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
 
@@ -255,8 +255,7 @@ def test_int4_launches_follow_the_sweep_packed_tiles_for_rows_and_for_gate_up():
     assert default_launch(_INT4, 32, 6144, 132) == TileLaunch(block_n=64, block_k=128, num_stages=5, tma=True, packed_dequant=True)
     assert default_launch(_INT4, 32, 4096, 132) == TileLaunch(block_n=32, block_k=128, num_stages=5, packed_dequant=True)
     assert default_launch(_INT4, 1, 28672, 132) == TileLaunch(block_n=64, block_k=128, num_stages=3, tma=True, packed_dequant=True)
-    assert default_launch(_INT4, 1, 6144, 132) == GemvLaunch(block_n=8, words=64, num_warps=2)  # word-wise: q/k/v
-    assert default_launch(_INT4, 1, 4096, 132) == GemvLaunch(block_n=8, groups_per_step=4)
+    assert default_launch(_INT4, 1, 6144, 132) == default_launch(_INT4, 1, 4096, 132) == GemvLaunch(block_n=8, words=256)
 
 
 def test_fp8_splits_only_the_deep_narrow_weight_at_few_rows():
