@@ -47,9 +47,9 @@ def launches(scheme: str, rows: int) -> list:
     tiles = [TileLaunch(block_n=n, block_k=k, num_warps=w, num_stages=st, tma=tma)
              for n, k, w, st, tma in itertools.product([16, 32, 64], depths, [4], [3, 5], [False, True])
              if n == 64 or not tma]  # the TMA tiles (not yet timed) at the widest weight block
-    if scheme == "int4_wo":  # the inline-PTX dequantisation (not yet run on a GPU)
-        tiles += [TileLaunch(block_n=n, block_k=128, num_stages=st, tma=tma, packed_dequant=True)
-                  for n, st, tma in itertools.product([32, 64], [3, 5], [False, True])]
+    if scheme == "int4_wo":  # the inline-PTX dequantisation, its inputs split over 1 – 4 programs a tile
+        tiles += [TileLaunch(block_n=n, block_k=128, num_stages=st, tma=tma, packed_dequant=True, split_k=split)
+                  for n, st, tma, split in itertools.product([32, 64], [3, 5], [False, True], [1, 2, 4])]
     if rows > 1:
         return tiles
     if scheme == "int4_wo":  # the group-wise GEMV, the word-wise one (int32 words of eight values), the tiles

@@ -248,14 +248,21 @@ def test_several_rows_take_the_tile_kernel_and_one_row_or_float32_the_gemv(monke
     assert launched == ["tile"]  # one row: the GEMV (default_launch); float32 rows: the GEMV (no float32 tensor-core dot)
 
 
-def test_int4_launches_follow_the_sweep_packed_tiles_for_rows_and_for_gate_up():
-    from autodeploy.custom_ops.triton.quantized_gemv import _INT4, GemvLaunch, TileLaunch, default_launch
+def test_int4_launches_follow_the_sweep_split_packed_tiles_for_rows_and_for_gate_up():
+    from autodeploy.custom_ops.triton.quantized_gemv import _INT4, GemvLaunch, TileLaunch, _gemv_launch, default_launch
 
     # An H200's 132 SMs at Llama-3-8B's projections (q/k/v 6,144 rows: wide; o_proj 4,096; gate/up 28,672).
-    assert default_launch(_INT4, 32, 6144, 132) == TileLaunch(block_n=64, block_k=128, num_stages=5, tma=True, packed_dequant=True)
-    assert default_launch(_INT4, 32, 4096, 132) == TileLaunch(block_n=32, block_k=128, num_stages=5, packed_dequant=True)
-    assert default_launch(_INT4, 1, 28672, 132) == TileLaunch(block_n=64, block_k=128, num_stages=3, tma=True, packed_dequant=True)
-    assert default_launch(_INT4, 1, 6144, 132) == default_launch(_INT4, 1, 4096, 132) == GemvLaunch(block_n=8, words=256)
+    assert default_launch(_INT4, 32, 6144, 132) == TileLaunch(block_n=64, block_k=128, num_stages=5, tma=True,
+                                                              packed_dequant=True, split_k=4)
+    assert default_launch(_INT4, 8, 4096, 132) == TileLaunch(block_n=64, block_k=128, num_stages=3, tma=True,
+                                                             packed_dequant=True, split_k=4)
+    assert default_launch(_INT4, 32, 28672, 132).split_k == 2  # gate/up: 448 tiles fill the SMs already
+    assert default_launch(_INT4, 64, 4096, 132) == TileLaunch(block_n=32, block_k=128, num_stages=5, packed_dequant=True)
+    assert default_launch(_INT4, 1, 28672, 132) == TileLaunch(block_n=64, block_k=128, num_stages=3, tma=True,
+                                                              packed_dequant=True, split_k=2)
+    assert default_launch(_INT4, 1, 6144, 132) == default_launch(_INT4, 1, 4096, 132) == TileLaunch(
+        block_n=64, block_k=128, num_stages=3, tma=True, packed_dequant=True, split_k=4)  # the GEMV lost at one row too
+    assert _gemv_launch(_INT4, 6144, 132) == GemvLaunch(block_n=8, words=256)  # float32 rows, groups under 16
 
 
 def test_fp8_splits_only_the_deep_narrow_weight_at_few_rows():
