@@ -21,7 +21,8 @@ quarter (plus the group scales) for int4. Two kernels, both float32 sums rounded
 
 :func:`default_launch` picks between them from the shape (the sweep's findings: fp8 always takes the tile
 kernel, int8 the GEMV for one row, int4 the tile kernel with its inputs split at up to 32 rows of half
-precision); the autotuner keeps these backends where they beat the ``torch`` ones. Results are the reference's up to float32 summation order.
+precision); the autotuner keeps these backends where they beat the ``torch`` ones. Results are the
+reference's up to float32 summation order.
 
 Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the tests do)::
 
