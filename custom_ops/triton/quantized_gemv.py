@@ -318,19 +318,16 @@ def default_launch(scheme: int, num_rows: int, out_features: int, sms: int, in_f
     - one row, int8: the GEMV over 16 weight rows × 512 columns a program for wide weights (q/k/v 11.7 µs,
       gate/up 39.9 µs), else 8 × 1,024 (o_proj 7.5 µs, down 20.7 µs, 66% of the floor); int4: the word-wise
       GEMV, 8 rows × 256 words, where the tile kernel does not serve (below);
-    - int8 and int4, more rows: the tile kernel over 64 weight rows (wide) or 32, 128 columns a step,
-      five stages;
-    - int4 on Hopper (2026-12-03 sweep, call 7 of the night session): the tile kernel with the packed
-      dequantisation, TMA for wide weights, at more rows (32 rows: q/k/v 18.3 µs against 28.6, o_proj 15.4
-      against 18.8, gate/up 46.3 against 56.9, down 52.6 against 64.6) and for gate/up at one row (40.7
-      against the GEMV's 49.0; three stages). Elsewhere, and before Hopper, the launches above;
-    - int4 at 1 – 32 rows (2026-12-04 fourth-session sweeps, which supersede the two int4 items above up to
-      32 rows): the packed tiles over 64 weight rows through TMA with each tile's inputs split over four
-      programs (gate/up, whose 448 tiles fill the SMs already: two), three stages (q/k/v at more than one
-      row: five). At 32 rows q/k/v 13.0, o_proj 9.9, gate/up 39.5, down 23.4 µs against 18.4 / 15.5 / 46.9 /
-      53.0 unsplit (bf16 15.8 / 10.7 / 59.1 / 31.4); at one row 10.8 / 8.7 / 34.2 / 21.9 against the
-      word-wise GEMV's 13.1 / 9.8 / 49.6 / 27.1 (bf16 14.3 / 9.6 / 53.7 / 28.0). The GEMV keeps the rows the
-      tile kernel does not take (float32 x, groups under 16 inputs).
+    - int8, more rows: the tile kernel over 64 weight rows (wide) or 32, 128 columns a step, five stages;
+    - int4 at 1 – 32 rows (2026-12-04 fourth-session sweeps): the tile kernel with the packed
+      dequantisation over 64 weight rows through TMA, each tile's inputs split over four programs (gate/up,
+      whose 448 tiles fill the SMs already: two), three stages (q/k/v at more than one row: five). At 32 rows
+      q/k/v 13.0, o_proj 9.9, gate/up 39.5, down 23.4 µs against 18.4 / 15.5 / 46.9 / 53.0 unsplit (bf16
+      15.8 / 10.7 / 59.1 / 31.4); at one row 10.8 / 8.7 / 34.2 / 21.9 against the word-wise GEMV's 13.1 / 9.8
+      / 49.6 / 27.1 (bf16 14.3 / 9.6 / 53.7 / 28.0). Past 32 rows the packed tiles unsplit (2026-12-03 night
+      sweep), over 64 weight rows with TMA for wide weights, else 32, five stages. Off Hopper the packed
+      dequantisation falls back to the plain one; the GEMV keeps the rows the tile kernel does not take
+      (float32 x, groups under 16 inputs).
     """
     wide = _wide(out_features, sms)
     if scheme == _FP8:
