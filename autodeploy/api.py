@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
+from autodeploy.distributed import init_distributed
 from autodeploy.models.checkpoint import CheckpointReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
@@ -77,6 +78,7 @@ def autodeploy(
     if model is not None and is_saved_deployment(model):
         return _serve_saved(Path(model), config, set_arguments, overrides)
     settings, factory = deployment_settings(model, config, set_arguments, **overrides)
+    init_distributed(settings)
     if settings.weights == "checkpoint" and settings.device != "meta":
         CheckpointReader(factory.source.directory)  # fail on a folder without weights before exporting
     pipeline = Pipeline.from_settings(settings)

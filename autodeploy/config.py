@@ -45,6 +45,19 @@ class KVCacheSettings:
 
 
 @dataclass
+class DistributedSettings:
+    """A deployment over several processes, one per rank (``torchrun``'s environment: RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ``tensor_parallel``: the ranks each attention and MLP is sliced
+    over (``transforms/shard_tensor_parallel.py``); ``backend``: ``torch.distributed``'s (``auto``: NCCL on
+    GPUs, gloo on CPUs; any backend the PyTorch build has, e.g. ``mpi``); ``timeout_s``: how long a collective
+    waits for the other ranks before it fails."""
+
+    tensor_parallel: int = 1
+    backend: str = "auto"
+    timeout_s: float = 600.0
+
+
+@dataclass
 class SchedulerSettings:
     """In-flight batching: at most ``max_num_tokens`` new tokens per forward (prompts longer than that
     are prefilled in chunks when ``chunked_prefill``); ``max_batch_size`` caps the sequences. With
@@ -163,6 +176,7 @@ class DeploySettings:
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     verify: VerifySettings = field(default_factory=VerifySettings)
     quantize: QuantizeSettings = field(default_factory=QuantizeSettings)
+    distributed: DistributedSettings = field(default_factory=DistributedSettings)
     transforms: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -325,6 +339,9 @@ def _check_choices(settings: DictConfig) -> None:
         raise ConfigError(f"compile.prefill_token_sizes must list token counts ≥ 1 ([] for none, null for the default), got {list(token_sizes)}")
     if settings.scheduler.max_num_tokens < 1:
         raise ConfigError(f"scheduler.max_num_tokens must be ≥ 1, got {settings.scheduler.max_num_tokens}")
+    if settings.distributed.tensor_parallel < 1 or settings.distributed.timeout_s <= 0:
+        raise ConfigError(f"distributed.tensor_parallel must be ≥ 1 and distributed.timeout_s > 0, got "
+                          f"{settings.distributed.tensor_parallel} and {settings.distributed.timeout_s}")
 
 
 def transform_configs(settings: DictConfig) -> dict[str, TransformConfig]:

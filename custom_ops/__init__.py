@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     cached_attention,
     cached_attention_rope,
     cached_attention_sdpa,
+    collectives,
     cutlass_backends,
     fp8_activations,
     fused_gated_mlp,

@@ -23,6 +23,7 @@ from autodeploy.models.calibration import calibrate, kv_cache_scales, kv_project
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.transforms.quantize_linear import CALIBRATION_GRAPH, HEAD_SMOOTHING, SMOOTHING_GROUPS
+from autodeploy.transforms.shard_tensor_parallel import SHARDS
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,11 @@ def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, group
     replaced (``quantized``: graph name → ``QuantizedWeight``), its scheme's tensors computed from it."""
     if name is None:  # a tensor the graph no longer uses (dead code removed it)
         return
+    shard = gm.meta.get(SHARDS, {}).get(name)
+    if shard is not None:  # this rank's slice (transforms/shard_tensor_parallel.py)
+        dim, rank, parts = shard
+        if tensor.shape[dim] % parts == 0:
+            tensor = tensor.narrow(dim, rank * (tensor.shape[dim] // parts), tensor.shape[dim] // parts)
     record = (quantized or {}).get(name)
     expected = tuple(record.shape) if record is not None else tuple(gm.get_parameter(name).shape)
     if tuple(tensor.shape) != expected:

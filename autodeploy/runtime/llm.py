@@ -20,7 +20,7 @@ from torch import fx
 from tqdm import tqdm
 
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
-from autodeploy.errors import InvalidRequestError
+from autodeploy.errors import ConfigError, InvalidRequestError
 from autodeploy.build_report import TransformRecord, format_report
 from autodeploy.runtime.engine import Engine, Prompt
 from autodeploy.runtime.outputs import RequestOutput
@@ -100,6 +100,9 @@ class LLM:
         """
         from autodeploy.artifact import save_deployment
 
+        if int(self.settings.distributed.tensor_parallel) > 1:
+            raise ConfigError("saving a tensor-parallel deployment is not available yet (each rank holds its own "
+                              "slices); save a deployment built with distributed.tensor_parallel=1")
         return save_deployment(directory, self.graph, self.graph_inputs, self.settings, self.tokenizer, self._eos_token_ids,
                                self.records, self._kv_caches, self.model_directory, self.verification,
                                self._decode_graph_batch_sizes, self._prefill_graph_token_sizes)

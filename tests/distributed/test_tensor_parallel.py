@@ -1,0 +1,99 @@
+"""Tensor parallelism on the CPU: two gloo processes, as ``torchrun --nproc-per-node 2`` starts them, each
+deploying the tiny models with ``distributed.tensor_parallel=2``; their logits equal one process's and their
+greedy tokens equal HF's."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from autodeploy import SamplingParams, autodeploy
+from autodeploy.errors import ConfigError
+
+SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
+PROMPT = [5, 6, 7, 8]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, directory: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    llm = autodeploy(directory, device="cpu", distributed={"tensor_parallel": world, "timeout_s": 120})
+    logits = [t.tolist() for t in llm.logits(SEQUENCES)]
+    tokens = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    params = sum(p.numel() for p in llm.graph.parameters())
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"logits": logits, "tokens": list(tokens), "params": params, "report": llm.pipeline_report()}, f)
+    torch.distributed.destroy_process_group()
+
+
+def _run_ranks(directory, tmp_path, world: int = 2) -> list[dict]:
+    out = str(tmp_path / "rank")
+    mp.start_processes(_rank, args=(world, _free_port(), str(directory), out), nprocs=world, start_method="spawn")
+    results = []
+    for rank in range(world):
+        with open(f"{out}.{rank}") as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases (sliced), GQA
+def test_two_ranks_compute_one_process_logits_and_hf_greedy_tokens(tiny_checkpoint, tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_checkpoint(arch)
+    single = autodeploy(str(directory), device="cpu")
+    want = single.logits(SEQUENCES)
+    ranks = _run_ranks(directory, tmp_path)
+    for result in ranks:
+        for got, expected in zip(result["logits"], want):
+            torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
+    for rank, result in enumerate(ranks):
+        assert f"rank {rank} of 2: 2 attentions (2 output projections all-reduced), 2 MLPs" in result["report"]
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), torch_dtype=torch.float32)
+    greedy = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(PROMPT):].tolist()
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] == greedy
+    # Each rank holds half of every projection of attention and MLP, and all of the rest (embedding, norms, LM head).
+    named = dict(single.graph.named_parameters())
+    projections = sum(p.numel() for name, p in named.items() if "_proj" in name)
+    assert projections and ranks[0]["params"] == ranks[1]["params"] == sum(p.numel() for p in named.values()) - projections // 2
+
+
+def test_tensor_parallel_without_its_processes_is_a_config_error(tiny_checkpoint, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", distributed={"tensor_parallel": 2})
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    with pytest.raises(ConfigError, match="torchrun started 3 processes"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", distributed={"tensor_parallel": 2})
+
+
+def test_what_tensor_parallelism_cannot_slice_is_refused_at_build(tiny_checkpoint, monkeypatch):
+    # The tiny models' 4 heads and 2 KV heads over 3 ranks, MoE, quantization (each check runs before any collective).
+    from autodeploy import api
+    from autodeploy.transforms import shard_tensor_parallel
+
+    monkeypatch.setattr(api, "init_distributed", lambda settings: None)
+    monkeypatch.setattr(shard_tensor_parallel.dist, "get_rank", lambda: 0)
+    with pytest.raises(ConfigError, match=r"tensor_parallel=3 must divide the attention heads \(4\) and key-value heads \(2\)"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", distributed={"tensor_parallel": 3})
+    with pytest.raises(ConfigError, match="MoE layers"):
+        autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", distributed={"tensor_parallel": 2})
+    with pytest.raises(ConfigError, match="with quantization is not available yet"):
+        autodeploy(str(tiny_checkpoint("llama")), device="cpu", distributed={"tensor_parallel": 2},
+                   quantize={"default": "int8_wo"})
