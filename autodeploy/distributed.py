@@ -10,6 +10,7 @@ after the last all-reduce are the same bits on every rank, so every rank samples
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -50,6 +51,13 @@ def init_distributed(settings) -> None:
         if backend == "auto":
             backend = "nccl" if cuda else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=float(settings.distributed.timeout_s)))
+        atexit.register(_leave)
     if dist.get_world_size() != parallel:
         raise ConfigError(f"distributed.tensor_parallel={parallel} but the process group has "
                           f"{dist.get_world_size()} ranks; they must match")
+
+
+def _leave() -> None:
+    # The group this module joined, left at interpreter exit (PyTorch warns about a group left open).
+    if dist.is_initialized():
+        dist.destroy_process_group()

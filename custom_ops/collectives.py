@@ -1,10 +1,13 @@
-"""``torch.ops.autodeploy.all_reduce``: the sum of a tensor over the ranks of a sharded deployment.
+"""The ops of a tensor-parallel deployment (``transforms/shard_tensor_parallel.py``), over the default process
+group (gloo on CPUs, NCCL on GPUs); with no process group, or one rank, each computes what one rank holds.
 
-The ``shard`` stage (``transforms/shard_tensor_parallel.py``) puts one after each row-parallel projection
-(attention's output projection, an MLP's down projection): each rank holds a slice of the inputs' columns,
-so each computes a partial product and the sum over ranks is the unsharded result. The reference runs
-``torch.distributed.all_reduce`` on the default process group (gloo on CPUs, NCCL on GPUs); with no
-process group, or one rank, it returns a copy of its input.
+- ``all_reduce(x)``: the sum over ranks. After each row-parallel block (attention's output projection, an
+  MLP's down projection: each rank holds a slice of the inputs' columns, so each computes a partial
+  product), and after the vocabulary-parallel embedding (each rank looks up only its rows);
+- ``all_gather(x)``: the ranks' ``x`` side by side along the last dim, in rank order: the LM head's logits,
+  each rank computing its slice of the vocabulary;
+- ``embedding_rows(weight, input_ids, first)``: ``weight[input_ids − first]`` where ``input_ids`` falls in this
+  rank's rows ``first … first + rows``, zeros elsewhere.
 """
 
 import torch
@@ -32,3 +35,37 @@ def all_reduce_fake(x):
 
 
 all_reduce = register_op("all_reduce", all_reduce_reference, all_reduce_fake, example_inputs=(torch.ones(2, 4),))
+
+
+def all_gather_reference(x: torch.Tensor) -> torch.Tensor:
+    """``cat([x of rank 0, x of rank 1, …], dim=-1)`` on every rank."""
+    ranks = world_size()
+    if ranks == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(ranks)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def all_gather_fake(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] * world_size()))
+
+
+all_gather = register_op("all_gather", all_gather_reference, all_gather_fake, example_inputs=(torch.ones(2, 4),))
+
+
+def embedding_rows_reference(weight: torch.Tensor, input_ids: torch.Tensor, first: int) -> torch.Tensor:
+    """``[..., H]`` in ``weight``'s dtype: row ``input_ids − first`` of ``weight [rows, H]`` for the ids in
+    ``first … first + rows − 1``, zeros for the others."""
+    local = input_ids - first
+    mine = (local >= 0) & (local < weight.shape[0])
+    rows = torch.nn.functional.embedding(local.clamp(0, weight.shape[0] - 1), weight)
+    return rows * mine.unsqueeze(-1).to(weight.dtype)
+
+
+def embedding_rows_fake(weight, input_ids, first):
+    return weight.new_empty((*input_ids.shape, weight.shape[1]))
+
+
+embedding_rows = register_op("embedding_rows", embedding_rows_reference, embedding_rows_fake,
+                             example_inputs=(torch.ones(4, 3), torch.tensor([[0, 5, 2]]), 1))

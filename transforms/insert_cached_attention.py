@@ -61,7 +61,7 @@ def _metadata_values() -> dict[str, torch.Tensor]:
     }
 
 
-def _lm_head(logits: fx.Node) -> fx.Node | None:
+def lm_head(logits: fx.Node) -> fx.Node | None:
     """The ``linear`` producing the logits, through token-wise ops after it (soft-capping, casts)."""
     node = logits
     while node.op == "call_function":
@@ -208,7 +208,7 @@ class InsertCachedAttention(Transform):
         logits = output.args[0]
         if isinstance(logits, (tuple, list)):
             logits = logits[0]
-        head = _lm_head(logits)
+        head = lm_head(logits)
         target = head if head is not None else logits
         # Gather the LM head's input when there is one (the vocabulary projection then runs for N rows, not T).
         source = target.args[0] if head is not None else target

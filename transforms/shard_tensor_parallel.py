@@ -11,14 +11,18 @@ keeps:
   matching columns, and an ``all_reduce`` sums the ranks' partial products (its bias added after);
 - **MLPs**: ``gated_mlp`` keeps rows of its gate and up weights and columns of its down weight, ``mlp`` rows
   of its up weight and bias and columns of its down weight; an ``all_reduce`` follows each (``mlp``'s down
-  bias added after).
+  bias added after);
+- **the vocabulary**: the token embedding keeps rows ``r/N … (r+1)/N`` (``embedding_rows`` looks up the ids
+  that fall in them, zeros for the others, and an ``all_reduce`` sums the ranks'), and so does the LM head,
+  the linear behind the logits through soft-capping and casts (an ``all_gather`` puts the ranks' logits
+  side by side); a tied table is sliced once for both.
 
-Everything else (embedding, norms, the LM head) is replicated. The parameters change shape on the meta
-graph; ``load_weights`` reads each rank's slice (``SHARDS``: graph parameter → ``(dim, rank, parts)``).
-Refused with a ``ConfigError`` naming the constraint, before any weight is read: a head count or MLP width
-that ``N`` does not divide, fewer KV heads than ranks, attention with per-head tensors besides q/k/v
-(sinks), a projection feeding attention that is not found, MoE layers, and quantization (calibration and
-its statistics are not sliced yet).
+Norms stay replicated. The parameters change shape on the meta graph; ``load_weights`` keeps each rank's
+slice (``SHARDS``: graph parameter → ``(dim, rank, parts)``). Refused with a ``ConfigError`` naming the
+constraint, before any weight is read: heads, KV heads, an MLP width or the vocabulary that ``N`` does not
+divide (fewer KV heads than ranks included), attention with per-head tensors besides q/k/v (sinks), a
+projection feeding attention that is not found, MoE layers, and quantization (calibration and its
+statistics are not sliced yet).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import fx, nn
 from torch.fx import GraphModule
 
 from autodeploy.errors import ConfigError
+from autodeploy.transforms.insert_cached_attention import lm_head
 from autodeploy.transforms.quantize_linear import ATTENTION, LINEAR, attention_heads, through_views
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 from autodeploy.transforms.shape_propagation import propagate_shapes
@@ -164,9 +169,41 @@ class ShardTensorParallel(Transform):
             else:
                 continue
             mlps += 1
+        vocabulary = self._shard_vocabulary(module, sharder)
         graph.lint()
         module.recompile()
         propagate_shapes(module)
         notes = (f"rank {sharder.rank} of {parts}: {len(attentions)} attentions ({row_parallel} output projections "
-                 f"all-reduced), {mlps} MLPs; {len(sharder.shards)} parameters sliced")
+                 f"all-reduced), {mlps} MLPs, {vocabulary}; {len(sharder.shards)} parameters sliced")
         return TransformResult(matches=len(attentions) + mlps, changed=True, notes=notes)
+
+    @staticmethod
+    def _shard_vocabulary(module: GraphModule, sharder: _Sharder) -> str:
+        """Rows of the token embedding (looked up where an id falls in this rank's rows, then summed over
+        ranks) and of the LM head (its logits gathered along the vocabulary); a tied table is sliced once."""
+        graph = module.graph
+        embeddings = 0
+        for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default)):
+            weight, ids = node.args[:2]
+            if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+                continue
+            sharder.slice(weight, 0, "the vocabulary (embedding rows)")
+            rows = module.get_parameter(weight.target).shape[0]
+            with graph.inserting_before(node):
+                lookup = graph.call_function(ops.embedding_rows.default, (weight, ids, sharder.rank * rows))
+            lookup.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            node.replace_all_uses_with(lookup)
+            graph.erase_node(node)
+            sharder.reduce_after(lookup)
+            embeddings += 1
+        output = graph.output_node().args[0]
+        head = lm_head(output[0] if isinstance(output, (tuple, list)) else output)
+        if head is None:
+            return f"{embeddings} embeddings vocabulary-parallel, the LM head replicated (no linear behind the logits)"
+        sharder.slice(head.args[1], 0, "the vocabulary (LM head rows)")
+        sharder.slice(head.args[2], 0, "the LM head's bias")
+        with graph.inserting_after(head):
+            gathered = graph.call_function(ops.all_gather.default, (head,))
+        gathered.meta.update({k: v for k, v in head.meta.items() if k != "val"})
+        head.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
+        return f"{embeddings} embeddings and the LM head vocabulary-parallel"

@@ -9,7 +9,9 @@ handler imports what it needs), so ``--help`` and ``--version`` answer at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import platform
 import sys
 import time
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--stream", action="store_true",
                      help="print tokens as they come (one prompt; with --n > 1 the samples print one after another)")
+    run.add_argument("--tp", type=int, default=None, metavar="N",
+                     help="tensor parallel over N ranks (= --set distributed.tensor_parallel=N), each a process started by "
+                          "`torchrun --nproc-per-node N -m autodeploy run … --tp N`; rank 0 prints")
     _add_settings_arguments(run)
 
     build = commands.add_parser("build", help="deploy a model and save the deployment to a folder that `autodeploy run DIR` "
@@ -209,10 +214,30 @@ def _bench(args) -> int:
 
 
 def _run(args) -> None:
-    from autodeploy import SamplingParams, autodeploy
+    from autodeploy import autodeploy
+
+    tensor_parallel = [] if args.tp is None else [f"distributed.tensor_parallel={args.tp}"]
+    llm = autodeploy(args.model, config=args.config, set_arguments=[*tensor_parallel, *args.set_arguments])
+    with _rank_zero_prints():
+        _generate(llm, args)
+
+
+@contextlib.contextmanager
+def _rank_zero_prints():
+    """Rank 0 of a tensor-parallel world prints; the others generate the same tokens silently."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_rank() > 0):
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield
+
+
+def _generate(llm, args) -> None:
+    from autodeploy import SamplingParams
     from autodeploy.cli.completions import print_outputs, print_stream
 
-    llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -60,14 +62,16 @@ def test_two_ranks_compute_one_process_logits_and_hf_greedy_tokens(tiny_checkpoi
         for got, expected in zip(result["logits"], want):
             torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
     for rank, result in enumerate(ranks):
-        assert f"rank {rank} of 2: 2 attentions (2 output projections all-reduced), 2 MLPs" in result["report"]
+        assert (f"rank {rank} of 2: 2 attentions (2 output projections all-reduced), 2 MLPs, 1 embeddings and the "
+                f"LM head vocabulary-parallel") in result["report"]
     hf = AutoModelForCausalLM.from_pretrained(str(directory), torch_dtype=torch.float32)
     greedy = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(PROMPT):].tolist()
     assert ranks[0]["tokens"] == ranks[1]["tokens"] == greedy
-    # Each rank holds half of every projection of attention and MLP, and all of the rest (embedding, norms, LM head).
+    # Each rank holds half of every projection, of the embedding and of the LM head, and all of the norms.
     named = dict(single.graph.named_parameters())
-    projections = sum(p.numel() for name, p in named.items() if "_proj" in name)
-    assert projections and ranks[0]["params"] == ranks[1]["params"] == sum(p.numel() for p in named.values()) - projections // 2
+    norms = sum(p.numel() for name, p in named.items() if "norm" in name)
+    total = sum(p.numel() for p in named.values())
+    assert norms and ranks[0]["params"] == ranks[1]["params"] == norms + (total - norms) // 2
 
 
 def test_tensor_parallel_without_its_processes_is_a_config_error(tiny_checkpoint, monkeypatch):
@@ -97,3 +101,15 @@ def test_what_tensor_parallelism_cannot_slice_is_refused_at_build(tiny_checkpoin
     with pytest.raises(ConfigError, match="with quantization is not available yet"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", distributed={"tensor_parallel": 2},
                    quantize={"default": "int8_wo"})
+
+
+def test_autodeploy_run_under_torchrun_prints_rank_zeros_completion_once(tiny_checkpoint):
+    # The CLI as a user starts it: `torchrun --nproc-per-node 2 -m autodeploy run MODEL --tp 2`.
+    directory = str(tiny_checkpoint("llama"))
+    command = ["-m", "autodeploy", "run", directory, "--prompt", "def f(", "--max-tokens", "6", "--set", "device=cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600, env=env)
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            *command, "--tp", "2"], capture_output=True, text=True, timeout=600, env=env)
+    assert single.returncode == 0 and ranks.returncode == 0, ranks.stderr[-3000:]
+    assert single.stdout.strip() and ranks.stdout == single.stdout
