@@ -70,8 +70,11 @@ class _Sharder:
         if weight is None:
             return
         target = weight.target
-        if target in self.shards:
-            return  # a parameter two nodes read (already sliced once)
+        if target in self.shards:  # a parameter two nodes read (a tied table): sliced once, alike for both
+            if self.shards[target][0] != dim:
+                raise ConfigError(f"tensor parallelism would slice {target.removeprefix('model.')} along dims "
+                                  f"{self.shards[target][0]} and {dim} for two readers; deploy with tensor_parallel=1")
+            return
         param = self.gm.get_parameter(target)
         if param.shape[dim] % self.parts:
             raise ConfigError(f"tensor_parallel={self.parts} does not divide {what} ({target.removeprefix('model.')}: "
