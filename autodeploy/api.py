@@ -13,7 +13,8 @@ from omegaconf import DictConfig
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
-from autodeploy.distributed import init_distributed
+from autodeploy.errors import AutoDeployError
+from autodeploy.distributed import check_parallelism, init_distributed, should_spawn, spawn_workers
 from autodeploy.models.checkpoint import CheckpointReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
@@ -60,6 +61,9 @@ def autodeploy(
     *,
     config: str | Path | Iterable[str | Path] | None = None,
     set_arguments: Iterable[str] = (),
+    tensor_parallel: int | None = None,
+    pipeline_parallel: int | None = None,
+    expert_parallel: int | None = None,
     **overrides: Any,
 ) -> LLM:
     """Build a generating model from a checkpoint folder, hub id, shipped config name or config.json,
@@ -71,14 +75,41 @@ def autodeploy(
     With no model, the embedded demo model is used. A saved deployment takes only the overrides its graph
     does not depend on (``autodeploy/artifact/reload_settings.py``).
 
+    ``tensor_parallel`` / ``pipeline_parallel`` / ``expert_parallel`` (the ``distributed`` settings) over
+    more than one rank: in a plain process, the other ranks are spawned here as worker processes and the
+    returned ``LLM`` drives them all (``LLM.shutdown()`` stops them); under ``torchrun`` every process
+    calls this alike (``autodeploy/distributed.py``).
+
     >>> from autodeploy import autodeploy, SamplingParams
     >>> llm = autodeploy()
     >>> out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0))
     """
+    parallelism = {name: size for name, size in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
+                                                 ("expert_parallel", expert_parallel)) if size is not None}
+    if parallelism:
+        overrides["distributed"] = {**dict(overrides.get("distributed") or {}), **parallelism}
     if model is not None and is_saved_deployment(model):
         return _serve_saved(Path(model), config, set_arguments, overrides)
     settings, factory = deployment_settings(model, config, set_arguments, **overrides)
-    init_distributed(settings)
+    check_parallelism(settings, factory.hf_config)
+    if should_spawn(settings):
+        workers, store = spawn_workers(settings, model, config, set_arguments, overrides)
+        try:
+            llm = _build(settings, factory, store, workers)
+            workers.wait_ready()
+        except BaseException as error:
+            # A worker's death shows on rank 0 as a failed collective; rank 0's own errors stay as they are.
+            failure = workers.failure(error) if isinstance(error, Exception) and not isinstance(error, AutoDeployError) else error
+            workers.stop()
+            if failure is error:
+                raise
+            raise failure from error
+        return llm
+    return _build(settings, factory)
+
+
+def _build(settings, factory: ModelFactory, store=None, workers=None) -> LLM:
+    init_distributed(settings, store)
     if settings.weights == "checkpoint" and settings.device != "meta":
         CheckpointReader(factory.source.directory)  # fail on a folder without weights before exporting
     pipeline = Pipeline.from_settings(settings)
@@ -92,6 +123,7 @@ def autodeploy(
     tokenizer = factory.load_tokenizer(settings.tokenizer)
     llm = LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records, context.kv_caches,
               str(factory.source.directory), verification, context.decode_graph_batch_sizes, context.prefill_graph_token_sizes)
+    llm.workers = workers
     if llm.can_serve:
         llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward: its errors belong to the build)
     return llm

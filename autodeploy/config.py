@@ -47,14 +47,31 @@ class KVCacheSettings:
 @dataclass
 class DistributedSettings:
     """A deployment over several processes, one per rank (``torchrun``'s environment: RANK, WORLD_SIZE,
-    LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ``tensor_parallel``: the ranks each attention and MLP is sliced
-    over (``transforms/shard_tensor_parallel.py``); ``backend``: ``torch.distributed``'s (``auto``: NCCL on
-    GPUs, gloo on CPUs; any backend the PyTorch build has, e.g. ``mpi``); ``timeout_s``: how long a collective
-    waits for the other ranks before it fails."""
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or spawned by ``autodeploy()`` on one machine. The world is
+    ``pipeline_parallel`` stages of ``max(tensor_parallel, expert_parallel)`` ranks (``custom_ops/parallel_state.py``).
+    ``tensor_parallel``: the ranks each attention and MLP is sliced over (``transforms/shard_tensor_parallel.py``);
+    ``expert_parallel``: the ranks a MoE layer's experts are placed over; ``pipeline_parallel``: the stages the
+    layers are cut into; ``backend``: ``torch.distributed``'s (``auto``: NCCL on GPUs, gloo on CPUs; any backend
+    the PyTorch build has, e.g. ``mpi``); ``timeout_s``: how long a collective waits for the other ranks before
+    it fails."""
 
     tensor_parallel: int = 1
+    expert_parallel: int = 1
+    pipeline_parallel: int = 1
     backend: str = "auto"
     timeout_s: float = 600.0
+    # Which ranks hold which experts under expert_parallel (transforms/shard_expert_parallel.py): contiguous
+    # (rank r: experts r·E/N …), or balanced: placed by the routing measured on the calibration text.
+    expert_placement: str = "contiguous"
+    # Globs over linear layers' module paths (``model.layers.*.self_attn.o_proj``, ``lm_head``) → colwise, rowwise
+    # or replicate, overriding what tensor parallelism detects for them (first matching glob wins).
+    rules: Dict[str, str] = field(default_factory=dict)
+    # Under pipeline_parallel (runtime/pipeline_schedule.py): each engine step's chunks in this many micro-batches;
+    # async: stage s computes micro-batch m+1 while stage s+1 computes m (GPipe; at most pipeline_depth micro-batches
+    # in flight, None: all); sync: one micro-batch at a time through the whole pipe.
+    pipeline_micro_batches: int = 1
+    pipeline_schedule: str = "async"
+    pipeline_depth: Optional[int] = None
 
 
 @dataclass
@@ -339,9 +356,28 @@ def _check_choices(settings: DictConfig) -> None:
         raise ConfigError(f"compile.prefill_token_sizes must list token counts ≥ 1 ([] for none, null for the default), got {list(token_sizes)}")
     if settings.scheduler.max_num_tokens < 1:
         raise ConfigError(f"scheduler.max_num_tokens must be ≥ 1, got {settings.scheduler.max_num_tokens}")
-    if settings.distributed.tensor_parallel < 1 or settings.distributed.timeout_s <= 0:
-        raise ConfigError(f"distributed.tensor_parallel must be ≥ 1 and distributed.timeout_s > 0, got "
-                          f"{settings.distributed.tensor_parallel} and {settings.distributed.timeout_s}")
+    distributed = settings.distributed
+    sizes = {name: distributed[name] for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel")}
+    if any(size < 1 for size in sizes.values()) or distributed.timeout_s <= 0:
+        raise ConfigError(f"distributed.tensor_parallel, expert_parallel and pipeline_parallel must be ≥ 1 and "
+                          f"distributed.timeout_s > 0, got {sizes} and {distributed.timeout_s}")
+    stage = max(distributed.tensor_parallel, distributed.expert_parallel)
+    if distributed.tensor_parallel not in (1, stage) or distributed.expert_parallel not in (1, stage):
+        raise ConfigError(f"distributed.tensor_parallel={distributed.tensor_parallel} and expert_parallel="
+                          f"{distributed.expert_parallel}: a pipeline stage's ranks serve both, so each must be 1 or "
+                          f"the other's value (e.g. tensor_parallel=2 with expert_parallel=2 or 1)")
+    if distributed.pipeline_micro_batches < 1 or distributed.pipeline_schedule not in ("sync", "async") or (
+            distributed.pipeline_depth is not None and distributed.pipeline_depth < 1):
+        raise ConfigError(f"distributed.pipeline_micro_batches must be ≥ 1, pipeline_schedule sync or async and "
+                          f"pipeline_depth ≥ 1 or null, got {distributed.pipeline_micro_batches}, "
+                          f"{distributed.pipeline_schedule!r} and {distributed.pipeline_depth}")
+    if distributed.expert_placement not in ("contiguous", "balanced"):
+        raise ConfigError(f"distributed.expert_placement must be contiguous or balanced, got {distributed.expert_placement!r}")
+    from autodeploy.transforms.shard_tensor_parallel import RULE_KINDS
+
+    unknown = {glob: kind for glob, kind in distributed.rules.items() if kind not in RULE_KINDS}
+    if unknown:
+        raise ConfigError(f"distributed.rules {unknown}: each rule's kind must be one of {', '.join(RULE_KINDS)}")
 
 
 def transform_configs(settings: DictConfig) -> dict[str, TransformConfig]:

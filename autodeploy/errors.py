@@ -37,6 +37,11 @@ class InvalidRequestError(AutoDeployError, ValueError):
     """A generate() call has invalid prompts or sampling parameters."""
 
 
+class WorkerError(AutoDeployError):
+    """A worker process of a deployment over several ranks died or stopped answering; the deployment
+    cannot serve any more (deploy it again)."""
+
+
 def error_summary(error: BaseException, limit: int = 400) -> str:
     """A wrapped library error's message on one line: its lines joined (libraries wrap long messages),
     cut at a sentence or word boundary when longer than ``limit`` — never mid-word."""

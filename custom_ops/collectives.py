@@ -1,5 +1,6 @@
-"""The ops of a tensor-parallel deployment (``transforms/shard_tensor_parallel.py``), over the default process
-group (gloo on CPUs, NCCL on GPUs); with no process group, or one rank, each computes what one rank holds.
+"""The ops of a tensor-parallel deployment (``transforms/shard_tensor_parallel.py``), over the ranks of this
+process's pipeline stage (``parallel_state``: the default process group when there is one stage; gloo on
+CPUs, NCCL on GPUs); with no process group, or one rank, each computes what one rank holds.
 
 - ``all_reduce(x)``: the sum over ranks. After each row-parallel block (attention's output projection, an
   MLP's down projection: each rank holds a slice of the inputs' columns, so each computes a partial
@@ -13,12 +14,16 @@ group (gloo on CPUs, NCCL on GPUs); with no process group, or one rank, each com
 import torch
 import torch.distributed as dist
 
+from . import parallel_state
 from .registry import register_op
 
 
 def world_size() -> int:
-    """The ranks of the default process group, 1 when there is none."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """The ranks of this process's stage, 1 when there is no process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    layout = parallel_state.layout()
+    return layout.stage_size if layout.world_size > 1 else dist.get_world_size()
 
 
 def all_reduce_reference(x: torch.Tensor) -> torch.Tensor:
@@ -26,7 +31,7 @@ def all_reduce_reference(x: torch.Tensor) -> torch.Tensor:
     backend's order, the same bits on every rank)."""
     out = x.clone(memory_format=torch.contiguous_format)
     if world_size() > 1:
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=parallel_state.stage_group())
     return out
 
 
@@ -43,7 +48,7 @@ def all_gather_reference(x: torch.Tensor) -> torch.Tensor:
     if ranks == 1:
         return x.clone(memory_format=torch.contiguous_format)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(ranks)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=parallel_state.stage_group())
     return torch.cat(parts, dim=-1)
 
 

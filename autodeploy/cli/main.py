@@ -78,9 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--stream", action="store_true",
                      help="print tokens as they come (one prompt; with --n > 1 the samples print one after another)")
-    run.add_argument("--tp", type=int, default=None, metavar="N",
-                     help="tensor parallel over N ranks (= --set distributed.tensor_parallel=N), each a process started by "
-                          "`torchrun --nproc-per-node N -m autodeploy run … --tp N`; rank 0 prints")
+    for flag, setting, what in (("--tp", "tensor_parallel", "tensor parallel over N ranks"),
+                                ("--pp", "pipeline_parallel", "pipeline parallel over N stages"),
+                                ("--ep", "expert_parallel", "MoE experts placed over N ranks")):
+        run.add_argument(flag, type=int, default=None, metavar="N", dest=setting,
+                         help=f"{what} (= --set distributed.{setting}=N): one process a rank, spawned here, or started "
+                              f"by `torchrun --nproc-per-node WORLD -m autodeploy run …` (rank 0 prints)")
     _add_settings_arguments(run)
 
     build = commands.add_parser("build", help="deploy a model and save the deployment to a folder that `autodeploy run DIR` "
@@ -216,15 +219,20 @@ def _bench(args) -> int:
 def _run(args) -> None:
     from autodeploy import autodeploy
 
-    tensor_parallel = [] if args.tp is None else [f"distributed.tensor_parallel={args.tp}"]
-    llm = autodeploy(args.model, config=args.config, set_arguments=[*tensor_parallel, *args.set_arguments])
-    with _rank_zero_prints():
-        _generate(llm, args)
+    parallelism = [f"distributed.{name}={getattr(args, name)}" for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel")
+                   if getattr(args, name) is not None]
+    llm = autodeploy(args.model, config=args.config, set_arguments=[*parallelism, *args.set_arguments])
+    try:
+        with _rank_zero_prints():
+            _generate(llm, args)
+    finally:
+        if llm.workers is not None:  # the worker processes this call spawned
+            llm.shutdown()
 
 
 @contextlib.contextmanager
 def _rank_zero_prints():
-    """Rank 0 of a tensor-parallel world prints; the others generate the same tokens silently."""
+    """Rank 0 of a world that torchrun started prints; the others generate the same tokens silently."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_rank() > 0):

@@ -29,8 +29,10 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
@@ -41,6 +43,7 @@ from autodeploy.runtime.cuda_graphs import DecodeGraphs
 from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
 from autodeploy.runtime.outputs import CompletionOutput
 from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs
+from autodeploy.runtime.pipeline_schedule import PipelineSchedule
 from autodeploy.runtime.request import Request, Sequence
 from autodeploy.runtime.device_copies import to_device
 from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
@@ -80,6 +83,36 @@ class _Step:
     beam_logprobs: torch.Tensor | None = None
 
 
+class Peers(Protocol):
+    """Rank 0's handle on the worker processes of a deployment over several ranks (``Workers`` in
+    ``autodeploy/distributed.py``). Every rank runs this engine over its own slices; rank 0 tells the others
+    what to run, in the order it runs it, so their collectives pair up."""
+
+    def step(self, commands: list[tuple]) -> None:
+        """Workers: apply ``commands`` (``Engine.apply_commands``), then ``Engine.step``."""
+
+    def prompt_logits(self, token_ids: list[int]) -> None:
+        """Workers: ``Engine.prompt_logits(token_ids)``."""
+
+    def failure(self, error: Exception) -> Exception:
+        """The error to report for a failed step: the dead or stuck worker behind it, if one is."""
+
+
+def _request_fields(request: Request) -> tuple:
+    """What a worker needs to build rank 0's request again (``Request``'s arguments)."""
+    return (request.request_id, request.prompt, request.prompt_token_ids, request.params, request.stop_token_ids,
+            request.seed, request.priority, request.arrival_time)
+
+
+def _agreed_num_blocks(num_blocks: int, device: torch.device) -> int:
+    """The fewest KV blocks any rank can hold: every rank plans the same steps, so every pool has one size."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return num_blocks
+    fewest = torch.tensor([num_blocks], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+    return int(fewest.item())
+
+
 class Engine:
     def __init__(
         self,
@@ -93,14 +126,18 @@ class Engine:
         check_logits: bool = True,
         decode_graph_batch_sizes: SequenceABC[int] = (),
         prefill_graph_token_sizes: SequenceABC[int] = (),
+        peers: Peers | None = None,
     ):
         """``check_logits``: a warm-up forward must give finite logits (build-time verification turns it
         off for the twin, whose logits it checks and localises itself). ``decode_graph_batch_sizes``: the
         compile stage's sizes for decode steps replayed as CUDA graphs (``runtime/cuda_graphs.py``);
         ``prefill_graph_token_sizes``: its token counts for prefill and mixed steps replayed as piecewise
-        graphs (``runtime/piecewise_graphs.py``), captured first: their memory is gone before the pool is sized."""
+        graphs (``runtime/piecewise_graphs.py``), captured first: their memory is gone before the pool is sized.
+        ``peers``: the worker processes of a deployment over several ranks that ``autodeploy()`` spawned, when
+        this is rank 0's engine (see :class:`Peers`)."""
         self.graph = CompiledGraph(graph) if settings.compile.backend in TORCH_COMPILE_BACKENDS else graph
         self.graph_inputs = graph_inputs
+        self.pipeline = PipelineSchedule.from_settings(settings)  # pipeline_parallel > 1: micro-batches through the stages
         self.settings = settings
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -130,6 +167,7 @@ class Engine:
             kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, warm_up,
             graph_tokens=graph_sizes[-1] if graph_sizes else 0,
         )
+        num_blocks = _agreed_num_blocks(num_blocks, self.device)
         if not warmed_up and check_logits:  # only GPU pool sizing needs the full budget; every device checks the logits
             self._warm_up(kv_caches, min(_LOGITS_CHECK_TOKENS, self.max_num_tokens, self.max_seq_len))
         phase_done("warm-up")
@@ -153,6 +191,8 @@ class Engine:
         self.overlap = self.device.type == "cuda" if overlap is None else overlap  # None: on GPUs (see SchedulerSettings)
         self._in_flight: _Step | None = None  # the step launched and not yet applied (overlapped runtime)
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
+        self.peers = peers
+        self._commands: list[tuple[str, Request | str]] = []  # with peers: submits and aborts for the next step
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -184,19 +224,56 @@ class Engine:
             )
 
     def submit(self, request: Request) -> None:
+        """Queue a request. With peers, it joins at the start of the next step, on every rank alike."""
         with self._lock:
-            if request.request_id in self.requests:
+            queued = {c.request_id for kind, c in self._commands if kind == "submit"}
+            if request.request_id in self.requests or request.request_id in queued:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in use; pick another or leave it unset")
-            self.requests[request.request_id] = request
-            self.scheduler.add(request.sequences[0])
+            if self.peers is not None:
+                self._commands.append(("submit", request))
+                return
+            self._add(request)
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request: its blocks go back to the pool now; its sink gets a final output whose
-        completions end with ``"abort"``. Unknown or already finished requests are left alone."""
+        """Cancel a request: its blocks go back to the pool now (with peers: at the start of the next step);
+        its sink gets a final output whose completions end with ``"abort"``. Unknown or already finished
+        requests are left alone."""
         with self._lock:
-            request = self._cancel(str(request_id))
-            if request is not None:
-                self._deliver(request)
+            if self.peers is not None:
+                self._commands.append(("abort", str(request_id)))
+            else:
+                self._abort(str(request_id))
+
+    def apply_commands(self, commands: list[tuple]) -> None:
+        """A worker's replay of the submits and aborts that rank 0 queued before a step (``Peers.step``'s
+        message), in their order, with rank 0's request ids, seeds and arrival times."""
+        with self._lock:
+            for kind, payload in commands:
+                if kind == "submit":
+                    self._add(Request(*payload))
+                else:
+                    self._abort(payload)
+
+    def _add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.scheduler.add(request.sequences[0])
+
+    def _abort(self, request_id: str) -> None:
+        request = self._cancel(request_id)
+        if request is not None:
+            self._deliver(request)
+
+    def _mirror_commands(self) -> None:
+        """Rank 0: send the queued submits and aborts to the workers with the order to step, then apply
+        them here, so every rank plans the step from the same requests."""
+        with self._lock:
+            commands, self._commands = self._commands, []
+            self.peers.step([("submit", _request_fields(c)) if kind == "submit" else (kind, c) for kind, c in commands])
+            for kind, command in commands:
+                if kind == "submit":
+                    self._add(command)
+                else:
+                    self._abort(command)
 
     def _cancel(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
@@ -217,7 +294,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self.requests)
+            return bool(self.requests) or any(kind == "submit" for kind, _ in self._commands)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -275,7 +352,9 @@ class Engine:
         run what was queued before). Steps run one at a time. When a forward or its sampling raises, the
         requests of that step are aborted, their sinks get the error, and it is raised here too.
         """
-        with self._step_lock:
+        with self._step_lock, self._peer_failures():
+            if self.peers is not None:
+                self._mirror_commands()
             previous, self._in_flight = self._in_flight, None
             try:
                 launched = self._plan_and_launch(previous)
@@ -368,7 +447,20 @@ class Engine:
                 self._deliver(request)
             return changed
 
+    @contextlib.contextmanager
+    def _peer_failures(self):
+        """With peers, a failed collective raises the error naming the worker behind it."""
+        try:
+            yield
+        except Exception as error:
+            failure = self.peers.failure(error) if self.peers is not None else error
+            if failure is error:
+                raise
+            raise failure from error
+
     def _fail(self, chunks: list[ScheduledChunk], error: Exception) -> None:
+        if self.peers is not None:
+            error = self.peers.failure(error)
         for request in {id(c.sequence.request): c.sequence.request for c in chunks}.values():
             if self._cancel(request.request_id) is not None and request.sink is not None:
                 request.sink.fail(error)
@@ -399,6 +491,9 @@ class Engine:
 
     def _graph_call(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False, pending: PendingTokens | None = None):
         """Fill the step's inputs from the pool's tables (``(run, completing)``); ``run()`` computes the logits."""
+        if self.pipeline is not None:  # this rank's stage, the step's chunks in micro-batches (no CUDA graphs)
+            return self.pipeline.stage_step(self.graph, self.graph_inputs, chunks, self.pool, self.caches, self.device,
+                                            logits_for_all_tokens, pending)
         if self.decode_graphs is not None and self.decode_graphs.serves(chunks, logits_for_all_tokens):
             size = self.decode_graphs.stage(chunks, self.pool.block_table, pending)
             completing = [] if logits_for_all_tokens else list(range(len(chunks)))
@@ -558,7 +653,9 @@ class Engine:
                 f"the sequence has {len(token_ids)} tokens > max_seq_len={self.max_seq_len}; shorten it, or deploy with "
                 f"a larger max_seq_len (at most the model's max_position_embeddings)"
             )
-        with self._step_lock, self._lock:  # a forward of its own: not beside a running step
+        with self._step_lock, self._lock, self._peer_failures():  # a forward of its own: not beside a running step
+            if self.peers is not None:
+                self.peers.prompt_logits(list(token_ids))
             probe = _Probe(list(token_ids))
             try:
                 if not self.pool.reserve(probe.seq_id, len(token_ids)):

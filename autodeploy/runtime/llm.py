@@ -65,6 +65,8 @@ class LLM:
         self._decode_graph_batch_sizes = tuple(decode_graph_batch_sizes)  # declared by the compile stage
         self._prefill_graph_token_sizes = tuple(prefill_graph_token_sizes)
         self._engine: Engine | None = None
+        self._shut_down = False
+        self.workers = None  # the worker processes autodeploy() spawned for the other ranks (autodeploy/distributed.py)
 
     @property
     def can_serve(self) -> bool:
@@ -75,6 +77,8 @@ class LLM:
     def engine(self) -> Engine:
         """The serving engine, built on first use (it sizes and allocates the KV cache)."""
         if self._engine is None:
+            if self._shut_down:
+                raise InvalidRequestError("this LLM was shut down (LLM.shutdown); deploy the model again to generate")
             if self.device.type == "meta":
                 raise InvalidRequestError(
                     "this model was deployed on the meta device (no weights); deploy with device='cpu' or 'cuda' to generate"
@@ -83,9 +87,12 @@ class LLM:
                 raise InvalidRequestError(
                     "this graph has no KV cache (the insert_cached_attention transform is disabled); enable it to generate"
                 )
+            if self.workers is not None:
+                self.workers.build_engine()
             self._engine = Engine(
                 self.graph, self.graph_inputs, self._kv_caches, self.settings, self.tokenizer, self._eos_token_ids, self.vocab_size,
                 decode_graph_batch_sizes=self._decode_graph_batch_sizes, prefill_graph_token_sizes=self._prefill_graph_token_sizes,
+                peers=self.workers,
             )
         return self._engine
 
@@ -100,9 +107,10 @@ class LLM:
         """
         from autodeploy.artifact import save_deployment
 
-        if int(self.settings.distributed.tensor_parallel) > 1:
-            raise ConfigError("saving a tensor-parallel deployment is not available yet (each rank holds its own "
-                              "slices); save a deployment built with distributed.tensor_parallel=1")
+        distributed = self.settings.distributed
+        if max(int(distributed[name]) for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel")) > 1:
+            raise ConfigError("saving a deployment over several ranks is not available yet (each rank holds its own "
+                              "slices); save one built with tensor_parallel, expert_parallel and pipeline_parallel 1")
         return save_deployment(directory, self.graph, self.graph_inputs, self.settings, self.tokenizer, self._eos_token_ids,
                                self.records, self._kv_caches, self.model_directory, self.verification,
                                self._decode_graph_batch_sizes, self._prefill_graph_token_sizes)
@@ -112,10 +120,22 @@ class LLM:
         them again. Requests still in flight are lost, so call it only when idle."""
         if self._engine is not None and self._engine.has_unfinished():
             raise InvalidRequestError("requests are still running; wait for them (or abort them) before freeing the KV cache")
+        if self.workers is not None:
+            self.workers.free_engine()
         self._engine = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a deployment over several ranks (``autodeploy(model,
+        tensor_parallel=2)``) and free the KV cache; later requests raise ``InvalidRequestError``. Also done
+        when the interpreter exits. A single-process deployment only frees its KV cache."""
+        self._shut_down = True
+        if self.workers is not None:
+            self.workers.stop()
+        self._engine = None
+        gc.collect()
 
     def pipeline_report(self) -> str:
         """Time, matches and node counts of every transform that built this model, op histograms, and

@@ -74,30 +74,31 @@ def test_two_ranks_compute_one_process_logits_and_hf_greedy_tokens(tiny_checkpoi
     assert norms and ranks[0]["params"] == ranks[1]["params"] == norms + (total - norms) // 2
 
 
-def test_tensor_parallel_without_its_processes_is_a_config_error(tiny_checkpoint, monkeypatch):
+def test_torchrun_variables_that_do_not_match_the_parallelism_are_a_config_error(tiny_checkpoint, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
+    monkeypatch.setenv("RANK", "0")  # a launcher's variables, incomplete
+    with pytest.raises(ConfigError, match="missing WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", distributed={"tensor_parallel": 2})
-    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    with pytest.raises(ConfigError, match="torchrun started 3 processes"):
+    with pytest.raises(ConfigError, match="needs 2 processes but torchrun started 3"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", distributed={"tensor_parallel": 2})
 
 
 def test_what_tensor_parallelism_cannot_slice_is_refused_at_build(tiny_checkpoint, monkeypatch):
-    # The tiny models' 4 heads and 2 KV heads over 3 ranks, MoE, quantization (each check runs before any collective).
+    # The tiny models' 4 heads and 2 KV heads over 3 ranks, quantized MoE experts, quantization (each check runs
+    # before any collective).
     from autodeploy import api
-    from autodeploy.transforms import shard_tensor_parallel
-
-    monkeypatch.setattr(api, "init_distributed", lambda settings: None)
-    monkeypatch.setattr(shard_tensor_parallel.dist, "get_rank", lambda: 0)
-    with pytest.raises(ConfigError, match=r"tensor_parallel=3 must divide the attention heads \(4\) and key-value heads \(2\)"):
+    monkeypatch.setattr(api, "init_distributed", lambda settings, store=None: None)
+    monkeypatch.setattr(api, "should_spawn", lambda settings: False)
+    with pytest.raises(ConfigError, match=r"tensor_parallel=3 must divide the attention heads \(4\)"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", distributed={"tensor_parallel": 3})
-    with pytest.raises(ConfigError, match="MoE layers"):
-        autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", distributed={"tensor_parallel": 2})
+    with pytest.raises(ConfigError, match="quantize.experts=int8_wo with expert_parallel=1 and tensor_parallel=2 is not "
+                                          "available.*set expert_parallel=2"):
+        autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", distributed={"tensor_parallel": 2},
+                   quantize={"experts": "int8_wo"})
     with pytest.raises(ConfigError, match="with quantization is not available yet"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", distributed={"tensor_parallel": 2},
                    quantize={"default": "int8_wo"})
