@@ -27,7 +27,9 @@ checkpoint weight each is computed from, so ``load_weights`` quantizes every wei
 as this stage found it is kept in ``context.state[CALIBRATION_GRAPH]`` (a copy over the same meta
 parameters): calibration loads the float weights into it and runs it first (``models/calibration.py``). A weight read by any other node (tied to the embedding)
 stays in the model's dtype, as do MoE routers. MoE experts take ``quantize.experts`` (``int8_wo`` or
-``int4_wo``, expert by expert: ``custom_ops/quantized_moe.py``), apart from the dense layers' rules.
+``int4_wo``, expert by expert: ``custom_ops/quantized_moe.py``), apart from the dense layers' rules; under
+expert parallelism (the shard stage ran first) a ``moe_expert_parallel`` node's experts are this rank's share,
+and its record's ``shape`` that share's (``load_weights`` quantizes the share it slices from the checkpoint).
 ``quantize.embedding: int8`` stores the token embedding table as ``int8_wo`` stores a weight (a scale per
 row) and looks rows up with ``embedding_int8`` (``custom_ops/quantized_embedding.py``). A table tied to
 the LM head is stored once for both when the head's scheme is ``int8_wo`` (the same layout); under any
@@ -46,6 +48,7 @@ from torch import fx, nn
 from torch.fx import GraphModule
 
 from autodeploy.custom_ops.quantized_linear import EXPERT_SCHEMES, QuantScheme, quantize_weight
+from autodeploy.custom_ops.quantized_moe import EXPERT_PARALLEL_OPS
 from autodeploy.custom_ops.quantized_moe import OPS as EXPERT_OPS
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.cleanup_transposes import permutation
@@ -60,6 +63,7 @@ GATED_ACTIVATION = torch.ops.autodeploy.gated_activation.default
 SMOOTHQUANT = torch.ops.autodeploy.int8_w8a8_linear.default
 MLP = torch.ops.autodeploy.mlp.default
 MOE = torch.ops.autodeploy.moe.default
+MOE_EXPERT_PARALLEL = torch.ops.autodeploy.moe_expert_parallel.default
 EMBEDDING = torch.ops.aten.embedding.default
 EMBEDDING_INT8 = torch.ops.autodeploy.embedding_int8.default
 EMBEDDING_SCHEMES = ("int8",)
@@ -117,6 +121,13 @@ def parse_experts(settings) -> QuantScheme | None:
     """The scheme of MoE experts' weights (``quantize.experts``), or None."""
     name = _option(settings, "experts", EXPERT_SCHEMES, "MoE experts take")
     return None if name is None else QuantScheme(name, group_size=int(settings.int4_group_size))
+
+
+def quantizes_dense_layers(settings) -> bool:
+    """Whether the quantize settings give any dense projection, or the embedding table, a scheme
+    (``quantize.experts`` aside)."""
+    quantize = settings.quantize
+    return quantize.default != "none" or quantize.embedding != "none" or any(v != "none" for v in dict(quantize.layers).values())
 
 
 def parse_embedding(settings) -> QuantScheme | None:
@@ -224,10 +235,12 @@ class _Rewriter:
         return self.graph.call_function(scheme.op, (x, *self.quantized_storage(weight_node, scheme), bias))
 
     def quantized_experts(self, node: fx.Node, scheme: QuantScheme) -> fx.Node:
-        """A ``moe`` node's quantized counterpart (``custom_ops/quantized_moe.py``), both expert weights in ``scheme``."""
+        """A ``moe`` or ``moe_expert_parallel`` node's quantized counterpart (``custom_ops/quantized_moe.py``), both
+        expert weights in ``scheme``."""
         x, router_logits, gate_up, down, *options = node.args
         storage = [*self.quantized_storage(gate_up, scheme), *self.quantized_storage(down, scheme)]
-        return self.graph.call_function(EXPERT_OPS[scheme.name], (x, router_logits, *storage, *options), dict(node.kwargs))
+        op = (EXPERT_PARALLEL_OPS if node.target is MOE_EXPERT_PARALLEL else EXPERT_OPS)[scheme.name]
+        return self.graph.call_function(op, (x, router_logits, *storage, *options), dict(node.kwargs))
 
     def quantized_storage(self, weight_node: fx.Node, scheme: QuantScheme) -> list[fx.Node]:
         """get_attr nodes of ``scheme``'s tensors (new meta parameters) in place of ``weight_node``'s weight."""
@@ -262,11 +275,11 @@ class _Rewriter:
 
 
 def _routes_experts(node: fx.Node, depth: int = 4) -> bool:
-    """Whether ``node``'s value reaches a ``moe`` op as its router logits (through reshapes and casts). A
-    router stays in the model's dtype: its near-tied logits pick the experts, and it is a sliver of the
-    weights."""
+    """Whether ``node``'s value reaches a ``moe`` (or ``moe_expert_parallel``) op as its router logits (through
+    reshapes and casts). A router stays in the model's dtype: its near-tied logits pick the experts, and it is a
+    sliver of the weights."""
     for user in node.users:
-        if user.target is MOE and len(user.args) > 1 and user.args[1] is node:
+        if user.target in (MOE, MOE_EXPERT_PARALLEL) and len(user.args) > 1 and user.args[1] is node:
             return True
         if depth and user.op == "call_function" and len(user.users) == 1 and _routes_experts(user, depth - 1):
             return True
@@ -391,7 +404,7 @@ class QuantizeLinear(Transform):
         kept, split, tables, tied_head, replaced = [], 0, [], False, set()
         existing = set(module.graph.nodes)
         for node in list(module.graph.nodes):
-            if node.op == "call_function" and node.target is MOE and experts is not None:
+            if node.op == "call_function" and node.target in (MOE, MOE_EXPERT_PARALLEL) and experts is not None:
                 self._quantize_experts(module, rewriter, node, experts, kept)
                 continue
             if node in replaced:

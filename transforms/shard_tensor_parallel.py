@@ -7,8 +7,11 @@ keeps:
 - **attention**: the query, key and value projections feeding each canonical ``attention`` (walked back
   through views, transposes, ``rope`` and per-head norms) keep rows ``r/N … (r+1)/N`` of their weight and
   bias: whole heads, since HF's views give the head count as ``-1`` and ``attention`` reads heads and KV
-  heads from its inputs; the output projection reading attention (walked forward through views) keeps the
-  matching columns, and an ``all_reduce`` sums the ranks' partial products (its bias added after);
+  heads from its inputs. With fewer KV heads than ranks (``N`` a multiple of them), rank ``r`` keeps the
+  rows of KV head ``r · kv_heads // N``, the one its query heads read, replicated on the ``N / kv_heads``
+  ranks that share it (per-head norms, e.g. Qwen3's on q and k, have one head's width: not sliced). The
+  output projection reading attention (walked forward through views) keeps the matching columns, and an
+  ``all_reduce`` sums the ranks' partial products (its bias added after);
 - **MLPs**: ``gated_mlp`` keeps rows of its gate and up weights and columns of its down weight, ``mlp`` rows
   of its up weight and bias and columns of its down weight; an ``all_reduce`` follows each (``mlp``'s down
   bias added after);
@@ -17,31 +20,50 @@ keeps:
   the linear behind the logits through soft-capping and casts (an ``all_gather`` puts the ranks' logits
   side by side); a tied table is sliced once for both.
 
-Norms stay replicated. The parameters change shape on the meta graph; ``load_weights`` keeps each rank's
-slice (``SHARDS``: graph parameter → ``(dim, rank, parts)``). Refused with a ``ConfigError`` naming the
-constraint, before any weight is read: heads, KV heads, an MLP width or the vocabulary that ``N`` does not
-divide (fewer KV heads than ranks included), attention with per-head tensors besides q/k/v (sinks), a
-projection feeding attention that is not found, MoE layers, and quantization (calibration and its
-statistics are not sliced yet).
+Norms stay replicated. ``distributed.rules`` (globs over the linears' module paths, as the checkpoint names
+them: ``model.layers.*.self_attn.o_proj``, ``lm_head``; the first matching glob wins) override the detection
+for the canonical ``linear`` nodes they match: ``colwise`` keeps rows of the weight and bias (the output
+stays sliced: a ``rowwise`` linear must read it), ``rowwise`` keeps columns with an ``all_reduce`` after (the
+bias added after it), ``replicate`` keeps the linear whole (for the LM head: no ``all_gather``, and a table
+tied to it stays whole for the embedding too). Rules whose slices do not fit together are a ``ConfigError``
+naming them (the shapes after the pass do not fit); a glob that matches no linear is logged as a warning.
+
+The parameters change shape on the meta graph; ``SHARDS`` records graph parameter → ``(dim, start, stop)``,
+and ``load_weights`` reads only that slice of a checkpoint tensor that fills the parameter as it is stored
+(safetensors' ``get_slice``), the whole tensor then narrowed for one that transformers converts (fused or
+split projections, stacked experts). MoE experts are ``shard_expert_parallel``'s. Refused with a
+``ConfigError`` naming the constraint, before any weight is read: query heads, an MLP width or the vocabulary
+that ``N`` does not divide, KV heads that ``N`` neither divides nor is a multiple of, attention with per-head
+tensors besides q/k/v (sinks), a projection feeding attention that is not found, and quantization
+(calibration and its statistics are not sliced yet).
+
+```python
+from autodeploy import autodeploy
+llm = autodeploy("Qwen/Qwen2.5-0.5B", tensor_parallel=2, distributed={"rules": {"lm_head": "replicate"}})
+```
 """
 
 from __future__ import annotations
 
+import fnmatch
+import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 from torch.fx import GraphModule
 
-from autodeploy.errors import ConfigError
+from autodeploy.custom_ops import parallel_state
+from autodeploy.errors import ConfigError, error_summary
 from autodeploy.transforms.insert_cached_attention import lm_head
-from autodeploy.transforms.quantize_linear import ATTENTION, LINEAR, attention_heads, through_views
+from autodeploy.transforms.quantize_linear import ATTENTION, LINEAR, attention_heads, module_path, quantizes_dense_layers, through_views
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 from autodeploy.transforms.shape_propagation import propagate_shapes
 
+logger = logging.getLogger(__name__)
 ops = torch.ops.autodeploy
-SHARDS = "autodeploy_shards"  # gm.meta key: graph parameter name → (dim, rank, parts), read by load_weights
+SHARDS = "autodeploy_shards"  # gm.meta key: graph parameter → (dim, start, stop) this rank keeps; load_weights reads it
+RULE_KINDS = ("colwise", "rowwise", "replicate")  # the values of distributed.rules
 _PASS_THROUGH = {ops.rope.default, ops.rms_norm.default}  # per-head ops between a projection and attention
 
 
@@ -64,27 +86,55 @@ class _Sharder:
     def __init__(self, gm: GraphModule, rank: int, parts: int):
         self.gm, self.rank, self.parts = gm, rank, parts
         self.shards: dict[str, tuple[int, int, int]] = gm.meta.setdefault(SHARDS, {})
+        self.whole: set[str] = set()  # parameters a ``replicate`` rule keeps whole
 
-    def slice(self, weight, dim: int, what: str) -> None:
-        """Give the parameter behind ``weight`` (a get_attr) this rank's share of ``dim``."""
+    def slice(self, weight, dim: int, what: str, span: tuple[int, int] | None = None) -> None:
+        """Give the parameter behind ``weight`` (a get_attr) the indices ``span = (start, stop)`` of ``dim``;
+        by default this rank's ``1/parts`` of them."""
         if weight is None:
             return
         target = weight.target
+        if target in self.whole:
+            raise ConfigError(f"distributed.rules keep {target.removeprefix('model.')} whole, but another reader "
+                              f"slices it ({what}); name that reader in distributed.rules too, or drop the rule")
         if target in self.shards:  # a parameter two nodes read (a tied table): sliced once, alike for both
             if self.shards[target][0] != dim:
                 raise ConfigError(f"tensor parallelism would slice {target.removeprefix('model.')} along dims "
                                   f"{self.shards[target][0]} and {dim} for two readers; deploy with tensor_parallel=1")
             return
         param = self.gm.get_parameter(target)
-        if param.shape[dim] % self.parts:
-            raise ConfigError(f"tensor_parallel={self.parts} does not divide {what} ({target.removeprefix('model.')}: "
-                              f"{param.shape[dim]} along dim {dim}); choose a tensor_parallel that divides it")
+        size = param.shape[dim]
+        if span is None:
+            if size % self.parts:
+                raise ConfigError(f"tensor_parallel={self.parts} does not divide {what} ({target.removeprefix('model.')}: "
+                                  f"{size} along dim {dim}); choose a tensor_parallel that divides it")
+            span = (self.rank * size // self.parts, (self.rank + 1) * size // self.parts)
+        start, stop = span
+        if not 0 <= start < stop <= size:
+            raise ConfigError(f"tensor parallelism would keep {start} … {stop} of {target.removeprefix('model.')}'s "
+                              f"{size} along dim {dim} ({what}); deploy this model with tensor_parallel=1")
         shape = list(param.shape)
-        shape[dim] //= self.parts
+        shape[dim] = stop - start
         owner, _, leaf = target.rpartition(".")
         module = self.gm.get_submodule(owner) if owner else self.gm
         module._parameters[leaf] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=param.device), requires_grad=False)
-        self.shards[target] = (dim, self.rank, self.parts)
+        self.shards[target] = (dim, start, stop)
+
+    def keep_whole(self, weight, what: str) -> None:
+        """Leave the parameter behind ``weight`` whole on every rank (a ``replicate`` rule)."""
+        if weight is None:
+            return
+        if weight.target in self.shards:
+            raise ConfigError(f"distributed.rules keep {weight.target.removeprefix('model.')} whole ({what}), but "
+                              f"another reader slices it; name that reader in distributed.rules too, or drop the rule")
+        self.whole.add(weight.target)
+
+    def row_parallel(self, linear: fx.Node, what: str) -> None:
+        """Columns of ``linear``'s weight; an ``all_reduce`` sums the ranks' partial products, its bias added after."""
+        self.slice(linear.args[1], 1, what)
+        bias = linear.args[2]
+        linear.args = (*linear.args[:2], None)
+        self.reduce_after(linear, bias)
 
     def reduce_after(self, node: fx.Node, bias=None) -> None:
         """``all_reduce(node)`` (+ ``bias``) in place of ``node`` for all its readers."""
@@ -100,17 +150,73 @@ class _Sharder:
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
 
 
-def _check_heads(attention: fx.Node, parts: int) -> None:
-    q, v = attention.args[0].meta.get("val"), attention.args[2].meta.get("val")
+def _head_rows(attention: fx.Node, rank: int, parts: int) -> dict[str, tuple[int, int]]:
+    """The rows of the q, k and v projections rank ``rank`` keeps: its ``1/parts`` of the query heads and of the
+    key-value heads, or, with fewer key-value heads than ranks, the one key-value head its query heads read
+    (head ``rank · kv_heads // parts``, replicated on the ``parts / kv_heads`` ranks that share it)."""
+    q, k, v = (a.meta.get("val") for a in attention.args[:3])
     heads, kv_heads = q.shape[-2], v.shape[-2]
-    if heads % parts or kv_heads % parts:
+    if heads % parts or (kv_heads % parts and parts % kv_heads):
         raise ConfigError(
             f"tensor_parallel={parts} must divide the attention heads ({heads}) and key-value heads ({kv_heads}) "
-            f"of {attention.name}; choose a tensor_parallel that divides both")
+            f"of {attention.name}, or, for the key-value heads, be a multiple of them (each then replicated); "
+            f"choose a tensor_parallel that divides {heads} and divides or is a multiple of {kv_heads}")
     extra = [a for a in attention.args[3:] if isinstance(a, fx.Node)]
     if extra:
         raise ConfigError(f"tensor parallelism does not yet slice attention's per-head tensors besides q/k/v "
                           f"({', '.join(a.name for a in extra)} of {attention.name}); deploy with tensor_parallel=1")
+    first, count = rank * kv_heads // parts, max(kv_heads // parts, 1)
+    per_rank = heads // parts
+    return {"q": (rank * per_rank * q.shape[-1], (rank + 1) * per_rank * q.shape[-1]),
+            "k": (first * k.shape[-1], (first + count) * k.shape[-1]),
+            "v": (first * v.shape[-1], (first + count) * v.shape[-1])}
+
+
+def _ruled_linears(module: GraphModule, rules: dict[str, str]) -> dict[fx.Node, str]:
+    """Each canonical ``linear`` whose module path (``model.layers.0.self_attn.o_proj``, ``lm_head``) a glob of
+    ``distributed.rules`` matches → that rule's kind (the first matching glob wins)."""
+    ruled, used = {}, set()
+    for linear in module.graph.find_nodes(op="call_function", target=LINEAR):
+        weight = linear.args[1]
+        if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+            continue
+        path = module_path(weight.target)
+        glob = next((glob for glob in rules if fnmatch.fnmatchcase(path, glob)), None)
+        if glob is not None:
+            ruled[linear] = rules[glob]
+            used.add(glob)
+    for glob in rules:
+        if glob not in used:
+            logger.warning("distributed.rules[%r] matches no linear layer of this model; check the module paths "
+                           "(e.g. 'model.layers.*.self_attn.o_proj', 'lm_head')", glob)
+    return ruled
+
+
+def _width_mismatch(module: GraphModule) -> str | None:
+    """The first ``linear`` whose input is not as wide as its weight (``linear``'s fake op does not check)."""
+    for linear in module.graph.find_nodes(op="call_function", target=LINEAR):
+        x, weight = linear.args[:2]
+        value = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if value is None or not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+            continue
+        columns = module.get_parameter(weight.target).shape[-1]
+        if value.shape[-1] != columns:
+            return f"{module_path(weight.target)} reads {value.shape[-1]} features but its weight has {columns} columns"
+    return None
+
+
+def _apply_rules(sharder: _Sharder, ruled: dict[fx.Node, str]) -> None:
+    for linear, kind in ruled.items():
+        weight, bias = linear.args[1:3]
+        what = f"distributed.rules: {module_path(weight.target)} {kind}"
+        if kind == "replicate":
+            sharder.keep_whole(weight, what)
+            sharder.keep_whole(bias, what)
+        elif kind == "colwise":
+            sharder.slice(weight, 0, what)
+            sharder.slice(bias, 0, what)
+        else:
+            sharder.row_parallel(linear, what)
 
 
 @register_transform("shard_tensor_parallel")
@@ -124,33 +230,37 @@ class ShardTensorParallel(Transform):
         parts = int(settings.distributed.tensor_parallel)
         if parts == 1:
             return TransformResult(notes="tensor_parallel=1: nothing to shard")
-        if any(n.target is ops.moe.default for n in module.graph.nodes if n.op == "call_function"):
-            raise ConfigError("tensor parallelism of MoE layers (expert parallel) is not available yet; "
-                              "deploy this model with tensor_parallel=1")
-        if settings.quantize.default != "none" or any(v != "none" for v in dict(settings.quantize.layers).values()):
+        # MoE experts are shard_expert_parallel's (next in this stage): sliced by intermediate size, or placed.
+        if quantizes_dense_layers(settings):
             raise ConfigError("tensor_parallel > 1 with quantization is not available yet (calibration and scales "
                               "are not sliced per rank); set quantize.default=none or tensor_parallel=1")
-        sharder = _Sharder(module, dist.get_rank(), parts)
+        sharder = _Sharder(module, parallel_state.layout().stage_rank, parts)
         graph = module.graph
+        rules = {str(glob): str(kind) for glob, kind in dict(settings.distributed.rules).items()}
+        ruled = _ruled_linears(module, rules)  # rules first: a table they keep whole stays whole for its other readers
+        _apply_rules(sharder, ruled)
         attentions = list(graph.find_nodes(op="call_function", target=ATTENTION))
+        replicated = 0  # attentions whose key-value heads are fewer than the ranks
         for attention in attentions:
-            _check_heads(attention, parts)
-            for role, arg in zip("qkv", attention.args[:3]):
-                projection = _producer(arg)
+            projections = [_producer(arg) for arg in attention.args[:3]]
+            for role, projection in zip("qkv", projections):
                 if projection is None:
                     raise ConfigError(f"tensor parallelism found no projection behind {attention.name}'s {role} input; "
                                       f"deploy this model with tensor_parallel=1")
-                sharder.slice(projection.args[1], 0, f"the {role} projection's rows")
-                sharder.slice(projection.args[2], 0, f"the {role} projection's bias")
+            if all(projection in ruled for projection in projections):
+                continue
+            rows = _head_rows(attention, sharder.rank, parts)
+            replicated += attention.args[2].meta["val"].shape[-2] < parts
+            for role, projection in zip("qkv", projections):
+                if projection not in ruled:
+                    sharder.slice(projection.args[1], 0, f"the {role} projection's rows", rows[role])
+                    sharder.slice(projection.args[2], 0, f"the {role} projection's bias", rows[role])
         row_parallel = 0
         for linear in list(graph.find_nodes(op="call_function", target=LINEAR)):
             heads = attention_heads(linear.args[0])
-            if heads is None or heads[0] not in attentions:
+            if heads is None or heads[0] not in attentions or linear in ruled:
                 continue
-            sharder.slice(linear.args[1], 1, "the output projection's columns")
-            bias = linear.args[2]
-            linear.args = (*linear.args[:2], None)
-            sharder.reduce_after(linear, bias)
+            sharder.row_parallel(linear, "the output projection's columns")
             row_parallel += 1
         mlps = 0
         for node in list(graph.nodes):
@@ -172,41 +282,62 @@ class ShardTensorParallel(Transform):
             else:
                 continue
             mlps += 1
-        vocabulary = self._shard_vocabulary(module, sharder)
+        vocabulary = self._shard_vocabulary(module, sharder, ruled)
         graph.lint()
         module.recompile()
-        propagate_shapes(module)
+        try:
+            propagate_shapes(module)
+            problem = _width_mismatch(module) if ruled else None
+        except Exception as error:  # a fake op's shape check: what the rules slice does not fit together
+            if not ruled:
+                raise
+            problem = error_summary(error)
+        if problem:
+            raise ConfigError(f"distributed.rules {rules} leave the graph's shapes inconsistent on rank {sharder.rank} "
+                              f"of {parts} ({problem}); pair each colwise linear with the rowwise one reading it, and "
+                              f"replicate both or neither")
         notes = (f"rank {sharder.rank} of {parts}: {len(attentions)} attentions ({row_parallel} output projections "
                  f"all-reduced), {mlps} MLPs, {vocabulary}; {len(sharder.shards)} parameters sliced")
+        if replicated:
+            notes += f"; key-value heads replicated in {replicated} attentions"
+        if ruled:
+            notes += f"; {len(ruled)} linears as distributed.rules say"
         return TransformResult(matches=len(attentions) + mlps, changed=True, notes=notes)
 
     @staticmethod
-    def _shard_vocabulary(module: GraphModule, sharder: _Sharder) -> str:
+    def _shard_vocabulary(module: GraphModule, sharder: _Sharder, ruled: dict[fx.Node, str]) -> str:
         """Rows of the token embedding (looked up where an id falls in this rank's rows, then summed over
-        ranks) and of the LM head (its logits gathered along the vocabulary); a tied table is sliced once."""
+        ranks) and of the LM head (its logits gathered along the vocabulary); a tied table is sliced once, and
+        kept whole for the embedding too when a ``replicate`` rule keeps the LM head whole."""
         graph = module.graph
-        embeddings = 0
+        embeddings = kept = 0
         for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default)):
             weight, ids = node.args[:2]
             if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
                 continue
+            if weight.target in sharder.whole:
+                kept += 1
+                continue
             sharder.slice(weight, 0, "the vocabulary (embedding rows)")
-            rows = module.get_parameter(weight.target).shape[0]
+            first = sharder.shards[weight.target][1]
             with graph.inserting_before(node):
-                lookup = graph.call_function(ops.embedding_rows.default, (weight, ids, sharder.rank * rows))
+                lookup = graph.call_function(ops.embedding_rows.default, (weight, ids, first))
             lookup.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             node.replace_all_uses_with(lookup)
             graph.erase_node(node)
             sharder.reduce_after(lookup)
             embeddings += 1
+        tables = f"{embeddings} embeddings" + (f" ({kept} kept whole with the LM head)" if kept else "")
         output = graph.output_node().args[0]
         head = lm_head(output[0] if isinstance(output, (tuple, list)) else output)
         if head is None:
-            return f"{embeddings} embeddings vocabulary-parallel, the LM head replicated (no linear behind the logits)"
+            return f"{tables} vocabulary-parallel, the LM head replicated (no linear behind the logits)"
+        if head in ruled:
+            return f"{tables} vocabulary-parallel, the LM head {ruled[head]} (distributed.rules)"
         sharder.slice(head.args[1], 0, "the vocabulary (LM head rows)")
         sharder.slice(head.args[2], 0, "the LM head's bias")
         with graph.inserting_after(head):
             gathered = graph.call_function(ops.all_gather.default, (head,))
         gathered.meta.update({k: v for k, v in head.meta.items() if k != "val"})
         head.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
-        return f"{embeddings} embeddings and the LM head vocabulary-parallel"
+        return f"{tables} and the LM head vocabulary-parallel"

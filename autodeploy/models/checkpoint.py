@@ -12,7 +12,7 @@ from autodeploy.errors import CheckpointError, error_summary
 
 
 class CheckpointReader:
-    """Lazy access to a checkpoint folder's tensors: ``keys()``, ``read(key, device)``."""
+    """Lazy access to a checkpoint folder's tensors: ``keys()``, ``read(key)``, ``read_slice(key, dim, start, stop)``."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
@@ -65,6 +65,14 @@ class CheckpointReader:
         handle = self._handle(self._file_of[key])
         return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
 
+    def read_slice(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices ``start … stop − 1`` of the tensor along ``dim``; from safetensors only those bytes are read
+        (a tensor-parallel rank's slice), from a ``.bin`` only those pages of the memory map are touched."""
+        handle = self._handle(self._file_of[key])
+        if hasattr(handle, "get_slice"):
+            return handle.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+        return handle[key].narrow(dim, start, stop - start)
+
     def shape(self, key: str) -> tuple[int, ...]:
         """The tensor's shape, read from the file header (no data is loaded for safetensors)."""
         handle = self._handle(self._file_of[key])
@@ -88,6 +96,9 @@ class StateDictReader:
 
     def read(self, key: str) -> torch.Tensor:
         return self.tensors[key]
+
+    def read_slice(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[key].narrow(dim, start, stop - start)
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].shape)

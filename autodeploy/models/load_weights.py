@@ -4,7 +4,9 @@ Each parameter is allocated on the target device once and filled tensor by tenso
 memory stays near one tensor (or one fused group, e.g. a layer's MoE experts), not one model.
 Checkpoint names are mapped to the model's with transformers' own conversion rules (renamings and
 fusions such as Mixtral's per-expert ``w1/w3`` → ``gate_up_proj``), so every format transformers
-loads, loads here.
+loads, loads here. Under tensor parallelism a rank reads only its slice of a tensor stored as its parameter
+is (``CheckpointReader.read_slice``), so host memory per rank scales as 1/N; a tensor transformers converts
+is read whole and then narrowed.
 """
 
 from __future__ import annotations
@@ -115,17 +117,25 @@ class _NameMapper:
         return renamed, pattern
 
 
+def _rank_slice(tensor: torch.Tensor, shard: tuple | None) -> torch.Tensor:
+    """This rank's part of a whole tensor (one transformers converted after reading it, or rows that are not
+    one range): ``SHARDS`` gives ``(dim, start, stop)`` (transforms/shard_tensor_parallel.py) or ``(dim, rows)``
+    (transforms/shard_expert_parallel.py: placed experts, an expert's gate and up halves)."""
+    if shard is None:
+        return tensor
+    if len(shard) == 2:  # (dim, rows): rows that are not one range (shard_expert_parallel: placed experts, gate + up halves)
+        dim, rows = shard
+        return tensor.index_select(dim, torch.tensor(rows, device=tensor.device)) if tensor.shape[dim] > max(rows) else tensor
+    dim, start, stop = shard
+    return tensor.narrow(dim, start, stop - start) if tensor.shape[dim] >= stop else tensor  # else: the shape error
+
+
 def _copy_into(gm: fx.GraphModule, name: str | None, tensor: torch.Tensor, groups, filled: set[str], source: str,
                quantized=None, statistics=None) -> None:
     """Copy one checkpoint tensor into the graph parameter ``name``, or, for a weight the quantize stage
     replaced (``quantized``: graph name → ``QuantizedWeight``), its scheme's tensors computed from it."""
     if name is None:  # a tensor the graph no longer uses (dead code removed it)
         return
-    shard = gm.meta.get(SHARDS, {}).get(name)
-    if shard is not None:  # this rank's slice (transforms/shard_tensor_parallel.py)
-        dim, rank, parts = shard
-        if tensor.shape[dim] % parts == 0:
-            tensor = tensor.narrow(dim, rank * (tensor.shape[dim] // parts), tensor.shape[dim] // parts)
     record = (quantized or {}).get(name)
     expected = tuple(record.shape) if record is not None else tuple(gm.get_parameter(name).shape)
     if tuple(tensor.shape) != expected:
@@ -220,6 +230,7 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
     quantized = quantized or {}
     mapper = _NameMapper(factory.meta_model)
     known = {**groups, **{name: [name] for name in quantized}}  # graph names a checkpoint tensor may fill
+    shards = gm.meta.get(SHARDS, {})  # graph name → the part this rank keeps (see _rank_slice)
     filled: set[str] = set()
     pending: dict[str, object] = {}  # fused targets: a converter collecting lazy reads of its sources
     layers: dict[str, dict[str, str]] = {}  # a pre-quantized layer's graph weight name → its tensors' keys by leaf
@@ -236,7 +247,17 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
             unexpected.append(key)
             continue
         if pattern is None:
-            _copy_into(gm, mapper.graph_name(renamed, known), reader.read(key), groups, filled, key, quantized, statistics)
+            name = mapper.graph_name(renamed, known)
+            shard = shards.get(name)
+            if shard is None or len(shard) == 2:  # whole, or rows that are not one range: read whole, then taken
+                _copy_into(gm, name, _rank_slice(reader.read(key), shard), groups, filled, key, quantized, statistics)
+                continue
+            # Stored as the parameter is: read only this rank's slice (host memory ~1/N a rank).
+            stored, full = reader.shape(key), tuple(mapper.model_keys[renamed].shape)
+            if stored != full:
+                raise CheckpointError(f"checkpoint tensor {key!r} has shape {stored} but the model expects {full} for "
+                                      f"{renamed!r}; does config.json match these weights?")
+            _copy_into(gm, name, reader.read_slice(key, *shard), groups, filled, key, quantized, statistics)
             continue
         converter = pending.setdefault(renamed, copy.deepcopy(mapper.by_pattern[pattern]))
         converter.collected_tensors[pattern].append(lambda key=key: reader.read(key))
@@ -248,7 +269,8 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
             raise CheckpointError(f"cannot build {target!r} from the checkpoint's tensors: {error}") from error
         for name, tensor in converted.items():
             tensor = tensor[0] if isinstance(tensor, list) else tensor
-            _copy_into(gm, mapper.graph_name(name, known), tensor, groups, filled, target, quantized, statistics)
+            name = mapper.graph_name(name, known)
+            _copy_into(gm, name, _rank_slice(tensor, shards.get(name)), groups, filled, target, quantized, statistics)
     if prequantized is not None:
         for name, record in quantized.items():
             keys = layers.get(name)
@@ -298,7 +320,7 @@ def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed:
     return len(done)
 
 
-def _float_graph(snapshot: fx.GraphModule, factory: ModelFactory, device: torch.device) -> fx.GraphModule:
+def float_graph(snapshot: fx.GraphModule, factory: ModelFactory, device: torch.device) -> fx.GraphModule:
     """The quantize stage's snapshot of the canonical graph with the checkpoint's weights on ``device``: what
     calibration runs."""
     move_graph_to_device(snapshot, device)
@@ -368,7 +390,7 @@ class LoadWeights(Transform):
             key_values = []
         if (calibrated or key_values) and prequantized is None:
             hessians = sorted({r.path for r in (quantized or {}).values() if r.scheme.name == "int4_gptq"})
-            statistics = share_smoothing(calibrate(factory, settings, lambda on: _float_graph(snapshot, factory, on),
+            statistics = share_smoothing(calibrate(factory, settings, lambda on: float_graph(snapshot, factory, on),
                                                    calibrated, hessians, key_values),
                                          context.state.get(SMOOTHING_GROUPS, []))
             # o_proj: one s per value channel (the query heads sharing a key-value head), so fold_smoothing can
