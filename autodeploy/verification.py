@@ -248,7 +248,8 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
     settings, factory = context.settings, context.model_factory
     began = time.perf_counter()
     device, dtype = twin_device_and_dtype(settings)
-    twin = twin_config(factory.hf_config, factory.build_meta_model(getattr(torch, settings.dtype)))
+    twin = twin_config(factory.hf_config, factory.build_meta_model(getattr(torch, settings.dtype)),
+                       layers_multiple_of=int(settings.distributed.pipeline_parallel))
     note = ""
     if dtype in ("bfloat16", "float16") and routes_tokens(twin.config):
         dtype, note = "float32", f"compared in float32, not {dtype}: half-precision rounding flips near-tied expert choices"
@@ -313,15 +314,21 @@ def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.G
     """Give the Hugging Face reference the rounding the quantize stage chose: each quantized weight replaced
     by the value the deployed ``graph``'s stored tensors dequantize to, and fp8 and smoothquant layers'
     inputs rounded per token as their ops round them. The comparison then holds the deploy to the quantized model's function
-    at the usual tolerance, instead of loosening it by the quantization error."""
-    from autodeploy.custom_ops.quantized_linear import dequantize_weight
+    at the usual tolerance, instead of loosening it by the quantization error. Under expert parallelism a rank stores
+    only its share of a layer's experts: the reference's experts are quantized whole with the same scheme, which
+    is what the ranks hold between them (every expert has its own scales, so quantizing E/N experts or all E
+    gives each expert the same values)."""
+    from autodeploy.custom_ops.quantized_linear import dequantize_weight, quantize_weight
 
     rounding = None
     for record in quantized.values():
         name = record.source.removeprefix(GRAPH_PREFIX)
         parameter = reference.get_parameter(name)
-        stored = {role: _stored(graph, target, moved, folded).detach().to(parameter.device)
-                  for role, target in record.targets.items()}
+        if len(record.shape) == 3 and record.shape[0] < parameter.shape[0]:  # this rank's experts: E/N of them
+            stored = quantize_weight(record.scheme, parameter.detach())
+        else:
+            stored = {role: _stored(graph, target, moved, folded).detach().to(parameter.device)
+                      for role, target in record.targets.items()}
         with torch.no_grad():
             parameter.data = dequantize_weight(record.scheme, stored, torch.float32).to(parameter.dtype)
         if record.scheme.name in ("fp8", "smoothquant"):

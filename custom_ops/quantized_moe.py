@@ -10,6 +10,12 @@ Activations stay in the model's dtype. The reference dequantizes every expert an
 the ``torch`` backend dequantizes into ``x``'s dtype and runs ``moe``'s grouped GEMMs. Both read the whole
 of every expert's weights each call: the memory an 8-expert model saves is real, the speed a fused kernel's.
 
+``moe_expert_parallel_int8_wo`` and ``moe_expert_parallel_int4_wo`` are ``moe_expert_parallel``
+(``moe_expert_parallel.py``) over this rank's experts stored so: the same tensors with ``E/N`` experts, then
+``expert_order``. Each expert has its own scales (a row's, or a group's of a row), so a rank's share is exactly
+those experts' part of one process's quantized tensors; the rank dequantizes its experts to float32 and
+exchanges tokens as ``moe_expert_parallel`` does.
+
     stored = quantize_weight(QuantScheme("int8_wo"), gate_up)   # [E, 2I, H] → {"qweight", "scale"}
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .moe import moe_reference, moe_torch, _moe_torch_supports
+from .moe_expert_parallel import moe_expert_parallel_reference
 from .quantized_linear import QuantScheme, dequantize_weight, quantize_weight
 from .registry import register_backend, register_op
 
@@ -74,6 +81,44 @@ moe_int4_wo = register_op(
                     _INT4_DOWN["scale"], _INT4_DOWN["zero"], 2),
 )
 OPS = {"int8_wo": torch.ops.autodeploy.moe_int8_wo.default, "int4_wo": torch.ops.autodeploy.moe_int4_wo.default}
+
+
+def moe_expert_parallel_int8_wo_reference(
+    x: torch.Tensor, router_logits: torch.Tensor, gate_up_qweight: torch.Tensor, gate_up_scale: torch.Tensor,
+    down_qweight: torch.Tensor, down_scale: torch.Tensor, expert_order: list[int], top_k: int, scoring: str = "softmax",
+    renormalize: bool = True, activation: str = "silu",
+) -> torch.Tensor:
+    """``moe_expert_parallel`` over this rank's int8 experts (``[E/N, …]``, placed by ``expert_order``)."""
+    return moe_expert_parallel_reference(x, router_logits, _experts_int8(gate_up_qweight, gate_up_scale, torch.float32),
+                                         _experts_int8(down_qweight, down_scale, torch.float32), expert_order, top_k,
+                                         scoring, renormalize, activation)
+
+
+def moe_expert_parallel_int4_wo_reference(
+    x: torch.Tensor, router_logits: torch.Tensor, gate_up_qweight: torch.Tensor, gate_up_scale: torch.Tensor,
+    gate_up_zero: torch.Tensor, down_qweight: torch.Tensor, down_scale: torch.Tensor, down_zero: torch.Tensor,
+    expert_order: list[int], top_k: int, scoring: str = "softmax", renormalize: bool = True, activation: str = "silu",
+) -> torch.Tensor:
+    """``moe_expert_parallel`` over this rank's 4-bit experts (``[E/N, …]``, placed by ``expert_order``)."""
+    return moe_expert_parallel_reference(
+        x, router_logits, _experts_int4(gate_up_qweight, gate_up_scale, gate_up_zero, torch.float32),
+        _experts_int4(down_qweight, down_scale, down_zero, torch.float32), expert_order, top_k, scoring, renormalize,
+        activation)
+
+
+_ORDER = [4, 3, 2, 1, 0]  # one rank (no process group) holds all 5 example experts, placed in reverse
+moe_expert_parallel_int8_wo = register_op(
+    "moe_expert_parallel_int8_wo", moe_expert_parallel_int8_wo_reference, _fake, capturable=False,
+    example_inputs=(*_EXAMPLE, _INT8_UP["qweight"], _INT8_UP["scale"], _INT8_DOWN["qweight"], _INT8_DOWN["scale"],
+                    _ORDER, 2),
+)
+moe_expert_parallel_int4_wo = register_op(
+    "moe_expert_parallel_int4_wo", moe_expert_parallel_int4_wo_reference, _fake, capturable=False,
+    example_inputs=(*_EXAMPLE, _INT4_UP["qweight"], _INT4_UP["scale"], _INT4_UP["zero"], _INT4_DOWN["qweight"],
+                    _INT4_DOWN["scale"], _INT4_DOWN["zero"], _ORDER, 2),
+)
+EXPERT_PARALLEL_OPS = {"int8_wo": torch.ops.autodeploy.moe_expert_parallel_int8_wo.default,
+                       "int4_wo": torch.ops.autodeploy.moe_expert_parallel_int4_wo.default}
 
 
 def moe_int8_wo_torch(x, router_logits, gate_up_qweight, gate_up_scale, down_qweight, down_scale, top_k, scoring="softmax",

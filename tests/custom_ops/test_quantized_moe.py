@@ -45,3 +45,15 @@ def test_moe_experts_refuse_the_schemes_they_do_not_take():
     assert "MoE experts take int8_wo or int4_wo, not fp8" in QuantScheme("fp8").check_shape((4, 16, 32))
     with pytest.raises(ValueError, match="multiple of group_size 128"):
         quantize_weight(QuantScheme("int4_wo"), torch.zeros(2, 8, 64))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_one_rank_of_placed_quantized_experts_equals_the_quantized_moe(scheme):
+    # Experts are quantized one by one, so quantizing them in the placement's order gives the same experts.
+    gate_up, down, x, router_logits = experts(2)
+    order = [2, 0, 3, 1]
+    whole = [*quantize_weight(scheme, gate_up).values(), *quantize_weight(scheme, down).values()]
+    placed = [*quantize_weight(scheme, gate_up[order]).values(), *quantize_weight(scheme, down[order]).values()]
+    want = getattr(ops, f"moe_{scheme.name}")(x, router_logits, *whole, 2)
+    got = getattr(ops, f"moe_expert_parallel_{scheme.name}")(x, router_logits, *placed, order, 2)
+    assert torch.equal(got, want)
