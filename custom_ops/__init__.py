@@ -21,6 +21,8 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     linear,
     mlp,
     moe,
+    moe_expert_parallel,
+    pipeline_ops,
     quantized_embedding,
     quantized_linear,
     quantized_moe,

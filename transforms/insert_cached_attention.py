@@ -11,7 +11,9 @@ positions, the sequence metadata and one ``KVCacheSpec`` cache pair per attentio
 (``TransformContext.graph_inputs`` / ``kv_caches``), from which the runtime sizes its block pool.
 ``logit_index[N]`` picks the token rows whose logits are wanted (each sequence's last token while
 generating); the gather sits before the LM head so the vocabulary projection runs for those rows only.
-The output is ``logits[1, N, vocab]``.
+The output is ``logits[1, N, vocab]``. A pipeline stage (``shard_pipeline_parallel``) holds some of the
+layers: it gets caches for those only (named by the model's layer index), and a stage before the last,
+which receives its logits from the last stage, receives them for the ``N`` picked rows.
 
 Every attention of the model must have been matched: a layer left as aten ops would attend only
 within the tokens of the current step, which is wrong, so that is an ``UnsupportedModelError``.
@@ -35,6 +37,9 @@ from autodeploy.errors import ConfigError, UnsupportedModelError
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
+# gm.meta key: ``(first, total)``, the graph holds layers first … first + (its attentions) − 1 of the model's
+# total (a pipeline stage, transforms/shard_pipeline_parallel.py); absent: all of them.
+LAYERS = "autodeploy_layers"
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +156,9 @@ class InsertCachedAttention(Transform):
         gm, graph = module, module.graph
         attention = [n for n in graph.nodes if n.target == torch.ops.autodeploy.attention.default]
         expected = _expected_attention_layers(context)
-        if not attention or (expected is not None and len(attention) != expected):
-            raise UnsupportedModelError(_missing_attention_message(gm, len(attention), expected))
+        first_layer, total = gm.meta.get(LAYERS, (0, len(attention)))  # a pipeline stage holds some of the layers
+        if not attention or (expected is not None and total != expected):
+            raise UnsupportedModelError(_missing_attention_message(gm, total, expected))
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         values = _metadata_values()
         with graph.inserting_after(placeholders[-1]):
@@ -166,7 +172,7 @@ class InsertCachedAttention(Transform):
         for layer, node in enumerate(attention):
             q, k, v, scale, *options = node.args
             key, value = k.meta["val"], v.meta["val"]
-            spec = KVCacheSpec.for_layer(layer, key.shape[2], key.shape[3], value.shape[3], kv_cache_dtype(context.settings) or key.dtype)
+            spec = KVCacheSpec.for_layer(first_layer + layer, key.shape[2], key.shape[3], value.shape[3], kv_cache_dtype(context.settings) or key.dtype)
             with graph.inserting_after(last_input):
                 k_cache = graph.placeholder(spec.key_input)
             with graph.inserting_after(k_cache):
@@ -208,6 +214,17 @@ class InsertCachedAttention(Transform):
         logits = output.args[0]
         if isinstance(logits, (tuple, list)):
             logits = logits[0]
+        if logits.target == torch.ops.autodeploy.pipeline_recv.default:
+            # A pipeline stage before the last receives the logits: the rows it receives are the picked tokens'.
+            like = logits.args[0]
+            with graph.inserting_before(logits):
+                picked = graph.call_function(torch.ops.aten.index_select.default, (like, 1, logit_index))
+            picked.meta["val"] = torch.empty(1, _EXAMPLE_SEQUENCES, dtype=like.meta["val"].dtype, device="meta")
+            logits.replace_input_with(like, picked)
+            value = logits.meta["val"]
+            logits.meta["val"] = torch.empty(1, _EXAMPLE_SEQUENCES, value.shape[-1], dtype=value.dtype, device="meta")
+            output.args = (logits,)
+            return
         head = lm_head(logits)
         target = head if head is not None else logits
         # Gather the LM head's input when there is one (the vocabulary projection then runs for N rows, not T).

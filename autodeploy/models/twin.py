@@ -108,9 +108,10 @@ def _layer_count(config: PretrainedConfig) -> int:
     return int(getattr(_text_config(config), "num_hidden_layers", 0) or 0)
 
 
-def twin_config(config: PretrainedConfig, meta_model: nn.Module) -> TwinConfig:
+def twin_config(config: PretrainedConfig, meta_model: nn.Module, layers_multiple_of: int = 1) -> TwinConfig:
     """The twin's config (see the module docstring) and a one-line summary of the reduction;
-    ``meta_model`` is the model built from ``config`` (on the meta device)."""
+    ``meta_model`` is the model built from ``config`` (on the meta device). ``layers_multiple_of``: the twin
+    keeps a multiple of this many layers (the pipeline stages, each of which needs whole layers)."""
     parameters = sum(p.numel() for p in meta_model.parameters())
     if parameters <= FULL_SIZE_LIMIT:
         return TwinConfig(config, f"full size, {parameters / 1e6:.1f}M parameters", reduced=False)
@@ -121,6 +122,7 @@ def twin_config(config: PretrainedConfig, meta_model: nn.Module) -> TwinConfig:
     layers = decoder_layers(meta_model, num_layers)
     if layers is not None:
         keep = _covering_prefix(layer_kinds(layers))
+        keep = min(num_layers, -(-keep // layers_multiple_of) * layers_multiple_of)
         if keep < num_layers:
             changes["num_hidden_layers"] = keep
             for key, value in text.to_dict().items():

@@ -35,6 +35,15 @@ def test_the_twin_keeps_every_layer_kind_and_cuts_per_layer_lists(monkeypatch):
     assert "3 of 4 layers" in result.summary
 
 
+def test_a_pipeline_parallel_twin_keeps_whole_layers_for_every_stage(monkeypatch):
+    # One layer would cover a uniform model, but each of 2 (then 4) stages needs a layer of its own.
+    monkeypatch.setattr(twin, "FULL_SIZE_LIMIT", 0)
+    config = LlamaConfig(**{**TINY_COMMON, "num_hidden_layers": 8})
+    assert twin_config(config, _meta(config)).config.num_hidden_layers == 1
+    assert twin_config(config, _meta(config), layers_multiple_of=2).config.num_hidden_layers == 2
+    assert twin_config(config, _meta(config), layers_multiple_of=4).config.num_hidden_layers == 4
+
+
 def test_a_sparse_step_keeps_a_dense_and_a_sparse_layer(monkeypatch):
     config = Qwen3MoeConfig(**{**TINY_COMMON, "num_hidden_layers": 6}, num_experts=16, num_experts_per_tok=2,
                             moe_intermediate_size=32, decoder_sparse_step=2, head_dim=16)
