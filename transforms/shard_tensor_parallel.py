@@ -25,8 +25,10 @@ them: ``model.layers.*.self_attn.o_proj``, ``lm_head``; the first matching glob 
 for the canonical ``linear`` nodes they match: ``colwise`` keeps rows of the weight and bias (the output
 stays sliced: a ``rowwise`` linear must read it), ``rowwise`` keeps columns with an ``all_reduce`` after (the
 bias added after it), ``replicate`` keeps the linear whole (for the LM head: no ``all_gather``, and a table
-tied to it stays whole for the embedding too). Rules whose slices do not fit together are a ``ConfigError``
-naming them (the shapes after the pass do not fit); a glob that matches no linear is logged as a warning.
+tied to it stays whole for the embedding too). A ``gated_mlp`` / ``mlp`` op whose weight a ``replicate`` rule
+names (``model.layers.3.mlp.down_proj``) stays whole with no ``all_reduce``; its weights are sliced together,
+so another kind there is a ``ConfigError``. Rules whose slices do not fit together are a ``ConfigError``
+naming them (the shapes after the pass do not fit); a glob that matches nothing is logged as a warning.
 
 The parameters change shape on the meta graph; ``SHARDS`` records graph parameter → ``(dim, start, stop)``,
 and ``load_weights`` reads only that slice of a checkpoint tensor that fills the parameter as it is stored
@@ -172,24 +174,44 @@ def _head_rows(attention: fx.Node, rank: int, parts: int) -> dict[str, tuple[int
             "v": (first * v.shape[-1], (first + count) * v.shape[-1])}
 
 
-def _ruled_linears(module: GraphModule, rules: dict[str, str]) -> dict[fx.Node, str]:
-    """Each canonical ``linear`` whose module path (``model.layers.0.self_attn.o_proj``, ``lm_head``) a glob of
-    ``distributed.rules`` matches → that rule's kind (the first matching glob wins)."""
-    ruled, used = {}, set()
-    for linear in module.graph.find_nodes(op="call_function", target=LINEAR):
-        weight = linear.args[1]
+_MLPS = (ops.gated_mlp.default, ops.mlp.default)
+
+
+def _ruled_nodes(module: GraphModule, rules: dict[str, str]) -> tuple[dict[fx.Node, str], set[fx.Node]]:
+    """The canonical ``linear`` nodes whose module path (``model.layers.0.self_attn.o_proj``, ``lm_head``) a glob
+    of ``distributed.rules`` matches → that rule's kind (the first matching glob wins), and the MLP ops
+    (``gated_mlp`` / ``mlp``) a ``replicate`` rule names one of the weights of (``model.layers.0.mlp.down_proj``):
+    their weights are sliced together, so ``replicate`` (all of them whole) is the one rule they take."""
+    def first_glob(weight) -> str | None:
         if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+            return None
+        return next((glob for glob in rules if fnmatch.fnmatchcase(module_path(weight.target), glob)), None)
+
+    linears, mlps, used = {}, set(), set()
+    for node in module.graph.nodes:
+        if node.op != "call_function":
             continue
-        path = module_path(weight.target)
-        glob = next((glob for glob in rules if fnmatch.fnmatchcase(path, glob)), None)
-        if glob is not None:
-            ruled[linear] = rules[glob]
-            used.add(glob)
+        if node.target is LINEAR:
+            glob = first_glob(node.args[1])
+            if glob is not None:
+                linears[node] = rules[glob]
+                used.add(glob)
+        elif node.target in _MLPS:
+            for weight in node.args[1:]:
+                glob = first_glob(weight)
+                if glob is None:
+                    continue
+                if rules[glob] != "replicate":
+                    raise ConfigError(f"distributed.rules[{glob!r}] = {rules[glob]} names {module_path(weight.target)}, a "
+                                      f"weight of the MLP op {node.name}, whose weights tensor parallelism slices together "
+                                      f"(gate / up rows, down columns); an MLP takes only replicate")
+                mlps.add(node)
+                used.add(glob)
     for glob in rules:
         if glob not in used:
-            logger.warning("distributed.rules[%r] matches no linear layer of this model; check the module paths "
+            logger.warning("distributed.rules[%r] matches no linear layer or MLP of this model; check the module paths "
                            "(e.g. 'model.layers.*.self_attn.o_proj', 'lm_head')", glob)
-    return ruled
+    return linears, mlps
 
 
 def _width_mismatch(module: GraphModule) -> str | None:
@@ -237,7 +259,7 @@ class ShardTensorParallel(Transform):
         sharder = _Sharder(module, parallel_state.layout().stage_rank, parts)
         graph = module.graph
         rules = {str(glob): str(kind) for glob, kind in dict(settings.distributed.rules).items()}
-        ruled = _ruled_linears(module, rules)  # rules first: a table they keep whole stays whole for its other readers
+        ruled, whole_mlps = _ruled_nodes(module, rules)  # rules first: a table they keep whole stays whole for its other readers
         _apply_rules(sharder, ruled)
         attentions = list(graph.find_nodes(op="call_function", target=ATTENTION))
         replicated = 0  # attentions whose key-value heads are fewer than the ranks
@@ -266,6 +288,11 @@ class ShardTensorParallel(Transform):
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
+            if node in whole_mlps:
+                for weight in node.args[1:]:
+                    if isinstance(weight, fx.Node) and weight.op == "get_attr":
+                        sharder.keep_whole(weight, f"distributed.rules: the MLP {node.name} replicated")
+                continue
             if node.target is ops.gated_mlp.default:
                 x, gate, up, down, *_ = node.args
                 sharder.slice(gate, 0, "the MLP's gate rows")
@@ -287,9 +314,9 @@ class ShardTensorParallel(Transform):
         module.recompile()
         try:
             propagate_shapes(module)
-            problem = _width_mismatch(module) if ruled else None
+            problem = _width_mismatch(module) if ruled or whole_mlps else None
         except Exception as error:  # a fake op's shape check: what the rules slice does not fit together
-            if not ruled:
+            if not (ruled or whole_mlps):
                 raise
             problem = error_summary(error)
         if problem:
@@ -300,8 +327,8 @@ class ShardTensorParallel(Transform):
                  f"all-reduced), {mlps} MLPs, {vocabulary}; {len(sharder.shards)} parameters sliced")
         if replicated:
             notes += f"; key-value heads replicated in {replicated} attentions"
-        if ruled:
-            notes += f"; {len(ruled)} linears as distributed.rules say"
+        if ruled or whole_mlps:
+            notes += f"; {len(ruled)} linears and {len(whole_mlps)} MLPs as distributed.rules say"
         return TransformResult(matches=len(attentions) + mlps, changed=True, notes=notes)
 
     @staticmethod

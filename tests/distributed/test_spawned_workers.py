@@ -111,3 +111,20 @@ def test_autodeploy_run_with_pp_spawns_its_worker_and_prints_one_completion(tiny
     spawned = subprocess.run([*command, "--pp", "2"], capture_output=True, text=True, timeout=600, env=env)
     assert single.returncode == 0 and spawned.returncode == 0, spawned.stderr[-3000:]
     assert single.stdout.strip() and spawned.stdout == single.stdout
+
+
+def test_a_stuck_worker_is_a_worker_error_after_the_collective_timeout(tiny_checkpoint):
+    # The worker is stopped (SIGSTOP), not dead: rank 0's collective waits distributed.timeout_s, then fails
+    # with a WorkerError saying so, and the stuck worker is killed.
+    timeout = 30
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", tensor_parallel=2, distributed={"timeout_s": timeout})
+    (worker,) = llm.workers.processes
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match=f"waited more than distributed.timeout_s={timeout} s"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert timeout <= time.monotonic() - started < timeout + 30
+        assert worker.poll() is not None
+    finally:
+        llm.shutdown()

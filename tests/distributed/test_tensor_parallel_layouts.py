@@ -21,10 +21,11 @@ from autodeploy.transforms.shard_tensor_parallel import _head_rows
 from tests.distributed.test_tensor_parallel import PROMPT, SEQUENCES, _free_port
 from tests.tiny_models import TINY_COMMON, train_tiny_tokenizer
 
-# Layer 0's attention kept whole; layer 1's sliced by rules as the detection would; a glob matching nothing.
+# Layer 0's attention kept whole; layer 1's sliced by rules as the detection would; layer 1's MLP whole; a glob
+# matching nothing.
 RULES = {"lm_head": "replicate", "model.layers.0.self_attn.*": "replicate",
          "model.layers.1.self_attn.[qkv]_proj": "colwise", "model.layers.1.self_attn.o_proj": "rowwise",
-         "model.layers.7.*": "colwise"}
+         "model.layers.1.mlp.down_proj": "replicate", "model.layers.7.*": "colwise"}
 
 
 def _one_kv_head_checkpoint(directory) -> None:
@@ -128,7 +129,11 @@ def test_replicated_kv_heads_and_rules_equal_one_process_and_ranks_read_only_the
         assert layer0 and all(shapes[n] == list(full[n].shape) for n in layer0)
         assert layer1 and all(shapes[n] != list(full[n].shape) for n in layer1)
         assert "the LM head replicate (distributed.rules)" in result["report"]
-        assert "9 linears as distributed.rules say" in result["report"]
+        mlp0 = [n for n in shapes if n.startswith("model.model.layers.0.mlp.")]
+        mlp1 = [n for n in shapes if n.startswith("model.model.layers.1.mlp.")]
+        assert mlp0 and all(shapes[n] != list(full[n].shape) for n in mlp0)
+        assert mlp1 and all(shapes[n] == list(full[n].shape) for n in mlp1)
+        assert "9 linears and 1 MLPs as distributed.rules say" in result["report"]
         assert any("distributed.rules['model.layers.7.*'] matches no linear layer" in w for w in result["warnings"])
 
 
@@ -136,11 +141,15 @@ def test_rules_of_an_unknown_kind_or_that_do_not_fit_together_are_config_errors(
     directory = str(tiny_checkpoint("llama"))
     with pytest.raises(ConfigError, match="each rule's kind must be one of colwise, rowwise, replicate"):
         autodeploy(directory, device="cpu", distributed={"tensor_parallel": 2, "rules": {"lm_head": "sideways"}})
-    # The whole query projection, but the output projection's columns sliced: shapes refuse it at build
-    # (rank 0's view; the check runs before any collective, so no other process is needed).
+    # An MLP's weights are sliced together: a rule can only replicate them.
     from autodeploy import api
     monkeypatch.setattr(api, "should_spawn", lambda settings: False)
     monkeypatch.setattr(api, "init_distributed", lambda *args: None)
+    with pytest.raises(ConfigError, match=r"model.layers.0.mlp.gate_proj, a weight of the MLP op .* an MLP takes only "
+                                          r"replicate"):
+        autodeploy(directory, device="cpu", distributed={"tensor_parallel": 2, "rules": {"*.mlp.gate_proj": "colwise"}})
+    # The whole query projection, but the output projection's columns sliced: shapes refuse it at build
+    # (rank 0's view; the check runs before any collective, so no other process is needed).
     with pytest.raises(ConfigError, match=r"distributed.rules \{'model.layers.0.self_attn.q_proj': 'replicate'\} "
                                           r"leave the graph's shapes inconsistent"):
         autodeploy(directory, device="cpu", distributed={
