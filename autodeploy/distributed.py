@@ -268,9 +268,10 @@ class Workers:
         after the collective failed), or a collective that timed out; otherwise ``error`` itself."""
         if self._failed is not None:
             return self._failed
-        deadline = time.monotonic() + 5.0
-        while not self._dead() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if _communication_error(error):  # a peer's exit may take a moment to show
+            deadline = time.monotonic() + 5.0
+            while not self._dead() and time.monotonic() < deadline:
+                time.sleep(0.05)
         dead = self._dead()
         if dead:
             return self._fail(dead)
@@ -325,6 +326,13 @@ class Workers:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def _communication_error(error: BaseException) -> bool:
+    """Whether ``error`` came from the process group or a worker connection (not from rank 0's own work)."""
+    text = str(error).lower()
+    return (isinstance(error, (dist.DistError, OSError, EOFError))
+            or any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout")))
 
 
 def worker_main() -> None:
