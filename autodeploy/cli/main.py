@@ -1,4 +1,4 @@
-"""The ``autodeploy`` command line: run, build, quantize, config show, inspect, tune, bench.
+"""The ``autodeploy`` command line: run, serve, build, quantize, config show, inspect, tune, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
 ``bench --baseline`` exits with code 3 when a metric regressed. ``--debug`` and ``--version`` go
@@ -86,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
                               f"by `torchrun --nproc-per-node WORLD -m autodeploy run …` (rank 0 prints)")
     _add_settings_arguments(run)
 
+    serve = commands.add_parser("serve", help="deploy a model and serve it over an OpenAI-compatible HTTP API "
+                                               "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)")
+    serve.add_argument("model", nargs="?", default=None, help="as for run (default: the embedded demo model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; 0.0.0.0 accepts other machines)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the tokenizer's")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL as given)")
+    serve.add_argument("--max-queued-requests", type=int, default=256,
+                       help="refuse requests (503 + Retry-After) while this many wait for a seat in the batch")
+    _add_settings_arguments(serve)
+
     build = commands.add_parser("build", help="deploy a model and save the deployment to a folder that `autodeploy run DIR` "
                                                "serves without export or transforms")
     build.add_argument("model", nargs="?", default=None, help="checkpoint folder, hub id, config.json or shipped config name (default: the embedded demo model)")
@@ -138,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch (fewer threads measure more steadily on a shared machine)")
     bench.add_argument("--no-progress", action="store_true")
     _add_settings_arguments(bench)
-    for subcommand in (run, build, quantize, config, show, inspect, tune, bench):
+    for subcommand in (run, serve, build, quantize, config, show, inspect, tune, bench):
         _add_global_flags(subcommand, version_line, top_level=False)
     return parser
 
@@ -265,6 +277,30 @@ def _generate(llm, args) -> None:
     print(f"--- {generated} tokens in {seconds:.2f}s on {llm.settings.device} ({llm.settings.dtype})", file=sys.stderr)
 
 
+def _serve(args) -> None:
+    from pathlib import Path
+
+    try:  # before a build that may take minutes
+        from autodeploy.serve import ServerOptions, build_app, run_server
+    except ImportError as error:
+        raise ConfigError(f"autodeploy serve needs the serve extra ({error.name} is missing): pip install 'autodeploy[serve]'") from None
+    if args.max_queued_requests < 1:
+        raise ConfigError(f"--max-queued-requests must be ≥ 1, got {args.max_queued_requests}")
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).read_text()
+        except OSError as error:
+            raise ConfigError(f"--chat-template: cannot read {args.chat_template}: {error.strerror}") from None
+    from autodeploy import autodeploy
+
+    llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
+    name = args.served_model_name or args.model or "autodeploy-demo"
+    options = ServerOptions(served_model_name=name, api_key=args.api_key, chat_template=chat_template,
+                            max_queued_requests=args.max_queued_requests)
+    run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info")
+
+
 def _build(args) -> None:
     from pathlib import Path
 
@@ -331,7 +367,7 @@ def _tune(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"run": _run, "build": _build, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
+    handlers = {"run": _run, "serve": _serve, "build": _build, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
                 "bench": _bench}
     try:
         code = handlers[args.command](args)

@@ -1,0 +1,349 @@
+"""The OpenAI-compatible HTTP API over one deployed model: ``build_app(llm, options)`` → a FastAPI app.
+
+Every request runs through one ``AsyncLLM``, so requests from all clients share the engine's batches.
+A prompt list (completions) becomes one engine request per prompt; choice ``i`` of prompt ``p`` is
+choice ``p * n + i``, as OpenAI numbers them. A client that disconnects aborts its requests, which frees
+their KV blocks at once; a request that finds ``max_queued_requests`` requests already waiting for a seat
+gets a 503 with ``Retry-After``.
+
+    app = build_app(autodeploy("path/to/checkpoint"), ServerOptions(served_model_name="tiny"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from autodeploy.errors import InvalidRequestError, error_summary
+from autodeploy.runtime.async_llm import AsyncLLM
+from autodeploy.runtime.llm import LLM
+from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
+from autodeploy.runtime.sampling_params import SamplingParams
+from autodeploy.serve.chat_template import render_chat
+from autodeploy.serve.metrics import ServerMetrics
+from autodeploy.serve.openai_errors import APIError, error_body, install_error_handlers, invalid_request
+from autodeploy.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerOptions:
+    """``served_model_name``: the id clients pass as ``model``. ``api_key``: when set, ``/v1`` routes need
+    ``Authorization: Bearer <api_key>``. ``chat_template``: Jinja text overriding the tokenizer's.
+    ``max_queued_requests``: a request is refused (503) while this many wait for a seat in the batch."""
+
+    served_model_name: str
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_queued_requests: int = 256
+    retry_after_s: int = 1
+
+
+def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
+    """A FastAPI app serving ``llm``; the engine (and its KV pool) is built here, before the first request."""
+    engine = llm.engine
+    metrics = ServerMetrics(engine)
+    server = _Server(llm, options, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.async_llm = AsyncLLM(llm)
+        try:
+            yield
+        finally:
+            server.async_llm.shutdown()  # in-flight requests end with "abort", their blocks freed
+
+    app = FastAPI(title="autodeploy", lifespan=lifespan)
+    install_error_handlers(app)
+    authorized = [Depends(server.check_api_key)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models() -> dict:
+        card = {"id": options.served_model_name, "object": "model", "created": server.started, "owned_by": "autodeploy",
+                "max_model_len": engine.max_seq_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        body.check_supported()
+        prompts = _indexed(engine.tokenize, body.prompts())
+        params = body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+        echoes = [llm.tokenizer.decode(ids) if body.echo and llm.tokenizer is not None else "" for ids in prompts]
+        return await server.respond(request, _CompletionFormat(server, echoes), prompts, params, body.stream,
+                                    body.stream_options is not None and body.stream_options.include_usage)
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        body.check_supported()
+        prompt = render_chat(llm.tokenizer, [m.template_input() for m in body.messages], options.chat_template)
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:  # OpenAI's default: whatever the context leaves
+            max_tokens = engine.max_seq_len - len(prompt)
+            if max_tokens < 1:
+                raise APIError(400, f"the messages take {len(prompt)} tokens, the whole context (max_seq_len="
+                                    f"{engine.max_seq_len}); shorten them", param="messages", code="context_length_exceeded")
+        params = body.sampling_params(max_tokens, body.requested_logprobs())
+        return await server.respond(request, _ChatFormat(server), [prompt], params, body.stream,
+                                    body.stream_options is not None and body.stream_options.include_usage)
+
+    return app
+
+
+def _indexed(tokenize, prompts: list) -> list[list[int]]:
+    """Token ids of each prompt; an error names the prompt when there are several."""
+    token_ids = []
+    for index, prompt in enumerate(prompts):
+        try:
+            token_ids.append(tokenize(prompt))
+        except InvalidRequestError as error:
+            raise InvalidRequestError(f"prompt {index}: {error}" if len(prompts) > 1 else str(error)) from None
+    return token_ids
+
+
+class _Server:
+    def __init__(self, llm: LLM, options: ServerOptions, metrics: ServerMetrics):
+        self.llm = llm
+        self.engine = llm.engine
+        self.options = options
+        self.metrics = metrics
+        self.started = int(time.time())
+        self.async_llm: AsyncLLM | None = None
+
+    async def check_api_key(self, request: Request) -> None:
+        expected = self.options.api_key
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
+            raise APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    def check_model(self, model: str) -> None:
+        if model != self.options.served_model_name:
+            raise APIError(400, f"model {model!r} is not served here; this server serves {self.options.served_model_name!r} "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+
+    def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Validate every prompt before any is queued, then refuse the request while the queue is full."""
+        for index, prompt in enumerate(prompts):
+            try:
+                self.engine.make_request(prompt, params)
+            except InvalidRequestError as error:
+                raise invalid_request(InvalidRequestError(f"prompt {index}: {error}" if len(prompts) > 1 else str(error))) from None
+        waiting = len({s.request.request_id for s in list(self.engine.scheduler.waiting)})
+        if waiting >= self.options.max_queued_requests:
+            self.metrics.rejected.inc()
+            raise APIError(503, f"the server is busy: {waiting} requests are waiting for a seat (--max-queued-requests "
+                                f"{self.options.max_queued_requests}); retry later", code="queue_full",
+                           headers={"Retry-After": str(self.options.retry_after_s)})
+
+    async def respond(self, request: Request, writer: _ResponseFormat, prompts: list[list[int]], params: SamplingParams,
+                      stream: bool, include_usage: bool) -> Response:
+        self.admit(prompts, params)
+        if stream:
+            return StreamingResponse(self._events(writer, prompts, params, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        finals = await _unless_disconnected(request, self._finals(prompts, params))
+        if finals is None:  # the client left; its requests were aborted
+            for _ in prompts:
+                self.metrics.observe_abandoned()
+            return Response(status_code=499)
+        if any(o.finish_reason == "abort" for o in finals):
+            raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+        choices = [writer.choice(p * params.n + c.index, c, p) for p, output in enumerate(finals) for c in output.outputs]
+        return JSONResponse(writer.envelope(choices, usage=_usage(finals)))
+
+    async def _finals(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        finals = await asyncio.gather(*(self.async_llm.generate(prompt, params) for prompt in prompts))
+        for output in finals:
+            self.metrics.observe_finished(output)
+        return finals
+
+    async def _events(self, writer: _ResponseFormat, prompts: list[list[int]], params: SamplingParams,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per new piece of a choice, its finish, then usage (if asked) and [DONE]."""
+        streams = [self.async_llm.stream(prompt, params) for prompt in prompts]
+        finals: dict[int, RequestOutput] = {}
+        started: set[int] = set()
+        try:
+            async for prompt_index, output in _merged(streams):
+                chunk_choices = []
+                for completion in output.outputs:
+                    index = prompt_index * params.n + completion.index
+                    if completion.finish_reason == "abort":
+                        raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+                    if index not in started or completion.new_text or completion.finish_reason is not None:
+                        chunk_choices.append(writer.delta(index, completion, prompt_index, first=index not in started))
+                        started.add(index)
+                if chunk_choices:
+                    yield _event(writer.envelope(chunk_choices, chunk=True))
+                if output.finished:
+                    finals[prompt_index] = output
+                    self.metrics.observe_finished(output)
+            if include_usage:
+                yield _event(writer.envelope([], chunk=True, usage=_usage([finals[p] for p in sorted(finals)])))
+        except APIError as error:
+            yield _event(error_body(error.status, error.message, error.param, error.code))
+        except Exception as error:  # a failed engine step: the stream has started, so the error goes in it
+            logger.exception("stream failed")
+            yield _event(error_body(500, error_summary(error)))
+        finally:
+            for _ in range(len(prompts) - len(finals)):
+                self.metrics.observe_abandoned()
+        yield "data: [DONE]\n\n"
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(stream index, output)`` in arrival order. Closing it cancels the streams' pending reads, which
+    aborts their requests (``AsyncLLM.stream``)."""
+    pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                index = pending.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, output
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """``work``'s result, or None once the client disconnects (``work`` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # its requests are aborted as the cancellation unwinds AsyncLLM's generators
+    if not task.done():
+        await asyncio.wait({task})  # the cancellation has unwound
+        return None
+    return task.result()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _ResponseFormat:
+    """How one endpoint writes choices and the object around them."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
+
+    def __init__(self, server: _Server):
+        self.server = server
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.tokenizer = server.llm.tokenizer
+
+    def envelope(self, choices: list[dict], chunk: bool = False, usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": self.chunk_object if chunk else self.object, "created": self.created,
+                "model": self.server.options.served_model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+
+class _CompletionFormat(_ResponseFormat):
+    object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
+
+    def __init__(self, server: _Server, echoes: list[str]):
+        super().__init__(server)
+        self.echoes = echoes
+        self.offsets: dict[int, int] = {}  # streamed text length per choice, for text_offset
+
+    def choice(self, index: int, completion: CompletionOutput, prompt_index: int) -> dict:
+        echo = self.echoes[prompt_index]
+        return {"index": index, "text": echo + completion.text, "finish_reason": completion.finish_reason,
+                "logprobs": self._logprobs(completion, len(completion.token_ids), len(echo))}
+
+    def delta(self, index: int, completion: CompletionOutput, prompt_index: int, first: bool) -> dict:
+        text = (self.echoes[prompt_index] if first else "") + completion.new_text
+        offset = self.offsets.get(index, len(text) - len(completion.new_text))
+        self.offsets[index] = offset + len(completion.new_text)
+        return {"index": index, "text": text, "finish_reason": completion.finish_reason,
+                "logprobs": self._logprobs(completion, len(completion.new_token_ids), offset)}
+
+    def _logprobs(self, completion: CompletionOutput, last: int, offset: int) -> dict | None:
+        """OpenAI's legacy format for the completion's ``last`` tokens."""
+        if completion.logprobs is None:
+            return None
+        start = len(completion.token_ids) - last
+        tokens = [self.token_text(t) for t in completion.token_ids[start:]]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": completion.logprobs[start:], "text_offset": offsets,
+                "top_logprobs": [{self.token_text(t): lp for t, lp in top.items()} for top in completion.top_logprobs[start:]]}
+
+
+class _ChatFormat(_ResponseFormat):
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def choice(self, index: int, completion: CompletionOutput, prompt_index: int) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": completion.text},
+                "finish_reason": completion.finish_reason, "logprobs": self._logprobs(completion, len(completion.token_ids))}
+
+    def delta(self, index: int, completion: CompletionOutput, prompt_index: int, first: bool) -> dict:
+        delta = {"role": "assistant", "content": completion.new_text} if first else {"content": completion.new_text}
+        return {"index": index, "delta": delta, "finish_reason": completion.finish_reason,
+                "logprobs": self._logprobs(completion, len(completion.new_token_ids))}
+
+    def _logprobs(self, completion: CompletionOutput, last: int) -> dict | None:
+        if completion.logprobs is None:
+            return None
+        start = len(completion.token_ids) - last
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top.items()]}
+                   for t, lp, top in zip(completion.token_ids[start:], completion.logprobs[start:], completion.top_logprobs[start:])]
+        return {"content": content}

@@ -1,0 +1,84 @@
+"""Every error the server returns, in OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``.
+
+Bad requests (``InvalidRequestError``, pydantic validation, malformed JSON) are 400s that name the
+offending field where it is known; a full queue is a 503 with ``Retry-After``; a missing or wrong API key
+a 401; unknown routes keep their HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from autodeploy.errors import InvalidRequestError, error_summary
+from autodeploy.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                   405: "invalid_request_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error response the handlers raise on purpose."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPE_OF_STATUS.get(status, "server_error"), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def invalid_request(error: InvalidRequestError) -> APIError:
+    """A 400 for an engine or SamplingParams refusal; its message starts with the field's name when it is one."""
+    message = str(error)
+    param = getattr(error, "param", None)
+    if param is None:
+        first_word = message.split(" ", 1)[0]
+        param = first_word if first_word in SamplingParams.__dataclass_fields__ else None
+    code = "context_length_exceeded" if "max_seq_len" in message else None
+    return APIError(400, message, param=param, code=code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error_response(error.status, error.message, error.param, error.code, error.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid_request(request: Request, error: InvalidRequestError) -> JSONResponse:
+        api_error = invalid_request(error)
+        return error_response(400, api_error.message, api_error.param, api_error.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        # a union reports each branch it tried (prompt.str, prompt.list[int], …): name the field, not the branch
+        param = location[0] if location else None
+        what = json.dumps(first.get("input"))[:80] if "input" in first else "missing"
+        return error_response(400, f"{'.'.join(location) or 'body'}: {first['msg']} (got {what})", param=param)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return error_response(500, error_summary(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail), headers=getattr(error, "headers", None))

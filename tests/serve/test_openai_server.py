@@ -1,0 +1,303 @@
+"""``autodeploy serve``: the OpenAI-compatible server over the tiny Llama, on loopback, driven by the official
+``openai`` client (and raw HTTP where the client would hide what is sent or returned)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from autodeploy import SamplingParams
+from autodeploy.cli.main import build_parser, main
+from autodeploy.serve import ServerOptions, build_app
+
+MODEL = "tiny-llama"
+API_KEY = "sk-test"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+GREEDY = dict(temperature=0.0)
+
+
+@contextlib.contextmanager
+def serving(llm, **options):
+    """The app under uvicorn in a background thread, on a free loopback port; yields its base URL."""
+    app = build_app(llm, ServerOptions(served_model_name=MODEL, **options))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def url(llama_llm):
+    with serving(llama_llm, chat_template=CHAT_TEMPLATE) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def guarded_url(llama_llm):
+    """No chat template, an API key, and room for one waiting request."""
+    with serving(llama_llm, api_key=API_KEY, max_queued_requests=1) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_idle(llm, timeout: float = 10.0) -> None:
+    """Every request finished or aborted and the KV pool back to empty."""
+    engine = llm.engine
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished() or engine.pool.num_used_blocks:
+        assert time.monotonic() < deadline, f"still busy: {len(engine.requests)} requests, {engine.pool.num_used_blocks} blocks"
+        time.sleep(0.01)
+
+
+def chat_prompt(llm, messages) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True)
+    return llm.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def metric(url: str, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+# ---- endpoints ------------------------------------------------------------------------------------------------
+
+
+def test_models_and_health(url, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health").status_code == 200
+    missing = httpx.get(f"{url}/v1/engines")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def test_greedy_completions_equal_in_process_generate_token_for_token(llama_llm, client):
+    prompts = ["def fibonacci(n):", "import os"]
+    token_prompt = llama_llm.tokenizer("class Point:").input_ids
+    expected = llama_llm.generate([*prompts, token_prompt], SamplingParams(max_tokens=12, **GREEDY))
+    response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, logprobs=0, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=token_prompt, max_tokens=12, **GREEDY)
+    choices = [*response.choices, *by_ids.choices]
+    for choice, reference in zip(choices, expected):
+        assert choice.text == reference.text and choice.finish_reason == reference.finish_reason
+    for choice, reference in zip(response.choices, expected):
+        assert choice.logprobs.tokens == [llama_llm.tokenizer.decode([t]) for t in reference.token_ids]
+        assert len(choice.logprobs.token_logprobs) == len(reference.token_ids)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected[:2])
+    assert response.usage.completion_tokens == sum(len(o.token_ids) for o in expected[:2])
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_streamed_deltas_concatenate_to_the_greedy_text(llama_llm, client):
+    expected = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=16, **GREEDY))[0]
+    chunks = list(client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+    messages = [{"role": "user", "content": "hello"}]
+    reference = llama_llm.generate(chat_prompt(llama_llm, messages), SamplingParams(max_tokens=16, **GREEDY))[0]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, stream=True, **GREEDY)
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == reference.text
+
+
+def test_chat_completion_renders_the_template_and_returns_logprobs(llama_llm, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    prompt = chat_prompt(llama_llm, [messages[0], {"role": "user", "content": "hi"}])  # text parts are joined
+    reference = llama_llm.generate(prompt, SamplingParams(max_tokens=10, **GREEDY))[0]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, logprobs=True, top_logprobs=3,
+                                              **GREEDY)
+    (choice,) = response.choices
+    assert choice.message.role == "assistant" and choice.message.content == reference.text
+    content = choice.logprobs.content
+    assert [entry.token for entry in content] == [llama_llm.tokenizer.decode([t]) for t in reference.token_ids]
+    assert all(len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob) for entry in content)
+    assert response.usage.prompt_tokens == len(prompt) and response.usage.completion_tokens == len(reference.token_ids)
+
+
+def test_n_seed_and_stop(llama_llm, client):
+    sampled = dict(model=MODEL, prompt="import os", max_tokens=8, temperature=1.0, n=3, seed=7)
+    first, second = client.completions.create(**sampled), client.completions.create(**sampled)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    expected = llama_llm.generate("import os", SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7))[0]
+    assert [c.text for c in first.choices] == [c.text for c in expected.outputs]
+
+    greedy = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12, **GREEDY))[0].text
+    stop = greedy[len(greedy) // 2 : len(greedy) // 2 + 2]
+    reference = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12, stop=[stop], **GREEDY))[0]
+    response = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=12, stop=stop, **GREEDY)
+    assert response.choices[0].text == reference.text and stop not in reference.text
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_echo_and_engine_only_fields(llama_llm, client):
+    reference = llama_llm.generate("import os", SamplingParams(max_tokens=6, top_k=5, repetition_penalty=1.3, **GREEDY))[0]
+    response = client.completions.create(model=MODEL, prompt="import os", max_tokens=6, echo=True, **GREEDY,
+                                         extra_body={"top_k": 5, "repetition_penalty": 1.3, "an_unknown_field": 1})
+    assert response.choices[0].text == "import os" + reference.text
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"model": "tiny-llama", "prompt": ', None),                                    # malformed JSON
+    ('{"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}', "max_tokens"),  # wrong type
+    ('{"model": "other", "prompt": "x"}', "model"),                                  # unknown model
+    ('{"prompt": "x"}', "model"),                                                    # missing model
+    ('{"model": "tiny-llama", "prompt": "x", "temperature": -1}', "temperature"),    # out of range
+    ('{"model": "tiny-llama", "prompt": "x", "max_tokens": 100000}', None),          # over the context
+    ('{"model": "tiny-llama", "prompt": "x", "logit_bias": {"5": 1}}', "logit_bias"),  # not supported
+    ('{"model": "tiny-llama", "prompt": "x", "best_of": 4}', "best_of"),
+    ('{"model": "tiny-llama", "prompt": [], "max_tokens": 2}', None),
+    ('{"model": "tiny-llama", "prompt": [100000]}', None),                           # outside the vocabulary
+])
+def test_bad_requests_are_400s_in_the_openai_schema(url, body, param):
+    response = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["message"] and error["param"] == param
+
+
+def test_chat_errors(client, guarded_url):
+    with pytest.raises(openai.BadRequestError, match="tool calling"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    guarded = openai.OpenAI(base_url=f"{guarded_url}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="no chat template.*--chat-template"):
+        guarded.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+
+
+def test_api_key(guarded_url):
+    for key in ("wrong", None):
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        response = httpx.get(f"{guarded_url}/v1/models", headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{guarded_url}/v1", api_key="wrong", max_retries=0).models.list()
+    guarded = openai.OpenAI(base_url=f"{guarded_url}/v1", api_key=API_KEY, max_retries=0)
+    assert guarded.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    assert httpx.get(f"{guarded_url}/health").status_code == 200  # probes need no key
+
+
+def test_a_full_queue_is_a_503_with_retry_after(llama_llm, guarded_url):
+    """Room for one waiting request: with the engine paused (its step lock held, so nothing gets a seat),
+    a first request waits and a second is refused; the first completes once the engine runs again."""
+    engine = llama_llm.engine
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    answers = []
+    waiter = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{guarded_url}/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2}, headers=headers, timeout=60)))
+    with engine._step_lock:
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while not engine.scheduler.waiting:
+            assert time.monotonic() < deadline, "the first request never reached the engine"
+            time.sleep(0.005)
+        refused = httpx.post(f"{guarded_url}/v1/completions", json={"model": MODEL, "prompt": "z"}, headers=headers)
+    waiter.join(timeout=30)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "queue_full" and "--max-queued-requests 1" in refused.json()["error"]["message"]
+    assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 2
+    assert metric(guarded_url, "autodeploy_requests_rejected_total") == 1
+    wait_idle(llama_llm)
+
+
+# ---- load and disconnects -------------------------------------------------------------------------------------
+
+
+def test_concurrent_clients_get_the_in_process_greedy_answers(llama_llm, url):
+    clients, requests_each = 16, 4
+    prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(clients * requests_each)]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    expected = [o.text for o in llama_llm.generate(prompts, params)]
+    answers: dict[int, str] = {}
+
+    def one_client(first: int) -> None:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for index in range(first, len(prompts), clients):
+            response = client.completions.create(model=MODEL, prompt=prompts[index], max_tokens=8, **GREEDY)
+            assert response.choices[0].finish_reason in ("stop", "length")
+            answers[index] = response.choices[0].text
+
+    threads = [threading.Thread(target=one_client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert [answers.get(i) for i in range(len(prompts))] == expected
+    wait_idle(llama_llm)
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request(llama_llm, url):
+    aborted = metric(url, "autodeploy_requests_total", finish_reason="abort")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        first = json.loads(next(line for line in response.iter_lines() if line.startswith("data: "))[len("data: "):])
+        assert first["choices"][0]["finish_reason"] is None
+    wait_idle(llama_llm)  # aborted long before its 500 tokens: its blocks are back
+    assert metric(url, "autodeploy_requests_total", finish_reason="abort") == aborted + 1
+
+
+def test_a_client_leaving_before_a_full_answer_aborts_its_request(llama_llm, url):
+    aborted = metric(url, "autodeploy_requests_total", finish_reason="abort")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 500, "ignore_eos": True, **GREEDY}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.2))
+    wait_idle(llama_llm)
+    assert metric(url, "autodeploy_requests_total", finish_reason="abort") == aborted + 1
+
+
+def test_metrics_count_requests_and_tokens(url, client):
+    before = metric(url, "autodeploy_generation_tokens_total")
+    finished = metric(url, "autodeploy_time_to_first_token_seconds_count")
+    client.completions.create(model=MODEL, prompt="import os", max_tokens=4, extra_body={"ignore_eos": True}, **GREEDY)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("autodeploy_time_per_output_token_seconds", "autodeploy_e2e_request_latency_seconds",
+                 "autodeploy_num_requests_waiting", "autodeploy_num_requests_running", "autodeploy_kv_cache_usage_ratio",
+                 "autodeploy_prefix_cache_hit_rate", "autodeploy_requests_total"):
+        assert name in text
+    assert metric(url, "autodeploy_generation_tokens_total") == before + 4
+    assert metric(url, "autodeploy_time_to_first_token_seconds_count") == finished + 1
+    assert metric(url, "autodeploy_num_requests_running") == 0
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+
+
+def test_serve_command_line(capsys, tmp_path):
+    args = build_parser().parse_args(["serve", "some/model", "--api-key", "k", "--set", "device=cpu"])
+    assert (args.host, args.port, args.api_key, args.max_queued_requests) == ("127.0.0.1", 8000, "k", 256)
+    assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 1
+    assert "--chat-template: cannot read" in capsys.readouterr().err
