@@ -50,6 +50,7 @@ from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow,
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
 from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs
+from autodeploy.runtime.structured_output import StructuredOutput, new_matcher, next_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class _SamplingPlan:
     row_logits: list[int] = field(default_factory=list)
     owners: list[tuple[Sequence, int]] = field(default_factory=list)
     beam_rows: list[tuple[Sequence, int]] = field(default_factory=list)
-    overlappable: bool = True  # no beams, forks or penalties: the next step needs none of its tokens on the host
+    # No beams, forks, penalties or grammars: the next step needs none of its tokens on the host.
+    overlappable: bool = True
 
 
 @dataclass
@@ -193,6 +195,7 @@ class Engine:
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
         self.peers = peers
         self._commands: list[tuple[str, Request | str]] = []  # with peers: submits and aborts for the next step
+        self._structured_output: StructuredOutput | None = None  # built by the first json_schema / json_object request
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -215,13 +218,29 @@ class Engine:
             raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}")
         token_ids = self.tokenize(prompt)
         self._check_fits(token_ids, params)
+        grammar = self._compiled_grammar(params)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
         with self._lock:
             request_id = str(next(self._request_ids)) if request_id is None else str(request_id)  # submit checks it is free
-            return Request(
+            request = Request(
                 request_id, prompt if isinstance(prompt, str) else None, token_ids, params, stops, seed, priority, self.clock()
             )
+        request.grammar = grammar
+        return request
+
+    def _compiled_grammar(self, params: SamplingParams):
+        """The compiled grammar of a json_schema / json_object request (None for the others)."""
+        if params.json_schema is None and not params.json_object:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured output (json_schema / json_object) needs the model's tokenizer; pass tokenizer='…' to autodeploy()"
+            )
+        with self._lock:
+            if self._structured_output is None:
+                self._structured_output = StructuredOutput(self.tokenizer, self.vocab_size)
+        return self._structured_output.compile(params)
 
     def submit(self, request: Request) -> None:
         """Queue a request. With peers, it joins at the start of the next step, on every rank alike."""
@@ -250,11 +269,14 @@ class Engine:
         with self._lock:
             for kind, payload in commands:
                 if kind == "submit":
-                    self._add(Request(*payload))
+                    request = Request(*payload)
+                    request.grammar = self._compiled_grammar(request.params)
+                    self._add(request)
                 else:
                     self._abort(payload)
 
     def _add(self, request: Request) -> None:
+        self._start_grammar(request.sequences[0])
         self.requests[request.request_id] = request
         self.scheduler.add(request.sequences[0])
 
@@ -341,8 +363,8 @@ class Engine:
         its sink, and return the changed requests (new tokens or finished).
 
         Overlapped (``scheduler.overlap``): a step whose sampling the host need not see before planning
-        the next one (no beam search, ``n`` forks or penalties) stays in flight. The next call plans and
-        launches the step after it, its newest tokens fed from the device, and only then waits for the
+        the next one (no beam search, ``n`` forks, penalties or grammars) stays in flight. The next call
+        plans and launches the step after it, its newest tokens fed from the device, and only then waits for the
         one in flight and applies its tokens: the host's work hides behind the device's. A sequence that
         stopped on a token in flight wastes its row of the next step; nothing it computes is kept.
 
@@ -543,15 +565,18 @@ class Engine:
             forking = request.params.n > 1 and len(request.sequences) == 1 and not sequence.output_token_ids
             for index in range(request.params.n if forking else 1):
                 index = index if forking else sequence.index
+                # A constrained sequence never has a token in flight (its steps do not run ahead), so its
+                # matcher has seen every token; forks start from the parent's state, the grammar's start.
+                bitmask = next_token_bitmask(sequence.grammar, self.vocab_size) if sequence.grammar is not None else None
                 plan.rows.append(
                     SamplingRow(
                         request.params, request.seed, len(sequence.output_token_ids) + sequence.num_pending,
-                        request.prompt_token_ids, sequence.output_token_ids, sample_index=index,
+                        request.prompt_token_ids, sequence.output_token_ids, sample_index=index, token_bitmask=bitmask,
                     )
                 )
                 plan.row_logits.append(row)
                 plan.owners.append((sequence, index))
-            plan.overlappable &= not forking and not has_penalty(request.params)
+            plan.overlappable &= not forking and not has_penalty(request.params) and request.grammar is None
         plan.overlappable &= not plan.beam_rows
         return plan
 
@@ -570,6 +595,8 @@ class Engine:
                 continue  # cancelled mid-step, or stopped on the token before this (a wasted row)
             target = sequence if index == sequence.index else self._fork(sequence, index)
             target.append(result.token_ids[i], self.tokenizer)
+            if target.grammar is not None:
+                self._advance_grammar(target, result.token_ids[i])
             if result.logprobs[i] is not None:
                 target.logprobs.append(result.logprobs[i])
                 target.top_logprobs.append(result.top_logprobs[i])
@@ -585,10 +612,23 @@ class Engine:
                 changed[request.request_id] = request
         return list(changed.values())
 
+    def _start_grammar(self, sequence: Sequence) -> None:
+        """A matcher of its own at the grammar's start for each sample of a constrained request."""
+        if sequence.request.grammar is not None:
+            sequence.grammar = new_matcher(sequence.request.grammar, sequence.request.stop_token_ids)
+
+    def _advance_grammar(self, sequence: Sequence, token: int) -> None:
+        """Feed the sampled token to the sequence's matcher; the sequence stops once the grammar ends."""
+        if not sequence.grammar.accept_token(token):  # the mask allowed it, so the matcher must accept it
+            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed (request {sequence.request.request_id})")
+        if sequence.grammar.is_terminated():
+            sequence.finish_reason = "stop"
+
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """A new sample of ``parent``'s request sharing its computed full blocks (``n`` > 1)."""
         request = parent.request
         child = Sequence(request, list(request.prompt_token_ids), index)
+        self._start_grammar(child)
         child.num_computed = self.pool.fork(parent.seq_id, child.seq_id, len(request.prompt_token_ids))
         request.sequences.append(child)
         self.scheduler.running.append(child)

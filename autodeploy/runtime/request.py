@@ -39,6 +39,7 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     streamed_tokens: int = 0  # how many output tokens earlier stream outputs carried
     streamed_text: str = ""
+    grammar: object | None = None  # the sample's xgrammar GrammarMatcher (json_schema / json_object requests)
 
     @property
     def priority(self) -> int:
@@ -152,6 +153,7 @@ class Request:
         self.finished_completions: list[CompletionOutput] | None = None  # beam search results, once done
         self.aborted = False
         self.sink: OutputSink | None = None
+        self.grammar = None  # the compiled grammar of a json_schema / json_object request (the engine sets it)
 
     @property
     def finished(self) -> bool:

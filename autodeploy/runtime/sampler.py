@@ -36,6 +36,9 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sample_index: int = 0  # which of the request's n samples this is
+    # A grammar's allowed next tokens (runtime/structured_output.py): packed int32, bit t % 32 of word
+    # t // 32 set when token t may come; None: every token may.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -48,7 +51,8 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-    """Choose the next token of every row: penalties → greedy argmax or temperature, top-k, top-p, min-p and a draw.
+    """Choose the next token of every row: penalties → the grammar's mask → greedy argmax or temperature,
+    top-k, top-p, min-p and a draw.
 
     ``logits`` is ``[len(rows), vocab]``, any float dtype, any device; the work happens there in
     float32. Requested log-probabilities are ``log_softmax`` of the raw logits in float32, so they
@@ -108,11 +112,11 @@ def launch_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSampl
     if logits.shape[1] > _MAX_VOCAB:
         raise ValueError(f"vocabulary of {logits.shape[1]} tokens is larger than the sampler supports ({_MAX_VOCAB})")
     if all(_is_plain_greedy(row.params) for row in rows):
-        tokens = greedy_tokens(logits)
+        tokens = greedy_tokens(_mask_disallowed(logits, rows))
         return PendingSample(tokens, tokens, rows, 0)
 
     raw = logits.float()
-    penalized = _apply_penalties(raw, rows)
+    penalized = _mask_disallowed(_apply_penalties(raw, rows), rows)
     tokens = greedy_tokens(penalized)
     drawing = [i for i, row in enumerate(rows) if row.params.temperature > 0]
     if drawing:
@@ -195,6 +199,22 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     values = torch.where(seen, torch.where(values < 0, values * repetition, values / repetition), values)
     values = values - presence * (counts > 0) - frequency * counts
     return logits.index_copy(0, index, values)
+
+
+def _mask_disallowed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf for every token a row's grammar does not allow next (rows without a bitmask are left alone).
+
+    The packed bitmasks go to the device in one copy and are unpacked there: word ``t >> 5``, bit ``t & 31``.
+    """
+    constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+    if not constrained:
+        return logits
+    device = logits.device
+    bitmask = pinned_to_device(torch.stack([rows[i].token_bitmask for i in constrained]), device)
+    token = torch.arange(logits.shape[1], device=device)
+    allowed = (bitmask[:, token >> 5] >> (token & 31)) & 1
+    index = to_device(constrained, torch.long, device)
+    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(allowed == 0, float("-inf")))
 
 
 def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

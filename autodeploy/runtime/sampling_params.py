@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -35,12 +36,19 @@ class SamplingParams:
       ``early_stopping`` is HF's: True stops when ``beam_width`` beams are finished, False stops when
       no better beam is likely, ``"never"`` only when none can be.
 
+    Structured output: ``json_schema`` (a JSON Schema, as a dict or its JSON text) or ``json_object=True``
+    (any JSON object) masks every step's logits so the output stays valid JSON of that shape (compact:
+    ``", "`` and ``": "`` are its only whitespace); the completion stops once the JSON is complete and a
+    stop token follows. It needs ``xgrammar`` (``pip install 'autodeploy[serve]'``) and does not combine
+    with beam search. With ``json_schema``, objects take no properties the schema does not list unless it
+    says ``additionalProperties``.
+
     Stopping: at ``max_tokens``, at any of ``stop_token_ids`` (plus the model's EOS unless
     ``ignore_eos``), or when the text contains one of the ``stop`` strings (which is cut from the
     returned text; a single string is accepted).
 
     >>> SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=1)
-    SamplingParams(max_tokens=32, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=1, n=1, logprobs=None, beam_width=1, length_penalty=1.0, early_stopping=False, stop=[], stop_token_ids=[], ignore_eos=False)
+    SamplingParams(max_tokens=32, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=1, n=1, logprobs=None, beam_width=1, length_penalty=1.0, early_stopping=False, stop=[], stop_token_ids=[], ignore_eos=False, json_schema=None, json_object=False)
     """
 
     max_tokens: int = 16
@@ -60,6 +68,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    json_schema: dict | str | None = None
+    json_object: bool = False
 
     def validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the first invalid field; turn ``stop="x"`` into ``["x"]``."""
@@ -106,8 +116,33 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError(f"json_object must be True or False, got {self.json_object!r}")
+        if self.json_schema is not None or self.json_object:
+            self._validate_structured_output()
         if self.beam_width > 1:
             self._validate_beam_search()
+
+    def _validate_structured_output(self) -> None:
+        if self.json_schema is not None and self.json_object:
+            raise InvalidRequestError("set json_schema or json_object, not both (json_object is any JSON object)")
+        if self.beam_width > 1:
+            raise InvalidRequestError(
+                f"structured output (json_schema / json_object) does not combine with beam search (beam_width="
+                f"{self.beam_width}); use beam_width=1"
+            )
+        if self.json_schema is None:
+            return
+        if isinstance(self.json_schema, str):
+            try:
+                json.loads(self.json_schema)
+            except ValueError as error:
+                raise InvalidRequestError(f"json_schema is not valid JSON: {error}") from None
+        elif not isinstance(self.json_schema, dict):
+            raise InvalidRequestError(f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}")
+        from autodeploy.runtime.structured_output import check_json_schema  # xgrammar, only when asked for
+
+        check_json_schema(self.json_schema)
 
     def _validate_beam_search(self) -> None:
         """Beam search ranks beams by log-probability, so nothing may reshape or randomise the distribution."""

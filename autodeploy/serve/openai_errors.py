@@ -49,6 +49,8 @@ def invalid_request(error: InvalidRequestError) -> APIError:
     if param is None:
         first_word = message.split(" ", 1)[0]
         param = first_word if first_word in SamplingParams.__dataclass_fields__ else None
+        if param in ("json_schema", "json_object"):  # what the client sent is response_format
+            param = "response_format"
     code = "context_length_exceeded" if "max_seq_len" in message else None
     return APIError(400, message, param=param, code=code)
 

@@ -1,9 +1,10 @@
 """The OpenAI request bodies the server accepts, and how each maps onto ``SamplingParams``.
 
 Unknown fields are ignored, as OpenAI does. Fields OpenAI defines that this server cannot honour
-(``logit_bias``, ``suffix``, ``tools``, a ``response_format`` other than text, ``best_of`` > ``n``, …)
-are a 400 saying so, never silently dropped. Beyond OpenAI's fields, the SamplingParams ones without an
-OpenAI counterpart are accepted under vLLM's names (``top_k``, ``min_p``, ``repetition_penalty``,
+(``logit_bias``, ``suffix``, ``tools``, ``best_of`` > ``n``, …) are a 400 saying so, never silently
+dropped. ``response_format`` (``text``, ``json_object``, ``json_schema``) is accepted by both endpoints, as
+vLLM does; the JSON ones become ``SamplingParams.json_object`` / ``json_schema`` (grammar-constrained
+decoding). Beyond OpenAI's fields, the SamplingParams ones without an OpenAI counterpart are accepted under vLLM's names (``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``) and ``beam_width`` / ``length_penalty`` / ``early_stopping``.
 """
 
@@ -30,6 +31,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``. ``strict`` is always honoured: the grammar enforces the schema either way."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def sampling_fields(self) -> dict:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                error = InvalidRequestError('response_format of type "json_schema" needs json_schema: {"name": …, "schema": {…}}')
+                error.param = "response_format"
+                raise error
+            return {"json_schema": self.json_schema.schema_}
+        return {}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -46,6 +74,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # SamplingParams fields without an OpenAI counterpart (vLLM's names where it has them)
     top_k: int | None = None
     min_p: float | None = None
@@ -73,7 +102,8 @@ class _SamplingFields(BaseModel):
             if getattr(self, name) is not None
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop, **given)
+        structured = self.response_format.sampling_fields() if self.response_format is not None else {}
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop, **given, **structured)
         params.validate()
         return params
 
@@ -135,7 +165,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -143,8 +172,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedFieldError("tools", "tool calling (not yet)")
         if self.tool_choice not in (None, "none"):
             raise UnsupportedFieldError("tool_choice", "tool calling (not yet)")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise UnsupportedFieldError("response_format", f"response_format {self.response_format.get('type')!r} (not yet)")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
 

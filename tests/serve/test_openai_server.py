@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import uvicorn
@@ -165,6 +166,45 @@ def test_echo_and_engine_only_fields(llama_llm, client):
     response = client.completions.create(model=MODEL, prompt="import os", max_tokens=6, echo=True, **GREEDY,
                                          extra_body={"top_k": 5, "repetition_penalty": 1.3, "an_unknown_field": 1})
     assert response.choices[0].text == "import os" + reference.text
+
+
+# An enum and a bounded integer, no other properties: the random model's JSON ends within a few dozen tokens.
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "size": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "size"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_on_both_endpoints(llama_llm, client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "paint", "schema": SCHEMA, "strict": True}}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def f(x):"}], max_tokens=60,
+                                          response_format=response_format, **GREEDY)
+    completion = client.completions.create(model=MODEL, prompt="import os", max_tokens=60, n=2, seed=1,
+                                           extra_body={"response_format": response_format})
+    for choice, text in [(chat.choices[0], chat.choices[0].message.content)] + [(c, c.text) for c in completion.choices]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert choice.finish_reason == "stop"
+    reference = llama_llm.generate("import os", SamplingParams(max_tokens=60, temperature=1.0, n=2, seed=1, json_schema=SCHEMA))[0]
+    assert [c.text for c in completion.choices] == [c.text for c in reference.outputs]
+
+    streamed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=60,
+                                              response_format={"type": "json_object"}, seed=2, stream=True)
+    chunks = list(streamed)
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), dict)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("response_format, message", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, 'Unsupported type "nonsense"'),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": 5}}}, "properties must be an object"),
+    ({"type": "json_schema"}, "needs json_schema"),
+    ({"type": "yaml"}, "response_format"),
+])
+def test_a_bad_response_format_is_a_400(url, client, response_format, message):
+    with pytest.raises(openai.BadRequestError, match=message) as raised:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=8,
+                                       response_format=response_format)
+    assert raised.value.body["param"] == "response_format"
+    response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "response_format": response_format})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------
