@@ -97,3 +97,20 @@ def test_the_mask_leaves_only_allowed_tokens_and_unconstrained_rows_alone():
 
 def test_docstrings():
     assert doctest.testmod(structured_output).failed == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_constrained_rows_mask_on_the_device_beside_run_ahead_free_requests(tiny_checkpoint):
+    # Triton kernels, decode CUDA graphs, the overlapped runtime: free requests run ahead until a constrained one
+    # joins (float32, so that the free requests' tokens do not depend on the batch they share).
+    from autodeploy import autodeploy
+
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", kv_cache={"num_blocks": 64})
+    free = SamplingParams(max_tokens=24, temperature=0)
+    alone = [o.token_ids for o in llm.generate(["import os", "def g(y):"], free)]
+    outputs = llm.generate(["def f(x):", "import os", "def g(y):"],
+                           [SamplingParams(max_tokens=60, temperature=0.7, seed=3, json_schema=SCHEMA), free, free])
+    jsonschema.validate(json.loads(outputs[0].text), SCHEMA)
+    assert outputs[0].finish_reason == "stop"
+    assert [o.token_ids for o in outputs[1:]] == alone
+    assert llm.engine.pool.num_used_blocks == 0
