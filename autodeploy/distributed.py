@@ -197,7 +197,7 @@ class Workers:
         self.messages: dict[int, str] = {}  # rank → the error a worker reported before it exited
         self._failed: WorkerError | None = None
         self._stopped = False
-        self._exit_hook = atexit.register(self.stop)
+        atexit.register(self.stop)
 
     # ---- commands --------------------------------------------------------------------------------
     def step(self, commands: list[tuple]) -> None:
