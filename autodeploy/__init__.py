@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from autodeploy.runtime.llm import LLM
     from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
     from autodeploy.runtime.sampling_params import SamplingParams
+    from autodeploy.tools import ToolRegistry
     from autodeploy.transforms import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 # Public name → the module that defines it.
@@ -35,6 +36,7 @@ _MODULE_OF: dict[str, str] = {
     "LLM": "autodeploy.runtime.llm",
     "RequestOutput": "autodeploy.runtime.outputs",
     "SamplingParams": "autodeploy.runtime.sampling_params",
+    "ToolRegistry": "autodeploy.tools",
     "Transform": "autodeploy.transforms",
     "TransformConfig": "autodeploy.transforms",
     "TransformContext": "autodeploy.transforms",
@@ -54,6 +56,7 @@ __all__ = [
     "LLM",
     "RequestOutput",
     "SamplingParams",
+    "ToolRegistry",
     "Transform",
     "TransformConfig",
     "TransformContext",

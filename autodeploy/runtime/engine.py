@@ -230,12 +230,12 @@ class Engine:
         return request
 
     def _compiled_grammar(self, params: SamplingParams):
-        """The compiled grammar of a json_schema / json_object request (None for the others)."""
-        if params.json_schema is None and not params.json_object:
+        """The compiled grammar of a json_schema / json_object / structural_tag request (None for the others)."""
+        if params.json_schema is None and not params.json_object and params.structural_tag is None:
             return None
         if self.tokenizer is None:
             raise InvalidRequestError(
-                "structured output (json_schema / json_object) needs the model's tokenizer; pass tokenizer='…' to autodeploy()"
+                "structured output (json_schema / json_object / structural_tag) needs the model's tokenizer; pass tokenizer='…' to autodeploy()"
             )
         with self._lock:
             if self._structured_output is None:

@@ -41,14 +41,15 @@ class SamplingParams:
     ``", "`` and ``": "`` are its only whitespace); the completion stops once the JSON is complete and a
     stop token follows. It needs ``xgrammar`` (``pip install 'autodeploy[serve]'``) and does not combine
     with beam search. With ``json_schema``, objects take no properties the schema does not list unless it
-    says ``additionalProperties``.
+    says ``additionalProperties``. ``structural_tag`` is the general form (xgrammar's structural tag, a dict
+    or its JSON text): free text and constrained parts, as tool calls use (``runtime/tool_calls.py``).
 
     Stopping: at ``max_tokens``, at any of ``stop_token_ids`` (plus the model's EOS unless
     ``ignore_eos``), or when the text contains one of the ``stop`` strings (which is cut from the
     returned text; a single string is accepted).
 
     >>> SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=1)
-    SamplingParams(max_tokens=32, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=1, n=1, logprobs=None, beam_width=1, length_penalty=1.0, early_stopping=False, stop=[], stop_token_ids=[], ignore_eos=False, json_schema=None, json_object=False)
+    SamplingParams(max_tokens=32, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=1, n=1, logprobs=None, beam_width=1, length_penalty=1.0, early_stopping=False, stop=[], stop_token_ids=[], ignore_eos=False, json_schema=None, json_object=False, structural_tag=None)
     """
 
     max_tokens: int = 16
@@ -70,6 +71,7 @@ class SamplingParams:
     ignore_eos: bool = False
     json_schema: dict | str | None = None
     json_object: bool = False
+    structural_tag: dict | str | None = None
 
     def validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the first invalid field; turn ``stop="x"`` into ``["x"]``."""
@@ -118,31 +120,33 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError(f"json_object must be True or False, got {self.json_object!r}")
-        if self.json_schema is not None or self.json_object:
+        if self.json_schema is not None or self.json_object or self.structural_tag is not None:
             self._validate_structured_output()
         if self.beam_width > 1:
             self._validate_beam_search()
 
     def _validate_structured_output(self) -> None:
-        if self.json_schema is not None and self.json_object:
-            raise InvalidRequestError("set json_schema or json_object, not both (json_object is any JSON object)")
+        if (self.json_schema is not None) + self.json_object + (self.structural_tag is not None) > 1:
+            raise InvalidRequestError("set one of json_schema, json_object and structural_tag (json_object is any JSON object)")
         if self.beam_width > 1:
             raise InvalidRequestError(
-                f"structured output (json_schema / json_object) does not combine with beam search (beam_width="
+                f"structured output (json_schema / json_object / structural_tag) does not combine with beam search (beam_width="
                 f"{self.beam_width}); use beam_width=1"
             )
-        if self.json_schema is None:
-            return
-        if isinstance(self.json_schema, str):
-            try:
-                json.loads(self.json_schema)
-            except ValueError as error:
-                raise InvalidRequestError(f"json_schema is not valid JSON: {error}") from None
-        elif not isinstance(self.json_schema, dict):
-            raise InvalidRequestError(f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}")
-        from autodeploy.runtime.structured_output import check_json_schema  # xgrammar, only when asked for
+        from autodeploy.runtime import structured_output  # xgrammar, only when asked for
 
-        check_json_schema(self.json_schema)
+        for name, check in (("json_schema", structured_output.check_json_schema), ("structural_tag", structured_output.check_structural_tag)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, str):
+                try:
+                    json.loads(value)
+                except ValueError as error:
+                    raise InvalidRequestError(f"{name} is not valid JSON: {error}") from None
+            elif not isinstance(value, dict):
+                raise InvalidRequestError(f"{name} must be a dict or its JSON text, got {type(value).__name__}")
+            check(value)
 
     def _validate_beam_search(self) -> None:
         """Beam search ranks beams by log-probability, so nothing may reshape or randomise the distribution."""

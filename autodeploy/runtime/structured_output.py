@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding: ``SamplingParams.json_schema`` / ``json_object`` through xgrammar.
+"""Grammar-constrained decoding: ``SamplingParams.json_schema`` / ``json_object`` / ``structural_tag`` through xgrammar.
 
 The engine keeps one ``xgrammar.GrammarMatcher`` per constrained sequence. Before a step samples, each
 constrained row's matcher fills a packed bitmask of the tokens that may come next (bit ``t % 32`` of word
@@ -24,7 +24,7 @@ import torch
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.sampling_params import SamplingParams
 
-_INSTALL = "structured output (json_schema / json_object) needs xgrammar: pip install 'autodeploy[serve]'"
+_INSTALL = "structured output (json_schema / json_object / structural_tag, tool calls) needs xgrammar: pip install 'autodeploy[serve]'"
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; the rest is the message.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 # json_object: any JSON object. Not strict, or xgrammar would allow only {} (no properties listed).
@@ -60,6 +60,17 @@ def check_json_schema(schema: dict | str) -> None:
         raise InvalidRequestError(f"json_schema is not a JSON Schema that can be enforced: {_compiler_message(error)}") from None
 
 
+def check_structural_tag(tag: dict | str) -> None:
+    """Raise ``InvalidRequestError`` with xgrammar's message unless ``tag`` (xgrammar's structural tag
+    format, as a dict or its JSON text) converts to a grammar."""
+    try:
+        _xgrammar().Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
+    except InvalidRequestError:
+        raise
+    except Exception as error:
+        raise InvalidRequestError(f"structural_tag cannot be enforced: {_compiler_message(error)}") from None
+
+
 class StructuredOutput:
     """One engine's grammar compiler, over the tokenizer's vocabulary padded to the logits' width.
 
@@ -74,7 +85,14 @@ class StructuredOutput:
         self._compiler = xgrammar.GrammarCompiler(info)  # thread-safe: front ends compile from their own threads
 
     def compile(self, params: SamplingParams):
-        """The compiled grammar of a validated request with ``json_schema`` or ``json_object``."""
+        """The compiled grammar of a validated request with ``json_schema``, ``json_object`` or ``structural_tag``."""
+        if params.structural_tag is not None:
+            tag = params.structural_tag
+            tag = tag if isinstance(tag, str) else json.dumps(tag, sort_keys=True)
+            try:
+                return self._compiler.compile_structural_tag(tag)
+            except Exception as error:
+                raise InvalidRequestError(f"structural_tag could not be compiled into a grammar: {_compiler_message(error)}") from None
         schema = params.json_schema if params.json_schema is not None else _ANY_OBJECT
         if isinstance(schema, dict):
             schema = json.dumps(schema, sort_keys=True)  # one cache entry however the keys were ordered

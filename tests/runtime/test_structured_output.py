@@ -72,7 +72,11 @@ def test_constrained_requests_do_not_run_ahead(llama_llm, monkeypatch):
     (SamplingParams(json_schema={"type": "object", "properties": 5}), "properties must be an object"),
     (SamplingParams(json_schema="{not json"), "json_schema is not valid JSON"),
     (SamplingParams(json_schema=[1, 2]), "json_schema must be a dict"),
-    (SamplingParams(json_schema=SCHEMA, json_object=True), "not both"),
+    (SamplingParams(json_schema=SCHEMA, json_object=True), "set one of json_schema, json_object and structural_tag"),
+    (SamplingParams(json_object=True, structural_tag={"type": "structural_tag", "format": {"type": "any_text"}}), "set one of"),
+    (SamplingParams(structural_tag="{not json"), "structural_tag is not valid JSON"),
+    (SamplingParams(structural_tag=7), "structural_tag must be a dict"),
+    (SamplingParams(structural_tag={"type": "structural_tag", "format": {"type": "nope"}}), "structural_tag cannot be enforced"),
     (SamplingParams(json_object=True, beam_width=2, temperature=0), "beam search"),
     (SamplingParams(json_object="yes"), "json_object must be True or False"),
 ])

@@ -1,0 +1,112 @@
+"""Chat messages → prompt token ids, through the tokenizer's chat template (or one given as text).
+
+Messages are OpenAI's: ``{"role": …, "content": …}``, assistant turns with ``tool_calls`` (arguments as
+JSON text or a dict) and ``tool`` turns with the results. A template that knows tools (it reads
+``tools``) gets them and the calls as Hugging Face templates expect (arguments as a dict); for one that
+does not, the tools are described in the system message and calls and results are written into the
+turns as text, in the format ``runtime/tool_calls.py`` generates and parses, so any template can serve
+tool calling.
+
+    ids = render_chat(tokenizer, [{"role": "user", "content": "Weather in Paris?"}], tools=tool_specs(tools))
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from autodeploy.errors import InvalidRequestError
+from autodeploy.runtime.tool_calls import CALL_END, CALL_START, ToolCall, ToolSpec
+
+_READS_TOOLS = re.compile(r"\btools\b")
+_TOOLS_PROMPT = (
+    "You may call these functions (JSON Schema):\n<tools>\n{tools}\n</tools>\nTo call one, write:\n"
+    f'{CALL_START}\n{{{{"name": <function name>, "arguments": <arguments object>}}}}\n{CALL_END}'
+)
+
+
+def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, tools: list[ToolSpec] | None = None) -> list[int]:
+    """Token ids of ``messages`` followed by the assistant's turn. The rendered text already holds whatever
+    special tokens the template writes (BOS included), so it is tokenized without adding more."""
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer, so chat messages cannot be rendered; use /v1/completions with token ids")
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise InvalidRequestError("this model's tokenizer has no chat template; start the server with --chat-template FILE "
+                                  "(a Jinja template) or use /v1/completions")
+    knows_tools = isinstance(template, str) and bool(_READS_TOOLS.search(template))  # a dict of templates: by name, not read here
+    turns = [_template_message(m, knows_tools) for m in messages]
+    if tools and not knows_tools:
+        turns = _with_tools_prompt(turns, tools)
+    try:
+        text = tokenizer.apply_chat_template(turns, chat_template=chat_template, tools=[t.to_openai() for t in tools] if tools and knows_tools else None,
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception as error:  # jinja2 errors, and raise_exception() in templates that check the roles' order
+        raise InvalidRequestError(f"the chat template could not render these messages: {error}") from None
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def tool_calls_of(message: dict) -> list[ToolCall]:
+    """The ``ToolCall``s of an assistant message in OpenAI's form (arguments as JSON text or a dict)."""
+    calls = []
+    for index, entry in enumerate(message.get("tool_calls") or []):
+        if isinstance(entry, ToolCall):
+            calls.append(entry)
+            continue
+        function = entry.get("function") if isinstance(entry, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError(f"tool_calls[{index}] must be {{\"id\": …, \"type\": \"function\", \"function\": {{\"name\": …, \"arguments\": …}}}}")
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise InvalidRequestError(f"tool_calls[{index}] ({function['name']}): arguments are not valid JSON") from None
+        calls.append(ToolCall(function["name"], arguments, **({"id": entry["id"]} if entry.get("id") else {})))
+    return calls
+
+
+def _template_message(message: dict, knows_tools: bool) -> dict:
+    role, content = message.get("role"), _text(message.get("content"))
+    calls = tool_calls_of(message) if role == "assistant" else []
+    if knows_tools:
+        turn = {"role": role, "content": content}
+        if calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None:
+                turn[key] = message[key]
+        return turn
+    if role == "tool":  # as Hermes-style templates without a tool role write results
+        return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+    if calls:
+        content = "\n".join(([content] if content else []) + [c.to_text() for c in calls])
+    turn = {"role": role, "content": content}
+    if message.get("name") is not None:
+        turn["name"] = message["name"]
+    return turn
+
+
+def _text(content) -> str:
+    """Text content: a string, or OpenAI's list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            error = InvalidRequestError(f"messages: a content part of type {kind!r} is not supported (only text parts are)")
+            error.param = "messages"
+            raise error
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _with_tools_prompt(turns: list[dict], tools: list[ToolSpec]) -> list[dict]:
+    described = _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.to_openai(), ensure_ascii=False) for t in tools))
+    if turns and turns[0]["role"] in ("system", "developer"):
+        first = dict(turns[0], content=f"{turns[0]['content']}\n\n{described}" if turns[0]["content"] else described)
+        return [first, *turns[1:]]
+    return [{"role": "system", "content": described}, *turns]
