@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -29,8 +30,9 @@ from autodeploy.errors import InvalidRequestError, error_summary
 from autodeploy.runtime.async_llm import AsyncLLM
 from autodeploy.runtime.llm import LLM
 from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
+from autodeploy.runtime.chat_template import render_chat
 from autodeploy.runtime.sampling_params import SamplingParams
-from autodeploy.serve.chat_template import render_chat
+from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
 from autodeploy.serve.metrics import ServerMetrics
 from autodeploy.serve.openai_errors import APIError, error_body, install_error_handlers, invalid_request
 from autodeploy.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -88,24 +90,31 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         server.check_model(body.model)
         body.check_supported()
         prompts = _indexed(engine.tokenize, body.prompts())
-        params = body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+        samples = body.best_of or body.n
+        # best_of > n: every sample scored by its log-probability, so the engine returns them
+        logprobs = body.logprobs if samples == body.n or body.logprobs is not None else 0
+        params = body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, logprobs)
+        params.n = samples
         echoes = [llm.tokenizer.decode(ids) if body.echo and llm.tokenizer is not None else "" for ids in prompts]
-        return await server.respond(request, _CompletionFormat(server, echoes), prompts, params, body.stream,
+        writer = _CompletionFormat(server, echoes, keep=body.n, logprobs=body.logprobs is not None)
+        return await server.respond(request, writer, prompts, params, body.stream,
                                     body.stream_options is not None and body.stream_options.include_usage)
 
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        prompt = render_chat(llm.tokenizer, [m.template_input() for m in body.messages], options.chat_template)
+        tools, choice = body.tool_setup()
+        prompt = render_chat(llm.tokenizer, [m.template_input() for m in body.messages], options.chat_template, tools)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = engine.max_seq_len - len(prompt)
             if max_tokens < 1:
                 raise APIError(400, f"the messages take {len(prompt)} tokens, the whole context (max_seq_len="
                                     f"{engine.max_seq_len}); shorten them", param="messages", code="context_length_exceeded")
-        params = body.sampling_params(max_tokens, body.requested_logprobs())
-        return await server.respond(request, _ChatFormat(server), [prompt], params, body.stream,
+        params = body.sampling_params(max_tokens, body.requested_logprobs(), tools and tool_call_grammar(tools, choice))
+        writer = _ChatFormat(server, tools if choice.mode != "none" else None)
+        return await server.respond(request, writer, [prompt], params, body.stream,
                                     body.stream_options is not None and body.stream_options.include_usage)
 
     return app
@@ -146,6 +155,11 @@ class _Server:
 
     def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Validate every prompt before any is queued, then refuse the request while the queue is full."""
+        sequences, seats = len(prompts) * params.n, self.engine.scheduler.max_num_seqs
+        if sequences > seats:  # the samples fork together; more than the batch holds would evict everyone else
+            raise APIError(400, f"this request needs {sequences} sequences ({len(prompts)} prompt(s) × {params.n} samples (n or "
+                                f"best_of)), more than the batch's {seats} seats (max_batch_size); ask for fewer",
+                           param="n", code="too_many_sequences")
         for index, prompt in enumerate(prompts):
             try:
                 self.engine.make_request(prompt, params)
@@ -171,7 +185,8 @@ class _Server:
             return Response(status_code=499)
         if any(o.finish_reason == "abort" for o in finals):
             raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-        choices = [writer.choice(p * params.n + c.index, c, p) for p, output in enumerate(finals) for c in output.outputs]
+        kept = [writer.kept(output.outputs) for output in finals]
+        choices = [writer.choice(p * len(k) + i, c, p) for p, k in enumerate(kept) for i, c in enumerate(k)]
         return JSONResponse(writer.envelope(choices, usage=_usage(finals)))
 
     async def _finals(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
@@ -288,14 +303,27 @@ class _ResponseFormat:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
+    def kept(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
+        """The completions a prompt returns (all of them, unless ``best_of`` generated more)."""
+        return completions
+
 
 class _CompletionFormat(_ResponseFormat):
     object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
 
-    def __init__(self, server: _Server, echoes: list[str]):
+    def __init__(self, server: _Server, echoes: list[str], keep: int, logprobs: bool):
         super().__init__(server)
         self.echoes = echoes
         self.offsets: dict[int, int] = {}  # streamed text length per choice, for text_offset
+        self.keep = keep  # n, of best_of samples
+        self.logprobs = logprobs  # asked for (best_of > n asks the engine anyway, to rank the samples)
+
+    def kept(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
+        """With ``best_of`` > ``n``: the ``n`` samples of highest log-probability, best first (OpenAI's order)."""
+        if len(completions) == self.keep:
+            return completions
+        ranked = sorted(completions, key=lambda c: sum(c.logprobs), reverse=True)[: self.keep]
+        return ranked if self.logprobs else [dataclasses.replace(c, logprobs=None, top_logprobs=None) for c in ranked]
 
     def choice(self, index: int, completion: CompletionOutput, prompt_index: int) -> dict:
         echo = self.echoes[prompt_index]
@@ -324,15 +352,43 @@ class _CompletionFormat(_ResponseFormat):
 
 
 class _ChatFormat(_ResponseFormat):
+    """With ``tools`` (a tool_choice other than "none"), calls are parsed out of each choice's text: as a
+    whole, or as the text streams (each call is sent in one delta once its end tag has arrived)."""
+
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
+    def __init__(self, server: _Server, tools: list[ToolSpec] | None):
+        super().__init__(server)
+        self.tools = tools
+        self.parsers: dict[int, ToolCallParser] = {}
+
     def choice(self, index: int, completion: CompletionOutput, prompt_index: int) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                "finish_reason": completion.finish_reason, "logprobs": self._logprobs(completion, len(completion.token_ids))}
+        message = {"role": "assistant", "content": completion.text}
+        finish_reason = completion.finish_reason
+        if self.tools is not None:
+            message["content"], calls = parse_tool_calls(completion.text, self.tools)
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": index, "message": message, "finish_reason": finish_reason,
+                "logprobs": self._logprobs(completion, len(completion.token_ids))}
 
     def delta(self, index: int, completion: CompletionOutput, prompt_index: int, first: bool) -> dict:
-        delta = {"role": "assistant", "content": completion.new_text} if first else {"content": completion.new_text}
-        return {"index": index, "delta": delta, "finish_reason": completion.finish_reason,
+        delta = {"role": "assistant"} if first else {}
+        finish_reason = completion.finish_reason
+        if self.tools is None:
+            delta["content"] = completion.new_text
+        else:
+            parser = self.parsers.setdefault(index, ToolCallParser(self.tools))
+            calls_before = parser.num_calls
+            events = parser.feed(completion.new_text) + (parser.finish() if finish_reason is not None else [])
+            delta["content"] = "".join(e for e in events if isinstance(e, str))
+            calls = [e for e in events if isinstance(e, ToolCall)]
+            if calls:
+                delta["tool_calls"] = [{"index": calls_before + i, **c.to_openai()} for i, c in enumerate(calls)]
+            if parser.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return {"index": index, "delta": delta, "finish_reason": finish_reason,
                 "logprobs": self._logprobs(completion, len(completion.new_token_ids))}
 
     def _logprobs(self, completion: CompletionOutput, last: int) -> dict | None:

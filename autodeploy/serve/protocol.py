@@ -1,8 +1,10 @@
 """The OpenAI request bodies the server accepts, and how each maps onto ``SamplingParams``.
 
 Unknown fields are ignored, as OpenAI does. Fields OpenAI defines that this server cannot honour
-(``logit_bias``, ``suffix``, ``tools``, ``best_of`` > ``n``, …) are a 400 saying so, never silently
-dropped. ``response_format`` (``text``, ``json_object``, ``json_schema``) is accepted by both endpoints, as
+(``logit_bias``, ``suffix``, …) are a 400 saying so, never silently dropped. ``best_of`` > ``n`` generates
+``best_of`` samples and returns the ``n`` of highest log-probability, as OpenAI's legacy completions do.
+``tools`` / ``tool_choice`` / ``parallel_tool_calls`` become a grammar over the tools' calls
+(``runtime/tool_calls.py``). ``response_format`` (``text``, ``json_object``, ``json_schema``) is accepted by both endpoints, as
 vLLM does; the JSON ones become ``SamplingParams.json_object`` / ``json_schema`` (grammar-constrained
 decoding). Beyond OpenAI's fields, the SamplingParams ones without an OpenAI counterpart are accepted under vLLM's names (``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``) and ``beam_width`` / ``length_penalty`` / ``early_stopping``.
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.sampling_params import SamplingParams
+from autodeploy.runtime.tool_calls import ToolChoice, ToolSpec, parse_tool_choice, tool_specs
 
 
 class UnsupportedFieldError(InvalidRequestError):
@@ -93,8 +96,9 @@ class _SamplingFields(BaseModel):
         if self.stream and (self.beam_width or 1) > 1:
             raise UnsupportedFieldError("stream", "streaming beam search (beams are known only when it ends)")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; unset fields keep OpenAI's defaults (temperature 1, top_p 1)."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, structural_tag: dict | None = None) -> SamplingParams:
+        """The engine's parameters; unset fields keep OpenAI's defaults (temperature 1, top_p 1).
+        ``structural_tag``: the grammar of tool calls (``runtime/tool_calls.py``)."""
         given = {
             name: getattr(self, name)
             for name in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
@@ -103,6 +107,8 @@ class _SamplingFields(BaseModel):
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         structured = self.response_format.sampling_fields() if self.response_format is not None else {}
+        if structural_tag is not None:
+            structured = {"structural_tag": structural_tag}
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop, **given, **structured)
         params.validate()
         return params
@@ -113,15 +119,22 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=128)
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
             raise UnsupportedFieldError("suffix", "insertion (a suffix after the completion)")
-        if self.best_of is not None and self.best_of != self.n:
-            raise UnsupportedFieldError("best_of", f"best_of ≠ n (got best_of={self.best_of}, n={self.n}); every sample is returned")
+        if self.best_of is not None and self.best_of < self.n:
+            error = InvalidRequestError(f"best_of must be ≥ n (got best_of={self.best_of}, n={self.n}): it is how many samples "
+                                        "are generated, n how many of the best are returned")
+            error.param = "best_of"
+            raise error
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise UnsupportedFieldError("best_of", "streaming with best_of > n (the best samples are known only at the end)")
+        if self.best_of is not None and self.best_of > self.n and (self.beam_width or 1) > 1:
+            raise UnsupportedFieldError("best_of", "best_of > n with beam search (beam search already returns the n best)")
         if self.echo and self.logprobs is not None:
             raise UnsupportedFieldError("echo", "echo with logprobs (the prompt's log-probabilities)")
 
@@ -136,25 +149,18 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    """One turn: ``tool_calls`` on an assistant turn that called tools, ``tool_call_id`` on a tool's result."""
+
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def template_input(self) -> dict:
-        """The message as chat templates read it: text content only."""
-        content = self.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise UnsupportedFieldError("messages", f"a content part of type {part.get('type')!r} (only text parts are)")
-                parts.append(part["text"])
-            content = "".join(parts)
-        message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
+        """The message in OpenAI's form, as ``runtime/chat_template.render_chat`` reads it."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -165,13 +171,21 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_setup(self) -> tuple[list[ToolSpec] | None, ToolChoice]:
+        """The tools (checked: each schema compiles into a grammar) and how they may be called."""
+        specs = tool_specs(self.tools) if self.tools else None
+        choice = parse_tool_choice(self.tool_choice, specs, self.parallel_tool_calls)
+        if choice.mode != "none" and self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError("response_format json_object / json_schema and tool calls each constrain the whole output; "
+                                      'use one (tool_choice "none" turns tool calls off)')
+        if choice.mode != "none" and (self.beam_width or 1) > 1:
+            raise UnsupportedFieldError("beam_width", "beam search with tool calls (calls are generated under a grammar)")
+        return specs, choice
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise UnsupportedFieldError("tools", "tool calling (not yet)")
-        if self.tool_choice not in (None, "none"):
-            raise UnsupportedFieldError("tool_choice", "tool calling (not yet)")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
 

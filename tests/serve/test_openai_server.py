@@ -218,7 +218,9 @@ def test_a_bad_response_format_is_a_400(url, client, response_format, message):
     ('{"model": "tiny-llama", "prompt": "x", "temperature": -1}', "temperature"),    # out of range
     ('{"model": "tiny-llama", "prompt": "x", "max_tokens": 100000}', None),          # over the context
     ('{"model": "tiny-llama", "prompt": "x", "logit_bias": {"5": 1}}', "logit_bias"),  # not supported
-    ('{"model": "tiny-llama", "prompt": "x", "best_of": 4}', "best_of"),
+    ('{"model": "tiny-llama", "prompt": "x", "n": 4, "best_of": 2}', "best_of"),      # best_of < n
+    ('{"model": "tiny-llama", "prompt": "x", "best_of": 4, "stream": true}', "best_of"),
+    ('{"model": "tiny-llama", "prompt": ["x", "y"], "n": 8, "best_of": 20}', "n"),    # 40 sequences, 32 seats
     ('{"model": "tiny-llama", "prompt": [], "max_tokens": 2}', None),
     ('{"model": "tiny-llama", "prompt": [100000]}', None),                           # outside the vocabulary
 ])
@@ -231,9 +233,10 @@ def test_bad_requests_are_400s_in_the_openai_schema(url, body, param):
 
 
 def test_chat_errors(client, guarded_url):
-    with pytest.raises(openai.BadRequestError, match="tool calling"):
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\] \(f\): its parameters cannot be enforced") as raised:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}])
+    assert raised.value.body["param"] == "tools"
     guarded = openai.OpenAI(base_url=f"{guarded_url}/v1", api_key=API_KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError, match="no chat template.*--chat-template"):
         guarded.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
@@ -278,24 +281,36 @@ def test_a_full_queue_is_a_503_with_retry_after(llama_llm, guarded_url):
 
 
 def test_concurrent_clients_get_the_in_process_greedy_answers(llama_llm, url):
-    clients, requests_each = 16, 4
+    """64 clients × 20 requests (every fourth client streams): each answer is complete and equals in-process
+    greedy ``generate``, and the KV pool is empty afterwards."""
+    clients, requests_each = 64, 20
     prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(clients * requests_each)]
     params = SamplingParams(max_tokens=8, **GREEDY)
     expected = [o.text for o in llama_llm.generate(prompts, params)]
     answers: dict[int, str] = {}
+    failures: list[BaseException] = []
 
     def one_client(first: int) -> None:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        for index in range(first, len(prompts), clients):
-            response = client.completions.create(model=MODEL, prompt=prompts[index], max_tokens=8, **GREEDY)
-            assert response.choices[0].finish_reason in ("stop", "length")
-            answers[index] = response.choices[0].text
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            for index in range(first, len(prompts), clients):
+                if first % 4 == 0:
+                    chunks = list(client.completions.create(model=MODEL, prompt=prompts[index], max_tokens=8, stream=True, **GREEDY))
+                    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+                    answers[index] = "".join(c.choices[0].text for c in chunks)
+                else:
+                    response = client.completions.create(model=MODEL, prompt=prompts[index], max_tokens=8, **GREEDY)
+                    assert response.choices[0].finish_reason in ("stop", "length")
+                    answers[index] = response.choices[0].text
+        except BaseException as error:  # reported below, with the request that failed
+            failures.append(error)
 
     threads = [threading.Thread(target=one_client, args=(i,)) for i in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join(timeout=300)
+    assert not failures, failures[:3]
     assert [answers.get(i) for i in range(len(prompts))] == expected
     wait_idle(llama_llm)
 
