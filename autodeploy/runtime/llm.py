@@ -22,6 +22,7 @@ from tqdm import tqdm
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import ConfigError, InvalidRequestError
 from autodeploy.build_report import TransformRecord, format_report
+from autodeploy.runtime.chat import ChatResult, run_chat
 from autodeploy.runtime.engine import Engine, Prompt
 from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams
@@ -200,6 +201,29 @@ class LLM:
                 engine.abort(request.request_id)
             raise
         return [finals[r.request_id] for r in requests]
+
+    def chat(
+        self,
+        messages: list[dict],
+        params: SamplingParams | None = None,
+        tools=None,
+        tool_choice: str | dict | None = None,
+        max_rounds: int = 8,
+        chat_template: str | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> ChatResult:
+        """The assistant's answer to OpenAI-style ``messages``, through the chat template.
+
+        ``tools``: a ``ToolRegistry`` (``autodeploy.tools``), whose functions are run when the model calls
+        them, their results fed back, for up to ``max_rounds`` turns; or OpenAI tool schemas, whose calls
+        are returned (``ChatResult.tool_calls``) for the caller to run. ``tool_choice``: ``"auto"`` (the
+        default with tools), ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": …}}``,
+        for the first turn. ``params`` default to greedy with ``max_tokens=256``.
+
+        >>> reply = llm.chat([{"role": "user", "content": "Is it warm in Rome?"}], tools=registry)  # doctest: +SKIP
+        >>> reply.content, [(r.call.name, r.output) for r in reply.trace]  # doctest: +SKIP
+        """
+        return run_chat(self, messages, params, tools, tool_choice, max_rounds, chat_template, parallel_tool_calls)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets new tokens (``outputs[i].new_text`` /
