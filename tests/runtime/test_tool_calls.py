@@ -3,10 +3,12 @@ call grammar on the tiny Llama (every call parses and its arguments validate aga
 
 from __future__ import annotations
 
+import doctest
 import json
 
 import jsonschema
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -177,3 +179,30 @@ def test_auto_leaves_text_free_until_a_call_starts(llama_llm):
     free = _generate(llama_llm, ToolChoice("none")).outputs[0]
     auto = _generate(llama_llm, ToolChoice("auto")).outputs[0]
     assert auto.token_ids == free.token_ids
+
+
+def test_docstrings():
+    from autodeploy.runtime import tool_calls
+
+    assert doctest.testmod(tool_calls).failed == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_calls_under_the_grammar_are_valid_beside_free_requests(tiny_checkpoint):
+    from autodeploy import autodeploy
+
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", kv_cache={"num_blocks": 64})
+    free = SamplingParams(max_tokens=24, temperature=0)
+    alone = llm.generate("import os", free)[0].token_ids
+    prompt = render_chat(llm.tokenizer, [{"role": "user", "content": "Weather in Rome?"}], TOOLS_TEMPLATE, SPECS)
+    choices = [ToolChoice("required", parallel=False), ToolChoice("function", "get_weather", parallel=False)]
+    calls = [SamplingParams(max_tokens=160, temperature=0.8, seed=seed, structural_tag=tool_call_grammar(SPECS, choice))
+             for seed, choice in enumerate(choices)]
+    outputs = llm.generate([prompt, prompt, "import os"], [*calls, free])
+    for output, choice in zip(outputs, choices):
+        content, (call,) = parse_tool_calls(output.text, SPECS)
+        assert output.finish_reason == "stop" and content is None
+        assert choice.mode != "function" or call.name == "get_weather"
+        jsonschema.validate(call.arguments, {s.name: s.parameters for s in SPECS}[call.name])
+    assert outputs[2].token_ids == alone
+    assert llm.engine.pool.num_used_blocks == 0
