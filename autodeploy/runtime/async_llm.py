@@ -42,12 +42,13 @@ class AsyncLLM:
         self._worker = threading.Thread(target=self._run, name="autodeploy-engine", daemon=True)
         self._worker.start()
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    def stream(self, prompt: Prompt | Request, params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's output whenever it gets new tokens; the last one has ``finished=True``.
-        Cancelling the consumer aborts the request; ``abort(request_id)`` ends it with an "abort" output."""
+        Cancelling the consumer aborts the request; ``abort(request_id)`` ends it with an "abort" output.
+        ``prompt`` may be a request already made (and so validated) by ``engine.make_request``."""
         return self._outputs(prompt, params, priority, streaming=True)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> RequestOutput:
+    async def generate(self, prompt: Prompt | Request, params: SamplingParams | None = None, priority: int = 0) -> RequestOutput:
         """The finished output of one request (``finish_reason`` "abort" if it was aborted)."""
         (final,) = [output async for output in self._outputs(prompt, params, priority, streaming=False)]
         return final
@@ -67,8 +68,8 @@ class AsyncLLM:
         self._wake.set()
         self._worker.join()
 
-    async def _outputs(self, prompt: Prompt, params: SamplingParams | None, priority: int, streaming: bool) -> AsyncIterator[RequestOutput]:
-        request = self.engine.make_request(prompt, params, priority=priority)  # bad input raises here
+    async def _outputs(self, prompt: Prompt | Request, params: SamplingParams | None, priority: int, streaming: bool) -> AsyncIterator[RequestOutput]:
+        request = prompt if isinstance(prompt, Request) else self.engine.make_request(prompt, params, priority=priority)  # bad input raises here
         queue: asyncio.Queue = asyncio.Queue()
         request.sink = _AsyncSink(asyncio.get_running_loop(), queue, streaming)
         with self._lock:

@@ -30,6 +30,7 @@ from autodeploy.errors import InvalidRequestError, error_summary
 from autodeploy.runtime.async_llm import AsyncLLM
 from autodeploy.runtime.llm import LLM
 from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
+from autodeploy.runtime.request import Request as EngineRequest
 from autodeploy.runtime.chat_template import render_chat
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
@@ -153,16 +154,17 @@ class _Server:
             raise APIError(400, f"model {model!r} is not served here; this server serves {self.options.served_model_name!r} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
 
-    def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """Validate every prompt before any is queued, then refuse the request while the queue is full."""
+    def admit(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineRequest]:
+        """The engine's requests, one per prompt, each validated before any is queued; refused while the queue is full."""
         sequences, seats = len(prompts) * params.n, self.engine.scheduler.max_num_seqs
         if sequences > seats:  # the samples fork together; more than the batch holds would evict everyone else
             raise APIError(400, f"this request needs {sequences} sequences ({len(prompts)} prompt(s) × {params.n} samples (n or "
                                 f"best_of)), more than the batch's {seats} seats (max_batch_size); ask for fewer",
                            param="n", code="too_many_sequences")
+        requests = []
         for index, prompt in enumerate(prompts):
             try:
-                self.engine.make_request(prompt, params)
+                requests.append(self.engine.make_request(prompt, params))
             except InvalidRequestError as error:
                 raise invalid_request(InvalidRequestError(f"prompt {index}: {error}" if len(prompts) > 1 else str(error))) from None
         waiting = len({s.request.request_id for s in list(self.engine.scheduler.waiting)})
@@ -171,16 +173,17 @@ class _Server:
             raise APIError(503, f"the server is busy: {waiting} requests are waiting for a seat (--max-queued-requests "
                                 f"{self.options.max_queued_requests}); retry later", code="queue_full",
                            headers={"Retry-After": str(self.options.retry_after_s)})
+        return requests
 
     async def respond(self, request: Request, writer: _ResponseFormat, prompts: list[list[int]], params: SamplingParams,
                       stream: bool, include_usage: bool) -> Response:
-        self.admit(prompts, params)
+        queued = self.admit(prompts, params)
         if stream:
-            return StreamingResponse(self._events(writer, prompts, params, include_usage), media_type="text/event-stream",
+            return StreamingResponse(self._events(writer, queued, params, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        finals = await _unless_disconnected(request, self._finals(prompts, params))
+        finals = await _unless_disconnected(request, self._finals(queued))
         if finals is None:  # the client left; its requests were aborted
-            for _ in prompts:
+            for _ in queued:
                 self.metrics.observe_abandoned()
             return Response(status_code=499)
         if any(o.finish_reason == "abort" for o in finals):
@@ -189,33 +192,34 @@ class _Server:
         choices = [writer.choice(p * len(k) + i, c, p) for p, k in enumerate(kept) for i, c in enumerate(k)]
         return JSONResponse(writer.envelope(choices, usage=_usage(finals)))
 
-    async def _finals(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-        finals = await asyncio.gather(*(self.async_llm.generate(prompt, params) for prompt in prompts))
+    async def _finals(self, queued: list[EngineRequest]) -> list[RequestOutput]:
+        finals = await asyncio.gather(*(self.async_llm.generate(engine_request) for engine_request in queued))
         for output in finals:
             self.metrics.observe_finished(output)
         return finals
 
-    async def _events(self, writer: _ResponseFormat, prompts: list[list[int]], params: SamplingParams,
+    async def _events(self, writer: _ResponseFormat, queued: list[EngineRequest], params: SamplingParams,
                       include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: one chunk per new piece of a choice, its finish, then usage (if asked) and [DONE]."""
-        streams = [self.async_llm.stream(prompt, params) for prompt in prompts]
+        streams = [self.async_llm.stream(engine_request) for engine_request in queued]
         finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
         try:
-            async for prompt_index, output in _merged(streams):
-                chunk_choices = []
-                for completion in output.outputs:
-                    index = prompt_index * params.n + completion.index
-                    if completion.finish_reason == "abort":
-                        raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-                    if index not in started or completion.new_text or completion.finish_reason is not None:
-                        chunk_choices.append(writer.delta(index, completion, prompt_index, first=index not in started))
-                        started.add(index)
-                if chunk_choices:
-                    yield _event(writer.envelope(chunk_choices, chunk=True))
-                if output.finished:
-                    finals[prompt_index] = output
-                    self.metrics.observe_finished(output)
+            async with contextlib.aclosing(_merged(streams)) as merged:  # closed at once when the client leaves
+                async for prompt_index, output in merged:
+                    chunk_choices = []
+                    for completion in output.outputs:
+                        index = prompt_index * params.n + completion.index
+                        if completion.finish_reason == "abort":
+                            raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+                        if index not in started or completion.new_text or completion.finish_reason is not None:
+                            chunk_choices.append(writer.delta(index, completion, prompt_index, first=index not in started))
+                            started.add(index)
+                    if chunk_choices:
+                        yield _event(writer.envelope(chunk_choices, chunk=True))
+                    if output.finished:
+                        finals[prompt_index] = output
+                        self.metrics.observe_finished(output)
             if include_usage:
                 yield _event(writer.envelope([], chunk=True, usage=_usage([finals[p] for p in sorted(finals)])))
         except APIError as error:
@@ -224,7 +228,7 @@ class _Server:
             logger.exception("stream failed")
             yield _event(error_body(500, error_summary(error)))
         finally:
-            for _ in range(len(prompts) - len(finals)):
+            for _ in range(len(queued) - len(finals)):
                 self.metrics.observe_abandoned()
         yield "data: [DONE]\n\n"
 
@@ -232,6 +236,13 @@ class _Server:
 async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``(stream index, output)`` in arrival order. Closing it cancels the streams' pending reads, which
     aborts their requests (``AsyncLLM.stream``)."""
+    if len(streams) == 1:  # the common case, without a task and a wait per output
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            await streams[0].aclose()
+        return
     pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
     try:
         while pending:
