@@ -7,6 +7,13 @@ from the last repeat, the spread from all.
 Baseline engines (``hf-eager``, ``hf-compile``) run the synthetic points in the same process; the
 ratios are autodeploy's value over theirs.
 
+``--compare server`` measures every point a second time through the OpenAI server (``autodeploy serve``'s
+app over the same deployed engine, under uvicorn in a thread of this process) from a client in a separate
+process (``http_runner``; its own interpreter lock, as a real client's); each repeat runs a point in-process
+and then over HTTP, back to back, with the prefix cache emptied before each, and the server runs carry
+their value over the in-process one. ``config.url`` measures a server that is already running instead, and
+builds nothing here: the model (default: the demo model) gives only the vocabulary of the random prompts.
+
     config = BenchmarkConfig(model=None, workloads=["synthetic"], batch=[1, 8], input_len=[32], output_len=[32])
     result = run_benchmark(config)
     print(format_table(result))
@@ -14,14 +21,20 @@ ratios are autodeploy's value over theirs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
+import multiprocessing
 import os
 import platform
+import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,10 +51,14 @@ from autodeploy.bench.workloads import (
 from autodeploy.config import DeploySettings, load_yaml, parse_set_arguments, site_config_files
 from autodeploy.errors import ConfigError
 
+if TYPE_CHECKING:
+    from autodeploy.bench.http_runner import HttpMeasurement
+
 logger = logging.getLogger(__name__)
 
 WORKLOADS = ("synthetic", "poisson", "concurrency", "accuracy")
 BASELINE_ENGINES = ("hf-eager", "hf-compile")
+SERVER = "server"  # the engine name of runs measured over HTTP, and the --compare choice that adds them
 
 
 @dataclass
@@ -64,20 +81,48 @@ class BenchmarkConfig:
     seed: int = 0
     compare: list[str] = field(default_factory=list)
     progress: bool = True
+    url: str | None = None  # a running OpenAI-compatible server to measure instead of an engine built here
+    served_model_name: str | None = None  # None: the one model the server lists
+    api_key: str | None = None
+    request_timeout: float = 120.0  # seconds an HTTP request may wait for its next byte
 
     def validate(self) -> None:
         unknown = [w for w in self.workloads if w not in WORKLOADS]
         if unknown or not self.workloads:
             raise ConfigError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
-        bad_engines = [e for e in self.compare if e not in BASELINE_ENGINES]
+        bad_engines = [e for e in self.compare if e not in (*BASELINE_ENGINES, SERVER)]
         if bad_engines:
-            raise ConfigError(f"unknown baseline(s) {bad_engines} for --compare; choose from {', '.join(BASELINE_ENGINES)}")
+            raise ConfigError(f"unknown baseline(s) {bad_engines} for --compare; choose from {', '.join((*BASELINE_ENGINES, SERVER))}")
+        if self.url is not None and self.compare:
+            raise ConfigError(
+                "--compare runs other engines beside one built here, and --url builds none (HF baselines here would "
+                "compare this machine with the server's); for both in one run on one machine: autodeploy bench MODEL "
+                f"--compare {','.join(['server', *(e for e in self.compare if e != SERVER)])}"
+            )
+        if self.url is not None and "accuracy" in self.workloads:
+            raise ConfigError("the accuracy workload compares logits with HF in this process, and a server does not return "
+                              "logits; drop accuracy from --workload, or run it without --url")
+        if not self.request_timeout > 0:
+            raise ConfigError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
         if self.repeats < 1:
             raise ConfigError(f"--repeats must be ≥ 1, got {self.repeats}")
         if any(rate <= 0 for rate in self.rates):
             raise ConfigError(f"arrival rates must be > 0 requests/s, got {self.rates}")
         if self.perplexity_text is not None and not Path(self.perplexity_text).is_file():
             raise ConfigError(f"perplexity text file {self.perplexity_text} does not exist")
+        if self.url is not None or SERVER in self.compare:
+            _check_http_packages(with_server=self.url is None)
+
+
+def _check_http_packages(with_server: bool) -> None:
+    """Measuring over HTTP needs httpx; serving here (``--compare server``) the serve extra as well."""
+    import importlib.util
+
+    needed = {"httpx": "bench", **({"fastapi": "serve", "uvicorn": "serve"} if with_server else {})}
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        extras = ",".join(sorted({needed[name] for name in missing}))
+        raise ConfigError(f"measuring over HTTP needs {', '.join(missing)}: pip install 'autodeploy[{extras}]'")
 
 
 def build_workloads(config: BenchmarkConfig, vocab_size: int, max_seq_len: int, tokenizer) -> list[Workload]:
@@ -112,6 +157,8 @@ def _run_result(workload: Workload, engine: str, measurements: list[RunMeasureme
         peak_host_rss_bytes=last.peak_host_rss_bytes,
         kv_pool_peak_utilization=last.kv_pool_peak_utilization,
         prefix_cache_hit_rate=last.prefix_cache_hit_rate,
+        failed_requests=len(last.failures),
+        failures=sorted(set(last.failures))[:5],  # the distinct reasons, enough to see what went wrong
     )
     samples: dict[str, list[float]] = defaultdict(list)
     for measurement in measurements:
@@ -148,17 +195,19 @@ def _hf_measurements(config: BenchmarkConfig, workload: Workload, engine: str, m
 
 
 def _ratios(result: BenchResult) -> None:
+    """autodeploy's runs over each baseline's; the server's runs over the in-process ones (its overhead)."""
+    pairs = [(engine, "autodeploy") for engine in BASELINE_ENGINES] + [("autodeploy", SERVER)]
     for run in result.runs:
-        if run.engine != "autodeploy":
-            continue
-        for engine in BASELINE_ENGINES:
-            other = result.run(run.id.rsplit("/", 1)[0] + f"/{engine}")
+        for other_engine, engine in pairs:
+            if run.engine != engine:
+                continue
+            other = result.run(run.id.rsplit("/", 1)[0] + f"/{other_engine}")
             if other is None:
                 continue
             ours, theirs = headline_values(run.metrics), headline_values(other.metrics)
             for name, value in ours.items():
                 if theirs.get(name):
-                    run.ratios[f"{name}/{engine}"] = value / theirs[name]
+                    run.ratios[f"{name}/{other_engine}"] = value / theirs[name]
 
 
 def _machine(device: torch.device) -> dict:
@@ -184,6 +233,8 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
     from autodeploy import autodeploy
 
     config.validate()
+    if config.url is not None:
+        return _run_against_url(config)
     llm = autodeploy(config.model, config=config.config_files, set_arguments=_sized_for_workloads(config))
     settings = llm.settings
     if "accuracy" in config.workloads and settings.weights == "random":
@@ -201,23 +252,30 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
                   "kv_blocks": llm.engine.pool.num_blocks, "max_num_tokens": settings.scheduler.max_num_tokens},
         build={"total_s": sum(stages.values()), "stages": dict(stages)},
     )
+    warm_up = synthetic_workload(2, 8, 4, llm.vocab_size, settings.max_seq_len, seed=config.seed + 1)
     if workloads:
-        warm_up = synthetic_workload(2, 8, 4, llm.vocab_size, settings.max_seq_len, seed=config.seed + 1)
         run_workload(llm, warm_up, progress=False)
     # Repeats go round-robin over the points, so each point's spread includes the machine's drift over
     # the whole invocation, not only back-to-back jitter.
     measurements: dict[str, list[RunMeasurement]] = defaultdict(list)
-    for _ in range(config.repeats):
-        for workload in workloads:
-            measurements[workload.id].append(run_workload(llm, workload, progress=config.progress))
+    served: dict[str, list[RunMeasurement]] = defaultdict(list)
+    server = _served(llm, workloads, warm_up, config) if SERVER in config.compare and workloads else contextlib.nullcontext()
+    with server as measure_served:
+        for _ in range(config.repeats):
+            for workload in workloads:
+                measurements[workload.id].append(run_workload(llm, workload, progress=config.progress))
+                if measure_served is not None:  # right after, so both see the machine in the same state
+                    served[workload.id].append(measure_served(workload))
     result.runs += [_run_result(workload, "autodeploy", measurements[workload.id]) for workload in workloads]
+    result.runs += [_run_result(workload, SERVER, served[workload.id]) for workload in workloads if served]
     synthetic = [w for w in workloads if w.kind == "synthetic"]
-    if config.compare and len(synthetic) < len(workloads):
+    baselines = [engine for engine in config.compare if engine in BASELINE_ENGINES]
+    if baselines and len(synthetic) < len(workloads):
         logger.warning("baselines run the synthetic workloads only: HF generate() has no in-flight batching for arrival streams")
     device = llm.engine.device
-    if config.compare:
+    if baselines:
         llm.free_kv_cache()  # the pool takes most of a GPU; the baselines need room for their own caches
-    for engine in config.compare:
+    for engine in baselines:
         from autodeploy.bench.hf_baselines import hf_generate_timing, load_hf_model
 
         model = load_hf_model(llm.model_directory, _torch_dtype(settings.dtype), device)
@@ -233,6 +291,79 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
     if "accuracy" in config.workloads:
         result.accuracy = _accuracy(config, llm)
     return result
+
+
+@contextlib.contextmanager
+def _served(llm, workloads: list[Workload], warm_up: Workload, config: BenchmarkConfig) -> Iterator[Callable[[Workload], RunMeasurement]]:
+    """``llm`` behind the OpenAI server in a thread, and a client in a spawned process; yields ``measure(workload)``."""
+    from autodeploy.bench.http_runner import measure_over_http, probe_server
+    from autodeploy.serve import ServerOptions, build_app
+    from autodeploy.serve.server import serving_in_thread
+
+    # As deep a queue as the in-process runner has: the server must not refuse what the engine would queue.
+    options = ServerOptions(served_model_name="autodeploy-bench", max_queued_requests=max(256, *(len(w.requests) for w in workloads)))
+    spawn = multiprocessing.get_context("spawn")  # not fork: this process has threads (the engine's, uvicorn's)
+    with serving_in_thread(build_app(llm, options)) as url, ProcessPoolExecutor(1, mp_context=spawn) as client:
+        target = probe_server(url, timeout_s=config.request_timeout)
+
+        def measure(workload: Workload, warm_up: bool = False) -> RunMeasurement:
+            llm.engine.pool.reset_prefix_cache()  # the in-process run just prefilled the same prompts
+            measured = client.submit(measure_over_http, target, workload, config.progress and not warm_up).result()
+            _wait_until_idle(llm.engine, config.request_timeout)  # a failed request's abort may still be on its way
+            return _from_http(measured, workload, url, warm_up)
+
+        measure(warm_up, warm_up=True)
+        yield measure
+
+
+def _from_http(measured: HttpMeasurement, workload: Workload, url: str, warm_up: bool) -> RunMeasurement:
+    """A failure in the (untimed) warm-up, or of every request of a point, stops the run with the server's reason;
+    otherwise the point's failures are counted and reported beside its metrics."""
+    if measured.failures and (warm_up or not measured.timings):
+        raise ConfigError(f"{'the warm-up' if warm_up else workload.id}: {len(measured.failures)} of {len(workload.requests)} "
+                          f"requests to the server at {url} failed, e.g. {measured.failures[0]}")
+    return RunMeasurement(measured.timings, None, None, None, None, failures=measured.failures)
+
+
+def _wait_until_idle(engine, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _run_against_url(config: BenchmarkConfig) -> BenchResult:
+    """The workloads through a server that is already running; nothing is built here."""
+    from autodeploy import deployment_settings
+    from autodeploy.bench.http_runner import measure_over_http, probe_server
+
+    target = probe_server(config.url, config.served_model_name, config.api_key, config.request_timeout)
+    settings, factory = deployment_settings(config.model, config.config_files, config.set_arguments)
+    vocab_size = factory.hf_config.get_text_config().vocab_size
+    tokenizer = factory.load_tokenizer(settings.tokenizer) if config.dataset else None
+    max_seq_len = target.max_model_len or settings.max_seq_len
+    workloads = build_workloads(config, vocab_size, max_seq_len, tokenizer)
+
+    def measure(workload: Workload, warm_up: bool = False) -> RunMeasurement:
+        return _from_http(measure_over_http(target, workload, config.progress and not warm_up), workload, target.url, warm_up)
+
+    try:
+        measure(synthetic_workload(2, 8, 4, vocab_size, max_seq_len, seed=config.seed + 1), warm_up=True)
+    except ConfigError as error:
+        raise ConfigError(f"{error} (the prompts are token ids of {settings.model or 'the demo model'}'s vocabulary: "
+                          "give the served model as MODEL)") from None
+    measurements: dict[str, list[RunMeasurement]] = defaultdict(list)
+    for _ in range(config.repeats):
+        for workload in workloads:
+            measurements[workload.id].append(measure(workload))
+    return BenchResult(
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine={"device": "remote", "device_name": f"server at {target.url}", "client": platform.node(),
+                 "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        model=target.model,
+        settings={"url": target.url, "max_model_len": target.max_model_len, "vocabulary_of": str(settings.model or "demo model")},
+        build={"total_s": 0.0, "stages": {}},
+        runs=[_run_result(workload, SERVER, measurements[workload.id]) for workload in workloads],
+    )
 
 
 def _accuracy(config: BenchmarkConfig, llm) -> dict:

@@ -1,6 +1,9 @@
 """Latency and throughput metrics from per-request timestamps.
 
-Per request (all times from one clock): arrival ``a``, output token times ``t_1 … t_n``.
+Per request (all times from one clock): arrival ``a``, output token times ``t_1 … t_n``. Over HTTP the
+times are those of the streamed events, and an event may carry several tokens (the server holds back a
+token that ends in half a UTF-8 character); ``num_output_tokens`` then gives ``n`` (the server's ``usage``)
+and ITL pools the gaps between events.
 
 - TTFT (time to first token) = ``t_1 − a``
 - E2E latency = ``t_n − a``
@@ -22,6 +25,11 @@ class RequestTiming:
     arrival: float
     token_times: list[float]
     input_len: int
+    num_output_tokens: int | None = None  # None: one time per token
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_times) if self.num_output_tokens is None else self.num_output_tokens
 
     @property
     def ttft(self) -> float:
@@ -33,7 +41,7 @@ class RequestTiming:
 
     @property
     def tpot(self) -> float | None:
-        n = len(self.token_times)
+        n = self.output_len
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
 
     @property
@@ -66,7 +74,7 @@ def summarize(timings: list[RequestTiming]) -> dict:
         raise ValueError("every request of a benchmark run must have produced at least one token")
     start = min(t.arrival for t in timings)
     duration = max(t.token_times[-1] for t in timings) - start
-    output_tokens = sum(len(t.token_times) for t in timings)
+    output_tokens = sum(t.output_len for t in timings)
     input_tokens = sum(t.input_len for t in timings)
     tpots = [t.tpot for t in timings if t.tpot is not None]
     metrics = {

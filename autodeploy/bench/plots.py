@@ -28,7 +28,7 @@ SWEEP_AXES = {  # workload kind → (swept workload key, file suffix, axis label
     "poisson": ("rate", "rate", "request rate (req/s)"),
 }
 # Colours repeat after ten runs; the line style still tells the engines apart.
-_ENGINE_LINESTYLES = {"autodeploy": "-", "hf-eager": "--", "hf-compile": ":"}
+_ENGINE_LINESTYLES = {"autodeploy": "-", "hf-eager": "--", "hf-compile": ":", "server": "-."}
 _NOT_A_SERIES_KEY = {"kind", "seed"}  # workload keys that never tell two lines apart
 
 

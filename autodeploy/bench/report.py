@@ -5,6 +5,7 @@ from __future__ import annotations
 from autodeploy.bench.results import HEADLINE_METRICS, BenchResult
 
 RATIO_METRICS = ("output_tokens_per_s", "e2e_p50_s")  # the ratios worth a line: one throughput, one latency
+SERVER_RATIO_METRICS = ("output_tokens_per_s", "ttft_p50_s", "tpot_p50_s", "e2e_p50_s")  # what the server adds
 
 
 def _ms(distribution: dict | None, quantile: str) -> str:
@@ -19,10 +20,10 @@ def _fraction(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
-def _ratios(ratios: dict[str, float]) -> str:
+def _ratios(ratios: dict[str, float], metrics: tuple[str, ...] = RATIO_METRICS) -> str:
     """``output_tokens_per_s/hf-eager 0.73× (worse), e2e_p50_s/hf-eager 1.40× (worse: slower)``."""
     shown = []
-    for metric in RATIO_METRICS:
+    for metric in metrics:
         for name in sorted(n for n in ratios if n.split("/")[0] == metric):
             shown.append(f"{name} {ratios[name]:.2f}× ({_ratio_verdict(ratios[name], HEADLINE_METRICS[metric])})")
     return ", ".join(shown)
@@ -55,11 +56,22 @@ def format_table(result: BenchResult) -> str:
         ))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines = ["  ".join(str(cell).ljust(w) if i == 0 else str(cell).rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
-    ratio_lines = [f"  {run.id}: {_ratios(run.ratios)}" for run in result.runs if run.ratios]
+    ratio_lines = [f"  {run.id}: {_ratios(run.ratios)}" for run in result.runs if run.ratios and run.engine != "server"]
     if ratio_lines:
         lines += ["", "autodeploy / baseline (same run; each ratio says whether autodeploy did better or worse):", *ratio_lines]
-    stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.build["stages"].items())
-    lines += ["", f"build {result.build['total_s']:.2f}s ({stages}) on {result.machine['device_name']} ({result.machine['device']})"]
+    server_lines = [f"  {run.id}: {_ratios(run.ratios, SERVER_RATIO_METRICS)}" for run in result.runs if run.ratios and run.engine == "server"]
+    if server_lines:
+        lines += ["", "over HTTP / in-process (the same engine, point by point in the same run; what the server costs):", *server_lines]
+    failed = [run for run in result.runs if run.metrics.get("failed_requests")]
+    if failed:
+        lines += ["", "requests that failed (left out of the metrics above):"]
+        lines += [f"  {run.id}: {run.metrics['failed_requests']} of {run.metrics['failed_requests'] + run.metrics['num_requests']}, "
+                  f"e.g. {run.metrics['failures'][0]}" for run in failed]
+    if result.build["stages"]:
+        stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.build["stages"].items())
+        lines += ["", f"build {result.build['total_s']:.2f}s ({stages}) on {result.machine['device_name']} ({result.machine['device']})"]
+    else:
+        lines += ["", f"measured over HTTP: {result.machine['device_name']} ({result.model})"]
     if result.accuracy:
         a = result.accuracy
         line = (f"accuracy vs HF eager: top-1 agreement {100 * a['top1_agreement']:.2f}% over {a['num_tokens']} tokens, "

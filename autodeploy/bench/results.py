@@ -14,8 +14,11 @@ A ``RunResult`` is one workload point through one engine: ``id`` names it stably
 holds the summary of the last repeat's requests (latency distributions as ``{mean, p50, p90, p99}``);
 ``samples`` holds, per headline metric, one value per repeat — the spread regression detection needs;
 ``ratios`` compares autodeploy with each baseline engine measured in the same invocation
-(``{"output_tokens_per_s/hf-eager": 1.4}``: autodeploy's value over the baseline's); ``per_request``
-keeps the last repeat's per-request latencies for the CDF plots.
+(``{"output_tokens_per_s/hf-eager": 1.4}``: autodeploy's value over the baseline's), and a ``server``
+run (the same requests over HTTP) with the in-process one (``{"ttft_p50_s/autodeploy": 1.2}``: the
+server's value over in-process); ``per_request`` keeps the last repeat's per-request latencies for the CDF
+plots. ``metrics`` also counts ``failed_requests`` (over HTTP: errors, timeouts, short answers; left out
+of the latencies and throughputs) and lists up to five distinct ``failures``.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ LATENCY_METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")  # each a {mean, p50, p
 class RunResult:
     id: str
     workload: dict[str, Any]
-    engine: str  # "autodeploy" | "hf-eager" | "hf-compile"
+    engine: str  # "autodeploy" | "hf-eager" | "hf-compile" | "server" (over HTTP)
     repeats: int
     metrics: dict[str, Any]
     samples: dict[str, list[float]] = field(default_factory=dict)

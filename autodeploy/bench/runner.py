@@ -12,7 +12,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -26,9 +26,10 @@ from autodeploy.runtime.sampling_params import SamplingParams
 class RunMeasurement:
     timings: list[RequestTiming]
     peak_device_memory_bytes: int | None
-    peak_host_rss_bytes: int
+    peak_host_rss_bytes: int | None  # None: measured over HTTP, where the client cannot see the server's memory
     kv_pool_peak_utilization: float | None
     prefix_cache_hit_rate: float | None
+    failures: list[str] = field(default_factory=list)  # over HTTP: why each request that did not finish failed
 
 
 def peak_host_rss_bytes() -> int:

@@ -1,6 +1,14 @@
-"""Run an app from ``build_app`` under uvicorn until interrupted (Ctrl-C shuts the engine's front end down)."""
+"""Run an app from ``build_app`` under uvicorn: in the foreground until interrupted (``run_server``, Ctrl-C
+shuts the engine's front end down), or in a background thread on a free loopback port (``serving_in_thread``,
+for benchmarks and tests that drive the server from the same program)."""
 
 from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
@@ -9,3 +17,30 @@ from fastapi import FastAPI
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Serve ``app`` on ``host:port`` (loopback by default: pass ``host="0.0.0.0"`` to accept other machines)."""
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+@contextlib.contextmanager
+def serving_in_thread(app: FastAPI, startup_timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve ``app`` under uvicorn in a daemon thread on a free loopback port; yields its base URL and stops
+    the server (and with it the app's ``AsyncLLM``) on exit.
+
+        with serving_in_thread(build_app(llm, ServerOptions(served_model_name="tiny"))) as url:
+            httpx.get(f"{url}/health")
+    """
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound before the thread starts, so the port is known and cannot be taken
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the HTTP server did not start within {startup_timeout_s:.0f}s")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 
@@ -13,12 +12,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from autodeploy import SamplingParams
 from autodeploy.cli.main import build_parser, main
 from autodeploy.serve import ServerOptions, build_app
+from autodeploy.serve.server import serving_in_thread
 
 MODEL = "tiny-llama"
 API_KEY = "sk-test"
@@ -30,21 +29,8 @@ GREEDY = dict(temperature=0.0)
 @contextlib.contextmanager
 def serving(llm, **options):
     """The app under uvicorn in a background thread, on a free loopback port; yields its base URL."""
-    app = build_app(llm, ServerOptions(served_model_name=MODEL, **options))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serving_in_thread(build_app(llm, ServerOptions(served_model_name=MODEL, **options))) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
