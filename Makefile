@@ -1,5 +1,5 @@
 # make run   — create .venv (once), install, and generate with the embedded demo model
-# make test  — create .venv (once), install, and run the test suite
+# make test  — create .venv and .venv-triton (once), install, and run the test suite
 # make bench — the CPU tiny-model benchmark suite against the committed baseline (exit 3 on a regression);
 #              make bench-baseline re-records that baseline on this machine
 VENV := .venv
@@ -16,6 +16,11 @@ BENCH_BASELINE := configs/bench/cpu-tiny.json
 # spread within one invocation is ~2% (notes/bench.md), so 5% would flag the machine, not the code.
 BENCH_THRESHOLD := 0.10
 
+# The Triton Inference Server tests' server environment: the nvidia-pytriton wheel bundles tritonserver and its
+# Python backend, and pins numpy < 2, so it lives beside .venv; tests/serve/test_triton_server.py starts it.
+TRITON_VENV := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed
+
 $(STAMP): pyproject.toml requirements/cpu-constraints.txt
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
@@ -23,10 +28,17 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt
 	$(PYTHON) -m pip install -q -c requirements/cpu-constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+$(TRITON_STAMP): pyproject.toml requirements/cpu-constraints.txt
+	python3 -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRITON_VENV)/bin/python -m pip install -q -c requirements/cpu-constraints.txt torch==2.13.0
+	$(TRITON_VENV)/bin/python -m pip install -q -c requirements/cpu-constraints.txt -e . nvidia-pytriton==0.7.0 'tritonclient[http,grpc]'
+	touch $(TRITON_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/autodeploy run --prompt "def fibonacci(n):" --prompt "import os"
 
-test: $(STAMP)
+test: $(STAMP) $(TRITON_STAMP)
 	$(PYTHON) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
@@ -36,4 +48,4 @@ bench-baseline: $(STAMP)
 	$(VENV)/bin/autodeploy bench $(BENCH_SUITE) --out $(BENCH_BASELINE)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(TRITON_VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""The ``autodeploy`` command line: run, serve, build, quantize, config show, inspect, tune, bench.
+"""The ``autodeploy`` command line: run, serve, build, triton-repo, quantize, config show, inspect, tune, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
 ``bench --baseline`` exits with code 3 when a metric regressed. ``--debug`` and ``--version`` go
@@ -104,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", required=True, metavar="DIR", help="folder to write (new, empty, or an earlier deployment, which is replaced)")
     _add_settings_arguments(build)
 
+    triton_repo = commands.add_parser("triton-repo", help="deploy a model and write a Triton Inference Server model repository: "
+                                                          "the engine (streaming), tokenizer steps, an ensemble (notes/triton.md)")
+    triton_repo.add_argument("model", nargs="?", default=None, help="as for build (default: the embedded demo model)")
+    triton_repo.add_argument("--out", required=True, metavar="DIR", help="folder to write (new or empty)")
+    triton_repo.add_argument("--blocklist", default=None, metavar="FILE",
+                             help="add an output filter step to the ensemble: terms (one a line) whose whole-word matches it acts on")
+    triton_repo.add_argument("--blocklist-action", default="redact", choices=("redact", "refuse"),
+                             help="redact: replace each match with [redacted]; refuse: replace the response's text")
+    _add_settings_arguments(triton_repo)
+
     quantize = commands.add_parser("quantize", help="quantize a checkpoint as the quantize settings say and write it as a "
                                                      "compressed-tensors checkpoint folder that autodeploy (and vLLM) serve")
     quantize.add_argument("model", help="checkpoint folder or hub id of the float model")
@@ -142,7 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3,
                        help="measurements per point (their spread feeds the regression check: 2 or more with --baseline)")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--compare", default="", help="baselines in the same run: hf-eager, hf-compile (comma list)")
+    bench.add_argument("--compare", default="", help="in the same run: hf-eager, hf-compile (synthetic points through HF), server "
+                       "(every point again through the OpenAI server over the same engine, over HTTP) (comma list)")
+    bench.add_argument("--url", default=None, help="measure a running OpenAI-compatible server (e.g. autodeploy serve) at this "
+                       "base URL instead of building an engine; MODEL only gives the prompts' vocabulary")
+    bench.add_argument("--served-model-name", default=None, help="--url: the model to request (default: the one /v1/models lists)")
+    bench.add_argument("--api-key", default=None, help="--url: sent as 'Authorization: Bearer KEY'")
+    bench.add_argument("--request-timeout", type=float, default=120.0,
+                       help="over HTTP: seconds a request may wait for its next byte before it counts as failed")
     bench.add_argument("--out", default=None, help="write the results as JSON")
     bench.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (matplotlib) into DIR")
     bench.add_argument("--baseline", default=None, help="results JSON to compare with; exit code 3 on a regression")
@@ -150,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch (fewer threads measure more steadily on a shared machine)")
     bench.add_argument("--no-progress", action="store_true")
     _add_settings_arguments(bench)
-    for subcommand in (run, serve, build, quantize, config, show, inspect, tune, bench):
+    for subcommand in (run, serve, build, triton_repo, quantize, config, show, inspect, tune, bench):
         _add_global_flags(subcommand, version_line, top_level=False)
     return parser
 
@@ -190,6 +207,10 @@ def _bench(args) -> int:
         seed=args.seed,
         compare=[e.strip() for e in args.compare.split(",") if e.strip()],
         progress=not args.no_progress,
+        url=args.url,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        request_timeout=args.request_timeout,
     )
     config.validate()
     if args.threshold <= 0:
@@ -317,6 +338,23 @@ def _build(args) -> None:
           f"on {llm.settings.device} {llm.settings.dtype}); serve it with: autodeploy run {directory}")
 
 
+def _triton_repo(args) -> None:
+    from pathlib import Path
+
+    from autodeploy import autodeploy
+    from autodeploy.serve.triton import Blocklist, write_model_repository
+    from autodeploy.serve.triton.repository import check_repository_destination
+
+    out = Path(args.out)
+    check_repository_destination(out)  # before a build that may take minutes
+    blocklist = Blocklist.from_file(args.blocklist, args.blocklist_action) if args.blocklist else None
+    start = time.perf_counter()
+    llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
+    directory = write_model_repository(llm, out, blocklist, source=args.model)
+    print(f"wrote {directory} in {time.perf_counter() - start:.1f}s; serve it with: "
+          f"python -m autodeploy.serve.triton.launch {directory} (in an environment with nvidia-pytriton, notes/triton.md)")
+
+
 def _quantize(args) -> None:
     from autodeploy.quantized_checkpoint import quantize_checkpoint
 
@@ -367,7 +405,7 @@ def _tune(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"run": _run, "serve": _serve, "build": _build, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
+    handlers = {"run": _run, "serve": _serve, "build": _build, "triton-repo": _triton_repo, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
                 "bench": _bench}
     try:
         code = handlers[args.command](args)

@@ -91,7 +91,7 @@ class Sequence:
         return tokenizer.decode(self.output_token_ids, skip_special_tokens=True) if tokenizer is not None else ""
 
 
-def _streamable_prefix(text: str, stops: list[str]) -> str:
+def streamable_prefix(text: str, stops: list[str]) -> str:
     """What a stream may show of an unfinished completion: not a trailing partial UTF-8 character (the
     next token completes it), nor a tail that could be the start of a stop string (it may be cut)."""
     end = len(text) - 1 if text.endswith("\ufffd") else len(text)
@@ -197,7 +197,7 @@ class Request:
             cumulative_logprob=sum(sequence.logprobs) if wants_logprobs else None,
         )
         if streaming:
-            stable = text if sequence.finish_reason is not None else _streamable_prefix(text, self.params.stop)
+            stable = text if sequence.finish_reason is not None else streamable_prefix(text, self.params.stop)
             completion.new_token_ids = tokens[sequence.streamed_tokens :]
             completion.new_text = stable[len(sequence.streamed_text) :] if stable.startswith(sequence.streamed_text) else stable
             sequence.streamed_tokens = len(tokens)

@@ -1,0 +1,84 @@
+"""A client of the repository's models over gRPC (``tritonclient[grpc]``): the request tensors, and one
+streamed generate request yielding each piece of text with the time it arrived, for benchmarks (TTFT,
+time per output token, throughput).
+
+    for piece in stream_generate("127.0.0.1:8001", "def fibonacci(n):", max_tokens=32, temperature=0.0):
+        print(piece.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+from autodeploy.serve.triton.tensor_specs import FINISH_REASON, SAMPLING_INPUTS, STOP, STREAM, TEXT_INPUT, TEXT_OUTPUT
+
+_NUMPY_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
+_SAMPLING = {spec.name: spec for spec in SAMPLING_INPUTS}
+
+
+class StreamPiece(NamedTuple):
+    text: str  # the text this response added
+    time: float  # time.perf_counter() when it arrived
+    finish_reason: str  # "" until the last piece
+
+
+def request_tensors(prompt: str, stream: bool = False, stop: list[str] | None = None, **sampling) -> dict[str, np.ndarray]:
+    """The input tensors of a generate request to the ``llm`` or ``ensemble`` model, by name.
+
+    >>> sorted(request_tensors("def f(x):", max_tokens=8))
+    ['max_tokens', 'stream', 'text_input']
+    """
+    unknown = set(sampling) - set(_SAMPLING)
+    if unknown:
+        raise TypeError(f"unknown sampling fields {sorted(unknown)}; the models take {sorted(_SAMPLING)}")
+    tensors = {TEXT_INPUT.name: np.array([prompt.encode()], dtype=np.object_), STREAM.name: np.array([stream])}
+    for name, value in sampling.items():
+        tensors[name] = np.array([value], dtype=_NUMPY_TYPES[_SAMPLING[name].data_type])
+    if stop:
+        tensors[STOP.name] = np.array([s.encode() for s in stop], dtype=np.object_)
+    return tensors
+
+
+def grpc_inputs(tensors: dict[str, np.ndarray]) -> list:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 600.0, stop: list[str] | None = None,
+                    **sampling) -> Iterator[StreamPiece]:
+    """Stream one request to a Triton server at ``url`` (gRPC ``host:port``) and yield its pieces of text as
+    they arrive. A Triton error (a bad request) raises ``tritonclient.utils.InferenceServerException``."""
+    import tritonclient.grpc as grpcclient
+
+    arrivals: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result, error: arrivals.put((result, error, time.perf_counter())))
+        outputs = [grpcclient.InferRequestedOutput(TEXT_OUTPUT.name), grpcclient.InferRequestedOutput(FINISH_REASON.name)]
+        client.async_stream_infer(model, grpc_inputs(request_tensors(prompt, stream=True, stop=stop, **sampling)), outputs=outputs,
+                                  enable_empty_final_response=True)
+        while True:
+            result, error, arrived = arrivals.get(timeout=timeout)
+            if error is not None:
+                raise error
+            text = result.as_numpy(TEXT_OUTPUT.name)
+            if text is not None:
+                reason = result.as_numpy(FINISH_REASON.name)
+                yield StreamPiece(text[0].decode(), arrived, reason[0].decode() if reason is not None else "")
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()

@@ -1,0 +1,131 @@
+"""autodeploy's engine as a Triton Python-backend model (decoupled: any number of responses a request).
+
+``execute`` reads each request and hands it to one ``AsyncLLM`` whose event loop runs on a thread of its
+own, then returns at once; so every request Triton delivers joins the engine's in-flight batches, and each
+one's responses go out through its own response sender from that loop, as the engine produces tokens. The
+last response of a request carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``; a bad request (no prompt,
+``max_tokens`` ≤ 0, a prompt over the context, …) gets one error response with that flag, and the model
+goes on serving the others. ``stream`` false (the default) sends the whole completion in one response,
+which Triton's HTTP ``generate`` endpoint needs.
+
+The repository's ``llm/config.pbtxt`` names the deployment (``autodeploy build``'s format) this model
+serves, in the folder of the model version (``parameters { key: "deployment" … }``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import gc
+import json
+import logging
+import threading
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from autodeploy.errors import InvalidRequestError
+from autodeploy.serve.triton import request_tensors
+from autodeploy.serve.triton.tensor_specs import (
+    FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, SAMPLING_INPUTS, STOP, STOP_OUTPUT, STREAM, TEXT_INPUT, TEXT_OUTPUT,
+)
+
+logger = logging.getLogger(__name__)
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        from autodeploy import AsyncLLM, autodeploy
+
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("the autodeploy model streams: its config.pbtxt needs model_transaction_policy { decoupled: true }")
+        deployment = config["parameters"]["deployment"]["string_value"]
+        directory = Path(args["model_repository"]).resolve() / args["model_version"] / deployment
+        self.llm = autodeploy(str(directory))
+        self.async_llm = AsyncLLM(self.llm)
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, name="autodeploy-triton-requests", daemon=True)
+        self.loop_thread.start()
+        self.in_flight: set[concurrent.futures.Future] = set()  # one a request, until its last response is sent
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                prompt, params, stream = _read_request(request)
+            except InvalidRequestError as error:
+                sender.send(request_tensors.error_response(error), flags=FINAL)
+                continue
+            wanted = set(request.requested_output_names())
+            future = asyncio.run_coroutine_threadsafe(self._respond(prompt, params, stream, wanted, sender), self.loop)
+            self.in_flight.add(future)
+            future.add_done_callback(self._done)
+        return None
+
+    def _done(self, future: concurrent.futures.Future) -> None:
+        self.in_flight.discard(future)
+        if not self.in_flight:
+            # Reference cycles keep some finished requests' senders alive, and Triton unloads the model (and
+            # exits) only once every request is released: without this, after concurrent streams a shutdown
+            # waited out its 30 s timeout. Collected a moment after it goes idle (once the finished coroutines
+            # and their tasks are gone), so a busy engine never pays for it.
+            self.loop.call_soon_threadsafe(self.loop.call_later, 0.5, gc.collect)
+
+    def finalize(self) -> None:
+        self.async_llm.shutdown()  # requests still running end with "abort", which their coroutines send
+        concurrent.futures.wait(list(self.in_flight), timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join()
+        self.llm.shutdown()
+
+    async def _respond(self, prompt, params, stream: bool, wanted: set[str], sender) -> None:
+        try:
+            if not stream:
+                output = await self.async_llm.generate(prompt, params)
+                completion = output.outputs[0]
+                sender.send(_response(completion, completion.text, len(completion.token_ids), params.stop, wanted), flags=FINAL)
+                return
+            async with contextlib.aclosing(self.async_llm.stream(prompt, params)) as outputs:  # closing aborts the request
+                async for output in outputs:
+                    if sender.is_cancelled():
+                        sender.send(flags=FINAL)
+                        return
+                    completion = output.outputs[0]
+                    if output.finished or completion.new_text or completion.new_token_ids:
+                        response = _response(completion, completion.new_text, len(completion.new_token_ids), params.stop, wanted)
+                        sender.send(response, flags=FINAL if output.finished else 0)
+        except Exception as error:  # noqa: BLE001 — every failure becomes this request's error response
+            if not isinstance(error, InvalidRequestError):
+                logger.exception("request failed")
+            sender.send(request_tensors.error_response(error), flags=FINAL)
+
+
+def _read_request(request):
+    """The prompt (text or token ids), SamplingParams and stream flag of a Triton request."""
+    from autodeploy import SamplingParams
+
+    text = request_tensors.optional_scalar(request, TEXT_INPUT.name)
+    ids = request_tensors.token_ids(request, INPUT_IDS.name)
+    if (text is None) == (ids is None):
+        both = ", not both" if text is not None else ""
+        raise InvalidRequestError(f"give the prompt as {TEXT_INPUT.name} (a string) or as {INPUT_IDS.name} (token ids){both}")
+    if text is not None and not isinstance(text, str):
+        raise InvalidRequestError(f"{TEXT_INPUT.name} must be a string")
+    fields = {spec.name: value for spec in SAMPLING_INPUTS if (value := request_tensors.optional_scalar(request, spec.name)) is not None}
+    params = SamplingParams(**fields, stop=request_tensors.optional_strings(request, STOP.name))
+    params.validate()  # here, so a bad field is answered before the request reaches the engine's loop
+    return (text if text is not None else ids), params, bool(request_tensors.optional_scalar(request, STREAM.name))
+
+
+def _response(completion, text: str, num_new_tokens: int, stop: list[str], wanted: set[str]):
+    tensors = {
+        TEXT_OUTPUT.name: lambda: request_tensors.string_tensor(TEXT_OUTPUT.name, text),
+        OUTPUT_IDS.name: lambda: request_tensors.int_tensor(OUTPUT_IDS.name, completion.token_ids),
+        NUM_NEW_TOKENS.name: lambda: request_tensors.int_tensor(NUM_NEW_TOKENS.name, [num_new_tokens]),
+        FINISH_REASON.name: lambda: request_tensors.string_tensor(FINISH_REASON.name, completion.finish_reason or ""),
+        STOP_OUTPUT.name: lambda: request_tensors.strings_tensor(STOP_OUTPUT.name, stop),
+    }
+    return pb_utils.InferenceResponse([make() for name, make in tensors.items() if not wanted or name in wanted])

@@ -1,0 +1,129 @@
+"""Write a Triton Inference Server model repository that serves a deployed model (``autodeploy triton-repo``).
+
+    DIR/
+      llm/             the engine: Python backend, decoupled (streams), text or token ids in
+        config.pbtxt   its tensors, and the deployment's metadata as parameters
+        1/model.py     imports autodeploy.serve.triton.llm_model
+        1/deployment/  the deployment as `autodeploy build` saves it
+      preprocessing/   text → token ids (the deployment's tokenizer)
+      postprocessing/  token ids → text
+      output_filter/   text → text through a blocklist (only with one)
+      ensemble/        text in → preprocessing → llm → postprocessing [→ output_filter] → text out
+
+The engine model serves the saved deployment rather than rebuilding from the original MODEL and settings:
+the repository is then whole by itself (no hub or checkpoint needed where it is served; the tokenizer
+travels with it), starts without export or transforms, and serves exactly the graph that was verified
+when it was written. On another device kind or other library versions the deployment rebuilds itself
+from its recorded source, with a warning (``autodeploy/artifact``).
+
+Each ``model.py`` is one import of a module of this package, so the server runs the code of the autodeploy
+installed in the Python environment of Triton's Python backend (``launch.py`` starts one).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+
+from autodeploy.errors import ConfigError
+from autodeploy.serve.triton import tensor_specs as specs
+from autodeploy.serve.triton.blocklist import Blocklist
+
+LLM, PREPROCESSING, POSTPROCESSING, OUTPUT_FILTER, ENSEMBLE = "llm", "preprocessing", "postprocessing", "output_filter", "ensemble"
+DEPLOYMENT = "deployment"  # the saved deployment, in the llm model's version folder
+
+MODEL_PY = '''"""Triton Python-backend model written by `autodeploy triton-repo`; the code is autodeploy's."""
+
+import locale
+
+# Triton's stub runs an isolated Python that stays in the C locale, where open() reads ASCII: take the
+# environment's locale (autodeploy.serve.triton.launch sets a UTF-8 one) before anything reads a file.
+locale.setlocale(locale.LC_CTYPE, "")
+
+from autodeploy.serve.triton.{module} import {cls} as TritonPythonModel  # noqa: E402,F401
+'''
+
+
+def write_model_repository(llm, directory: str | Path, blocklist: Blocklist | None = None, source: str | None = None) -> Path:
+    """Write the repository for ``llm`` (a deployed model with a tokenizer) into ``directory`` (new or empty).
+
+    >>> write_model_repository(autodeploy("path/to/checkpoint"), "triton-repo")  # doctest: +SKIP
+    """
+    directory = Path(directory)
+    check_repository_destination(directory)
+    if llm.tokenizer is None:
+        raise ConfigError("the model has no tokenizer; the repository's text inputs and its ensemble need one: pass --set tokenizer=…")
+    llm.save(directory / LLM / "1" / DEPLOYMENT)
+    metadata_parameters = {
+        DEPLOYMENT: DEPLOYMENT,
+        "source": source or llm.settings.model or "",
+        "max_seq_len": str(llm.settings.max_seq_len),
+        "vocab_size": str(llm.vocab_size),
+        "dtype": str(llm.settings.dtype),
+        "device": str(llm.settings.device),
+        "autodeploy_version": metadata.version("autodeploy"),
+    }
+    tokenizer = {"tokenizer": f"{LLM}/1/{DEPLOYMENT}/tokenizer"}
+    _write_model(directory, LLM, "llm_model", "TritonPythonModel", specs.LLM_INPUTS, specs.LLM_OUTPUTS, metadata_parameters, decoupled=True)
+    _write_model(directory, PREPROCESSING, "tokenizer_models", "PreprocessingModel", specs.PREPROCESSING_INPUTS, specs.PREPROCESSING_OUTPUTS, tokenizer)
+    _write_model(directory, POSTPROCESSING, "tokenizer_models", "PostprocessingModel", specs.POSTPROCESSING_INPUTS, specs.POSTPROCESSING_OUTPUTS, tokenizer)
+    if blocklist is not None:
+        _write_model(directory, OUTPUT_FILTER, "output_filter_model", "OutputFilterModel", specs.FILTER_INPUTS, specs.FILTER_OUTPUTS,
+                     {"blocklist": json.dumps(blocklist.terms), "action": blocklist.action})
+    (directory / ENSEMBLE / "1").mkdir(parents=True)
+    (directory / ENSEMBLE / "config.pbtxt").write_text(ensemble_config(with_filter=blocklist is not None))
+    return directory
+
+
+def check_repository_destination(directory: Path) -> None:
+    """``ConfigError`` unless ``directory`` is new or an empty folder."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise ConfigError(f"{directory} exists and is not an empty folder; write the Triton repository to a new or empty folder")
+
+
+def _write_model(directory: Path, name: str, module: str, cls: str, inputs, outputs, parameters: dict[str, str], decoupled: bool = False) -> None:
+    (directory / name / "1").mkdir(parents=True, exist_ok=True)
+    (directory / name / "1" / "model.py").write_text(MODEL_PY.format(module=module, cls=cls))
+    (directory / name / "config.pbtxt").write_text(python_model_config(name, inputs, outputs, parameters, decoupled))
+
+
+def python_model_config(name: str, inputs, outputs, parameters: dict[str, str], decoupled: bool) -> str:
+    """A Python-backend model's config.pbtxt: one instance (the engine batches inside itself, and a
+    stateless tokenizer step is quick), no Triton batching."""
+    lines = [f'name: "{name}"', 'backend: "python"', "max_batch_size: 0"]
+    if decoupled:
+        lines.append("model_transaction_policy { decoupled: true }")
+    lines += [_tensor_list("input", inputs), _tensor_list("output", outputs), "instance_group [ { count: 1, kind: KIND_CPU } ]"]
+    lines += [f"parameters {{ key: {json.dumps(key)} value: {{ string_value: {json.dumps(value)} }} }}" for key, value in parameters.items()]
+    return "\n".join(lines) + "\n"
+
+
+def ensemble_config(with_filter: bool) -> str:
+    """The ensemble: its inputs reach the steps that read them; its outputs come from the last steps."""
+    sampling = [spec.name for spec in (*specs.SAMPLING_INPUTS, specs.STOP, specs.STREAM)]
+    text = "_filter_input" if with_filter else specs.TEXT_OUTPUT.name
+    steps = [
+        _step(PREPROCESSING, {"text_input": "text_input"}, {"input_ids": "_input_ids"}),
+        _step(LLM, {"input_ids": "_input_ids", **{name: name for name in sampling}},
+              {"output_ids": "output_ids", "num_new_tokens": "_num_new_tokens", "finish_reason": "finish_reason", "stop": "_stop"}),
+        _step(POSTPROCESSING, {"output_ids": "output_ids", "num_new_tokens": "_num_new_tokens", "finish_reason": "finish_reason", "stop": "_stop"},
+              {"text_output": text}),
+    ]
+    if with_filter:
+        steps.append(_step(OUTPUT_FILTER, {"text_input": text}, {"text_output": specs.TEXT_OUTPUT.name}))
+    return "\n".join([
+        f'name: "{ENSEMBLE}"', 'platform: "ensemble"', "max_batch_size: 0",
+        _tensor_list("input", specs.ENSEMBLE_INPUTS), _tensor_list("output", specs.ENSEMBLE_OUTPUTS),
+        "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}",
+    ]) + "\n"
+
+
+def _tensor_list(kind: str, tensors) -> str:
+    return f"{kind} [\n" + ",\n".join(f"  {spec.pbtxt()}" for spec in tensors) + "\n]"
+
+
+def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
+    maps = [f'      input_map {{ key: "{key}" value: "{value}" }}' for key, value in inputs.items()]
+    maps += [f'      output_map {{ key: "{key}" value: "{value}" }}' for key, value in outputs.items()]
+    return f'    {{\n      model_name: "{model}"\n      model_version: -1\n' + "\n".join(maps) + "\n    }"

@@ -1,0 +1,70 @@
+"""The tensors each model of the Triton repository takes and returns: one table that ``repository.py``
+renders into the ``config.pbtxt`` files and the Python-backend models read requests by.
+
+Scalars are ``dims: [ 1 ]`` (the models set ``max_batch_size: 0``: the engine batches, not Triton).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # Triton's name: TYPE_STRING, TYPE_INT32, …
+    dims: tuple[int, ...] = (1,)
+    optional: bool = False
+
+    def pbtxt(self) -> str:
+        fields = [f'name: "{self.name}"', f"data_type: {self.data_type}", f"dims: [ {', '.join(map(str, self.dims))} ]"]
+        if self.optional:
+            fields.append("optional: true")
+        return "{ " + " ".join(fields) + " }"
+
+
+# SamplingParams fields a request may set (each optional: SamplingParams' default when absent).
+SAMPLING_INPUTS = (
+    TensorSpec("max_tokens", "TYPE_INT32", optional=True),
+    TensorSpec("temperature", "TYPE_FP32", optional=True),
+    TensorSpec("top_k", "TYPE_INT32", optional=True),
+    TensorSpec("top_p", "TYPE_FP32", optional=True),
+    TensorSpec("min_p", "TYPE_FP32", optional=True),
+    TensorSpec("repetition_penalty", "TYPE_FP32", optional=True),
+    TensorSpec("presence_penalty", "TYPE_FP32", optional=True),
+    TensorSpec("frequency_penalty", "TYPE_FP32", optional=True),
+    TensorSpec("seed", "TYPE_INT64", optional=True),
+    TensorSpec("ignore_eos", "TYPE_BOOL", optional=True),
+)
+STOP = TensorSpec("stop", "TYPE_STRING", (-1,), optional=True)  # stop strings, cut from the text
+STREAM = TensorSpec("stream", "TYPE_BOOL", optional=True)  # true: a response per new piece of text
+
+TEXT_INPUT = TensorSpec("text_input", "TYPE_STRING")
+INPUT_IDS = TensorSpec("input_ids", "TYPE_INT32", (-1,))
+TEXT_OUTPUT = TensorSpec("text_output", "TYPE_STRING")  # the text this response adds (all of it unless streaming)
+OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,))  # every token generated so far
+NUM_NEW_TOKENS = TensorSpec("num_new_tokens", "TYPE_INT32")  # how many of output_ids' last tokens this response adds
+FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING")  # "stop", "length", "abort"; "" until the last response
+
+# The engine takes a prompt as text or as token ids (the ensemble's pre-processing step gives ids).
+LLM_INPUTS = (
+    TensorSpec(TEXT_INPUT.name, TEXT_INPUT.data_type, optional=True),
+    TensorSpec(INPUT_IDS.name, INPUT_IDS.data_type, INPUT_IDS.dims, optional=True),
+    *SAMPLING_INPUTS,
+    STOP,
+    STREAM,
+)
+# The request's stop strings come back out for the ensemble's post-processing step: Triton refuses a step
+# whose inputs come from a decoupled model and from elsewhere.
+STOP_OUTPUT = TensorSpec(STOP.name, STOP.data_type, STOP.dims)
+LLM_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP_OUTPUT)
+
+PREPROCESSING_INPUTS = (TEXT_INPUT,)
+PREPROCESSING_OUTPUTS = (INPUT_IDS,)
+POSTPROCESSING_INPUTS = (OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP)
+POSTPROCESSING_OUTPUTS = (TEXT_OUTPUT,)
+FILTER_INPUTS = (TEXT_INPUT,)
+FILTER_OUTPUTS = (TEXT_OUTPUT,)
+
+ENSEMBLE_INPUTS = (TEXT_INPUT, *SAMPLING_INPUTS, STOP, STREAM)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON)

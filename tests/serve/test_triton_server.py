@@ -1,0 +1,271 @@
+"""The Triton Inference Server backend: ``autodeploy triton-repo`` writes a repository for the tiny Llama, the
+``tritonserver`` of the nvidia-pytriton wheel serves it on loopback from ``.venv-triton`` (its own environment:
+pytriton pins numpy < 2), and ``tritonclient`` (gRPC, HTTP) and raw HTTP (Triton's generate endpoints) drive it.
+One server for the module; greedy outputs must equal in-process ``LLM.generate`` of the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from autodeploy import SamplingParams
+from autodeploy.cli.main import main
+from autodeploy.errors import ConfigError
+from autodeploy.serve.triton import Blocklist
+from autodeploy.serve.triton.client import grpc_inputs, request_tensors, stream_generate
+from autodeploy.serve.triton.repository import ensemble_config
+
+TRITON_PYTHON = Path(__file__).resolve().parents[2] / ".venv-triton" / "bin" / "python"
+BLOCKED = "os"  # the tiny Llama answers "import os" with " os os os …"
+GREEDY = dict(temperature=0.0)
+
+
+@dataclass
+class Server:
+    http: str  # http://127.0.0.1:PORT
+    grpc: str  # 127.0.0.1:PORT
+    metrics: str
+    repository: Path
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, llama_dir):
+    if not TRITON_PYTHON.exists():
+        pytest.skip(f"no Triton server environment at {TRITON_PYTHON.parent.parent} (pytriton's tritonserver runs from it): "
+                    "`make .venv-triton/.installed` creates it, and `make test` does")
+    root = tmp_path_factory.mktemp("triton")
+    (root / "blocklist.txt").write_text(f"# the output filter's terms\n{BLOCKED}\n")
+    repository = root / "repo"
+    assert main(["triton-repo", str(llama_dir), "--out", str(repository), "--set", "device=cpu",
+                 "--blocklist", str(root / "blocklist.txt")]) == 0
+    http, grpc, metrics = free_ports(3)
+    log_path = root / "tritonserver.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [str(TRITON_PYTHON), "-m", "autodeploy.serve.triton.launch", str(repository),
+             f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread, as conftest's
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while not _ready(f"http://127.0.0.1:{http}"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"tritonserver did not start (exit code {process.poll()}):\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield Server(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics", repository)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def generate(server: Server, model: str, body: dict, stream: bool = False) -> list[dict]:
+    """Triton's HTTP generate endpoint (one response) or generate_stream (server-sent events)."""
+    if not stream:
+        return [httpx.post(f"{server.http}/v2/models/{model}/generate", json=body, timeout=120).json()]
+    response = httpx.post(f"{server.http}/v2/models/{model}/generate_stream", json={**body, "stream": True}, timeout=120)
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def metric(server: Server, name: str, model: str) -> float:
+    """A Triton counter of one model, summed over its other labels (failure reasons)."""
+    families = text_string_to_metric_families(httpx.get(server.metrics).text)
+    return sum(sample.value for family in families if family.name == name for sample in family.samples if sample.labels.get("model") == model)
+
+
+def ids(values) -> list[int]:  # Triton's JSON gives a one-element tensor as a bare number
+    return values if isinstance(values, list) else [values]
+
+
+# ---- without a server -------------------------------------------------------------------------------------
+
+
+def test_blocklist_redacts_whole_words_ignoring_case_or_refuses():
+    assert Blocklist(["os", "rm -rf"]).apply("import OS; os.path; cosine; rm -rf /") == "import [redacted]; [redacted].path; cosine; [redacted] /"
+    assert Blocklist(["os"], "refuse").apply("import os") == "[withheld by the output filter]"
+    assert Blocklist(["os"], "refuse").apply("import sys") == "import sys"
+    with pytest.raises(ConfigError, match="no terms"):
+        Blocklist(["", "  "])
+    with pytest.raises(ConfigError, match="action"):
+        Blocklist(["os"], "drop")
+
+
+def test_ensemble_without_a_filter_ends_in_postprocessing():
+    config = ensemble_config(with_filter=False)
+    assert "output_filter" not in config
+    assert 'output_map { key: "text_output" value: "text_output" }' in config
+
+
+def test_triton_repo_refuses_a_folder_in_use_before_building(tmp_path, capsys):
+    (tmp_path / "something").write_text("")
+    assert main(["triton-repo", "--out", str(tmp_path)]) == 1
+    assert "not an empty folder" in capsys.readouterr().err
+
+
+def test_request_tensors_have_the_models_types():
+    tensors = request_tensors("def f(x):", stream=True, stop=["\n"], max_tokens=8, temperature=0.5, seed=3, ignore_eos=True)
+    assert {name: array.dtype for name, array in tensors.items()} == {
+        "text_input": np.object_, "stream": np.bool_, "max_tokens": np.int32, "temperature": np.float32, "seed": np.int64,
+        "ignore_eos": np.bool_, "stop": np.object_}
+    with pytest.raises(TypeError, match="unknown sampling fields"):
+        request_tensors("x", temprature=0.5)
+
+
+# ---- against the server ------------------------------------------------------------------------------------
+
+
+def test_repository_records_the_deployment(server, llama_dir):
+    config = (server.repository / "llm" / "config.pbtxt").read_text()
+    assert "model_transaction_policy { decoupled: true }" in config
+    assert f'key: "source" value: {{ string_value: "{llama_dir}" }}' in config
+    assert (server.repository / "llm" / "1" / "deployment" / "manifest.json").is_file()
+    with httpclient.InferenceServerClient(server.http.removeprefix("http://")) as client:
+        assert client.is_server_ready()
+        inputs = {tensor["name"]: tensor for tensor in client.get_model_metadata("llm")["inputs"]}
+        assert {"text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"} <= set(inputs)
+        assert inputs["max_tokens"]["datatype"] == "INT32"
+
+
+def test_http_generate_greedy_equals_in_process_generate(server, llama_llm):
+    for prompt in ("def fibonacci(n):", "class Point:"):
+        expected = llama_llm.generate(prompt, SamplingParams(max_tokens=12, **GREEDY))[0]
+        (response,) = generate(server, "llm", {"text_input": prompt, "max_tokens": 12, **GREEDY})
+        assert (response["text_output"], ids(response["output_ids"]), response["finish_reason"]) == (
+            expected.text, expected.token_ids, expected.finish_reason)
+
+
+def test_http_generate_stream_pieces_add_up_to_the_greedy_text(server, llama_llm):
+    expected = llama_llm.generate("import os", SamplingParams(max_tokens=10, **GREEDY))[0]
+    responses = generate(server, "llm", {"text_input": "import os", "max_tokens": 10, **GREEDY}, stream=True)
+    assert len(responses) > 1 and "".join(r["text_output"] for r in responses) == expected.text
+    assert [r["finish_reason"] for r in responses] == [""] * (len(responses) - 1) + ["length"]
+    assert ids(responses[-1]["output_ids"]) == expected.token_ids
+
+
+def test_grpc_stream_and_stop_strings(server, llama_llm):
+    params = SamplingParams(max_tokens=16, stop=[":):"], **GREEDY)
+    expected = llama_llm.generate("def fibonacci(n):", params)[0]
+    pieces = list(stream_generate(server.grpc, "def fibonacci(n):", max_tokens=16, stop=[":):"], **GREEDY))
+    assert "".join(p.text for p in pieces) == expected.text and pieces[-1].finish_reason == expected.finish_reason == "stop"
+    assert all(a.time <= b.time for a, b in zip(pieces, pieces[1:]))
+
+
+def test_grpc_and_http_infer_of_the_tokenizer_step(server, llama_llm):
+    """Triton's plain infer RPCs (not decoupled models: the pre-processing step) over both protocols."""
+    expected = llama_llm.tokenizer("def fibonacci(n):").input_ids
+    text = np.array([b"def fibonacci(n):"], dtype=np.object_)
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        assert client.infer("preprocessing", grpc_inputs({"text_input": text})).as_numpy("input_ids").tolist() == expected
+    with httpclient.InferenceServerClient(server.http.removeprefix("http://")) as client:
+        tensor = httpclient.InferInput("text_input", [1], "BYTES")
+        tensor.set_data_from_numpy(text)
+        assert client.infer("preprocessing", [tensor]).as_numpy("input_ids").tolist() == expected
+
+
+def test_concurrent_streams_all_complete_with_their_greedy_text(server, llama_llm):
+    prompts = [("def fibonacci(n):", 8), ("import os", 12), ("class Point:", 6), ("for i in range(10):", 10)] * 3
+    expected = [llama_llm.generate(p, SamplingParams(max_tokens=n, **GREEDY))[0].text for p, n in prompts]
+    texts: list[str | None] = [None] * len(prompts)
+
+    def client(i: int) -> None:
+        prompt, max_tokens = prompts[i]
+        texts[i] = "".join(p.text for p in stream_generate(server.grpc, prompt, max_tokens=max_tokens, **GREEDY))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert texts == expected
+
+
+def test_bad_inputs_are_errors_and_the_server_keeps_serving(server, llama_llm):
+    over_context = {"text_input": "def fibonacci(n):", "max_tokens": 1000}  # max_seq_len is 512
+    for body, message in (({"max_tokens": 4}, "give the prompt as text_input"),
+                          ({"text_input": "x", "input_ids": [1, 2]}, "not both"),
+                          ({"text_input": "def f(x):", "max_tokens": 0}, "max_tokens must be a positive integer"),
+                          ({"text_input": "def f(x):", "top_p": 0.0}, "top_p must be in (0, 1]"),
+                          (over_context, "max_seq_len=512")):
+        for stream in (False, True):
+            (response,) = generate(server, "llm", body, stream=stream)
+            assert message in response["error"], (body, response)
+    with pytest.raises(InferenceServerException, match="max_seq_len=512"):
+        list(stream_generate(server.grpc, "def fibonacci(n):", max_tokens=1000))
+    (error,) = generate(server, "ensemble", {"text_input": "", "max_tokens": 4})
+    assert "the prompt is empty" in error["error"]
+    expected = llama_llm.generate("import os", SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert generate(server, "llm", {"text_input": "import os", "max_tokens": 4, **GREEDY})[0]["text_output"] == expected.text
+
+
+def test_metrics_count_our_requests(server):
+    """Every step of an ensemble request counts as a success of its model; a request the ensemble fails
+    counts as its failure. (An engine error response is a success to Triton: a decoupled model's request
+    succeeds when ``execute`` accepts it.)"""
+    steps = ("ensemble", "preprocessing", "llm", "postprocessing", "output_filter")
+    successes = {model: metric(server, "nv_inference_request_success", model) for model in steps}
+    failures = metric(server, "nv_inference_request_failure", "ensemble")
+    generate(server, "ensemble", {"text_input": "import os", "max_tokens": 2})
+    generate(server, "ensemble", {"text_input": "", "max_tokens": 2})
+    deadline = time.monotonic() + 10
+    while True:
+        counted = {model: metric(server, "nv_inference_request_success", model) - successes[model] for model in steps}
+        failed = metric(server, "nv_inference_request_failure", "ensemble") - failures
+        # the failed request's tokenizer step ran (and answered with the error); one failed ensemble request
+        # adds 2 to the ensemble's failure counter in Triton 2.51 (observed, not explained)
+        if counted == {**dict.fromkeys(steps, 1.0), "preprocessing": 2.0} and failed >= 1.0:
+            break
+        assert time.monotonic() < deadline, (counted, failed)
+        time.sleep(0.1)
+    assert metric(server, "nv_inference_count", "llm") >= 1
+
+
+def test_ensemble_returns_in_process_text_and_filters_it(server, llama_llm):
+    expected = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12, **GREEDY))[0]
+    (response,) = generate(server, "ensemble", {"text_input": "def fibonacci(n):", "max_tokens": 12, **GREEDY})
+    assert (response["text_output"], ids(response["output_ids"]), response["finish_reason"]) == (expected.text, expected.token_ids, "length")
+    streamed = list(stream_generate(server.grpc, "def fibonacci(n):", model="ensemble", max_tokens=12, **GREEDY))
+    assert "".join(p.text for p in streamed) == expected.text
+    stopped = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12, stop=[":):"], **GREEDY))[0]
+    (response,) = generate(server, "ensemble", {"text_input": "def fibonacci(n):", "max_tokens": 12, "stop": [":):"], **GREEDY})
+    assert (response["text_output"], response["finish_reason"]) == (stopped.text, "stop")
+
+    blocked = llama_llm.generate("import os", SamplingParams(max_tokens=8, **GREEDY))[0]
+    assert f" {BLOCKED} " in blocked.text
+    (response,) = generate(server, "ensemble", {"text_input": "import os", "max_tokens": 8, **GREEDY})
+    assert response["text_output"] == Blocklist([BLOCKED]).apply(blocked.text) and BLOCKED not in response["text_output"]
+    (direct,) = generate(server, "llm", {"text_input": "import os", "max_tokens": 8, **GREEDY})
+    assert direct["text_output"] == blocked.text  # the engine model itself is not filtered
