@@ -276,12 +276,12 @@ def test_streams_never_show_text_that_a_stop_string_later_cuts(llama_llm):
 
 
 def test_streamable_prefix_holds_back_partial_stops_and_characters():
-    from autodeploy.runtime.request import _streamable_prefix
+    from autodeploy.runtime.request import streamable_prefix
 
-    assert _streamable_prefix("hello wo", ["world"]) == "hello "
-    assert _streamable_prefix("hello w", ["xyz"]) == "hello w"
-    assert _streamable_prefix("abc\ufffd", []) == "abc"
-    assert _streamable_prefix("abcw", ["wx", "cwy"]) == "ab"
+    assert streamable_prefix("hello wo", ["world"]) == "hello "
+    assert streamable_prefix("hello w", ["xyz"]) == "hello w"
+    assert streamable_prefix("abc\ufffd", []) == "abc"
+    assert streamable_prefix("abcw", ["wx", "cwy"]) == "ab"
 
 
 @pytest.mark.parametrize("call", ["logits", "generate", "stream"])
