@@ -17,6 +17,7 @@ forward, requests from any number of coroutines share the same batches, and any 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -104,21 +105,53 @@ class AsyncLLM:
 
 
 class _AsyncSink:
-    """Hands a request's outputs (or the error of a failed step) to its coroutine's queue, on its loop."""
+    """Hands a request's outputs (or the error of a failed step) to its coroutine's queue, on its loop.
+
+    A streaming output that arrives while the previous one still waits for the loop is merged into it
+    (the new text and token ids of both): a loop that falls behind the engine wakes once for several
+    steps, not once a step and request."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, streaming: bool):
         self.streaming = streaming
         self._loop = loop
         self._queue = queue
+        self._lock = threading.Lock()
+        self._waiting: RequestOutput | None = None  # a streaming output the loop has not taken yet
 
     def put(self, output: RequestOutput) -> None:
-        self._send(output)
+        if not self.streaming:
+            self._send(self._queue.put_nowait, output)
+            return
+        with self._lock:
+            if self._waiting is not None:
+                self._waiting = _merged_outputs(self._waiting, output)
+                return
+            self._waiting = output
+        self._send(self._hand_over)
 
     def fail(self, error: BaseException) -> None:
-        self._send(error)
+        self._send(self._queue.put_nowait, error)
 
-    def _send(self, item: RequestOutput | BaseException) -> None:
+    def _hand_over(self) -> None:
+        with self._lock:
+            output, self._waiting = self._waiting, None
+        self._queue.put_nowait(output)
+
+    def _send(self, callback, *args) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # the loop is closed: no coroutine is left to read it
             pass
+
+
+def _merged_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``later`` (the request's state now) with each completion's new text and tokens since ``earlier``'s."""
+    before = {c.index: c for c in earlier.outputs}
+    completions = []
+    for completion in later.outputs:
+        previous = before.get(completion.index)
+        if previous is not None:
+            completion = dataclasses.replace(completion, new_text=previous.new_text + completion.new_text,
+                                             new_token_ids=previous.new_token_ids + completion.new_token_ids)
+        completions.append(completion)
+    return dataclasses.replace(later, outputs=completions)

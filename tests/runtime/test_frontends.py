@@ -262,3 +262,29 @@ def test_a_failed_forward_reaches_every_waiting_front_end(llm, monkeypatch):
     assert_idle(llm)
     monkeypatch.setattr(engine, "graph", working_graph)
     assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, **GREEDY))[0].finish_reason == "length"
+
+
+def test_stream_outputs_waiting_for_a_busy_loop_are_merged():
+    """Outputs put while the loop has not yet taken the last one reach the coroutine as one output with the
+    new text and tokens of all of them (and the latest state), so a loop behind the engine wakes less often."""
+    from autodeploy.runtime.async_llm import _AsyncSink
+    from autodeploy.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    def output(tokens: list[int], new: list[int], finished: bool = False) -> RequestOutput:
+        completion = CompletionOutput(0, "".join(map(str, tokens)), tokens, "length" if finished else None,
+                                      new_token_ids=new, new_text="".join(map(str, new)))
+        return RequestOutput("r", None, [1], [completion], finished, RequestMetrics())
+
+    async def main() -> list[RequestOutput]:
+        queue: asyncio.Queue = asyncio.Queue()
+        sink = _AsyncSink(asyncio.get_running_loop(), queue, streaming=True)
+        sink.put(output([4], [4]))
+        sink.put(output([4, 5], [5]))       # the loop has not run: merged into the first
+        sink.put(output([4, 5, 6], [6]))
+        first = await queue.get()
+        sink.put(output([4, 5, 6, 7], [7], finished=True))
+        return [first, await queue.get()]
+
+    first, last = run_async(main())
+    assert (first.outputs[0].new_token_ids, first.outputs[0].new_text, first.outputs[0].token_ids) == ([4, 5, 6], "456", [4, 5, 6])
+    assert (last.outputs[0].new_token_ids, last.finished, last.outputs[0].finish_reason) == ([7], True, "length")
