@@ -6,9 +6,6 @@ One server for the module; greedy outputs must equal in-process ``LLM.generate``
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +24,7 @@ from autodeploy.cli.main import main
 from autodeploy.errors import ConfigError
 from autodeploy.serve.triton import Blocklist
 from autodeploy.serve.triton.client import grpc_inputs, request_tensors, stream_generate
+from autodeploy.serve.triton.launch import running_server
 from autodeploy.serve.triton.repository import ensemble_config
 
 TRITON_PYTHON = Path(__file__).resolve().parents[2] / ".venv-triton" / "bin" / "python"
@@ -42,16 +40,6 @@ class Server:
     repository: Path
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, llama_dir):
     if not TRITON_PYTHON.exists():
@@ -62,35 +50,8 @@ def server(tmp_path_factory, llama_dir):
     repository = root / "repo"
     assert main(["triton-repo", str(llama_dir), "--out", str(repository), "--set", "device=cpu",
                  "--blocklist", str(root / "blocklist.txt")]) == 0
-    http, grpc, metrics = free_ports(3)
-    log_path = root / "tritonserver.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [str(TRITON_PYTHON), "-m", "autodeploy.serve.triton.launch", str(repository),
-             f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread, as conftest's
-        )
-    try:
-        deadline = time.monotonic() + 300
-        while not _ready(f"http://127.0.0.1:{http}"):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"tritonserver did not start (exit code {process.poll()}):\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield Server(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics", repository)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with running_server(TRITON_PYTHON, repository, root / "tritonserver.log") as endpoints:
+        yield Server(endpoints.http, endpoints.grpc, endpoints.metrics, repository)
 
 
 def generate(server: Server, model: str, body: dict, stream: bool = False) -> list[dict]:

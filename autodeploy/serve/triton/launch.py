@@ -19,11 +19,18 @@ What it takes (found out with the wheel, 0.7.0 = Triton 2.51):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from autodeploy.errors import ConfigError
@@ -86,6 +93,58 @@ def _backend_directory(server: Path) -> Path:
         except OSError:
             shutil.rmtree(staging)
     return backends
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    http: str  # http://127.0.0.1:PORT
+    grpc: str  # 127.0.0.1:PORT (tritonclient.grpc's form)
+    metrics: str  # http://127.0.0.1:PORT/metrics
+
+
+@contextlib.contextmanager
+def running_server(python: str | Path, repository: str | Path, log_path: str | Path, startup_timeout_s: float = 300) -> Iterator[Endpoints]:
+    """tritonserver on ``repository`` on free loopback ports, launched by ``python`` (an interpreter with
+    autodeploy and nvidia-pytriton, e.g. ``.venv-triton/bin/python``) with one torch thread; yields its
+    endpoints once it is ready and stops it on exit. Its output goes to ``log_path``, whose tail a
+    ``RuntimeError`` carries when it does not start."""
+    http, grpc, metrics = _free_ports(3)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([str(python), "-m", "autodeploy.serve.triton.launch", str(repository), f"--http-port={http}",
+                                    f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
+                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not _ready(f"http://127.0.0.1:{http}/v2/health/ready"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tritonserver did not start (exit code {process.poll()}):\n{Path(log_path).read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield Endpoints(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics")
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:  # all bound at once, so the ports differ
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

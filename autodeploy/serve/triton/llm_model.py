@@ -50,6 +50,9 @@ class TritonPythonModel:
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="autodeploy-triton-requests", daemon=True)
         self.loop_thread.start()
         self.in_flight: set[concurrent.futures.Future] = set()  # one a request, until its last response is sent
+        # Everything loaded so far (~500k objects) lives as long as the model: out of the collector's sight, a
+        # full collection (below, and Python's own) takes milliseconds instead of 230–260 ms holding the GIL.
+        gc.freeze()
 
     def execute(self, requests: list) -> None:
         for request in requests:
