@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from autodeploy.runtime.beam_search import BeamSearch
+from autodeploy.runtime.detokenizer import IncrementalDetokenizer
 from autodeploy.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class Sequence:
     streamed_tokens: int = 0  # how many output tokens earlier stream outputs carried
     streamed_text: str = ""
     grammar: object | None = None  # the sample's xgrammar GrammarMatcher (json_schema / json_object requests)
+    detokenizer: IncrementalDetokenizer | None = None  # made by the first decode
 
     @property
     def priority(self) -> int:
@@ -78,7 +80,7 @@ class Sequence:
 
     def _cut_at_stop_string(self, tokenizer) -> bool:
         """Only requests with stop strings decode every step; the others decode when asked."""
-        text = tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+        text = self._text(tokenizer)
         cuts = [text.find(stop) for stop in self.request.params.stop if stop in text]
         if not cuts:
             return False
@@ -88,7 +90,12 @@ class Sequence:
     def decoded_text(self, tokenizer) -> str:
         if self.stopped_text is not None:
             return self.stopped_text
-        return tokenizer.decode(self.output_token_ids, skip_special_tokens=True) if tokenizer is not None else ""
+        return self._text(tokenizer) if tokenizer is not None else ""
+
+    def _text(self, tokenizer) -> str:
+        if self.detokenizer is None:
+            self.detokenizer = IncrementalDetokenizer(tokenizer)
+        return self.detokenizer.text(self.output_token_ids)
 
 
 def streamable_prefix(text: str, stops: list[str]) -> str:
