@@ -213,7 +213,9 @@ class _Server:
                         if completion.finish_reason == "abort":
                             raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
                         if index not in started or completion.new_text or completion.finish_reason is not None:
-                            chunk_choices.append(writer.delta(index, completion, prompt_index, first=index not in started))
+                            delta = writer.delta(index, completion, prompt_index, first=index not in started)
+                            if delta is not None:
+                                chunk_choices.append(delta)
                             started.add(index)
                     if chunk_choices:
                         yield _event(writer.envelope(chunk_choices, chunk=True))
@@ -384,7 +386,8 @@ class _ChatFormat(_ResponseFormat):
         return {"index": index, "message": message, "finish_reason": finish_reason,
                 "logprobs": self._logprobs(completion, len(completion.token_ids))}
 
-    def delta(self, index: int, completion: CompletionOutput, prompt_index: int, first: bool) -> dict:
+    def delta(self, index: int, completion: CompletionOutput, prompt_index: int, first: bool) -> dict | None:
+        """The choice's chunk; None when there is nothing to send yet (text the tool-call parser holds back)."""
         delta = {"role": "assistant"} if first else {}
         finish_reason = completion.finish_reason
         if self.tools is None:
@@ -399,6 +402,8 @@ class _ChatFormat(_ResponseFormat):
                 delta["tool_calls"] = [{"index": calls_before + i, **c.to_openai()} for i, c in enumerate(calls)]
             if parser.num_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
+            if not (first or delta["content"] or calls or finish_reason is not None):
+                return None
         return {"index": index, "delta": delta, "finish_reason": finish_reason,
                 "logprobs": self._logprobs(completion, len(completion.new_token_ids))}
 

@@ -58,8 +58,9 @@ def calls_of(message) -> list[tuple[str, dict]]:
 def streamed(client, **request) -> tuple[str, list[tuple[str, dict]], str]:
     """(content, calls, finish_reason) accumulated from a stream's deltas."""
     content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(model=MODEL, stream=True, **request):
+    for number, chunk in enumerate(client.chat.completions.create(model=MODEL, stream=True, **request)):
         (choice,) = chunk.choices
+        assert number == 0 or choice.delta.content or choice.delta.tool_calls or choice.finish_reason  # no empty chunks
         content += choice.delta.content or ""
         for call in choice.delta.tool_calls or []:
             assert call.id and call.type == "function" and call.index not in calls
