@@ -154,6 +154,13 @@ def test_chat_with_tool_schemas_returns_the_calls_unrun(llama_llm):
     assert [c.name for c in reply.tool_calls] == ["now"] and reply.finish_reason == "tool_calls" and not reply.trace
 
 
+def test_chat_in_the_json_call_format(llama_llm):
+    reply = llama_llm.chat([{"role": "user", "content": "Time?"}], SamplingParams(max_tokens=120, temperature=0), tools=TOOLS,
+                           tool_choice={"type": "function", "function": {"name": "now"}}, chat_template=TOOLS_TEMPLATE,
+                           tool_call_format="json")
+    assert [c.name for c in reply.tool_calls] == ["now"] and reply.outputs[0].outputs[0].text.startswith('{"name": "now", "parameters": ')
+
+
 def test_chat_stops_after_max_rounds(llama_llm):
     reply = llama_llm.chat([{"role": "user", "content": "Weather?"}], SamplingParams(max_tokens=120, temperature=0),
                            tools=weather_registry(), tool_choice="required", max_rounds=1, chat_template=TOOLS_TEMPLATE)

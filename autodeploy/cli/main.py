@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the tokenizer's")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL as given)")
+    serve.add_argument("--tool-call-format", default="auto", choices=("auto", "hermes", "json"),
+                       help="how tool calls are generated: <tool_call> tags (hermes), a bare {\"name\", \"parameters\"} object "
+                            "(json, Llama 3.x), or the one the chat template teaches (auto)")
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="refuse requests (503 + Retry-After) while this many wait for a seat in the batch")
     _add_settings_arguments(serve)
@@ -318,7 +321,7 @@ def _serve(args) -> None:
     llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
     name = args.served_model_name or args.model or "autodeploy-demo"
     options = ServerOptions(served_model_name=name, api_key=args.api_key, chat_template=chat_template,
-                            max_queued_requests=args.max_queued_requests)
+                            max_queued_requests=args.max_queued_requests, tool_call_format=args.tool_call_format)
     run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info")
 
 

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime.chat_template import render_chat
+from autodeploy.runtime.chat_template import render_chat, tool_call_format
 from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.tool_calls import ToolCall, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs
@@ -38,7 +38,7 @@ class ChatResult:
 
 
 def run_chat(llm, messages: list[dict], params: SamplingParams | None, tools, tool_choice, max_rounds: int,
-             chat_template: str | None, parallel_tool_calls: bool) -> ChatResult:
+             chat_template: str | None, parallel_tool_calls: bool, call_format: str = "auto") -> ChatResult:
     """The loop behind ``LLM.chat`` (see there)."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise InvalidRequestError('chat() needs a non-empty list of messages like {"role": "user", "content": "…"}')
@@ -49,7 +49,7 @@ def run_chat(llm, messages: list[dict], params: SamplingParams | None, tools, to
         raise InvalidRequestError("chat() continues one conversation: use n=1 and beam_width=1")
     registry = tools if hasattr(tools, "call") and hasattr(tools, "specs") else None
     specs = (registry.specs() if registry is not None else tool_specs(tools)) if tools else None
-    choice = parse_tool_choice(tool_choice, specs, parallel_tool_calls)
+    choice = parse_tool_choice(tool_choice, specs, parallel_tool_calls, tool_call_format(llm.tokenizer, chat_template, call_format))
     conversation = [dict(m) for m in messages]
     result = ChatResult(None, [], conversation)
     for _ in range(max_rounds):

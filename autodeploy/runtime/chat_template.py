@@ -16,13 +16,24 @@ import json
 import re
 
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime.tool_calls import CALL_END, CALL_START, ToolCall, ToolSpec
+from autodeploy.runtime.tool_calls import CALL_END, CALL_START, TOOL_CALL_FORMATS, ToolCall, ToolSpec, format_for_template
 
 _READS_TOOLS = re.compile(r"\btools\b")
 _TOOLS_PROMPT = (
     "You may call these functions (JSON Schema):\n<tools>\n{tools}\n</tools>\nTo call one, write:\n"
     f'{CALL_START}\n{{{{"name": <function name>, "arguments": <arguments object>}}}}\n{CALL_END}'
 )
+
+
+def tool_call_format(tokenizer, chat_template: str | None = None, requested: str = "auto") -> str:
+    """How calls are generated: ``requested``, or with ``"auto"`` the format the template teaches (a template
+    that does not read ``tools`` is taught Hermes tags in the system turn written here)."""
+    if requested != "auto":
+        if requested not in TOOL_CALL_FORMATS:
+            raise InvalidRequestError(f"tool call format must be auto, {' or '.join(TOOL_CALL_FORMATS)}; got {requested!r}")
+        return requested
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    return format_for_template(template) if isinstance(template, str) and _READS_TOOLS.search(template) else "hermes"
 
 
 def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, tools: list[ToolSpec] | None = None) -> list[int]:

@@ -211,6 +211,7 @@ class LLM:
         max_rounds: int = 8,
         chat_template: str | None = None,
         parallel_tool_calls: bool = True,
+        tool_call_format: str = "auto",
     ) -> ChatResult:
         """The assistant's answer to OpenAI-style ``messages``, through the chat template.
 
@@ -218,12 +219,14 @@ class LLM:
         them, their results fed back, for up to ``max_rounds`` turns; or OpenAI tool schemas, whose calls
         are returned (``ChatResult.tool_calls``) for the caller to run. ``tool_choice``: ``"auto"`` (the
         default with tools), ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": …}}``,
-        for the first turn. ``params`` default to greedy with ``max_tokens=256``.
+        for the first turn. ``tool_call_format``: ``"hermes"`` (``<tool_call>`` tags), ``"json"`` (a bare
+        ``{"name", "parameters"}`` object, as Llama 3.x templates ask) or ``"auto"``, the one the template
+        teaches. ``params`` default to greedy with ``max_tokens=256``.
 
         >>> reply = llm.chat([{"role": "user", "content": "Is it warm in Rome?"}], tools=registry)  # doctest: +SKIP
         >>> reply.content, [(r.call.name, r.output) for r in reply.trace]  # doctest: +SKIP
         """
-        return run_chat(self, messages, params, tools, tool_choice, max_rounds, chat_template, parallel_tool_calls)
+        return run_chat(self, messages, params, tools, tool_choice, max_rounds, chat_template, parallel_tool_calls, tool_call_format)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets new tokens (``outputs[i].new_text`` /

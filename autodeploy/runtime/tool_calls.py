@@ -1,10 +1,14 @@
 """Tool calls: the grammar a call is generated under, and the calls read back out of generated text.
 
-Calls are written in the Hermes / Qwen format that most open chat models are trained on::
+Calls are generated in one of two formats (``ToolChoice.format``): ``"hermes"``, the tags of Hermes,
+Qwen and most open chat models::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
+
+or ``"json"``, the bare object Llama 3.x's templates ask for: ``{"name": "get_weather", "parameters":
+{"city": "Paris"}}``. ``format_for_template`` picks the one the chat template teaches.
 
 ``tool_call_grammar(tools, choice)`` is the xgrammar structural tag for ``SamplingParams.structural_tag``:
 with ``"auto"`` the text is free until ``<tool_call>`` appears, then the call must be valid JSON for one of
@@ -63,14 +67,34 @@ class ToolCall:
         return f"{CALL_START}\n{json.dumps({'name': self.name, 'arguments': self.arguments}, ensure_ascii=False)}\n{CALL_END}"
 
 
+TOOL_CALL_FORMATS = ("hermes", "json")
+
+
 @dataclass(frozen=True)
 class ToolChoice:
     """``mode`` is ``"none"`` (no calls), ``"auto"`` (the model decides), ``"required"`` (at least one
-    call) or ``"function"`` (a call of ``name``); ``parallel``: more than one call in a turn."""
+    call) or ``"function"`` (a call of ``name``); ``parallel``: more than one call in a turn; ``format``:
+    how calls are written (``"hermes"`` tags or a bare ``"json"`` object)."""
 
     mode: str = "auto"
     name: str | None = None
     parallel: bool = True
+    format: str = "hermes"
+
+
+def format_for_template(template: str | None) -> str:
+    """The call format a chat template teaches: ``"json"`` for one that describes bare ``"parameters"``
+    objects and no ``<tool_call>`` tags (Llama 3.x), else ``"hermes"`` (also what templates without tools
+    are taught, in the system turn ``runtime/chat_template.py`` writes).
+
+    >>> format_for_template('... {"name": function name, "parameters": dictionary of argument name and its value} ...')
+    'json'
+    >>> format_for_template("... <tool_call> {'name': <function-name>, 'arguments': <args-json-object>} </tool_call> ...")
+    'hermes'
+    """
+    if isinstance(template, str) and CALL_START not in template and '"parameters"' in template:
+        return "json"
+    return "hermes"
 
 
 def _invalid(message: str, param: str) -> InvalidRequestError:
@@ -107,29 +131,34 @@ def tool_specs(tools: list) -> list[ToolSpec]:
     return specs
 
 
-def parse_tool_choice(value, specs: list[ToolSpec] | None, parallel: bool = True) -> ToolChoice:
+def parse_tool_choice(value, specs: list[ToolSpec] | None, parallel: bool = True, format: str = "hermes") -> ToolChoice:
     """OpenAI's ``tool_choice`` (``"none"``, ``"auto"``, ``"required"``, ``{"type": "function", "function":
     {"name": …}}``); without tools only ``"none"`` (or nothing) is valid. The default is ``"auto"`` with
     tools and ``"none"`` without, as OpenAI's."""
     if value is None:
-        return ToolChoice("auto" if specs else "none", parallel=parallel)
+        return ToolChoice("auto" if specs else "none", parallel=parallel, format=format)
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
             raise _invalid(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": {{"name": …}}}}, got {value!r}', "tool_choice")
         if value != "none" and not specs:
             raise _invalid(f'tool_choice "{value}" needs tools', "tool_choice")
-        return ToolChoice(value, parallel=parallel)
+        return ToolChoice(value, parallel=parallel, format=format)
     name = value.get("function", {}).get("name") if isinstance(value, dict) and value.get("type") == "function" else None
     if not isinstance(name, str):
         raise _invalid(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": {{"name": …}}}}, got {value!r}', "tool_choice")
     if not any(spec.name == name for spec in specs or ()):
         raise _invalid(f"tool_choice names {name!r}, which is not among the tools ({', '.join(s.name for s in specs or ()) or 'none given'})", "tool_choice")
-    return ToolChoice("function", name, parallel=False)
+    return ToolChoice("function", name, parallel=False, format=format)
 
 
-def _tag(spec: ToolSpec) -> dict:
-    begin = f'{CALL_START}\n{{"name": {json.dumps(spec.name)}, "arguments": '
+_JSON_CALL_START = '{"name": '  # the json format's trigger: every call begins so
+
+
+def _tag(spec: ToolSpec, format: str = "hermes") -> dict:
     content = {"type": "json_schema", "json_schema": spec.parameters, "max_whitespace_cnt": _MAX_WHITESPACE}
+    if format == "json":
+        return {"type": "tag", "begin": f'{_JSON_CALL_START}{json.dumps(spec.name)}, "parameters": ', "content": content, "end": "}"}
+    begin = f'{CALL_START}\n{{"name": {json.dumps(spec.name)}, "arguments": '
     return {"type": "tag", "begin": begin, "content": content, "end": f"}}\n{CALL_END}"}
 
 
@@ -137,13 +166,16 @@ def tool_call_grammar(specs: list[ToolSpec], choice: ToolChoice) -> dict | None:
     """The structural tag (xgrammar's format) that the generation of ``choice`` runs under; None for "none"."""
     if choice.mode == "none":
         return None
+    if choice.format not in TOOL_CALL_FORMATS:
+        raise InvalidRequestError(f"tool call format must be one of {', '.join(TOOL_CALL_FORMATS)}, got {choice.format!r}")
     if choice.mode == "auto":
-        grammar = {"type": "triggered_tags", "triggers": [CALL_START], "tags": [_tag(s) for s in specs],
+        trigger = CALL_START if choice.format == "hermes" else _JSON_CALL_START
+        grammar = {"type": "triggered_tags", "triggers": [trigger], "tags": [_tag(s, choice.format) for s in specs],
                    "stop_after_first": not choice.parallel}
     else:
         chosen = [s for s in specs if choice.mode == "required" or s.name == choice.name]
-        grammar = {"type": "tags_with_separator", "tags": [_tag(s) for s in chosen], "separator": "\n", "at_least_one": True,
-                   "stop_after_first": not choice.parallel}
+        grammar = {"type": "tags_with_separator", "tags": [_tag(s, choice.format) for s in chosen], "separator": "\n",
+                   "at_least_one": True, "stop_after_first": not choice.parallel}
     return {"type": "structural_tag", "format": grammar}
 
 
@@ -169,18 +201,26 @@ def _call_from_json(value, specs: list[ToolSpec]) -> ToolCall | None:
     return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
 
 
-def _bare_calls(text: str, specs: list[ToolSpec]) -> list[ToolCall] | None:
-    """The calls when the whole text is one JSON call or a list of them (fenced in ```json or not)."""
+def _bare_calls(text: str, specs: list[ToolSpec]) -> tuple[list[ToolCall], str]:
+    """The JSON calls the text starts with (one, a list, or several apart by blanks or ``;``; fenced in
+    ```json or not) and the text after them: a generation cut short mid-call keeps its whole calls."""
     text = text.strip()
     if text.startswith("```"):
         text = text.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    values = value if isinstance(value, list) else [value]
-    calls = [_call_from_json(v, specs) for v in values]
-    return calls if calls and all(calls) else None
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while position < len(text):
+        try:
+            value, end = decoder.raw_decode(text, position)
+        except ValueError:
+            break
+        found = [_call_from_json(v, specs) for v in (value if isinstance(value, list) else [value])]
+        if not found or not all(found):
+            break
+        calls.extend(found)
+        position = end
+        while position < len(text) and (text[position].isspace() or text[position] == ";"):
+            position += 1
+    return calls, text[position:] if calls else text
 
 
 class ToolCallParser:
@@ -235,12 +275,12 @@ class ToolCallParser:
             self._in_call = False
             self._emit_block(rest, closed=False, events=events)
             return events
-        calls = _bare_calls(rest, self.specs) if not self._emitted else None
+        calls, rest = _bare_calls(rest, self.specs) if not self._emitted else ([], rest)
         if calls:
             events.extend(calls)
             self.num_calls += len(calls)
             self._emitted = True
-        elif rest.strip() or self._flowing:
+        if rest.strip() or self._flowing:
             self._emit_content(rest, events)
         return events
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from autodeploy.errors import InvalidRequestError, error_summary
+from autodeploy.errors import ConfigError, InvalidRequestError, error_summary
 from autodeploy.runtime.async_llm import AsyncLLM
 from autodeploy.runtime.llm import LLM
 from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
 from autodeploy.runtime.request import Request as EngineRequest
-from autodeploy.runtime.chat_template import render_chat
+from autodeploy.runtime.chat_template import render_chat, tool_call_format
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
 from autodeploy.serve.metrics import ServerMetrics
@@ -45,18 +45,25 @@ logger = logging.getLogger(__name__)
 class ServerOptions:
     """``served_model_name``: the id clients pass as ``model``. ``api_key``: when set, ``/v1`` routes need
     ``Authorization: Bearer <api_key>``. ``chat_template``: Jinja text overriding the tokenizer's.
-    ``max_queued_requests``: a request is refused (503) while this many wait for a seat in the batch."""
+    ``max_queued_requests``: a request is refused (503) while this many wait for a seat in the batch.
+    ``tool_call_format``: how tool calls are generated, ``"hermes"`` tags or bare ``"json"`` (``"auto"``: the
+    one the chat template teaches, ``runtime/tool_calls.py``)."""
 
     served_model_name: str
     api_key: str | None = None
     chat_template: str | None = None
     max_queued_requests: int = 256
     retry_after_s: int = 1
+    tool_call_format: str = "auto"
 
 
 def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     """A FastAPI app serving ``llm``; the engine (and its KV pool) is built here, before the first request."""
     engine = llm.engine
+    try:
+        call_format = tool_call_format(llm.tokenizer, options.chat_template, options.tool_call_format)
+    except InvalidRequestError as error:  # a bad option fails here, before the server starts
+        raise ConfigError(str(error)) from None
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
 
@@ -105,7 +112,7 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        tools, choice = body.tool_setup()
+        tools, choice = body.tool_setup(call_format)
         prompt = render_chat(llm.tokenizer, [m.template_input() for m in body.messages], options.chat_template, tools)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # OpenAI's default: whatever the context leaves

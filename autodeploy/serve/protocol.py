@@ -173,10 +173,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
 
-    def tool_setup(self) -> tuple[list[ToolSpec] | None, ToolChoice]:
-        """The tools (checked: each schema compiles into a grammar) and how they may be called."""
+    def tool_setup(self, call_format: str) -> tuple[list[ToolSpec] | None, ToolChoice]:
+        """The tools (checked: each schema compiles into a grammar) and how they may be called, in ``call_format``."""
         specs = tool_specs(self.tools) if self.tools else None
-        choice = parse_tool_choice(self.tool_choice, specs, self.parallel_tool_calls)
+        choice = parse_tool_choice(self.tool_choice, specs, self.parallel_tool_calls, call_format)
         if choice.mode != "none" and self.response_format is not None and self.response_format.type != "text":
             raise InvalidRequestError("response_format json_object / json_schema and tool calls each constrain the whole output; "
                                       'use one (tool_choice "none" turns tool calls off)')

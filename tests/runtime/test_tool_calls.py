@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from autodeploy import SamplingParams
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime.chat_template import render_chat, tool_calls_of
+from autodeploy.runtime.chat_template import render_chat, tool_call_format, tool_calls_of
 from autodeploy.runtime.tool_calls import (
     ToolCall, ToolCallParser, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs,
 )
@@ -45,6 +45,11 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</t
     ('[{"name": "now", "arguments": "{}"}, {"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
      [("now", {}), ("get_weather", {"city": "Paris"})]),                                              # a list, arguments as text
     ('```json\n{"name": "now", "arguments": {}}\n```', None, [("now", {})]),
+    ('{"name": "now", "parameters": {}}\n{"name": "get_weather", "parameters": {"city": "Rome"}}', None,
+     [("now", {}), ("get_weather", {"city": "Rome"})]),                                          # json format, several
+    ('{"name": "now", "parameters": {}}; {"name": "now", "parameters": {}}', None, [("now", {}), ("now", {})]),
+    ('{"name": "now", "parameters": {}} and more', "and more", [("now", {})]),
+    ('{"name": "now", "parameters": {}}\n{"name": "now", "param', '{"name": "now", "param', [("now", {})]),  # cut short
     ('{"name": "unknown", "arguments": {}}', '{"name": "unknown", "arguments": {}}', []),           # not a tool: content
     ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
     ('<tool_call>\n{"name": "now", "arguments": {}}', None, [("now", {})]),                          # cut before its end tag
@@ -155,7 +160,8 @@ def _generate(llm, choice: ToolChoice, seed: int | None = None, n: int = 1):
 
 
 @pytest.mark.parametrize("choice", [ToolChoice("required"), ToolChoice("required", parallel=False),
-                                    ToolChoice("function", "get_weather", parallel=False)])
+                                    ToolChoice("function", "get_weather", parallel=False),
+                                    ToolChoice("required", format="json"), ToolChoice("function", "now", parallel=False, format="json")])
 def test_required_and_named_calls_are_valid_calls_of_the_tools(llama_llm, choice):
     output = _generate(llama_llm, choice)
     for seed in (1, 2):
@@ -165,13 +171,27 @@ def test_required_and_named_calls_are_valid_calls_of_the_tools(llama_llm, choice
         content, calls = parse_tool_calls(completion.text, SPECS)
         assert calls, completion.text
         if choice.parallel and completion.finish_reason == "length":  # a sampled model may call on and on
-            assert content is None or content.startswith("<tool_call>")  # a call cut short stays text
+            assert content is None or content.startswith(("<tool_call>", '{"n'))  # a call cut short stays text
         else:
             assert completion.finish_reason == "stop" and content is None, completion.text
         assert choice.parallel or len(calls) == 1
         for call in calls:
             assert choice.mode != "function" or call.name == choice.name
             jsonschema.validate(call.arguments, schemas[call.name])
+
+
+def test_the_call_format_follows_the_template(llama_llm):
+    tokenizer = llama_llm.tokenizer
+    llama3 = ('{% if tools %}Respond with a JSON for a function call: {"name": function name, "parameters": dictionary '
+              'of argument name and its value}. {{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}')
+    assert tool_call_format(tokenizer, llama3) == "json"
+    assert tool_call_format(tokenizer, TOOLS_TEMPLATE) == "hermes"
+    assert tool_call_format(tokenizer, PLAIN_TEMPLATE.replace("m.content", "m.content ~ '\"parameters\"'")) == "hermes"  # no tools read
+    assert tool_call_format(tokenizer, llama3, requested="hermes") == "hermes"
+    with pytest.raises(InvalidRequestError, match="tool call format must be"):
+        tool_call_format(tokenizer, llama3, requested="xml")
+    text = llama_llm.tokenizer.decode(_generate(llama_llm, ToolChoice("required", parallel=False, format="json")).outputs[0].token_ids)
+    assert text.startswith('{"name": "') and '"parameters": {' in text
 
 
 def test_auto_leaves_text_free_until_a_call_starts(llama_llm):

@@ -15,7 +15,10 @@ import torch
 from transformers import AutoTokenizer
 
 from autodeploy import SamplingParams, autodeploy
+from autodeploy.errors import ConfigError
 from autodeploy.runtime.chat_template import render_chat
+from autodeploy.runtime.tool_calls import ToolChoice, tool_call_grammar
+from autodeploy.serve import ServerOptions, build_app
 from tests.runtime.test_tool_calls import SPECS, TOOLS, TOOLS_TEMPLATE, WEATHER
 from tests.serve.test_openai_server import MODEL, serving
 from tests.tiny_models import tiny_hf_model
@@ -125,3 +128,23 @@ def test_bad_tool_requests_are_400s(client, request_fields, param, message):
         client.chat.completions.create(model=MODEL, **request)
     assert raised.value.body["param"] == param
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_calls_in_the_json_format(llama_llm):
+    """``--tool-call-format json``: calls generated as bare {"name", "parameters"} objects (Llama 3.x's)."""
+    with serving(llama_llm, chat_template=TOOLS_TEMPLATE, tool_call_format="json") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        request = dict(messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=150, parallel_tool_calls=False, **GREEDY)
+        (choice,) = client.chat.completions.create(model=MODEL, **request).choices
+        calls = calls_of(choice.message)
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None and len(calls) == 1
+        assert streamed(client, **request) == ("", calls, "tool_calls")
+    prompt = render_chat(llama_llm.tokenizer, QUESTION, TOOLS_TEMPLATE, SPECS)
+    raw = llama_llm.generate(prompt, SamplingParams(max_tokens=150, **GREEDY, structural_tag=tool_call_grammar(
+        SPECS, ToolChoice("required", parallel=False, format="json"))))[0].text
+    assert raw.startswith('{"name": ') and '"parameters": ' in raw
+
+
+def test_a_bad_tool_call_format_fails_when_the_app_is_built(llama_llm):
+    with pytest.raises(ConfigError, match="tool call format must be"):
+        build_app(llama_llm, ServerOptions(served_model_name=MODEL, tool_call_format="xml"))
