@@ -62,6 +62,17 @@ def llama_llm(llama_dir):
     return autodeploy(str(llama_dir), device="cpu")
 
 
+@pytest.fixture(scope="session")
+def gpu_llama_llm(llama_dir):
+    """The tiny Llama on the GPU, float32 (so a free request's tokens do not depend on the batch it shares) and a
+    small KV pool (pytest workers share the GPU); shared, so do not mutate it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from autodeploy import autodeploy
+
+    return autodeploy(str(llama_dir), device="cuda", dtype="float32", kv_cache={"num_blocks": 64})
+
+
 @pytest.fixture
 def hf_offline(monkeypatch, tmp_path) -> Path:
     """Hub look-ups see only an empty local cache (returned) and never the network.

@@ -104,12 +104,9 @@ def test_docstrings():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_the_gpu_constrained_rows_mask_on_the_device_beside_run_ahead_free_requests(tiny_checkpoint):
-    # Triton kernels, decode CUDA graphs, the overlapped runtime: free requests run ahead until a constrained one
-    # joins (float32, so that the free requests' tokens do not depend on the batch they share).
-    from autodeploy import autodeploy
-
-    llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", kv_cache={"num_blocks": 64})
+def test_on_the_gpu_constrained_rows_mask_on_the_device_beside_run_ahead_free_requests(gpu_llama_llm):
+    # Triton kernels, decode CUDA graphs, the overlapped runtime: free requests run ahead until a constrained one joins.
+    llm = gpu_llama_llm
     free = SamplingParams(max_tokens=24, temperature=0)
     alone = [o.token_ids for o in llm.generate(["import os", "def g(y):"], free)]
     outputs = llm.generate(["def f(x):", "import os", "def g(y):"],

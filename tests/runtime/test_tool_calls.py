@@ -208,10 +208,8 @@ def test_docstrings():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_the_gpu_calls_under_the_grammar_are_valid_beside_free_requests(tiny_checkpoint):
-    from autodeploy import autodeploy
-
-    llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", kv_cache={"num_blocks": 64})
+def test_on_the_gpu_calls_under_the_grammar_are_valid_beside_free_requests(gpu_llama_llm):
+    llm = gpu_llama_llm
     free = SamplingParams(max_tokens=24, temperature=0)
     alone = llm.generate("import os", free)[0].token_ids
     prompt = render_chat(llm.tokenizer, [{"role": "user", "content": "Weather in Rome?"}], TOOLS_TEMPLATE, SPECS)
