@@ -80,12 +80,8 @@ class Sequence:
 
     def _cut_at_stop_string(self, tokenizer) -> bool:
         """Only requests with stop strings decode every step; the others decode when asked."""
-        text = self._text(tokenizer)
-        cuts = [text.find(stop) for stop in self.request.params.stop if stop in text]
-        if not cuts:
-            return False
-        self.stopped_text = text[: min(cuts)]
-        return True
+        self.stopped_text = text_before_stop(self._text(tokenizer), self.request.params.stop)
+        return self.stopped_text is not None
 
     def decoded_text(self, tokenizer) -> str:
         if self.stopped_text is not None:
@@ -96,6 +92,12 @@ class Sequence:
         if self.detokenizer is None:
             self.detokenizer = IncrementalDetokenizer(tokenizer)
         return self.detokenizer.text(self.output_token_ids)
+
+
+def text_before_stop(text: str, stops: list[str]) -> str | None:
+    """``text`` cut before the first of ``stops`` in it, or None when none appears."""
+    cuts = [text.find(stop) for stop in stops if stop in text]
+    return text[: min(cuts)] if cuts else None
 
 
 def streamable_prefix(text: str, stops: list[str]) -> str:

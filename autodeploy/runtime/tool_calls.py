@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from autodeploy.errors import InvalidRequestError
+from autodeploy.runtime.request import streamable_prefix
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -261,7 +262,7 @@ class ToolCallParser:
                 continue
             if not self._emitted and self._pending.lstrip()[:1] in ("{", "[", "`"):
                 return events  # perhaps a bare JSON call: decided at finish
-            head = self._pending[: len(self._pending) - _partial_start(self._pending)]
+            head = streamable_prefix(self._pending, [CALL_START])  # a tail that may begin a call waits
             if head.strip() or self._flowing:
                 self._emit_content(head, events)
                 self._pending = self._pending[len(head):]
@@ -300,14 +301,6 @@ class ToolCallParser:
         if text and (text.strip() or self._flowing):
             events.append(text)
             self._emitted, self._flowing = True, True
-
-
-def _partial_start(text: str) -> int:
-    """The length of the longest tail of ``text`` that is a proper prefix of ``<tool_call>``."""
-    for length in range(min(len(CALL_START) - 1, len(text)), 0, -1):
-        if CALL_START.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def parse_tool_calls(text: str, specs: list[ToolSpec]) -> tuple[str | None, list[ToolCall]]:

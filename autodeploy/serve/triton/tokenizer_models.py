@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime.request import streamable_prefix
+from autodeploy.runtime.request import streamable_prefix, text_before_stop
 from autodeploy.serve.triton import request_tensors
 from autodeploy.serve.triton.tensor_specs import FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, STOP, TEXT_INPUT, TEXT_OUTPUT
 
@@ -65,7 +65,7 @@ class PostprocessingModel:
 
     def _visible(self, ids: list[int], stops: list[str], finished: bool) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cuts = [text.find(stop) for stop in stops if stop in text]
-        if cuts:
-            return text[: min(cuts)]
+        stopped = text_before_stop(text, stops)
+        if stopped is not None:
+            return stopped
         return text if finished else streamable_prefix(text, stops)
