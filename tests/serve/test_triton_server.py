@@ -21,7 +21,6 @@ from tritonclient.utils import InferenceServerException
 
 from autodeploy import SamplingParams
 from autodeploy.cli.main import main
-from autodeploy.errors import ConfigError
 from autodeploy.serve.triton import Blocklist
 from autodeploy.serve.triton.client import grpc_inputs, request_tensors, stream_generate
 from autodeploy.serve.triton.launch import running_server
@@ -73,16 +72,6 @@ def ids(values) -> list[int]:  # Triton's JSON gives a one-element tensor as a b
 
 
 # ---- without a server -------------------------------------------------------------------------------------
-
-
-def test_blocklist_redacts_whole_words_ignoring_case_or_refuses():
-    assert Blocklist(["os", "rm -rf"]).apply("import OS; os.path; cosine; rm -rf /") == "import [redacted]; [redacted].path; cosine; [redacted] /"
-    assert Blocklist(["os"], "refuse").apply("import os") == "[withheld by the output filter]"
-    assert Blocklist(["os"], "refuse").apply("import sys") == "import sys"
-    with pytest.raises(ConfigError, match="no terms"):
-        Blocklist(["", "  "])
-    with pytest.raises(ConfigError, match="action"):
-        Blocklist(["os"], "drop")
 
 
 def test_ensemble_without_a_filter_ends_in_postprocessing():
@@ -228,5 +217,18 @@ def test_ensemble_returns_in_process_text_and_filters_it(server, llama_llm):
     assert f" {BLOCKED} " in blocked.text
     (response,) = generate(server, "ensemble", {"text_input": "import os", "max_tokens": 8, **GREEDY})
     assert response["text_output"] == Blocklist([BLOCKED]).apply(blocked.text) and BLOCKED not in response["text_output"]
+    streamed = list(stream_generate(server.grpc, "import os", model="ensemble", max_tokens=8, **GREEDY))
+    assert "".join(p.text for p in streamed) == response["text_output"] and streamed[-1].finish_reason == "length"
     (direct,) = generate(server, "llm", {"text_input": "import os", "max_tokens": 8, **GREEDY})
     assert direct["text_output"] == blocked.text  # the engine model itself is not filtered
+
+
+def test_output_filter_sees_a_stream_whole(server):
+    """A term split over two responses is caught: the filter step reads the text so far, and holds back
+    what may be the start of a term."""
+    first = {"text_input": "import o", "text_so_far": "import o", "finish_reason": ""}
+    second = {"text_input": "s.path", "text_so_far": "import os.path", "finish_reason": "length"}
+    pieces = [generate(server, "output_filter", body)[0] for body in (first, second)]
+    assert [(p["text_output"], p["finish_reason"]) for p in pieces] == [("import ", ""), ("[redacted].path", "length")]
+    (alone,) = generate(server, "output_filter", {"text_input": "import os"})  # no text so far: a whole answer
+    assert alone["text_output"] == "import [redacted]"

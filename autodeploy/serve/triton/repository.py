@@ -102,16 +102,20 @@ def python_model_config(name: str, inputs, outputs, parameters: dict[str, str], 
 def ensemble_config(with_filter: bool) -> str:
     """The ensemble: its inputs reach the steps that read them; its outputs come from the last steps."""
     sampling = [spec.name for spec in (*specs.SAMPLING_INPUTS, specs.STOP, specs.STREAM)]
-    text = "_filter_input" if with_filter else specs.TEXT_OUTPUT.name
+    # With a filter, the engine's text and finish reason pass through it on their way out.
+    text, finish_reason = ("_filter_input", "_finish_reason") if with_filter else (specs.TEXT_OUTPUT.name, specs.FINISH_REASON.name)
+    engine_out = {"output_ids": "output_ids", "num_new_tokens": "_num_new_tokens", "finish_reason": finish_reason, "stop": "_stop"}
+    postprocessing_out = {"text_output": text}
+    if with_filter:
+        postprocessing_out |= {"text_so_far": "_text_so_far", "finish_reason": "_filter_finish_reason"}
     steps = [
         _step(PREPROCESSING, {"text_input": "text_input"}, {"input_ids": "_input_ids"}),
-        _step(LLM, {"input_ids": "_input_ids", **{name: name for name in sampling}},
-              {"output_ids": "output_ids", "num_new_tokens": "_num_new_tokens", "finish_reason": "finish_reason", "stop": "_stop"}),
-        _step(POSTPROCESSING, {"output_ids": "output_ids", "num_new_tokens": "_num_new_tokens", "finish_reason": "finish_reason", "stop": "_stop"},
-              {"text_output": text}),
+        _step(LLM, {"input_ids": "_input_ids", **{name: name for name in sampling}}, engine_out),
+        _step(POSTPROCESSING, engine_out, postprocessing_out),
     ]
     if with_filter:
-        steps.append(_step(OUTPUT_FILTER, {"text_input": text}, {"text_output": specs.TEXT_OUTPUT.name}))
+        steps.append(_step(OUTPUT_FILTER, {"text_input": text, "text_so_far": "_text_so_far", "finish_reason": "_filter_finish_reason"},
+                           {"text_output": specs.TEXT_OUTPUT.name, "finish_reason": specs.FINISH_REASON.name}))
     return "\n".join([
         f'name: "{ENSEMBLE}"', 'platform: "ensemble"', "max_batch_size: 0",
         _tensor_list("input", specs.ENSEMBLE_INPUTS), _tensor_list("output", specs.ENSEMBLE_OUTPUTS),

@@ -45,6 +45,7 @@ TEXT_OUTPUT = TensorSpec("text_output", "TYPE_STRING")  # the text this response
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,))  # every token generated so far
 NUM_NEW_TOKENS = TensorSpec("num_new_tokens", "TYPE_INT32")  # how many of output_ids' last tokens this response adds
 FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING")  # "stop", "length", "abort"; "" until the last response
+TEXT_SO_FAR = TensorSpec("text_so_far", "TYPE_STRING")  # all the answer's text up to this response's end
 
 # The engine takes a prompt as text or as token ids (the ensemble's pre-processing step gives ids).
 LLM_INPUTS = (
@@ -62,9 +63,13 @@ LLM_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP_OUTP
 PREPROCESSING_INPUTS = (TEXT_INPUT,)
 PREPROCESSING_OUTPUTS = (INPUT_IDS,)
 POSTPROCESSING_INPUTS = (OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP)
-POSTPROCESSING_OUTPUTS = (TEXT_OUTPUT,)
-FILTER_INPUTS = (TEXT_INPUT,)
-FILTER_OUTPUTS = (TEXT_OUTPUT,)
+# The text so far and the finish reason go on to the output filter, which filters a stream as a whole
+# (a term split over pieces is found) without state between responses; it may end the answer with
+# finish_reason "content_filter".
+POSTPROCESSING_OUTPUTS = (TEXT_OUTPUT, TEXT_SO_FAR, FINISH_REASON)
+FILTER_INPUTS = (TEXT_INPUT, TensorSpec(TEXT_SO_FAR.name, TEXT_SO_FAR.data_type, optional=True),
+                 TensorSpec(FINISH_REASON.name, FINISH_REASON.data_type, optional=True))
+FILTER_OUTPUTS = (TEXT_OUTPUT, FINISH_REASON)
 
 ENSEMBLE_INPUTS = (TEXT_INPUT, *SAMPLING_INPUTS, STOP, STREAM)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON)

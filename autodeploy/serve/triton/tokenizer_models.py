@@ -18,7 +18,7 @@ from pathlib import Path
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.request import streamable_prefix, text_before_stop
 from autodeploy.serve.triton import request_tensors
-from autodeploy.serve.triton.tensor_specs import FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, STOP, TEXT_INPUT, TEXT_OUTPUT
+from autodeploy.serve.triton.tensor_specs import FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, STOP, TEXT_INPUT, TEXT_OUTPUT, TEXT_SO_FAR
 
 
 def _load_tokenizer(args: dict):
@@ -47,7 +47,8 @@ class PreprocessingModel:
 
 class PostprocessingModel:
     """``output_ids`` (all generated so far), ``num_new_tokens``, ``finish_reason`` and ``stop`` → the
-    ``text_output`` this response adds."""
+    ``text_output`` this response adds, the ``text_so_far`` it ends, and ``finish_reason`` again (for the
+    output filter, which cannot read the engine's outputs: see ``tensor_specs``)."""
 
     def initialize(self, args: dict) -> None:
         self.tokenizer = _load_tokenizer(args)
@@ -58,10 +59,12 @@ class PostprocessingModel:
     def _outputs(self, request) -> list:
         ids = request_tensors.token_ids(request, OUTPUT_IDS.name) or []
         num_new = request_tensors.optional_scalar(request, NUM_NEW_TOKENS.name) or 0
-        finished = bool(request_tensors.optional_scalar(request, FINISH_REASON.name))
+        finish_reason = request_tensors.optional_scalar(request, FINISH_REASON.name) or ""
         stops = request_tensors.optional_strings(request, STOP.name)
         before = self._visible(ids[: len(ids) - num_new], stops, finished=False)
-        return [request_tensors.string_tensor(TEXT_OUTPUT.name, self._visible(ids, stops, finished)[len(before) :])]
+        text = self._visible(ids, stops, finished=bool(finish_reason))
+        return [request_tensors.string_tensor(TEXT_OUTPUT.name, text[len(before) :]), request_tensors.string_tensor(TEXT_SO_FAR.name, text),
+                request_tensors.string_tensor(FINISH_REASON.name, finish_reason)]
 
     def _visible(self, ids: list[int], stops: list[str], finished: bool) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
