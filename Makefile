@@ -18,6 +18,7 @@ BENCH_THRESHOLD := 0.10
 
 # The Triton Inference Server tests' server environment: the nvidia-pytriton wheel bundles tritonserver and its
 # Python backend, and pins numpy < 2, so it lives beside .venv; tests/serve/test_triton_server.py starts it.
+# xgrammar: the llm model's json_schema / json_object inputs (grammar-constrained decoding in the engine).
 TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
 
@@ -32,7 +33,7 @@ $(TRITON_STAMP): pyproject.toml requirements/cpu-constraints.txt
 	python3 -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TRITON_VENV)/bin/python -m pip install -q -c requirements/cpu-constraints.txt torch==2.13.0
-	$(TRITON_VENV)/bin/python -m pip install -q -c requirements/cpu-constraints.txt -e . nvidia-pytriton==0.7.0 'tritonclient[http,grpc]'
+	$(TRITON_VENV)/bin/python -m pip install -q -c requirements/cpu-constraints.txt -e . nvidia-pytriton==0.7.0 'tritonclient[http,grpc]' 'xgrammar>=0.2.9'
 	touch $(TRITON_STAMP)
 
 run: $(STAMP)

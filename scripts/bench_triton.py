@@ -10,7 +10,8 @@ Each point is a closed loop of at most C requests in flight, measured three ways
 
 - in-process: ``AsyncLLM.stream`` over the deployment, C asyncio seats; a token's time is when its output arrives;
 - triton llm: ``client.stream_generate`` to the ``llm`` model (gRPC decoupled stream), C client threads;
-- triton ensemble: the same to ``ensemble`` (preprocessing → llm → postprocessing).
+- triton ensemble: the same to ``ensemble`` (preprocessing → llm → postprocessing);
+- triton llm/N, for each N > 1 of ``--stream-interval``: the llm path with a response every N tokens.
 
 Every request: a fixed text prompt (random demo-tokenizer ids decoded; the same prompts for all three), greedy,
 ``max_tokens`` tokens with ``ignore_eos``; a Triton request counts only if it ends with finish_reason "length"
@@ -64,10 +65,10 @@ def in_process(async_llm: AsyncLLM, prompts: list[str], concurrency: int, max_to
     return asyncio.run(run())
 
 
-STALLS: list[float] = []  # gaps of 100 ms or more between a Triton request's responses (see notes/triton.md)
+STALLS: list[float] = []  # gaps of 100 ms a response's tokens or more between a Triton request's responses (notes/triton.md)
 
 
-def over_triton(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> list[RequestTiming]:
+def over_triton(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, interval: int = 1) -> list[RequestTiming]:
     timings, lock, queue = [], threading.Lock(), iter(prompts)
     STALLS.clear()
 
@@ -78,8 +79,9 @@ def over_triton(url: str, model: str, prompts: list[str], concurrency: int, max_
             if prompt is None:
                 return
             arrival = time.perf_counter()
-            pieces = list(stream_generate(url, prompt, model=model, max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-            STALLS.extend(gap for a, b in zip(pieces, pieces[1:]) if (gap := b.time - a.time) >= 0.1)
+            pieces = list(stream_generate(url, prompt, model=model, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                          stream_interval=interval))
+            STALLS.extend(gap for a, b in zip(pieces, pieces[1:]) if (gap := b.time - a.time) >= 0.1 * interval)
             if pieces[-1].finish_reason != "length":
                 raise RuntimeError(f"{model}: finish_reason {pieces[-1].finish_reason!r}, not 'length'")
             with lock:  # a response per engine step (its text may be empty: a partial character)
@@ -107,6 +109,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="random token ids per prompt, before decoding")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-ensemble", action="store_true")
+    parser.add_argument("--stream-interval", default="1", help="comma-separated; each N > 1 adds the path 'triton llm/N'")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -127,6 +130,8 @@ def main() -> None:
                      "triton llm": lambda ps, c: over_triton(url, "llm", ps, c, args.max_tokens)}
             if not args.no_ensemble:
                 paths["triton ensemble"] = lambda ps, c: over_triton(url, "ensemble", ps, c, args.max_tokens)
+            for interval in (int(n) for n in args.stream_interval.split(",") if int(n) > 1):
+                paths[f"triton llm/{interval}"] = lambda ps, c, n=interval: over_triton(url, "llm", ps, c, args.max_tokens, n)
             for measure in paths.values():  # warm-up
                 measure(prompts[:8], 4)
             print(f"{'point':<6} {'path':<16} {'tok/s':>8} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}   ratios to in-process")
@@ -136,7 +141,7 @@ def main() -> None:
                     result = figures(measure(prompts, concurrency))
                     base = base or result
                     ratios = "" if result is base else "   " + "  ".join(f"{result[k] / base[k]:.2f}×" for k in result) + \
-                        f"   ({len(STALLS)} stalls ≥100 ms, {sum(STALLS):.1f} s)"
+                        f"   ({len(STALLS)} stalls ≥100 ms a token, {sum(STALLS):.1f} s)"
                     print(f"c{concurrency:<5} {name:<16} {result['tok/s']:8.1f} {result['ttft_ms']:12.1f} {result['tpot_ms']:12.2f}{ratios}",
                           flush=True)
             async_llm.shutdown()

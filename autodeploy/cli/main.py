@@ -114,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     triton_repo.add_argument("--blocklist", default=None, metavar="FILE",
                              help="add an output filter step to the ensemble: terms (one a line) whose whole-word matches it acts on")
     triton_repo.add_argument("--blocklist-action", default="redact", choices=("redact", "refuse"),
-                             help="redact: replace each match with [redacted]; refuse: replace the response's text")
+                             help="redact: replace each match with [redacted]; refuse: cut the answer at the first match and "
+                                  "end it with a refusal (finish_reason content_filter)")
+    triton_repo.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                             help="a stream's responses after the first come every N tokens (default 1); a request's "
+                                  "stream_interval input overrides it")
     _add_settings_arguments(triton_repo)
 
     quantize = commands.add_parser("quantize", help="quantize a checkpoint as the quantize settings say and write it as a "
@@ -346,14 +350,15 @@ def _triton_repo(args) -> None:
 
     from autodeploy import autodeploy
     from autodeploy.serve.triton import Blocklist, write_model_repository
-    from autodeploy.serve.triton.repository import check_repository_destination
+    from autodeploy.serve.triton.repository import check_repository_destination, check_stream_interval
 
     out = Path(args.out)
     check_repository_destination(out)  # before a build that may take minutes
+    check_stream_interval(args.stream_interval)
     blocklist = Blocklist.from_file(args.blocklist, args.blocklist_action) if args.blocklist else None
     start = time.perf_counter()
     llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
-    directory = write_model_repository(llm, out, blocklist, source=args.model)
+    directory = write_model_repository(llm, out, blocklist, source=args.model, stream_interval=args.stream_interval)
     print(f"wrote {directory} in {time.perf_counter() - start:.1f}s; serve it with: "
           f"python -m autodeploy.serve.triton.launch {directory} (in an environment with nvidia-pytriton, notes/triton.md)")
 

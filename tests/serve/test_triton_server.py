@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -29,6 +30,9 @@ from autodeploy.serve.triton.repository import ensemble_config
 TRITON_PYTHON = Path(__file__).resolve().parents[2] / ".venv-triton" / "bin" / "python"
 BLOCKED = "os"  # the tiny Llama answers "import os" with " os os os …"
 GREEDY = dict(temperature=0.0)
+# An enum and a bounded integer, no other properties: the random model's JSON ends within a few dozen tokens.
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "size": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "size"], "additionalProperties": False}
 
 
 @dataclass
@@ -80,18 +84,23 @@ def test_ensemble_without_a_filter_ends_in_postprocessing():
     assert 'output_map { key: "text_output" value: "text_output" }' in config
 
 
-def test_triton_repo_refuses_a_folder_in_use_before_building(tmp_path, capsys):
+def test_triton_repo_refuses_a_folder_in_use_or_a_bad_stream_interval_before_building(tmp_path, capsys):
+    assert main(["triton-repo", "--out", str(tmp_path / "new"), "--stream-interval", "0"]) == 1
+    assert "stream interval must be a positive integer" in capsys.readouterr().err
     (tmp_path / "something").write_text("")
     assert main(["triton-repo", "--out", str(tmp_path)]) == 1
     assert "not an empty folder" in capsys.readouterr().err
 
 
 def test_request_tensors_have_the_models_types():
-    tensors = request_tensors("def f(x):", stream=True, stop=["\n"], max_tokens=8, temperature=0.5, seed=3, ignore_eos=True)
+    tensors = request_tensors("def f(x):", stream=True, stop=["\n"], stream_interval=4, max_tokens=8, temperature=0.5, seed=3,
+                              ignore_eos=True, json_schema=SCHEMA, stop_token_ids=[2, 3], return_log_probs=True, top_k=None)
     assert {name: array.dtype for name, array in tensors.items()} == {
         "text_input": np.object_, "stream": np.bool_, "max_tokens": np.int32, "temperature": np.float32, "seed": np.int64,
-        "ignore_eos": np.bool_, "stop": np.object_}
-    with pytest.raises(TypeError, match="unknown sampling fields"):
+        "ignore_eos": np.bool_, "stop": np.object_, "stream_interval": np.int32, "json_schema": np.object_, "stop_token_ids": np.int32,
+        "return_log_probs": np.bool_}
+    assert json.loads(tensors["json_schema"][0]) == SCHEMA and tensors["stop_token_ids"].tolist() == [2, 3]
+    with pytest.raises(TypeError, match="unknown request fields"):
         request_tensors("x", temprature=0.5)
 
 
@@ -132,6 +141,48 @@ def test_grpc_stream_and_stop_strings(server, llama_llm):
     pieces = list(stream_generate(server.grpc, "def fibonacci(n):", max_tokens=16, stop=[":):"], **GREEDY))
     assert "".join(p.text for p in pieces) == expected.text and pieces[-1].finish_reason == expected.finish_reason == "stop"
     assert all(a.time <= b.time for a, b in zip(pieces, pieces[1:]))
+
+
+def test_stream_interval_sends_a_response_every_n_tokens(server, llama_llm):
+    """The first piece at once, then one every 4 tokens: 1 + ⌈(9 - 1) / 4⌉ = 3 responses for 9 tokens (fewer
+    when the engine's outputs merge while the loop is busy), through the engine model and through the
+    ensemble, adding up to the same text."""
+    expected = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=9, ignore_eos=True, **GREEDY))[0]
+    for model in ("llm", "ensemble"):
+        pieces = list(stream_generate(server.grpc, "def fibonacci(n):", model=model, stream_interval=4, max_tokens=9, ignore_eos=True,
+                                      **GREEDY))
+        assert "".join(p.text for p in pieces) == (Blocklist([BLOCKED]).apply(expected.text) if model == "ensemble" else expected.text)
+        assert len(pieces) <= 3 and pieces[-1].finish_reason == "length", (model, pieces)
+    (response,) = generate(server, "llm", {"text_input": "def f(x):", "max_tokens": 4, "stream_interval": 0}, stream=True)
+    assert "stream_interval must be a positive integer" in response["error"]
+    assert 'key: "stream_interval" value: { string_value: "1" }' in (server.repository / "llm" / "config.pbtxt").read_text()
+
+
+def test_json_schema_log_probs_and_stop_token_ids_equal_in_process(server, llama_llm):
+    """Structured output is decoded under the grammar in the engine's batch, through the llm model and the
+    ensemble; return_log_probs gives each token's log-probability; stop_token_ids end the output."""
+    expected = llama_llm.generate("import os", SamplingParams(max_tokens=60, json_schema=SCHEMA, logprobs=0, **GREEDY))[0]
+    jsonschema.validate(json.loads(expected.text), SCHEMA)
+    body = {"text_input": "import os", "max_tokens": 60, "json_schema": json.dumps(SCHEMA), "return_log_probs": True, **GREEDY}
+    for model, stream in (("llm", False), ("llm", True), ("ensemble", False)):
+        responses = generate(server, model, body, stream=stream)
+        assert "".join(r["text_output"] for r in responses) == expected.text, (model, stream)
+        last = responses[-1]
+        assert ids(last["output_ids"]) == expected.token_ids and last["finish_reason"] == "stop"
+        np.testing.assert_allclose(last["output_log_probs"], expected.outputs[0].logprobs, rtol=1e-4, atol=1e-4)
+    (plain,) = generate(server, "llm", {"text_input": "import os", "max_tokens": 4, **GREEDY})
+    assert plain["output_log_probs"] == []  # not asked for
+
+    greedy = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12, **GREEDY))[0]
+    stop_id = greedy.token_ids[3]
+    stopped = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12, stop_token_ids=[stop_id], **GREEDY))[0]
+    (response,) = generate(server, "llm", {"text_input": "def fibonacci(n):", "max_tokens": 12, "stop_token_ids": [stop_id], **GREEDY})
+    assert (ids(response["output_ids"]), response["finish_reason"]) == (stopped.token_ids, "stop")
+
+    for bad, message in (({"type": "nonsense"}, 'Unsupported type "nonsense"'), ("{not json", "json_schema is not valid JSON")):
+        body = {"text_input": "x", "json_schema": bad if isinstance(bad, str) else json.dumps(bad)}
+        assert message in generate(server, "llm", body)[0]["error"]
+    assert "set one of json_schema, json_object" in generate(server, "llm", {"text_input": "x", "json_schema": "{}", "json_object": True})[0]["error"]
 
 
 def test_grpc_and_http_infer_of_the_tokenizer_step(server, llama_llm):

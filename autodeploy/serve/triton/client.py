@@ -8,6 +8,7 @@ time per output token, throughput).
 
 from __future__ import annotations
 
+import json
 import queue
 import time
 from collections.abc import Iterator
@@ -15,10 +16,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autodeploy.serve.triton.tensor_specs import FINISH_REASON, SAMPLING_INPUTS, STOP, STREAM, TEXT_INPUT, TEXT_OUTPUT
+from autodeploy.serve.triton.tensor_specs import FINISH_REASON, REQUEST_OPTIONS, STREAM, TEXT_INPUT, TEXT_OUTPUT
 
 _NUMPY_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
-_SAMPLING = {spec.name: spec for spec in SAMPLING_INPUTS}
+_OPTIONS = {spec.name: spec for spec in REQUEST_OPTIONS if spec is not STREAM}
 
 
 class StreamPiece(NamedTuple):
@@ -27,21 +28,30 @@ class StreamPiece(NamedTuple):
     finish_reason: str  # "" until the last piece
 
 
-def request_tensors(prompt: str, stream: bool = False, stop: list[str] | None = None, **sampling) -> dict[str, np.ndarray]:
-    """The input tensors of a generate request to the ``llm`` or ``ensemble`` model, by name.
+def request_tensors(prompt: str, stream: bool = False, **options) -> dict[str, np.ndarray]:
+    """The input tensors of a generate request to the ``llm`` or ``ensemble`` model, by name. ``options``:
+    the models' other inputs (``tensor_specs.REQUEST_OPTIONS``: sampling fields, ``stop``,
+    ``stop_token_ids``, ``return_log_probs``, ``stream_interval``, ``json_schema`` as a dict or its JSON
+    text, …); None or an empty list leaves one out.
 
-    >>> sorted(request_tensors("def f(x):", max_tokens=8))
+    >>> sorted(request_tensors("def f(x):", max_tokens=8, stop=[]))
     ['max_tokens', 'stream', 'text_input']
     """
-    unknown = set(sampling) - set(_SAMPLING)
+    unknown = set(options) - set(_OPTIONS)
     if unknown:
-        raise TypeError(f"unknown sampling fields {sorted(unknown)}; the models take {sorted(_SAMPLING)}")
+        raise TypeError(f"unknown request fields {sorted(unknown)}; the models take {sorted(_OPTIONS)}")
     tensors = {TEXT_INPUT.name: np.array([prompt.encode()], dtype=np.object_), STREAM.name: np.array([stream])}
-    for name, value in sampling.items():
-        tensors[name] = np.array([value], dtype=_NUMPY_TYPES[_SAMPLING[name].data_type])
-    if stop:
-        tensors[STOP.name] = np.array([s.encode() for s in stop], dtype=np.object_)
+    for name, value in options.items():
+        values = [] if value is None else list(value) if _OPTIONS[name].dims == (-1,) else [value]
+        if values:
+            tensors[name] = _array(_OPTIONS[name].data_type, values)
     return tensors
+
+
+def _array(data_type: str, values: list) -> np.ndarray:
+    if data_type == "TYPE_STRING":
+        return np.array([(v if isinstance(v, str) else json.dumps(v)).encode() for v in values], dtype=np.object_)
+    return np.array(values, dtype=_NUMPY_TYPES[data_type])
 
 
 def grpc_inputs(tensors: dict[str, np.ndarray]) -> list:
@@ -56,10 +66,10 @@ def grpc_inputs(tensors: dict[str, np.ndarray]) -> list:
     return inputs
 
 
-def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 600.0, stop: list[str] | None = None,
-                    **sampling) -> Iterator[StreamPiece]:
+def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 600.0, **options) -> Iterator[StreamPiece]:
     """Stream one request to a Triton server at ``url`` (gRPC ``host:port``) and yield its pieces of text as
-    they arrive. A Triton error (a bad request) raises ``tritonclient.utils.InferenceServerException``."""
+    they arrive (``options`` as for ``request_tensors``). A Triton error (a bad request) raises
+    ``tritonclient.utils.InferenceServerException``."""
     import tritonclient.grpc as grpcclient
 
     arrivals: queue.Queue = queue.Queue()
@@ -67,7 +77,7 @@ def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 
     try:
         client.start_stream(callback=lambda result, error: arrivals.put((result, error, time.perf_counter())))
         outputs = [grpcclient.InferRequestedOutput(TEXT_OUTPUT.name), grpcclient.InferRequestedOutput(FINISH_REASON.name)]
-        client.async_stream_infer(model, grpc_inputs(request_tensors(prompt, stream=True, stop=stop, **sampling)), outputs=outputs,
+        client.async_stream_infer(model, grpc_inputs(request_tensors(prompt, stream=True, **options)), outputs=outputs,
                                   enable_empty_final_response=True)
         while True:
             result, error, arrived = arrivals.get(timeout=timeout)

@@ -6,7 +6,9 @@ one's responses go out through its own response sender from that loop, as the en
 last response of a request carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``; a bad request (no prompt,
 ``max_tokens`` ≤ 0, a prompt over the context, …) gets one error response with that flag, and the model
 goes on serving the others. ``stream`` false (the default) sends the whole completion in one response,
-which Triton's HTTP ``generate`` endpoint needs.
+which Triton's HTTP ``generate`` endpoint needs. A stream sends its first piece at once and then one
+response every ``stream_interval`` tokens (the request's input, else the config's parameter, 1 by
+default): fewer responses cost less in Triton and gRPC per token, at longer gaps between them.
 
 The repository's ``llm/config.pbtxt`` names the deployment (``autodeploy build``'s format) this model
 serves, in the folder of the model version (``parameters { key: "deployment" … }``).
@@ -28,7 +30,8 @@ import triton_python_backend_utils as pb_utils
 from autodeploy.errors import InvalidRequestError
 from autodeploy.serve.triton import request_tensors
 from autodeploy.serve.triton.tensor_specs import (
-    FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, SAMPLING_INPUTS, STOP, STOP_OUTPUT, STREAM, TEXT_INPUT, TEXT_OUTPUT,
+    FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, RETURN_LOG_PROBS, SAMPLING_INPUTS, STOP, STOP_OUTPUT,
+    STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TEXT_INPUT, TEXT_OUTPUT,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,10 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("the autodeploy model streams: its config.pbtxt needs model_transaction_policy { decoupled: true }")
         deployment = config["parameters"]["deployment"]["string_value"]
+        stream_interval = config["parameters"].get(STREAM_INTERVAL.name, {}).get("string_value", "1")
+        if not stream_interval.isdigit() or int(stream_interval) < 1:
+            raise pb_utils.TritonModelException(f"config.pbtxt's {STREAM_INTERVAL.name} must be a positive integer, got {stream_interval!r}")
+        self.stream_interval = int(stream_interval)
         directory = Path(args["model_repository"]).resolve() / args["model_version"] / deployment
         self.llm = autodeploy(str(directory))
         self.async_llm = AsyncLLM(self.llm)
@@ -59,11 +66,12 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 prompt, params, stream = _read_request(request)
+                interval = _stream_interval(request, self.stream_interval)
             except InvalidRequestError as error:
                 sender.send(request_tensors.error_response(error), flags=FINAL)
                 continue
             wanted = set(request.requested_output_names())
-            future = asyncio.run_coroutine_threadsafe(self._respond(prompt, params, stream, wanted, sender), self.loop)
+            future = asyncio.run_coroutine_threadsafe(self._respond(prompt, params, stream, interval, wanted, sender), self.loop)
             self.in_flight.add(future)
             future.add_done_callback(self._done)
         return None
@@ -84,22 +92,25 @@ class TritonPythonModel:
         self.loop_thread.join()
         self.llm.shutdown()
 
-    async def _respond(self, prompt, params, stream: bool, wanted: set[str], sender) -> None:
+    async def _respond(self, prompt, params, stream: bool, interval: int, wanted: set[str], sender) -> None:
         try:
             if not stream:
                 output = await self.async_llm.generate(prompt, params)
                 completion = output.outputs[0]
                 sender.send(_response(completion, completion.text, len(completion.token_ids), params.stop, wanted), flags=FINAL)
                 return
+            text, num_new, sent = "", 0, False  # what the next response carries; whether one went out
             async with contextlib.aclosing(self.async_llm.stream(prompt, params)) as outputs:  # closing aborts the request
                 async for output in outputs:
                     if sender.is_cancelled():
                         sender.send(flags=FINAL)
                         return
                     completion = output.outputs[0]
-                    if output.finished or completion.new_text or completion.new_token_ids:
-                        response = _response(completion, completion.new_text, len(completion.new_token_ids), params.stop, wanted)
-                        sender.send(response, flags=FINAL if output.finished else 0)
+                    text, num_new = text + completion.new_text, num_new + len(completion.new_token_ids)
+                    # the first piece at once, then every `interval` tokens, and the end
+                    if output.finished or ((text or num_new) and (not sent or num_new >= interval)):
+                        sender.send(_response(completion, text, num_new, params.stop, wanted), flags=FINAL if output.finished else 0)
+                        text, num_new, sent = "", 0, True
         except Exception as error:  # noqa: BLE001 — every failure becomes this request's error response
             if not isinstance(error, InvalidRequestError):
                 logger.exception("request failed")
@@ -118,9 +129,21 @@ def _read_request(request):
     if text is not None and not isinstance(text, str):
         raise InvalidRequestError(f"{TEXT_INPUT.name} must be a string")
     fields = {spec.name: value for spec in SAMPLING_INPUTS if (value := request_tensors.optional_scalar(request, spec.name)) is not None}
-    params = SamplingParams(**fields, stop=request_tensors.optional_strings(request, STOP.name))
+    if request_tensors.optional_scalar(request, RETURN_LOG_PROBS.name):
+        fields["logprobs"] = 0  # each token's own log-probability, no alternatives
+    params = SamplingParams(**fields, stop=request_tensors.optional_strings(request, STOP.name),
+                            stop_token_ids=request_tensors.token_ids(request, STOP_TOKEN_IDS.name) or [])
     params.validate()  # here, so a bad field is answered before the request reaches the engine's loop
     return (text if text is not None else ids), params, bool(request_tensors.optional_scalar(request, STREAM.name))
+
+
+def _stream_interval(request, default: int) -> int:
+    interval = request_tensors.optional_scalar(request, STREAM_INTERVAL.name)
+    if interval is None:
+        return default
+    if interval < 1:
+        raise InvalidRequestError(f"{STREAM_INTERVAL.name} must be a positive integer (tokens a response), got {interval}")
+    return interval
 
 
 def _response(completion, text: str, num_new_tokens: int, stop: list[str], wanted: set[str]):
@@ -130,5 +153,6 @@ def _response(completion, text: str, num_new_tokens: int, stop: list[str], wante
         NUM_NEW_TOKENS.name: lambda: request_tensors.int_tensor(NUM_NEW_TOKENS.name, [num_new_tokens]),
         FINISH_REASON.name: lambda: request_tensors.string_tensor(FINISH_REASON.name, completion.finish_reason or ""),
         STOP_OUTPUT.name: lambda: request_tensors.strings_tensor(STOP_OUTPUT.name, stop),
+        OUTPUT_LOG_PROBS.name: lambda: request_tensors.float_tensor(OUTPUT_LOG_PROBS.name, completion.logprobs or []),
     }
     return pb_utils.InferenceResponse([make() for name, make in tensors.items() if not wanted or name in wanted])

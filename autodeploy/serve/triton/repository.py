@@ -45,13 +45,17 @@ from autodeploy.serve.triton.{module} import {cls} as TritonPythonModel  # noqa:
 '''
 
 
-def write_model_repository(llm, directory: str | Path, blocklist: Blocklist | None = None, source: str | None = None) -> Path:
+def write_model_repository(llm, directory: str | Path, blocklist: Blocklist | None = None, source: str | None = None,
+                           stream_interval: int = 1) -> Path:
     """Write the repository for ``llm`` (a deployed model with a tokenizer) into ``directory`` (new or empty).
+    ``stream_interval``: a stream's responses after the first come every this many tokens, unless a request
+    says otherwise (its ``stream_interval`` input).
 
     >>> write_model_repository(autodeploy("path/to/checkpoint"), "triton-repo")  # doctest: +SKIP
     """
     directory = Path(directory)
     check_repository_destination(directory)
+    check_stream_interval(stream_interval)
     if llm.tokenizer is None:
         raise ConfigError("the model has no tokenizer; the repository's text inputs and its ensemble need one: pass --set tokenizer=…")
     llm.save(directory / LLM / "1" / DEPLOYMENT)
@@ -63,6 +67,7 @@ def write_model_repository(llm, directory: str | Path, blocklist: Blocklist | No
         "dtype": str(llm.settings.dtype),
         "device": str(llm.settings.device),
         "autodeploy_version": metadata.version("autodeploy"),
+        specs.STREAM_INTERVAL.name: str(stream_interval),
     }
     tokenizer = {"tokenizer": f"{LLM}/1/{DEPLOYMENT}/tokenizer"}
     _write_model(directory, LLM, "llm_model", "TritonPythonModel", specs.LLM_INPUTS, specs.LLM_OUTPUTS, metadata_parameters, decoupled=True)
@@ -80,6 +85,11 @@ def check_repository_destination(directory: Path) -> None:
     """``ConfigError`` unless ``directory`` is new or an empty folder."""
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ConfigError(f"{directory} exists and is not an empty folder; write the Triton repository to a new or empty folder")
+
+
+def check_stream_interval(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"the stream interval must be a positive integer (tokens a response), got {value!r}")
 
 
 def _write_model(directory: Path, name: str, module: str, cls: str, inputs, outputs, parameters: dict[str, str], decoupled: bool = False) -> None:
@@ -101,17 +111,17 @@ def python_model_config(name: str, inputs, outputs, parameters: dict[str, str], 
 
 def ensemble_config(with_filter: bool) -> str:
     """The ensemble: its inputs reach the steps that read them; its outputs come from the last steps."""
-    sampling = [spec.name for spec in (*specs.SAMPLING_INPUTS, specs.STOP, specs.STREAM)]
+    options = [spec.name for spec in specs.REQUEST_OPTIONS]
     # With a filter, the engine's text and finish reason pass through it on their way out.
     text, finish_reason = ("_filter_input", "_finish_reason") if with_filter else (specs.TEXT_OUTPUT.name, specs.FINISH_REASON.name)
-    engine_out = {"output_ids": "output_ids", "num_new_tokens": "_num_new_tokens", "finish_reason": finish_reason, "stop": "_stop"}
+    to_postprocessing = {"output_ids": "output_ids", "num_new_tokens": "_num_new_tokens", "finish_reason": finish_reason, "stop": "_stop"}
     postprocessing_out = {"text_output": text}
     if with_filter:
         postprocessing_out |= {"text_so_far": "_text_so_far", "finish_reason": "_filter_finish_reason"}
     steps = [
         _step(PREPROCESSING, {"text_input": "text_input"}, {"input_ids": "_input_ids"}),
-        _step(LLM, {"input_ids": "_input_ids", **{name: name for name in sampling}}, engine_out),
-        _step(POSTPROCESSING, engine_out, postprocessing_out),
+        _step(LLM, {"input_ids": "_input_ids", **{name: name for name in options}}, {**to_postprocessing, "output_log_probs": "output_log_probs"}),
+        _step(POSTPROCESSING, to_postprocessing, postprocessing_out),
     ]
     if with_filter:
         steps.append(_step(OUTPUT_FILTER, {"text_input": text, "text_so_far": "_text_so_far", "finish_reason": "_filter_finish_reason"},

@@ -58,6 +58,10 @@ def int_tensor(name: str, values: list[int]):
     return pb_utils.Tensor(name, np.array(values, dtype=np.int32))
 
 
+def float_tensor(name: str, values: list[float]):
+    return pb_utils.Tensor(name, np.array(values, dtype=np.float32))
+
+
 def responses(requests: list, outputs_of) -> list:
     """A non-decoupled model's answer: one response a request, with the tensors ``outputs_of(request)``
     returns, or the error it raised (so a bad request fails alone)."""

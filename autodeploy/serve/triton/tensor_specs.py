@@ -35,15 +35,25 @@ SAMPLING_INPUTS = (
     TensorSpec("frequency_penalty", "TYPE_FP32", optional=True),
     TensorSpec("seed", "TYPE_INT64", optional=True),
     TensorSpec("ignore_eos", "TYPE_BOOL", optional=True),
+    TensorSpec("json_schema", "TYPE_STRING", optional=True),  # JSON text: the output follows this JSON Schema
+    TensorSpec("json_object", "TYPE_BOOL", optional=True),  # the output is a JSON object
 )
 STOP = TensorSpec("stop", "TYPE_STRING", (-1,), optional=True)  # stop strings, cut from the text
+STOP_TOKEN_IDS = TensorSpec("stop_token_ids", "TYPE_INT32", (-1,), optional=True)  # tokens that end the output (kept in it)
+RETURN_LOG_PROBS = TensorSpec("return_log_probs", "TYPE_BOOL", optional=True)  # true: output_log_probs is filled
 STREAM = TensorSpec("stream", "TYPE_BOOL", optional=True)  # true: a response per new piece of text
+# A stream's responses after the first come every this many tokens (fewer responses: less per-token work in
+# Triton and gRPC, longer gaps); the model's ``stream_interval`` parameter when absent.
+STREAM_INTERVAL = TensorSpec("stream_interval", "TYPE_INT32", optional=True)
+# Everything a generate request may set besides its prompt, in the llm model and the ensemble alike.
+REQUEST_OPTIONS = (*SAMPLING_INPUTS, STOP, STOP_TOKEN_IDS, RETURN_LOG_PROBS, STREAM, STREAM_INTERVAL)
 
 TEXT_INPUT = TensorSpec("text_input", "TYPE_STRING")
 INPUT_IDS = TensorSpec("input_ids", "TYPE_INT32", (-1,))
 TEXT_OUTPUT = TensorSpec("text_output", "TYPE_STRING")  # the text this response adds (all of it unless streaming)
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,))  # every token generated so far
 NUM_NEW_TOKENS = TensorSpec("num_new_tokens", "TYPE_INT32")  # how many of output_ids' last tokens this response adds
+OUTPUT_LOG_PROBS = TensorSpec("output_log_probs", "TYPE_FP32", (-1,))  # each output_ids token's log-probability (or empty)
 FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING")  # "stop", "length", "abort"; "" until the last response
 TEXT_SO_FAR = TensorSpec("text_so_far", "TYPE_STRING")  # all the answer's text up to this response's end
 
@@ -51,14 +61,12 @@ TEXT_SO_FAR = TensorSpec("text_so_far", "TYPE_STRING")  # all the answer's text 
 LLM_INPUTS = (
     TensorSpec(TEXT_INPUT.name, TEXT_INPUT.data_type, optional=True),
     TensorSpec(INPUT_IDS.name, INPUT_IDS.data_type, INPUT_IDS.dims, optional=True),
-    *SAMPLING_INPUTS,
-    STOP,
-    STREAM,
+    *REQUEST_OPTIONS,
 )
 # The request's stop strings come back out for the ensemble's post-processing step: Triton refuses a step
 # whose inputs come from a decoupled model and from elsewhere.
 STOP_OUTPUT = TensorSpec(STOP.name, STOP.data_type, STOP.dims)
-LLM_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP_OUTPUT)
+LLM_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP_OUTPUT, OUTPUT_LOG_PROBS)
 
 PREPROCESSING_INPUTS = (TEXT_INPUT,)
 PREPROCESSING_OUTPUTS = (INPUT_IDS,)
@@ -71,5 +79,5 @@ FILTER_INPUTS = (TEXT_INPUT, TensorSpec(TEXT_SO_FAR.name, TEXT_SO_FAR.data_type,
                  TensorSpec(FINISH_REASON.name, FINISH_REASON.data_type, optional=True))
 FILTER_OUTPUTS = (TEXT_OUTPUT, FINISH_REASON)
 
-ENSEMBLE_INPUTS = (TEXT_INPUT, *SAMPLING_INPUTS, STOP, STREAM)
-ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON)
+ENSEMBLE_INPUTS = (TEXT_INPUT, *REQUEST_OPTIONS)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, OUTPUT_LOG_PROBS)
