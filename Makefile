@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt
 	$(PYTHON) -m pip install -q -c requirements/cpu-constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-$(TRITON_STAMP): pyproject.toml requirements/cpu-constraints.txt
+$(TRITON_STAMP): pyproject.toml requirements/cpu-constraints.txt Makefile
 	python3 -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TRITON_VENV)/bin/python -m pip install -q -c requirements/cpu-constraints.txt torch==2.13.0
