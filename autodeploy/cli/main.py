@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(json, Llama 3.x), or the one the chat template teaches (auto)")
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="refuse requests (503 + Retry-After) while this many wait for a seat in the batch")
+    serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                       help="a stream's chunks after the first carry N new tokens each (default 1): fewer events, longer gaps")
     _add_settings_arguments(serve)
 
     build = commands.add_parser("build", help="deploy a model and save the deployment to a folder that `autodeploy run DIR` "
@@ -314,6 +316,8 @@ def _serve(args) -> None:
         raise ConfigError(f"autodeploy serve needs the serve extra ({error.name} is missing): pip install 'autodeploy[serve]'") from None
     if args.max_queued_requests < 1:
         raise ConfigError(f"--max-queued-requests must be ≥ 1, got {args.max_queued_requests}")
+    if args.stream_interval < 1:
+        raise ConfigError(f"--stream-interval must be ≥ 1, got {args.stream_interval}")
     chat_template = None
     if args.chat_template is not None:
         try:
@@ -325,7 +329,8 @@ def _serve(args) -> None:
     llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
     name = args.served_model_name or args.model or "autodeploy-demo"
     options = ServerOptions(served_model_name=name, api_key=args.api_key, chat_template=chat_template,
-                            max_queued_requests=args.max_queued_requests, tool_call_format=args.tool_call_format)
+                            max_queued_requests=args.max_queued_requests, tool_call_format=args.tool_call_format,
+                            stream_interval=args.stream_interval)
     run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info")
 
 

@@ -43,11 +43,17 @@ class AsyncLLM:
         self._worker = threading.Thread(target=self._run, name="autodeploy-engine", daemon=True)
         self._worker.start()
 
-    def stream(self, prompt: Prompt | Request, params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    def stream(self, prompt: Prompt | Request, params: SamplingParams | None = None, priority: int = 0,
+               stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
         """Yield the request's output whenever it gets new tokens; the last one has ``finished=True``.
         Cancelling the consumer aborts the request; ``abort(request_id)`` ends it with an "abort" output.
-        ``prompt`` may be a request already made (and so validated) by ``engine.make_request``."""
-        return self._outputs(prompt, params, priority, streaming=True)
+        ``prompt`` may be a request already made (and so validated) by ``engine.make_request``.
+        ``stream_interval`` N > 1: after the first output, one every N new tokens (of a completion) and
+        the last, each carrying the new text and tokens since the one before: fewer wake-ups of the loop
+        and fewer messages to send, at longer gaps between them."""
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise InvalidRequestError(f"stream_interval must be a positive integer (tokens an output), got {stream_interval!r}")
+        return self._outputs(prompt, params, priority, streaming=True, stream_interval=stream_interval)
 
     async def generate(self, prompt: Prompt | Request, params: SamplingParams | None = None, priority: int = 0) -> RequestOutput:
         """The finished output of one request (``finish_reason`` "abort" if it was aborted)."""
@@ -69,10 +75,11 @@ class AsyncLLM:
         self._wake.set()
         self._worker.join()
 
-    async def _outputs(self, prompt: Prompt | Request, params: SamplingParams | None, priority: int, streaming: bool) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, prompt: Prompt | Request, params: SamplingParams | None, priority: int, streaming: bool,
+                       stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
         request = prompt if isinstance(prompt, Request) else self.engine.make_request(prompt, params, priority=priority)  # bad input raises here
         queue: asyncio.Queue = asyncio.Queue()
-        request.sink = _AsyncSink(asyncio.get_running_loop(), queue, streaming)
+        request.sink = _AsyncSink(asyncio.get_running_loop(), queue, streaming, stream_interval)
         with self._lock:
             if self._stopped:
                 raise InvalidRequestError("this AsyncLLM was shut down; create a new AsyncLLM(llm) to submit requests")
@@ -109,32 +116,39 @@ class _AsyncSink:
 
     A streaming output that arrives while the previous one still waits for the loop is merged into it
     (the new text and token ids of both): a loop that falls behind the engine wakes once for several
-    steps, not once a step and request."""
+    steps, not once a step and request. With a stream interval N > 1, outputs after the first are also
+    held back and merged until a completion has N new tokens, or the request finishes."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, streaming: bool):
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, streaming: bool, interval: int = 1):
         self.streaming = streaming
+        self.interval = interval
         self._loop = loop
         self._queue = queue
         self._lock = threading.Lock()
         self._waiting: RequestOutput | None = None  # a streaming output the loop has not taken yet
+        self._handing_over = False  # a hand-over of _waiting is scheduled on the loop
+        self._started = False  # the first output went out
 
     def put(self, output: RequestOutput) -> None:
         if not self.streaming:
             self._send(self._queue.put_nowait, output)
             return
         with self._lock:
-            if self._waiting is not None:
-                self._waiting = _merged_outputs(self._waiting, output)
+            self._waiting = output if self._waiting is None else _merged_outputs(self._waiting, output)
+            if self._handing_over or not (output.finished or self._due(self._waiting)):
                 return
-            self._waiting = output
+            self._handing_over = self._started = True
         self._send(self._hand_over)
+
+    def _due(self, output: RequestOutput) -> bool:
+        return self.interval == 1 or not self._started or max(len(c.new_token_ids) for c in output.outputs) >= self.interval
 
     def fail(self, error: BaseException) -> None:
         self._send(self._queue.put_nowait, error)
 
     def _hand_over(self) -> None:
         with self._lock:
-            output, self._waiting = self._waiting, None
+            output, self._waiting, self._handing_over = self._waiting, None, False
         self._queue.put_nowait(output)
 
     def _send(self, callback, *args) -> None:

@@ -47,7 +47,9 @@ class ServerOptions:
     ``Authorization: Bearer <api_key>``. ``chat_template``: Jinja text overriding the tokenizer's.
     ``max_queued_requests``: a request is refused (503) while this many wait for a seat in the batch.
     ``tool_call_format``: how tool calls are generated, ``"hermes"`` tags or bare ``"json"`` (``"auto"``: the
-    one the chat template teaches, ``runtime/tool_calls.py``)."""
+    one the chat template teaches, ``runtime/tool_calls.py``). ``stream_interval``: a stream's chunks after
+    the first carry this many new tokens each (the last fewer): fewer events to encode and send, at longer
+    gaps between them (``AsyncLLM.stream``)."""
 
     served_model_name: str
     api_key: str | None = None
@@ -55,6 +57,7 @@ class ServerOptions:
     max_queued_requests: int = 256
     retry_after_s: int = 1
     tool_call_format: str = "auto"
+    stream_interval: int = 1
 
 
 def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
@@ -64,6 +67,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         call_format = tool_call_format(llm.tokenizer, options.chat_template, options.tool_call_format)
     except InvalidRequestError as error:  # a bad option fails here, before the server starts
         raise ConfigError(str(error)) from None
+    if isinstance(options.stream_interval, bool) or not isinstance(options.stream_interval, int) or options.stream_interval < 1:
+        raise ConfigError(f"the stream interval must be a positive integer (tokens a chunk), got {options.stream_interval!r}")
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
 
@@ -208,7 +213,7 @@ class _Server:
     async def _events(self, writer: _ResponseFormat, queued: list[EngineRequest], params: SamplingParams,
                       include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: one chunk per new piece of a choice, its finish, then usage (if asked) and [DONE]."""
-        streams = [self.async_llm.stream(engine_request) for engine_request in queued]
+        streams = [self.async_llm.stream(engine_request, stream_interval=self.options.stream_interval) for engine_request in queued]
         finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
         try:

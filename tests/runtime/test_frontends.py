@@ -268,23 +268,63 @@ def test_stream_outputs_waiting_for_a_busy_loop_are_merged():
     """Outputs put while the loop has not yet taken the last one reach the coroutine as one output with the
     new text and tokens of all of them (and the latest state), so a loop behind the engine wakes less often."""
     from autodeploy.runtime.async_llm import _AsyncSink
-    from autodeploy.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
-    def output(tokens: list[int], new: list[int], finished: bool = False) -> RequestOutput:
-        completion = CompletionOutput(0, "".join(map(str, tokens)), tokens, "length" if finished else None,
-                                      new_token_ids=new, new_text="".join(map(str, new)))
-        return RequestOutput("r", None, [1], [completion], finished, RequestMetrics())
-
-    async def main() -> list[RequestOutput]:
+    async def main() -> list:
         queue: asyncio.Queue = asyncio.Queue()
         sink = _AsyncSink(asyncio.get_running_loop(), queue, streaming=True)
-        sink.put(output([4], [4]))
-        sink.put(output([4, 5], [5]))       # the loop has not run: merged into the first
-        sink.put(output([4, 5, 6], [6]))
+        sink.put(stream_output([4], [4]))
+        sink.put(stream_output([4, 5], [5]))       # the loop has not run: merged into the first
+        sink.put(stream_output([4, 5, 6], [6]))
         first = await queue.get()
-        sink.put(output([4, 5, 6, 7], [7], finished=True))
+        sink.put(stream_output([4, 5, 6, 7], [7], finished=True))
         return [first, await queue.get()]
 
     first, last = run_async(main())
     assert (first.outputs[0].new_token_ids, first.outputs[0].new_text, first.outputs[0].token_ids) == ([4, 5, 6], "456", [4, 5, 6])
     assert (last.outputs[0].new_token_ids, last.finished, last.outputs[0].finish_reason) == ([7], True, "length")
+
+
+def test_a_sink_with_a_stream_interval_holds_outputs_back_until_n_new_tokens():
+    from autodeploy.runtime.async_llm import _AsyncSink
+
+    async def main() -> list[list[int]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        sink, delivered = _AsyncSink(asyncio.get_running_loop(), queue, streaming=True, interval=3), []
+        for token in range(1, 8):
+            sink.put(stream_output(list(range(1, token + 1)), [token], finished=token == 7))
+            await asyncio.sleep(0)  # the loop takes what was handed over
+            while not queue.empty():
+                delivered.append(queue.get_nowait().outputs[0].new_token_ids)
+        return delivered
+
+    assert run_async(main()) == [[1], [2, 3, 4], [5, 6, 7]]  # the first at once, then 3 a time; the last ends it
+
+
+def stream_output(tokens: list[int], new: list[int], finished: bool = False):
+    from autodeploy.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    completion = CompletionOutput(0, "".join(map(str, tokens)), tokens, "length" if finished else None,
+                                  new_token_ids=new, new_text="".join(map(str, new)))
+    return RequestOutput("r", None, [1], [completion], finished, RequestMetrics())
+
+
+def test_stream_interval_sends_the_first_output_then_every_n_tokens(llm):
+    """``stream_interval=3`` over 8 tokens: the first output at once, then one per 3 new tokens (more when the
+    loop fell behind and outputs merged) and the last, whose new tokens and text add up to the whole completion."""
+    async_llm = AsyncLLM(llm)
+
+    async def main() -> list:
+        return [output async for output in async_llm.stream(PROMPTS[0], SamplingParams(max_tokens=8, **GREEDY), stream_interval=3)]
+
+    whole = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, **GREEDY))[0].outputs[0]
+    try:
+        outputs = run_async(main())
+    finally:
+        async_llm.shutdown()
+    sizes = [len(o.outputs[0].new_token_ids) for o in outputs]
+    assert all(size >= 3 for size in sizes[1:-1]) and len(outputs) <= 4 and outputs[-1].finished, sizes
+    assert sum((o.outputs[0].new_token_ids for o in outputs), []) == whole.token_ids
+    assert "".join(o.outputs[0].new_text for o in outputs) == whole.text
+    for bad in (0, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="stream_interval must be a positive integer"):
+            AsyncLLM.stream(None, PROMPTS[0], stream_interval=bad)

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from autodeploy import SamplingParams
 from autodeploy.cli.main import build_parser, main
+from autodeploy.errors import ConfigError
 from autodeploy.serve import ServerOptions, build_app
 from autodeploy.serve.server import serving_in_thread
 
@@ -115,6 +116,20 @@ def test_streamed_deltas_concatenate_to_the_greedy_text(llama_llm, client):
     deltas = [c.choices[0].delta for c in stream]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == reference.text
+
+
+def test_stream_interval_sends_a_chunk_every_n_tokens(llama_llm):
+    """``stream_interval`` 4: the first token at once, then 4 a chunk; text and log-probabilities add up."""
+    expected = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=13, ignore_eos=True, **GREEDY))[0]
+    with serving(llama_llm, stream_interval=4) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        chunks = [c for c in client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=13, stream=True, logprobs=1,
+                                                       extra_body={"ignore_eos": True}, **GREEDY) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs) == 13
+    assert len(chunks) <= 1 + 3 + 1, [c.choices[0].text for c in chunks]  # 1 + 4 + 4 + 4 tokens, and perhaps a finish chunk
+    with pytest.raises(ConfigError, match="stream interval must be a positive integer"):
+        build_app(llama_llm, ServerOptions(served_model_name=MODEL, stream_interval=0))
 
 
 def test_chat_completion_renders_the_template_and_returns_logprobs(llama_llm, client):
@@ -342,3 +357,5 @@ def test_serve_command_line(capsys, tmp_path):
     assert (args.host, args.port, args.api_key, args.max_queued_requests) == ("127.0.0.1", 8000, "k", 256)
     assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 1
     assert "--chat-template: cannot read" in capsys.readouterr().err
+    assert main(["serve", "--stream-interval", "0"]) == 1
+    assert "--stream-interval must be ≥ 1" in capsys.readouterr().err

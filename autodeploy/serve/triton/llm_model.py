@@ -99,18 +99,16 @@ class TritonPythonModel:
                 completion = output.outputs[0]
                 sender.send(_response(completion, completion.text, len(completion.token_ids), params.stop, wanted), flags=FINAL)
                 return
-            text, num_new, sent = "", 0, False  # what the next response carries; whether one went out
-            async with contextlib.aclosing(self.async_llm.stream(prompt, params)) as outputs:  # closing aborts the request
+            # closing the stream aborts the request
+            async with contextlib.aclosing(self.async_llm.stream(prompt, params, stream_interval=interval)) as outputs:
                 async for output in outputs:
                     if sender.is_cancelled():
                         sender.send(flags=FINAL)
                         return
                     completion = output.outputs[0]
-                    text, num_new = text + completion.new_text, num_new + len(completion.new_token_ids)
-                    # the first piece at once, then every `interval` tokens, and the end
-                    if output.finished or ((text or num_new) and (not sent or num_new >= interval)):
-                        sender.send(_response(completion, text, num_new, params.stop, wanted), flags=FINAL if output.finished else 0)
-                        text, num_new, sent = "", 0, True
+                    if output.finished or completion.new_text or completion.new_token_ids:
+                        response = _response(completion, completion.new_text, len(completion.new_token_ids), params.stop, wanted)
+                        sender.send(response, flags=FINAL if output.finished else 0)
         except Exception as error:  # noqa: BLE001 — every failure becomes this request's error response
             if not isinstance(error, InvalidRequestError):
                 logger.exception("request failed")
