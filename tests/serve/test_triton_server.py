@@ -71,6 +71,13 @@ def metric(server: Server, name: str, model: str) -> float:
     return sum(sample.value for family in families if family.name == name for sample in family.samples if sample.labels.get("model") == model)
 
 
+def sample(server: Server, name: str, **labels) -> float:
+    """The llm model's sample ``name`` (a counter's ``…_total``, a histogram's ``…_count``) with ``labels``."""
+    families = text_string_to_metric_families(httpx.get(server.metrics).text)
+    wanted = {"model": "llm", **labels}
+    return sum(s.value for family in families for s in family.samples if s.name == name and wanted.items() <= s.labels.items())
+
+
 def ids(values) -> list[int]:  # Triton's JSON gives a one-element tensor as a bare number
     return values if isinstance(values, list) else [values]
 
@@ -252,6 +259,32 @@ def test_metrics_count_our_requests(server):
         assert time.monotonic() < deadline, (counted, failed)
         time.sleep(0.1)
     assert metric(server, "nv_inference_count", "llm") >= 1
+
+
+def test_the_engine_model_exports_its_own_metrics(server):
+    """The OpenAI server's metrics, on Triton's endpoint: latency histograms, tokens, finish reasons, the
+    engine's state, and the failures Triton counts as successes."""
+    names = ("autodeploy_requests_total", "autodeploy_generation_tokens_total", "autodeploy_time_to_first_token_seconds_count",
+             "autodeploy_e2e_request_latency_seconds_count")
+    before = {name: sample(server, name) for name in names}
+    invalid = sample(server, "autodeploy_request_failures_total", reason="invalid_request")
+    generate(server, "llm", {"text_input": "import os", "max_tokens": 3})
+    list(stream_generate(server.grpc, "import os", max_tokens=3))
+    assert "max_tokens must be a positive integer" in generate(server, "llm", {"text_input": "x", "max_tokens": 0})[0]["error"]
+    assert "max_seq_len=512" in generate(server, "llm", {"text_input": "x", "max_tokens": 1000})[0]["error"]  # fails in the engine
+    deadline = time.monotonic() + 10
+    while sample(server, "autodeploy_request_failures_total", reason="invalid_request") < invalid + 2:
+        assert time.monotonic() < deadline, "the failures were not counted"
+        time.sleep(0.1)
+    counted = {name: sample(server, name) - before[name] for name in names}
+    assert counted == {"autodeploy_requests_total": 2, "autodeploy_generation_tokens_total": 6,
+                       "autodeploy_time_to_first_token_seconds_count": 2, "autodeploy_e2e_request_latency_seconds_count": 2}
+    assert sample(server, "autodeploy_requests_total", finish_reason="length") >= 2
+    assert sample(server, "autodeploy_time_to_first_token_seconds_bucket", le="+Inf") >= 2
+    assert sample(server, "autodeploy_kv_cache_blocks") > 0
+    while sample(server, "autodeploy_num_requests_running") or sample(server, "autodeploy_kv_cache_usage_ratio"):
+        assert time.monotonic() < deadline + 5, "the engine's state was not refreshed"  # every second
+        time.sleep(0.2)
 
 
 def test_ensemble_returns_in_process_text_and_filters_it(server, llama_llm):

@@ -29,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 
 from autodeploy.errors import InvalidRequestError
 from autodeploy.serve.triton import request_tensors
+from autodeploy.serve.triton.metrics import TritonMetrics
 from autodeploy.serve.triton.tensor_specs import (
     FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, RETURN_LOG_PROBS, SAMPLING_INPUTS, STOP, STOP_OUTPUT,
     STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TEXT_INPUT, TEXT_OUTPUT,
@@ -57,6 +58,8 @@ class TritonPythonModel:
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="autodeploy-triton-requests", daemon=True)
         self.loop_thread.start()
         self.in_flight: set[concurrent.futures.Future] = set()  # one a request, until its last response is sent
+        self.metrics = TritonMetrics(self.llm.engine, {"model": args["model_name"], "version": args["model_version"]})
+        self.loop.call_soon_threadsafe(self._refresh_metrics)
         # Everything loaded so far (~500k objects) lives as long as the model: out of the collector's sight, a
         # full collection (below, and Python's own) takes milliseconds instead of 230–260 ms holding the GIL.
         gc.freeze()
@@ -69,6 +72,7 @@ class TritonPythonModel:
                 interval = _stream_interval(request, self.stream_interval)
             except InvalidRequestError as error:
                 sender.send(request_tensors.error_response(error), flags=FINAL)
+                self.loop.call_soon_threadsafe(self.metrics.observe_failure, error)  # metrics change on the loop's thread only
                 continue
             wanted = set(request.requested_output_names())
             future = asyncio.run_coroutine_threadsafe(self._respond(prompt, params, stream, interval, wanted, sender), self.loop)
@@ -85,11 +89,16 @@ class TritonPythonModel:
             # and their tasks are gone), so a busy engine never pays for it.
             self.loop.call_soon_threadsafe(self.loop.call_later, 0.5, gc.collect)
 
+    def _refresh_metrics(self) -> None:
+        self.metrics.refresh()
+        self.loop.call_later(1.0, self._refresh_metrics)
+
     def finalize(self) -> None:
         self.async_llm.shutdown()  # requests still running end with "abort", which their coroutines send
         concurrent.futures.wait(list(self.in_flight), timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join()
+        self.metrics.close()
         self.llm.shutdown()
 
     async def _respond(self, prompt, params, stream: bool, interval: int, wanted: set[str], sender) -> None:
@@ -98,21 +107,26 @@ class TritonPythonModel:
                 output = await self.async_llm.generate(prompt, params)
                 completion = output.outputs[0]
                 sender.send(_response(completion, completion.text, len(completion.token_ids), params.stop, wanted), flags=FINAL)
+                self.metrics.observe_finished(output)
                 return
             # closing the stream aborts the request
             async with contextlib.aclosing(self.async_llm.stream(prompt, params, stream_interval=interval)) as outputs:
                 async for output in outputs:
                     if sender.is_cancelled():
                         sender.send(flags=FINAL)
+                        self.metrics.observe_abandoned()
                         return
                     completion = output.outputs[0]
                     if output.finished or completion.new_text or completion.new_token_ids:
                         response = _response(completion, completion.new_text, len(completion.new_token_ids), params.stop, wanted)
                         sender.send(response, flags=FINAL if output.finished else 0)
+                    if output.finished:
+                        self.metrics.observe_finished(output)
         except Exception as error:  # noqa: BLE001 — every failure becomes this request's error response
             if not isinstance(error, InvalidRequestError):
                 logger.exception("request failed")
             sender.send(request_tensors.error_response(error), flags=FINAL)
+            self.metrics.observe_failure(error)
 
 
 def _read_request(request):
