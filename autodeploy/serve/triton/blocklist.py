@@ -9,6 +9,8 @@ cut the same way).
 'the [redacted] is out, secretly'
 >>> Blocklist(["secret"], "refuse").apply("the secret is out")
 'the [withheld by the output filter]'
+>>> Blocklist(["top", "top secret"]).apply("top secret, top")  # the longest term wins
+'[redacted], [redacted]'
 
 A stream is filtered as a whole, not piece by piece: ``settled(text)`` is the filtered text of the part of
 ``text`` that no later text can change, so a term split over two pieces is still found. A piece's
@@ -30,7 +32,6 @@ ACTIONS = ("redact", "refuse")
 REDACTION = "[redacted]"
 REFUSAL = "[withheld by the output filter]"
 CONTENT_FILTER = "content_filter"  # OpenAI's finish reason for an answer its filter cut
-_WORD = re.compile(r"\w")
 
 
 class Blocklist:
@@ -41,7 +42,17 @@ class Blocklist:
         if action not in ACTIONS:
             raise ConfigError(f"the blocklist action must be one of {', '.join(ACTIONS)}, got {action!r}")
         self.action = action
-        self._pattern = re.compile("|".join(rf"(?<!\w){re.escape(term)}(?!\w)" for term in self.terms), re.IGNORECASE)
+        # The terms as a trie (a regex alternation is tried term by term: slow for long lists); where two
+        # terms match at one place the longer one wins.
+        trie: dict = {}
+        for term in self.terms:
+            node = trie
+            for char in term:
+                node = node.setdefault(char, {})
+            node[_END] = {}
+        self._pattern = re.compile(rf"(?<!\w){_terms(trie)}(?!\w)", re.IGNORECASE)
+        # A word start from which the rest of the text is the beginning of a term (or a whole one).
+        self._term_start = re.compile(rf"(?<!\w){_beginnings(trie)}\Z", re.IGNORECASE)
         self._longest = max(map(len, self.terms))
 
     @classmethod
@@ -99,10 +110,30 @@ class Blocklist:
         return filtered, finish_reason
 
     def _hold_point(self, text: str) -> int:
-        for start in range(max(0, len(text) - self._longest), len(text)):
-            if start > 0 and _WORD.match(text[start - 1]):
-                continue
-            rest = text[start:]
-            if any(len(rest) <= len(term) and re.fullmatch(re.escape(term[: len(rest)]), rest, re.IGNORECASE) for term in self.terms):
-                return start
-        return len(text)
+        match = self._term_start.search(text, max(0, len(text) - self._longest))  # the first such start
+        return len(text) if match is None else match.start()
+
+
+_END = ""  # a trie node's key for "a term ends here"
+
+
+def _either(patterns: list[str]) -> str:
+    return patterns[0] if len(patterns) == 1 else f"(?:{'|'.join(patterns)})"
+
+
+def _terms(node: dict) -> str:
+    """The terms below a trie node, a longer one tried first: "top" and "top secret" → ``top(?:\\ secret)?``."""
+    branches = [re.escape(char) + _terms(child) for char, child in node.items() if char != _END]
+    if not branches:
+        return ""
+    return f"(?:{_either(branches)})?" if _END in node else _either(branches)
+
+
+def _beginnings(node: dict) -> str:
+    """Every non-empty beginning of a term below a trie node: ``abc`` → ``a(?:b(?:c)?)?``."""
+    branches = []
+    for char, child in node.items():
+        if char != _END:
+            rest = _beginnings(child)
+            branches.append(re.escape(char) + (f"(?:{rest})?" if rest else ""))
+    return _either(branches) if branches else ""
