@@ -218,6 +218,9 @@ class Engine:
             raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}")
         token_ids = self.tokenize(prompt)
         self._check_fits(token_ids, params)
+        biased_outside = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if biased_outside:
+            raise InvalidRequestError(f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): {biased_outside[:4]}")
         grammar = self._compiled_grammar(params)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)

@@ -116,7 +116,7 @@ def launch_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSampl
         return PendingSample(tokens, tokens, rows, 0)
 
     raw = logits.float()
-    penalized = _mask_disallowed(_apply_penalties(raw, rows), rows)
+    penalized = _mask_disallowed(_apply_logit_bias(_apply_penalties(raw, rows), rows), rows)
     tokens = greedy_tokens(penalized)
     drawing = [i for i, row in enumerate(rows) if row.params.temperature > 0]
     if drawing:
@@ -166,7 +166,7 @@ def _argmax_chunk(vocab: int) -> int | None:
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
-    return params.temperature == 0 and params.logprobs is None and not has_penalty(params)
+    return params.temperature == 0 and params.logprobs is None and not has_penalty(params) and not params.logit_bias
 
 
 def has_penalty(params: SamplingParams) -> bool:
@@ -199,6 +199,16 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     values = torch.where(seen, torch.where(values < 0, values * repetition, values / repetition), values)
     values = values - presence * (counts > 0) - frequency * counts
     return logits.index_copy(0, index, values)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's ``logit_bias`` added to its tokens' logits, in one host→device copy for the batch."""
+    entries = [(i, token, bias) for i, row in enumerate(rows) if row.params.logit_bias for token, bias in row.params.logit_bias.items()]
+    if not entries:
+        return logits
+    table = to_device([[i, token, bias] for i, token, bias in entries], torch.float64, logits.device)
+    rows_index, tokens_index = table[:, 0].long(), table[:, 1].long()
+    return logits.index_put((rows_index, tokens_index), table[:, 2].to(logits.dtype), accumulate=True)
 
 
 def _mask_disallowed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

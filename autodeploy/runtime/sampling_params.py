@@ -21,6 +21,8 @@ class SamplingParams:
       logit divided by it and a negative one multiplied by it. 1 = off, > 1 discourages repeats.
     - ``presence_penalty``, ``frequency_penalty``: OpenAI semantics, on generated tokens only;
       ``logit -= presence·[count > 0] + frequency·count``. In [-2, 2]; 0 = off.
+    - ``logit_bias``: ``{token id: bias}``, each bias in [-100, 100] added to that token's logit
+      (OpenAI semantics; -100 in effect bans a token, 100 all but forces it).
     - ``temperature``: divides the logits; 0 is greedy decoding (the argmax).
     - ``top_k``: keep the k most likely tokens; 0 = off.
     - ``top_p``: nucleus; keep the most likely tokens until their probability reaches ``top_p``
@@ -49,7 +51,7 @@ class SamplingParams:
     returned text; a single string is accepted).
 
     >>> SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=1)
-    SamplingParams(max_tokens=32, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=1, n=1, logprobs=None, beam_width=1, length_penalty=1.0, early_stopping=False, stop=[], stop_token_ids=[], ignore_eos=False, json_schema=None, json_object=False, structural_tag=None)
+    SamplingParams(max_tokens=32, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=1, n=1, logprobs=None, beam_width=1, length_penalty=1.0, early_stopping=False, stop=[], stop_token_ids=[], ignore_eos=False, json_schema=None, json_object=False, structural_tag=None, logit_bias=None)
     """
 
     max_tokens: int = 16
@@ -72,6 +74,7 @@ class SamplingParams:
     json_schema: dict | str | None = None
     json_object: bool = False
     structural_tag: dict | str | None = None
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the first invalid field; turn ``stop="x"`` into ``["x"]``."""
@@ -120,6 +123,13 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError(f"json_object must be True or False, got {self.json_object!r}")
+        if self.logit_bias is not None and (
+            not isinstance(self.logit_bias, dict)
+            or not all(is_int(t) and t >= 0 and is_real(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())
+        ):
+            raise InvalidRequestError(
+                f"logit_bias must map token ids (integers ≥ 0) to biases in [-100, 100], got {self.logit_bias!r}"
+            )
         if self.json_schema is not None or self.json_object or self.structural_tag is not None:
             self._validate_structured_output()
         if self.beam_width > 1:
@@ -161,6 +171,7 @@ class SamplingParams:
             "repetition_penalty": 1.0,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
+            "logit_bias": None,
         }
         for name, default in defaults.items():
             if getattr(self, name) != default:

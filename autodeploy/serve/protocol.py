@@ -1,7 +1,8 @@
 """The OpenAI request bodies the server accepts, and how each maps onto ``SamplingParams``.
 
 Unknown fields are ignored, as OpenAI does. Fields OpenAI defines that this server cannot honour
-(``logit_bias``, ``suffix``, …) are a 400 saying so, never silently dropped. ``best_of`` > ``n`` generates
+(``suffix``, echo with logprobs, …) are a 400 saying so, never silently dropped. ``logit_bias`` (token ids
+as strings → bias) becomes ``SamplingParams.logit_bias``. ``best_of`` > ``n`` generates
 ``best_of`` samples and returns the ``n`` of highest log-probability, as OpenAI's legacy completions do.
 ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` become a grammar over the tools' calls
 (``runtime/tool_calls.py``). ``response_format`` (``text``, ``json_object``, ``json_schema``) is accepted by both endpoints, as
@@ -89,8 +90,6 @@ class _SamplingFields(BaseModel):
     early_stopping: bool | Literal["never"] | None = None
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise UnsupportedFieldError("logit_bias", "biasing token logits")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true")
         if self.stream and (self.beam_width or 1) > 1:
@@ -106,12 +105,24 @@ class _SamplingFields(BaseModel):
             if getattr(self, name) is not None
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.logit_bias:
+            given["logit_bias"] = _token_biases(self.logit_bias)
         structured = self.response_format.sampling_fields() if self.response_format is not None else {}
         if structural_tag is not None:
             structured = {"structural_tag": structural_tag}
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop, **given, **structured)
         params.validate()
         return params
+
+
+def _token_biases(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) with integer keys."""
+    try:
+        return {int(token): bias for token, bias in logit_bias.items()}
+    except ValueError:
+        error = InvalidRequestError(f"logit_bias keys must be token ids (integers as strings, e.g. {{\"50256\": -100}}), got {list(logit_bias)[:4]}")
+        error.param = "logit_bias"
+        raise error from None
 
 
 class CompletionRequest(_SamplingFields):

@@ -144,6 +144,22 @@ def test_logprobs_are_the_models_log_softmax(llama_llm, llama_dir):
         assert list(out.top_logprobs[step]) == top.indices.tolist()
 
 
+def test_logit_bias_equals_hf_sequence_bias(llama_llm):
+    """Greedy decoding under ``logit_bias`` equals HF ``generate`` with the same single-token ``sequence_bias``,
+    each bias taken alone and all together, in one batch."""
+    hf = tiny_hf_model("llama")
+    prompt = [5, 6, 7, 8]
+    plain = hf_greedy(hf, prompt, 6)
+    biases = [{plain[0]: -100.0}, {plain[1]: -3.0, 11: 2.5}, {42: 100.0}]
+    outputs = llama_llm.generate([prompt] * len(biases), [SamplingParams(max_tokens=6, logit_bias=b, **GREEDY) for b in biases])
+    for bias, output in zip(biases, outputs):
+        expected = hf_greedy(hf, prompt, 6, sequence_bias={(token,): value for token, value in bias.items()})
+        assert output.token_ids == expected, bias
+    assert outputs[0].token_ids[0] != plain[0] and outputs[2].token_ids == [42] * 6
+    with pytest.raises(InvalidRequestError, match="logit_bias has token ids outside the vocabulary"):
+        llama_llm.generate([prompt], SamplingParams(logit_bias={10**6: 1.0}))
+
+
 @pytest.mark.parametrize("width, n", [(2, 1), (4, 2)])
 def test_beam_search_equals_hf(tiny_checkpoint, width, n):
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", kv_cache={"block_size": 4})

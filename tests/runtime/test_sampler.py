@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from autodeploy.runtime import sampler
-from autodeploy.runtime.sampler import SampleResult, SamplingRow, _apply_penalties, sample
+from autodeploy.runtime.sampler import SampleResult, SamplingRow, _apply_logit_bias, _apply_penalties, sample
 from autodeploy.runtime.sampling_params import SamplingParams
 
 
@@ -243,6 +243,21 @@ def test_a_repetition_penalty_changes_the_greedy_choice():
     logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]])
     assert sample(logits, [row(temperature=0, output=[1])]).token_ids == [1]
     assert sample(logits, [row(temperature=0, output=[1], repetition_penalty=1.5)]).token_ids == [2]
+
+
+def test_logit_bias_adds_to_its_rows_tokens_and_leaves_logprobs_raw():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(6))
+    rows = [row(logit_bias={2: 5.0, 7: -100.0}), row(), row(logit_bias={0: 1.5})]
+    expected = logits.clone()
+    expected[0, 2] += 5.0
+    expected[0, 7] -= 100.0
+    expected[2, 0] += 1.5
+    torch.testing.assert_close(_apply_logit_bias(logits, rows), expected)
+    favourite = int(logits[1].argmin())
+    result = sample(logits, [row(temperature=0), row(temperature=0, logit_bias={favourite: 100.0}, logprobs=0),
+                             row(temperature=0.8, seed=3, logit_bias={t: -100.0 for t in range(10) if t != 4})])
+    assert result.token_ids == [int(logits[0].argmax()), favourite, 4]
+    assert result.logprobs[1] == pytest.approx(torch.log_softmax(logits[1], -1)[favourite].item(), abs=1e-5)
 
 
 # --- logprobs ------------------------------------------------------------------------------------------------

@@ -54,6 +54,12 @@ BAD = [
     pytest.param({**BEAM, "presence_penalty": 0.5}, "presence_penalty", "0.5", id="beam-with-presence_penalty"),
     pytest.param({**BEAM, "frequency_penalty": 0.5}, "frequency_penalty", "0.5", id="beam-with-frequency_penalty"),
     pytest.param({**BEAM, "n": 5}, "n must be ≤ beam_width", "n=5", id="beam-n>beam_width"),
+    pytest.param({"logit_bias": {5: 101}}, "logit_bias", "[-100, 100]", id="logit_bias>100"),
+    pytest.param({"logit_bias": {-1: 1.0}}, "logit_bias", "{-1: 1.0}", id="logit_bias-negative-token"),
+    pytest.param({"logit_bias": {"5": 1.0}}, "logit_bias", "'5'", id="logit_bias-string-token"),
+    pytest.param({"logit_bias": {5: math.nan}}, "logit_bias", "nan", id="logit_bias=nan"),
+    pytest.param({"logit_bias": [5]}, "logit_bias", "[5]", id="logit_bias-list"),
+    pytest.param({**BEAM, "logit_bias": {5: 1.0}}, "logit_bias", "{5: 1.0}", id="beam-with-logit_bias"),
 ]
 
 
@@ -73,6 +79,7 @@ GOOD = [
     pytest.param({"repetition_penalty": 0.5, "presence_penalty": -2, "frequency_penalty": 2}, id="penalty-bounds"),
     pytest.param({**BEAM, "n": 4, "length_penalty": -0.5, "early_stopping": "never", "logprobs": 2}, id="beam"),
     pytest.param({**BEAM, "early_stopping": True}, id="beam-early-stopping"),
+    pytest.param({"logit_bias": {0: -100, 7: 100, 9: 0.5}}, id="logit_bias-bounds"),
 ]
 
 

@@ -132,6 +132,20 @@ def test_stream_interval_sends_a_chunk_every_n_tokens(llama_llm):
         build_app(llama_llm, ServerOptions(served_model_name=MODEL, stream_interval=0))
 
 
+def test_logit_bias_forces_and_bans_tokens(llama_llm, client):
+    """Greedy under ``logit_bias`` equals in-process generate with the same bias: +100 forces a token, -100
+    bans the one greedy decoding would choose first."""
+    plain = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=6, **GREEDY))[0]
+    for bias in ({plain.token_ids[0]: -100.0}, {7: 100.0}):
+        expected = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=6, logit_bias=bias, **GREEDY))[0]
+        response = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=6,
+                                             logit_bias={str(t): b for t, b in bias.items()}, **GREEDY)
+        assert response.choices[0].text == expected.text
+    assert expected.token_ids == [7] * 6
+    assert llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=6, logit_bias={plain.token_ids[0]: -100.0},
+                                                                  **GREEDY))[0].token_ids[0] != plain.token_ids[0]
+
+
 def test_chat_completion_renders_the_template_and_returns_logprobs(llama_llm, client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     prompt = chat_prompt(llama_llm, [messages[0], {"role": "user", "content": "hi"}])  # text parts are joined
@@ -218,7 +232,9 @@ def test_a_bad_response_format_is_a_400(url, client, response_format, message):
     ('{"prompt": "x"}', "model"),                                                    # missing model
     ('{"model": "tiny-llama", "prompt": "x", "temperature": -1}', "temperature"),    # out of range
     ('{"model": "tiny-llama", "prompt": "x", "max_tokens": 100000}', None),          # over the context
-    ('{"model": "tiny-llama", "prompt": "x", "logit_bias": {"5": 1}}', "logit_bias"),  # not supported
+    ('{"model": "tiny-llama", "prompt": "x", "logit_bias": {"five": 1}}', "logit_bias"),  # not a token id
+    ('{"model": "tiny-llama", "prompt": "x", "logit_bias": {"5": 101}}', "logit_bias"),   # over 100
+    ('{"model": "tiny-llama", "prompt": "x", "logit_bias": {"100000": 1}}', "logit_bias"),  # outside the vocabulary
     ('{"model": "tiny-llama", "prompt": "x", "n": 4, "best_of": 2}', "best_of"),      # best_of < n
     ('{"model": "tiny-llama", "prompt": "x", "best_of": 4, "stream": true}', "best_of"),
     ('{"model": "tiny-llama", "prompt": ["x", "y"], "n": 8, "best_of": 20}', "n"),    # 40 sequences, 32 seats
