@@ -321,14 +321,15 @@ class Engine:
         with self._lock:
             return bool(self.requests) or any(kind == "submit" for kind, _ in self._commands)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (text through the tokenizer; ids checked against the vocabulary)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     "this model has no tokenizer files; pass tokenizer='…' to autodeploy() or give prompts as token ids"
                 )
             _check_unicode(prompt)
-            token_ids = self.tokenizer(prompt).input_ids
+            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
         else:

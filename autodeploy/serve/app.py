@@ -33,10 +33,10 @@ from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
 from autodeploy.runtime.request import Request as EngineRequest
 from autodeploy.runtime.chat_template import render_chat, tool_call_format
 from autodeploy.runtime.sampling_params import SamplingParams
-from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
+from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar, tool_specs
 from autodeploy.serve.metrics import ServerMetrics
 from autodeploy.serve.openai_errors import APIError, error_body, install_error_handlers, invalid_request
-from autodeploy.serve.protocol import ChatCompletionRequest, CompletionRequest
+from autodeploy.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,27 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         writer = _ChatFormat(server, tools if choice.mode != "none" else None)
         return await server.respond(request, writer, [prompt], params, body.stream,
                                     body.stream_options is not None and body.stream_options.include_usage)
+
+    @app.post("/tokenize", dependencies=authorized)
+    async def tokenize(body: TokenizeRequest) -> dict:
+        server.check_model(body.model)
+        body.check_supported()
+        if body.messages is not None:
+            tools = tool_specs(body.tools) if body.tools else None
+            tokens = render_chat(llm.tokenizer, [m.template_input() for m in body.messages], options.chat_template, tools)
+        else:
+            tokens = engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_seq_len, "tokens": tokens}
+
+    @app.post("/detokenize", dependencies=authorized)
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        server.check_model(body.model)
+        if llm.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer files, so token ids cannot be decoded", param="tokens")
+        outside = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if outside:
+            raise APIError(400, f"tokens outside the vocabulary [0, {engine.vocab_size}): {outside[:4]}", param="tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     return app
 

@@ -205,3 +205,31 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """``/tokenize`` (vLLM's): a ``prompt`` as the completions endpoint tokenizes it, or ``messages`` (and
+    ``tools``) as the chat endpoint renders them."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
+    add_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            error = InvalidRequestError("give prompt (text) or messages (a chat), not both or neither")
+            error.param = "prompt"
+            raise error
+        if self.tools and self.messages is None:
+            raise UnsupportedFieldError("tools", "tools without messages (they are rendered by the chat template)")
+
+
+class DetokenizeRequest(BaseModel):
+    """``/detokenize`` (vLLM's): token ids → text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    tokens: list[int]

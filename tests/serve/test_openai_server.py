@@ -146,6 +146,27 @@ def test_logit_bias_forces_and_bans_tokens(llama_llm, client):
                                                                   **GREEDY))[0].token_ids[0] != plain.token_ids[0]
 
 
+def test_tokenize_and_detokenize(llama_llm, url):
+    """vLLM's /tokenize (a prompt as completions tokenize it, messages as chat renders them) and /detokenize."""
+    ids = llama_llm.tokenizer("def fibonacci(n):").input_ids
+    response = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "def fibonacci(n):"}).json()
+    assert response == {"count": len(ids), "max_model_len": llama_llm.engine.max_seq_len, "tokens": ids}
+    bare = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "def fibonacci(n):", "add_special_tokens": False}).json()
+    assert bare["tokens"] == llama_llm.tokenizer("def fibonacci(n):", add_special_tokens=False).input_ids
+    messages = [{"role": "user", "content": "hello"}]
+    chat = httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert chat["tokens"] == chat_prompt(llama_llm, messages)
+    assert httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": ids}).json() == {"prompt": llama_llm.tokenizer.decode(ids)}
+    for route, body, param in (("tokenize", {"model": MODEL}, "prompt"),
+                               ("tokenize", {"model": MODEL, "prompt": "x", "messages": messages}, "prompt"),
+                               ("tokenize", {"model": MODEL, "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+                               ("tokenize", {"model": "other", "prompt": "x"}, "model"),
+                               ("detokenize", {"model": MODEL, "tokens": [10**6]}, "tokens"),
+                               ("detokenize", {"model": MODEL, "tokens": "abc"}, "tokens")):
+        error = httpx.post(f"{url}/{route}", json=body)
+        assert error.status_code == 400 and error.json()["error"]["param"] == param, (route, body, error.text)
+
+
 def test_chat_completion_renders_the_template_and_returns_logprobs(llama_llm, client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     prompt = chat_prompt(llama_llm, [messages[0], {"role": "user", "content": "hi"}])  # text parts are joined
