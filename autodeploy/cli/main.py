@@ -316,7 +316,7 @@ def _serve(args) -> None:
         raise ConfigError(f"autodeploy serve needs the serve extra ({error.name} is missing): pip install 'autodeploy[serve]'") from None
     if args.max_queued_requests < 1:
         raise ConfigError(f"--max-queued-requests must be ≥ 1, got {args.max_queued_requests}")
-    if args.stream_interval < 1:
+    if args.stream_interval < 1:  # before a build that may take minutes
         raise ConfigError(f"--stream-interval must be ≥ 1, got {args.stream_interval}")
     chat_template = None
     if args.chat_template is not None:

@@ -51,8 +51,7 @@ class AsyncLLM:
         ``stream_interval`` N > 1: after the first output, one every N new tokens (of a completion) and
         the last, each carrying the new text and tokens since the one before: fewer wake-ups of the loop
         and fewer messages to send, at longer gaps between them."""
-        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
-            raise InvalidRequestError(f"stream_interval must be a positive integer (tokens an output), got {stream_interval!r}")
+        check_stream_interval(stream_interval)
         return self._outputs(prompt, params, priority, streaming=True, stream_interval=stream_interval)
 
     async def generate(self, prompt: Prompt | Request, params: SamplingParams | None = None, priority: int = 0) -> RequestOutput:
@@ -109,6 +108,12 @@ class AsyncLLM:
                 self.engine.step_or_wait()
             except Exception:  # the engine handed the error to the failed batch's requests; keep serving the rest
                 logger.exception("engine step failed")
+
+
+def check_stream_interval(value) -> None:
+    """``InvalidRequestError`` unless ``value`` is a stream interval: a positive integer (tokens an output)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequestError(f"stream_interval must be a positive integer (tokens an output), got {value!r}")
 
 
 class _AsyncSink:

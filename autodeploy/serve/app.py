@@ -27,7 +27,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from autodeploy.errors import ConfigError, InvalidRequestError, error_summary
-from autodeploy.runtime.async_llm import AsyncLLM
+from autodeploy.runtime.async_llm import AsyncLLM, check_stream_interval
 from autodeploy.runtime.llm import LLM
 from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
 from autodeploy.runtime.request import Request as EngineRequest
@@ -65,10 +65,9 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     engine = llm.engine
     try:
         call_format = tool_call_format(llm.tokenizer, options.chat_template, options.tool_call_format)
+        check_stream_interval(options.stream_interval)
     except InvalidRequestError as error:  # a bad option fails here, before the server starts
         raise ConfigError(str(error)) from None
-    if isinstance(options.stream_interval, bool) or not isinstance(options.stream_interval, int) or options.stream_interval < 1:
-        raise ConfigError(f"the stream interval must be a positive integer (tokens a chunk), got {options.stream_interval!r}")
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
 

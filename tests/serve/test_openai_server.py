@@ -128,7 +128,7 @@ def test_stream_interval_sends_a_chunk_every_n_tokens(llama_llm):
     assert "".join(c.choices[0].text for c in chunks) == expected.text
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs) == 13
     assert len(chunks) <= 1 + 3 + 1, [c.choices[0].text for c in chunks]  # 1 + 4 + 4 + 4 tokens, and perhaps a finish chunk
-    with pytest.raises(ConfigError, match="stream interval must be a positive integer"):
+    with pytest.raises(ConfigError, match="stream_interval must be a positive integer"):
         build_app(llama_llm, ServerOptions(served_model_name=MODEL, stream_interval=0))
 
 

@@ -93,7 +93,7 @@ def test_ensemble_without_a_filter_ends_in_postprocessing():
 
 def test_triton_repo_refuses_a_folder_in_use_or_a_bad_stream_interval_before_building(tmp_path, capsys):
     assert main(["triton-repo", "--out", str(tmp_path / "new"), "--stream-interval", "0"]) == 1
-    assert "stream interval must be a positive integer" in capsys.readouterr().err
+    assert "stream_interval must be a positive integer" in capsys.readouterr().err
     (tmp_path / "something").write_text("")
     assert main(["triton-repo", "--out", str(tmp_path)]) == 1
     assert "not an empty folder" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from autodeploy.errors import InvalidRequestError
+from autodeploy.runtime.async_llm import check_stream_interval
 from autodeploy.serve.triton import request_tensors
 from autodeploy.serve.triton.metrics import TritonMetrics
 from autodeploy.serve.triton.tensor_specs import (
@@ -153,8 +154,7 @@ def _stream_interval(request, default: int) -> int:
     interval = request_tensors.optional_scalar(request, STREAM_INTERVAL.name)
     if interval is None:
         return default
-    if interval < 1:
-        raise InvalidRequestError(f"{STREAM_INTERVAL.name} must be a positive integer (tokens a response), got {interval}")
+    check_stream_interval(interval)
     return interval
 
 

@@ -26,7 +26,7 @@ import json
 from importlib import metadata
 from pathlib import Path
 
-from autodeploy.errors import ConfigError
+from autodeploy.errors import ConfigError, InvalidRequestError
 from autodeploy.serve.triton import tensor_specs as specs
 from autodeploy.serve.triton.blocklist import Blocklist
 
@@ -88,8 +88,13 @@ def check_repository_destination(directory: Path) -> None:
 
 
 def check_stream_interval(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"the stream interval must be a positive integer (tokens a response), got {value!r}")
+    """``ConfigError`` unless ``value`` is a stream interval (a positive integer)."""
+    from autodeploy.runtime.async_llm import check_stream_interval as check
+
+    try:
+        check(value)
+    except InvalidRequestError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _write_model(directory: Path, name: str, module: str, cls: str, inputs, outputs, parameters: dict[str, str], decoupled: bool = False) -> None:
