@@ -260,6 +260,15 @@ def test_logit_bias_adds_to_its_rows_tokens_and_leaves_logprobs_raw():
     assert result.logprobs[1] == pytest.approx(torch.log_softmax(logits[1], -1)[favourite].item(), abs=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_bias_on_the_gpu_equals_the_cpu(dtype):
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(8)).to(dtype)
+    rows = [row(logit_bias={3: 7.5, 999: -100.0}), row(), row(logit_bias={0: 100.0}, temperature=0), row(logit_bias={500: 0.25})]
+    torch.testing.assert_close(_apply_logit_bias(logits.cuda(), rows).cpu(), _apply_logit_bias(logits, rows))
+    assert sample(logits.cuda(), rows).token_ids[2] == 0
+
+
 # --- logprobs ------------------------------------------------------------------------------------------------
 
 
