@@ -268,8 +268,8 @@ def test_the_engine_model_exports_its_own_metrics(server):
              "autodeploy_e2e_request_latency_seconds_count")
     before = {name: sample(server, name) for name in names}
     invalid = sample(server, "autodeploy_request_failures_total", reason="invalid_request")
-    generate(server, "llm", {"text_input": "import os", "max_tokens": 3})
-    list(stream_generate(server.grpc, "import os", max_tokens=3))
+    generate(server, "llm", {"text_input": "import os", "max_tokens": 3, "ignore_eos": True})  # 3 tokens whatever is drawn
+    list(stream_generate(server.grpc, "import os", max_tokens=3, ignore_eos=True))
     assert "max_tokens must be a positive integer" in generate(server, "llm", {"text_input": "x", "max_tokens": 0})[0]["error"]
     assert "max_seq_len=512" in generate(server, "llm", {"text_input": "x", "max_tokens": 1000})[0]["error"]  # fails in the engine
     deadline = time.monotonic() + 10
