@@ -22,7 +22,8 @@ class SamplingParams:
     - ``presence_penalty``, ``frequency_penalty``: OpenAI semantics, on generated tokens only;
       ``logit -= presence·[count > 0] + frequency·count``. In [-2, 2]; 0 = off.
     - ``logit_bias``: ``{token id: bias}``, each bias in [-100, 100] added to that token's logit
-      (OpenAI semantics; -100 in effect bans a token, 100 all but forces it).
+      (OpenAI semantics; -100 in effect bans a token, 100 all but forces it). Token ids may be given as
+      strings and the whole as JSON text, as OpenAI's JSON carries it (``validate`` converts).
     - ``temperature``: divides the logits; 0 is greedy decoding (the argmax).
     - ``top_k``: keep the k most likely tokens; 0 = off.
     - ``top_p``: nucleus; keep the most likely tokens until their probability reaches ``top_p``
@@ -77,7 +78,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def validate(self) -> None:
-        """Raise ``InvalidRequestError`` naming the first invalid field; turn ``stop="x"`` into ``["x"]``."""
+        """Raise ``InvalidRequestError`` naming the first invalid field; turn ``stop="x"`` into ``["x"]`` and
+        ``logit_bias`` JSON text or string token ids into ``{int: float}``."""
 
         def is_int(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
@@ -123,6 +125,8 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError(f"json_object must be True or False, got {self.json_object!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = _token_biases(self.logit_bias)
         if self.logit_bias is not None and (
             not isinstance(self.logit_bias, dict)
             or not all(is_int(t) and t >= 0 and is_real(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())
@@ -184,3 +188,20 @@ class SamplingParams:
                 f"n must be ≤ beam_width under beam search (it returns the n best beams), "
                 f"got n={self.n!r} with beam_width={self.beam_width!r}"
             )
+
+
+def _token_biases(logit_bias):
+    """``logit_bias`` with integer token ids: from JSON text, and from string keys (JSON object keys)."""
+    if isinstance(logit_bias, str):
+        try:
+            logit_bias = json.loads(logit_bias)
+        except ValueError as error:
+            raise InvalidRequestError(f"logit_bias is not valid JSON: {error}") from None
+    if not isinstance(logit_bias, dict):
+        return logit_bias  # validate names the problem
+    try:
+        return {int(token) if isinstance(token, str) else token: bias for token, bias in logit_bias.items()}
+    except ValueError:
+        raise InvalidRequestError(
+            f"logit_bias keys must be token ids (integers, or integers as strings as in {{\"50256\": -100}}), got {list(logit_bias)[:4]}"
+        ) from None

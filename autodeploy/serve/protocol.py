@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI does. Fields OpenAI defines that this server cannot honour
 (``suffix``, echo with logprobs, …) are a 400 saying so, never silently dropped. ``logit_bias`` (token ids
-as strings → bias) becomes ``SamplingParams.logit_bias``. ``best_of`` > ``n`` generates
+as strings → bias) becomes ``SamplingParams.logit_bias``, which converts the keys. ``best_of`` > ``n`` generates
 ``best_of`` samples and returns the ``n`` of highest log-probability, as OpenAI's legacy completions do.
 ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` become a grammar over the tools' calls
 (``runtime/tool_calls.py``). ``response_format`` (``text``, ``json_object``, ``json_schema``) is accepted by both endpoints, as
@@ -106,23 +106,13 @@ class _SamplingFields(BaseModel):
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if self.logit_bias:
-            given["logit_bias"] = _token_biases(self.logit_bias)
+            given["logit_bias"] = self.logit_bias  # string token ids: validate converts them
         structured = self.response_format.sampling_fields() if self.response_format is not None else {}
         if structural_tag is not None:
             structured = {"structural_tag": structural_tag}
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop, **given, **structured)
         params.validate()
         return params
-
-
-def _token_biases(logit_bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) with integer keys."""
-    try:
-        return {int(token): bias for token, bias in logit_bias.items()}
-    except ValueError:
-        error = InvalidRequestError(f"logit_bias keys must be token ids (integers as strings, e.g. {{\"50256\": -100}}), got {list(logit_bias)[:4]}")
-        error.param = "logit_bias"
-        raise error from None
 
 
 class CompletionRequest(_SamplingFields):

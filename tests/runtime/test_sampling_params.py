@@ -56,7 +56,8 @@ BAD = [
     pytest.param({**BEAM, "n": 5}, "n must be ≤ beam_width", "n=5", id="beam-n>beam_width"),
     pytest.param({"logit_bias": {5: 101}}, "logit_bias", "[-100, 100]", id="logit_bias>100"),
     pytest.param({"logit_bias": {-1: 1.0}}, "logit_bias", "{-1: 1.0}", id="logit_bias-negative-token"),
-    pytest.param({"logit_bias": {"5": 1.0}}, "logit_bias", "'5'", id="logit_bias-string-token"),
+    pytest.param({"logit_bias": {"five": 1.0}}, "logit_bias keys must be token ids", "'five'", id="logit_bias-word-token"),
+    pytest.param({"logit_bias": '{"5": 1'}, "logit_bias is not valid JSON", "line 1", id="logit_bias-bad-json"),
     pytest.param({"logit_bias": {5: math.nan}}, "logit_bias", "nan", id="logit_bias=nan"),
     pytest.param({"logit_bias": [5]}, "logit_bias", "[5]", id="logit_bias-list"),
     pytest.param({**BEAM, "logit_bias": {5: 1.0}}, "logit_bias", "{5: 1.0}", id="beam-with-logit_bias"),
@@ -81,6 +82,13 @@ GOOD = [
     pytest.param({**BEAM, "early_stopping": True}, id="beam-early-stopping"),
     pytest.param({"logit_bias": {0: -100, 7: 100, 9: 0.5}}, id="logit_bias-bounds"),
 ]
+
+
+def test_logit_bias_takes_string_token_ids_and_json_text():
+    for given in ({"5": -100, 7: 2.5}, '{"5": -100, "7": 2.5}'):
+        params = SamplingParams(logit_bias=given)
+        params.validate()
+        assert params.logit_bias == {5: -100, 7: 2.5}
 
 
 @pytest.mark.parametrize("fields", GOOD)

@@ -167,7 +167,8 @@ def test_stream_interval_sends_a_response_every_n_tokens(server, llama_llm):
 
 def test_json_schema_log_probs_and_stop_token_ids_equal_in_process(server, llama_llm):
     """Structured output is decoded under the grammar in the engine's batch, through the llm model and the
-    ensemble; return_log_probs gives each token's log-probability; stop_token_ids end the output."""
+    ensemble; return_log_probs gives each token's log-probability; stop_token_ids end the output; logit_bias
+    (JSON text) forces a token."""
     expected = llama_llm.generate("import os", SamplingParams(max_tokens=60, json_schema=SCHEMA, logprobs=0, **GREEDY))[0]
     jsonschema.validate(json.loads(expected.text), SCHEMA)
     body = {"text_input": "import os", "max_tokens": 60, "json_schema": json.dumps(SCHEMA), "return_log_probs": True, **GREEDY}
@@ -179,6 +180,8 @@ def test_json_schema_log_probs_and_stop_token_ids_equal_in_process(server, llama
         np.testing.assert_allclose(last["output_log_probs"], expected.outputs[0].logprobs, rtol=1e-4, atol=1e-4)
     (plain,) = generate(server, "llm", {"text_input": "import os", "max_tokens": 4, **GREEDY})
     assert plain["output_log_probs"] == []  # not asked for
+    (forced,) = generate(server, "llm", {"text_input": "import os", "max_tokens": 4, "logit_bias": json.dumps({"7": 100}), **GREEDY})
+    assert ids(forced["output_ids"]) == [7] * 4
 
     greedy = llama_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12, **GREEDY))[0]
     stop_id = greedy.token_ids[3]
@@ -189,6 +192,7 @@ def test_json_schema_log_probs_and_stop_token_ids_equal_in_process(server, llama
     for bad, message in (({"type": "nonsense"}, 'Unsupported type "nonsense"'), ("{not json", "json_schema is not valid JSON")):
         body = {"text_input": "x", "json_schema": bad if isinstance(bad, str) else json.dumps(bad)}
         assert message in generate(server, "llm", body)[0]["error"]
+    assert "logit_bias keys must be token ids" in generate(server, "llm", {"text_input": "x", "logit_bias": '{"os": 5}'})[0]["error"]
     assert "set one of json_schema, json_object" in generate(server, "llm", {"text_input": "x", "json_schema": "{}", "json_object": True})[0]["error"]
 
 

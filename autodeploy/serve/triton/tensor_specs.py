@@ -37,6 +37,7 @@ SAMPLING_INPUTS = (
     TensorSpec("ignore_eos", "TYPE_BOOL", optional=True),
     TensorSpec("json_schema", "TYPE_STRING", optional=True),  # JSON text: the output follows this JSON Schema
     TensorSpec("json_object", "TYPE_BOOL", optional=True),  # the output is a JSON object
+    TensorSpec("logit_bias", "TYPE_STRING", optional=True),  # JSON text {"token id": bias in [-100, 100]}, as OpenAI's
 )
 STOP = TensorSpec("stop", "TYPE_STRING", (-1,), optional=True)  # stop strings, cut from the text
 STOP_TOKEN_IDS = TensorSpec("stop_token_ids", "TYPE_INT32", (-1,), optional=True)  # tokens that end the output (kept in it)
