@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import secrets
@@ -105,10 +106,16 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         samples = body.best_of or body.n
         # best_of > n: every sample scored by its log-probability, so the engine returns them
         logprobs = body.logprobs if samples == body.n or body.logprobs is not None else 0
-        params = body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, logprobs)
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        params = body.sampling_params(max_tokens or 1, logprobs)  # max_tokens 0 (echo only): the fields still checked
         params.n = samples
         echoes = [llm.tokenizer.decode(ids) if body.echo and llm.tokenizer is not None else "" for ids in prompts]
         writer = _CompletionFormat(server, echoes, keep=body.n, logprobs=body.logprobs is not None)
+        if body.echo and body.logprobs is not None:  # the prompt's own log-probabilities
+            writer.prompt_logprobs = [writer.scored_prompt(ids, await asyncio.to_thread(engine.prompt_logits, ids), body.logprobs)
+                                      for ids in prompts]
+        if max_tokens == 0:
+            return JSONResponse(writer.echo_only(prompts))
         return await server.respond(request, writer, prompts, params, body.stream,
                                     body.stream_options is not None and body.stream_options.include_usage)
 
@@ -362,6 +369,31 @@ class _CompletionFormat(_ResponseFormat):
         self.offsets: dict[int, int] = {}  # streamed text length per choice, for text_offset
         self.keep = keep  # n, of best_of samples
         self.logprobs = logprobs  # asked for (best_of > n asks the engine anyway, to rank the samples)
+        self.prompt_logprobs: list[dict] | None = None  # per prompt, with echo and logprobs (scored_prompt)
+
+    def scored_prompt(self, token_ids: list[int], logits, top: int) -> dict:
+        """The prompt's tokens in OpenAI's legacy logprobs format: the first has none (nothing precedes it),
+        each other its log-probability after the tokens before it, and the ``top`` most likely there."""
+        import torch
+
+        chosen, best = [None], [None]
+        following = torch.tensor(token_ids[1:], device=logits.device)
+        for start in range(0, len(token_ids) - 1, 256):  # a few rows of float32 log-probabilities at a time
+            rows = torch.log_softmax(logits[start : start + 256].float(), dim=-1)[: len(token_ids) - 1 - start]
+            chosen += rows.gather(1, following[start : start + len(rows), None]).squeeze(1).tolist()
+            values, indices = rows.topk(top, dim=-1)
+            best += [{self.token_text(t): v for t, v in zip(i, val)} for i, val in zip(indices.tolist(), values.tolist())]
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = [0, *itertools.accumulate(map(len, tokens[:-1]))]
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": best, "text_offset": offsets}
+
+    def echo_only(self, prompts: list[list[int]]) -> dict:
+        """``max_tokens`` 0: each prompt echoed (with its logprobs, if asked), ``n`` times, nothing generated."""
+        choices = [{"index": p * self.keep + i, "text": self.echoes[p], "finish_reason": "length",
+                    "logprobs": self.prompt_logprobs[p] if self.prompt_logprobs is not None else None}
+                   for p in range(len(prompts)) for i in range(self.keep)]
+        prompt_tokens = sum(map(len, prompts))
+        return self.envelope(choices, usage={"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens})
 
     def kept(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
         """With ``best_of`` > ``n``: the ``n`` samples of highest log-probability, best first (OpenAI's order)."""
@@ -372,8 +404,11 @@ class _CompletionFormat(_ResponseFormat):
 
     def choice(self, index: int, completion: CompletionOutput, prompt_index: int) -> dict:
         echo = self.echoes[prompt_index]
-        return {"index": index, "text": echo + completion.text, "finish_reason": completion.finish_reason,
-                "logprobs": self._logprobs(completion, len(completion.token_ids), len(echo))}
+        logprobs = self._logprobs(completion, len(completion.token_ids), len(echo))
+        if self.prompt_logprobs is not None and logprobs is not None:  # the prompt's entries first
+            prompt = self.prompt_logprobs[prompt_index]
+            logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+        return {"index": index, "text": echo + completion.text, "finish_reason": completion.finish_reason, "logprobs": logprobs}
 
     def delta(self, index: int, completion: CompletionOutput, prompt_index: int, first: bool) -> dict:
         text = (self.echoes[prompt_index] if first else "") + completion.new_text

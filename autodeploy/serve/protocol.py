@@ -1,7 +1,9 @@
 """The OpenAI request bodies the server accepts, and how each maps onto ``SamplingParams``.
 
 Unknown fields are ignored, as OpenAI does. Fields OpenAI defines that this server cannot honour
-(``suffix``, echo with logprobs, …) are a 400 saying so, never silently dropped. ``logit_bias`` (token ids
+(``suffix``, streamed echo with logprobs, …) are a 400 saying so, never silently dropped. ``echo`` with
+``logprobs`` scores the prompt too (its tokens' log-probabilities, as OpenAI's legacy completions and
+evaluation harnesses use them), and ``max_tokens`` 0 with ``echo`` generates nothing. ``logit_bias`` (token ids
 as strings → bias) becomes ``SamplingParams.logit_bias``, which converts the keys. ``best_of`` > ``n`` generates
 ``best_of`` samples and returns the ``n`` of highest log-probability, as OpenAI's legacy completions do.
 ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` become a grammar over the tools' calls
@@ -136,8 +138,12 @@ class CompletionRequest(_SamplingFields):
             raise UnsupportedFieldError("best_of", "streaming with best_of > n (the best samples are known only at the end)")
         if self.best_of is not None and self.best_of > self.n and (self.beam_width or 1) > 1:
             raise UnsupportedFieldError("best_of", "best_of > n with beam search (beam search already returns the n best)")
-        if self.echo and self.logprobs is not None:
-            raise UnsupportedFieldError("echo", "echo with logprobs (the prompt's log-probabilities)")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise UnsupportedFieldError("echo", "streaming echo with logprobs (the prompt's log-probabilities come whole)")
+        if self.max_tokens == 0 and (not self.echo or self.stream):
+            error = InvalidRequestError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo (and logprobs), not streamed")
+            error.param = "max_tokens"
+            raise error
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""

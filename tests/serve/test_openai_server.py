@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from autodeploy import SamplingParams
@@ -19,6 +20,7 @@ from autodeploy.cli.main import build_parser, main
 from autodeploy.errors import ConfigError
 from autodeploy.serve import ServerOptions, build_app
 from autodeploy.serve.server import serving_in_thread
+from tests.tiny_models import tiny_hf_model
 
 MODEL = "tiny-llama"
 API_KEY = "sk-test"
@@ -130,6 +132,32 @@ def test_stream_interval_sends_a_chunk_every_n_tokens(llama_llm):
     assert len(chunks) <= 1 + 3 + 1, [c.choices[0].text for c in chunks]  # 1 + 4 + 4 + 4 tokens, and perhaps a finish chunk
     with pytest.raises(ConfigError, match="stream_interval must be a positive integer"):
         build_app(llama_llm, ServerOptions(served_model_name=MODEL, stream_interval=0))
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf(llama_llm, client, url):
+    """OpenAI's legacy scoring, as evaluation harnesses use it: ``echo`` with ``logprobs`` gives the prompt's
+    tokens their log-probabilities under the model (HF's log-softmax), the first none; ``max_tokens`` 0
+    generates nothing; with tokens generated, their entries follow the prompt's."""
+    ids = llama_llm.tokenizer("def fibonacci(n): return n").input_ids
+    expected = torch.log_softmax(tiny_hf_model("llama")(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    choice, logprobs = scored.choices[0], scored.choices[0].logprobs
+    assert (choice.text, choice.finish_reason, scored.usage.completion_tokens) == (llama_llm.tokenizer.decode(ids), "length", 0)
+    assert logprobs.tokens == [llama_llm.tokenizer.decode([t]) for t in ids] and logprobs.text_offset[:2] == [0, len(logprobs.tokens[0])]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx([expected[i, t].item() for i, t in enumerate(ids[1:])], abs=1e-4)
+    top = expected[2].topk(2)
+    assert list(logprobs.top_logprobs[3]) == [llama_llm.tokenizer.decode([t]) for t in top.indices.tolist()]
+
+    generated = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, **GREEDY).choices[0]
+    assert len(generated.logprobs.tokens) == len(ids) + 1 and generated.logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+        logprobs.token_logprobs[1:], abs=1e-6)
+    greedy_token = generated.logprobs.token_logprobs[-1]  # lm-eval's is_greedy: the token is its position's best
+    assert greedy_token == max(generated.logprobs.top_logprobs[-1].values())
+    for body, param in (({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "echo": True, "stream": True}, "max_tokens"),
+                        ({"echo": True, "logprobs": 1, "stream": True}, "echo")):
+        error = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", **body})
+        assert error.status_code == 400 and error.json()["error"]["param"] == param, error.text
 
 
 def test_logit_bias_forces_and_bans_tokens(llama_llm, client):
