@@ -91,8 +91,12 @@ class TritonPythonModel:
             self.loop.call_soon_threadsafe(self.loop.call_later, 0.5, gc.collect)
 
     def _refresh_metrics(self) -> None:
-        self.metrics.refresh()
-        self.loop.call_later(1.0, self._refresh_metrics)
+        try:
+            self.metrics.refresh()
+        except Exception:  # noqa: BLE001 — a metric is not worth the model: log it and read again next time
+            logger.exception("reading the engine's state into the metrics failed")
+        finally:
+            self.loop.call_later(1.0, self._refresh_metrics)
 
     def finalize(self) -> None:
         self.async_llm.shutdown()  # requests still running end with "abort", which their coroutines send
