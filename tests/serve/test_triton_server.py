@@ -61,7 +61,12 @@ def generate(server: Server, model: str, body: dict, stream: bool = False) -> li
     """Triton's HTTP generate endpoint (one response) or generate_stream (server-sent events)."""
     if not stream:
         return [httpx.post(f"{server.http}/v2/models/{model}/generate", json=body, timeout=120).json()]
-    response = httpx.post(f"{server.http}/v2/models/{model}/generate_stream", json={**body, "stream": True}, timeout=120)
+    return events(server, model, {**body, "stream": True})
+
+
+def events(server: Server, model: str, body: dict) -> list[dict]:
+    """Every response to ``body`` through Triton's generate_stream endpoint (server-sent events)."""
+    response = httpx.post(f"{server.http}/v2/models/{model}/generate_stream", json=body, timeout=120)
     return [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
 
 
@@ -194,6 +199,30 @@ def test_json_schema_log_probs_and_stop_token_ids_equal_in_process(server, llama
         assert message in generate(server, "llm", body)[0]["error"]
     assert "logit_bias keys must be token ids" in generate(server, "llm", {"text_input": "x", "logit_bias": '{"os": 5}'})[0]["error"]
     assert "set one of json_schema, json_object" in generate(server, "llm", {"text_input": "x", "json_schema": "{}", "json_object": True})[0]["error"]
+
+
+def test_n_samples_and_beams_come_as_responses_by_sequence_index(server, llama_llm):
+    """``n`` 2: each sample's pieces carry its sequence_index and add up to in-process generate's sample (the
+    same seed), streamed through the llm model and the ensemble, and one response each without stream;
+    beam search returns its n best beams as HF-equal in-process ones, and refuses to stream."""
+    sampled = dict(n=2, seed=3, max_tokens=8, ignore_eos=True)
+    expected = [c.text for c in llama_llm.generate("def fibonacci(n):", SamplingParams(**sampled))[0].outputs]
+    assert expected[0] != expected[1]
+    for model, filtered in (("llm", expected), ("ensemble", [Blocklist([BLOCKED]).apply(text) for text in expected])):
+        pieces = list(stream_generate(server.grpc, "def fibonacci(n):", model=model, **sampled))
+        assert ["".join(p.text for p in pieces if p.sequence_index == i) for i in (0, 1)] == filtered, model
+        assert sorted(p.finish_reason for p in pieces if p.finish_reason) == ["length", "length"]
+    whole = events(server, "llm", {"text_input": "def fibonacci(n):", "stream": False, **sampled})
+    assert sorted((e["sequence_index"], e["text_output"]) for e in whole) == [(0, expected[0]), (1, expected[1])]
+    (one,) = generate(server, "llm", {"text_input": "def fibonacci(n):", **sampled})  # Triton's one-response endpoint
+    assert "use generate stream" in one["error"]
+
+    beam = dict(beam_width=3, n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
+    beams = llama_llm.generate("def fibonacci(n):", SamplingParams(**beam))[0].outputs
+    responses = events(server, "llm", {"text_input": "def fibonacci(n):", **beam})
+    assert [(e["sequence_index"], ids(e["output_ids"])) for e in responses] == [(0, beams[0].token_ids), (1, beams[1].token_ids)]
+    (refused,) = generate(server, "llm", {"text_input": "def fibonacci(n):", **beam}, stream=True)
+    assert "beam search is not streamed" in refused["error"]
 
 
 def test_grpc_and_http_infer_of_the_tokenizer_step(server, llama_llm):

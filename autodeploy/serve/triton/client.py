@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autodeploy.serve.triton.tensor_specs import FINISH_REASON, REQUEST_OPTIONS, STREAM, TEXT_INPUT, TEXT_OUTPUT
+from autodeploy.serve.triton.tensor_specs import FINISH_REASON, REQUEST_OPTIONS, SEQUENCE_INDEX, STREAM, TEXT_INPUT, TEXT_OUTPUT
 
 _NUMPY_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
 _OPTIONS = {spec.name: spec for spec in REQUEST_OPTIONS if spec is not STREAM}
@@ -25,7 +25,8 @@ _OPTIONS = {spec.name: spec for spec in REQUEST_OPTIONS if spec is not STREAM}
 class StreamPiece(NamedTuple):
     text: str  # the text this response added
     time: float  # time.perf_counter() when it arrived
-    finish_reason: str  # "" until the last piece
+    finish_reason: str  # "" until the last piece (of its completion)
+    sequence_index: int = 0  # which completion (n > 1) or beam
 
 
 def request_tensors(prompt: str, stream: bool = False, **options) -> dict[str, np.ndarray]:
@@ -76,7 +77,7 @@ def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=lambda result, error: arrivals.put((result, error, time.perf_counter())))
-        outputs = [grpcclient.InferRequestedOutput(TEXT_OUTPUT.name), grpcclient.InferRequestedOutput(FINISH_REASON.name)]
+        outputs = [grpcclient.InferRequestedOutput(spec.name) for spec in (TEXT_OUTPUT, FINISH_REASON, SEQUENCE_INDEX)]
         client.async_stream_infer(model, grpc_inputs(request_tensors(prompt, stream=True, **options)), outputs=outputs,
                                   enable_empty_final_response=True)
         while True:
@@ -85,8 +86,9 @@ def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 
                 raise error
             text = result.as_numpy(TEXT_OUTPUT.name)
             if text is not None:
-                reason = result.as_numpy(FINISH_REASON.name)
-                yield StreamPiece(text[0].decode(), arrived, reason[0].decode() if reason is not None else "")
+                reason, index = result.as_numpy(FINISH_REASON.name), result.as_numpy(SEQUENCE_INDEX.name)
+                yield StreamPiece(text[0].decode(), arrived, reason[0].decode() if reason is not None else "",
+                                  int(index[0]) if index is not None else 0)
             if result.get_response().parameters["triton_final_response"].bool_param:
                 return
     finally:

@@ -6,7 +6,9 @@ one's responses go out through its own response sender from that loop, as the en
 last response of a request carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``; a bad request (no prompt,
 ``max_tokens`` ≤ 0, a prompt over the context, …) gets one error response with that flag, and the model
 goes on serving the others. ``stream`` false (the default) sends the whole completion in one response,
-which Triton's HTTP ``generate`` endpoint needs. A stream sends its first piece at once and then one
+which Triton's HTTP ``generate`` endpoint needs. With ``n`` > 1 (or beam search, which is not streamed)
+each completion goes in responses of its own, marked by ``sequence_index``: one each without ``stream``
+(so HTTP ``generate``, which takes one response, cannot carry them; ``generate_stream`` and gRPC can). A stream sends its first piece at once and then one
 response every ``stream_interval`` tokens (the request's input, else the config's parameter, 1 by
 default): fewer responses cost less in Triton and gRPC per token, at longer gaps between them.
 
@@ -32,8 +34,8 @@ from autodeploy.runtime.async_llm import check_stream_interval
 from autodeploy.serve.triton import request_tensors
 from autodeploy.serve.triton.metrics import TritonMetrics
 from autodeploy.serve.triton.tensor_specs import (
-    FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, RETURN_LOG_PROBS, SAMPLING_INPUTS, STOP, STOP_OUTPUT,
-    STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TEXT_INPUT, TEXT_OUTPUT,
+    FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, RETURN_LOG_PROBS, SAMPLING_INPUTS, SEQUENCE_INDEX, STOP,
+    STOP_OUTPUT, STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TEXT_INPUT, TEXT_OUTPUT,
 )
 
 logger = logging.getLogger(__name__)
@@ -108,12 +110,14 @@ class TritonPythonModel:
 
     async def _respond(self, prompt, params, stream: bool, interval: int, wanted: set[str], sender) -> None:
         try:
-            if not stream:
+            if not stream:  # one response a completion (n > 1, beams), the last with the final flag
                 output = await self.async_llm.generate(prompt, params)
-                completion = output.outputs[0]
-                sender.send(_response(completion, completion.text, len(completion.token_ids), params.stop, wanted), flags=FINAL)
+                for completion in output.outputs:
+                    final = completion is output.outputs[-1]
+                    sender.send(_response(completion, completion.text, len(completion.token_ids), params.stop, wanted), flags=FINAL if final else 0)
                 self.metrics.observe_finished(output)
                 return
+            ended: set[int] = set()  # completions whose last piece went out
             # closing the stream aborts the request
             async with contextlib.aclosing(self.async_llm.stream(prompt, params, stream_interval=interval)) as outputs:
                 async for output in outputs:
@@ -121,11 +125,16 @@ class TritonPythonModel:
                         sender.send(flags=FINAL)
                         self.metrics.observe_abandoned()
                         return
-                    completion = output.outputs[0]
-                    if output.finished or completion.new_text or completion.new_token_ids:
+                    news = [c for c in output.outputs if c.new_text or c.new_token_ids or (c.finish_reason and c.index not in ended)]
+                    for completion in news:
+                        final = output.finished and completion is news[-1]
                         response = _response(completion, completion.new_text, len(completion.new_token_ids), params.stop, wanted)
-                        sender.send(response, flags=FINAL if output.finished else 0)
+                        sender.send(response, flags=FINAL if final else 0)
+                        if completion.finish_reason:
+                            ended.add(completion.index)
                     if output.finished:
+                        if not news:
+                            sender.send(flags=FINAL)
                         self.metrics.observe_finished(output)
         except Exception as error:  # noqa: BLE001 — every failure becomes this request's error response
             if not isinstance(error, InvalidRequestError):
@@ -151,7 +160,10 @@ def _read_request(request):
     params = SamplingParams(**fields, stop=request_tensors.optional_strings(request, STOP.name),
                             stop_token_ids=request_tensors.token_ids(request, STOP_TOKEN_IDS.name) or [])
     params.validate()  # here, so a bad field is answered before the request reaches the engine's loop
-    return (text if text is not None else ids), params, bool(request_tensors.optional_scalar(request, STREAM.name))
+    stream = bool(request_tensors.optional_scalar(request, STREAM.name))
+    if stream and params.beam_width > 1:
+        raise InvalidRequestError("beam search is not streamed (the beams are known only when it ends); send stream false")
+    return (text if text is not None else ids), params, stream
 
 
 def _stream_interval(request, default: int) -> int:
@@ -170,5 +182,6 @@ def _response(completion, text: str, num_new_tokens: int, stop: list[str], wante
         FINISH_REASON.name: lambda: request_tensors.string_tensor(FINISH_REASON.name, completion.finish_reason or ""),
         STOP_OUTPUT.name: lambda: request_tensors.strings_tensor(STOP_OUTPUT.name, stop),
         OUTPUT_LOG_PROBS.name: lambda: request_tensors.float_tensor(OUTPUT_LOG_PROBS.name, completion.logprobs or []),
+        SEQUENCE_INDEX.name: lambda: request_tensors.int_tensor(SEQUENCE_INDEX.name, [completion.index]),
     }
     return pb_utils.InferenceResponse([make() for name, make in tensors.items() if not wanted or name in wanted])

@@ -38,6 +38,9 @@ SAMPLING_INPUTS = (
     TensorSpec("json_schema", "TYPE_STRING", optional=True),  # JSON text: the output follows this JSON Schema
     TensorSpec("json_object", "TYPE_BOOL", optional=True),  # the output is a JSON object
     TensorSpec("logit_bias", "TYPE_STRING", optional=True),  # JSON text {"token id": bias in [-100, 100]}, as OpenAI's
+    TensorSpec("n", "TYPE_INT32", optional=True),  # samples: each completion's responses carry its sequence_index
+    TensorSpec("beam_width", "TYPE_INT32", optional=True),  # beam search (not streamed): the n best beams
+    TensorSpec("length_penalty", "TYPE_FP32", optional=True),
 )
 STOP = TensorSpec("stop", "TYPE_STRING", (-1,), optional=True)  # stop strings, cut from the text
 STOP_TOKEN_IDS = TensorSpec("stop_token_ids", "TYPE_INT32", (-1,), optional=True)  # tokens that end the output (kept in it)
@@ -56,6 +59,7 @@ OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,))  # every token genera
 NUM_NEW_TOKENS = TensorSpec("num_new_tokens", "TYPE_INT32")  # how many of output_ids' last tokens this response adds
 OUTPUT_LOG_PROBS = TensorSpec("output_log_probs", "TYPE_FP32", (-1,))  # each output_ids token's log-probability (or empty)
 FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING")  # "stop", "length", "abort"; "" until the last response
+SEQUENCE_INDEX = TensorSpec("sequence_index", "TYPE_INT32")  # which of the request's n completions (or beams) this is
 TEXT_SO_FAR = TensorSpec("text_so_far", "TYPE_STRING")  # all the answer's text up to this response's end
 
 # The engine takes a prompt as text or as token ids (the ensemble's pre-processing step gives ids).
@@ -67,7 +71,7 @@ LLM_INPUTS = (
 # The request's stop strings come back out for the ensemble's post-processing step: Triton refuses a step
 # whose inputs come from a decoupled model and from elsewhere.
 STOP_OUTPUT = TensorSpec(STOP.name, STOP.data_type, STOP.dims)
-LLM_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP_OUTPUT, OUTPUT_LOG_PROBS)
+LLM_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP_OUTPUT, OUTPUT_LOG_PROBS, SEQUENCE_INDEX)
 
 PREPROCESSING_INPUTS = (TEXT_INPUT,)
 PREPROCESSING_OUTPUTS = (INPUT_IDS,)
@@ -81,4 +85,4 @@ FILTER_INPUTS = (TEXT_INPUT, TensorSpec(TEXT_SO_FAR.name, TEXT_SO_FAR.data_type,
 FILTER_OUTPUTS = (TEXT_OUTPUT, FINISH_REASON)
 
 ENSEMBLE_INPUTS = (TEXT_INPUT, *REQUEST_OPTIONS)
-ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, OUTPUT_LOG_PROBS)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, OUTPUT_LOG_PROBS, SEQUENCE_INDEX)
