@@ -5,6 +5,7 @@
 # repeat after repeat; the table's last block gives the server / in-process ratios. Logs and JSON under $OUT.
 #   bash scripts/bench_server_gpu.sh                   # concurrency 1 and 64, 128 requests, 128 in / 128 out, 2 repeats
 #   REQUESTS=256 REPEATS=1 CONCURRENCY=64 bash scripts/bench_server_gpu.sh
+#   STREAM_INTERVAL=4 bash scripts/bench_server_gpu.sh  # the server streams 4 tokens an event (serve --stream-interval)
 # Time: concurrency 1 is the long part (each request alone: ~0.55 s at ~240 tok/s, twice per repeat), ~5 min for the
 # defaults plus the build; BENCH_S bounds the bench command (default 540 s, under a device call's 10 minutes).
 set -u
@@ -18,6 +19,7 @@ t0=$SECONDS
 AUTODEPLOY_CONFIG= timeout "${BENCH_S:-540}" python3 -m autodeploy bench llama-3-8b --set weights=random ${AD_SET:-} \
   --workload concurrency --concurrency "${CONCURRENCY:-1,64}" --num-requests "${REQUESTS:-128}" \
   --input-dist fixed:128 --output-dist fixed:128 --repeats "${REPEATS:-2}" --compare server --no-progress \
+  --server-stream-interval "${STREAM_INTERVAL:-1}" \
   --out "$OUT/bench_server.json" > "$OUT/bench_server.log" 2>&1
 echo "rc=$? wall=$((SECONDS - t0))s"
 grep -v -i "warning" "$OUT/bench_server.log" | tail -n 20 | cut -c1-400

@@ -49,7 +49,7 @@ from autodeploy.bench.workloads import (
     synthetic_workload,
 )
 from autodeploy.config import DeploySettings, load_yaml, parse_set_arguments, site_config_files
-from autodeploy.errors import ConfigError
+from autodeploy.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from autodeploy.bench.http_runner import HttpMeasurement
@@ -85,6 +85,7 @@ class BenchmarkConfig:
     served_model_name: str | None = None  # None: the one model the server lists
     api_key: str | None = None
     request_timeout: float = 120.0  # seconds an HTTP request may wait for its next byte
+    server_stream_interval: int = 1  # --compare server: the server's stream interval (tokens a streamed event)
 
     def validate(self) -> None:
         unknown = [w for w in self.workloads if w not in WORKLOADS]
@@ -102,6 +103,15 @@ class BenchmarkConfig:
         if self.url is not None and "accuracy" in self.workloads:
             raise ConfigError("the accuracy workload compares logits with HF in this process, and a server does not return "
                               "logits; drop accuracy from --workload, or run it without --url")
+        from autodeploy.runtime.async_llm import check_stream_interval
+
+        try:
+            check_stream_interval(self.server_stream_interval)
+        except InvalidRequestError as error:
+            raise ConfigError(f"--server-stream-interval: {error}") from None
+        if self.server_stream_interval != 1 and SERVER not in self.compare:
+            raise ConfigError("--server-stream-interval sets the server that --compare server starts; add --compare server "
+                              "(a server at --url has its own, autodeploy serve --stream-interval)")
         if not self.request_timeout > 0:
             raise ConfigError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
         if self.repeats < 1:
@@ -252,6 +262,8 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
                   "kv_blocks": llm.engine.pool.num_blocks, "max_num_tokens": settings.scheduler.max_num_tokens},
         build={"total_s": sum(stages.values()), "stages": dict(stages)},
     )
+    if SERVER in config.compare:
+        result.settings["server_stream_interval"] = config.server_stream_interval
     warm_up = synthetic_workload(2, 8, 4, llm.vocab_size, settings.max_seq_len, seed=config.seed + 1)
     if workloads:
         run_workload(llm, warm_up, progress=False)
@@ -301,7 +313,8 @@ def _served(llm, workloads: list[Workload], warm_up: Workload, config: Benchmark
     from autodeploy.serve.server import serving_in_thread
 
     # As deep a queue as the in-process runner has: the server must not refuse what the engine would queue.
-    options = ServerOptions(served_model_name="autodeploy-bench", max_queued_requests=max(256, *(len(w.requests) for w in workloads)))
+    options = ServerOptions(served_model_name="autodeploy-bench", max_queued_requests=max(256, *(len(w.requests) for w in workloads)),
+                            stream_interval=config.server_stream_interval)
     spawn = multiprocessing.get_context("spawn")  # not fork: this process has threads (the engine's, uvicorn's)
     with serving_in_thread(build_app(llm, options)) as url, ProcessPoolExecutor(1, mp_context=spawn) as client:
         target = probe_server(url, timeout_s=config.request_timeout)

@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--url", default=None, help="measure a running OpenAI-compatible server (e.g. autodeploy serve) at this "
                        "base URL instead of building an engine; MODEL only gives the prompts' vocabulary")
     bench.add_argument("--served-model-name", default=None, help="--url: the model to request (default: the one /v1/models lists)")
+    bench.add_argument("--server-stream-interval", type=int, default=1, metavar="N",
+                       help="--compare server: the server streams N tokens an event (autodeploy serve --stream-interval)")
     bench.add_argument("--api-key", default=None, help="--url: sent as 'Authorization: Bearer KEY'")
     bench.add_argument("--request-timeout", type=float, default=120.0,
                        help="over HTTP: seconds a request may wait for its next byte before it counts as failed")
@@ -220,6 +222,7 @@ def _bench(args) -> int:
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         request_timeout=args.request_timeout,
+        server_stream_interval=args.server_stream_interval,
     )
     config.validate()
     if args.threshold <= 0:

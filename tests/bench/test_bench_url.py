@@ -65,11 +65,12 @@ def test_compare_server_measures_each_point_in_process_then_over_http(capsys, ll
     out_file = tmp_path / "compare.json"
     code, out, err = run_cli(
         capsys, "bench", str(llama_dir), "--workload", "concurrency", "--concurrency", "1,4", "--num-requests", "4",
-        "--input-dist", "fixed:8", "--output-dist", "fixed:4", "--compare", "server", "--set", "device=cpu",
-        "--out", str(out_file), *QUICK,
+        "--input-dist", "fixed:8", "--output-dist", "fixed:4", "--compare", "server", "--server-stream-interval", "2",
+        "--set", "device=cpu", "--out", str(out_file), *QUICK,
     )
     assert code == 0, err
     result = load_result(out_file)
+    assert result.settings["server_stream_interval"] == 2
     point = "concurrency/c4-n4-infixed:8-outfixed:4"
     first = "concurrency/c1-n4-infixed:8-outfixed:4"
     assert [run.id for run in result.runs] == [f"{first}/autodeploy", f"{point}/autodeploy", f"{first}/server", f"{point}/server"]
@@ -169,6 +170,8 @@ def a_closed_port() -> str:
         (["--url", "URL", "--workload", "accuracy"], "a server does not return logits"),
         (["--url", "URL", "--request-timeout", "0"], "--request-timeout must be > 0"),
         (["--compare", "triton"], "choose from hf-eager, hf-compile, server"),
+        (["--server-stream-interval", "4"], "add --compare server"),
+        (["--compare", "server", "--server-stream-interval", "0"], "stream_interval must be a positive integer"),
         # The demo model's 8192-token vocabulary against the tiny Llama's 512: the warm-up is refused.
         (["--url", "URL", "--api-key", "sk-bench", "--model-is-demo"], "the warm-up: 2 of 2 requests to the server at"),
     ],
