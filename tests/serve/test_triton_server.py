@@ -184,7 +184,15 @@ def test_json_schema_log_probs_and_stop_token_ids_equal_in_process(server, llama
         assert ids(last["output_ids"]) == expected.token_ids and last["finish_reason"] == "stop"
         np.testing.assert_allclose(last["output_log_probs"], expected.outputs[0].logprobs, rtol=1e-4, atol=1e-4)
     (plain,) = generate(server, "llm", {"text_input": "import os", "max_tokens": 4, **GREEDY})
-    assert plain["output_log_probs"] == []  # not asked for
+    assert plain["output_log_probs"] == [] and plain["output_top_token_ids"] == []  # not asked for
+    top = llama_llm.generate("import os", SamplingParams(max_tokens=4, logprobs=3, **GREEDY))[0].outputs[0]
+    for model in ("llm", "ensemble"):
+        (alternatives,) = generate(server, model, {"text_input": "import os", "max_tokens": 4, "top_log_probs": 3, **GREEDY})
+        # [tokens, 3] tensors, which Triton's JSON flattens row by row
+        assert alternatives["output_top_token_ids"] == [token for t in top.top_logprobs for token in t]
+        np.testing.assert_allclose(alternatives["output_top_log_probs"], [v for t in top.top_logprobs for v in t.values()], atol=1e-4)
+        np.testing.assert_allclose(alternatives["output_log_probs"], top.logprobs, atol=1e-4)
+    assert "logprobs must be None or an integer in [0, 20]" in generate(server, "llm", {"text_input": "x", "top_log_probs": 21})[0]["error"]
     (forced,) = generate(server, "llm", {"text_input": "import os", "max_tokens": 4, "logit_bias": json.dumps({"7": 100}), **GREEDY})
     assert ids(forced["output_ids"]) == [7] * 4
 

@@ -27,6 +27,7 @@ import logging
 import threading
 from pathlib import Path
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from autodeploy.errors import InvalidRequestError
@@ -34,8 +35,8 @@ from autodeploy.runtime.async_llm import check_stream_interval
 from autodeploy.serve.triton import request_tensors
 from autodeploy.serve.triton.metrics import TritonMetrics
 from autodeploy.serve.triton.tensor_specs import (
-    FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, RETURN_LOG_PROBS, SAMPLING_INPUTS, SEQUENCE_INDEX, STOP,
-    STOP_OUTPUT, STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TEXT_INPUT, TEXT_OUTPUT,
+    FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, OUTPUT_TOP_LOG_PROBS, OUTPUT_TOP_TOKEN_IDS, RETURN_LOG_PROBS,
+    SAMPLING_INPUTS, SEQUENCE_INDEX, STOP, STOP_OUTPUT, STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TEXT_INPUT, TEXT_OUTPUT, TOP_LOG_PROBS,
 )
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,10 @@ def _read_request(request):
     if text is not None and not isinstance(text, str):
         raise InvalidRequestError(f"{TEXT_INPUT.name} must be a string")
     fields = {spec.name: value for spec in SAMPLING_INPUTS if (value := request_tensors.optional_scalar(request, spec.name)) is not None}
-    if request_tensors.optional_scalar(request, RETURN_LOG_PROBS.name):
+    top = request_tensors.optional_scalar(request, TOP_LOG_PROBS.name)
+    if top is not None:
+        fields["logprobs"] = top  # SamplingParams checks it is 0..20
+    elif request_tensors.optional_scalar(request, RETURN_LOG_PROBS.name):
         fields["logprobs"] = 0  # each token's own log-probability, no alternatives
     params = SamplingParams(**fields, stop=request_tensors.optional_strings(request, STOP.name),
                             stop_token_ids=request_tensors.token_ids(request, STOP_TOKEN_IDS.name) or [])
@@ -164,6 +168,13 @@ def _read_request(request):
     if stream and params.beam_width > 1:
         raise InvalidRequestError("beam search is not streamed (the beams are known only when it ends); send stream false")
     return (text if text is not None else ids), params, stream
+
+
+def _top(completion, keys: bool):
+    """``[len(token_ids), k]``: each position's k likeliest token ids (or their log-probabilities); [0, 0] without them."""
+    tops = completion.top_logprobs or []
+    width = len(tops[0]) if tops else 0
+    return np.array([list(top.keys() if keys else top.values()) for top in tops]).reshape(len(tops), width)
 
 
 def _stream_interval(request, default: int) -> int:
@@ -182,6 +193,8 @@ def _response(completion, text: str, num_new_tokens: int, stop: list[str], wante
         FINISH_REASON.name: lambda: request_tensors.string_tensor(FINISH_REASON.name, completion.finish_reason or ""),
         STOP_OUTPUT.name: lambda: request_tensors.strings_tensor(STOP_OUTPUT.name, stop),
         OUTPUT_LOG_PROBS.name: lambda: request_tensors.float_tensor(OUTPUT_LOG_PROBS.name, completion.logprobs or []),
+        OUTPUT_TOP_TOKEN_IDS.name: lambda: request_tensors.int_tensor(OUTPUT_TOP_TOKEN_IDS.name, _top(completion, keys=True)),
+        OUTPUT_TOP_LOG_PROBS.name: lambda: request_tensors.float_tensor(OUTPUT_TOP_LOG_PROBS.name, _top(completion, keys=False)),
         SEQUENCE_INDEX.name: lambda: request_tensors.int_tensor(SEQUENCE_INDEX.name, [completion.index]),
     }
     return pb_utils.InferenceResponse([make() for name, make in tensors.items() if not wanted or name in wanted])

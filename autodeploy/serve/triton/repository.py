@@ -125,7 +125,8 @@ def ensemble_config(with_filter: bool) -> str:
         postprocessing_out |= {"text_so_far": "_text_so_far", "finish_reason": "_filter_finish_reason"}
     steps = [
         _step(PREPROCESSING, {"text_input": "text_input"}, {"input_ids": "_input_ids"}),
-        _step(LLM, {"input_ids": "_input_ids", **{name: name for name in options}}, {**to_postprocessing, "output_log_probs": "output_log_probs", "sequence_index": "sequence_index"}),
+        _step(LLM, {"input_ids": "_input_ids", **{name: name for name in options}}, {**to_postprocessing, **{name: name for name in (specs.OUTPUT_LOG_PROBS.name, specs.OUTPUT_TOP_TOKEN_IDS.name,
+                                                          specs.OUTPUT_TOP_LOG_PROBS.name, specs.SEQUENCE_INDEX.name)}}),
         _step(POSTPROCESSING, to_postprocessing, postprocessing_out),
     ]
     if with_filter:

@@ -45,12 +45,13 @@ SAMPLING_INPUTS = (
 STOP = TensorSpec("stop", "TYPE_STRING", (-1,), optional=True)  # stop strings, cut from the text
 STOP_TOKEN_IDS = TensorSpec("stop_token_ids", "TYPE_INT32", (-1,), optional=True)  # tokens that end the output (kept in it)
 RETURN_LOG_PROBS = TensorSpec("return_log_probs", "TYPE_BOOL", optional=True)  # true: output_log_probs is filled
+TOP_LOG_PROBS = TensorSpec("top_log_probs", "TYPE_INT32", optional=True)  # k ≤ 20: also each position's k likeliest tokens
 STREAM = TensorSpec("stream", "TYPE_BOOL", optional=True)  # true: a response per new piece of text
 # A stream's responses after the first come every this many tokens (fewer responses: less per-token work in
 # Triton and gRPC, longer gaps); the model's ``stream_interval`` parameter when absent.
 STREAM_INTERVAL = TensorSpec("stream_interval", "TYPE_INT32", optional=True)
 # Everything a generate request may set besides its prompt, in the llm model and the ensemble alike.
-REQUEST_OPTIONS = (*SAMPLING_INPUTS, STOP, STOP_TOKEN_IDS, RETURN_LOG_PROBS, STREAM, STREAM_INTERVAL)
+REQUEST_OPTIONS = (*SAMPLING_INPUTS, STOP, STOP_TOKEN_IDS, RETURN_LOG_PROBS, TOP_LOG_PROBS, STREAM, STREAM_INTERVAL)
 
 TEXT_INPUT = TensorSpec("text_input", "TYPE_STRING")
 INPUT_IDS = TensorSpec("input_ids", "TYPE_INT32", (-1,))
@@ -58,6 +59,9 @@ TEXT_OUTPUT = TensorSpec("text_output", "TYPE_STRING")  # the text this response
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,))  # every token generated so far
 NUM_NEW_TOKENS = TensorSpec("num_new_tokens", "TYPE_INT32")  # how many of output_ids' last tokens this response adds
 OUTPUT_LOG_PROBS = TensorSpec("output_log_probs", "TYPE_FP32", (-1,))  # each output_ids token's log-probability (or empty)
+# With top_log_probs k: [len(output_ids), k], each position's k likeliest tokens and their log-probabilities, best first
+OUTPUT_TOP_TOKEN_IDS = TensorSpec("output_top_token_ids", "TYPE_INT32", (-1, -1))
+OUTPUT_TOP_LOG_PROBS = TensorSpec("output_top_log_probs", "TYPE_FP32", (-1, -1))
 FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING")  # "stop", "length", "abort"; "" until the last response
 SEQUENCE_INDEX = TensorSpec("sequence_index", "TYPE_INT32")  # which of the request's n completions (or beams) this is
 TEXT_SO_FAR = TensorSpec("text_so_far", "TYPE_STRING")  # all the answer's text up to this response's end
@@ -71,7 +75,8 @@ LLM_INPUTS = (
 # The request's stop strings come back out for the ensemble's post-processing step: Triton refuses a step
 # whose inputs come from a decoupled model and from elsewhere.
 STOP_OUTPUT = TensorSpec(STOP.name, STOP.data_type, STOP.dims)
-LLM_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP_OUTPUT, OUTPUT_LOG_PROBS, SEQUENCE_INDEX)
+LLM_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP_OUTPUT, OUTPUT_LOG_PROBS, OUTPUT_TOP_TOKEN_IDS,
+               OUTPUT_TOP_LOG_PROBS, SEQUENCE_INDEX)
 
 PREPROCESSING_INPUTS = (TEXT_INPUT,)
 PREPROCESSING_OUTPUTS = (INPUT_IDS,)
@@ -85,4 +90,4 @@ FILTER_INPUTS = (TEXT_INPUT, TensorSpec(TEXT_SO_FAR.name, TEXT_SO_FAR.data_type,
 FILTER_OUTPUTS = (TEXT_OUTPUT, FINISH_REASON)
 
 ENSEMBLE_INPUTS = (TEXT_INPUT, *REQUEST_OPTIONS)
-ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, OUTPUT_LOG_PROBS, SEQUENCE_INDEX)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, OUTPUT_LOG_PROBS, OUTPUT_TOP_TOKEN_IDS, OUTPUT_TOP_LOG_PROBS, SEQUENCE_INDEX)
