@@ -8,9 +8,9 @@ last response of a request carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``; a b
 goes on serving the others. ``stream`` false (the default) sends the whole completion in one response,
 which Triton's HTTP ``generate`` endpoint needs. With ``n`` > 1 (or beam search, which is not streamed)
 each completion goes in responses of its own, marked by ``sequence_index``: one each without ``stream``
-(so HTTP ``generate``, which takes one response, cannot carry them; ``generate_stream`` and gRPC can). A stream sends its first piece at once and then one
-response every ``stream_interval`` tokens (the request's input, else the config's parameter, 1 by
-default): fewer responses cost less in Triton and gRPC per token, at longer gaps between them.
+(so HTTP ``generate``, which takes one response, cannot carry them; ``generate_stream`` and gRPC can). A
+stream sends its first piece at once and then one response every ``stream_interval`` tokens (the
+request's input, else the config's parameter, 1 by default): fewer responses, at longer gaps.
 
 The repository's ``llm/config.pbtxt`` names the deployment (``autodeploy build``'s format) this model
 serves, in the folder of the model version (``parameters { key: "deployment" … }``).
@@ -114,8 +114,8 @@ class TritonPythonModel:
             if not stream:  # one response a completion (n > 1, beams), the last with the final flag
                 output = await self.async_llm.generate(prompt, params)
                 for completion in output.outputs:
-                    final = completion is output.outputs[-1]
-                    sender.send(_response(completion, completion.text, len(completion.token_ids), params.stop, wanted), flags=FINAL if final else 0)
+                    response = _response(completion, completion.text, len(completion.token_ids), params.stop, wanted)
+                    sender.send(response, flags=FINAL if completion is output.outputs[-1] else 0)
                 self.metrics.observe_finished(output)
                 return
             ended: set[int] = set()  # completions whose last piece went out

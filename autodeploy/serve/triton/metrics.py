@@ -31,10 +31,10 @@ class TritonMetrics:
         self._metrics: list = []
         kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
 
-        def metric(name: str, help: str, kind, extra_labels: dict | None = None, **options):
+        def metric(name: str, help: str, kind, **options):
             family = pb_utils.MetricFamily(name=name, description=help, kind=kind)
             self._families.append(family)
-            made = family.Metric(labels={**labels, **(extra_labels or {})}, **options)
+            made = family.Metric(labels=labels, **options)
             self._metrics.append(made)
             return made
 
