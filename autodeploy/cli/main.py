@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(json, Llama 3.x), or the one the chat template teaches (auto)")
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="refuse requests (503 + Retry-After) while this many wait for a seat in the batch")
+    serve.add_argument("--reasoning-parser", default="none", choices=("none", "think"),
+                       help="think: a chat answer's <think>…</think> block goes to message.reasoning_content (Qwen3, DeepSeek-R1, …)")
     serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="a stream's chunks after the first carry N new tokens each (default 1): fewer events, longer gaps")
     _add_settings_arguments(serve)
@@ -333,7 +335,7 @@ def _serve(args) -> None:
     name = args.served_model_name or args.model or "autodeploy-demo"
     options = ServerOptions(served_model_name=name, api_key=args.api_key, chat_template=chat_template,
                             max_queued_requests=args.max_queued_requests, tool_call_format=args.tool_call_format,
-                            stream_interval=args.stream_interval)
+                            stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser)
     run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info")
 
 

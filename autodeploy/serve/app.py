@@ -33,6 +33,7 @@ from autodeploy.runtime.llm import LLM
 from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
 from autodeploy.runtime.request import Request as EngineRequest
 from autodeploy.runtime.chat_template import render_chat, tool_call_format
+from autodeploy.runtime.reasoning import CONTENT, REASONING, ReasoningParser, opens_thinking, split_reasoning
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar, tool_specs
 from autodeploy.serve.metrics import ServerMetrics
@@ -50,7 +51,9 @@ class ServerOptions:
     ``tool_call_format``: how tool calls are generated, ``"hermes"`` tags or bare ``"json"`` (``"auto"``: the
     one the chat template teaches, ``runtime/tool_calls.py``). ``stream_interval``: a stream's chunks after
     the first carry this many new tokens each (the last fewer): fewer events to encode and send, at longer
-    gaps between them (``AsyncLLM.stream``)."""
+    gaps between them (``AsyncLLM.stream``). ``reasoning_parser``: ``"think"`` splits a chat answer's
+    ``<think>…</think>`` block into ``reasoning_content`` (``runtime/reasoning.py``); ``"none"`` leaves it in
+    the content."""
 
     served_model_name: str
     api_key: str | None = None
@@ -59,6 +62,10 @@ class ServerOptions:
     retry_after_s: int = 1
     tool_call_format: str = "auto"
     stream_interval: int = 1
+    reasoning_parser: str = "none"
+
+
+REASONING_PARSERS = ("none", "think")
 
 
 def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
@@ -69,6 +76,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         check_stream_interval(options.stream_interval)
     except InvalidRequestError as error:  # a bad option fails here, before the server starts
         raise ConfigError(str(error)) from None
+    if options.reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"the reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {options.reasoning_parser!r}")
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
 
@@ -132,7 +141,10 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
                 raise APIError(400, f"the messages take {len(prompt)} tokens, the whole context (max_seq_len="
                                     f"{engine.max_seq_len}); shorten them", param="messages", code="context_length_exceeded")
         params = body.sampling_params(max_tokens, body.requested_logprobs(), tools and tool_call_grammar(tools, choice))
-        writer = _ChatFormat(server, tools if choice.mode != "none" else None)
+        thinking = None  # without a reasoning parser: no split
+        if options.reasoning_parser == "think":
+            thinking = llm.tokenizer is not None and opens_thinking(llm.tokenizer.decode(prompt[-8:]))
+        writer = _ChatFormat(server, tools if choice.mode != "none" else None, thinking)
         return await server.respond(request, writer, [prompt], params, body.stream,
                                     body.stream_options is not None and body.stream_options.include_usage)
 
@@ -437,16 +449,22 @@ class _ChatFormat(_ResponseFormat):
 
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, server: _Server, tools: list[ToolSpec] | None):
+    def __init__(self, server: _Server, tools: list[ToolSpec] | None, thinking: bool | None = None):
         super().__init__(server)
         self.tools = tools
         self.parsers: dict[int, ToolCallParser] = {}
+        self.thinking = thinking  # None: no reasoning split; else whether the prompt opened a think block
+        self.reasoners: dict[int, ReasoningParser] = {}
 
     def choice(self, index: int, completion: CompletionOutput, prompt_index: int) -> dict:
-        message = {"role": "assistant", "content": completion.text}
+        text = completion.text
+        message = {"role": "assistant"}
+        if self.thinking is not None:  # an output that is all reasoning has no content (None)
+            message["reasoning_content"], text = split_reasoning(text, self.thinking)
+        message["content"] = text
         finish_reason = completion.finish_reason
         if self.tools is not None:
-            message["content"], calls = parse_tool_calls(completion.text, self.tools)
+            message["content"], calls = parse_tool_calls(text or "", self.tools)
             if calls:
                 message["tool_calls"] = [c.to_openai() for c in calls]
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -457,20 +475,30 @@ class _ChatFormat(_ResponseFormat):
         """The choice's chunk; None when there is nothing to send yet (text the tool-call parser holds back)."""
         delta = {"role": "assistant"} if first else {}
         finish_reason = completion.finish_reason
+        text = completion.new_text
+        if self.thinking is not None:
+            reasoner = self.reasoners.setdefault(index, ReasoningParser(self.thinking))
+            pieces = reasoner.feed(text) + (reasoner.finish() if finish_reason is not None else [])
+            text = "".join(piece for kind, piece in pieces if kind == CONTENT)
+            reasoning = "".join(piece for kind, piece in pieces if kind == REASONING)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        calls = []
         if self.tools is None:
-            delta["content"] = completion.new_text
+            delta["content"] = text
         else:
             parser = self.parsers.setdefault(index, ToolCallParser(self.tools))
             calls_before = parser.num_calls
-            events = parser.feed(completion.new_text) + (parser.finish() if finish_reason is not None else [])
+            events = parser.feed(text) + (parser.finish() if finish_reason is not None else [])
             delta["content"] = "".join(e for e in events if isinstance(e, str))
             calls = [e for e in events if isinstance(e, ToolCall)]
             if calls:
                 delta["tool_calls"] = [{"index": calls_before + i, **c.to_openai()} for i, c in enumerate(calls)]
             if parser.num_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
-            if not (first or delta["content"] or calls or finish_reason is not None):
-                return None
+        if (self.tools is not None or self.thinking is not None) and not (
+                first or delta["content"] or calls or "reasoning_content" in delta or finish_reason is not None):
+            return None
         return {"index": index, "delta": delta, "finish_reason": finish_reason,
                 "logprobs": self._logprobs(completion, len(completion.new_token_ids))}
 

@@ -160,6 +160,35 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf(llama_llm, client, url):
         assert error.status_code == 400 and error.json()["error"]["param"] == param, error.text
 
 
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace("<|assistant|>", "<|assistant|><think>\n")  # the prompt opens the block (R1's style)
+
+
+def test_reasoning_parser_puts_the_think_block_in_reasoning_content(llama_llm):
+    """``--reasoning-parser think``: generation that starts inside a think block the prompt opened (and never
+    closes it in 10 tokens) is all reasoning, whole or streamed; without the opened block it is content. The
+    split itself is ``tests/runtime/test_reasoning.py``'s."""
+    messages = [{"role": "user", "content": "hello"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    for template, thinking in ((THINKING_TEMPLATE, True), (CHAT_TEMPLATE, False)):
+        prompt = llama_llm.tokenizer(llama_llm.tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
+        expected = llama_llm.generate(prompt, SamplingParams(max_tokens=10, **GREEDY, ignore_eos=True))[0].text
+        assert "</think>" not in expected and not expected.lstrip().startswith("<think>")
+        with serving(llama_llm, chat_template=template, reasoning_parser="think") as base:
+            message = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+            chunks = [json.loads(line[6:]) for line in httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": True},
+                                                                  timeout=60).text.splitlines() if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        if thinking:
+            assert (message["reasoning_content"], message["content"]) == (expected, None)
+            assert "".join(d.get("reasoning_content", "") for d in deltas) == expected and not any(d.get("content") for d in deltas)
+        else:
+            assert (message["reasoning_content"], message["content"]) == (None, expected)
+            assert "".join(d.get("content") or "" for d in deltas) == expected
+    with pytest.raises(ConfigError, match="reasoning parser must be one of none, think"):
+        build_app(llama_llm, ServerOptions(served_model_name=MODEL, reasoning_parser="deepseek"))
+
+
 def test_logit_bias_forces_and_bans_tokens(llama_llm, client):
     """Greedy under ``logit_bias`` equals in-process generate with the same bias: +100 forces a token, -100
     bans the one greedy decoding would choose first."""
