@@ -175,6 +175,19 @@ def test_chat_without_tools_is_one_turn(llama_llm):
     assert reply.content == expected[0].text and reply.tool_calls == [] and len(reply.messages) == 2
 
 
+def test_chat_splits_off_the_reasoning(llama_llm):
+    """``reasoning=True`` with a template whose generation prompt opens a think block: the turn (10 tokens,
+    never closing it) is all reasoning, kept beside the turn; without ``reasoning`` it is the content."""
+    template = TOOLS_TEMPLATE.replace("<|assistant|>{% endif %}", "<|assistant|><think>\n{% endif %}")
+    assert template != TOOLS_TEMPLATE
+    messages, params = [{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    plain = llama_llm.chat(messages, params, chat_template=template)
+    thought = llama_llm.chat(messages, params, chat_template=template, reasoning=True)
+    assert "</think>" not in plain.content
+    assert (thought.reasoning, thought.content) == (plain.content, None) and plain.reasoning is None
+    assert thought.messages[-1] == {"role": "assistant", "content": None, "reasoning_content": plain.content}
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(messages=[]), "non-empty list of messages"),
     (dict(max_rounds=0), "max_rounds must be"),

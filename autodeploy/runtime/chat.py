@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.chat_template import render_chat, tool_call_format
 from autodeploy.runtime.outputs import RequestOutput
+from autodeploy.runtime.reasoning import opens_thinking, split_reasoning
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.tool_calls import ToolCall, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs
 
@@ -27,7 +28,8 @@ class ChatResult:
     ``messages``: the whole conversation, the given messages first, ready for the next user turn.
     ``trace``: every call that ran, in order (a ``ToolResult`` each: the call, its output, its error).
     ``finish_reason``: the last turn's ("stop", "length", "tool_calls") or ``"max_rounds"``.
-    ``outputs``: each round's ``RequestOutput``."""
+    ``outputs``: each round's ``RequestOutput``. ``reasoning``: the last turn's think block (with
+    ``reasoning=True``; None when it had none)."""
 
     content: str | None
     tool_calls: list[ToolCall]
@@ -35,10 +37,11 @@ class ChatResult:
     trace: list = field(default_factory=list)
     finish_reason: str | None = None
     outputs: list[RequestOutput] = field(default_factory=list)
+    reasoning: str | None = None
 
 
 def run_chat(llm, messages: list[dict], params: SamplingParams | None, tools, tool_choice, max_rounds: int,
-             chat_template: str | None, parallel_tool_calls: bool, call_format: str = "auto") -> ChatResult:
+             chat_template: str | None, parallel_tool_calls: bool, call_format: str = "auto", reasoning: bool = False) -> ChatResult:
     """The loop behind ``LLM.chat`` (see there)."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise InvalidRequestError('chat() needs a non-empty list of messages like {"role": "user", "content": "…"}')
@@ -53,15 +56,20 @@ def run_chat(llm, messages: list[dict], params: SamplingParams | None, tools, to
     conversation = [dict(m) for m in messages]
     result = ChatResult(None, [], conversation)
     for _ in range(max_rounds):
-        output = _assistant_turn(llm, conversation, params, specs, choice, chat_template)
+        prompt, output = _assistant_turn(llm, conversation, params, specs, choice, chat_template)
         completion = output.outputs[0]
-        content, calls = parse_tool_calls(completion.text, specs) if specs and choice.mode != "none" else (completion.text, [])
+        thought, answer = None, completion.text
+        if reasoning:
+            thought, answer = split_reasoning(answer, llm.tokenizer is not None and opens_thinking(llm.tokenizer.decode(prompt[-8:])))
+        content, calls = parse_tool_calls(answer or "", specs) if specs and choice.mode != "none" else (answer, [])
         turn = {"role": "assistant", "content": content}
+        if thought is not None:
+            turn["reasoning_content"] = thought
         if calls:
             turn["tool_calls"] = [c.to_openai() for c in calls]
         conversation.append(turn)
         result.outputs.append(output)
-        result.content, result.tool_calls = content, calls
+        result.content, result.tool_calls, result.reasoning = content, calls, thought
         result.finish_reason = "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason
         if not calls or registry is None:
             return result
@@ -76,8 +84,9 @@ def run_chat(llm, messages: list[dict], params: SamplingParams | None, tools, to
 
 
 def _assistant_turn(llm, conversation: list[dict], params: SamplingParams, specs: list[ToolSpec] | None, choice: ToolChoice,
-                    chat_template: str | None) -> RequestOutput:
+                    chat_template: str | None) -> tuple[list[int], RequestOutput]:
+    """The turn's prompt (token ids) and its output."""
     prompt = render_chat(llm.tokenizer, conversation, chat_template, specs)
     grammar = tool_call_grammar(specs, choice) if specs else None
     turn_params = dataclasses.replace(params, structural_tag=grammar) if grammar is not None else params
-    return llm.generate([prompt], turn_params)[0]
+    return prompt, llm.generate([prompt], turn_params)[0]

@@ -212,6 +212,7 @@ class LLM:
         chat_template: str | None = None,
         parallel_tool_calls: bool = True,
         tool_call_format: str = "auto",
+        reasoning: bool = False,
     ) -> ChatResult:
         """The assistant's answer to OpenAI-style ``messages``, through the chat template.
 
@@ -221,12 +222,15 @@ class LLM:
         default with tools), ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": …}}``,
         for the first turn. ``tool_call_format``: ``"hermes"`` (``<tool_call>`` tags), ``"json"`` (a bare
         ``{"name", "parameters"}`` object, as Llama 3.x templates ask) or ``"auto"``, the one the template
-        teaches. ``params`` default to greedy with ``max_tokens=256``.
+        teaches. ``reasoning``: split each answer's ``<think>…</think>`` block off (``runtime/reasoning.py``)
+        into ``ChatResult.reasoning`` and the turn's ``reasoning_content``; calls are looked for in the rest.
+        ``params`` default to greedy with ``max_tokens=256``.
 
         >>> reply = llm.chat([{"role": "user", "content": "Is it warm in Rome?"}], tools=registry)  # doctest: +SKIP
         >>> reply.content, [(r.call.name, r.output) for r in reply.trace]  # doctest: +SKIP
         """
-        return run_chat(self, messages, params, tools, tool_choice, max_rounds, chat_template, parallel_tool_calls, tool_call_format)
+        return run_chat(self, messages, params, tools, tool_choice, max_rounds, chat_template, parallel_tool_calls, tool_call_format,
+                        reasoning)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets new tokens (``outputs[i].new_text`` /
