@@ -62,8 +62,10 @@ class TritonPythonModel:
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="autodeploy-triton-requests", daemon=True)
         self.loop_thread.start()
         self.in_flight: set[concurrent.futures.Future] = set()  # one a request, until its last response is sent
+        # Metric calls are round trips to Triton's core that hold the GIL: one made while the core unloads the
+        # model is never answered, and the whole stub hangs. So each is made while a request is in flight
+        # (before its final response), never on a timer (a refresh each second hung 2 runs of 12).
         self.metrics = TritonMetrics(self.llm.engine, {"model": args["model_name"], "version": args["model_version"]})
-        self.loop.call_soon_threadsafe(self._refresh_metrics)
         # Everything loaded so far (~500k objects) lives as long as the model: out of the collector's sight, a
         # full collection (below, and Python's own) takes milliseconds instead of 230–260 ms holding the GIL.
         gc.freeze()
@@ -75,8 +77,8 @@ class TritonPythonModel:
                 prompt, params, stream = _read_request(request)
                 interval = _stream_interval(request, self.stream_interval)
             except InvalidRequestError as error:
+                self.metrics.observe_failure(error)  # before the final response (see initialize)
                 sender.send(request_tensors.error_response(error), flags=FINAL)
-                self.loop.call_soon_threadsafe(self.metrics.observe_failure, error)  # metrics change on the loop's thread only
                 continue
             wanted = set(request.requested_output_names())
             future = asyncio.run_coroutine_threadsafe(self._respond(prompt, params, stream, interval, wanted, sender), self.loop)
@@ -93,14 +95,6 @@ class TritonPythonModel:
             # and their tasks are gone), so a busy engine never pays for it.
             self.loop.call_soon_threadsafe(self.loop.call_later, 0.5, gc.collect)
 
-    def _refresh_metrics(self) -> None:
-        try:
-            self.metrics.refresh()
-        except Exception:  # noqa: BLE001 — a metric is not worth the model: log it and read again next time
-            logger.exception("reading the engine's state into the metrics failed")
-        finally:
-            self.loop.call_later(1.0, self._refresh_metrics)
-
     def finalize(self) -> None:
         self.async_llm.shutdown()  # requests still running end with "abort", which their coroutines send
         concurrent.futures.wait(list(self.in_flight), timeout=30)
@@ -108,40 +102,44 @@ class TritonPythonModel:
         self.loop_thread.join()
         self.metrics.close()
         self.llm.shutdown()
+        # The idle-time collection (_done) may not have run yet: cycles that still hold requests would keep
+        # them, and the ensemble that sent them, from being released, and Triton's exit would wait them out.
+        gc.collect()
 
     async def _respond(self, prompt, params, stream: bool, interval: int, wanted: set[str], sender) -> None:
         try:
+            self.metrics.refresh()  # the engine's state, with this request arriving
             if not stream:  # one response a completion (n > 1, beams), the last with the final flag
                 output = await self.async_llm.generate(prompt, params)
+                self.metrics.observe_finished(output)
                 for completion in output.outputs:
                     response = _response(completion, completion.text, len(completion.token_ids), params.stop, wanted)
                     sender.send(response, flags=FINAL if completion is output.outputs[-1] else 0)
-                self.metrics.observe_finished(output)
                 return
             ended: set[int] = set()  # completions whose last piece went out
             # closing the stream aborts the request
             async with contextlib.aclosing(self.async_llm.stream(prompt, params, stream_interval=interval)) as outputs:
                 async for output in outputs:
                     if sender.is_cancelled():
-                        sender.send(flags=FINAL)
                         self.metrics.observe_abandoned()
+                        sender.send(flags=FINAL)
                         return
                     news = [c for c in output.outputs if c.new_text or c.new_token_ids or (c.finish_reason and c.index not in ended)]
+                    if output.finished:
+                        self.metrics.observe_finished(output)
                     for completion in news:
                         final = output.finished and completion is news[-1]
                         response = _response(completion, completion.new_text, len(completion.new_token_ids), params.stop, wanted)
                         sender.send(response, flags=FINAL if final else 0)
                         if completion.finish_reason:
                             ended.add(completion.index)
-                    if output.finished:
-                        if not news:
-                            sender.send(flags=FINAL)
-                        self.metrics.observe_finished(output)
+                    if output.finished and not news:
+                        sender.send(flags=FINAL)
         except Exception as error:  # noqa: BLE001 — every failure becomes this request's error response
             if not isinstance(error, InvalidRequestError):
                 logger.exception("request failed")
-            sender.send(request_tensors.error_response(error), flags=FINAL)
             self.metrics.observe_failure(error)
+            sender.send(request_tensors.error_response(error), flags=FINAL)
 
 
 def _read_request(request):

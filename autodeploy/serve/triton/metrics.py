@@ -8,8 +8,10 @@ OpenAI server's names (``serve/request_metrics.py``), labelled with the model an
 - ``autodeploy_request_failures_total`` (by ``reason``: ``invalid_request`` or ``internal``): requests
   answered with an error, which Triton's own ``nv_inference_request_failure`` misses (a decoupled request
   succeeds, to Triton, once ``execute`` accepts it);
-- the engine's state (waiting and running requests, KV pool use, prefix-cache hits, preemptions),
-  refreshed every second (``refresh``).
+- the engine's state (waiting and running requests, KV pool use, prefix-cache hits, preemptions), read
+  when a request starts and when it ends (``refresh``), so it does not change while the model is idle.
+
+Every call is a round trip to Triton's core; ``llm_model`` makes them only while a request is in flight.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class TritonMetrics:
         self.prompt_tokens.increment(len(output.prompt_token_ids))
         self.generation_tokens.increment(sum(len(c.token_ids) for c in output.outputs))
         self.requests[output.finish_reason if output.finish_reason in FINISH_REASONS else "abort"].increment(1)
+        self.refresh()
 
     def observe_abandoned(self) -> None:
         """A stream its client cancelled (its request was aborted)."""
@@ -83,5 +86,8 @@ class TritonMetrics:
                 self._totals[value.name] = value.value
 
     def close(self) -> None:
-        self._metrics.clear()  # metrics before their families (Triton's rule)
+        """Drop every metric, then the families (Triton's rule: a family must outlive its metrics)."""
+        self.histograms, self.requests, self.failures, self._state = {}, {}, {}, {}
+        self.prompt_tokens = self.generation_tokens = None
+        self._metrics.clear()
         self._families.clear()
