@@ -106,10 +106,13 @@ class KVBlockPool:
 
     def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> int:
         """Give ``child_id`` the parent's *full* blocks among its first ``num_tokens`` (shared, not copied);
-        returns the tokens covered. The child recomputes the rest, so no block is written by two owners."""
+        returns the tokens covered. The child recomputes the rest, so no block is written by two owners. A
+        parent that holds no blocks (preempted) shares none, and the child starts like a new sequence."""
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id!r} already holds blocks; free it first")
-        shared = self._tables[parent_id][: num_tokens // self.block_size]
+        shared = self._tables.get(parent_id, [])[: num_tokens // self.block_size]
+        if not shared:
+            return 0
         for block in shared:
             self._take(block)
         self._tables[child_id] = list(shared)

@@ -592,12 +592,14 @@ class Engine:
                 self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, min(sequence.num_computed, len(sequence.token_ids)))
         changed: dict[str, Request] = {}
         now = self.clock()
-        for i, (sequence, index) in enumerate(step.sampling.owners):
+        # Forks first: the parent's own first token may end it (EOS), which frees the blocks they share.
+        targets = [sequence if index == sequence.index or sequence.request.aborted else self._fork(sequence, index)
+                   for sequence, index in step.sampling.owners]
+        for i, ((sequence, _), target) in enumerate(zip(step.sampling.owners, targets)):
             if step.run_ahead:
                 sequence.num_pending -= 1
-            if sequence.request.aborted or sequence.finish_reason is not None:
+            if target.request.aborted or target.finish_reason is not None:
                 continue  # cancelled mid-step, or stopped on the token before this (a wasted row)
-            target = sequence if index == sequence.index else self._fork(sequence, index)
             target.append(result.token_ids[i], self.tokenizer)
             if target.grammar is not None:
                 self._advance_grammar(target, result.token_ids[i])
@@ -672,7 +674,8 @@ class Engine:
             else:  # a further child shares the parent's full blocks and recomputes the rest
                 sequence = Sequence(request, request.prompt_token_ids + beam.token_ids[:-1], len(survivors))
                 sequence.num_computed = self.pool.fork(parent.seq_id, sequence.seq_id, parent.num_computed)
-                self.scheduler.running.append(sequence)
+                # A parent preempted while it waited for its group shares nothing: the child queues like a new prompt.
+                (self.scheduler.running if sequence.num_computed else self.scheduler.waiting).append(sequence)
             sequence.token_ids.append(beam.token_ids[-1])
             sequence.awaiting_beam_step = False
             survivors.append(sequence)

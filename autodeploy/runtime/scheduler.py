@@ -13,8 +13,8 @@ and a finished one leaves at once. A step carries at most ``max_num_tokens`` new
    sequence may preempt running ones of strictly lower priority to get a seat or blocks. Prompts
    longer than the token budget are prefilled in chunks over several steps (chunked prefill).
 
-Sequences that wait on something other than compute (a beam waiting for its group) report no tokens
-to compute and are skipped.
+Sequences that wait on something other than compute (a beam waiting for its group, running or
+preempted) report no tokens to compute and are skipped.
 """
 
 from __future__ import annotations
@@ -114,8 +114,12 @@ class Scheduler:
             index += 1
 
         self.waiting.sort(key=_importance)
-        while self.waiting:
-            sequence = self.waiting[0]
+        index = 0
+        while index < len(self.waiting):
+            sequence = self.waiting[index]
+            if sequence.num_to_compute == 0:  # a preempted beam waiting for its group: nothing to run until its step
+                index += 1
+                continue
             if len(self.running) >= self.max_num_seqs and not self._preempt_for(sequence, plan):
                 break
             budget = self.max_num_tokens - plan.num_tokens
@@ -131,7 +135,7 @@ class Scheduler:
                 self.pool.free(sequence.seq_id)
                 sequence.num_computed = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             self.running.append(sequence)
             plan.chunks.append(ScheduledChunk(sequence, sequence.num_computed, length))
 

@@ -86,3 +86,12 @@ def test_reset_prefix_cache_forgets_parked_prefixes_only():
     assert pool.num_free_blocks == 4
     assert pool.acquire_prefix("again", [1, 2, 3]) == 0
     assert pool.acquire_prefix("shared", [7, 8, 9]) == 2
+
+
+def test_fork_of_a_parent_that_holds_no_blocks_shares_nothing():
+    """A beam preempted while it waited for its group's step has no blocks; its children start afresh."""
+    pool = KVBlockPool(num_blocks=4, block_size=2)
+    assert pool.reserve("parent", 4)
+    pool.free("parent")
+    assert pool.fork("parent", "child", 4) == 0
+    assert pool.block_table("child") == [] and pool.acquire_prefix("child", [1, 2, 3]) == 0
