@@ -52,8 +52,16 @@ def _builtin_text() -> str:
     return "\n\n".join((library / name).read_text(encoding="utf-8") for name in _BUILTIN_MODULES if (library / name).is_file())
 
 
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"quantize.calibration.dataset: {path} is not UTF-8 text (byte 0x{error.object[error.start]:02x} "
+                          f"at offset {error.start}); convert it to UTF-8 (iconv -t UTF-8) or name another file") from None
+
+
 def calibration_text(dataset: str) -> str:
-    """The calibration text: ``builtin`` or a text / JSONL file (one ``{"text": …}`` object a line)."""
+    """The calibration text: ``builtin`` or a UTF-8 text / JSONL file (one ``{"text": …}`` object a line)."""
     if dataset == "builtin":
         return _builtin_text()
     path = Path(dataset)
@@ -61,7 +69,7 @@ def calibration_text(dataset: str) -> str:
         raise ConfigError(f"quantize.calibration.dataset: {dataset!r} is neither 'builtin' nor a readable file")
     if path.suffix == ".jsonl":
         texts = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(_read_utf8(path).splitlines(), 1):
             if line.strip():
                 try:
                     texts.append(str(json.loads(line)["text"]))
@@ -69,7 +77,7 @@ def calibration_text(dataset: str) -> str:
                     raise ConfigError(f"{path}:{number}: a calibration line must be a JSON object with a \"text\" "
                                       f"field ({type(error).__name__})") from error
         return "\n\n".join(texts)
-    return path.read_text(encoding="utf-8")
+    return _read_utf8(path)
 
 
 def calibration_windows(tokenizer, dataset: str, samples: int, seq_len: int) -> list[list[int]]:
@@ -222,6 +230,11 @@ def calibrate(factory, settings, float_graph, modules: list[str], hessian_module
     ``float_graph(device)`` once: the canonical graph before ``quantize``, with the checkpoint's weights."""
     calibration = settings.quantize.calibration
     dataset, samples, seq_len = str(calibration.dataset), int(calibration.samples), int(calibration.seq_len)
+    if seq_len > int(settings.max_seq_len):
+        # Longer windows hold positions the deploy never serves, past what the exported graph may accept.
+        raise ConfigError(f"quantize.calibration.seq_len={seq_len} is longer than max_seq_len={settings.max_seq_len} (the "
+                          f"longest sequence this deploy takes; the model's max_position_embeddings unless set); set "
+                          f"quantize.calibration.seq_len to {settings.max_seq_len} or less")
     if settings.weights == "random" and factory.tensors is None:
         raise ConfigError("int4_awq, int4_gptq, smoothquant and static fp8 activations calibrate on the checkpoint's "
                           "weights; with weights=random use int4_wo, int8_wo or fp8 with dynamic activations")
