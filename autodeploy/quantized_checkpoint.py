@@ -23,10 +23,12 @@ written as the model holds it, under its Hugging Face name; the tokenizer and ge
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,16 +89,16 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
         stored = {role: graph.get_parameter(target).detach().cpu() for role, target in record.targets.items()}
         tensors.update(_compressed(record.path, record.scheme, stored))
         groups.setdefault(_group_key(record.scheme), []).append(record.path)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_weights(tensors, out)
     hf_config = factory.hf_config.to_dict()
     hf_config["quantization_config"] = _quantization_config(groups)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     tokenizer = factory.load_tokenizer(settings.tokenizer)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    if (factory.source.directory / "generation_config.json").is_file():
-        shutil.copy2(factory.source.directory / "generation_config.json", out / "generation_config.json")
+    with _moved_into_place_when_complete(out) as folder:
+        _write_weights(tensors, folder)
+        (folder / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(folder))
+        if (factory.source.directory / "generation_config.json").is_file():
+            shutil.copy2(factory.source.directory / "generation_config.json", folder / "generation_config.json")
     logger.info("wrote %s: %d quantized layers (%s)", out, len(records),
                 ", ".join(f"{len(paths)} {key[0]}" for key, paths in groups.items()))
     return out
@@ -121,10 +123,38 @@ def _float_tensors(graph, records: Mapping, meta_model, dtype: torch.dtype) -> d
         value = parameter.detach().cpu()
         tensors[aliases[0].removeprefix(_GRAPH_PREFIX)] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
     try:
-        return dict(revert_weight_conversion(meta_model, tensors))
+        return {name: _owning_its_memory(tensor) for name, tensor in revert_weight_conversion(meta_model, tensors).items()}
     except Exception as error:  # a conversion transformers cannot revert: the model's own names then
         logger.warning("writing the model's own parameter names (transformers could not revert its conversions: %s)", error)
         return tensors
+
+
+def _owning_its_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a tensor that shares memory it does not cover, else the tensor: transformers reverts a MoE's
+    stacked experts to one view per expert, and safetensors refuses views."""
+    tensor = tensor.contiguous()
+    return tensor if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size() else tensor.clone()
+
+
+@contextlib.contextmanager
+def _moved_into_place_when_complete(out: Path) -> Iterator[Path]:
+    """A folder beside ``out`` to write the checkpoint into, renamed to ``out`` once it is complete and removed
+    when the writing fails: a failed or killed run leaves no partial checkpoint under ``out``, and the empty
+    ``out`` it found stays as it was (a killed run leaves its hidden ``.NAME.partial-PID`` folder beside)."""
+    out = out.resolve()  # a name to put the staging folder beside, also for "."
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        try:
+            staging.replace(out)  # atomic, over an empty folder too
+        except OSError as error:
+            raise ConfigError(f"cannot move the written checkpoint into {out} ({error.strerror}); write it to a new or "
+                              f"empty folder") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _group_key(scheme) -> tuple:
