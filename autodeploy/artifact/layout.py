@@ -28,6 +28,15 @@ TOKENIZER = "tokenizer"
 
 
 def is_saved_deployment(path: str | Path) -> bool:
-    """Whether ``path`` is a folder ``LLM.save`` wrote (it has a manifest and a graph archive)."""
+    """Whether ``path`` is a folder ``LLM.save`` wrote, whole or damaged: it holds a file only a save writes and no
+    ``config.json`` (a Hugging Face checkpoint's), so a deployment that lost a file is read as one and its loader
+    names what is missing."""
+    path = Path(path)
+    return (path.is_dir() and not (path / "config.json").exists()
+            and any((path / name).is_file() for name in (MANIFEST_FILE, GRAPH, SERVING, TUNING)))
+
+
+def is_whole_saved_deployment(path: str | Path) -> bool:
+    """Whether ``path`` has a deployment's manifest and graph archive: what a save may replace."""
     path = Path(path)
     return path.is_dir() and (path / MANIFEST_FILE).is_file() and (path / GRAPH).is_file()

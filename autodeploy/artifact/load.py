@@ -30,7 +30,7 @@ from autodeploy.runtime.llm import LLM
 
 from .graph_archive import load_program, served_graph
 from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS
-from .manifest import Manifest
+from .manifest import Manifest, incomplete
 from .rebuild import rebuild_command
 from .reload_settings import reload_settings
 from .weights_file import start_reading
@@ -120,7 +120,7 @@ def load_deployment(
         raise CheckpointError(f"{directory / SERVING} lacks its tensors' placements ({type(error).__name__}: {error}); "
                               f"save the deployment again") from error
     if not (directory / WEIGHTS).is_file():
-        raise CheckpointError(f"{directory / WEIGHTS} is missing from the saved deployment; save the deployment again")
+        raise incomplete(directory, WEIGHTS)
     # The weights are read onto their devices on background threads while the graph deserializes, and
     # hashed while the engine captures its CUDA graphs on them (values do not matter to a capture); the
     # digest is checked before the LLM is returned, so nothing is served from a file that does not match.
@@ -128,6 +128,7 @@ def load_deployment(
         reading = start_reading(directory / WEIGHTS, devices)
         try:
             program = timed("graph (torch.export.load)", load_program, (directory / GRAPH).read_bytes(), str(directory / GRAPH))
+            _check_tensors_fit_the_graph(program, placements, reading.layout(), directory / WEIGHTS)
             tensors_by_key = timed("waiting for the weights' copies", reading.tensors)
             llm = _assemble(directory, manifest, settings, program, tensors_by_key, placements, serving, tuning, timed)
             timed("waiting for the weights' digest", lambda: manifest.check_digest(directory, WEIGHTS, reading.digest()))
@@ -142,6 +143,24 @@ def load_deployment(
                 time.perf_counter() - began, ", ".join(f"{phase} {value:.2f} s" for phase, value in seconds.items()),
                 manifest.source.get("model") or "the demo model", manifest.reload_verification)
     return llm
+
+
+def _described(dtype: torch.dtype, shape) -> str:
+    return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
+
+
+def _check_tensors_fit_the_graph(program, placements: Mapping[str, Any], layout: Mapping[str, tuple], path: Path) -> None:
+    """Each tensor has the dtype and shape of the graph input it fills, as the weights file's header gives them: a
+    header edited with its digest fixed up would otherwise fail the first op that reads the tensor."""
+    for node in program.graph.nodes:
+        entry, expected = placements.get(node.name) if node.op == "placeholder" else None, node.meta.get("val")
+        if entry is None or not isinstance(expected, torch.Tensor):
+            continue
+        dtype, shape = layout[entry["key"]]
+        if dtype != expected.dtype or tuple(shape) != tuple(expected.shape):
+            raise CheckpointError(f"{path} holds {entry['key']} as {_described(dtype, shape)}, but the graph takes "
+                                  f"{_described(expected.dtype, expected.shape)}; the file was edited since it was saved, or "
+                                  f"does not belong to this graph: save the deployment again")
 
 
 def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by_key, placements, serving, tuning, timed) -> LLM:

@@ -73,6 +73,12 @@ def file_digest(path: Path) -> str:
             return digest_of_chunks(list(pool.map(chunk_sha256, range(0, os.path.getsize(path), DIGEST_CHUNK))))
 
 
+def incomplete(directory: Path, name: str) -> CheckpointError:
+    """The error for a saved deployment that lacks the file ``name`` (a save writes every file or none)."""
+    return CheckpointError(f"{Path(directory) / name} is missing: the saved deployment in {directory} is incomplete (copied in "
+                           f"part, or a file was removed since the save); save the deployment again")
+
+
 def digest_of_chunks(chunk_sha256s: list[bytes]) -> str:
     """:func:`file_digest` from the sha256s of the file's ``DIGEST_CHUNK``-byte chunks, in order (a reader
     that hashes each chunk as it reads it, ``weights_file.load_tensors``, needs no second pass)."""
@@ -106,6 +112,8 @@ class Manifest:
         path = Path(directory) / MANIFEST_FILE
         try:
             fields = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise incomplete(directory, MANIFEST_FILE) from None
         except OSError as error:
             raise CheckpointError(f"{directory} has no readable {MANIFEST_FILE} ({error.strerror}); save the deployment again") from error
         except ValueError as error:
@@ -146,7 +154,7 @@ class Manifest:
             if not path.resolve().is_relative_to(Path(directory).resolve()):
                 raise CheckpointError(f"{directory / MANIFEST_FILE} lists {name!r}, which is outside the deployment folder")
             if not path.is_file():
-                raise CheckpointError(f"{path} is missing from the saved deployment; save the deployment again")
+                raise incomplete(directory, name)
             self.check_digest(directory, name, file_digest(path))
 
     def check_digest(self, directory: Path, name: str, digest: str) -> None:

@@ -23,7 +23,7 @@ from autodeploy.config import settings_to_yaml
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import ConfigError
 
-from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS, is_saved_deployment
+from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS, is_whole_saved_deployment
 from .graph_archive import export_served_graph
 from .manifest import Manifest, device_kind, package_versions, file_digest
 from .weights_file import save_tensors
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 def check_save_destination(directory: Path) -> None:
     """``ConfigError`` unless ``directory`` may receive a deployment (new, empty, or an earlier deployment)."""
-    if directory.exists() and (not directory.is_dir() or (any(directory.iterdir()) and not is_saved_deployment(directory))):
+    if directory.exists() and (not directory.is_dir() or (any(directory.iterdir()) and not is_whole_saved_deployment(directory))):
         raise ConfigError(f"{directory} exists and is not a saved deployment; save to a new or empty folder")
 
 

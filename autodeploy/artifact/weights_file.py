@@ -65,7 +65,8 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> dict[str, s
 
 class WeightsRead:
     """The deployment's tensors being read (:func:`start_reading`): ``tensors()`` waits for their copies,
-    ``digest()`` for the file's digest (:func:`manifest.file_digest`'s). ``close()`` waits for the threads."""
+    ``digest()`` for the file's digest (:func:`manifest.file_digest`'s); ``layout()`` waits for nothing.
+    ``close()`` waits for the threads."""
 
     def __init__(self, pool: ThreadPoolExecutor, reader: _ChunkReader, copies: list[Future], hashes: list[Future]):
         self._pool, self._reader, self._copies, self._hashes = pool, reader, copies, hashes
@@ -77,6 +78,10 @@ class WeightsRead:
 
     def digest(self) -> str:
         return manifest.digest_of_chunks([chunk.result() for chunk in self._hashes])
+
+    def layout(self) -> dict[str, tuple[torch.dtype, torch.Size]]:
+        """Each key's dtype and shape as the file's header gives them, known before the copies end."""
+        return {key: (tensor.dtype, tensor.shape) for key, tensor in self._reader.tensors.items()}
 
     def close(self) -> None:
         for future in (*self._copies, *self._hashes):
