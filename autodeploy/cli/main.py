@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import platform
+import socket
 import sys
 import time
 from importlib import metadata
@@ -312,6 +313,21 @@ def _generate(llm, args) -> None:
     print(f"--- {generated} tokens in {seconds:.2f}s on {llm.settings.device} ({llm.settings.dtype})", file=sys.stderr)
 
 
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for uvicorn to serve on, before a build that may take minutes; not listening
+    yet, so a client is refused rather than kept waiting while the engine builds."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a TCP port (0 to 65535)")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)  # uvicorn's choice of family
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({error.strerror}); choose another --port or --host") from None
+    return sock
+
+
 def _serve(args) -> None:
     from pathlib import Path
 
@@ -329,14 +345,19 @@ def _serve(args) -> None:
             chat_template = Path(args.chat_template).read_text()
         except OSError as error:
             raise ConfigError(f"--chat-template: cannot read {args.chat_template}: {error.strerror}") from None
+    sock = _bound_socket(args.host, args.port)
     from autodeploy import autodeploy
 
-    llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
+    try:
+        llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
+    except BaseException:
+        sock.close()
+        raise
     name = args.served_model_name or args.model or "autodeploy-demo"
     options = ServerOptions(served_model_name=name, api_key=args.api_key, chat_template=chat_template,
                             max_queued_requests=args.max_queued_requests, tool_call_format=args.tool_call_format,
                             stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser)
-    run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info")
+    run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info", sock=sock)
 
 
 def _build(args) -> None:

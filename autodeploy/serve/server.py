@@ -5,18 +5,30 @@ for benchmarks and tests that drive the server from the same program)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.main import STARTUP_FAILURE
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``app`` on ``host:port`` (loopback by default: pass ``host="0.0.0.0"`` to accept other machines)."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               sock: socket.socket | None = None) -> None:
+    """Serve ``app`` on ``host:port`` (loopback by default: pass ``host="0.0.0.0"`` to accept other machines), or on
+    ``sock``, a socket already bound there (``autodeploy serve`` binds it before its build, so a taken port fails first)."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    if sock is not None:  # uvicorn announces only an address it binds itself
+        logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                                f"[{host}]" if ":" in host else host, sock.getsockname()[1])
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C stops the server, as under uvicorn.run
+        server.run(sockets=None if sock is None else [sock])
+    if not server.started:  # uvicorn logged why; its exit code, as uvicorn.run's
+        sys.exit(STARTUP_FAILURE)
 
 
 @contextlib.contextmanager
