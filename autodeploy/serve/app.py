@@ -37,8 +37,10 @@ from autodeploy.runtime.reasoning import CONTENT, REASONING, ReasoningParser, op
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar, tool_specs
 from autodeploy.serve.metrics import ServerMetrics
+from autodeploy.serve.model_info import add_model_info_routes
 from autodeploy.serve.openai_errors import APIError, error_body, install_error_handlers, invalid_request
 from autodeploy.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from autodeploy.serve.responses import add_responses_routes
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +171,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
             raise APIError(400, f"tokens outside the vocabulary [0, {engine.vocab_size}): {outside[:4]}", param="tokens")
         return {"prompt": llm.tokenizer.decode(body.tokens)}
 
+    add_model_info_routes(app, server, list_models=models)
+    add_responses_routes(app, server, chat=chat_completions)  # a response is the chat path's answer, rewritten
     return app
 
 
