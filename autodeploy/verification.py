@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import warnings
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -239,6 +240,14 @@ def first_diverging_module(engine: Engine, reference: nn.Module, token_ids: list
     return None
 
 
+def _copied_graph(graph: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of ``graph``. The copy rebuilds the pytree specs of the graph's calling convention, and torch
+    warns that its own ``LeafSpec`` is deprecated whenever one is built: that warning alone is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+        return copy.deepcopy(graph)
+
+
 def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None) -> tuple[nn.Module, VerificationReport]:
     """Build the model with ``pipeline``, verifying its twin first; returns (graph, report).
 
@@ -265,7 +274,7 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         began += time.perf_counter() - prefix_began  # the real build's share, not verification's
         twin_context = TransformContext(twin_settings, dataclasses.replace(factory, tensors=tensors), context.graph_inputs,
                                         context.kv_caches, state=dict(context.state))
-        twin_graph = twin_pipeline.run(twin_context, copy.deepcopy(prefix), start=weights_at)
+        twin_graph = twin_pipeline.run(twin_context, _copied_graph(prefix), start=weights_at)
         match_notes = _match_notes(pipeline.records)
     else:
         twin_factory = ModelFactory(factory.source, twin.config, factory.trust_remote_code, tensors=tensors)
