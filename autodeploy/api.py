@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_de
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
 from autodeploy.errors import AutoDeployError
-from autodeploy.distributed import check_parallelism, init_distributed, should_spawn, spawn_workers
+from autodeploy.distributed import check_no_live_deployment, check_parallelism, init_distributed, should_spawn, spawn_workers
 from autodeploy.models.checkpoint import CheckpointReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
@@ -77,8 +78,9 @@ def autodeploy(
 
     ``tensor_parallel`` / ``pipeline_parallel`` / ``expert_parallel`` (the ``distributed`` settings) over
     more than one rank: in a plain process, the other ranks are spawned here as worker processes and the
-    returned ``LLM`` drives them all (``LLM.shutdown()`` stops them); under ``torchrun`` every process
-    calls this alike (``autodeploy/distributed.py``).
+    returned ``LLM`` drives them all (``LLM.shutdown()``, or its garbage collection, stops them; until then a
+    second deployment over several ranks in this process is a ``ConfigError``, a one-process one is not); under
+    ``torchrun`` every process calls this alike (``autodeploy/distributed.py``).
 
     >>> from autodeploy import autodeploy, SamplingParams
     >>> llm = autodeploy()
@@ -92,6 +94,7 @@ def autodeploy(
         return _serve_saved(Path(model), config, set_arguments, overrides)
     settings, factory = deployment_settings(model, config, set_arguments, **overrides)
     check_parallelism(settings, factory.hf_config)
+    check_no_live_deployment(settings)
     if should_spawn(settings):
         workers, store = spawn_workers(settings, model, config, set_arguments, overrides)
         try:
@@ -124,6 +127,8 @@ def _build(settings, factory: ModelFactory, store=None, workers=None) -> LLM:
     llm = LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records, context.kv_caches,
               str(factory.source.directory), verification, context.decode_graph_batch_sizes, context.prefill_graph_token_sizes)
     llm.workers = workers
+    if workers is not None:
+        weakref.finalize(llm, workers.stop)  # a dropped LLM's workers leave, and so does this process's group
     if llm.can_serve:
         llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward: its errors belong to the build)
     return llm

@@ -6,8 +6,11 @@ machine, or launched by ``torchrun`` (on one machine or several).
   Its ``LLM`` is the only front end: every engine step, every whole-prompt forward and every engine
   (re)build is first sent to the workers (:class:`Workers`, the engine's ``peers``), which run the same
   thing over their own slices, so the collectives pair up. A worker that dies or stops answering turns
-  the next (or the running) step into a ``WorkerError`` naming it; ``LLM.shutdown()`` and interpreter exit
-  stop them all.
+  the next (or the running) step into a ``WorkerError`` naming it; ``LLM.shutdown()``, the ``LLM``'s garbage
+  collection and interpreter exit stop them all. The process group is the process's one (torch.distributed
+  has one default group a process, and the collective ops read it), so a process drives one spawned
+  deployment at a time: :func:`check_no_live_deployment` refuses a second until the first is shut down;
+  one-process deployments serve beside it.
 - **torchrun**: ``autodeploy(model, tensor_parallel=N)`` in each of ``torchrun --nproc-per-node N``'s
   processes; :func:`init_distributed` joins them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK
   picks the GPU), and the processes call ``generate`` alike (the same script).
@@ -19,6 +22,7 @@ after the last collective are the same bits on every rank, so every rank samples
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import subprocess
@@ -33,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from autodeploy.custom_ops import parallel_state
+from autodeploy.custom_ops.parallel_state import Layout
 from autodeploy.errors import ConfigError, InvalidRequestError, WorkerError, error_summary
 
 logger = logging.getLogger(__name__)
@@ -43,8 +48,7 @@ _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 def world_size(settings) -> int:
     """The processes ``settings.distributed`` asks for: ``pipeline_parallel`` stages of
     ``max(tensor_parallel, expert_parallel)`` ranks."""
-    distributed = settings.distributed
-    return max(int(distributed.tensor_parallel), int(distributed.expert_parallel)) * int(distributed.pipeline_parallel)
+    return Layout.requested(settings.distributed).world_size
 
 
 def _parallelism(settings) -> str:
@@ -150,6 +154,24 @@ _ADDRESS, _KEY = "AUTODEPLOY_WORKER_ADDRESS", "AUTODEPLOY_WORKER_KEY"
 _STOP_WAIT_S = 10.0  # how long a stopped worker may take to leave before it is killed
 
 
+_live: Workers | None = None  # the spawned deployment whose process group this process holds
+
+
+def check_no_live_deployment(settings) -> None:
+    """A ``ConfigError``, before any process starts, when ``settings`` ask for several ranks while this process
+    drives a spawned deployment: the new ranks' collectives would pair with the live deployment's workers,
+    which wait for a command, and hang."""
+    if world_size(settings) == 1 or _live is None:
+        return
+    gc.collect()  # an LLM dropped inside a reference cycle stops its workers only when the cycle is collected
+    if _live is not None:
+        raise ConfigError(
+            f"this process already drives a deployment of {_live.deployment} over several ranks, and a process holds "
+            f"one at a time (its process group is the process's): call shutdown() on that deployment's LLM "
+            f"(`llm.shutdown()`) before deploying another over several ranks, or deploy this one in another process "
+            f"(one-process deployments work beside it)")
+
+
 def should_spawn(settings) -> bool:
     """Whether this plain process (no torchrun, no process group) must start the other ranks itself."""
     return world_size(settings) > 1 and not dist.is_initialized() and "RANK" not in os.environ
@@ -171,7 +193,8 @@ def spawn_workers(settings, model, config, set_arguments, overrides) -> tuple[Wo
         processes.append(subprocess.Popen(
             [sys.executable, "-c", "from autodeploy.distributed import worker_main; worker_main()"],
             env=env, stdout=subprocess.DEVNULL))
-    workers = Workers(processes, float(settings.distributed.timeout_s))
+    global _live
+    workers = _live = Workers(processes, float(settings.distributed.timeout_s), f"{settings.model} with {_parallelism(settings)}")
     try:
         workers.connect(listener, (model, config, list(set_arguments), overrides))
     except BaseException:
@@ -190,9 +213,10 @@ class Workers:
     worker that exited, or a collective that failed or timed out, marks the deployment failed with a
     ``WorkerError`` naming the rank; the other workers are then stopped (they would wait in collectives)."""
 
-    def __init__(self, processes: list[subprocess.Popen], timeout_s: float):
+    def __init__(self, processes: list[subprocess.Popen], timeout_s: float, deployment: str):
         self.processes = processes
         self.timeout_s = timeout_s
+        self.deployment = deployment  # the model and its parallelism, as errors name it
         self.connections: list[Connection] = []
         self.messages: dict[int, str] = {}  # rank → the error a worker reported before it exited
         self._failed: WorkerError | None = None
@@ -299,12 +323,14 @@ class Workers:
 
     def _give_up(self, what: str) -> WorkerError:
         """Mark the deployment failed and stop the workers still running (they would wait in collectives)."""
-        self._failed = WorkerError(f"{what}; the deployment cannot serve any more: deploy it again")
+        self._failed = WorkerError(f"{what}; the deployment cannot serve any more: shut it down (llm.shutdown()) "
+                                   f"and deploy it again")
         self._terminate()
         return self._failed
 
     def stop(self) -> None:
         """Tell the workers to leave, wait for them (killing any that do not leave), and leave the group."""
+        global _live
         if self._stopped:
             return
         self._stopped = True
@@ -320,6 +346,8 @@ class Workers:
         for connection in self.connections:
             connection.close()
         _leave()
+        if _live is self:
+            _live = None
 
     def _terminate(self) -> None:
         for process in self.processes:

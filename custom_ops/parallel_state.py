@@ -7,7 +7,9 @@ over them when ``expert_parallel`` does (each of the two is 1 or the stage size)
 to the next stage's rank of the same place (``pipeline_peer``).
 
 :func:`configure` is called on every rank, in the same order, once the default process group is up
-(``autodeploy/distributed.py``); before it, and in a single process, every rank is 0 of 1.
+(``autodeploy/distributed.py``); before it, and in a single process, every rank is 0 of 1. The collectives
+read this state and the default group when they run, so both belong to the process: it serves one
+deployment over several ranks at a time (``autodeploy/distributed.py`` refuses a second one).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ class Layout:
     expert_parallel: int = 1
     pipeline_parallel: int = 1
     rank: int = 0  # in the default group
+
+    @classmethod
+    def requested(cls, distributed) -> Layout:
+        """The layout that ``settings.distributed`` asks for, seen from rank 0."""
+        return cls(int(distributed.tensor_parallel), int(distributed.expert_parallel), int(distributed.pipeline_parallel))
 
     @property
     def stage_size(self) -> int:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from autodeploy.custom_ops.parallel_state import Layout
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
@@ -106,9 +107,11 @@ def _request_fields(request: Request) -> tuple:
             request.seed, request.priority, request.arrival_time)
 
 
-def _agreed_num_blocks(num_blocks: int, device: torch.device) -> int:
-    """The fewest KV blocks any rank can hold: every rank plans the same steps, so every pool has one size."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+def _agreed_num_blocks(num_blocks: int, device: torch.device, ranks: int) -> int:
+    """The fewest KV blocks any of the deployment's ``ranks`` can hold: every rank plans the same steps, so
+    every pool has one size. One rank agrees with nobody, even where this process's group is another
+    deployment's (a one-process deployment beside a distributed one)."""
+    if ranks == 1 or not (dist.is_available() and dist.is_initialized()):
         return num_blocks
     fewest = torch.tensor([num_blocks], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
@@ -169,7 +172,7 @@ class Engine:
             kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, warm_up,
             graph_tokens=graph_sizes[-1] if graph_sizes else 0,
         )
-        num_blocks = _agreed_num_blocks(num_blocks, self.device)
+        num_blocks = _agreed_num_blocks(num_blocks, self.device, Layout.requested(settings.distributed).world_size)
         if not warmed_up and check_logits:  # only GPU pool sizing needs the full budget; every device checks the logits
             self._warm_up(kv_caches, min(_LOGITS_CHECK_TOKENS, self.max_num_tokens, self.max_seq_len))
         phase_done("warm-up")

@@ -130,8 +130,10 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the worker processes of a deployment over several ranks (``autodeploy(model,
-        tensor_parallel=2)``) and free the KV cache; later requests raise ``InvalidRequestError``. Also done
-        when the interpreter exits. A single-process deployment only frees its KV cache."""
+        tensor_parallel=2)``), leave its process group and free the KV cache; later requests raise
+        ``InvalidRequestError``, and this process can deploy over several ranks again. Also done when the
+        ``LLM`` is garbage-collected and when the interpreter exits. A single-process deployment only frees
+        its KV cache."""
         self._shut_down = True
         if self.workers is not None:
             self.workers.stop()

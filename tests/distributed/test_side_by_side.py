@@ -1,0 +1,111 @@
+"""A second deployment in a process that drives a spawned distributed one (``autodeploy(model,
+tensor_parallel=2)``, kept): a one-process deployment serves beside it; a second distributed one is a
+``ConfigError`` at once, before any process starts, naming the live one and ``shutdown()``; after
+``shutdown()``, or once the live ``LLM`` is garbage-collected, the next distributed deployment works.
+
+Each flow runs in a fresh interpreter with a low ``distributed.timeout_s`` and a ``timeout=``, so a collective
+that waits on the wrong world fails the test instead of hanging it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Prints the JSON of the flow's `result` on the last line; `directory` and `moe_directory` are its arguments.
+PRELUDE = """
+import gc, json, sys
+import autodeploy.api as api
+from autodeploy import SamplingParams, autodeploy
+from autodeploy.errors import ConfigError
+
+directory, moe_directory = sys.argv[1:3]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4]]
+WORLD = {"timeout_s": 120}
+
+def tokens(llm):
+    return [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, GREEDY)]
+"""
+
+ONE_PROCESS_BESIDE = """
+distributed = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
+single = autodeploy(directory, device="cpu")
+result = {"single": tokens(single), "distributed": tokens(distributed)}
+distributed.shutdown()
+"""
+
+SECOND_WORLD_REFUSED = """
+def no_spawn(*args, **kwargs):
+    raise AssertionError("a second deployment's workers were spawned")
+
+llm = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
+first = tokens(llm)
+spawn, api.spawn_workers = api.spawn_workers, no_spawn
+refusals = []
+for model, parallelism in ((directory, {"pipeline_parallel": 2}), (moe_directory, {"expert_parallel": 2}),
+                           (directory, {"tensor_parallel": 2})):
+    try:
+        autodeploy(model, device="cpu", distributed=WORLD, **parallelism)
+    except ConfigError as error:
+        refusals.append(str(error))
+unchanged = tokens(llm)  # the refusals touched nothing of the live deployment
+llm.shutdown()
+api.spawn_workers = spawn
+staged = autodeploy(directory, device="cpu", pipeline_parallel=2, distributed=WORLD)
+result = {"first": first, "unchanged": unchanged, "refusals": refusals, "after_shutdown": tokens(staged)}
+staged.shutdown()
+"""
+
+DROPPED_WITHOUT_SHUTDOWN = """
+import torch.distributed as dist
+
+llm = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
+first = tokens(llm)
+(worker,) = llm.workers.processes
+del llm
+gc.collect()
+code = worker.poll()  # None while it runs: stopping is synchronous, so it has exited by now
+left = not dist.is_initialized()
+again = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
+result = {"first": first, "worker_exit": code, "group_left": left, "again": tokens(again)}
+again.shutdown()
+"""
+
+
+def _run_flow(flow: str, *directories) -> dict:
+    # Generous for a loaded machine (two or three small builds); a hang on the wrong world would take the
+    # flow's collectives 120 s each before failing, and then it exits non-zero.
+    run = subprocess.run([sys.executable, "-c", PRELUDE + flow + "\nprint(json.dumps(result))", *map(str, directories)],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def directories(tiny_checkpoint) -> tuple[str, str]:
+    return str(tiny_checkpoint("llama")), str(tiny_checkpoint("mixtral"))
+
+
+def test_a_one_process_deployment_serves_beside_a_live_distributed_one(directories):
+    result = _run_flow(ONE_PROCESS_BESIDE, *directories)
+    assert result["single"] == result["distributed"]  # both serve, and tensor parallelism is exact on the CPU
+
+
+def test_a_second_distributed_deployment_is_refused_at_once_and_works_after_shutdown(directories):
+    result = _run_flow(SECOND_WORLD_REFUSED, *directories)
+    assert len(result["refusals"]) == 3
+    for refusal in result["refusals"]:
+        assert f"{directories[0]} with tensor_parallel=2" in refusal  # names the live deployment
+        assert "shutdown()" in refusal
+    assert result["unchanged"] == result["first"]
+    assert result["after_shutdown"] == result["first"]  # pipeline parallel, exact as well
+
+
+def test_a_distributed_llm_dropped_without_shutdown_takes_its_workers_and_group_with_it(directories):
+    result = _run_flow(DROPPED_WITHOUT_SHUTDOWN, *directories)
+    assert result["worker_exit"] is not None and result["group_left"]
+    assert result["again"] == result["first"]
