@@ -7,7 +7,10 @@ and ITL pools the gaps between events.
 
 - TTFT (time to first token) = ``t_1 − a``
 - E2E latency = ``t_n − a``
-- TPOT (time per output token, after the first) = ``(t_n − t_1) / (n − 1)``, for ``n > 1``
+- TPOT (time per output token, after the first) = ``(t_n − t_1) / (n − 1)``, for ``n > 1`` and ``t_n > t_1``: a
+  request whose tokens all arrived at once (over HTTP, one event carrying them all, which a server whose loop falls
+  behind its engine sends) showed no time between tokens, so it has no TPOT, as a one-token request has none; its
+  time is in its TTFT and E2E, and the run's TPOT is over the other requests (none when no request has one)
 - ITL (inter-token latency) = every gap ``t_{i+1} − t_i``, pooled over requests
 
 Distributions are reported as mean, p50, p90, p99 (linear interpolation between order statistics).
@@ -41,8 +44,8 @@ class RequestTiming:
 
     @property
     def tpot(self) -> float | None:
-        n = self.output_len
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+        n, span = self.output_len, self.token_times[-1] - self.token_times[0]
+        return span / (n - 1) if n > 1 and span > 0 else None
 
     @property
     def inter_token_latencies(self) -> list[float]:
