@@ -75,6 +75,7 @@ def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 
 
     arrivals: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
+    finished = False
     try:
         client.start_stream(callback=lambda result, error: arrivals.put((result, error, time.perf_counter())))
         outputs = [grpcclient.InferRequestedOutput(spec.name) for spec in (TEXT_OUTPUT, FINISH_REASON, SEQUENCE_INDEX)]
@@ -90,7 +91,11 @@ def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 
                 yield StreamPiece(text[0].decode(), arrived, reason[0].decode() if reason is not None else "",
                                   int(index[0]) if index is not None else 0)
             if result.get_response().parameters["triton_final_response"].bool_param:
+                finished = True
                 return
     finally:
-        client.stop_stream(cancel_requests=True)
+        # Cancel only a request still running (the caller stopped reading): Triton 2.51's gRPC frontend can
+        # leak a stream cancelled just after its final response, and the model the leaked request names is
+        # then never unloaded, so the server's shutdown waits out its exit timeout (notes/triton.md).
+        client.stop_stream(cancel_requests=not finished)
         client.close()
