@@ -15,6 +15,8 @@ import torch
 import autodeploy.quantized_checkpoint as quantized_checkpoint
 from autodeploy import autodeploy
 from autodeploy.quantized_checkpoint import quantize_checkpoint
+from tests.patterns.tiny_family_configs_moe import tiny_moe_model
+from tests.tiny_models import train_tiny_tokenizer
 
 PROMPTS = [[3, 4, 5, 6, 7], list(range(40, 70))]
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -33,6 +35,19 @@ def test_a_moe_checkpoint_is_written_and_serves_the_logits_of_the_deploy_that_qu
         assert torch.equal(got, want)
     notes = next(r for r in served.records if r.name == "quantize_linear").notes
     assert notes.startswith("9 int4_wo as the checkpoint's compressed-tensors")  # 2 layers × q, k, v, o and the LM head
+
+
+def test_a_one_row_gate_reloads_from_its_packed_zero_points(tmp_path):
+    # Qwen2-MoE's shared-expert gate has one output: its int4 zero points pack into one int32 row, which
+    # compressed-tensors' own unpacking cannot read back.
+    checkpoint = tmp_path / "qwen2-moe"
+    tiny_moe_model("qwen2_moe").save_pretrained(checkpoint)
+    train_tiny_tokenizer(checkpoint)
+    settings = {"default": "int4_wo", "int4_group_size": 16}
+    out = quantize_checkpoint(str(checkpoint), tmp_path / "qwen2-moe-int4", device="cpu", quantize=settings)
+    here = autodeploy(str(checkpoint), device="cpu", quantize=settings)
+    for got, want in zip(autodeploy(str(out), device="cpu").logits(PROMPTS), here.logits(PROMPTS)):
+        assert torch.equal(got, want)
 
 
 def test_a_failed_run_leaves_the_empty_folder_it_found_and_nothing_beside_it(tiny_checkpoint, tmp_path, monkeypatch):

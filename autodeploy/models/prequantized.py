@@ -154,7 +154,9 @@ def _packed_int4(layer: _Layer) -> dict[str, torch.Tensor]:
     scale = layer.tensor("weight_scale", _FLOAT_SCALES, ((rows, layer.groups),))
     if "weight_zero_point" in layer.tensors:  # asymmetric: zero points packed along the output dim
         zero_points = layer.tensor("weight_zero_point", (torch.int32,), ((-(-rows // 8), layer.groups),))
-        zero = unpack_from_int32(zero_points, 4, torch.Size((rows, layer.groups)), packed_dim=0).to(torch.int16) + 8
+        # Unpacked here: compressed-tensors' unpack_from_int32 cannot read one packed row (a gate of fewer than 9
+        # outputs, as Qwen2-MoE's shared-expert gate), whose transpose it cannot view as bytes. Nibbles hold value + 8.
+        zero = _nibbles(zero_points).transpose(1, 2).reshape(-1, layer.groups)[:rows].to(torch.int16)
     else:
         zero = torch.full((rows, layer.groups), 8, dtype=torch.int16)
     return {"qweight": pack_int4((signed.to(torch.int16) + 8).to(torch.uint8)), "scale": scale.to(torch.float32),
