@@ -14,8 +14,12 @@ are packed and the config built with the ``compressed-tensors`` package:
 | ``int4_wo``, ``int4_gptq`` | pack-quantized; weights int4 per group, asymmetric | ``weight_packed``, ``weight_scale``, ``weight_zero_point``, ``weight_shape`` |
 
 ``int4_awq`` and ``smoothquant`` are refused before any work: their per-input smoothing has no field in
-the format. Every other parameter is
+the format; so is ``quantize.experts`` other than ``none``. A MoE model's dense layers (attention, shared
+experts, gates the quantize stage takes) are written under their schemes, its experts as the model holds them.
+Every other parameter is
 written as the model holds it, under its Hugging Face name; the tokenizer and generation config are copied.
+The folder is written beside ``DIR`` and renamed to it when complete: a run that fails or is killed leaves
+no partial checkpoint there.
 
     quantize_checkpoint("path/to/llama", "llama-int4", quantize={"default": "int4_gptq"})
     llm = autodeploy("llama-int4")      # int4_wo layers, nothing recalibrated
