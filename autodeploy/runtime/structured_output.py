@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import torch
 
@@ -43,8 +44,46 @@ def _compiler_message(error: Exception) -> str:
     return _CPP_PREFIX.sub("", " ".join(str(error).split()))
 
 
+# Keywords whose values are data (a "$ref" in them is a value, not a reference), and those that map names to
+# schemas (a property may be called "const" or "$ref").
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _outside_refs(schema) -> Iterator[str]:
+    """The ``$ref`` / ``$dynamicRef`` values of a schema (or a structural tag holding schemas) that do not point
+    into the document itself (``#…``): URLs, files, other documents."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _outside_refs(item)
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in ("$ref", "$dynamicRef") and isinstance(value, str):
+            if not value.startswith("#"):
+                yield value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            for named in value.values():
+                yield from _outside_refs(named)
+        elif key not in _DATA_KEYWORDS:
+            yield from _outside_refs(value)
+
+
+def _check_refs_inside(what: str, schema: dict | str) -> None:
+    """Refuse a schema that refers outside itself: nothing is ever fetched, and xgrammar, finding no such
+    definition, would constrain the output to something else than asked."""
+    try:
+        ref = next(_outside_refs(json.loads(schema) if isinstance(schema, str) else schema), None)
+    except ValueError:  # not JSON: the compiler says so
+        return
+    if ref is not None:
+        raise InvalidRequestError(f"{what} refers outside itself: $ref {ref!r} (only refs into the schema, such as "
+                                  '"#/$defs/name", are followed, and nothing is fetched); put the referenced schema under $defs')
+
+
 def check_json_schema(schema: dict | str) -> None:
-    """Raise ``InvalidRequestError`` with xgrammar's message unless ``schema`` converts to a grammar.
+    """Raise ``InvalidRequestError`` with xgrammar's message unless ``schema`` converts to a grammar, or naming
+    a ``$ref`` that points outside the schema.
 
     >>> check_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
     >>> check_json_schema({"type": "nonsense"})
@@ -52,6 +91,7 @@ def check_json_schema(schema: dict | str) -> None:
     ...
     autodeploy.errors.InvalidRequestError: json_schema is not a JSON Schema that can be enforced: Unsupported type "nonsense"
     """
+    _check_refs_inside("json_schema", schema)
     try:
         _xgrammar().Grammar.from_json_schema(schema, any_whitespace=False)
     except InvalidRequestError:
@@ -63,6 +103,7 @@ def check_json_schema(schema: dict | str) -> None:
 def check_structural_tag(tag: dict | str) -> None:
     """Raise ``InvalidRequestError`` with xgrammar's message unless ``tag`` (xgrammar's structural tag
     format, as a dict or its JSON text) converts to a grammar."""
+    _check_refs_inside("structural_tag", tag)
     try:
         _xgrammar().Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
     except InvalidRequestError:
