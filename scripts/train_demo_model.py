@@ -12,7 +12,8 @@ Steps, top to bottom:
   3. tokenize, joining files with ``<|endoftext|>`` (which is also bos/eos/pad)
   4. train with AdamW, linear warmup + cosine decay over the first bound reached (steps, epochs, wall
      time), bf16 autocast on CUDA; the weights with the best held-out loss are the ones saved
-  5. save model (bf16, shards of <= 10 MB) and tokenizer, then print greedy samples
+  5. save model (bf16, shards of <= 10 MB) and tokenizer (with the chat template, ``CHAT_TEMPLATE``), then print
+     greedy samples
 
 The stdlib is only ~8M tokens, so data, not compute, bounds quality: past ~10 epochs the held-out loss
 rises. Debian/Ubuntu Pythons ship the stdlib without its test suite (a third of the text is left); point
@@ -42,6 +43,54 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 END_OF_TEXT = "<|endoftext|>"
+# Saved with the tokenizer (chat_template.jinja) so that chat clients work with the demo out of the box; the
+# model never saw a chat, and writes Python whatever it is asked.
+CHAT_TEMPLATE = r"""{#- tiny-code-llama's chat: <|role|> turns, each ended by the end-of-text token the model stops at. Tools are
+    described in the system turn and called in Hermes tags, the format autodeploy's tool-call parser reads. -#}
+{{- bos_token }}
+{%- set system = messages[0] if messages and messages[0].role in ('system', 'developer') else none %}
+{%- if system or tools %}
+    {{- '<|system|>\n' }}
+    {%- if system %}
+        {{- system.content }}
+        {%- if tools %}
+            {{- '\n\n' }}
+        {%- endif %}
+    {%- endif %}
+    {%- if tools %}
+        {{- 'You may call these functions (JSON Schema):\n<tools>\n' }}
+        {%- for tool in tools %}
+            {{- tool | tojson }}
+            {{- '\n' }}
+        {%- endfor %}
+        {{- '</tools>\nTo call one, write:\n<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>' }}
+    {%- endif %}
+    {{- eos_token + '\n' }}
+{%- endif %}
+{%- for message in (messages[1:] if system else messages) %}
+    {%- if message.role == 'tool' %}
+        {{- '<|tool|>\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+    {%- else %}
+        {{- '<|' + ('system' if message.role == 'developer' else message.role) + '|>\n' }}
+        {%- if message.content %}
+            {{- message.content }}
+        {%- endif %}
+        {%- for call in message.tool_calls or [] %}
+            {%- if message.content or not loop.first %}
+                {{- '\n' }}
+            {%- endif %}
+            {%- set arguments = call.function.arguments %}
+            {{- '<tool_call>\n{"name": ' + call.function.name | tojson + ', "arguments": ' }}
+            {{- arguments if arguments is string else arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+    {%- endif %}
+    {{- eos_token + '\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|assistant|>\n' }}
+{%- endif %}
+"""
 SAMPLE_PROMPTS = ("def fibonacci(n):", "import os")
 # Files above this size are data tables or generated text (pydoc topics, unicode tables), not code.
 MAX_FILE_BYTES = 400_000
@@ -126,6 +175,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         unk_token=None,
         model_max_length=1024,
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
