@@ -92,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", default=None, help="as for run (default: the embedded demo model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; 0.0.0.0 accepts other machines)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API's routes (/v1/*, /tokenize, "
+                                                      "/detokenize, /tokenizer_info)")
+    serve.add_argument("--api-key-scope", default="api", choices=("api", "all"),
+                       help="what --api-key guards: the API's routes (api: /health, /metrics and /docs stay open), or every "
+                            "route but /health (all)")
     serve.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the tokenizer's")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL as given)")
     serve.add_argument("--tool-call-format", default="auto", choices=("auto", "hermes", "json"),
@@ -339,6 +343,8 @@ def _serve(args) -> None:
         raise ConfigError(f"--max-queued-requests must be ≥ 1, got {args.max_queued_requests}")
     if args.stream_interval < 1:  # before a build that may take minutes
         raise ConfigError(f"--stream-interval must be ≥ 1, got {args.stream_interval}")
+    if args.api_key_scope == "all" and args.api_key is None:
+        raise ConfigError("--api-key-scope all needs --api-key KEY")
     chat_template = None
     if args.chat_template is not None:
         try:
@@ -354,7 +360,7 @@ def _serve(args) -> None:
         sock.close()
         raise
     name = args.served_model_name or args.model or "autodeploy-demo"
-    options = ServerOptions(served_model_name=name, api_key=args.api_key, chat_template=chat_template,
+    options = ServerOptions(served_model_name=name, api_key=args.api_key, api_key_scope=args.api_key_scope, chat_template=chat_template,
                             max_queued_requests=args.max_queued_requests, tool_call_format=args.tool_call_format,
                             stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser)
     run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info", sock=sock)

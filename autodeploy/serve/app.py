@@ -18,7 +18,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -35,11 +34,14 @@ from autodeploy.runtime.request import Request as EngineRequest
 from autodeploy.runtime.chat_template import render_chat, tool_call_format
 from autodeploy.runtime.reasoning import CONTENT, REASONING, ReasoningParser, opens_thinking, split_reasoning
 from autodeploy.runtime.sampling_params import SamplingParams
-from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar, tool_specs
+from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
+from autodeploy.serve.api_key import API_KEY_SCOPES, KeyOnEveryRoute, bearer_key_matches, missing_key_error
 from autodeploy.serve.metrics import ServerMetrics
 from autodeploy.serve.model_info import add_model_info_routes
 from autodeploy.serve.openai_errors import APIError, error_body, install_error_handlers, invalid_request
-from autodeploy.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from autodeploy.serve.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, echoed_prompt, legacy_function_call,
+)
 from autodeploy.serve.responses import add_responses_routes
 
 logger = logging.getLogger(__name__)
@@ -47,8 +49,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServerOptions:
-    """``served_model_name``: the id clients pass as ``model``. ``api_key``: when set, ``/v1`` routes need
-    ``Authorization: Bearer <api_key>``. ``chat_template``: Jinja text overriding the tokenizer's.
+    """``served_model_name``: the id clients pass as ``model``. ``api_key``: when set, the API's routes need
+    ``Authorization: Bearer <api_key>``; ``api_key_scope`` ``"all"`` extends that to every route but ``/health``
+    (``api_key.py``). ``chat_template``: Jinja text overriding the tokenizer's.
     ``max_queued_requests``: a request is refused (503) while this many wait for a seat in the batch.
     ``tool_call_format``: how tool calls are generated, ``"hermes"`` tags or bare ``"json"`` (``"auto"``: the
     one the chat template teaches, ``runtime/tool_calls.py``). ``stream_interval``: a stream's chunks after
@@ -59,6 +62,7 @@ class ServerOptions:
 
     served_model_name: str
     api_key: str | None = None
+    api_key_scope: str = "api"
     chat_template: str | None = None
     max_queued_requests: int = 256
     retry_after_s: int = 1
@@ -80,6 +84,10 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         raise ConfigError(str(error)) from None
     if options.reasoning_parser not in REASONING_PARSERS:
         raise ConfigError(f"the reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {options.reasoning_parser!r}")
+    if options.api_key_scope not in API_KEY_SCOPES:
+        raise ConfigError(f"api_key_scope must be one of {', '.join(API_KEY_SCOPES)}, got {options.api_key_scope!r}")
+    if options.api_key_scope == "all" and options.api_key is None:
+        raise ConfigError("api_key_scope all needs an api_key (--api-key)")
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
 
@@ -93,6 +101,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
 
     app = FastAPI(title="autodeploy", lifespan=lifespan)
     install_error_handlers(app)
+    if options.api_key_scope == "all":
+        app.add_middleware(KeyOnEveryRoute, api_key=options.api_key)
     authorized = [Depends(server.check_api_key)]
 
     @app.get("/health")
@@ -113,18 +123,19 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        prompts = _indexed(engine.tokenize, body.prompts())
+        texts = body.prompts()
+        prompts = _indexed(engine.tokenize, texts)
         samples = body.best_of or body.n
         # best_of > n: every sample scored by its log-probability, so the engine returns them
         logprobs = body.logprobs if samples == body.n or body.logprobs is not None else 0
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = body.sampling_params(max_tokens or 1, logprobs)  # max_tokens 0 (echo only): the fields still checked
         params.n = samples
-        echoes = [llm.tokenizer.decode(ids) if body.echo and llm.tokenizer is not None else "" for ids in prompts]
-        writer = _CompletionFormat(server, echoes, keep=body.n, logprobs=body.logprobs is not None)
+        echoes = [echoed_prompt(text, ids, llm.tokenizer) if body.echo else ("", 0) for text, ids in zip(texts, prompts)]
+        writer = _CompletionFormat(server, [text for text, _ in echoes], keep=body.n, logprobs=body.logprobs is not None)
         if body.echo and body.logprobs is not None:  # the prompt's own log-probabilities
-            writer.prompt_logprobs = [writer.scored_prompt(ids, await asyncio.to_thread(engine.prompt_logits, ids), body.logprobs)
-                                      for ids in prompts]
+            writer.prompt_logprobs = [writer.scored_prompt(ids, await asyncio.to_thread(engine.prompt_logits, ids), body.logprobs, first)
+                                      for ids, (_, first) in zip(prompts, echoes)]
         if max_tokens == 0:
             return JSONResponse(writer.echo_only(prompts))
         return await server.respond(request, writer, prompts, params, body.stream,
@@ -146,7 +157,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         thinking = None  # without a reasoning parser: no split
         if options.reasoning_parser == "think":
             thinking = llm.tokenizer is not None and opens_thinking(llm.tokenizer.decode(prompt[-8:]))
-        writer = _ChatFormat(server, tools if choice.mode != "none" else None, thinking)
+        writer = (_LegacyFunctionFormat if body.functions is not None else _ChatFormat)(server, tools if choice.mode != "none" else None,
+                                                                                        thinking)
         return await server.respond(request, writer, [prompt], params, body.stream,
                                     body.stream_options is not None and body.stream_options.include_usage)
 
@@ -155,7 +167,7 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         server.check_model(body.model)
         body.check_supported()
         if body.messages is not None:
-            tools = tool_specs(body.tools) if body.tools else None
+            tools = body.checked_tools()
             tokens = render_chat(llm.tokenizer, [m.template_input() for m in body.messages], options.chat_template, tools)
         else:
             tokens = engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -197,12 +209,8 @@ class _Server:
         self.async_llm: AsyncLLM | None = None
 
     async def check_api_key(self, request: Request) -> None:
-        expected = self.options.api_key
-        if expected is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
-            raise APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if self.options.api_key is not None and not bearer_key_matches(request.headers.get("authorization", ""), self.options.api_key):
+            raise missing_key_error()
 
     def check_model(self, model: str) -> None:
         if model != self.options.served_model_name:
@@ -387,9 +395,10 @@ class _CompletionFormat(_ResponseFormat):
         self.logprobs = logprobs  # asked for (best_of > n asks the engine anyway, to rank the samples)
         self.prompt_logprobs: list[dict] | None = None  # per prompt, with echo and logprobs (scored_prompt)
 
-    def scored_prompt(self, token_ids: list[int], logits, top: int) -> dict:
-        """The prompt's tokens in OpenAI's legacy logprobs format: the first has none (nothing precedes it),
-        each other its log-probability after the tokens before it, and the ``top`` most likely there."""
+    def scored_prompt(self, token_ids: list[int], logits, top: int, first: int = 0) -> dict:
+        """The prompt's tokens from ``first`` on (those before it a tokenizer added: context, not echoed) in
+        OpenAI's legacy logprobs format: each its log-probability after the tokens before it and the ``top``
+        most likely there, but token 0, which nothing precedes."""
         import torch
 
         chosen, best = [None], [None]
@@ -399,9 +408,9 @@ class _CompletionFormat(_ResponseFormat):
             chosen += rows.gather(1, following[start : start + len(rows), None]).squeeze(1).tolist()
             values, indices = rows.topk(top, dim=-1)
             best += [{self.token_text(t): v for t, v in zip(i, val)} for i, val in zip(indices.tolist(), values.tolist())]
-        tokens = [self.token_text(t) for t in token_ids]
+        tokens = [self.token_text(t) for t in token_ids[first:]]
         offsets = [0, *itertools.accumulate(map(len, tokens[:-1]))]
-        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": best, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": chosen[first:], "top_logprobs": best[first:], "text_offset": offsets}
 
     def echo_only(self, prompts: list[list[int]]) -> dict:
         """``max_tokens`` 0: each prompt echoed (with its logprobs, if asked), ``n`` times, nothing generated."""
@@ -518,3 +527,14 @@ class _ChatFormat(_ResponseFormat):
         content = [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top.items()]}
                    for t, lp, top in zip(completion.token_ids[start:], completion.logprobs[start:], completion.top_logprobs[start:])]
         return {"content": content}
+
+class _LegacyFunctionFormat(_ChatFormat):
+    """Chat for a request made with the deprecated ``functions``: OpenAI answers it with the call in
+    ``function_call`` and the finish reason ``function_call`` (``protocol.legacy_function_call``)."""
+
+    def choice(self, index: int, completion: CompletionOutput, prompt_index: int) -> dict:
+        return legacy_function_call(super().choice(index, completion, prompt_index))
+
+    def delta(self, index: int, completion: CompletionOutput, prompt_index: int, first: bool) -> dict | None:
+        delta = super().delta(index, completion, prompt_index, first)
+        return delta if delta is None else legacy_function_call(delta)

@@ -1,7 +1,7 @@
 """Every error the server returns, in OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``.
 
-Bad requests (``InvalidRequestError``, pydantic validation, malformed JSON) are 400s that name the
-offending field where it is known; a full queue is a 503 with ``Retry-After``; a missing or wrong API key
+Bad requests (``InvalidRequestError``, pydantic validation, malformed JSON, a body that is not sent as JSON)
+are 400s that name the offending field where it is known, by its path (``messages.0.content``); a full queue is a 503 with ``Retry-After``; a missing or wrong API key
 a 401; unknown routes keep their HTTP status.
 """
 
@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import typing
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic_core import core_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from autodeploy.errors import InvalidRequestError, error_summary
@@ -20,6 +23,9 @@ from autodeploy.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# A union's branch in an error's location (prompt.list[int].0, tool_choice.NamedToolChoice): a type, not a field.
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^[A-Z]")
+_PYDANTIC_ERRORS = set(typing.get_args(core_schema.ErrorType))
 _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                    405: "invalid_request_error", 503: "server_error"}
 
@@ -55,6 +61,21 @@ def invalid_request(error: InvalidRequestError) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+def _named_validation_error(errors: list[dict]) -> tuple[str, str | None]:
+    """The message and the field (``param``) of a request body's validation errors: the most specific one, at
+    its field's path (``messages.0.content``)."""
+    worst = max(errors, key=lambda e: len(e.get("loc", ())))  # a union reports each branch it tried, shallow ones too
+    path = [str(part) for part in worst.get("loc", ()) if part != "body" and not _UNION_BRANCH.search(str(part))]
+    where = ".".join(path) or "body"
+    if worst["type"] == "extra_forbidden":
+        message = f"{where} is not a field this server knows; remove it (docs/openai-server.md lists the fields it reads)"
+    elif worst["type"] in _PYDANTIC_ERRORS:
+        message = f"{where}: {worst['msg']} (got {json.dumps(worst.get('input'))[:80]})"
+    else:  # this package's own (PydanticCustomError): the message says it all
+        message = f"{where}: {worst['msg']}"
+    return message, path[0] if path else None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -67,14 +88,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
+        errors = error.errors()
+        first = errors[0]
         if first.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        # a union reports each branch it tried (prompt.str, prompt.list[int], …): name the field, not the branch
-        param = location[0] if location else None
-        what = json.dumps(first.get("input"))[:80] if "input" in first else "missing"
-        return error_response(400, f"{'.'.join(location) or 'body'}: {first['msg']} (got {what})", param=param)
+        if isinstance(first.get("input"), bytes):
+            # FastAPI parses a body as JSON only under a JSON content type: a browser can send a text/plain or untyped
+            # body anywhere without asking first, so a server on localhost would otherwise take cross-site requests
+            content_type = request.headers.get("content-type")
+            return error_response(400, "the request body must be JSON sent with 'Content-Type: application/json' (got "
+                                       f"{repr(content_type) if content_type else 'no Content-Type'}); with curl, add "
+                                       "-H 'Content-Type: application/json'", code="unsupported_content_type")
+        return error_response(400, *_named_validation_error(errors))
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, error: Exception) -> JSONResponse:
