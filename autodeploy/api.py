@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,8 @@ from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_de
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
 from autodeploy.errors import AutoDeployError
-from autodeploy.distributed import check_no_live_deployment, check_parallelism, init_distributed, should_spawn, spawn_workers
+from autodeploy.distributed import (check_no_live_deployment, check_parallelism, hold, init_distributed, should_spawn,
+                                    spawn_workers, world_size)
 from autodeploy.models.checkpoint import CheckpointReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
@@ -127,8 +127,8 @@ def _build(settings, factory: ModelFactory, store=None, workers=None) -> LLM:
     llm = LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records, context.kv_caches,
               str(factory.source.directory), verification, context.decode_graph_batch_sizes, context.prefill_graph_token_sizes)
     llm.workers = workers
-    if workers is not None:
-        weakref.finalize(llm, workers.stop)  # a dropped LLM's workers leave, and so does this process's group
+    if world_size(settings) > 1:
+        hold(llm, workers)
     if llm.can_serve:
         llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward: its errors belong to the build)
     return llm

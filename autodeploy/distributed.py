@@ -13,7 +13,8 @@ machine, or launched by ``torchrun`` (on one machine or several).
   one-process deployments serve beside it.
 - **torchrun**: ``autodeploy(model, tensor_parallel=N)`` in each of ``torchrun --nproc-per-node N``'s
   processes; :func:`init_distributed` joins them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK
-  picks the GPU), and the processes call ``generate`` alike (the same script).
+  picks the GPU), and the processes call ``generate`` alike (the same script). Deployments laid out alike
+  share the launcher's group; one laid out otherwise waits until those are shut down.
 
 Either way every rank builds, verifies and serves the same deployment over its own slices, and the logits
 after the last collective are the same bits on every rank, so every rank samples the same tokens.
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from contextlib import suppress
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
@@ -49,6 +51,11 @@ def world_size(settings) -> int:
     """The processes ``settings.distributed`` asks for: ``pipeline_parallel`` stages of
     ``max(tensor_parallel, expert_parallel)`` ranks."""
     return Layout.requested(settings.distributed).world_size
+
+
+def _deployment(settings) -> str:
+    """The model and its parallelism, as errors name a deployment."""
+    return f"{settings.model} with {_parallelism(settings)}"
 
 
 def _parallelism(settings) -> str:
@@ -155,21 +162,40 @@ _STOP_WAIT_S = 10.0  # how long a stopped worker may take to leave before it is 
 
 
 _live: Workers | None = None  # the spawned deployment whose process group this process holds
+_launched: weakref.WeakSet = weakref.WeakSet()  # the LLMs over torchrun's ranks, built on parallel_state's layout
+
+
+def hold(llm, workers: Workers | None) -> None:
+    """Record ``llm``, a deployment over several ranks: a spawned one's workers stop, and its group is left,
+    when it is garbage-collected; a torchrun one keeps the layout while it serves."""
+    if workers is not None:
+        weakref.finalize(llm, workers.stop)
+    else:
+        _launched.add(llm)
 
 
 def check_no_live_deployment(settings) -> None:
-    """A ``ConfigError``, before any process starts, when ``settings`` ask for several ranks while this process
-    drives a spawned deployment: the new ranks' collectives would pair with the live deployment's workers,
-    which wait for a command, and hang."""
-    if world_size(settings) == 1 or _live is None:
+    """A ``ConfigError``, before any process starts, when ``settings`` ask for several ranks and a deployment
+    of this process holds them: a spawned one's workers wait for its commands, so new ranks' collectives would
+    hang; under torchrun, a live deployment laid out otherwise would read the new layout and compute wrong."""
+    if world_size(settings) == 1 or (_live is None and not _launched):
         return
-    gc.collect()  # an LLM dropped inside a reference cycle stops its workers only when the cycle is collected
+    gc.collect()  # an LLM dropped inside a reference cycle leaves only when the cycle is collected
     if _live is not None:
         raise ConfigError(
             f"this process already drives a deployment of {_live.deployment} over several ranks, and a process holds "
             f"one at a time (its process group is the process's): call shutdown() on that deployment's LLM "
             f"(`llm.shutdown()`) before deploying another over several ranks, or deploy this one in another process "
             f"(one-process deployments work beside it)")
+    wanted = Layout.requested(settings.distributed)
+    other = next((llm for llm in _launched
+                  if not llm.is_shut_down and Layout.requested(llm.settings.distributed) != wanted), None)
+    if other is not None:
+        raise ConfigError(
+            f"these processes serve a deployment of {_deployment(other.settings)}, and the collective ops read the "
+            f"process's layout, which {_parallelism(settings)} would change under it: call shutdown() on that "
+            f"deployment's LLM (`llm.shutdown()`) first, or launch this one with torchrun of its own (deployments "
+            f"laid out alike, and one-process ones, work beside it)")
 
 
 def should_spawn(settings) -> bool:
@@ -194,7 +220,7 @@ def spawn_workers(settings, model, config, set_arguments, overrides) -> tuple[Wo
             [sys.executable, "-c", "from autodeploy.distributed import worker_main; worker_main()"],
             env=env, stdout=subprocess.DEVNULL))
     global _live
-    workers = _live = Workers(processes, float(settings.distributed.timeout_s), f"{settings.model} with {_parallelism(settings)}")
+    workers = _live = Workers(processes, float(settings.distributed.timeout_s), _deployment(settings))
     try:
         workers.connect(listener, (model, config, list(set_arguments), overrides))
     except BaseException:

@@ -128,6 +128,11 @@ class LLM:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @property
+    def is_shut_down(self) -> bool:
+        """Whether :meth:`shutdown` was called: this LLM serves no more and holds no ranks."""
+        return self._shut_down
+
     def shutdown(self) -> None:
         """Stop the worker processes of a deployment over several ranks (``autodeploy(model,
         tensor_parallel=2)``), leave its process group and free the KV cache; later requests raise

@@ -1,7 +1,9 @@
 """A second deployment in a process that drives a spawned distributed one (``autodeploy(model,
 tensor_parallel=2)``, kept): a one-process deployment serves beside it; a second distributed one is a
 ``ConfigError`` at once, before any process starts, naming the live one and ``shutdown()``; after
-``shutdown()``, or once the live ``LLM`` is garbage-collected, the next distributed deployment works.
+``shutdown()``, or once the live ``LLM`` is garbage-collected, the next distributed deployment works. Under
+torchrun, deployments laid out alike serve side by side and one laid out otherwise is refused until the
+live ones are shut down (it would change the layout their collectives read).
 
 Each flow runs in a fresh interpreter with a low ``distributed.timeout_s`` and a ``timeout=``, so a collective
 that waits on the wrong world fails the test instead of hanging it."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -76,6 +79,22 @@ again.shutdown()
 """
 
 
+TORCHRUN_LAYOUTS = """
+llm = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
+twin = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)  # laid out alike: side by side
+refusal = None
+try:
+    autodeploy(directory, device="cpu", pipeline_parallel=2, distributed=WORLD)
+except ConfigError as error:
+    refusal = str(error)
+first, twin_tokens = tokens(llm), tokens(twin)
+llm.shutdown()
+twin.shutdown()
+staged = autodeploy(directory, device="cpu", pipeline_parallel=2, distributed=WORLD)
+result = {"first": first, "twin": twin_tokens, "refusal": refusal, "after_shutdown": tokens(staged)}
+"""
+
+
 def _run_flow(flow: str, *directories) -> dict:
     # Generous for a loaded machine (two or three small builds); a hang on the wrong world would take the
     # flow's collectives 120 s each before failing, and then it exits non-zero.
@@ -109,3 +128,26 @@ def test_a_distributed_llm_dropped_without_shutdown_takes_its_workers_and_group_
     result = _run_flow(DROPPED_WITHOUT_SHUTDOWN, *directories)
     assert result["worker_exit"] is not None and result["group_left"]
     assert result["again"] == result["first"]
+
+
+def test_torchrun_deployments_laid_out_alike_serve_side_by_side_and_another_layout_waits_for_shutdown(directories):
+    # Two ranks as `torchrun --nproc-per-node 2` starts them, each running the same flow.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    program = PRELUDE + TORCHRUN_LAYOUTS + "\nprint(json.dumps(result))"
+    ranks = [subprocess.Popen([sys.executable, "-c", program, *directories], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+                                              "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for rank in range(2)]
+    try:
+        outputs = [rank.communicate(timeout=900) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (stdout, stderr) in zip(ranks, outputs):
+        assert rank.returncode == 0, stderr[-4000:]
+        result = json.loads(stdout.strip().splitlines()[-1])
+        assert result["refusal"] and f"{directories[0]} with tensor_parallel=2" in result["refusal"]
+        assert "shutdown()" in result["refusal"]
+        assert result["twin"] == result["first"] and result["after_shutdown"] == result["first"]
