@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     triton_repo.add_argument("--stream-interval", type=int, default=1, metavar="N",
                              help="a stream's responses after the first come every N tokens (default 1); a request's "
                                   "stream_interval input overrides it")
+    triton_repo.add_argument("--decoupled", default="true", choices=("true", "false"),
+                             help="true: the llm and ensemble models stream (any number of responses a request); false: "
+                                  "exactly one response a request, which Triton's plain infer needs (no streaming)")
     _add_settings_arguments(triton_repo)
 
     quantize = commands.add_parser("quantize", help="quantize a checkpoint as the quantize settings say and write it as a "
@@ -395,7 +398,8 @@ def _triton_repo(args) -> None:
     blocklist = Blocklist.from_file(args.blocklist, args.blocklist_action) if args.blocklist else None
     start = time.perf_counter()
     llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
-    directory = write_model_repository(llm, out, blocklist, source=args.model, stream_interval=args.stream_interval)
+    directory = write_model_repository(llm, out, blocklist, source=args.model, stream_interval=args.stream_interval,
+                                       decoupled=args.decoupled == "true")
     print(f"wrote {directory} in {time.perf_counter() - start:.1f}s; serve it with: "
           f"python -m autodeploy.serve.triton.launch {directory} (in an environment with nvidia-pytriton, notes/triton.md)")
 

@@ -5,8 +5,10 @@ One server for the module; greedy outputs must equal in-process ``LLM.generate``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from collections.abc import Iterator
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +24,8 @@ from tritonclient.utils import InferenceServerException
 
 from autodeploy import SamplingParams
 from autodeploy.cli.main import main
-from autodeploy.serve.triton import Blocklist
-from autodeploy.serve.triton.client import grpc_inputs, request_tensors, stream_generate
+from autodeploy.serve.triton import Blocklist, compatible_inputs
+from autodeploy.serve.triton.client import grpc_inputs, request_tensors, stream_generate, stream_tensors
 from autodeploy.serve.triton.launch import running_server
 from autodeploy.serve.triton.repository import ensemble_config
 
@@ -43,18 +45,59 @@ class Server:
     repository: Path
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, llama_dir):
+@contextlib.contextmanager
+def serve_repository(root: Path, checkpoint: Path, *options: str) -> Iterator[Server]:
+    """tritonserver on the repository `autodeploy triton-repo CHECKPOINT --out ROOT/repo --set device=cpu
+    OPTIONS` writes; skips without the server's environment."""
     if not TRITON_PYTHON.exists():
         pytest.skip(f"no Triton server environment at {TRITON_PYTHON.parent.parent} (pytriton's tritonserver runs from it): "
                     "`make .venv-triton/.installed` creates it, and `make test` does")
-    root = tmp_path_factory.mktemp("triton")
-    (root / "blocklist.txt").write_text(f"# the output filter's terms\n{BLOCKED}\n")
     repository = root / "repo"
-    assert main(["triton-repo", str(llama_dir), "--out", str(repository), "--set", "device=cpu",
-                 "--blocklist", str(root / "blocklist.txt")]) == 0
+    assert main(["triton-repo", str(checkpoint), "--out", str(repository), "--set", "device=cpu", *options]) == 0
     with running_server(TRITON_PYTHON, repository, root / "tritonserver.log") as endpoints:
         yield Server(endpoints.http, endpoints.grpc, endpoints.metrics, repository)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, llama_dir):
+    root = tmp_path_factory.mktemp("triton")
+    (root / "blocklist.txt").write_text(f"# the output filter's terms\n{BLOCKED}\n")
+    with serve_repository(root, llama_dir, "--blocklist", str(root / "blocklist.txt")) as server:
+        yield server
+
+
+def tensorrtllm_payload(prompt: str, max_tokens: int, stream: bool, **extra_inputs) -> dict[str, list]:
+    """genai-perf's TensorRTLLMConverter with ``--output-tokens-mean N --output-tokens-mean-deterministic``:
+    the text, ``max_tokens`` and ``min_length`` N, ``stream`` with ``--streaming``, and each ``--extra-inputs``
+    as a one-element list."""
+    payload = {"text_input": [prompt], "max_tokens": [max_tokens], **({"stream": [True]} if stream else {}), "min_length": [max_tokens]}
+    return payload | {name: [value] for name, value in extra_inputs.items()}
+
+
+def vllm_payload(prompt: str, max_tokens: int, stream: bool, sampling: dict | None = None, **extra_inputs) -> dict[str, list]:
+    """genai-perf's VLLMConverter, likewise: ``exclude_input_in_output`` true, and ``max_tokens`` /
+    ``min_tokens`` as strings in ``sampling_parameters`` (JSON text); ``sampling`` adds fields to it."""
+    parameters = {"max_tokens": f"{max_tokens}", "min_tokens": f"{max_tokens}", **(sampling or {})}
+    payload = {"text_input": [prompt], "exclude_input_in_output": [True], **({"stream": [True]} if stream else {}),
+               "sampling_parameters": [json.dumps(parameters)]}
+    return payload | {name: [value] for name, value in extra_inputs.items()}
+
+
+_NUMPY_TYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
+
+
+def perf_analyzer_tensors(payload: dict[str, list], metadata: dict) -> dict[str, np.ndarray]:
+    """The tensors perf_analyzer sends for a payload: the values in the model's datatype for each input, with
+    its batch dimension of 1 before the input's dims."""
+    datatypes = {tensor["name"]: tensor["datatype"] for tensor in metadata["inputs"]}
+    return {name: np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=_NUMPY_TYPES[datatypes[name]]).reshape(1, -1)
+            for name, values in payload.items()}
+
+
+def fixed_length(llm, prompt: str, max_tokens: int):
+    """In-process generate of what min_length = max_tokens asks for: greedy, EOS never chosen."""
+    eos_banned = dict.fromkeys(llm.engine.eos_token_ids, compatible_inputs.EOS_BAN)
+    return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias=eos_banned))[0]
 
 
 def generate(server: Server, model: str, body: dict, stream: bool = False) -> list[dict]:
@@ -111,7 +154,8 @@ def test_request_tensors_have_the_models_types():
         "text_input": np.object_, "stream": np.bool_, "max_tokens": np.int32, "temperature": np.float32, "seed": np.int64,
         "ignore_eos": np.bool_, "stop": np.object_, "stream_interval": np.int32, "json_schema": np.object_, "stop_token_ids": np.int32,
         "return_log_probs": np.bool_}
-    assert json.loads(tensors["json_schema"][0]) == SCHEMA and tensors["stop_token_ids"].tolist() == [2, 3]
+    assert all(array.shape[0] == 1 for array in tensors.values())  # the models' batch dimension
+    assert json.loads(tensors["json_schema"].item()) == SCHEMA and tensors["stop_token_ids"].tolist() == [[2, 3]]
     with pytest.raises(TypeError, match="unknown request fields"):
         request_tensors("x", temprature=0.5)
 
@@ -168,6 +212,22 @@ def test_stream_interval_sends_a_response_every_n_tokens(server, llama_llm):
     (response,) = generate(server, "llm", {"text_input": "def f(x):", "max_tokens": 4, "stream_interval": 0}, stream=True)
     assert "stream_interval must be a positive integer" in response["error"]
     assert 'key: "stream_interval" value: { string_value: "1" }' in (server.repository / "llm" / "config.pbtxt").read_text()
+
+
+def test_genai_perf_payloads_stream_over_grpc(server, llama_llm):
+    """genai-perf's ``tensorrtllm`` and ``vllm`` payloads with --streaming (its --extra-inputs temperature:0
+    for greedy), sent with their batch dimension over a gRPC stream to the llm model and the ensemble: the
+    pieces add up to in-process greedy generate with EOS banned (min_length / min_tokens = max_tokens)."""
+    expected = fixed_length(llama_llm, "import os", 10)
+    payloads = {"tensorrtllm": tensorrtllm_payload("import os", 10, stream=True, temperature=0.0),
+                "vllm": vllm_payload("import os", 10, stream=True, temperature=0.0)}
+    with httpclient.InferenceServerClient(server.http.removeprefix("http://")) as client:
+        metadata = {model: client.get_model_metadata(model) for model in ("llm", "ensemble")}
+    for model, text in (("llm", expected.text), ("ensemble", Blocklist([BLOCKED]).apply(expected.text))):
+        for kind, payload in payloads.items():
+            pieces = list(stream_tensors(server.grpc, perf_analyzer_tensors(payload, metadata[model]), model))
+            assert len(pieces) > 1 and "".join(p.text for p in pieces) == text, (model, kind)
+            assert pieces[-1].finish_reason == "length"
 
 
 def test_json_schema_log_probs_and_stop_token_ids_equal_in_process(server, llama_llm):
@@ -234,15 +294,18 @@ def test_n_samples_and_beams_come_as_responses_by_sequence_index(server, llama_l
 
 
 def test_grpc_and_http_infer_of_the_tokenizer_step(server, llama_llm):
-    """Triton's plain infer RPCs (not decoupled models: the pre-processing step) over both protocols."""
+    """Triton's plain infer RPCs (not decoupled models: the pre-processing step) over both protocols, with
+    the models' batch dimension (a request without it is refused by Triton, naming it)."""
     expected = llama_llm.tokenizer("def fibonacci(n):").input_ids
-    text = np.array([b"def fibonacci(n):"], dtype=np.object_)
+    text = np.array([[b"def fibonacci(n):"]], dtype=np.object_)
     with grpcclient.InferenceServerClient(server.grpc) as client:
-        assert client.infer("preprocessing", grpc_inputs({"text_input": text})).as_numpy("input_ids").tolist() == expected
+        assert client.infer("preprocessing", grpc_inputs({"text_input": text})).as_numpy("input_ids").tolist() == [expected]
+        with pytest.raises(InferenceServerException, match=r"Expected \[-1,1\], got \[1\]"):
+            client.infer("preprocessing", grpc_inputs({"text_input": text[0]}))
     with httpclient.InferenceServerClient(server.http.removeprefix("http://")) as client:
-        tensor = httpclient.InferInput("text_input", [1], "BYTES")
+        tensor = httpclient.InferInput("text_input", [1, 1], "BYTES")
         tensor.set_data_from_numpy(text)
-        assert client.infer("preprocessing", [tensor]).as_numpy("input_ids").tolist() == expected
+        assert client.infer("preprocessing", [tensor]).as_numpy("input_ids").tolist() == [expected]
 
 
 def test_concurrent_streams_all_complete_with_their_greedy_text(server, llama_llm):

@@ -18,7 +18,7 @@ import numpy as np
 
 from autodeploy.serve.triton.tensor_specs import FINISH_REASON, REQUEST_OPTIONS, SEQUENCE_INDEX, STREAM, TEXT_INPUT, TEXT_OUTPUT
 
-_NUMPY_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
+_NUMPY_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
 _OPTIONS = {spec.name: spec for spec in REQUEST_OPTIONS if spec is not STREAM}
 
 
@@ -30,10 +30,11 @@ class StreamPiece(NamedTuple):
 
 
 def request_tensors(prompt: str, stream: bool = False, **options) -> dict[str, np.ndarray]:
-    """The input tensors of a generate request to the ``llm`` or ``ensemble`` model, by name. ``options``:
-    the models' other inputs (``tensor_specs.REQUEST_OPTIONS``: sampling fields, ``stop``,
-    ``stop_token_ids``, ``return_log_probs``, ``stream_interval``, ``json_schema`` as a dict or its JSON
-    text, …); None or an empty list leaves one out.
+    """The input tensors of a generate request to the ``llm`` or ``ensemble`` model, by name, each with the
+    models' leading batch dimension of 1. ``options``: the models' other inputs
+    (``tensor_specs.REQUEST_OPTIONS``: sampling fields, ``stop``, ``stop_token_ids``, ``return_log_probs``,
+    ``stream_interval``, ``json_schema`` as a dict or its JSON text, the TensorRT-LLM backend's names, …);
+    None or an empty list leaves one out.
 
     >>> sorted(request_tensors("def f(x):", max_tokens=8, stop=[]))
     ['max_tokens', 'stream', 'text_input']
@@ -41,11 +42,11 @@ def request_tensors(prompt: str, stream: bool = False, **options) -> dict[str, n
     unknown = set(options) - set(_OPTIONS)
     if unknown:
         raise TypeError(f"unknown request fields {sorted(unknown)}; the models take {sorted(_OPTIONS)}")
-    tensors = {TEXT_INPUT.name: np.array([prompt.encode()], dtype=np.object_), STREAM.name: np.array([stream])}
+    tensors = {TEXT_INPUT.name: np.array([[prompt.encode()]], dtype=np.object_), STREAM.name: np.array([[stream]])}
     for name, value in options.items():
         values = [] if value is None else list(value) if _OPTIONS[name].dims == (-1,) else [value]
         if values:
-            tensors[name] = _array(_OPTIONS[name].data_type, values)
+            tensors[name] = _array(_OPTIONS[name].data_type, values)[np.newaxis]
     return tensors
 
 
@@ -71,6 +72,12 @@ def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 
     """Stream one request to a Triton server at ``url`` (gRPC ``host:port``) and yield its pieces of text as
     they arrive (``options`` as for ``request_tensors``). A Triton error (a bad request) raises
     ``tritonclient.utils.InferenceServerException``."""
+    return stream_tensors(url, request_tensors(prompt, stream=True, **options), model, timeout)
+
+
+def stream_tensors(url: str, tensors: dict[str, np.ndarray], model: str = "llm", timeout: float = 600.0) -> Iterator[StreamPiece]:
+    """``stream_generate`` for a request given as its input tensors (any payload the models take, e.g. one
+    built as genai-perf builds its ``tensorrtllm`` and ``vllm`` payloads)."""
     import tritonclient.grpc as grpcclient
 
     arrivals: queue.Queue = queue.Queue()
@@ -79,8 +86,7 @@ def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 
     try:
         client.start_stream(callback=lambda result, error: arrivals.put((result, error, time.perf_counter())))
         outputs = [grpcclient.InferRequestedOutput(spec.name) for spec in (TEXT_OUTPUT, FINISH_REASON, SEQUENCE_INDEX)]
-        client.async_stream_infer(model, grpc_inputs(request_tensors(prompt, stream=True, **options)), outputs=outputs,
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(model, grpc_inputs(tensors), outputs=outputs, enable_empty_final_response=True)
         while True:
             result, error, arrived = arrivals.get(timeout=timeout)
             if error is not None:
@@ -88,8 +94,8 @@ def stream_generate(url: str, prompt: str, model: str = "llm", timeout: float = 
             text = result.as_numpy(TEXT_OUTPUT.name)
             if text is not None:
                 reason, index = result.as_numpy(FINISH_REASON.name), result.as_numpy(SEQUENCE_INDEX.name)
-                yield StreamPiece(text[0].decode(), arrived, reason[0].decode() if reason is not None else "",
-                                  int(index[0]) if index is not None else 0)
+                yield StreamPiece(text.item().decode(), arrived, reason.item().decode() if reason is not None else "",
+                                  int(index.item()) if index is not None else 0)
             if result.get_response().parameters["triton_final_response"].bool_param:
                 finished = True
                 return

@@ -1,4 +1,6 @@
-"""autodeploy's engine as a Triton Python-backend model (decoupled: any number of responses a request).
+"""autodeploy's engine as a Triton Python-backend model: decoupled (any number of responses a request), or
+not (``triton-repo --decoupled false``: exactly one, which Triton's plain ``infer`` needs; ``stream`` and
+``n`` > 1 are refused there).
 
 ``execute`` reads each request and hands it to one ``AsyncLLM`` whose event loop runs on a thread of its
 own, then returns at once; so every request Triton delivers joins the engine's in-flight batches, and each
@@ -32,15 +34,18 @@ import triton_python_backend_utils as pb_utils
 
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.async_llm import check_stream_interval
-from autodeploy.serve.triton import request_tensors
+from autodeploy.serve.triton import compatible_inputs, request_tensors
 from autodeploy.serve.triton.metrics import TritonMetrics
 from autodeploy.serve.triton.tensor_specs import (
-    FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, OUTPUT_TOP_LOG_PROBS, OUTPUT_TOP_TOKEN_IDS, RETURN_LOG_PROBS,
-    SAMPLING_INPUTS, SEQUENCE_INDEX, STOP, STOP_OUTPUT, STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TEXT_INPUT, TEXT_OUTPUT, TOP_LOG_PROBS,
+    FINISH_REASON, INPUT_IDS, LLM_INPUTS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, OUTPUT_TOP_LOG_PROBS, OUTPUT_TOP_TOKEN_IDS, RETURN_LOG_PROBS,
+    SAMPLING_INPUTS, SAMPLING_PARAMETERS, SEQUENCE_INDEX, STOP, STOP_OUTPUT, STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TENSORRT_LLM_INPUTS,
+    TEXT_INPUT, TEXT_OUTPUT, TOP_LOG_PROBS,
 )
 
 logger = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Request parameters that are Triton's own (the generate endpoints' request id, scheduling), not options.
+TRITON_PARAMETERS = {"id", "priority", "timeout", "sequence_id", "sequence_start", "sequence_end"}
 
 
 class TritonPythonModel:
@@ -48,8 +53,9 @@ class TritonPythonModel:
         from autodeploy import AsyncLLM, autodeploy
 
         config = json.loads(args["model_config"])
-        if not pb_utils.using_decoupled_model_transaction_policy(config):
-            raise pb_utils.TritonModelException("the autodeploy model streams: its config.pbtxt needs model_transaction_policy { decoupled: true }")
+        # Not decoupled (triton-repo --decoupled false): one response a request, which Triton's plain infer
+        # needs; the responses still go out through each request's sender, so requests overlap in the engine.
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         deployment = config["parameters"]["deployment"]["string_value"]
         stream_interval = config["parameters"].get(STREAM_INTERVAL.name, {}).get("string_value", "1")
         if not stream_interval.isdigit() or int(stream_interval) < 1:
@@ -74,7 +80,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                prompt, params, stream = _read_request(request)
+                prompt, params, stream = _read_request(request, self.llm.engine.eos_token_ids, self.decoupled)
                 interval = _stream_interval(request, self.stream_interval)
             except InvalidRequestError as error:
                 self.metrics.observe_failure(error)  # before the final response (see initialize)
@@ -142,10 +148,12 @@ class TritonPythonModel:
             sender.send(request_tensors.error_response(error), flags=FINAL)
 
 
-def _read_request(request):
-    """The prompt (text or token ids), SamplingParams and stream flag of a Triton request."""
+def _read_request(request, eos_token_ids: set[int], decoupled: bool):
+    """The prompt (text or token ids), SamplingParams and stream flag of a Triton request: the models' own
+    inputs, the TensorRT-LLM backend's and vLLM's ``sampling_parameters`` (``compatible_inputs``)."""
     from autodeploy import SamplingParams
 
+    _refuse_unknown_fields(request)
     text = request_tensors.optional_scalar(request, TEXT_INPUT.name)
     ids = request_tensors.token_ids(request, INPUT_IDS.name)
     if (text is None) == (ids is None):
@@ -153,19 +161,42 @@ def _read_request(request):
         raise InvalidRequestError(f"give the prompt as {TEXT_INPUT.name} (a string) or as {INPUT_IDS.name} (token ids){both}")
     if text is not None and not isinstance(text, str):
         raise InvalidRequestError(f"{TEXT_INPUT.name} must be a string")
-    fields = {spec.name: value for spec in SAMPLING_INPUTS if (value := request_tensors.optional_scalar(request, spec.name)) is not None}
+    own = {spec.name: (value, spec.name) for spec in SAMPLING_INPUTS if (value := request_tensors.optional_scalar(request, spec.name)) is not None}
+    for spec, read in ((STOP, request_tensors.optional_strings), (STOP_TOKEN_IDS, request_tensors.token_ids)):
+        if values := read(request, spec.name):
+            own[spec.name] = (values, spec.name)
     top = request_tensors.optional_scalar(request, TOP_LOG_PROBS.name)
     if top is not None:
-        fields["logprobs"] = top  # SamplingParams checks it is 0..20
+        own["logprobs"] = (top, TOP_LOG_PROBS.name)  # SamplingParams checks it is 0..20
     elif request_tensors.optional_scalar(request, RETURN_LOG_PROBS.name):
-        fields["logprobs"] = 0  # each token's own log-probability, no alternatives
-    params = SamplingParams(**fields, stop=request_tensors.optional_strings(request, STOP.name),
-                            stop_token_ids=request_tensors.token_ids(request, STOP_TOKEN_IDS.name) or [])
+        own["logprobs"] = (0, RETURN_LOG_PROBS.name)  # each token's own log-probability, no alternatives
+    tensorrt_llm = {spec.name: request_tensors.optional_strings(request, spec.name) if spec.dims == (-1,) else request_tensors.optional_scalar(request, spec.name)
+                    for spec in TENSORRT_LLM_INPUTS}
+    vllm = request_tensors.optional_scalar(request, SAMPLING_PARAMETERS.name)
+    fields = compatible_inputs.merge(own, compatible_inputs.tensorrt_llm_fields(tensorrt_llm),
+                                     compatible_inputs.vllm_fields(vllm) if vllm is not None else {})
+    params = SamplingParams(**compatible_inputs.resolve(fields, eos_token_ids, SamplingParams.max_tokens))
     params.validate()  # here, so a bad field is answered before the request reaches the engine's loop
     stream = bool(request_tensors.optional_scalar(request, STREAM.name))
+    if stream and not decoupled:
+        raise InvalidRequestError("stream true needs a decoupled model, and this repository's are not (triton-repo --decoupled false: "
+                                  "one response a request); send stream false, or serve a repository written with --decoupled true")
+    if not decoupled and params.n > 1:
+        raise InvalidRequestError(f"n {params.n} sends a response a completion, and this repository's models are not decoupled "
+                                  "(one response a request); send n 1, or serve a repository written with --decoupled true")
     if stream and params.beam_width > 1:
         raise InvalidRequestError("beam search is not streamed (the beams are known only when it ends); send stream false")
     return (text if text is not None else ids), params, stream
+
+
+def _refuse_unknown_fields(request) -> None:
+    """Triton's HTTP generate endpoints pass a JSON field that is no input of the model as a request
+    parameter, where it would be ignored: a misspelt option, or one of the other backends' inputs that is
+    not implemented here (``lora_task_id``, ``prompt_embedding_table``, …)."""
+    unknown = sorted(set(json.loads(request.parameters() or "{}")) - TRITON_PARAMETERS)
+    if unknown:
+        inputs = sorted(spec.name for spec in LLM_INPUTS)
+        raise InvalidRequestError(f"{', '.join(unknown)}: not an input of this model, and not implemented; its inputs are {inputs}")
 
 
 def _top(completion, keys: bool):

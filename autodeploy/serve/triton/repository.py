@@ -1,7 +1,7 @@
 """Write a Triton Inference Server model repository that serves a deployed model (``autodeploy triton-repo``).
 
     DIR/
-      llm/             the engine: Python backend, decoupled (streams), text or token ids in
+      llm/             the engine: Python backend, decoupled (streams) unless decoupled=False, text or token ids in
         config.pbtxt   its tensors, and the deployment's metadata as parameters
         1/model.py     imports autodeploy.serve.triton.llm_model
         1/deployment/  the deployment as `autodeploy build` saves it
@@ -32,6 +32,9 @@ from autodeploy.serve.triton.blocklist import Blocklist
 
 LLM, PREPROCESSING, POSTPROCESSING, OUTPUT_FILTER, ENSEMBLE = "llm", "preprocessing", "postprocessing", "output_filter", "ensemble"
 DEPLOYMENT = "deployment"  # the saved deployment, in the llm model's version folder
+# Every tensor has a leading batch dimension (of 1), as the TensorRT-LLM backend's clients send them; the
+# engine batches requests itself.
+MAX_BATCH_SIZE = 1
 
 MODEL_PY = '''"""Triton Python-backend model written by `autodeploy triton-repo`; the code is autodeploy's."""
 
@@ -46,10 +49,12 @@ from autodeploy.serve.triton.{module} import {cls} as TritonPythonModel  # noqa:
 
 
 def write_model_repository(llm, directory: str | Path, blocklist: Blocklist | None = None, source: str | None = None,
-                           stream_interval: int = 1) -> Path:
+                           stream_interval: int = 1, decoupled: bool = True) -> Path:
     """Write the repository for ``llm`` (a deployed model with a tokenizer) into ``directory`` (new or empty).
     ``stream_interval``: a stream's responses after the first come every this many tokens, unless a request
-    says otherwise (its ``stream_interval`` input).
+    says otherwise (its ``stream_interval`` input). ``decoupled``: the llm model (and so the ensemble) may
+    send any number of responses a request (streams, ``n`` > 1); False: exactly one, as Triton's plain
+    ``infer`` (HTTP and gRPC) needs, like the TensorRT-LLM backend's ``decoupled_mode`` false.
 
     >>> write_model_repository(autodeploy("path/to/checkpoint"), "triton-repo")  # doctest: +SKIP
     """
@@ -70,7 +75,7 @@ def write_model_repository(llm, directory: str | Path, blocklist: Blocklist | No
         specs.STREAM_INTERVAL.name: str(stream_interval),
     }
     tokenizer = {"tokenizer": f"{LLM}/1/{DEPLOYMENT}/tokenizer"}
-    _write_model(directory, LLM, "llm_model", "TritonPythonModel", specs.LLM_INPUTS, specs.LLM_OUTPUTS, metadata_parameters, decoupled=True)
+    _write_model(directory, LLM, "llm_model", "TritonPythonModel", specs.LLM_INPUTS, specs.LLM_OUTPUTS, metadata_parameters, decoupled)
     _write_model(directory, PREPROCESSING, "tokenizer_models", "PreprocessingModel", specs.PREPROCESSING_INPUTS, specs.PREPROCESSING_OUTPUTS, tokenizer)
     _write_model(directory, POSTPROCESSING, "tokenizer_models", "PostprocessingModel", specs.POSTPROCESSING_INPUTS, specs.POSTPROCESSING_OUTPUTS, tokenizer)
     if blocklist is not None:
@@ -105,8 +110,8 @@ def _write_model(directory: Path, name: str, module: str, cls: str, inputs, outp
 
 def python_model_config(name: str, inputs, outputs, parameters: dict[str, str], decoupled: bool) -> str:
     """A Python-backend model's config.pbtxt: one instance (the engine batches inside itself, and a
-    stateless tokenizer step is quick), no Triton batching."""
-    lines = [f'name: "{name}"', 'backend: "python"', "max_batch_size: 0"]
+    stateless tokenizer step is quick), a batch of one request (``tensor_specs``)."""
+    lines = [f'name: "{name}"', 'backend: "python"', f"max_batch_size: {MAX_BATCH_SIZE}"]
     if decoupled:
         lines.append("model_transaction_policy { decoupled: true }")
     lines += [_tensor_list("input", inputs), _tensor_list("output", outputs), "instance_group [ { count: 1, kind: KIND_CPU } ]"]
@@ -133,7 +138,7 @@ def ensemble_config(with_filter: bool) -> str:
         steps.append(_step(OUTPUT_FILTER, {"text_input": text, "text_so_far": "_text_so_far", "finish_reason": "_filter_finish_reason"},
                            {"text_output": specs.TEXT_OUTPUT.name, "finish_reason": specs.FINISH_REASON.name}))
     return "\n".join([
-        f'name: "{ENSEMBLE}"', 'platform: "ensemble"', "max_batch_size: 0",
+        f'name: "{ENSEMBLE}"', 'platform: "ensemble"', f"max_batch_size: {MAX_BATCH_SIZE}",
         _tensor_list("input", specs.ENSEMBLE_INPUTS), _tensor_list("output", specs.ENSEMBLE_OUTPUTS),
         "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}",
     ]) + "\n"

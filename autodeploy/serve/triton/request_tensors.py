@@ -1,7 +1,9 @@
 """Reading a Triton request's input tensors and building response tensors, for the Python-backend models.
 
 Runs inside Triton's Python-backend stub (``triton_python_backend_utils`` exists only there). A value that
-cannot be read is an ``InvalidRequestError``, which the models return as a Triton error response.
+cannot be read is an ``InvalidRequestError``, which the models return as a Triton error response. The
+models take one request a batch (``max_batch_size: 1``, ``tensor_specs``): an input is read without its
+batch dimension, and every output tensor gets one of 1.
 """
 
 from __future__ import annotations
@@ -51,15 +53,19 @@ def string_tensor(name: str, text: str):
 
 
 def strings_tensor(name: str, texts: list[str]):
-    return pb_utils.Tensor(name, np.array([text.encode() for text in texts], dtype=np.object_))
+    return _batch_of_one(name, np.array([text.encode() for text in texts], dtype=np.object_))
 
 
-def int_tensor(name: str, values: list[int]):
-    return pb_utils.Tensor(name, np.array(values, dtype=np.int32))
+def int_tensor(name: str, values):
+    return _batch_of_one(name, np.array(values, dtype=np.int32))
 
 
-def float_tensor(name: str, values: list[float]):
-    return pb_utils.Tensor(name, np.array(values, dtype=np.float32))
+def float_tensor(name: str, values):
+    return _batch_of_one(name, np.array(values, dtype=np.float32))
+
+
+def _batch_of_one(name: str, values: np.ndarray):
+    return pb_utils.Tensor(name, values[np.newaxis])
 
 
 def responses(requests: list, outputs_of) -> list:

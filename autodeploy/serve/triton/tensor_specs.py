@@ -1,7 +1,9 @@
 """The tensors each model of the Triton repository takes and returns: one table that ``repository.py``
 renders into the ``config.pbtxt`` files and the Python-backend models read requests by.
 
-Scalars are ``dims: [ 1 ]`` (the models set ``max_batch_size: 0``: the engine batches, not Triton).
+Scalars are ``dims: [ 1 ]``. Every model sets ``max_batch_size: 1``, as the TensorRT-LLM backend's models
+do, so a tensor on the wire has a leading batch dimension of 1 (a scalar is ``[1, 1]``); Triton's HTTP
+``generate`` endpoints add and remove it themselves. The engine batches requests, not Triton.
 """
 
 from __future__ import annotations
@@ -50,8 +52,30 @@ STREAM = TensorSpec("stream", "TYPE_BOOL", optional=True)  # true: a response pe
 # A stream's responses after the first come every this many tokens (fewer responses: less per-token work in
 # Triton and gRPC, longer gaps); the model's ``stream_interval`` parameter when absent.
 STREAM_INTERVAL = TensorSpec("stream_interval", "TYPE_INT32", optional=True)
+# The TensorRT-LLM backend's names (its ensemble and tensorrt_llm_bls models, with its types) and the vLLM
+# backend's sampling_parameters, so their clients and genai-perf's payloads for them work unchanged.
+# ``compatible_inputs.py`` turns them into SamplingParams fields, or refuses what would change the output
+# and is not implemented.
+RANDOM_SEED = TensorSpec("random_seed", "TYPE_UINT64", optional=True)  # seed
+NUM_RETURN_SEQUENCES = TensorSpec("num_return_sequences", "TYPE_INT32", optional=True)  # n
+MIN_LENGTH = TensorSpec("min_length", "TYPE_INT32", optional=True)  # ≤ 1, or ≥ max_tokens (EOS banned: a fixed length)
+END_ID = TensorSpec("end_id", "TYPE_INT32", optional=True)  # the model's EOS only
+PAD_ID = TensorSpec("pad_id", "TYPE_INT32", optional=True)  # pads batched outputs in TensorRT-LLM: no effect here
+STOP_WORDS = TensorSpec("stop_words", "TYPE_STRING", (-1,), optional=True)  # as stop (cut from the text); "" = none
+BAD_WORDS = TensorSpec("bad_words", "TYPE_STRING", (-1,), optional=True)  # "" only (banned sequences are not implemented)
+EXCLUDE_INPUT_IN_OUTPUT = TensorSpec("exclude_input_in_output", "TYPE_BOOL", optional=True)  # true only: the prompt is never echoed
+RETURN_CONTEXT_LOGITS = TensorSpec("return_context_logits", "TYPE_BOOL", optional=True)  # false only
+RETURN_GENERATION_LOGITS = TensorSpec("return_generation_logits", "TYPE_BOOL", optional=True)  # false only
+RETURN_PERF_METRICS = TensorSpec("return_perf_metrics", "TYPE_BOOL", optional=True)  # false only
+GUIDED_DECODING_GUIDE_TYPE = TensorSpec("guided_decoding_guide_type", "TYPE_STRING", optional=True)  # json, json_schema, structural_tag
+GUIDED_DECODING_GUIDE = TensorSpec("guided_decoding_guide", "TYPE_STRING", optional=True)
+SAMPLING_PARAMETERS = TensorSpec("sampling_parameters", "TYPE_STRING", optional=True)  # vLLM's: JSON text of its SamplingParams
+TENSORRT_LLM_INPUTS = (RANDOM_SEED, NUM_RETURN_SEQUENCES, MIN_LENGTH, END_ID, PAD_ID, STOP_WORDS, BAD_WORDS, EXCLUDE_INPUT_IN_OUTPUT,
+                       RETURN_CONTEXT_LOGITS, RETURN_GENERATION_LOGITS, RETURN_PERF_METRICS, GUIDED_DECODING_GUIDE_TYPE,
+                       GUIDED_DECODING_GUIDE)
 # Everything a generate request may set besides its prompt, in the llm model and the ensemble alike.
-REQUEST_OPTIONS = (*SAMPLING_INPUTS, STOP, STOP_TOKEN_IDS, RETURN_LOG_PROBS, TOP_LOG_PROBS, STREAM, STREAM_INTERVAL)
+REQUEST_OPTIONS = (*SAMPLING_INPUTS, STOP, STOP_TOKEN_IDS, RETURN_LOG_PROBS, TOP_LOG_PROBS, STREAM, STREAM_INTERVAL, *TENSORRT_LLM_INPUTS,
+                   SAMPLING_PARAMETERS)
 
 TEXT_INPUT = TensorSpec("text_input", "TYPE_STRING")
 INPUT_IDS = TensorSpec("input_ids", "TYPE_INT32", (-1,))
