@@ -5,8 +5,8 @@ tensor_parallel=2)``, kept): a one-process deployment serves beside it; a second
 torchrun, deployments laid out alike serve side by side and one laid out otherwise is refused until the
 live ones are shut down (it would change the layout their collectives read).
 
-Each flow runs in a fresh interpreter with a low ``distributed.timeout_s`` and a ``timeout=``, so a collective
-that waits on the wrong world fails the test instead of hanging it."""
+Each flow runs in a fresh interpreter with ``distributed.timeout_s`` 120 (600 by default) and a ``timeout=``,
+so a collective that waits on the wrong world fails the test instead of hanging it."""
 
 from __future__ import annotations
 
