@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(json, Llama 3.x), or the one the chat template teaches (auto)")
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="refuse requests (503 + Retry-After) while this many wait for a seat in the batch")
+    serve.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
+                       help="refuse request bodies larger than this (413) before reading them (default 16 MiB)")
     serve.add_argument("--reasoning-parser", default="none", choices=("none", "think"),
                        help="think: a chat answer's <think>…</think> block goes to message.reasoning_content (Qwen3, DeepSeek-R1, …)")
     serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
@@ -344,6 +346,8 @@ def _serve(args) -> None:
         raise ConfigError(f"autodeploy serve needs the serve extra ({error.name} is missing): pip install 'autodeploy[serve]'") from None
     if args.max_queued_requests < 1:
         raise ConfigError(f"--max-queued-requests must be ≥ 1, got {args.max_queued_requests}")
+    if args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be ≥ 1, got {args.max_request_bytes}")
     if args.stream_interval < 1:  # before a build that may take minutes
         raise ConfigError(f"--stream-interval must be ≥ 1, got {args.stream_interval}")
     if args.api_key_scope == "all" and args.api_key is None:
@@ -364,7 +368,8 @@ def _serve(args) -> None:
         raise
     name = args.served_model_name or args.model or "autodeploy-demo"
     options = ServerOptions(served_model_name=name, api_key=args.api_key, api_key_scope=args.api_key_scope, chat_template=chat_template,
-                            max_queued_requests=args.max_queued_requests, tool_call_format=args.tool_call_format,
+                            max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
+                            tool_call_format=args.tool_call_format,
                             stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser)
     run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info", sock=sock)
 

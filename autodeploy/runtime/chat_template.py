@@ -39,6 +39,11 @@ def tool_call_format(tokenizer, chat_template: str | None = None, requested: str
 def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, tools: list[ToolSpec] | None = None) -> list[int]:
     """Token ids of ``messages`` followed by the assistant's turn. The rendered text already holds whatever
     special tokens the template writes (BOS included), so it is tokenized without adding more."""
+    return tokenizer(render_chat_text(tokenizer, messages, chat_template, tools), add_special_tokens=False).input_ids
+
+
+def render_chat_text(tokenizer, messages: list[dict], chat_template: str | None = None, tools: list[ToolSpec] | None = None) -> str:
+    """``render_chat``'s text, before tokenizing (to be tokenized with ``add_special_tokens=False``)."""
     if tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer, so chat messages cannot be rendered; use /v1/completions with token ids")
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
@@ -54,7 +59,7 @@ def render_chat(tokenizer, messages: list[dict], chat_template: str | None = Non
                                              tokenize=False, add_generation_prompt=True)
     except Exception as error:  # jinja2 errors, and raise_exception() in templates that check the roles' order
         raise InvalidRequestError(f"the chat template could not render these messages: {error}") from None
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return text
 
 
 def tool_calls_of(message: dict) -> list[ToolCall]:

@@ -199,6 +199,7 @@ class Engine:
         self.peers = peers
         self._commands: list[tuple[str, Request | str]] = []  # with peers: submits and aborts for the next step
         self._structured_output: StructuredOutput | None = None  # built by the first json_schema / json_object request
+        self._longest_text: int | None = None  # check_text_length's bound, from the vocabulary when first needed
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -332,6 +333,7 @@ class Engine:
                     "this model has no tokenizer files; pass tokenizer='…' to autodeploy() or give prompts as token ids"
                 )
             _check_unicode(prompt)
+            self.check_text_length(prompt)
             token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
@@ -343,6 +345,18 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"the prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:4]}")
         return token_ids
+
+    def check_text_length(self, text: str, what: str = "the prompt") -> None:
+        """Refuse text that no ``max_seq_len`` tokens can spell, before tokenizing it: a prompt of megabytes
+        would hold the tokenizer for seconds only to be refused. No token spells more characters than the
+        vocabulary's longest entry; twice that is left for normalizers that drop characters."""
+        if self._longest_text is None:
+            self._longest_text = 2 * self.max_seq_len * max(map(len, self.tokenizer.get_vocab()), default=1)
+        if len(text) > self._longest_text:
+            raise InvalidRequestError(
+                f"{what} has {len(text):,} characters, more than {self.max_seq_len} tokens (max_seq_len) of this vocabulary "
+                f"can spell (at most {self._longest_text:,}); shorten it"
+            )
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         total = len(token_ids) + params.max_tokens

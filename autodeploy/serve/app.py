@@ -3,8 +3,10 @@
 Every request runs through one ``AsyncLLM``, so requests from all clients share the engine's batches.
 A prompt list (completions) becomes one engine request per prompt; choice ``i`` of prompt ``p`` is
 choice ``p * n + i``, as OpenAI numbers them. A client that disconnects aborts its requests, which frees
-their KV blocks at once; a request that finds ``max_queued_requests`` requests already waiting for a seat
-gets a 503 with ``Retry-After``.
+their KV blocks at once; a request that finds ``max_queued_requests`` requests already admitted and waiting
+for a seat gets a 503 with ``Retry-After``, before its prompt is even tokenized. Tokenizing, rendering chat
+templates and validating run in worker threads, so a large prompt never stalls the event loop, and a body
+over ``max_request_bytes`` is a 413 before it is read (``body_limit.py``).
 
     app = build_app(autodeploy("path/to/checkpoint"), ServerOptions(served_model_name="tiny"))
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -18,6 +20,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -31,11 +34,12 @@ from autodeploy.runtime.async_llm import AsyncLLM, check_stream_interval
 from autodeploy.runtime.llm import LLM
 from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
 from autodeploy.runtime.request import Request as EngineRequest
-from autodeploy.runtime.chat_template import render_chat, tool_call_format
+from autodeploy.runtime.chat_template import render_chat_text, tool_call_format
 from autodeploy.runtime.reasoning import CONTENT, REASONING, ReasoningParser, opens_thinking, split_reasoning
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
 from autodeploy.serve.api_key import API_KEY_SCOPES, KeyOnEveryRoute, bearer_key_matches, missing_key_error
+from autodeploy.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from autodeploy.serve.metrics import ServerMetrics
 from autodeploy.serve.model_info import add_model_info_routes
 from autodeploy.serve.openai_errors import APIError, error_body, install_error_handlers, invalid_request
@@ -52,7 +56,8 @@ class ServerOptions:
     """``served_model_name``: the id clients pass as ``model``. ``api_key``: when set, the API's routes need
     ``Authorization: Bearer <api_key>``; ``api_key_scope`` ``"all"`` extends that to every route but ``/health``
     (``api_key.py``). ``chat_template``: Jinja text overriding the tokenizer's.
-    ``max_queued_requests``: a request is refused (503) while this many wait for a seat in the batch.
+    ``max_queued_requests``: a request is refused (503) while this many admitted requests wait for a seat in the
+    batch. ``max_request_bytes``: a larger request body is refused (413) before it is read.
     ``tool_call_format``: how tool calls are generated, ``"hermes"`` tags or bare ``"json"`` (``"auto"``: the
     one the chat template teaches, ``runtime/tool_calls.py``). ``stream_interval``: a stream's chunks after
     the first carry this many new tokens each (the last fewer): fewer events to encode and send, at longer
@@ -66,6 +71,7 @@ class ServerOptions:
     chat_template: str | None = None
     max_queued_requests: int = 256
     retry_after_s: int = 1
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tool_call_format: str = "auto"
     stream_interval: int = 1
     reasoning_parser: str = "none"
@@ -88,6 +94,9 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         raise ConfigError(f"api_key_scope must be one of {', '.join(API_KEY_SCOPES)}, got {options.api_key_scope!r}")
     if options.api_key_scope == "all" and options.api_key is None:
         raise ConfigError("api_key_scope all needs an api_key (--api-key)")
+    if options.max_queued_requests < 1 or options.max_request_bytes < 1:
+        raise ConfigError(f"max_queued_requests and max_request_bytes must be ≥ 1, got {options.max_queued_requests} and "
+                          f"{options.max_request_bytes}")
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
 
@@ -101,6 +110,7 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
 
     app = FastAPI(title="autodeploy", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
     if options.api_key_scope == "all":
         app.add_middleware(KeyOnEveryRoute, api_key=options.api_key)
     authorized = [Depends(server.check_api_key)]
@@ -123,8 +133,9 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
+        server.refuse_if_busy()
         texts = body.prompts()
-        prompts = _indexed(engine.tokenize, texts)
+        prompts = await asyncio.to_thread(_indexed, engine.tokenize, texts)
         samples = body.best_of or body.n
         # best_of > n: every sample scored by its log-probability, so the engine returns them
         logprobs = body.logprobs if samples == body.n or body.logprobs is not None else 0
@@ -146,7 +157,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         server.check_model(body.model)
         body.check_supported()
         tools, choice = body.tool_setup(call_format)
-        prompt = render_chat(llm.tokenizer, [m.template_input() for m in body.messages], options.chat_template, tools)
+        server.refuse_if_busy()
+        prompt = await asyncio.to_thread(server.render_chat, [m.template_input() for m in body.messages], tools)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = engine.max_seq_len - len(prompt)
@@ -168,9 +180,9 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         body.check_supported()
         if body.messages is not None:
             tools = body.checked_tools()
-            tokens = render_chat(llm.tokenizer, [m.template_input() for m in body.messages], options.chat_template, tools)
+            tokens = await asyncio.to_thread(server.render_chat, [m.template_input() for m in body.messages], tools)
         else:
-            tokens = engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await asyncio.to_thread(engine.tokenize, body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_seq_len, "tokens": tokens}
 
     @app.post("/detokenize", dependencies=authorized)
@@ -207,6 +219,8 @@ class _Server:
         self.metrics = metrics
         self.started = int(time.time())
         self.async_llm: AsyncLLM | None = None
+        self._queued: set[EngineRequest] = set()  # admitted, not yet scheduled (max_queued_requests bounds those without a seat)
+        self._admission = threading.RLock()  # admit runs in worker threads
 
     async def check_api_key(self, request: Request) -> None:
         if self.options.api_key is not None and not bearer_key_matches(request.headers.get("authorization", ""), self.options.api_key):
@@ -217,8 +231,36 @@ class _Server:
             raise APIError(400, f"model {model!r} is not served here; this server serves {self.options.served_model_name!r} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
 
+    def render_chat(self, messages: list[dict], tools: list[ToolSpec] | None) -> list[int]:
+        """The chat's prompt token ids (its text checked for length before it is tokenized)."""
+        text = render_chat_text(self.llm.tokenizer, messages, self.options.chat_template, tools)
+        return self.engine.tokenize(text, add_special_tokens=False)
+
+    def _num_waiting(self) -> int:
+        """Admitted requests that no step has scheduled yet, less the seats free for them (under ``_admission``)."""
+        self._queued = {r for r in self._queued if r.first_scheduled_time is None and not r.finished}
+        free_seats = self.engine.scheduler.max_num_seqs - len(self.engine.scheduler.running)
+        return max(0, len(self._queued) - free_seats)
+
+    def refuse_if_busy(self) -> None:
+        """A 503 while ``max_queued_requests`` admitted requests wait for a seat: checked first, so a refusal costs
+        no tokenizing, and again when admitting."""
+        with self._admission:
+            waiting = self._num_waiting()
+        if waiting >= self.options.max_queued_requests:
+            self.metrics.rejected.inc()
+            raise APIError(503, f"the server is busy: {waiting} requests are waiting for a seat (--max-queued-requests "
+                                f"{self.options.max_queued_requests}); retry later", code="queue_full",
+                           headers={"Retry-After": str(self.options.retry_after_s)})
+
+    def release(self, requests: list[EngineRequest]) -> None:
+        """Forget admitted requests whose response has ended (a client may leave before they were submitted)."""
+        with self._admission:
+            self._queued.difference_update(requests)
+
     def admit(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineRequest]:
-        """The engine's requests, one per prompt, each validated before any is queued; refused while the queue is full."""
+        """The engine's requests, one per prompt, each validated before any is queued; refused while the queue is
+        full. The count and the new requests change under one lock, so a burst cannot overshoot the limit."""
         sequences, seats = len(prompts) * params.n, self.engine.scheduler.max_num_seqs
         if sequences > seats:  # the samples fork together; more than the batch holds would evict everyone else
             raise APIError(400, f"this request needs {sequences} sequences ({len(prompts)} prompt(s) × {params.n} samples (n or "
@@ -230,21 +272,21 @@ class _Server:
                 requests.append(self.engine.make_request(prompt, params))
             except InvalidRequestError as error:
                 raise invalid_request(InvalidRequestError(f"prompt {index}: {error}" if len(prompts) > 1 else str(error))) from None
-        waiting = len({s.request.request_id for s in list(self.engine.scheduler.waiting)})
-        if waiting >= self.options.max_queued_requests:
-            self.metrics.rejected.inc()
-            raise APIError(503, f"the server is busy: {waiting} requests are waiting for a seat (--max-queued-requests "
-                                f"{self.options.max_queued_requests}); retry later", code="queue_full",
-                           headers={"Retry-After": str(self.options.retry_after_s)})
+        with self._admission:
+            self.refuse_if_busy()
+            self._queued.update(requests)
         return requests
 
     async def respond(self, request: Request, writer: _ResponseFormat, prompts: list[list[int]], params: SamplingParams,
                       stream: bool, include_usage: bool) -> Response:
-        queued = self.admit(prompts, params)
+        queued = await asyncio.to_thread(self.admit, prompts, params)
         if stream:
             return StreamingResponse(self._events(writer, queued, params, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        finals = await _unless_disconnected(request, self._finals(queued))
+        try:
+            finals = await _unless_disconnected(request, self._finals(queued))
+        finally:
+            self.release(queued)
         if finals is None:  # the client left; its requests were aborted
             for _ in queued:
                 self.metrics.observe_abandoned()
@@ -293,6 +335,7 @@ class _Server:
             logger.exception("stream failed")
             yield _event(error_body(500, error_summary(error)))
         finally:
+            self.release(queued)
             for _ in range(len(queued) - len(finals)):
                 self.metrics.observe_abandoned()
         yield "data: [DONE]\n\n"
@@ -527,6 +570,7 @@ class _ChatFormat(_ResponseFormat):
         content = [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top.items()]}
                    for t, lp, top in zip(completion.token_ids[start:], completion.logprobs[start:], completion.top_logprobs[start:])]
         return {"content": content}
+
 
 class _LegacyFunctionFormat(_ChatFormat):
     """Chat for a request made with the deprecated ``functions``: OpenAI answers it with the call in

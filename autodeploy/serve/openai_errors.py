@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^[A-Z]")
 _PYDANTIC_ERRORS = set(typing.get_args(core_schema.ErrorType))
 _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                   405: "invalid_request_error", 503: "server_error"}
+                   405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
 
 
 class APIError(Exception):

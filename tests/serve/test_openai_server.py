@@ -44,8 +44,8 @@ def url(llama_llm):
 
 @pytest.fixture(scope="module")
 def guarded_url(llama_llm):
-    """No chat template, an API key, and room for one waiting request."""
-    with serving(llama_llm, api_key=API_KEY, max_queued_requests=1) as base:
+    """No chat template and an API key (a full queue: tests/serve/test_server_limits.py)."""
+    with serving(llama_llm, api_key=API_KEY) as base:
         yield base
 
 
@@ -347,29 +347,6 @@ def test_api_key(guarded_url):
     guarded = openai.OpenAI(base_url=f"{guarded_url}/v1", api_key=API_KEY, max_retries=0)
     assert guarded.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
     assert httpx.get(f"{guarded_url}/health").status_code == 200  # probes need no key
-
-
-def test_a_full_queue_is_a_503_with_retry_after(llama_llm, guarded_url):
-    """Room for one waiting request: with the engine paused (its step lock held, so nothing gets a seat),
-    a first request waits and a second is refused; the first completes once the engine runs again."""
-    engine = llama_llm.engine
-    headers = {"authorization": f"Bearer {API_KEY}"}
-    answers = []
-    waiter = threading.Thread(target=lambda: answers.append(httpx.post(
-        f"{guarded_url}/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2}, headers=headers, timeout=60)))
-    with engine._step_lock:
-        waiter.start()
-        deadline = time.monotonic() + 30
-        while not engine.scheduler.waiting:
-            assert time.monotonic() < deadline, "the first request never reached the engine"
-            time.sleep(0.005)
-        refused = httpx.post(f"{guarded_url}/v1/completions", json={"model": MODEL, "prompt": "z"}, headers=headers)
-    waiter.join(timeout=30)
-    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-    assert refused.json()["error"]["code"] == "queue_full" and "--max-queued-requests 1" in refused.json()["error"]["message"]
-    assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 2
-    assert metric(guarded_url, "autodeploy_requests_rejected_total") == 1
-    wait_idle(llama_llm)
 
 
 # ---- load and disconnects -------------------------------------------------------------------------------------
