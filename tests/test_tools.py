@@ -12,7 +12,7 @@ import pytest
 
 from autodeploy import SamplingParams, ToolRegistry
 from autodeploy.errors import ConfigError, InvalidRequestError
-from autodeploy.runtime.tool_calls import ToolCall
+from autodeploy.runtime.tool_calls import CutOffToolCall, ToolCall
 from tests.runtime.test_tool_calls import TOOLS, TOOLS_TEMPLATE
 
 
@@ -146,6 +146,20 @@ def test_chat_runs_the_calls_and_feeds_the_results_back(llama_llm):
     assert len(reply.outputs) == 2  # the tiny model answers in text once the call is made
     # the second round saw the call and its result: its prompt is the rendered conversation so far
     assert reply.outputs[1].prompt_token_ids[: len(reply.outputs[0].prompt_token_ids)] == reply.outputs[0].prompt_token_ids
+
+
+def test_chat_never_runs_a_call_cut_off_by_max_tokens(llama_llm):
+    ran: list[str] = []
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    call = dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}, chat_template=TOOLS_TEMPLATE)
+    schemas = [spec.to_openai() for spec in weather_registry().specs()]  # the same tools, returned unrun
+    whole = llama_llm.chat(messages, SamplingParams(max_tokens=120, temperature=0), tools=schemas, **call)
+    cut = len(whole.outputs[0].outputs[0].token_ids) - 20  # inside the arguments (the byte-level end tag and braces are ~16)
+    reply = llama_llm.chat(messages, SamplingParams(max_tokens=cut, temperature=0), tools=weather_registry(ran), **call)
+    assert reply.finish_reason == "length" and not ran and not reply.trace and reply.content is None
+    [cut_off] = reply.tool_calls
+    assert isinstance(cut_off, CutOffToolCall) and cut_off.name == "get_weather"
+    assert reply.messages[-1]["tool_calls"] == [cut_off.to_openai()]
 
 
 def test_chat_with_tool_schemas_returns_the_calls_unrun(llama_llm):

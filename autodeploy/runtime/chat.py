@@ -18,7 +18,7 @@ from autodeploy.runtime.chat_template import render_chat, tool_call_format
 from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.reasoning import opens_thinking, split_reasoning
 from autodeploy.runtime.sampling_params import SamplingParams
-from autodeploy.runtime.tool_calls import ToolCall, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs
+from autodeploy.runtime.tool_calls import CutOffToolCall, ToolCall, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs
 
 
 @dataclass
@@ -71,8 +71,8 @@ def run_chat(llm, messages: list[dict], params: SamplingParams | None, tools, to
         result.outputs.append(output)
         result.content, result.tool_calls, result.reasoning = content, calls, thought
         result.finish_reason = "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason
-        if not calls or registry is None:
-            return result
+        if not calls or registry is None or any(isinstance(call, CutOffToolCall) for call in calls):
+            return result  # (a call cut off by max_tokens is reported, never run; finish_reason "length")
         for call in calls:
             ran = registry.call(call)
             result.trace.append(ran)

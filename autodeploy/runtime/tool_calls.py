@@ -25,6 +25,7 @@ streams: in that format, or as a bare JSON object (or list of them) with ``"name
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -66,6 +67,42 @@ class ToolCall:
     def to_text(self) -> str:
         """The call as the model writes it (for chat templates that know nothing of tool calls)."""
         return f"{CALL_START}\n{json.dumps({'name': self.name, 'arguments': self.arguments}, ensure_ascii=False)}\n{CALL_END}"
+
+
+@dataclass
+class CutOffToolCall:
+    """A call that ``max_tokens`` cut short: the function's name and its arguments' JSON text so far. OpenAI
+    reports such a call as it stands (``finish_reason`` "length"); it is never run."""
+
+    name: str
+    arguments_text: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments_text}}
+
+
+# The start of a call's JSON: its complete name, then what follows it.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(.*)', re.DOTALL)
+_ARGUMENTS_BEGUN = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)', re.DOTALL)
+_KEY_BEGUN = re.compile(r'\s*(?:,\s*(?:"\w*)?)?')
+
+
+def _begins_call(text: str) -> bool:
+    """Whether ``text`` is a call's JSON cut off before its name was whole (``{"na``, ``{"name": "get_w``)."""
+    compact = re.sub(r"\s+", "", text.removeprefix("```json").removeprefix("```"))
+    return bool(compact) and ('{"name":"'.startswith(compact) or re.fullmatch(r'\{"name":"[^"]*', compact) is not None)
+
+
+def _cut_off_call(text: str, specs: list[ToolSpec]) -> CutOffToolCall | None:
+    """The call a text cut off mid-call had begun, once its name is whole and names a tool; else None."""
+    head = _CALL_HEAD.fullmatch(text.removeprefix("```json").removeprefix("```"))
+    if head is None or not any(spec.name == json.loads(f'"{head.group(1)}"') for spec in specs):
+        return None
+    arguments = _ARGUMENTS_BEGUN.fullmatch(head.group(2))
+    if arguments is None and not _KEY_BEGUN.fullmatch(head.group(2)):
+        return None
+    return CutOffToolCall(json.loads(f'"{head.group(1)}"'), arguments.group(1) if arguments else "")
 
 
 TOOL_CALL_FORMATS = ("hermes", "json")
@@ -225,7 +262,8 @@ def _bare_calls(text: str, specs: list[ToolSpec]) -> tuple[list[ToolCall], str]:
 
 
 class ToolCallParser:
-    """Split text, fed as it streams, into content pieces (str) and ``ToolCall``s, in order.
+    """Split text, fed as it streams, into content pieces (str) and ``ToolCall``s, in order (at ``finish``, a
+    call cut off by ``max_tokens`` is a ``CutOffToolCall``, never content).
 
     Text that may still turn into a call is held back: a tail that could begin ``<tool_call>``, a call
     until its end tag, a whole output that starts like JSON (a bare call) until ``finish``, and blank text
@@ -268,9 +306,10 @@ class ToolCallParser:
                 self._pending = self._pending[len(head):]
             return events
 
-    def finish(self) -> list[str | ToolCall]:
-        """The rest, once the generation ended (a call cut off by ``max_tokens`` is parsed if it is whole JSON)."""
-        events: list[str | ToolCall] = []
+    def finish(self) -> list[str | ToolCall | CutOffToolCall]:
+        """The rest, once the generation ended: a call cut off by ``max_tokens`` is parsed if it is whole JSON,
+        else reported as a ``CutOffToolCall`` (its markup never becomes content)."""
+        events: list[str | ToolCall | CutOffToolCall] = []
         rest, self._pending = self._pending, ""
         if self._in_call:
             self._in_call = False
@@ -281,15 +320,31 @@ class ToolCallParser:
             events.extend(calls)
             self.num_calls += len(calls)
             self._emitted = True
+        cut_off = _cut_off_call(rest, self.specs) if not self._flowing else None
+        if cut_off is not None:
+            events.append(cut_off)
+            self.num_calls += 1
+            return events
+        if not self._flowing and _begins_call(rest):  # cut off before the call's name was whole: nothing to report
+            return events
+        tag_begun = rest[len(streamable_prefix(rest, [CALL_START])):]
+        if len(tag_begun) > 1:  # cut off inside "<tool_call>" itself: markup, not content
+            rest = rest[: -len(tag_begun)]
         if rest.strip() or self._flowing:
             self._emit_content(rest, events)
         return events
 
     def _emit_block(self, body: str, closed: bool, events: list) -> None:
+        if not closed:  # cut off, perhaps inside the end tag
+            body = streamable_prefix(body, [CALL_END])
         try:
             call = _call_from_json(json.loads(body), self.specs)
         except ValueError:
             call = None
+        if call is None and not closed:  # cut off: what the call has so far, or nothing before its name is whole
+            call = _cut_off_call(body, self.specs)
+            if call is None:
+                return
         if call is None:
             self._emit_content(CALL_START + body + (CALL_END if closed else ""), events)
             return
@@ -303,8 +358,9 @@ class ToolCallParser:
             self._emitted, self._flowing = True, True
 
 
-def parse_tool_calls(text: str, specs: list[ToolSpec]) -> tuple[str | None, list[ToolCall]]:
-    """``(content, calls)`` of a whole generation: the text outside calls (None when blank) and the calls.
+def parse_tool_calls(text: str, specs: list[ToolSpec]) -> tuple[str | None, list[ToolCall | CutOffToolCall]]:
+    """``(content, calls)`` of a whole generation: the text outside calls (None when blank) and the calls (the
+    last a ``CutOffToolCall`` when ``max_tokens`` cut it short).
 
     >>> specs = [ToolSpec("now", "", {"type": "object", "properties": {}})]
     >>> parse_tool_calls('Let me look.\\n<tool_call>\\n{"name": "now", "arguments": {}}\\n</tool_call>', specs)[0]
@@ -315,4 +371,4 @@ def parse_tool_calls(text: str, specs: list[ToolSpec]) -> tuple[str | None, list
     parser = ToolCallParser(specs)
     events = parser.feed(text) + parser.finish()
     content = "".join(e for e in events if isinstance(e, str))
-    return (content if content.strip() else None), [e for e in events if isinstance(e, ToolCall)]
+    return (content if content.strip() else None), [e for e in events if not isinstance(e, str)]

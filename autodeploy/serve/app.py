@@ -37,7 +37,7 @@ from autodeploy.runtime.request import Request as EngineRequest
 from autodeploy.runtime.chat_template import render_chat_text, tool_call_format
 from autodeploy.runtime.reasoning import CONTENT, REASONING, ReasoningParser, opens_thinking, split_reasoning
 from autodeploy.runtime.sampling_params import SamplingParams
-from autodeploy.runtime.tool_calls import ToolCall, ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
+from autodeploy.runtime.tool_calls import ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
 from autodeploy.serve.api_key import API_KEY_SCOPES, KeyOnEveryRoute, bearer_key_matches, missing_key_error
 from autodeploy.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from autodeploy.serve.metrics import ServerMetrics
@@ -547,7 +547,7 @@ class _ChatFormat(_ResponseFormat):
             calls_before = parser.num_calls
             events = parser.feed(text) + (parser.finish() if finish_reason is not None else [])
             delta["content"] = "".join(e for e in events if isinstance(e, str))
-            calls = [e for e in events if isinstance(e, ToolCall)]
+            calls = [e for e in events if not isinstance(e, str)]  # ToolCalls, and at the end perhaps a CutOffToolCall
             if calls:
                 delta["tool_calls"] = [{"index": calls_before + i, **c.to_openai()} for i, c in enumerate(calls)]
             if parser.num_calls and finish_reason == "stop":

@@ -16,7 +16,7 @@ from autodeploy import SamplingParams
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.chat_template import render_chat, tool_call_format, tool_calls_of
 from autodeploy.runtime.tool_calls import (
-    ToolCall, ToolCallParser, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs,
+    CutOffToolCall, ToolCall, ToolCallParser, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs,
 )
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "celsius": {"type": "boolean"}},
@@ -49,24 +49,40 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</t
      [("now", {}), ("get_weather", {"city": "Rome"})]),                                          # json format, several
     ('{"name": "now", "parameters": {}}; {"name": "now", "parameters": {}}', None, [("now", {}), ("now", {})]),
     ('{"name": "now", "parameters": {}} and more', "and more", [("now", {})]),
-    ('{"name": "now", "parameters": {}}\n{"name": "now", "param', '{"name": "now", "param', [("now", {})]),  # cut short
+    ('{"name": "now", "parameters": {}}\n{"name": "now", "param', None, [("now", {}), ("now", "")]),  # cut short
     ('{"name": "unknown", "arguments": {}}', '{"name": "unknown", "arguments": {}}', []),           # not a tool: content
     ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
     ('<tool_call>\n{"name": "now", "arguments": {}}', None, [("now", {})]),                          # cut before its end tag
-    ("a < b and <tool", "a < b and <tool", []),
+    ("a < b and <tool", "a < b and ", []),                                                          # cut inside the tag
+    ("a <", "a <", []),
+    # cut off by max_tokens mid-call: reported as OpenAI does, with the arguments so far, never as content
+    ('<tool_call>\n{"name": "get_weather", "arguments', None, [("get_weather", "")]),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None, [("get_weather", '{"city": "Pa')]),
+    ('Sure.\n<tool_call>\n{"na', "Sure.\n", []),
+    ('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_c', None, [("now", {})]),      # cut inside the end tag
+    ('{"name": "now", "parameters": {}}\n{"n', None, [("now", {})]),
+    ('{"name": "get_w', None, []),
+    ('<tool_call>\n{"name": "unknown", "arguments": {', None, []),
+    ('{"name": "get_weather", "parameters": {"ci', None, [("get_weather", '{"ci')]),
     ("plain text", "plain text", []),
     ("", None, []),
 ])
 def test_parse_tool_calls(text, content, calls):
     parsed_content, parsed = parse_tool_calls(text, SPECS)
     assert parsed_content == content
-    assert [(c.name, c.arguments) for c in parsed] == calls
+    assert [summary(c) for c in parsed] == calls
     assert len({c.id for c in parsed}) == len(parsed)
+
+
+def summary(call: ToolCall | CutOffToolCall) -> tuple:
+    """(name, arguments): a dict for a whole call, the JSON text so far for one cut off."""
+    return (call.name, call.arguments) if isinstance(call, ToolCall) else (call.name, call.arguments_text)
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.sampled_from([CALL, "Hi " + CALL + " bye", "\n \n" + CALL + "\n\n" + CALL, '{"name": "now", "arguments": {}}',
-                        "x <tool_call y", "text\n\nwith  spaces ", "<tool_call>\n{bad}\n</tool_call> after"]),
+                        "x <tool_call y", "text\n\nwith  spaces ", "<tool_call>\n{bad}\n</tool_call> after",
+                        CALL + '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci', "a <tool_c"]),
        st.lists(st.integers(min_value=1, max_value=90), max_size=8))
 def test_streamed_pieces_parse_as_the_whole_text_does(text, cuts):
     """However the text is split into deltas, the parser gives the same content and calls as on the whole."""
@@ -77,7 +93,7 @@ def test_streamed_pieces_parse_as_the_whole_text_does(text, cuts):
     content = "".join(e for e in events if isinstance(e, str))
     whole_content, whole_calls = parse_tool_calls(text, SPECS)
     assert (content if content.strip() else None) == whole_content
-    assert [(c.name, c.arguments) for c in events if isinstance(c, ToolCall)] == [(c.name, c.arguments) for c in whole_calls]
+    assert [summary(c) for c in events if not isinstance(c, str)] == [summary(c) for c in whole_calls]
 
 
 # ---- checks ---------------------------------------------------------------------------------------------------
@@ -170,12 +186,14 @@ def test_required_and_named_calls_are_valid_calls_of_the_tools(llama_llm, choice
     for completion in output.outputs:
         content, calls = parse_tool_calls(completion.text, SPECS)
         assert calls, completion.text
+        assert content is None, completion.text  # a call cut short is a CutOffToolCall, never text
+        whole = [c for c in calls if isinstance(c, ToolCall)]
         if choice.parallel and completion.finish_reason == "length":  # a sampled model may call on and on
-            assert content is None or content.startswith(("<tool_call>", '{"n'))  # a call cut short stays text
+            assert calls in (whole, whole + calls[-1:])  # the last perhaps cut off
         else:
-            assert completion.finish_reason == "stop" and content is None, completion.text
+            assert completion.finish_reason == "stop" and calls == whole, completion.text
         assert choice.parallel or len(calls) == 1
-        for call in calls:
+        for call in whole:
             assert choice.mode != "function" or call.name == choice.name
             jsonschema.validate(call.arguments, schemas[call.name])
 

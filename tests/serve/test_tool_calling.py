@@ -86,6 +86,35 @@ def test_required_and_named_calls_come_back_as_tool_calls(client, tool_choice):
     assert streamed(client, **request) == ("", calls, "tool_calls")
 
 
+def test_a_call_cut_off_by_max_tokens_is_reported_as_openai_does(client):
+    """finish_reason "length"; the call so far in tool_calls (its arguments' JSON text cut where generation
+    stopped); no markup in content, whole or streamed (it leaked '<tool_call>\\n{"name": …' before)."""
+    request = dict(messages=QUESTION, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   parallel_tool_calls=False, **GREEDY)
+    answer = client.chat.completions.create(model=MODEL, max_tokens=150, **request)
+    full_arguments = answer.choices[0].message.tool_calls[0].function.arguments
+    reported = 0
+    for max_tokens in range(2, answer.usage.completion_tokens, 4):
+        (choice,) = client.chat.completions.create(model=MODEL, max_tokens=max_tokens, **request).choices
+        if choice.finish_reason != "length":
+            continue
+        assert choice.message.content is None, choice.message.content
+        for call in choice.message.tool_calls or []:
+            # the text as generated (the whole call's arguments come back re-encoded, with ", " and ": ")
+            assert call.function.name == "get_weather" and compact(full_arguments).startswith(compact(call.function.arguments))
+            reported += 1
+        content, arguments = "", []
+        for chunk in client.chat.completions.create(model=MODEL, max_tokens=max_tokens, stream=True, **request):
+            content += chunk.choices[0].delta.content or ""
+            arguments += [c.function.arguments for c in chunk.choices[0].delta.tool_calls or []]
+        assert content == "" and arguments == [c.function.arguments for c in choice.message.tool_calls or []]
+    assert reported  # some cut fell inside the arguments
+
+
+def compact(json_text: str) -> str:
+    return "".join(json_text.split())
+
+
 def test_tool_choice_none_generates_text_as_without_tools(client, llama_llm):
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=12, **GREEDY)
     prompt = render_chat(llama_llm.tokenizer, QUESTION, TOOLS_TEMPLATE, SPECS)
