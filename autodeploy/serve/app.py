@@ -176,7 +176,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
 
     @app.post("/tokenize", dependencies=authorized)
     async def tokenize(body: TokenizeRequest) -> dict:
-        server.check_model(body.model)
+        if body.model is not None:
+            server.check_model(body.model)
         body.check_supported()
         if body.messages is not None:
             tools = body.checked_tools()
@@ -187,7 +188,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
 
     @app.post("/detokenize", dependencies=authorized)
     async def detokenize(body: DetokenizeRequest) -> dict:
-        server.check_model(body.model)
+        if body.model is not None:
+            server.check_model(body.model)
         if llm.tokenizer is None:
             raise APIError(400, "this model has no tokenizer files, so token ids cannot be decoded", param="tokens")
         outside = [t for t in body.tokens if not 0 <= t < engine.vocab_size]

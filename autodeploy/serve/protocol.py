@@ -63,7 +63,7 @@ def _invalid(message: str, param: str) -> InvalidRequestError:
     return error
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """JSON's types only, unknown fields refused, and ``null`` the same as leaving a field out."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -74,19 +74,19 @@ class _Strict(BaseModel):
         return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     include_obfuscation: bool = False  # padding against a length side channel: accepted, nothing is padded here
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(StrictModel):
     name: str | None = None
     description: str | None = None
     schema_: dict = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's ``response_format``. ``strict`` is always honoured: the grammar enforces the schema either way."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -102,7 +102,7 @@ class ResponseFormat(_Strict):
         return {}
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictModel):
     """Fields shared by completions and chat completions."""
 
     model: str
@@ -200,18 +200,18 @@ def echoed_prompt(prompt: str | list[int], token_ids: list[int], tokenizer) -> t
     return prompt, added if added > 0 and token_ids[added:] == text_ids else 0
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
     prompt_cache_breakpoint: dict | None = None  # a caching hint: accepted, the prefix cache needs none
 
 
-class CalledFunction(_Strict):
+class CalledFunction(StrictModel):
     name: str
     arguments: str | dict  # OpenAI's JSON text; a dict as Hugging Face chat templates take it
 
 
-class MessageToolCall(_Strict):
+class MessageToolCall(StrictModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: CalledFunction
@@ -226,7 +226,7 @@ def _text_parts_only(content):
     return content
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One turn: ``tool_calls`` on an assistant turn that called tools, ``tool_call_id`` on a tool's result; the
     deprecated ``function_call`` (assistant) and ``function`` role (a function's result) are the same, one call a
     turn. ``refusal`` (an earlier answer's) is bookkeeping; ``audio`` (an earlier audio answer) is refused."""
@@ -252,7 +252,7 @@ class ChatMessage(_Strict):
         return message
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     """A function tool. ``strict`` is always honoured: calls are generated under a grammar of the parameters'
     schema either way."""
 
@@ -262,7 +262,7 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
@@ -276,11 +276,11 @@ def _function_tools_only(tools):
     return tools
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
@@ -393,11 +393,12 @@ def legacy_function_call(choice: dict) -> dict:
     return {**choice, key: message, "finish_reason": finish_reason}
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """``/tokenize`` (vLLM's): a ``prompt`` as the completions endpoint tokenizes it, or ``messages`` (and
-    ``tools``) as the chat endpoint renders them."""
+    ``tools``) as the chat endpoint renders them. ``model`` may be left out, as vLLM allows (lm-eval's remote
+    tokenizer sends none)."""
 
-    model: str
+    model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
@@ -415,9 +416,9 @@ class TokenizeRequest(_Strict):
         return _checked_tools(self.tools)
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """``/detokenize`` (vLLM's): token ids → text."""
 
-    model: str
+    model: str | None = None  # optional, as for /tokenize
     tokens: list[int]
 

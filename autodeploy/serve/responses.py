@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator
 from pydantic_core import PydanticCustomError
 
 from autodeploy.errors import InvalidRequestError
 from autodeploy.serve.openai_errors import APIError, invalid_request
-from autodeploy.serve.protocol import ChatCompletionRequest
+from autodeploy.serve.protocol import ChatCompletionRequest, StrictModel
 
 if TYPE_CHECKING:
     from autodeploy.serve.app import _Server
@@ -51,21 +51,10 @@ _REFUSED = {
 }
 
 
-class _Strict(BaseModel):
-    """Unknown fields and wrong types are 400s, and ``null`` is a field left out, as on the chat endpoints."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data):
-        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
-
-
 # ---- the request -------------------------------------------------------------------------------------------------
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     """Text of a message: ``input_text``, or the ``output_text`` of an earlier answer fed back."""
 
     type: Literal["input_text", "output_text"]
@@ -78,7 +67,7 @@ class TextPart(_Strict):
         return self.text
 
 
-class RefusalPart(_Strict):
+class RefusalPart(StrictModel):
     """A refusal in an earlier answer fed back: its text is what the assistant said."""
 
     type: Literal["refusal"]
@@ -105,7 +94,7 @@ def _parts(value):
     return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Content
@@ -119,7 +108,7 @@ class MessageItem(_Strict):
         messages.append({"role": self.role, "content": "".join(part.value for part in self.content)})
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     """A call the model made earlier: the assistant's turn (beside its text, if that turn had some)."""
 
     type: Literal["function_call"]
@@ -146,7 +135,7 @@ class FunctionCallItem(_Strict):
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     """A call's result: the tool's turn."""
 
     type: Literal["function_call_output"]
@@ -161,12 +150,12 @@ class FunctionCallOutputItem(_Strict):
         messages.append({"role": "tool", "tool_call_id": self.call_id, "content": "".join(part.value for part in self.output)})
 
 
-class ReasoningText(_Strict):
+class ReasoningText(StrictModel):
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(StrictModel):
     """Reasoning of an earlier turn, fed back as agents do: not rendered, as chat templates drop earlier turns'
     reasoning (and the chat path has no field for it)."""
 
@@ -189,7 +178,7 @@ InputItem = Annotated[
         "calls are not supported, nor item_reference (responses are not stored on this server)"))]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     """A function tool in the Responses' flat shape. ``strict`` is always honoured: calls are generated under a
     grammar of the parameters' schema either way."""
 
@@ -206,12 +195,12 @@ class FunctionTool(_Strict):
         return {"type": "function", "function": function}
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
@@ -229,16 +218,16 @@ class TextFormat(_Strict):
         return {"type": "json_schema", "json_schema": {k: v for k, v in json_schema.items() if v is not None}}
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # padding against a length side channel; nothing is obfuscated here
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     """The body of ``POST /v1/responses`` (OpenAI's fields; docs/responses-api.md says what each does here)."""
 
     model: str

@@ -109,6 +109,14 @@ def test_tokenizer_info_is_vllms(llama_llm, url):
     assert tokenizer(info["eos_token"], add_special_tokens=False).input_ids == [tokenizer.eos_token_id]
 
 
+def test_lm_evals_remote_tokenizer_probe(url):
+    """lm_eval.utils.check_remote_tokenizer_support's calls: /tokenize and /detokenize without a model."""
+    assert "eos_token" in httpx.get(f"{url}/tokenizer_info").json()
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()["tokens"]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tokens}).json()["prompt"] == "test"
+    assert httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "test"}).status_code == 400  # a wrong one still is
+
+
 def test_the_new_routes_need_the_api_key(llama_llm):
     with serving_in_thread(app(llama_llm, chat_template=TEMPLATE, api_key="sk-test")) as base:
         for method, path in [("GET", f"/v1/models/{MODEL}"), ("GET", "/tokenizer_info"), ("POST", "/v1/responses")]:
