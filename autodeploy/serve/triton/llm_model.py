@@ -73,7 +73,7 @@ class TritonPythonModel:
         # (before its final response), never on a timer (a refresh each second hung 2 runs of 12).
         self.metrics = TritonMetrics(self.llm.engine, {"model": args["model_name"], "version": args["model_version"]})
         # Everything loaded so far (~500k objects) lives as long as the model: out of the collector's sight, a
-        # full collection (below, and Python's own) takes milliseconds instead of 230–260 ms holding the GIL.
+        # full collection (Python's own) takes milliseconds instead of 230–260 ms holding the GIL.
         gc.freeze()
 
     def execute(self, requests: list) -> None:
@@ -89,17 +89,8 @@ class TritonPythonModel:
             wanted = set(request.requested_output_names())
             future = asyncio.run_coroutine_threadsafe(self._respond(prompt, params, stream, interval, wanted, sender), self.loop)
             self.in_flight.add(future)
-            future.add_done_callback(self._done)
+            future.add_done_callback(self.in_flight.discard)
         return None
-
-    def _done(self, future: concurrent.futures.Future) -> None:
-        self.in_flight.discard(future)
-        if not self.in_flight:
-            # Reference cycles keep some finished requests' senders alive, and Triton unloads the model (and
-            # exits) only once every request is released: without this, after concurrent streams a shutdown
-            # waited out its 30 s timeout. Collected a moment after it goes idle (once the finished coroutines
-            # and their tasks are gone), so a busy engine never pays for it.
-            self.loop.call_soon_threadsafe(self.loop.call_later, 0.5, gc.collect)
 
     def finalize(self) -> None:
         self.async_llm.shutdown()  # requests still running end with "abort", which their coroutines send
@@ -108,9 +99,6 @@ class TritonPythonModel:
         self.loop_thread.join()
         self.metrics.close()
         self.llm.shutdown()
-        # The idle-time collection (_done) may not have run yet: cycles that still hold requests would keep
-        # them, and the ensemble that sent them, from being released, and Triton's exit would wait them out.
-        gc.collect()
 
     async def _respond(self, prompt, params, stream: bool, interval: int, wanted: set[str], sender) -> None:
         try:
