@@ -58,6 +58,14 @@ ALPHABET = "abAB .!é"
 terms = st.lists(st.text(ALPHABET, min_size=1, max_size=5).filter(str.strip), min_size=1, max_size=3)
 
 
+def test_the_longest_term_wins_whatever_the_case_of_the_terms():
+    """Found by the property test below: terms that differ in case were separate trie branches, and the
+    shorter one's branch matched first."""
+    assert Blocklist(["A", "a."]).apply("A.") == REDACTION
+    assert Blocklist(["Top", "top secret"]).apply("TOP SECRET!") == REDACTION + "!"
+    assert Blocklist(["Top", "top secret"]).settled("it is TOP SEC") == "it is "
+
+
 @settings(max_examples=400, deadline=None)
 @given(terms, st.sampled_from(["redact", "refuse"]), st.text(ALPHABET, max_size=24), st.data())
 def test_streamed_pieces_add_up_to_the_whole_answer_filtered(term_list, action, text, data):

@@ -43,12 +43,13 @@ class Blocklist:
             raise ConfigError(f"the blocklist action must be one of {', '.join(ACTIONS)}, got {action!r}")
         self.action = action
         # The terms as a trie (a regex alternation is tried term by term: slow for long lists); where two
-        # terms match at one place the longer one wins.
+        # terms match at one place the longer one wins. Lower-cased, so that terms differing only in case
+        # share a branch: as two branches, the first would match (ignoring case) and end a longer term early.
         trie: dict = {}
         for term in self.terms:
             node = trie
             for char in term:
-                node = node.setdefault(char, {})
+                node = node.setdefault(char.lower() if len(char.lower()) == 1 else char, {})
             node[_END] = {}
         self._pattern = re.compile(rf"(?<!\w){_terms(trie)}(?!\w)", re.IGNORECASE)
         # A word start from which the rest of the text is the beginning of a term (or a whole one).
