@@ -103,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how tool calls are generated: <tool_call> tags (hermes), a bare {\"name\", \"parameters\"} object "
                             "(json, Llama 3.x), or the one the chat template teaches (auto)")
     serve.add_argument("--max-queued-requests", type=int, default=256,
-                       help="refuse requests (503 + Retry-After) while this many wait for a seat in the batch")
+                       help="how many admitted requests may wait for a seat in the batch; more wait in a lobby (--queue-timeout)")
+    serve.add_argument("--queue-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="how long a request waits for room in the queue before it is refused (503 + Retry-After); "
+                            "0 refuses at once (default 30)")
     serve.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
                        help="refuse request bodies larger than this (413) before reading them (default 16 MiB)")
     serve.add_argument("--reasoning-parser", default="none", choices=("none", "think"),
@@ -348,6 +351,8 @@ def _serve(args) -> None:
         raise ConfigError(f"--max-queued-requests must be ≥ 1, got {args.max_queued_requests}")
     if args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be ≥ 1, got {args.max_request_bytes}")
+    if not args.queue_timeout >= 0:
+        raise ConfigError(f"--queue-timeout must be ≥ 0 seconds, got {args.queue_timeout}")
     if args.stream_interval < 1:  # before a build that may take minutes
         raise ConfigError(f"--stream-interval must be ≥ 1, got {args.stream_interval}")
     if args.api_key_scope == "all" and args.api_key is None:
@@ -368,7 +373,8 @@ def _serve(args) -> None:
         raise
     name = args.served_model_name or args.model or "autodeploy-demo"
     options = ServerOptions(served_model_name=name, api_key=args.api_key, api_key_scope=args.api_key_scope, chat_template=chat_template,
-                            max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
+                            max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout,
+                            max_request_bytes=args.max_request_bytes,
                             tool_call_format=args.tool_call_format,
                             stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser)
     run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info", sock=sock)

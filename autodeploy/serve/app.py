@@ -4,7 +4,8 @@ Every request runs through one ``AsyncLLM``, so requests from all clients share 
 A prompt list (completions) becomes one engine request per prompt; choice ``i`` of prompt ``p`` is
 choice ``p * n + i``, as OpenAI numbers them. A client that disconnects aborts its requests, which frees
 their KV blocks at once; a request that finds ``max_queued_requests`` requests already admitted and waiting
-for a seat gets a 503 with ``Retry-After``, before its prompt is even tokenized. Tokenizing, rendering chat
+for a seat waits in a lobby, before its prompt is even tokenized, and gets a 503 with ``Retry-After`` if no room
+comes within ``queue_timeout_s`` (``admission.py``). Tokenizing, rendering chat
 templates and validating run in worker threads, so a large prompt never stalls the event loop, and a body
 over ``max_request_bytes`` is a 413 before it is read (``body_limit.py``).
 
@@ -20,7 +21,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -39,6 +39,7 @@ from autodeploy.runtime.reasoning import CONTENT, REASONING, ReasoningParser, op
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.tool_calls import ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
 from autodeploy.serve.api_key import API_KEY_SCOPES, KeyOnEveryRoute, bearer_key_matches, missing_key_error
+from autodeploy.serve.admission import Admission, Place
 from autodeploy.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from autodeploy.serve.metrics import ServerMetrics
 from autodeploy.serve.model_info import add_model_info_routes
@@ -56,8 +57,9 @@ class ServerOptions:
     """``served_model_name``: the id clients pass as ``model``. ``api_key``: when set, the API's routes need
     ``Authorization: Bearer <api_key>``; ``api_key_scope`` ``"all"`` extends that to every route but ``/health``
     (``api_key.py``). ``chat_template``: Jinja text overriding the tokenizer's.
-    ``max_queued_requests``: a request is refused (503) while this many admitted requests wait for a seat in the
-    batch. ``max_request_bytes``: a larger request body is refused (413) before it is read.
+    ``max_queued_requests``: how many admitted requests may wait for a seat in the batch; one more waits in a lobby
+    for up to ``queue_timeout_s`` seconds, then is refused (503, ``Retry-After: retry_after_s``; ``admission.py``).
+    ``max_request_bytes``: a larger request body is refused (413) before it is read.
     ``tool_call_format``: how tool calls are generated, ``"hermes"`` tags or bare ``"json"`` (``"auto"``: the
     one the chat template teaches, ``runtime/tool_calls.py``). ``stream_interval``: a stream's chunks after
     the first carry this many new tokens each (the last fewer): fewer events to encode and send, at longer
@@ -70,6 +72,7 @@ class ServerOptions:
     api_key_scope: str = "api"
     chat_template: str | None = None
     max_queued_requests: int = 256
+    queue_timeout_s: float = 30.0
     retry_after_s: int = 1
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tool_call_format: str = "auto"
@@ -94,9 +97,9 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         raise ConfigError(f"api_key_scope must be one of {', '.join(API_KEY_SCOPES)}, got {options.api_key_scope!r}")
     if options.api_key_scope == "all" and options.api_key is None:
         raise ConfigError("api_key_scope all needs an api_key (--api-key)")
-    if options.max_queued_requests < 1 or options.max_request_bytes < 1:
-        raise ConfigError(f"max_queued_requests and max_request_bytes must be ≥ 1, got {options.max_queued_requests} and "
-                          f"{options.max_request_bytes}")
+    if options.max_queued_requests < 1 or options.max_request_bytes < 1 or not options.queue_timeout_s >= 0:
+        raise ConfigError(f"max_queued_requests and max_request_bytes must be ≥ 1 and queue_timeout_s ≥ 0, got "
+                          f"{options.max_queued_requests}, {options.max_request_bytes} and {options.queue_timeout_s}")
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
 
@@ -133,46 +136,46 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        server.refuse_if_busy()
-        texts = body.prompts()
-        prompts = await asyncio.to_thread(_indexed, engine.tokenize, texts)
-        samples = body.best_of or body.n
-        # best_of > n: every sample scored by its log-probability, so the engine returns them
-        logprobs = body.logprobs if samples == body.n or body.logprobs is not None else 0
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        params = body.sampling_params(max_tokens or 1, logprobs)  # max_tokens 0 (echo only): the fields still checked
-        params.n = samples
-        echoes = [echoed_prompt(text, ids, llm.tokenizer) if body.echo else ("", 0) for text, ids in zip(texts, prompts)]
-        writer = _CompletionFormat(server, [text for text, _ in echoes], keep=body.n, logprobs=body.logprobs is not None)
-        if body.echo and body.logprobs is not None:  # the prompt's own log-probabilities
-            writer.prompt_logprobs = [writer.scored_prompt(ids, await asyncio.to_thread(engine.prompt_logits, ids), body.logprobs, first)
-                                      for ids, (_, first) in zip(prompts, echoes)]
-        if max_tokens == 0:
-            return JSONResponse(writer.echo_only(prompts))
-        return await server.respond(request, writer, prompts, params, body.stream,
-                                    body.stream_options is not None and body.stream_options.include_usage)
+        async with server.queue_place() as place:  # waits in the lobby, or the 503 (admission.py)
+            texts = body.prompts()
+            prompts = await asyncio.to_thread(_indexed, engine.tokenize, texts)
+            samples = body.best_of or body.n
+            # best_of > n: every sample scored by its log-probability, so the engine returns them
+            logprobs = body.logprobs if samples == body.n or body.logprobs is not None else 0
+            max_tokens = body.max_tokens if body.max_tokens is not None else 16
+            params = body.sampling_params(max_tokens or 1, logprobs)  # max_tokens 0 (echo only): the fields still checked
+            params.n = samples
+            echoes = [echoed_prompt(text, ids, llm.tokenizer) if body.echo else ("", 0) for text, ids in zip(texts, prompts)]
+            writer = _CompletionFormat(server, [text for text, _ in echoes], keep=body.n, logprobs=body.logprobs is not None)
+            if body.echo and body.logprobs is not None:  # the prompt's own log-probabilities
+                writer.prompt_logprobs = [writer.scored_prompt(ids, await asyncio.to_thread(engine.prompt_logits, ids), body.logprobs, first)
+                                          for ids, (_, first) in zip(prompts, echoes)]
+            if max_tokens == 0:
+                return JSONResponse(writer.echo_only(prompts))
+            return await server.respond(request, writer, prompts, params, body.stream,
+                                        body.stream_options is not None and body.stream_options.include_usage, place)
 
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
         tools, choice = body.tool_setup(call_format)
-        server.refuse_if_busy()
-        prompt = await asyncio.to_thread(server.render_chat, [m.template_input() for m in body.messages], tools)
-        max_tokens = body.requested_max_tokens()
-        if max_tokens is None:  # OpenAI's default: whatever the context leaves
-            max_tokens = engine.max_seq_len - len(prompt)
-            if max_tokens < 1:
-                raise APIError(400, f"the messages take {len(prompt)} tokens, the whole context (max_seq_len="
-                                    f"{engine.max_seq_len}); shorten them", param="messages", code="context_length_exceeded")
-        params = body.sampling_params(max_tokens, body.requested_logprobs(), tools and tool_call_grammar(tools, choice))
-        thinking = None  # without a reasoning parser: no split
-        if options.reasoning_parser == "think":
-            thinking = llm.tokenizer is not None and opens_thinking(llm.tokenizer.decode(prompt[-8:]))
-        writer = (_LegacyFunctionFormat if body.functions is not None else _ChatFormat)(server, tools if choice.mode != "none" else None,
-                                                                                        thinking)
-        return await server.respond(request, writer, [prompt], params, body.stream,
-                                    body.stream_options is not None and body.stream_options.include_usage)
+        async with server.queue_place() as place:  # waits in the lobby, or the 503 (admission.py)
+            prompt = await asyncio.to_thread(server.render_chat, [m.template_input() for m in body.messages], tools)
+            max_tokens = body.requested_max_tokens()
+            if max_tokens is None:  # OpenAI's default: whatever the context leaves
+                max_tokens = engine.max_seq_len - len(prompt)
+                if max_tokens < 1:
+                    raise APIError(400, f"the messages take {len(prompt)} tokens, the whole context (max_seq_len="
+                                        f"{engine.max_seq_len}); shorten them", param="messages", code="context_length_exceeded")
+            params = body.sampling_params(max_tokens, body.requested_logprobs(), tools and tool_call_grammar(tools, choice))
+            thinking = None  # without a reasoning parser: no split
+            if options.reasoning_parser == "think":
+                thinking = llm.tokenizer is not None and opens_thinking(llm.tokenizer.decode(prompt[-8:]))
+            writer = (_LegacyFunctionFormat if body.functions is not None else _ChatFormat)(server, tools if choice.mode != "none" else None,
+                                                                                            thinking)
+            return await server.respond(request, writer, [prompt], params, body.stream,
+                                        body.stream_options is not None and body.stream_options.include_usage, place)
 
     @app.post("/tokenize", dependencies=authorized)
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -221,8 +224,9 @@ class _Server:
         self.metrics = metrics
         self.started = int(time.time())
         self.async_llm: AsyncLLM | None = None
-        self._queued: set[EngineRequest] = set()  # admitted, not yet scheduled (max_queued_requests bounds those without a seat)
-        self._admission = threading.RLock()  # admit runs in worker threads
+        self.admission = Admission(self.engine.scheduler, options.max_queued_requests, options.queue_timeout_s,
+                                   options.retry_after_s, on_refusal=metrics.rejected.inc)
+        metrics.waiting_for_room.set_function(lambda: self.admission.lobby_size)
 
     async def check_api_key(self, request: Request) -> None:
         if self.options.api_key is not None and not bearer_key_matches(request.headers.get("authorization", ""), self.options.api_key):
@@ -238,31 +242,13 @@ class _Server:
         text = render_chat_text(self.llm.tokenizer, messages, self.options.chat_template, tools)
         return self.engine.tokenize(text, add_special_tokens=False)
 
-    def _num_waiting(self) -> int:
-        """Admitted requests that no step has scheduled yet, less the seats free for them (under ``_admission``)."""
-        self._queued = {r for r in self._queued if r.first_scheduled_time is None and not r.finished}
-        free_seats = self.engine.scheduler.max_num_seqs - len(self.engine.scheduler.running)
-        return max(0, len(self._queued) - free_seats)
+    def queue_place(self):
+        """A place in the queue for this request's engine requests (``Admission.place``), waited for in the lobby
+        for ``queue_timeout_s`` at most, before its prompt is tokenized."""
+        return self.admission.place(asyncio.get_running_loop().time() + self.options.queue_timeout_s)
 
-    def refuse_if_busy(self) -> None:
-        """A 503 while ``max_queued_requests`` admitted requests wait for a seat: checked first, so a refusal costs
-        no tokenizing, and again when admitting."""
-        with self._admission:
-            waiting = self._num_waiting()
-        if waiting >= self.options.max_queued_requests:
-            self.metrics.rejected.inc()
-            raise APIError(503, f"the server is busy: {waiting} requests are waiting for a seat (--max-queued-requests "
-                                f"{self.options.max_queued_requests}); retry later", code="queue_full",
-                           headers={"Retry-After": str(self.options.retry_after_s)})
-
-    def release(self, requests: list[EngineRequest]) -> None:
-        """Forget admitted requests whose response has ended (a client may leave before they were submitted)."""
-        with self._admission:
-            self._queued.difference_update(requests)
-
-    def admit(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineRequest]:
-        """The engine's requests, one per prompt, each validated before any is queued; refused while the queue is
-        full. The count and the new requests change under one lock, so a burst cannot overshoot the limit."""
+    def make_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineRequest]:
+        """The engine's requests, one per prompt, each validated before any is queued."""
         sequences, seats = len(prompts) * params.n, self.engine.scheduler.max_num_seqs
         if sequences > seats:  # the samples fork together; more than the batch holds would evict everyone else
             raise APIError(400, f"this request needs {sequences} sequences ({len(prompts)} prompt(s) × {params.n} samples (n or "
@@ -274,21 +260,20 @@ class _Server:
                 requests.append(self.engine.make_request(prompt, params))
             except InvalidRequestError as error:
                 raise invalid_request(InvalidRequestError(f"prompt {index}: {error}" if len(prompts) > 1 else str(error))) from None
-        with self._admission:
-            self.refuse_if_busy()
-            self._queued.update(requests)
         return requests
 
     async def respond(self, request: Request, writer: _ResponseFormat, prompts: list[list[int]], params: SamplingParams,
-                      stream: bool, include_usage: bool) -> Response:
-        queued = await asyncio.to_thread(self.admit, prompts, params)
+                      stream: bool, include_usage: bool, place: Place) -> Response:
+        """Queue the requests in their ``place`` (``queue_place``) and answer them."""
+        queued = await asyncio.to_thread(self.make_requests, prompts, params)
+        self.admission.enter(queued, place)
         if stream:
             return StreamingResponse(self._events(writer, queued, params, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
             finals = await _unless_disconnected(request, self._finals(queued))
         finally:
-            self.release(queued)
+            self.admission.leave(queued)
         if finals is None:  # the client left; its requests were aborted
             for _ in queued:
                 self.metrics.observe_abandoned()
@@ -337,7 +322,7 @@ class _Server:
             logger.exception("stream failed")
             yield _event(error_body(500, error_summary(error)))
         finally:
-            self.release(queued)
+            self.admission.leave(queued)
             for _ in range(len(queued) - len(finals)):
                 self.metrics.observe_abandoned()
         yield "data: [DONE]\n\n"

@@ -5,7 +5,7 @@ own registry, so several can live in one process (tests).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from autodeploy.runtime.engine import Engine
@@ -21,8 +21,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("autodeploy_generation_tokens", "Tokens generated (all samples)", registry=self.registry)
         self.requests = Counter("autodeploy_requests", "Finished requests (one per prompt)", ["finish_reason"],
                                 registry=self.registry)
-        self.rejected = Counter("autodeploy_requests_rejected", "Requests refused because the queue was full",
+        self.rejected = Counter("autodeploy_requests_rejected", "Requests refused because the queue stayed full",
                                 registry=self.registry)
+        self.waiting_for_room = Gauge("autodeploy_requests_waiting_for_room",
+                                      "Requests waiting in the lobby for room in the queue (serve/admission.py)", registry=self.registry)
         self.registry.register(_EngineCollector(engine))
 
     def observe_finished(self, output: RequestOutput) -> None:

@@ -39,7 +39,7 @@ def test_a_burst_is_admitted_up_to_the_free_seats_and_the_queue_limit(four_seat_
     """24 requests at once while no step runs: the 4 seats and 1 queue place are taken, the other 19 get a 503
     (before the fix, admission read the queue before the burst's requests were in it and let 23 through)."""
     engine = four_seat_llm.engine
-    with serving(four_seat_llm, max_queued_requests=1) as base, concurrent.futures.ThreadPoolExecutor(24) as pool:
+    with serving(four_seat_llm, max_queued_requests=1, queue_timeout_s=0) as base, concurrent.futures.ThreadPoolExecutor(24) as pool:
         with engine._step_lock:  # the engine is paused: nothing is scheduled while the burst arrives
             futures = [pool.submit(completion, base, [5, 6, i + 7], 8) for i in range(24)]
             refused: list = []
@@ -54,6 +54,47 @@ def test_a_burst_is_admitted_up_to_the_free_seats_and_the_queue_limit(four_seat_
     assert "1 requests are waiting for a seat (--max-queued-requests 1)" in refused.json()["error"]["message"]
     assert all(f.result().json()["usage"]["completion_tokens"] == 8 for f in futures if f.result().status_code == 200)
     assert not engine.has_unfinished()
+
+
+def test_beyond_the_queue_requests_wait_in_the_lobby_in_order_then_time_out(four_seat_llm, monkeypatch):
+    """With room for 4 running and 1 queued, 8 requests at once: 5 are admitted and 3 wait in the lobby (no 503, no
+    retry storm); each gets in as one ahead of it leaves, first come first served. With the engine paused longer than
+    the queue timeout, the waiting ones get the 503 instead."""
+    engine = four_seat_llm.engine
+    submitted = []  # each request's last prompt token, in the order the engine got them
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda request: (submitted.append(request.prompt_token_ids[-1]), submit(request)))
+    with serving(four_seat_llm, max_queued_requests=1, queue_timeout_s=60) as base, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = []
+        with engine._step_lock:  # paused while they arrive, one after another
+            for i in range(8):
+                futures.append(pool.submit(completion, base, [5, 6, i + 7], 8))
+                wait_until(lambda: len(engine.requests) + lobby_size(base) == i + 1)
+            assert len(engine.requests) == 5 and lobby_size(base) == 3
+        answers = [f.result() for f in futures]
+        assert [a.status_code for a in answers] == [200] * 8
+        assert metric(base, "autodeploy_requests_rejected_total") == 0
+        assert submitted[5:] == [12, 13, 14]  # the lobby's, first come first served
+    with serving(four_seat_llm, max_queued_requests=1, queue_timeout_s=0.5) as base, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        with engine._step_lock:
+            futures = [pool.submit(completion, base, [5, 6, i + 7], 8) for i in range(8)]
+            wait_until(lambda: sum(f.done() for f in futures) == 3)
+        statuses = sorted(f.result().status_code for f in futures)
+        assert statuses == [200] * 5 + [503] * 3, statuses
+        refused = next(f.result() for f in futures if f.result().status_code == 503).json()["error"]["message"]
+        assert "none left in 0.5 s (--queue-timeout)" in refused
+    assert not engine.has_unfinished()
+
+
+def lobby_size(base: str) -> int:
+    return int(metric(base, "autodeploy_requests_waiting_for_room"))
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 def test_bodies_over_the_limit_are_413_before_they_are_read(llama_llm):
