@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from autodeploy.custom_ops.graph_capture import capture_graph
+
 Timer = Callable[[Any, Callable[[Sequence[Any]], Any], Sequence[Sequence[Any]], torch.device], float]
 
 
@@ -73,7 +75,7 @@ def _graphed_median_seconds(
     graph = torch.cuda.CUDAGraph()
     try:
         torch.cuda.synchronize(device)
-        with torch.cuda.graph(graph):
+        with capture_graph(graph):
             for index in range(calls):
                 run(input_sets[index % len(input_sets)])
     except Exception:  # it syncs with the host, or allocates in a way capture forbids

@@ -22,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -51,10 +52,13 @@ async def _client(http: httpx.AsyncClient, url: str, model: str, prompt: str, ma
             latencies.append(time.monotonic() - started)
 
 
-async def measure(url: str, model: str, concurrency: int, seconds: float, max_tokens: int, retry_delay: float) -> dict:
+async def measure(url: str, model: str, concurrency: int, seconds: float, max_tokens: int, retry_delay: float,
+                  prompt_tokens: int = 0) -> dict:
     totals = {"completed": 0, "tokens": 0, "refused": 0, "errors": 0}
     latencies: list[float] = []
-    prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(concurrency)]
+    prompts: list = [f"def f{i}(x):\n    return x * {i}" for i in range(concurrency)]
+    if prompt_tokens:  # token ids: a model without a tokenizer (random weights), a fixed prompt length
+        prompts = [[(7 + 131 * i + 17 * j) % 8000 + 3 for j in range(prompt_tokens)] for i in range(concurrency)]
     # A client (and connection) each, as separate clients have: httpx's shared pool costs O(connections) per
     # request. Made before the clock starts: each makes an SSL context, 20 ms apiece.
     clients = [httpx.AsyncClient(timeout=httpx.Timeout(600.0)) for _ in range(concurrency)]
@@ -82,16 +86,18 @@ def serving(arguments: str):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "autodeploy", "serve", "--port", str(port), *shlex.split(arguments)]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = tempfile.NamedTemporaryFile("w+", prefix="overload-serve-", suffix=".log")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start: {' '.join(command)}")
+                log.seek(0)
+                raise SystemExit(f"the server did not start: {' '.join(command)}\n{log.read()[-3000:]}")
             time.sleep(0.5)
         yield url
     finally:
@@ -108,12 +114,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="each window's length")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--retry-delay", type=float, default=0.0, help="seconds a refused client waits (0: at once)")
+    parser.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                        help="send N token ids as each prompt (for models without a tokenizer); default: short code text")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         url = args.url.rstrip("/") if args.url else stack.enter_context(serving(args.serve))
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            result = asyncio.run(measure(url, model, concurrency, args.seconds, args.max_tokens, args.retry_delay))
+            result = asyncio.run(measure(url, model, concurrency, args.seconds, args.max_tokens, args.retry_delay,
+                                         args.prompt_tokens))
             print(json.dumps(result), flush=True)
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from autodeploy.custom_ops.graph_capture import capture_graph
 from autodeploy.runtime.piecewise_graphs import CaptureTimes, upload
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import PendingTokens, slot
@@ -121,7 +122,7 @@ class DecodeGraphs:
             ran = time.perf_counter()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with capture_graph(graph, pool=pool):
                 batch.logits = self.graph(*arguments)[0]
             upload(graph, torch.cuda.current_stream(self.device))
             batch.graph = graph

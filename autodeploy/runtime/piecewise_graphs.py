@@ -38,6 +38,8 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from autodeploy.custom_ops.graph_capture import capture_graph
+
 logger = logging.getLogger(__name__)
 
 TOKEN_INPUTS = ("input_ids", "position_ids")  # the serving signature's [1, T] inputs
@@ -223,7 +225,7 @@ class PiecewiseGraphs:
             ran = time.perf_counter()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with capture_graph(graph, pool=pool):
                 outputs = piece.module(*call_args)
             upload(graph, torch.cuda.current_stream(self.device))
             self.capture_seconds.add(launched - start, ran - launched, time.perf_counter() - ran, ran_eagerly)
