@@ -39,8 +39,9 @@ $(TRITON_STAMP): pyproject.toml requirements/cpu-constraints.txt Makefile
 run: $(STAMP)
 	$(VENV)/bin/autodeploy run --prompt "def fibonacci(n):" --prompt "import os"
 
+# -n 2: two pytest workers, one a core of CI's two (every test picks free ports and its own temporary folders)
 test: $(STAMP) $(TRITON_STAMP)
-	$(PYTHON) -m pytest -q -p no:cacheprovider
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n 2
 
 bench: $(STAMP)
 	$(VENV)/bin/autodeploy bench $(BENCH_SUITE) --baseline $(BENCH_BASELINE) --threshold $(BENCH_THRESHOLD) --out bench-result.json
