@@ -52,16 +52,17 @@ class Admission:
         self._watch: asyncio.Task | None = None
 
     def num_waiting(self) -> int:
-        """Queued requests that no step has scheduled yet, less the seats free for them. Cheap, as it is asked at
-        every admission: those scheduled leave from the front; the rest is swept ten times a second at most."""
+        """Queued requests that no step has scheduled yet and places promised to requests still tokenizing, less the
+        seats free for them (a promised place takes a free seat first, as its requests will). Cheap, as it is asked
+        at every admission: those scheduled leave from the front; the rest is swept ten times a second at most."""
         while self._queued and _left_queue(next(iter(self._queued))):
             del self._queued[next(iter(self._queued))]
         free_seats = self.scheduler.max_num_seqs - len(self.scheduler.running)
         now = time.monotonic()
-        if len(self._queued) - free_seats >= self.max_queued_requests and now - self._pruned_at > 0.1:
+        if len(self._queued) + self._promised - free_seats >= self.max_queued_requests and now - self._pruned_at > 0.1:
             self._queued = {r: None for r in self._queued if not _left_queue(r)}  # priorities schedule out of order
             self._pruned_at = now
-        return max(0, len(self._queued) - free_seats)
+        return max(0, len(self._queued) + self._promised - free_seats)
 
     @property
     def lobby_size(self) -> int:
@@ -91,7 +92,7 @@ class Admission:
         self._call_next()
 
     def _room(self) -> int:
-        return self.max_queued_requests - self.num_waiting() - self._promised
+        return self.max_queued_requests - self.num_waiting()
 
     async def _wait_for_room(self, deadline: float) -> None:
         if not self._lobby and self._room() > 0:
@@ -139,7 +140,7 @@ class Admission:
 
     def _refuse(self) -> None:
         self.on_refusal()
-        raise APIError(503, f"the server is busy: {self.num_waiting() + self._promised} requests are waiting for a seat (--max-queued-requests "
+        raise APIError(503, f"the server is busy: {self.num_waiting()} requests are waiting for a seat (--max-queued-requests "
                             f"{self.max_queued_requests}) and none left in {self.queue_timeout_s:g} s (--queue-timeout); "
                             "retry later", code="queue_full", headers={"Retry-After": str(self.retry_after_s)})
 
