@@ -1,59 +1,19 @@
-"""The README's extension examples run as written."""
+"""The README's Python example runs as written."""
 
 import re
 from pathlib import Path
 
-import torch
-
 README = (Path(__file__).parent.parent / "README.md").read_text()
 
 
-def _python_block(heading: str) -> str:
-    return re.search(rf"## {heading}\n.*?```python\n(.*?)```", README, re.S).group(1)
-
-
-def test_readme_transform_example_runs_from_config(llama_llm, llama_dir):
-    from autodeploy import autodeploy
-
-    exec(_python_block("Adding a transform"), {})
-    llm = autodeploy(str(llama_dir), device="cpu", transforms={"count_linears": {"warn_above": 10}})
-    (record,) = [r for r in llm.records if r.name == "count_linears"]
-    # 2 layers × (q/k/v fused by fuse_gemms, which runs first in the stage, + o_proj) + lm_head; MLPs are
-    # fused_gated_mlp (fuse_gate_up)
-    assert record.stage == "fuse" and record.matches == 5
-
-
-def test_readme_op_example_registers_a_canonical_op():
-    exec(_python_block("Adding an op"), {})
-    x = torch.randn(3)
-    torch.testing.assert_close(torch.ops.autodeploy.scaled_tanh(x, 2.0), torch.tanh(x) * 2.0)
-
-
-def test_readme_pattern_example_registers_and_runs_by_name(llama_dir):
-    from autodeploy import autodeploy
-    from autodeploy.patterns import unregister_pattern
-
-    exec(_python_block("Adding a pattern"), {})
-    try:
-        llm = autodeploy(str(llama_dir), device="cpu", transforms={"match_patterns": {"patterns": ["rope", "attention", "norm", "my_silu_as_sigmoid"]}})
-        ops = [r for r in llm.records if r.name == "match_patterns"][0].ops_after
-        assert "aten.sigmoid" in ops and "aten.silu" not in ops and "autodeploy.rms_norm" in ops
-    finally:
-        unregister_pattern("my_silu_as_sigmoid")
-
-
-def test_readme_backend_example_is_a_correct_rms_norm_kernel(monkeypatch):
-    # Recorded rather than registered: a real registration would join every later deploy's contest.
+def test_readme_python_example_generates(llama_llm, monkeypatch, capsys):
+    # The shared tiny Llama stands in for the demo model: the example's calls are what is checked, and a
+    # second deploy would cost the suite seconds for nothing the engine tests do not already cover.
     import autodeploy
-    from autodeploy.custom_ops.rms_norm import rms_norm_reference
 
-    registered = []
-    monkeypatch.setattr(autodeploy, "register_backend", lambda *args, **kwargs: registered.append((args, kwargs)), raising=False)
-    exec(_python_block("Kernel backends"), {})
-    ((op_name, name, fn), kwargs), = registered
-    assert (op_name, name) == ("rms_norm", "mine")
-    x, weight = torch.randn(3, 8), torch.rand(8)
-    torch.testing.assert_close(fn(x, weight, 1e-6, 1.0), rms_norm_reference(x, weight, 1e-6, 1.0))
-    meta = torch.empty(8, device="meta")
-    assert kwargs["supports"](meta, meta, 1e-6, device=torch.device("cpu")) is True
-    assert kwargs["supports"](meta.half(), meta, 1e-6, device=torch.device("cpu")) == "needs weight in x's dtype"
+    calls = []
+    monkeypatch.setattr(autodeploy, "autodeploy", lambda *args, **kwargs: calls.append((args, kwargs)) or llama_llm, raising=False)
+    (block,) = re.findall(r"## Python\n.*?```python\n(.*?)```", README, re.S)
+    exec(block, {})
+    assert calls == [((), {})]   # the README deploys the embedded demo model, which needs no download
+    assert capsys.readouterr().out.rstrip().endswith(("length", "stop"))
