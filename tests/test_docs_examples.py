@@ -1,5 +1,5 @@
-"""The documentation's extension examples (docs/extending.md) run as written; every other Python example in
-docs/ at least compiles."""
+"""The documentation's extension examples (docs/extending.md) run as written; every Python example in docs/ and
+the README at least compiles."""
 
 import re
 from pathlib import Path
@@ -63,7 +63,7 @@ def test_backend_example_is_a_correct_rms_norm_kernel(monkeypatch):
     assert kwargs["supports"](meta.half(), meta, 1e-6, device=torch.device("cpu")) == "needs weight in x's dtype"
 
 
-@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name)
 def test_every_python_example_compiles(page):
     for block in PYTHON_BLOCK.findall(page.read_text()):
         # Examples nested in a list item are indented as a whole; dedent by the first line's indent.
