@@ -145,7 +145,7 @@ def main() -> None:
 HEADER = """# Architecture coverage sweep
 
 `python scripts/coverage_sweep.py` (2-core CPU; torch and transformers versions in `notes/coverage.json`'s
-neighbour, the README). Every model type in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` as a tiny random
+neighbour, docs/trust.md). Every model type in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` as a tiny random
 checkpoint (`tests/sweep_models.py`), deployed with the default pipeline (build-time verification on) on the CPU in
 float32, compared with HF eager attention. *exact*: relative logit error ≤ 1e-4 and 8 greedy tokens identical;
 *refused*: a typed error; *wrong*: served differently or a raw exception; *n/a*: transformers cannot run the tiny config.
