@@ -115,7 +115,7 @@ def test_captured_decode_graphs_replay_what_eager_decoding_computes(llama_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_graph_uploaded_after_capture_replays_its_work():
-    from autodeploy.runtime.piecewise_graphs import upload
+    from autodeploy.custom_ops.graph_capture import upload
 
     x = torch.arange(8.0, device="cuda")
     stream = torch.cuda.Stream()
