@@ -23,10 +23,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,17 +44,16 @@ from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
 from autodeploy.runtime.outputs import CompletionOutput
 from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs
 from autodeploy.runtime.pipeline_schedule import PipelineSchedule
-from autodeploy.runtime.request import Request, Sequence
+from autodeploy.runtime.request import Request, Sequence, TokenRows
+from autodeploy.runtime.request_intake import Prompt, RequestIntake
 from autodeploy.runtime.device_copies import to_device
 from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
-from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs
-from autodeploy.runtime.structured_output import StructuredOutput, new_matcher, next_token_bitmask
+from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs, declared_side_inputs
+from autodeploy.runtime.structured_output import new_matcher, next_token_bitmask
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 # Enough tokens for a forward to show whether the model computes finite logits at all.
 _LOGITS_CHECK_TOKENS = 16
@@ -104,7 +102,7 @@ class Peers(Protocol):
 def _request_fields(request: Request) -> tuple:
     """What a worker needs to build rank 0's request again (``Request``'s arguments)."""
     return (request.request_id, request.prompt, request.prompt_token_ids, request.params, request.stop_token_ids,
-            request.seed, request.priority, request.arrival_time)
+            request.seed, request.priority, request.arrival_time, request.side_inputs)
 
 
 def _agreed_num_blocks(num_blocks: int, device: torch.device, ranks: int) -> int:
@@ -184,10 +182,10 @@ class Engine:
         phase_done("decode graphs")
         logger.info("engine ready in %.2f s (%s)", time.perf_counter() - started,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
+        self.intake = RequestIntake(tokenizer, vocab_size, eos_token_ids, settings, self.pool,
+                                    declared_side_inputs(graph, graph_inputs))
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
-        self._request_ids = itertools.count()
-        self._seeds = random.Random(settings.seed)
         self._lock = threading.RLock()  # requests, scheduler and pool
         self._step_lock = threading.Lock()  # one step at a time
         self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
@@ -198,56 +196,24 @@ class Engine:
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
         self.peers = peers
         self._commands: list[tuple[str, Request | str]] = []  # with peers: submits and aborts for the next step
-        self._structured_output: StructuredOutput | None = None  # built by the first json_schema / json_object request
-        self._longest_text: int | None = None  # check_text_length's bound, from the vocabulary when first needed
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
+        side_inputs: Mapping[str, TokenRows] | None = None,
     ) -> Request:
-        """Validate and queue one request (lower ``priority`` values are served first)."""
-        request = self.make_request(prompt, params, request_id, priority)
+        """Validate and queue one request (lower ``priority`` values are served first; ``side_inputs``: graph
+        inputs other than token ids that the request carries, see ``TokenRows``)."""
+        request = self.make_request(prompt, params, request_id, priority, side_inputs)
         self.submit(request)
         return request
 
     def make_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
+        side_inputs: Mapping[str, TokenRows] | None = None,
     ) -> Request:
-        """Validate a request and build it, without queueing it (``submit`` does)."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}")
-        token_ids = self.tokenize(prompt)
-        self._check_fits(token_ids, params)
-        biased_outside = [t for t in params.logit_bias or {} if t >= self.vocab_size]
-        if biased_outside:
-            raise InvalidRequestError(f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): {biased_outside[:4]}")
-        grammar = self._compiled_grammar(params)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
-        with self._lock:
-            request_id = str(next(self._request_ids)) if request_id is None else str(request_id)  # submit checks it is free
-            request = Request(
-                request_id, prompt if isinstance(prompt, str) else None, token_ids, params, stops, seed, priority, self.clock()
-            )
-        request.grammar = grammar
-        return request
-
-    def _compiled_grammar(self, params: SamplingParams):
-        """The compiled grammar of a json_schema / json_object / structural_tag request (None for the others)."""
-        if params.json_schema is None and not params.json_object and params.structural_tag is None:
-            return None
-        if self.tokenizer is None:
-            raise InvalidRequestError(
-                "structured output (json_schema / json_object / structural_tag) needs the model's tokenizer; pass tokenizer='…' to autodeploy()"
-            )
-        with self._lock:
-            if self._structured_output is None:
-                self._structured_output = StructuredOutput(self.tokenizer, self.vocab_size)
-        return self._structured_output.compile(params)
+        """Validate a request and build it, without queueing it (``submit`` does); see ``RequestIntake``."""
+        return self.intake.make_request(prompt, params, request_id, priority, self.clock, side_inputs)
 
     def submit(self, request: Request) -> None:
         """Queue a request. With peers, it joins at the start of the next step, on every rank alike."""
@@ -277,7 +243,7 @@ class Engine:
             for kind, payload in commands:
                 if kind == "submit":
                     request = Request(*payload)
-                    request.grammar = self._compiled_grammar(request.params)
+                    request.grammar = self.intake.grammar(request.params)
                     self._add(request)
                 else:
                     self._abort(payload)
@@ -327,55 +293,11 @@ class Engine:
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids (text through the tokenizer; ids checked against the vocabulary)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer files; pass tokenizer='…' to autodeploy() or give prompts as token ids"
-                )
-            _check_unicode(prompt)
-            self.check_text_length(prompt)
-            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty (no tokens); give it some text")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"the prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:4]}")
-        return token_ids
+        return self.intake.tokenize(prompt, add_special_tokens)
 
     def check_text_length(self, text: str, what: str = "the prompt") -> None:
-        """Refuse text that no ``max_seq_len`` tokens can spell, before tokenizing it: a prompt of megabytes
-        would hold the tokenizer for seconds only to be refused. No token spells more characters than the
-        vocabulary's longest entry; twice that is left for normalizers that drop characters."""
-        if self._longest_text is None:
-            self._longest_text = 2 * self.max_seq_len * max(map(len, self.tokenizer.get_vocab()), default=1)
-        if len(text) > self._longest_text:
-            raise InvalidRequestError(
-                f"{what} has {len(text):,} characters, more than {self.max_seq_len} tokens (max_seq_len) of this vocabulary "
-                f"can spell (at most {self._longest_text:,}); shorten it"
-            )
-
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_seq_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens and asks for max_tokens={params.max_tokens}: "
-                f"{total} > max_seq_len={self.max_seq_len}; shorten the prompt or lower max_tokens"
-            )
-        copies = params.beam_width if params.beam_width > 1 else 1  # a beam group must fit at once
-        if copies * -(-total // self.pool.block_size) > self.pool.num_blocks:
-            raise InvalidRequestError(
-                f"{copies} sequence(s) of {total} tokens need more KV blocks than the pool has ({self.pool.num_blocks} "
-                f"of {self.pool.block_size} tokens); lower max_tokens / beam_width or give the cache more memory (kv_cache settings)"
-            )
-        if not self.settings.scheduler.chunked_prefill and total > self.max_num_tokens:
-            raise InvalidRequestError(
-                f"{total} tokens exceed scheduler.max_num_tokens={self.max_num_tokens} with chunked prefill off; "
-                f"turn scheduler.chunked_prefill on or raise max_num_tokens"
-            )
+        """Refuse text that no ``max_seq_len`` tokens can spell, before tokenizing it."""
+        self.intake.check_text_length(text, what)
 
     # ---- stepping ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -756,17 +678,6 @@ class Engine:
                 f"the model's logits are not finite: a warm-up forward of {num_tokens} tokens in {self.settings.dtype} "
                 f"gave {seen} among {self.vocab_size} logits; {advice}"
             )
-
-
-def _check_unicode(prompt: str) -> None:
-    """Tokenizers reject text that UTF-8 cannot encode (lone UTF-16 surrogates) with a bare TypeError."""
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidRequestError(
-            f"the prompt is not valid Unicode: character {error.start} ({prompt[error.start]!r}) is a lone surrogate "
-            f"(half of a UTF-16 pair); decode the text with errors='replace' or remove that character"
-        ) from None
 
 
 class _Probe:
