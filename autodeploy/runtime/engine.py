@@ -21,7 +21,6 @@ when nobody else is (``step_or_wait``) and reading only its own sinks.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -31,32 +30,22 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
-from autodeploy.custom_ops.parallel_state import Layout
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
-from autodeploy.errors import InvalidRequestError, UnsupportedModelError
-from autodeploy.runtime.block_pool import KVBlockPool
-from autodeploy.runtime.compiled_graph import TORCH_COMPILE_BACKENDS, CompiledGraph
-from autodeploy.runtime.cuda_graphs import DecodeGraphs
-from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
+from autodeploy.errors import InvalidRequestError
+from autodeploy.runtime.model_runner import make_model_runner
 from autodeploy.runtime.outputs import CompletionOutput
-from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs
-from autodeploy.runtime.pipeline_schedule import PipelineSchedule
 from autodeploy.runtime.request import Request, Sequence, TokenRows
 from autodeploy.runtime.request_intake import Prompt, RequestIntake
 from autodeploy.runtime.device_copies import to_device
 from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
-from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs, declared_side_inputs
+from autodeploy.runtime.step_inputs import PendingTokens
 from autodeploy.runtime.structured_output import new_matcher, next_token_bitmask
 
 logger = logging.getLogger(__name__)
-
-# Enough tokens for a forward to show whether the model computes finite logits at all.
-_LOGITS_CHECK_TOKENS = 16
 
 
 @dataclass
@@ -105,17 +94,6 @@ def _request_fields(request: Request) -> tuple:
             request.seed, request.priority, request.arrival_time, request.side_inputs)
 
 
-def _agreed_num_blocks(num_blocks: int, device: torch.device, ranks: int) -> int:
-    """The fewest KV blocks any of the deployment's ``ranks`` can hold: every rank plans the same steps, so
-    every pool has one size. One rank agrees with nobody, even where this process's group is another
-    deployment's (a one-process deployment beside a distributed one)."""
-    if ranks == 1 or not (dist.is_available() and dist.is_initialized()):
-        return num_blocks
-    fewest = torch.tensor([num_blocks], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
-    return int(fewest.item())
-
-
 class Engine:
     def __init__(
         self,
@@ -138,9 +116,6 @@ class Engine:
         graphs (``runtime/piecewise_graphs.py``), captured first: their memory is gone before the pool is sized.
         ``peers``: the worker processes of a deployment over several ranks that ``autodeploy()`` spawned, when
         this is rank 0's engine (see :class:`Peers`)."""
-        self.graph = CompiledGraph(graph) if settings.compile.backend in TORCH_COMPILE_BACKENDS else graph
-        self.graph_inputs = graph_inputs
-        self.pipeline = PipelineSchedule.from_settings(settings)  # pipeline_parallel > 1: micro-batches through the stages
         self.settings = settings
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -148,42 +123,14 @@ class Engine:
         self.device = torch.device(settings.device)
         self.max_seq_len = settings.max_seq_len
         self.max_num_tokens = settings.scheduler.max_num_tokens
-        block_size = settings.kv_cache.block_size
-        warmed_up = []
-        graph_sizes = sorted(set(decode_graph_batch_sizes))
-        started = phase_began = time.perf_counter()
-        phases: dict[str, float] = {}
-
-        def phase_done(name: str) -> None:
-            nonlocal phase_began
-            phases[name] = phases.get(name, 0.0) + time.perf_counter() - phase_began
-            phase_began = time.perf_counter()
-
-        self.prefill_graphs = self._capture_prefill_graphs(kv_caches, prefill_graph_token_sizes) if prefill_graph_token_sizes else None
-        phase_done("prefill graphs")
-
-        def warm_up(num_tokens: int) -> None:
-            self._warm_up(kv_caches, min(num_tokens, self.max_num_tokens, self.max_seq_len))
-            warmed_up.append(True)
-
-        num_blocks = plan_num_blocks(
-            kv_caches, settings.kv_cache, settings.max_batch_size, self.max_seq_len, self.device, warm_up,
-            graph_tokens=graph_sizes[-1] if graph_sizes else 0,
-        )
-        num_blocks = _agreed_num_blocks(num_blocks, self.device, Layout.requested(settings.distributed).world_size)
-        if not warmed_up and check_logits:  # only GPU pool sizing needs the full budget; every device checks the logits
-            self._warm_up(kv_caches, min(_LOGITS_CHECK_TOKENS, self.max_num_tokens, self.max_seq_len))
-        phase_done("warm-up")
-        # With decode graphs, one block more than the pool hands out: the padding rows' keys and values go there.
-        self.caches = allocate_kv_caches(kv_caches, num_blocks + bool(graph_sizes), block_size, self.device)
-        self.pool = KVBlockPool(num_blocks, block_size, settings.kv_cache.prefix_caching)
-        phase_done("KV pool")
-        self.decode_graphs = self._capture_decode_graphs(graph_sizes, pad_block=num_blocks) if graph_sizes else None
-        phase_done("decode graphs")
+        self.runner = make_model_runner({"model": graph}, graph_inputs, kv_caches, settings, vocab_size,
+                                        decode_graph_batch_sizes, prefill_graph_token_sizes)
+        started = time.perf_counter()
+        phases = self.runner.set_up(check_logits)
         logger.info("engine ready in %.2f s (%s)", time.perf_counter() - started,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
-        self.intake = RequestIntake(tokenizer, vocab_size, eos_token_ids, settings, self.pool,
-                                    declared_side_inputs(graph, graph_inputs))
+        self.pool = self.runner.pool
+        self.intake = RequestIntake(tokenizer, vocab_size, eos_token_ids, settings, self.pool, self.runner.side_inputs)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
         self._lock = threading.RLock()  # requests, scheduler and pool
@@ -196,6 +143,23 @@ class Engine:
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
         self.peers = peers
         self._commands: list[tuple[str, Request | str]] = []  # with peers: submits and aborts for the next step
+
+    @property
+    def graph(self):
+        """The graph that runs the steps (``ModelRunner.graph``; settable, to wrap it)."""
+        return self.runner.graph
+
+    @graph.setter
+    def graph(self, graph) -> None:
+        self.runner.graph = graph
+
+    @property
+    def graph_inputs(self) -> tuple[str, ...]:
+        return self.runner.graph_inputs
+
+    @property
+    def caches(self) -> dict[str, torch.Tensor]:
+        return self.runner.caches
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -361,7 +325,7 @@ class Engine:
 
     def _stage_step(self, chunks: list[ScheduledChunk], previous: _Step | None) -> tuple[_Step, Callable[[], torch.Tensor]]:
         pending = PendingTokens(previous.sample.tokens, previous.token_rows) if previous is not None and previous.sample else None
-        run, completing = self._graph_call(chunks, pending=pending)
+        run, completing = self.runner.stage(chunks, pending=pending)
         for chunk in chunks:  # counted as computed now, so the next plan can run ahead of this step
             chunk.sequence.num_computed = chunk.start + chunk.length
         sampling = self._sampling_plan([chunks[i].sequence for i in completing])
@@ -451,51 +415,7 @@ class Engine:
     def forward(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False) -> tuple[torch.Tensor, list[int]]:
         """One forward over ``chunks``: the logits ``[rows, vocab]`` and the chunks they belong to
         (see ``build_step_inputs``). A decode step a captured CUDA graph holds replays it."""
-        run, completing = self._graph_call(chunks, logits_for_all_tokens)
-        return run(), completing
-
-    def _graph_call(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False, pending: PendingTokens | None = None):
-        """Fill the step's inputs from the pool's tables (``(run, completing)``); ``run()`` computes the logits."""
-        if self.pipeline is not None:  # this rank's stage, the step's chunks in micro-batches (no CUDA graphs)
-            return self.pipeline.stage_step(self.graph, self.graph_inputs, chunks, self.pool, self.caches, self.device,
-                                            logits_for_all_tokens, pending)
-        if self.decode_graphs is not None and self.decode_graphs.serves(chunks, logits_for_all_tokens):
-            size = self.decode_graphs.stage(chunks, self.pool.block_table, pending)
-            completing = [] if logits_for_all_tokens else list(range(len(chunks)))
-            return (lambda: self.decode_graphs.replay(size, len(chunks))), completing
-        inputs, completing = build_step_inputs(
-            self.graph_inputs, chunks, self.pool, self.caches, self.device, logits_for_all_tokens=logits_for_all_tokens,
-            pending=pending,
-        )
-        num_tokens = sum(chunk.length for chunk in chunks)
-        if self.prefill_graphs is not None and self.prefill_graphs.serves(num_tokens):
-            return (lambda: self.prefill_graphs.run(inputs, num_tokens)), completing
-        return (lambda: self.graph(*inputs)[0]), completing
-
-    def _capture_prefill_graphs(self, specs: SequenceABC[KVCacheSpec], sizes: SequenceABC[int]) -> PiecewiseGraphs | None:
-        try:
-            graphs = PiecewiseGraphs(self.graph, self.graph_inputs, sizes, self.device)
-        except NotSplittable as reason:
-            logger.warning("prefill steps run eagerly: the graph cannot be split into captured pieces (%s)", reason)
-            return None
-        try:
-            with torch.inference_mode():
-                graphs.capture_all(lambda num_tokens: self._probe_inputs(specs, num_tokens)[0])
-        except Exception as error:  # a kernel the compile stage could not vet: slower, never wrong
-            logger.warning("prefill CUDA graph capture failed (%s: %s); prefill steps run eagerly", type(error).__name__, error)
-            return None
-        return graphs
-
-    def _capture_decode_graphs(self, sizes: list[int], pad_block: int) -> DecodeGraphs | None:
-        graphs = DecodeGraphs(self.graph, self.graph_inputs, self.caches, sizes, self.settings.kv_cache.block_size,
-                              self.max_seq_len, pad_block, self.device)
-        try:
-            with torch.inference_mode():
-                graphs.capture_all()
-        except Exception as error:  # a kernel the compile stage could not vet: slower, never wrong
-            logger.warning("decode CUDA graph capture failed (%s: %s); decode steps run eagerly", type(error).__name__, error)
-            return None
-        return graphs
+        return self.runner.forward(chunks, logits_for_all_tokens)
 
     def _sampling_plan(self, sequences: list[Sequence]) -> _SamplingPlan:
         """The sampling rows of the sequences that reach their last token (one per logits row, in order)."""
@@ -642,50 +562,4 @@ class Engine:
         with self._step_lock, self._lock, self._peer_failures():  # a forward of its own: not beside a running step
             if self.peers is not None:
                 self.peers.prompt_logits(list(token_ids))
-            probe = _Probe(list(token_ids))
-            try:
-                if not self.pool.reserve(probe.seq_id, len(token_ids)):
-                    raise InvalidRequestError(f"{len(token_ids)} tokens do not fit in the free KV blocks now; try again when idle")
-                run, _ = self._graph_call([ScheduledChunk(probe, 0, len(token_ids))], logits_for_all_tokens=True)
-                return run()
-            finally:
-                self.pool.free(probe.seq_id)
-
-    def _probe_inputs(self, specs: SequenceABC[KVCacheSpec], num_tokens: int) -> tuple[list[torch.Tensor], dict]:
-        """The graph's inputs for one prompt of ``num_tokens`` tokens on a throwaway cache (and that cache)."""
-        block_size = self.settings.kv_cache.block_size
-        scratch = KVBlockPool(-(-num_tokens // block_size), block_size, enable_prefix_caching=False)
-        caches = allocate_kv_caches(specs, scratch.num_blocks, block_size, self.device)
-        probe = _Probe([i % self.vocab_size for i in range(num_tokens)])
-        scratch.reserve(probe.seq_id, num_tokens)
-        inputs, _ = build_step_inputs(self.graph_inputs, [ScheduledChunk(probe, 0, num_tokens)], scratch, caches, self.device)
-        return inputs, caches
-
-    def _warm_up(self, specs: SequenceABC[KVCacheSpec], num_tokens: int) -> None:
-        """One forward of ``num_tokens`` tokens on a throwaway cache. Its peak memory sizes the GPU pool;
-        its logits must be finite, or the model would only ever generate garbage."""
-        with torch.inference_mode():
-            inputs, caches = self._probe_inputs(specs, num_tokens)
-            logits = self.graph(*inputs)[0]
-            num_nan, num_inf = int(logits.isnan().sum()), int(logits.isinf().sum())
-        del caches, inputs, logits
-        if num_nan or num_inf:
-            seen = " and ".join(f"{count} {what}" for count, what in ((num_nan, "nan"), (num_inf, "inf")) if count)
-            advice = "check the checkpoint's weights for nan/inf"
-            if self.settings.dtype == "float16":
-                advice = f"float16 often overflows: deploy with dtype='bfloat16' (or 'float32'); if that does not help, {advice}"
-            raise UnsupportedModelError(
-                f"the model's logits are not finite: a warm-up forward of {num_tokens} tokens in {self.settings.dtype} "
-                f"gave {seen} among {self.vocab_size} logits; {advice}"
-            )
-
-
-class _Probe:
-    """A stand-in sequence for forwards outside the scheduler (warm-up, ``prompt_logits``)."""
-
-    _ids = itertools.count(-1, -1)
-
-    def __init__(self, token_ids: list[int]):
-        self.seq_id = next(self._ids)
-        self.token_ids = token_ids
-        self.num_tokens = len(token_ids)
+            return self.runner.prompt_logits(token_ids)

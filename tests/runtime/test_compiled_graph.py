@@ -68,7 +68,7 @@ def test_on_a_gpu_compiled_decode_steps_are_captured_and_match_hf(tiny_checkpoin
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", max_batch_size=4,
                      compile={"backend": "torch_compile_cuda_graph"})
     engine = llm.engine
-    assert isinstance(engine.graph, CompiledGraph) and engine.decode_graphs is not None
+    assert isinstance(engine.graph, CompiledGraph) and engine.runner.decode_graphs is not None
     prompts = random_prompts(4, seed=33, lengths=(2, 50))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
     hf = tiny_hf_model("llama")

@@ -14,6 +14,7 @@ from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.cuda_graphs import DecodeGraphs
 from autodeploy.runtime.engine import Engine
+from autodeploy.runtime.model_runner import ModelRunner
 from autodeploy.transforms.compile_model import default_batch_sizes, uncapturable_nodes
 from tests.runtime.test_engine import GREEDY, hf_greedy, random_prompts
 from tests.tiny_models import tiny_hf_model
@@ -51,12 +52,12 @@ def test_padded_decode_steps_match_hf_generate(tiny_checkpoint, arch, monkeypatc
     assert engine.pool.num_used_blocks == 0
     # Padding rows write into one block more than the pool hands out (they would clobber the 7 otherwise).
     assert engine.caches["k_cache_0"].shape[0] == engine.pool.num_blocks + 1
-    assert engine.decode_graphs.pad_block == engine.pool.num_blocks
+    assert engine.runner.decode_graphs.pad_block == engine.pool.num_blocks
 
 
 def test_larger_batches_and_prefill_steps_run_eagerly(llama_llm):
     engine = engine_with_graphs(llama_llm, (1, 2))
-    graphs = engine.decode_graphs
+    graphs = engine.runner.decode_graphs
     prefill = [type("C", (), {"length": 5, "completes": True})()]
     decodes = [type("C", (), {"length": 1, "completes": True})() for _ in range(3)]
     assert not graphs.serves(prefill) and not graphs.serves(decodes) and graphs.serves(decodes[:2])
@@ -66,7 +67,7 @@ def test_larger_batches_and_prefill_steps_run_eagerly(llama_llm):
 
 def test_the_compile_stage_declares_sizes_only_for_capturable_gpu_graphs(llama_llm):
     assert "decode: no CUDA graphs (they need a GPU; the deploy runs on cpu)" in llama_llm.pipeline_report()
-    assert llama_llm.engine.decode_graphs is None
+    assert type(llama_llm.engine.runner) is ModelRunner  # eager: no graph to capture on the CPU
     # On the CPU attention (RoPE fused into its cache write) runs the SDPA kernel, which reads kv_lens on the
     # host: no graph could hold it.
     blockers = uncapturable_nodes(llama_llm.graph)
@@ -88,7 +89,7 @@ def test_a_failed_capture_serves_eagerly_with_a_warning(llama_llm, monkeypatch, 
 
     monkeypatch.setattr(DecodeGraphs, "capture_all", fail)
     engine = engine_with_graphs(llama_llm, (1, 2))
-    assert engine.decode_graphs is None
+    assert engine.runner.decode_graphs is None
     assert "decode CUDA graph capture failed (RuntimeError: operation not permitted" in caplog.text
     request = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
     while engine.has_unfinished():
@@ -104,7 +105,7 @@ def test_captured_decode_graphs_replay_what_eager_decoding_computes(llama_dir):
     common = dict(device="cuda", dtype="float32", max_batch_size=8, kv_cache={"num_blocks": 256})
     eager = autodeploy(str(llama_dir), compile={"backend": "none"}, **common)
     graphs = autodeploy(str(llama_dir), compile={"batch_sizes": [1, 2, 4, 8]}, **common)
-    assert all(graphs.engine.decode_graphs.batches[size].graph is not None for size in (1, 2, 4, 8))
+    assert all(graphs.engine.runner.decode_graphs.batches[size].graph is not None for size in (1, 2, 4, 8))
     assert "decode: CUDA graphs at batch sizes 1, 2, 4, 8" in graphs.pipeline_report()
     expected = [o.outputs[0] for o in eager.generate(prompts, params)]
     got = [o.outputs[0] for o in graphs.generate(prompts, params)]

@@ -75,8 +75,8 @@ def test_padded_pieces_match_hf_generate(tiny_checkpoint, arch, monkeypatch):
                      scheduler={"max_num_tokens": 96})
     engine = engine_with_pieces(llm, (16, 64))
     runs = []
-    original = engine.prefill_graphs.run
-    monkeypatch.setattr(engine.prefill_graphs, "run", lambda inputs, n: runs.append(n) or original(inputs, n))
+    original = engine.runner.prefill_graphs.run
+    monkeypatch.setattr(engine.runner.prefill_graphs, "run", lambda inputs, n: runs.append(n) or original(inputs, n))
     llm._engine = engine
     prompts = random_prompts(6, seed=41, lengths=(3, 70))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=5, **GREEDY))
@@ -89,8 +89,8 @@ def test_padded_pieces_match_hf_generate(tiny_checkpoint, arch, monkeypatch):
 def test_prompt_logits_through_the_pieces_equal_the_eager_graph(llama_llm, monkeypatch):
     engine = engine_with_pieces(llama_llm, (32,))
     runs = []
-    original = engine.prefill_graphs.run
-    monkeypatch.setattr(engine.prefill_graphs, "run", lambda inputs, n: runs.append(n) or original(inputs, n))
+    original = engine.runner.prefill_graphs.run
+    monkeypatch.setattr(engine.runner.prefill_graphs, "run", lambda inputs, n: runs.append(n) or original(inputs, n))
     tokens = random_prompts(1, seed=42, lengths=(20, 20))[0]
     pieces = engine.prompt_logits(tokens)
     assert runs == [20]
@@ -113,9 +113,9 @@ def test_a_failed_capture_leaves_prefill_eager_with_a_warning(llama_llm, monkeyp
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(PiecewiseGraphs, "capture_all", refuse)
-    with caplog.at_level("WARNING", logger="autodeploy.runtime.engine"):
+    with caplog.at_level("WARNING", logger="autodeploy.runtime.model_runner"):
         engine = engine_with_pieces(llama_llm, (16, 64))
-    assert engine.prefill_graphs is None
+    assert engine.runner.prefill_graphs is None
     assert any("prefill CUDA graph capture failed" in r.message and "run eagerly" in r.message for r in caplog.records)
     tokens = random_prompts(1, seed=44, lengths=(30, 30))[0]
     torch.testing.assert_close(engine.prompt_logits(tokens), llama_llm.engine.prompt_logits(tokens), atol=1e-6, rtol=0)
@@ -126,7 +126,7 @@ def test_on_a_gpu_captured_pieces_replay_what_the_eager_graph_computes(tiny_chec
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", max_batch_size=8,
                      scheduler={"max_num_tokens": 128})
     engine = llm.engine
-    assert engine.prefill_graphs is not None and engine.prefill_graphs._graphs
+    assert engine.runner.prefill_graphs is not None and engine.runner.prefill_graphs._graphs
     prompts = random_prompts(8, seed=43, lengths=(2, 90))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
     hf = tiny_hf_model("llama")
