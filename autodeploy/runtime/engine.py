@@ -24,8 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,30 +34,15 @@ from torch import fx
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.model_runner import make_model_runner
-from autodeploy.runtime.outputs import CompletionOutput
-from autodeploy.runtime.request import Request, Sequence, TokenRows
+from autodeploy.runtime.request import Request, TokenRows
 from autodeploy.runtime.request_intake import Prompt, RequestIntake
-from autodeploy.runtime.device_copies import to_device
-from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
+from autodeploy.runtime.sampled_tokens import SamplingPlan, TokenApplier, launch_sampling, plan_sampling
+from autodeploy.runtime.sampler import PendingSample
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
 from autodeploy.runtime.step_inputs import PendingTokens
-from autodeploy.runtime.structured_output import new_matcher, next_token_bitmask
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _SamplingPlan:
-    """How one step's logits rows become tokens: ``rows[i]`` samples logits row ``row_logits[i]`` for
-    ``owners[i]`` (the sequence it extends or forks from, and the completion index); beams separately."""
-
-    rows: list[SamplingRow] = field(default_factory=list)
-    row_logits: list[int] = field(default_factory=list)
-    owners: list[tuple[Sequence, int]] = field(default_factory=list)
-    beam_rows: list[tuple[Sequence, int]] = field(default_factory=list)
-    # No beams, forks, penalties or grammars: the next step needs none of its tokens on the host.
-    overlappable: bool = True
 
 
 @dataclass
@@ -66,7 +50,7 @@ class _Step:
     """A launched step, until the host has applied its tokens."""
 
     chunks: list[ScheduledChunk]
-    sampling: _SamplingPlan
+    sampling: SamplingPlan
     run_ahead: bool  # the next step may be planned and launched before this one is applied
     token_rows: dict[int, int] = field(default_factory=dict)  # seq_id → its token's row in sample.tokens
     sample: PendingSample | None = None
@@ -99,14 +83,14 @@ class Engine:
         self,
         graph: fx.GraphModule,
         graph_inputs: tuple[str, ...],
-        kv_caches: SequenceABC[KVCacheSpec],
+        kv_caches: Sequence[KVCacheSpec],
         settings,
         tokenizer,
-        eos_token_ids: SequenceABC[int],
+        eos_token_ids: Sequence[int],
         vocab_size: int,
         check_logits: bool = True,
-        decode_graph_batch_sizes: SequenceABC[int] = (),
-        prefill_graph_token_sizes: SequenceABC[int] = (),
+        decode_graph_batch_sizes: Sequence[int] = (),
+        prefill_graph_token_sizes: Sequence[int] = (),
         peers: Peers | None = None,
     ):
         """``check_logits``: a warm-up forward must give finite logits (build-time verification turns it
@@ -118,7 +102,6 @@ class Engine:
         this is rank 0's engine (see :class:`Peers`)."""
         self.settings = settings
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
         self.device = torch.device(settings.device)
         self.max_seq_len = settings.max_seq_len
@@ -133,6 +116,7 @@ class Engine:
         self.intake = RequestIntake(tokenizer, vocab_size, eos_token_ids, settings, self.pool, self.runner.side_inputs)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
+        self.tokens = TokenApplier(self.pool, self.scheduler, self.requests, tokenizer)
         self._lock = threading.RLock()  # requests, scheduler and pool
         self._step_lock = threading.Lock()  # one step at a time
         self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
@@ -152,6 +136,15 @@ class Engine:
     @graph.setter
     def graph(self, graph) -> None:
         self.runner.graph = graph
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The tokens that end a completion unless ``ignore_eos`` (admission reads them; settable)."""
+        return self.intake.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, token_ids) -> None:
+        self.intake.eos_token_ids = set(token_ids)
 
     @property
     def graph_inputs(self) -> tuple[str, ...]:
@@ -213,7 +206,7 @@ class Engine:
                     self._abort(payload)
 
     def _add(self, request: Request) -> None:
-        self._start_grammar(request.sequences[0])
+        self.tokens.start_grammar(request.sequences[0])
         self.requests[request.request_id] = request
         self.scheduler.add(request.sequences[0])
 
@@ -316,7 +309,7 @@ class Engine:
                 self._fail(plan.chunks, error)
                 raise
         try:
-            self._launch_sampling(step, run())
+            step.sample, step.beam_logprobs = launch_sampling(step.sampling, run())
         except Exception as error:
             with self._lock:
                 self._fail(plan.chunks, error)
@@ -328,7 +321,7 @@ class Engine:
         run, completing = self.runner.stage(chunks, pending=pending)
         for chunk in chunks:  # counted as computed now, so the next plan can run ahead of this step
             chunk.sequence.num_computed = chunk.start + chunk.length
-        sampling = self._sampling_plan([chunks[i].sequence for i in completing])
+        sampling = plan_sampling([chunks[i].sequence for i in completing], self.vocab_size)
         step = _Step(chunks, sampling, run_ahead=self.overlap and sampling.overlappable and self._continues(chunks, completing))
         if step.run_ahead:
             for sequence, _ in sampling.owners:
@@ -347,17 +340,6 @@ class Engine:
                 return True
         return False
 
-    def _launch_sampling(self, step: _Step, logits: torch.Tensor) -> None:
-        sampling = step.sampling
-        if sampling.rows:
-            picked = logits
-            if sampling.row_logits != list(range(logits.shape[0])):
-                picked = logits.index_select(0, to_device(sampling.row_logits, torch.long, logits.device))
-            step.sample = launch_sample(picked, sampling.rows)
-        if sampling.beam_rows:
-            index = to_device([row for _, row in sampling.beam_rows], torch.long, logits.device)
-            step.beam_logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-
     def _finish(self, step: _Step) -> list[Request]:
         """Wait for a launched step's tokens, apply them and deliver the outputs they change."""
         try:
@@ -368,7 +350,7 @@ class Engine:
             raise
         with self._lock:
             try:
-                changed = self._apply(step, result)
+                changed = self.tokens.apply(step.chunks, step.sampling, result, step.beam_logprobs, step.run_ahead, self.clock())
             except Exception as error:
                 self._fail(step.chunks, error)
                 raise
@@ -416,139 +398,6 @@ class Engine:
         """One forward over ``chunks``: the logits ``[rows, vocab]`` and the chunks they belong to
         (see ``build_step_inputs``). A decode step a captured CUDA graph holds replays it."""
         return self.runner.forward(chunks, logits_for_all_tokens)
-
-    def _sampling_plan(self, sequences: list[Sequence]) -> _SamplingPlan:
-        """The sampling rows of the sequences that reach their last token (one per logits row, in order)."""
-        plan = _SamplingPlan()
-        for row, sequence in enumerate(sequences):
-            request = sequence.request
-            if request.beam_search is not None:
-                plan.beam_rows.append((sequence, row))
-                continue
-            forking = request.params.n > 1 and len(request.sequences) == 1 and not sequence.output_token_ids
-            for index in range(request.params.n if forking else 1):
-                index = index if forking else sequence.index
-                # A constrained sequence never has a token in flight (its steps do not run ahead), so its
-                # matcher has seen every token; forks start from the parent's state, the grammar's start.
-                bitmask = next_token_bitmask(sequence.grammar, self.vocab_size) if sequence.grammar is not None else None
-                plan.rows.append(
-                    SamplingRow(
-                        request.params, request.seed, len(sequence.output_token_ids) + sequence.num_pending,
-                        request.prompt_token_ids, sequence.output_token_ids, sample_index=index, token_bitmask=bitmask,
-                    )
-                )
-                plan.row_logits.append(row)
-                plan.owners.append((sequence, index))
-            plan.overlappable &= not forking and not has_penalty(request.params) and request.grammar is None
-        plan.overlappable &= not plan.beam_rows
-        return plan
-
-    def _apply(self, step: _Step, result: SampleResult | None) -> list[Request]:
-        """Record what a step computed and append its tokens (or beam steps), for the requests still live."""
-        for chunk in step.chunks:
-            sequence = chunk.sequence
-            if not sequence.request.aborted:  # only tokens the host knows are hashed into the prefix cache
-                self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, min(sequence.num_computed, len(sequence.token_ids)))
-        changed: dict[str, Request] = {}
-        now = self.clock()
-        # Forks first: the parent's own first token may end it (EOS), which frees the blocks they share.
-        targets = [sequence if index == sequence.index or sequence.request.aborted else self._fork(sequence, index)
-                   for sequence, index in step.sampling.owners]
-        for i, ((sequence, _), target) in enumerate(zip(step.sampling.owners, targets)):
-            if step.run_ahead:
-                sequence.num_pending -= 1
-            if target.request.aborted or target.finish_reason is not None:
-                continue  # cancelled mid-step, or stopped on the token before this (a wasted row)
-            target.append(result.token_ids[i], self.tokenizer)
-            if target.grammar is not None:
-                self._advance_grammar(target, result.token_ids[i])
-            if result.logprobs[i] is not None:
-                target.logprobs.append(result.logprobs[i])
-                target.top_logprobs.append(result.top_logprobs[i])
-            self._after_token(target, now, changed)
-        beam_logprobs = step.beam_logprobs if step.beam_logprobs is not None else ()
-        beams = [(s, logprobs) for (s, _), logprobs in zip(step.sampling.beam_rows, beam_logprobs) if not s.request.aborted]
-        for sequence, logprobs in beams:
-            sequence.pending_logprobs = logprobs
-            sequence.awaiting_beam_step = True
-        for request in {id(s.request): s.request for s, _ in beams}.values():
-            if all(s.awaiting_beam_step for s in request.sequences):
-                self._beam_step(request, now)
-                changed[request.request_id] = request
-        return list(changed.values())
-
-    def _start_grammar(self, sequence: Sequence) -> None:
-        """A matcher of its own at the grammar's start for each sample of a constrained request."""
-        if sequence.request.grammar is not None:
-            sequence.grammar = new_matcher(sequence.request.grammar, sequence.request.stop_token_ids)
-
-    def _advance_grammar(self, sequence: Sequence, token: int) -> None:
-        """Feed the sampled token to the sequence's matcher; the sequence stops once the grammar ends."""
-        if not sequence.grammar.accept_token(token):  # the mask allowed it, so the matcher must accept it
-            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed (request {sequence.request.request_id})")
-        if sequence.grammar.is_terminated():
-            sequence.finish_reason = "stop"
-
-    def _fork(self, parent: Sequence, index: int) -> Sequence:
-        """A new sample of ``parent``'s request sharing its computed full blocks (``n`` > 1)."""
-        request = parent.request
-        child = Sequence(request, list(request.prompt_token_ids), index)
-        self._start_grammar(child)
-        child.num_computed = self.pool.fork(parent.seq_id, child.seq_id, len(request.prompt_token_ids))
-        request.sequences.append(child)
-        self.scheduler.running.append(child)
-        return child
-
-    def _after_token(self, sequence: Sequence, now: float, changed: dict[str, Request]) -> None:
-        request = sequence.request
-        if sequence.index == 0:
-            request.token_times.append(now)
-        if sequence.finish_reason is not None:
-            self.scheduler.remove(sequence)
-        if request.finished:
-            request.finish_time = now
-            self.requests.pop(request.request_id, None)
-        changed[request.request_id] = request
-
-    def _beam_step(self, request: Request, now: float) -> None:
-        search = request.beam_search
-        parents = request.sequences
-        search.step(torch.stack([s.pending_logprobs for s in parents]))
-        request.token_times.append(now)
-        if search.done:
-            for sequence in parents:
-                self.scheduler.remove(sequence)
-            request.finished_completions = [
-                self._beam_completion(request, index, result) for index, result in enumerate(search.best(request.params.n))
-            ]
-            request.sequences = []
-            request.finish_time = now
-            self.requests.pop(request.request_id, None)
-            return
-        survivors: list[Sequence] = []
-        for beam in search.running:
-            parent = parents[beam.parent]
-            if parent not in survivors:  # the first child of a parent continues it in place
-                sequence = parent
-            else:  # a further child shares the parent's full blocks and recomputes the rest
-                sequence = Sequence(request, request.prompt_token_ids + beam.token_ids[:-1], len(survivors))
-                sequence.num_computed = self.pool.fork(parent.seq_id, sequence.seq_id, parent.num_computed)
-                # A parent preempted while it waited for its group shares nothing: the child queues like a new prompt.
-                (self.scheduler.running if sequence.num_computed else self.scheduler.waiting).append(sequence)
-            sequence.token_ids.append(beam.token_ids[-1])
-            sequence.awaiting_beam_step = False
-            survivors.append(sequence)
-        for sequence in parents:
-            if sequence not in survivors:
-                self.scheduler.remove(sequence)
-        for index, sequence in enumerate(survivors):
-            sequence.index = index
-        request.sequences = survivors
-
-    def _beam_completion(self, request: Request, index: int, result) -> CompletionOutput:
-        ends_in_stop = bool(result.token_ids) and result.token_ids[-1] in request.stop_token_ids
-        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return CompletionOutput(index, text, list(result.token_ids), "stop" if ends_in_stop else "length", cumulative_logprob=result.logprob)
 
     # ---- whole-prompt logits -------------------------------------------------------------------
     @torch.inference_mode()
