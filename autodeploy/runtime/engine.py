@@ -33,10 +33,10 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch import fx
 
 from autodeploy.custom_ops.parallel_state import Layout
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.deployment import Deployment
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.compiled_graph import TORCH_COMPILE_BACKENDS, CompiledGraph
@@ -119,27 +119,20 @@ def _agreed_num_blocks(num_blocks: int, device: torch.device, ranks: int) -> int
 
 
 class Engine:
-    def __init__(
-        self,
-        graph: fx.GraphModule,
-        graph_inputs: tuple[str, ...],
-        kv_caches: SequenceABC[KVCacheSpec],
-        settings,
-        tokenizer,
-        eos_token_ids: SequenceABC[int],
-        vocab_size: int,
-        check_logits: bool = True,
-        decode_graph_batch_sizes: SequenceABC[int] = (),
-        prefill_graph_token_sizes: SequenceABC[int] = (),
-        peers: Peers | None = None,
-    ):
-        """``check_logits``: a warm-up forward must give finite logits (build-time verification turns it
-        off for the twin, whose logits it checks and localises itself). ``decode_graph_batch_sizes``: the
-        compile stage's sizes for decode steps replayed as CUDA graphs (``runtime/cuda_graphs.py``);
-        ``prefill_graph_token_sizes``: its token counts for prefill and mixed steps replayed as piecewise
-        graphs (``runtime/piecewise_graphs.py``), captured first: their memory is gone before the pool is sized.
-        ``peers``: the worker processes of a deployment over several ranks that ``autodeploy()`` spawned, when
-        this is rank 0's engine (see :class:`Peers`)."""
+    def __init__(self, deployment: Deployment, check_logits: bool = True, peers: Peers | None = None):
+        """Serve ``deployment``'s model graph over its serving signature. ``check_logits``: a warm-up forward
+        must give finite logits (build-time verification turns it off for the twin, whose logits it checks and
+        localises itself). The signature's ``decode_graph_batch_sizes``: the compile stage's sizes for decode
+        steps replayed as CUDA graphs (``runtime/cuda_graphs.py``); its ``prefill_graph_token_sizes``: the token
+        counts for prefill and mixed steps replayed as piecewise graphs (``runtime/piecewise_graphs.py``),
+        captured first: their memory is gone before the pool is sized. ``peers``: the worker processes of a
+        deployment over several ranks that ``autodeploy()`` spawned, when this is rank 0's engine (see
+        :class:`Peers`)."""
+        signature = deployment.signature
+        graph, graph_inputs, kv_caches = deployment.graph, signature.inputs, signature.kv_caches
+        settings, tokenizer, eos_token_ids = deployment.settings, deployment.tokenizer, deployment.eos_token_ids
+        vocab_size = deployment.vocab_size
+        decode_graph_batch_sizes, prefill_graph_token_sizes = signature.decode_graph_batch_sizes, signature.prefill_graph_token_sizes
         self.graph = CompiledGraph(graph) if settings.compile.backend in TORCH_COMPILE_BACKENDS else graph
         self.graph_inputs = graph_inputs
         self.pipeline = PipelineSchedule.from_settings(settings)  # pipeline_parallel > 1: micro-batches through the stages
