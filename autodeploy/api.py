@@ -24,7 +24,7 @@ from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
 from autodeploy.pipeline import Pipeline
 from autodeploy.preflight import check_deployment
-from autodeploy.runtime.llm import LLM
+from autodeploy.frontend.llm import LLM
 from autodeploy.transforms.registry import TransformContext
 from autodeploy.verification import build_verified
 

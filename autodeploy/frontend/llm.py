@@ -3,7 +3,7 @@
 Everything runs through one :class:`~autodeploy.runtime.engine.Engine` (paged KV cache, in-flight
 batching), so a ``stream`` and a ``generate`` started from different threads share batches. Each call
 steps the engine when no one else is stepping and reads its outputs from its own sink, which any step
-fills, whoever ran it. For asyncio servers see :class:`~autodeploy.runtime.async_llm.AsyncLLM`.
+fills, whoever ran it. For asyncio servers see :class:`~autodeploy.frontend.async_llm.AsyncLLM`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tqdm import tqdm
 from autodeploy.build_report import TransformRecord, VerificationReport
 from autodeploy.deployment import Deployment, as_deployment
 from autodeploy.errors import ConfigError, InvalidRequestError
-from autodeploy.runtime.chat import ChatResult, run_chat
+from autodeploy.frontend.chat import ChatResult, run_chat
 from autodeploy.runtime.engine import Engine, Prompt
 from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams
@@ -242,13 +242,13 @@ class LLM:
     ) -> ChatResult:
         """The assistant's answer to OpenAI-style ``messages``, through the chat template.
 
-        ``tools``: a ``ToolRegistry`` (``autodeploy.tools``), whose functions are run when the model calls
+        ``tools``: a ``ToolRegistry`` (``autodeploy.ToolRegistry``), whose functions are run when the model calls
         them, their results fed back, for up to ``max_rounds`` turns; or OpenAI tool schemas, whose calls
         are returned (``ChatResult.tool_calls``) for the caller to run. ``tool_choice``: ``"auto"`` (the
         default with tools), ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": …}}``,
         for the first turn. ``tool_call_format``: ``"hermes"`` (``<tool_call>`` tags), ``"json"`` (a bare
         ``{"name", "parameters"}`` object, as Llama 3.x templates ask) or ``"auto"``, the one the template
-        teaches. ``reasoning``: split each answer's ``<think>…</think>`` block off (``runtime/reasoning.py``)
+        teaches. ``reasoning``: split each answer's ``<think>…</think>`` block off (``frontend/reasoning.py``)
         into ``ChatResult.reasoning`` and the turn's ``reasoning_content``; calls are looked for in the rest.
         ``params`` default to greedy with ``max_tokens=256``.
 
