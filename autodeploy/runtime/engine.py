@@ -1,10 +1,13 @@
 """``Engine``: one scheduling step at a time — plan, run the graph once, sample, update requests.
 
-The engine owns the KV caches, the block pool and the scheduler. ``add_request`` validates a request
-completely before queueing it (a bad request raises ``InvalidRequestError`` and nothing else is
-touched); ``step`` launches one forward for whatever the scheduler planned, applies the step before it
-(overlapped runtime: the device computes one step while the host prepares the next) and returns the
-requests that got new tokens; ``abort`` cancels a request and frees its blocks at once. It is thread-safe.
+The engine owns the requests and the scheduler, and delegates: admission to ``RequestIntake``
+(``request_intake.py``), the forward and the KV pool to its ``ModelRunner`` (``model_runner.py``), turning
+logits into tokens on sequences to ``sampled_tokens.py``, and, on rank 0 of several, telling the workers to
+``RankMirror`` (``rank_mirror.py``). ``add_request`` validates a request completely before queueing it (a
+bad request raises ``InvalidRequestError`` and nothing else is touched); ``step`` launches one forward for
+whatever the scheduler planned, applies the step before it (overlapped runtime: the device computes one
+step while the host prepares the next) and returns the requests that got new tokens; ``abort`` cancels a
+request and frees its blocks at once. It is thread-safe.
 
 Outputs do not depend on who steps: after every step, and when a request is aborted, the engine hands
 each changed request's output to the request's ``OutputSink`` (if it has one). So any number of front
@@ -24,16 +27,15 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
-from torch import fx
 
-from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.deployment import Deployment
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.model_runner import make_model_runner
+from autodeploy.runtime.rank_mirror import Command, Peers, RankMirror
 from autodeploy.runtime.request import Request, TokenRows
 from autodeploy.runtime.request_intake import Prompt, RequestIntake
 from autodeploy.runtime.sampled_tokens import SamplingPlan, TokenApplier, launch_sampling, plan_sampling
@@ -57,63 +59,28 @@ class _Step:
     beam_logprobs: torch.Tensor | None = None
 
 
-class Peers(Protocol):
-    """Rank 0's handle on the worker processes of a deployment over several ranks (``Workers`` in
-    ``autodeploy/distributed.py``). Every rank runs this engine over its own slices; rank 0 tells the others
-    what to run, in the order it runs it, so their collectives pair up."""
-
-    def step(self, commands: list[tuple]) -> None:
-        """Workers: apply ``commands`` (``Engine.apply_commands``), then ``Engine.step``."""
-
-    def prompt_logits(self, token_ids: list[int]) -> None:
-        """Workers: ``Engine.prompt_logits(token_ids)``."""
-
-    def failure(self, error: Exception) -> Exception:
-        """The error to report for a failed step: the dead or stuck worker behind it, if one is."""
-
-
-def _request_fields(request: Request) -> tuple:
-    """What a worker needs to build rank 0's request again (``Request``'s arguments)."""
-    return (request.request_id, request.prompt, request.prompt_token_ids, request.params, request.stop_token_ids,
-            request.seed, request.priority, request.arrival_time, request.side_inputs)
-
-
 class Engine:
-    def __init__(
-        self,
-        graph: fx.GraphModule,
-        graph_inputs: tuple[str, ...],
-        kv_caches: Sequence[KVCacheSpec],
-        settings,
-        tokenizer,
-        eos_token_ids: Sequence[int],
-        vocab_size: int,
-        check_logits: bool = True,
-        decode_graph_batch_sizes: Sequence[int] = (),
-        prefill_graph_token_sizes: Sequence[int] = (),
-        peers: Peers | None = None,
-    ):
-        """``check_logits``: a warm-up forward must give finite logits (build-time verification turns it
-        off for the twin, whose logits it checks and localises itself). ``decode_graph_batch_sizes``: the
-        compile stage's sizes for decode steps replayed as CUDA graphs (``runtime/cuda_graphs.py``);
-        ``prefill_graph_token_sizes``: its token counts for prefill and mixed steps replayed as piecewise
-        graphs (``runtime/piecewise_graphs.py``), captured first: their memory is gone before the pool is sized.
-        ``peers``: the worker processes of a deployment over several ranks that ``autodeploy()`` spawned, when
-        this is rank 0's engine (see :class:`Peers`)."""
+    def __init__(self, deployment: Deployment, check_logits: bool = True, peers: Peers | None = None):
+        """Serve ``deployment`` through the model runner its settings and signature call for
+        (``runtime/model_runner.py``). ``check_logits``: a warm-up forward must give finite logits (build-time
+        verification turns it off for the twin, whose logits it checks and localises itself). ``peers``: the
+        worker processes of a deployment over several ranks that ``autodeploy()`` spawned, when this is rank
+        0's engine (see :class:`Peers`)."""
+        settings, tokenizer, vocab_size = deployment.settings, deployment.tokenizer, deployment.vocab_size
         self.settings = settings
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.device = torch.device(settings.device)
         self.max_seq_len = settings.max_seq_len
         self.max_num_tokens = settings.scheduler.max_num_tokens
-        self.runner = make_model_runner({"model": graph}, graph_inputs, kv_caches, settings, vocab_size,
-                                        decode_graph_batch_sizes, prefill_graph_token_sizes)
+        self.runner = make_model_runner(deployment)
         started = time.perf_counter()
         phases = self.runner.set_up(check_logits)
         logger.info("engine ready in %.2f s (%s)", time.perf_counter() - started,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.pool = self.runner.pool
-        self.intake = RequestIntake(tokenizer, vocab_size, eos_token_ids, settings, self.pool, self.runner.side_inputs)
+        self.intake = RequestIntake(tokenizer, vocab_size, deployment.eos_token_ids, settings, self.pool,
+                                    self.runner.side_inputs)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.tokens = TokenApplier(self.pool, self.scheduler, self.requests, tokenizer)
@@ -125,8 +92,7 @@ class Engine:
         self.overlap = self.device.type == "cuda" if overlap is None else overlap  # None: on GPUs (see SchedulerSettings)
         self._in_flight: _Step | None = None  # the step launched and not yet applied (overlapped runtime)
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
-        self.peers = peers
-        self._commands: list[tuple[str, Request | str]] = []  # with peers: submits and aborts for the next step
+        self.mirror = RankMirror(peers) if peers is not None else None  # rank 0 of several: workers mirror its steps
 
     @property
     def graph(self):
@@ -175,11 +141,11 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request. With peers, it joins at the start of the next step, on every rank alike."""
         with self._lock:
-            queued = {c.request_id for kind, c in self._commands if kind == "submit"}
+            queued = {r.request_id for r in self.mirror.queued_submits()} if self.mirror is not None else set()
             if request.request_id in self.requests or request.request_id in queued:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in use; pick another or leave it unset")
-            if self.peers is not None:
-                self._commands.append(("submit", request))
+            if self.mirror is not None:
+                self.mirror.queue("submit", request)
                 return
             self._add(request)
 
@@ -188,8 +154,8 @@ class Engine:
         its sink gets a final output whose completions end with ``"abort"``. Unknown or already finished
         requests are left alone."""
         with self._lock:
-            if self.peers is not None:
-                self._commands.append(("abort", str(request_id)))
+            if self.mirror is not None:
+                self.mirror.queue("abort", str(request_id))
             else:
                 self._abort(str(request_id))
 
@@ -197,13 +163,19 @@ class Engine:
         """A worker's replay of the submits and aborts that rank 0 queued before a step (``Peers.step``'s
         message), in their order, with rank 0's request ids, seeds and arrival times."""
         with self._lock:
-            for kind, payload in commands:
-                if kind == "submit":
-                    request = Request(*payload)
-                    request.grammar = self.intake.grammar(request.params)
-                    self._add(request)
-                else:
-                    self._abort(payload)
+            self._run_commands([(kind, self._rebuilt(payload) if kind == "submit" else payload) for kind, payload in commands])
+
+    def _rebuilt(self, fields: tuple) -> Request:
+        request = Request(*fields)  # rank 0 validated it; its grammar is compiled here again
+        request.grammar = self.intake.grammar(request.params)
+        return request
+
+    def _run_commands(self, commands: list[Command]) -> None:
+        for kind, payload in commands:
+            if kind == "submit":
+                self._add(payload)
+            else:
+                self._abort(payload)
 
     def _add(self, request: Request) -> None:
         self.tokens.start_grammar(request.sequences[0])
@@ -214,18 +186,6 @@ class Engine:
         request = self._cancel(request_id)
         if request is not None:
             self._deliver(request)
-
-    def _mirror_commands(self) -> None:
-        """Rank 0: send the queued submits and aborts to the workers with the order to step, then apply
-        them here, so every rank plans the step from the same requests."""
-        with self._lock:
-            commands, self._commands = self._commands, []
-            self.peers.step([("submit", _request_fields(c)) if kind == "submit" else (kind, c) for kind, c in commands])
-            for kind, command in commands:
-                if kind == "submit":
-                    self._add(command)
-                else:
-                    self._abort(command)
 
     def _cancel(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
@@ -246,7 +206,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self.requests) or any(kind == "submit" for kind, _ in self._commands)
+            return bool(self.requests) or bool(self.mirror is not None and self.mirror.queued_submits())
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids (text through the tokenizer; ids checked against the vocabulary)."""
@@ -275,8 +235,9 @@ class Engine:
         requests of that step are aborted, their sinks get the error, and it is raised here too.
         """
         with self._step_lock, self._peer_failures():
-            if self.peers is not None:
-                self._mirror_commands()
+            if self.mirror is not None:  # every rank plans this step from the same requests
+                with self._lock:
+                    self._run_commands(self.mirror.send_step())
             previous, self._in_flight = self._in_flight, None
             try:
                 launched = self._plan_and_launch(previous)
@@ -358,20 +319,13 @@ class Engine:
                 self._deliver(request)
             return changed
 
-    @contextlib.contextmanager
     def _peer_failures(self):
         """With peers, a failed collective raises the error naming the worker behind it."""
-        try:
-            yield
-        except Exception as error:
-            failure = self.peers.failure(error) if self.peers is not None else error
-            if failure is error:
-                raise
-            raise failure from error
+        return self.mirror.failures() if self.mirror is not None else contextlib.nullcontext()
 
     def _fail(self, chunks: list[ScheduledChunk], error: Exception) -> None:
-        if self.peers is not None:
-            error = self.peers.failure(error)
+        if self.mirror is not None:
+            error = self.mirror.peers.failure(error)
         for request in {id(c.sequence.request): c.sequence.request for c in chunks}.values():
             if self._cancel(request.request_id) is not None and request.sink is not None:
                 request.sink.fail(error)
@@ -409,6 +363,6 @@ class Engine:
                 f"a larger max_seq_len (at most the model's max_position_embeddings)"
             )
         with self._step_lock, self._lock, self._peer_failures():  # a forward of its own: not beside a running step
-            if self.peers is not None:
-                self.peers.prompt_logits(list(token_ids))
+            if self.mirror is not None:
+                self.mirror.peers.prompt_logits(list(token_ids))
             return self.runner.prompt_logits(token_ids)

@@ -17,7 +17,7 @@ graphs. The deployment's graphs come by role: ``{"model": graph}`` runs the step
 does not run yet (a ``"draft"``, ``"vision"`` or ``"encoder"`` graph) is refused. The side inputs that
 requests carry (``TokenRows``) fill the inputs the graph declares for them (``step_inputs.SideInputSpec``).
 
-    runner = make_model_runner({"model": graph}, graph_inputs, kv_caches, settings, vocab_size)
+    runner = make_model_runner(deployment)
     runner.set_up()
     run, completing = runner.stage(chunks)
     logits = run()
@@ -28,14 +28,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import fx
 
 from autodeploy.custom_ops.parallel_state import Layout
-from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.deployment import MODEL, Deployment
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.compiled_graph import TORCH_COMPILE_BACKENDS, CompiledGraph
@@ -48,43 +47,40 @@ from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs, dec
 
 logger = logging.getLogger(__name__)
 
-RUN_ROLES = ("model",)  # the graph roles a runner runs; the others are refused at set-up
+RUN_ROLES = (MODEL,)  # the graph roles a runner runs; the others are refused at set-up
 StagedStep = tuple[Callable[[], torch.Tensor], list[int]]  # (run, completing)
 
 # Enough tokens for a forward to show whether the model computes finite logits at all.
 _LOGITS_CHECK_TOKENS = 16
 
 
-def make_model_runner(
-    graphs: Mapping[str, fx.GraphModule], graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec], settings,
-    vocab_size: int, decode_graph_batch_sizes: Sequence[int] = (), prefill_graph_token_sizes: Sequence[int] = (),
-) -> ModelRunner:
-    """The runner for these graphs and settings: pipeline stages, captured graphs, or eager."""
-    schedule = PipelineSchedule.from_settings(settings)  # pipeline_parallel > 1 (the compile stage captures nothing then)
+def make_model_runner(deployment: Deployment) -> ModelRunner:
+    """The runner for this deployment's settings and signature: pipeline stages, captured graphs, or eager."""
+    schedule = PipelineSchedule.from_settings(deployment.settings)  # pipeline_parallel > 1 (nothing is captured then)
     if schedule is not None:
-        return PipelineRunner(graphs, graph_inputs, kv_caches, settings, vocab_size, schedule)
-    if decode_graph_batch_sizes or prefill_graph_token_sizes:
-        return CapturedRunner(graphs, graph_inputs, kv_caches, settings, vocab_size, decode_graph_batch_sizes,
-                              prefill_graph_token_sizes)
-    return ModelRunner(graphs, graph_inputs, kv_caches, settings, vocab_size)
+        return PipelineRunner(deployment, schedule)
+    signature = deployment.signature
+    if signature.decode_graph_batch_sizes or signature.prefill_graph_token_sizes:
+        return CapturedRunner(deployment)
+    return ModelRunner(deployment)
 
 
 class ModelRunner:
     """Eager: each step is one call of the ``"model"`` graph on inputs built for it."""
 
-    def __init__(self, graphs: Mapping[str, fx.GraphModule], graph_inputs: Sequence[str],
-                 kv_caches: Sequence[KVCacheSpec], settings, vocab_size: int):
-        not_run = sorted(set(graphs) - set(RUN_ROLES))
-        if not_run or "model" not in graphs:
-            raise UnsupportedModelError(f"the deployment holds graphs {sorted(graphs)}; this runtime runs one 'model' graph "
-                                        f"and no {not_run or 'other'} graph yet")
+    def __init__(self, deployment: Deployment):
+        not_run = sorted(set(deployment.graphs) - set(RUN_ROLES))
+        if not_run:
+            raise UnsupportedModelError(f"the deployment holds graphs {sorted(deployment.graphs)}; this runtime runs its "
+                                        f"{MODEL!r} graph and no {not_run} graph yet")
+        settings = deployment.settings
         compiled = settings.compile.backend in TORCH_COMPILE_BACKENDS
-        self.graphs: dict[str, Callable] = {role: CompiledGraph(g) if compiled else g for role, g in graphs.items()}
-        self.graph_inputs = tuple(graph_inputs)
-        self.side_inputs = declared_side_inputs(graphs["model"], graph_inputs)
-        self.kv_specs = tuple(kv_caches)
+        self.graphs: dict[str, Callable] = {role: CompiledGraph(g) if compiled else g for role, g in deployment.graphs.items()}
+        self.graph_inputs = deployment.signature.inputs
+        self.side_inputs = declared_side_inputs(deployment.graph, self.graph_inputs)
+        self.kv_specs = deployment.signature.kv_caches
         self.settings = settings
-        self.vocab_size = vocab_size
+        self.vocab_size = deployment.vocab_size
         self.device = torch.device(settings.device)
         self.max_seq_len = settings.max_seq_len
         self.max_num_tokens = settings.scheduler.max_num_tokens
@@ -95,11 +91,11 @@ class ModelRunner:
     @property
     def graph(self) -> Callable:
         """The graph that runs the steps (read at every step: tests and benchmarks wrap it)."""
-        return self.graphs["model"]
+        return self.graphs[MODEL]
 
     @graph.setter
     def graph(self, graph: Callable) -> None:
-        self.graphs["model"] = graph
+        self.graphs[MODEL] = graph
 
     def set_up(self, check_logits: bool = True) -> dict[str, float]:
         """Size the KV pool and allocate its caches; the seconds each phase took. ``check_logits``: a warm-up
@@ -184,18 +180,18 @@ class ModelRunner:
 
 
 class CapturedRunner(ModelRunner):
-    """Decode steps replay CUDA graphs (at ``decode_graph_batch_sizes``), prefill and mixed steps run piecewise
-    graphs (at ``prefill_graph_token_sizes``); what they do not hold, and what fails to capture, runs eagerly."""
+    """Decode steps replay CUDA graphs (at the signature's ``decode_graph_batch_sizes``), prefill and mixed steps
+    run piecewise graphs (at its ``prefill_graph_token_sizes``); what they do not hold, and what fails to
+    capture, runs eagerly."""
 
-    def __init__(self, graphs, graph_inputs, kv_caches, settings, vocab_size: int,
-                 decode_graph_batch_sizes: Sequence[int], prefill_graph_token_sizes: Sequence[int]):
-        super().__init__(graphs, graph_inputs, kv_caches, settings, vocab_size)
-        self.decode_sizes = sorted(set(decode_graph_batch_sizes))
+    def __init__(self, deployment: Deployment):
+        super().__init__(deployment)
+        self.decode_sizes = sorted(set(deployment.signature.decode_graph_batch_sizes))
         if self.decode_sizes and self.side_inputs:
             logger.info("decode steps run eagerly: the graph takes side inputs %s, which no decode graph holds",
                         sorted(self.side_inputs))
             self.decode_sizes = []
-        self.prefill_sizes = tuple(prefill_graph_token_sizes)
+        self.prefill_sizes = deployment.signature.prefill_graph_token_sizes
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
 
@@ -253,8 +249,8 @@ class CapturedRunner(ModelRunner):
 class PipelineRunner(ModelRunner):
     """This rank's pipeline stage: each step's chunks in micro-batches through ``schedule`` (no CUDA graphs)."""
 
-    def __init__(self, graphs, graph_inputs, kv_caches, settings, vocab_size: int, schedule: PipelineSchedule):
-        super().__init__(graphs, graph_inputs, kv_caches, settings, vocab_size)
+    def __init__(self, deployment: Deployment, schedule: PipelineSchedule):
+        super().__init__(deployment)
         self.schedule = schedule
 
     def stage(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False,

@@ -7,6 +7,8 @@ checked against Hugging Face here; the GPU test captures and replays for real.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,8 +23,8 @@ from tests.tiny_models import tiny_hf_model
 
 
 def engine_with_graphs(llm, sizes) -> Engine:
-    return Engine(llm.graph, llm.graph_inputs, llm._kv_caches, llm.settings, llm.tokenizer, [], llm.vocab_size,
-                  decode_graph_batch_sizes=sizes)
+    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=sizes, prefill_graph_token_sizes=())
+    return Engine(dataclasses.replace(llm.deployment, signature=signature, eos_token_ids=()))
 
 
 def test_default_batch_sizes_cover_every_batch_up_to_the_maximum():

@@ -13,7 +13,8 @@ import torch
 from torch import fx
 
 from autodeploy.config import load_settings
-from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.custom_ops.serving_signature import KVCacheSpec, ServingSignature
+from autodeploy.deployment import MODEL, Deployment
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.engine import Engine
 from autodeploy.runtime.model_runner import ModelRunner
@@ -39,16 +40,21 @@ class _EmbeddingOverride(torch.nn.Module):
 
 def graph_with_side_input() -> fx.GraphModule:
     graph = fx.symbolic_trace(_EmbeddingOverride())
-    override = next(n for n in graph.graph.nodes if n.target == "embeds_override")
-    override.meta["val"] = torch.empty(0, VOCAB)  # the shape export records: [N, H]
+    # The shapes export records: the side input's rows [N, H], the logits [1, N, vocab].
+    next(n for n in graph.graph.nodes if n.target == "embeds_override").meta["val"] = torch.empty(0, VOCAB)
+    next(n for n in graph.graph.nodes if n.op == "output").args[0].meta["val"] = torch.empty(1, 0, VOCAB)
     return graph
 
 
-def engine(graph: fx.GraphModule = None, **settings) -> Engine:
+def deployment(graphs: dict | None = None, **settings) -> Deployment:
     settings = load_settings(overrides={"device": "cpu", "dtype": "float32", "max_seq_len": 32, "max_batch_size": 4,
                                         "kv_cache": {"prefix_caching": False, "num_blocks": 16}, **settings})
-    kv = [KVCacheSpec.for_layer(0, 1, 1, 1, torch.float32)]
-    return Engine(graph or graph_with_side_input(), INPUTS, kv, settings, None, [], VOCAB)
+    signature = ServingSignature(INPUTS, (KVCacheSpec.for_layer(0, 1, 1, 1, torch.float32),))
+    return Deployment(graphs or {MODEL: graph_with_side_input()}, signature, settings)
+
+
+def engine(**settings) -> Engine:
+    return Engine(deployment(**settings))
 
 
 def one_hot(token: int) -> torch.Tensor:
@@ -102,6 +108,5 @@ def test_side_inputs_are_refused_beside_the_prefix_cache():
 
 def test_a_graph_role_the_runner_does_not_run_is_refused():
     graph = graph_with_side_input()
-    settings = load_settings(overrides={"device": "cpu"})
     with pytest.raises(UnsupportedModelError, match=r"no \['draft'\] graph yet"):
-        ModelRunner({"model": graph, "draft": graph}, INPUTS, [], settings, VOCAB)
+        ModelRunner(deployment({MODEL: graph, "draft": graph}))

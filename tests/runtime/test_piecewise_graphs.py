@@ -7,6 +7,8 @@ here; the GPU test captures and replays for real.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,8 +21,9 @@ from tests.tiny_models import tiny_hf_model
 
 
 def engine_with_pieces(llm, token_sizes, decode_sizes=()) -> Engine:
-    return Engine(llm.graph, llm.graph_inputs, llm._kv_caches, llm.settings, llm.tokenizer, [], llm.vocab_size,
-                  decode_graph_batch_sizes=decode_sizes, prefill_graph_token_sizes=token_sizes)
+    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=decode_sizes,
+                                    prefill_graph_token_sizes=token_sizes)
+    return Engine(dataclasses.replace(llm.deployment, signature=signature, eos_token_ids=()))
 
 
 def test_default_token_sizes_double_up_to_the_budget():
@@ -132,5 +135,5 @@ def test_on_a_gpu_captured_pieces_replay_what_the_eager_graph_computes(tiny_chec
     hf = tiny_hf_model("llama")
     assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 6) for p in prompts]
     tokens = prompts[0] + prompts[1]
-    eager = Engine(llm.graph, llm.graph_inputs, llm._kv_caches, llm.settings, llm.tokenizer, [], llm.vocab_size)
+    eager = engine_with_pieces(llm, ())
     torch.testing.assert_close(engine.prompt_logits(tokens), eager.prompt_logits(tokens), atol=1e-4, rtol=0)
