@@ -22,21 +22,21 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from autodeploy.custom_ops import register_backend, register_op
     from autodeploy.export import register_export_patch
     from autodeploy.patterns import register_pattern
-    from autodeploy.runtime.async_llm import AsyncLLM
-    from autodeploy.runtime.llm import LLM
+    from autodeploy.frontend.async_llm import AsyncLLM
+    from autodeploy.frontend.llm import LLM
     from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
     from autodeploy.runtime.sampling_params import SamplingParams
-    from autodeploy.tools import ToolRegistry
+    from autodeploy.frontend.tools import ToolRegistry
     from autodeploy.transforms import Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 # Public name → the module that defines it.
 _MODULE_OF: dict[str, str] = {
-    "AsyncLLM": "autodeploy.runtime.async_llm",
+    "AsyncLLM": "autodeploy.frontend.async_llm",
     "CompletionOutput": "autodeploy.runtime.outputs",
-    "LLM": "autodeploy.runtime.llm",
+    "LLM": "autodeploy.frontend.llm",
     "RequestOutput": "autodeploy.runtime.outputs",
     "SamplingParams": "autodeploy.runtime.sampling_params",
-    "ToolRegistry": "autodeploy.tools",
+    "ToolRegistry": "autodeploy.frontend.tools",
     "Transform": "autodeploy.transforms",
     "TransformConfig": "autodeploy.transforms",
     "TransformContext": "autodeploy.transforms",

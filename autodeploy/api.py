@@ -12,7 +12,10 @@ from omegaconf import DictConfig
 
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
+from autodeploy.build_report import BuildReport
 from autodeploy.config import load_settings
+from autodeploy.custom_ops.serving_signature import ServingSignature
+from autodeploy.deployment import MODEL, Deployment
 from autodeploy.errors import AutoDeployError
 from autodeploy.distributed import (check_no_live_deployment, check_parallelism, hold, init_distributed, should_spawn,
                                     spawn_workers, world_size)
@@ -21,7 +24,7 @@ from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
 from autodeploy.pipeline import Pipeline
 from autodeploy.preflight import check_deployment
-from autodeploy.runtime.llm import LLM
+from autodeploy.frontend.llm import LLM
 from autodeploy.transforms.registry import TransformContext
 from autodeploy.verification import build_verified
 
@@ -123,14 +126,21 @@ def _build(settings, factory: ModelFactory, store=None, workers=None) -> LLM:
         graph, verification = build_verified(pipeline, context, settings.dump_graphs)
     else:
         graph, verification = pipeline.run(context, dump_dir=settings.dump_graphs), None
-    tokenizer = factory.load_tokenizer(settings.tokenizer)
-    llm = LLM(graph, context.graph_inputs, settings, tokenizer, _eos_token_ids(factory), pipeline.records, context.kv_caches,
-              str(factory.source.directory), verification, context.decode_graph_batch_sizes, context.prefill_graph_token_sizes)
+    signature = ServingSignature(context.graph_inputs, context.kv_caches, context.decode_graph_batch_sizes,
+                                 context.prefill_graph_token_sizes)
+    deployment = Deployment({MODEL: graph}, signature, settings, factory.load_tokenizer(settings.tokenizer), _eos_token_ids(factory),
+                            BuildReport(pipeline.records, verification), str(factory.source.directory))
+    llm = LLM(deployment)
     llm.workers = workers
     if world_size(settings) > 1:
         hold(llm, workers)
+    # Sizing the KV cache and the warm-up forward belong to the build: their errors are the build's.
+    return _with_engine(llm)
+
+
+def _with_engine(llm: LLM) -> LLM:
     if llm.can_serve:
-        llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward: its errors belong to the build)
+        llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward)
     return llm
 
 
@@ -146,7 +156,6 @@ def _serve_saved(directory: Path, config, set_arguments: Iterable[str], override
         logger.warning("%s was built with %s; rebuilding it from its source %s (save it again to skip this next time)",
                        directory, "; ".join(mismatches), source or "(the demo model)")
         return autodeploy(source, config=[directory / SETTINGS, *config_files], set_arguments=set_arguments, **overrides)
-    llm = load_deployment(directory, manifest, config_files, overrides, set_arguments)
-    if llm.can_serve:
-        llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward, as a build does)
-    return llm
+    # The engine is built as a build builds it, while the loader checks the weights' digest.
+    return load_deployment(directory, manifest, config_files, overrides, set_arguments,
+                           serve=lambda deployment: _with_engine(LLM(deployment)))

@@ -1,5 +1,5 @@
 """What a build did, transform by transform, and how its verification went: the records the pipeline and
-the verification write and ``LLM.pipeline_report()`` prints.
+the verification write (gathered in a ``BuildReport``) and ``LLM.pipeline_report()`` prints.
 
 A neutral module: the pipeline fills these records and the runtime (and a reloaded deployment) only reads
 them, so ``autodeploy.runtime`` needs no import of the pipeline.
@@ -69,3 +69,16 @@ def format_report(records: list[TransformRecord], top_ops: int = 8) -> str:
             more = len(r.ops_after) - top_ops
             lines.append(f"after {stage}: {r.nodes_after} nodes, {total} ops: {shown}{f', … {more} more' if more > 0 else ''}")
     return "\n".join(lines)
+
+
+@dataclass
+class BuildReport:
+    """Everything a build reports: each transform's record, in run order, and the verification (None when
+    ``verify.enabled`` was off). ``str()`` is what ``LLM.pipeline_report()`` prints."""
+
+    records: list[TransformRecord] = field(default_factory=list)
+    verification: VerificationReport | None = None
+
+    def __str__(self) -> str:
+        report = format_report(self.records)
+        return report if self.verification is None else f"{report}\n{self.verification}"

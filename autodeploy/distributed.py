@@ -31,9 +31,11 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import suppress
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -158,6 +160,9 @@ def _leave() -> None:
 
 # ---- spawned workers ---------------------------------------------------------------------------------
 _ADDRESS, _KEY = "AUTODEPLOY_WORKER_ADDRESS", "AUTODEPLOY_WORKER_KEY"
+# A worker builds its rank as rank 0 did, with autodeploy(); named here as text and handed to worker_main,
+# so this module, which autodeploy() imports, imports nothing above it.
+_WORKER_PROGRAM = "from autodeploy.api import autodeploy; from autodeploy.distributed import worker_main; worker_main(autodeploy)"
 _STOP_WAIT_S = 10.0  # how long a stopped worker may take to leave before it is killed
 
 
@@ -217,7 +222,7 @@ def spawn_workers(settings, model, config, set_arguments, overrides) -> tuple[Wo
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                _ADDRESS: f"{listener.address[0]}:{listener.address[1]}", _KEY: key.hex()}
         processes.append(subprocess.Popen(
-            [sys.executable, "-c", "from autodeploy.distributed import worker_main; worker_main()"],
+            [sys.executable, "-c", _WORKER_PROGRAM],
             env=env, stdout=subprocess.DEVNULL))
     global _live
     workers = _live = Workers(processes, float(settings.distributed.timeout_s), _deployment(settings))
@@ -389,18 +394,16 @@ def _communication_error(error: BaseException) -> bool:
             or any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout")))
 
 
-def worker_main() -> None:
-    """A spawned worker: connect to rank 0, build the deployment it names, then run its commands until it
-    says stop or goes away."""
+def worker_main(build: Callable[..., Any]) -> None:
+    """A spawned worker: connect to rank 0, ``build`` the deployment it names (``autodeploy``'s arguments),
+    then run its commands until it says stop or goes away."""
     host, port = os.environ.pop(_ADDRESS).rsplit(":", 1)
     connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(_KEY)))
     connection.send(int(os.environ["RANK"]))
     model, config, set_arguments, overrides = connection.recv()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
-    from autodeploy.api import autodeploy
-
     try:
-        llm = autodeploy(model, config=config, set_arguments=set_arguments, **overrides)
+        llm = build(model, config=config, set_arguments=set_arguments, **overrides)
         connection.send(("ready", None))
         _serve(llm, connection)
     except BaseException as error:

@@ -46,7 +46,15 @@ class KVCacheSpec:
 
 @dataclass(frozen=True)
 class ServingSignature:
-    """What the runtime needs from a built graph besides the graph: its inputs in order and its caches."""
+    """What the runtime needs from a built graph besides the graph: its inputs in order, its caches, and the
+    step sizes the compile stage chose to replay as captured graphs (none: every step runs eagerly)."""
 
     inputs: tuple[str, ...]
     kv_caches: tuple[KVCacheSpec, ...]
+    decode_graph_batch_sizes: tuple[int, ...] = ()  # decode steps replayed as CUDA graphs (runtime/cuda_graphs.py)
+    prefill_graph_token_sizes: tuple[int, ...] = ()  # prefill / mixed steps as piecewise graphs (runtime/piecewise_graphs.py)
+
+    def __post_init__(self) -> None:
+        # Lists from a context or a JSON file become tuples, so a signature is hashable and cannot drift.
+        for name in ("inputs", "kv_caches", "decode_graph_batch_sizes", "prefill_graph_token_sizes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))

@@ -153,7 +153,7 @@ def _fused_gated_mlp_supports(x, gate_up_weight, down_weight, activation, *, dev
 
 
 def _fused_gated_mlp_skinny(x, gate_up_weight, down_weight, activation):
-    from .triton.gated_activation import fused_gated_mlp_skinny
+    from .triton.skinny_gemm import fused_gated_mlp_skinny
 
     return fused_gated_mlp_skinny(x, gate_up_weight, down_weight, activation)
 

@@ -16,17 +16,17 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from autodeploy.build_report import TransformRecord, VerificationReport
+from autodeploy.build_report import BuildReport, TransformRecord, VerificationReport
 from autodeploy.config import load_yaml
-from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.custom_ops.serving_signature import KVCacheSpec, ServingSignature
+from autodeploy.deployment import MODEL, Deployment
 from autodeploy.errors import CheckpointError, ConfigError, error_summary
-from autodeploy.runtime.llm import LLM
 
 from .graph_archive import load_program, served_graph
 from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS
@@ -36,6 +36,8 @@ from .reload_settings import reload_settings
 from .weights_file import start_reading
 
 logger = logging.getLogger(__name__)
+
+Served = TypeVar("Served")
 
 
 # Every file the reload reads: the manifest must list them all (with the tokenizer files it holds).
@@ -96,8 +98,13 @@ def load_deployment(
     config_files: Iterable[str | Path] = (),
     overrides: Mapping[str, Any] | None = None,
     set_arguments: Iterable[str] = (),
-) -> LLM:
-    """The ``LLM`` saved in ``directory``, with the overrides a reload allows (``reload_settings.py``)."""
+    serve: Callable[[Deployment], Served] | None = None,
+) -> Served | Deployment:
+    """The ``Deployment`` saved in ``directory``, with the overrides a reload allows (``reload_settings.py``).
+
+    ``serve`` (``autodeploy()`` passes one that makes the ``LLM`` and its engine) runs on the deployment while
+    the weights' digest is computed, and its result is returned once the digest matches; without it, the
+    deployment itself is."""
     directory = Path(directory)
     began = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -123,14 +130,15 @@ def load_deployment(
         raise incomplete(directory, WEIGHTS)
     # The weights are read onto their devices on background threads while the graph deserializes, and
     # hashed while the engine captures its CUDA graphs on them (values do not matter to a capture); the
-    # digest is checked before the LLM is returned, so nothing is served from a file that does not match.
+    # digest is checked before anything is returned, so nothing is served from a file that does not match.
     with _short_gil_turns():
         reading = start_reading(directory / WEIGHTS, devices)
         try:
             program = timed("graph (torch.export.load)", load_program, (directory / GRAPH).read_bytes(), str(directory / GRAPH))
             _check_tensors_fit_the_graph(program, placements, reading.layout(), directory / WEIGHTS)
             tensors_by_key = timed("waiting for the weights' copies", reading.tensors)
-            llm = _assemble(directory, manifest, settings, program, tensors_by_key, placements, serving, tuning, timed)
+            deployment = _assemble(directory, manifest, settings, program, tensors_by_key, placements, serving, tuning, timed)
+            served = deployment if serve is None else timed("engine", serve, deployment)
             timed("waiting for the weights' digest", lambda: manifest.check_digest(directory, WEIGHTS, reading.digest()))
         except Exception as error:
             # A corrupted file can fail the engine (non-finite logits, say) before its digest is known: say so.
@@ -142,7 +150,7 @@ def load_deployment(
     logger.info("reloaded the deployment in %s in %.2f s (%s; built from %s; verification %s)", directory,
                 time.perf_counter() - began, ", ".join(f"{phase} {value:.2f} s" for phase, value in seconds.items()),
                 manifest.source.get("model") or "the demo model", manifest.reload_verification)
-    return llm
+    return served
 
 
 def _described(dtype: torch.dtype, shape) -> str:
@@ -163,8 +171,9 @@ def _check_tensors_fit_the_graph(program, placements: Mapping[str, Any], layout:
                                   f"does not belong to this graph: save the deployment again")
 
 
-def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by_key, placements, serving, tuning, timed) -> LLM:
-    """The served graph on the loaded tensors, and the ``LLM`` around it with its engine built."""
+def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by_key, placements, serving, tuning,
+              timed) -> Deployment:
+    """The served graph on the loaded tensors, and the ``Deployment`` around it."""
     try:
         tensors = {name: tensors_by_key[entry["key"]] for name, entry in placements.items()}
         graph_inputs = tuple(serving["graph_inputs"])
@@ -172,7 +181,7 @@ def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by
         graph = timed("graph assembly", served_graph, program, str(directory / GRAPH), tensors, graph_inputs,
                       tuning["dispatches"], tuning["kernels"])
         records = [TransformRecord(**fields) for fields in _read_json(directory / BUILD_REPORT)]
-        eos_token_ids = [int(token) for token in serving["eos_token_ids"]]
+        eos_token_ids = tuple(int(token) for token in serving["eos_token_ids"])
         # Captured sizes above a smaller max_batch_size would never be replayed; cap them as the compile stage does.
         decode_sizes = sorted({min(int(size), settings.max_batch_size) for size in serving["decode_graph_batch_sizes"]})
         max_tokens = min(int(settings.scheduler.max_num_tokens), int(settings.max_seq_len))  # likewise for the prefill pieces
@@ -181,8 +190,6 @@ def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{directory}: a deployment file lacks an entry or has the wrong shape ({type(error).__name__}: "
                               f"{error}); save the deployment again") from error
-    llm = LLM(graph, graph_inputs, settings, _load_tokenizer(directory, settings), eos_token_ids, records, kv_caches,
-              manifest.source.get("directory"), verification, decode_sizes, token_sizes)
-    if llm.can_serve:  # the engine (KV pool, warm-up, CUDA graphs), as a build makes it, while the digest is computed
-        timed("engine", lambda: llm.engine)
-    return llm
+    signature = ServingSignature(graph_inputs, kv_caches, tuple(decode_sizes), tuple(token_sizes))
+    return Deployment({MODEL: graph}, signature, settings, _load_tokenizer(directory, settings), eos_token_ids,
+                      BuildReport(records, verification), manifest.source.get("directory"))

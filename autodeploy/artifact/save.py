@@ -12,15 +12,12 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import fx
 
-from autodeploy.build_report import TransformRecord, VerificationReport
 from autodeploy.config import settings_to_yaml
-from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.deployment import Deployment, as_deployment
 from autodeploy.errors import ConfigError
 
 from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS, is_whole_saved_deployment
@@ -41,24 +38,15 @@ def _write_json(path: Path, value) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
-def save_deployment(
-    directory: str | Path,
-    graph: fx.GraphModule,
-    graph_inputs: Sequence[str],
-    settings,
-    tokenizer=None,
-    eos_token_ids: Sequence[int] = (),
-    records: Sequence[TransformRecord] = (),
-    kv_caches: Sequence[KVCacheSpec] = (),
-    model_directory: str | None = None,
-    verification: VerificationReport | None = None,
-    decode_graph_batch_sizes: Sequence[int] = (),
-    prefill_graph_token_sizes: Sequence[int] = (),
-) -> Path:
-    """Write the deployment (the parts of an ``LLM``) to ``directory``; returns it. See ``LLM.save``."""
+def save_deployment(directory: str | Path, deployment: Deployment, *legacy_arguments, **legacy_keywords) -> Path:
+    """Write ``deployment`` to ``directory``; returns it. See ``LLM.save``. The form before ``Deployment``
+    (``save_deployment(directory, graph, graph_inputs, settings, ...)``, the loose parts of an ``LLM``)
+    still works and warns."""
+    deployment = as_deployment("save_deployment()", deployment, legacy_arguments, legacy_keywords)
+    settings, signature, verification = deployment.settings, deployment.signature, deployment.report.verification
     if str(settings.device) == "meta":
         raise ConfigError("a deploy on the meta device has no weights to save; deploy with device=cpu or cuda, then save")
-    if not kv_caches:
+    if not signature.kv_caches:
         raise ConfigError("this graph has no KV cache (insert_cached_attention is disabled), so it cannot serve; enable it to save")
     directory = Path(directory)
     check_save_destination(directory)
@@ -66,28 +54,30 @@ def save_deployment(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        saved = export_served_graph(graph, graph_inputs, kv_caches, int(settings.kv_cache.block_size), torch.device(str(settings.device)))
+        saved = export_served_graph(deployment.graph, signature.inputs, signature.kv_caches, int(settings.kv_cache.block_size),
+                                    torch.device(str(settings.device)))
         (staging / GRAPH).write_bytes(saved.archive)
         keys = save_tensors(saved.tensors, staging / WEIGHTS)
         _write_json(staging / SERVING, {
-            "graph_inputs": list(graph_inputs),
+            "graph_inputs": list(signature.inputs),
             "tensors": {name: {"key": keys[name], "device": str(tensor.device)} for name, tensor in saved.tensors.items()},
-            "kv_caches": [{**dataclasses.asdict(spec), "dtype": str(spec.dtype).removeprefix("torch.")} for spec in kv_caches],
-            "decode_graph_batch_sizes": list(decode_graph_batch_sizes),
-            "prefill_graph_token_sizes": list(prefill_graph_token_sizes),
-            "eos_token_ids": list(eos_token_ids),
+            "kv_caches": [{**dataclasses.asdict(spec), "dtype": str(spec.dtype).removeprefix("torch.")} for spec in signature.kv_caches],
+            "decode_graph_batch_sizes": list(signature.decode_graph_batch_sizes),
+            "prefill_graph_token_sizes": list(signature.prefill_graph_token_sizes),
+            "eos_token_ids": list(deployment.eos_token_ids),
         })
         _write_json(staging / TUNING, {"kernels": saved.kernels, "dispatches": saved.dispatches})
-        _write_json(staging / BUILD_REPORT, [dataclasses.asdict(record) for record in records])
+        _write_json(staging / BUILD_REPORT, [dataclasses.asdict(record) for record in deployment.report.records])
         (staging / SETTINGS).write_text(settings_to_yaml(settings))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(staging / TOKENIZER))
+        if deployment.tokenizer is not None:
+            deployment.tokenizer.save_pretrained(str(staging / TOKENIZER))
         files = {path.relative_to(staging).as_posix(): file_digest(path) for path in sorted(staging.rglob("*")) if path.is_file()}
         Manifest(
             versions=package_versions(),
             device=device_kind(str(settings.device)),
             dtype=str(settings.dtype),
-            source={"model": settings.model, "directory": str(Path(model_directory).resolve()) if model_directory else None,
+            source={"model": settings.model,
+                    "directory": str(Path(deployment.model_directory).resolve()) if deployment.model_directory else None,
                     "weights": str(settings.weights)},
             files=files,
             verification=dataclasses.asdict(verification) if verification is not None else None,

@@ -31,7 +31,7 @@ from autodeploy.errors import CheckpointError, ConfigError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from autodeploy.runtime.llm import LLM
+    from autodeploy.frontend.llm import LLM
 
 # The fixed prompt set: varied English prose and code, so that agreement is measured on the kind of
 # text a model is deployed for rather than on one style. Changing these lines changes every baseline.

@@ -103,7 +103,7 @@ class BenchmarkConfig:
         if self.url is not None and "accuracy" in self.workloads:
             raise ConfigError("the accuracy workload compares logits with HF in this process, and a server does not return "
                               "logits; drop accuracy from --workload, or run it without --url")
-        from autodeploy.runtime.async_llm import check_stream_interval
+        from autodeploy.frontend.async_llm import check_stream_interval
 
         try:
             check_stream_interval(self.server_stream_interval)

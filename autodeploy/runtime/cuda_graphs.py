@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from autodeploy.custom_ops.graph_capture import capture_graph
-from autodeploy.runtime.piecewise_graphs import CaptureTimes, upload
+from autodeploy.custom_ops.graph_capture import GraphCapture
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import PendingTokens, slot
 
@@ -105,32 +103,14 @@ class DecodeGraphs:
         engine then serves eagerly)."""
         if not self.capture:
             return
-        torch.cuda.synchronize(self.device)
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        times = CaptureTimes()
+        capture = GraphCapture(self.device)
         for size in reversed(self.sizes):
-            batch, arguments = self.batches[size], self._arguments[size]
-            # Once eagerly first, on a side stream as capture needs: Triton compiles, lazy buffers get made.
-            start = time.perf_counter()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self.graph(*arguments)
-            launched = time.perf_counter()
-            stream.synchronize()
-            ran = time.perf_counter()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with capture_graph(graph, pool=pool):
-                batch.logits = self.graph(*arguments)[0]
-            upload(graph, torch.cuda.current_stream(self.device))
-            batch.graph = graph
-            times.add(launched - start, ran - launched, time.perf_counter() - ran)
-        torch.cuda.synchronize(self.device)
-        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+            batch = self.batches[size]
+            batch.graph, outputs = capture.capture(self.graph, self._arguments[size])
+            batch.logits = outputs[0]
+        self.pool_bytes = capture.pool_bytes()
         logger.info("decode CUDA graphs: %d batch sizes up to %d captured, %.2f GiB; %s", len(self.sizes), self.max_size,
-                    self.pool_bytes / 2**30, times)
+                    self.pool_bytes / 2**30, capture.times)
 
     def serves(self, chunks: Sequence[ScheduledChunk], logits_for_all_tokens: bool = False) -> bool:
         """Whether this step is one token per sequence, for at most the largest size, every token's

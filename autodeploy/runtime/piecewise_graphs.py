@@ -27,10 +27,8 @@ GPU replays.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,59 +36,12 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from autodeploy.custom_ops.graph_capture import capture_graph
+from autodeploy.custom_ops.graph_capture import GraphCapture
 
 logger = logging.getLogger(__name__)
 
 TOKEN_INPUTS = ("input_ids", "position_ids")  # the serving signature's [1, T] inputs
 LOGIT_INDEX = "logit_index"
-
-
-@dataclass
-class CaptureTimes:
-    """Where capturing went, summed over captures: the eager run before each on the host (launching; a
-    piece whose like already ran at the bucket skips it), the wait for it on the GPU, and the capture
-    itself (``torch.cuda.graph``: its synchronize and cache release, the launches recorded, the graph
-    instantiated)."""
-
-    launching: float = 0.0
-    running: float = 0.0
-    capturing: float = 0.0
-    count: int = 0
-    eager_runs: int = 0
-
-    def add(self, launching: float, running: float, capturing: float, ran_eagerly: bool = True) -> None:
-        self.launching += launching
-        self.running += running
-        self.capturing += capturing
-        self.count += 1
-        self.eager_runs += ran_eagerly
-
-    def __str__(self) -> str:
-        return (f"{self.count} captures: {self.eager_runs} eager runs {self.launching:.2f} s on the host + "
-                f"{self.running:.2f} s more on the GPU, captures {self.capturing:.2f} s")
-
-
-def upload(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> bool:
-    """Queue the upload of a captured graph's executable to the device on ``stream``, as its first replay
-    would otherwise do on the step that first needs it (the first 2,048-token prefill step of a process
-    took 26 ms on the host against 16 ms for the next ones). False where the driver's ``cuGraphUpload`` is
-    out of reach or refuses (the graph then uploads at its first replay, as before)."""
-    function = _driver_graph_upload()
-    if function is None:
-        return False
-    return function(graph.raw_cuda_graph_exec(), stream.cuda_stream) == 0
-
-
-@functools.lru_cache(maxsize=1)
-def _driver_graph_upload():
-    try:
-        function = ctypes.CDLL("libcuda.so.1").cuGraphUpload  # a runtime graph exec is a driver CUgraphExec
-    except (OSError, AttributeError):
-        logger.info("CUDA graphs upload at their first replay: the driver library has no cuGraphUpload")
-        return None
-    function.argtypes, function.restype = (ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int
-    return function
 
 
 class NotSplittable(Exception):
@@ -134,7 +85,6 @@ class PiecewiseGraphs:
         self._buffers: dict[int, dict[int, list[torch.Tensor | None]]] = {}  # bucket → piece → static argument buffers
         self._graphs: dict[int, dict[int, tuple[torch.cuda.CUDAGraph, object]]] = {}  # bucket → piece → (graph, outputs)
         self.pool_bytes = 0
-        self.capture_seconds = CaptureTimes()
         self._warmed: set[tuple] = set()  # (bucket, piece structure, argument layouts) run eagerly before a capture
 
     @property
@@ -148,27 +98,23 @@ class PiecewiseGraphs:
         """Make every bucket's static buffers and (on a GPU) capture its pieces, largest bucket first into
         one memory pool. ``probe_inputs(tokens)`` gives the graph's inputs for a step of that many tokens
         on a scratch cache: the eager pieces run on them, so the captured ones see real shapes."""
-        pool = stream = None
-        if self.capture:
-            torch.cuda.synchronize(self.device)
-            reserved_before = torch.cuda.memory_reserved(self.device)
-            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+        capture = GraphCapture(self.device) if self.capture else None
         for size in reversed(self.sizes):
             self._buffers[size], self._graphs[size] = {}, {}
-            self._run(probe_inputs(size), size, size, capture=(pool, stream))
-        if self.capture:
-            torch.cuda.synchronize(self.device)
-            self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+            self._run(probe_inputs(size), size, size, setting_up=True, capture=capture)
+        if capture is not None:
+            self.pool_bytes = capture.pool_bytes()
             logger.info("prefill CUDA graphs: %d pieces at %d token counts up to %d, %.2f GiB; %s",
                         sum(p.captured for p in self.pieces), len(self.sizes), self.max_tokens, self.pool_bytes / 2**30,
-                        self.capture_seconds)
+                        capture.times)
 
     def run(self, inputs: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
         """The logits of a step of ``num_tokens`` tokens (``serves(num_tokens)`` must hold)."""
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
         return self._run(inputs, num_tokens, size)[0]
 
-    def _run(self, inputs: list[torch.Tensor], num_tokens: int, size: int, capture=None):
+    def _run(self, inputs: list[torch.Tensor], num_tokens: int, size: int, setting_up: bool = False,
+             capture: GraphCapture | None = None):
         values: dict[fx.Node, object] = {}
         named = dict(zip(self.input_names, inputs))
         pieces = iter(enumerate(self.pieces))
@@ -182,7 +128,7 @@ class PiecewiseGraphs:
                 args = [values[a] for a in node.args]
                 if piece.captured:
                     args = [size if count else a for a, count in zip(args, piece.token_counts)]
-                    values[node] = self._call_captured(index, piece, args, size, capture)
+                    values[node] = self._call_captured(index, piece, args, size, setting_up, capture)
                 else:
                     args = [num_tokens if count else a.narrow(1, 0, num_tokens) if rows else a
                             for a, rows, count in zip(args, piece.token_rows, piece.token_counts)]
@@ -193,9 +139,10 @@ class PiecewiseGraphs:
                 return fx.node.map_arg(node.args[0], lambda n: values[n])
         raise RuntimeError("the split graph has no output node")
 
-    def _call_captured(self, index: int, piece: _Piece, args: list, size: int, capture):
+    def _call_captured(self, index: int, piece: _Piece, args: list, size: int, setting_up: bool,
+                       capture: GraphCapture | None):
         graphs = self._graphs[size]
-        if capture is not None:  # first time at this bucket: buffers for what does not keep its address
+        if setting_up:  # first time at this bucket: buffers for what does not keep its address
             self._buffers[size][index] = [
                 None if attribute or _captured_output(argument, graphs) else _static_buffer(argument, rows, size)
                 for argument, rows, attribute in zip(args, piece.token_rows, piece.attributes)
@@ -208,29 +155,14 @@ class PiecewiseGraphs:
             if argument is not buffer:
                 (buffer.narrow(1, 0, argument.shape[1]) if rows else buffer).copy_(argument)
             call_args.append(buffer)
-        if capture is not None and self.capture:
-            pool, stream = capture
-            start = time.perf_counter()
-            # Once eagerly first (Triton compiles, cuBLAS picks its kernels, lazy buffers get made), unless a
-            # piece alike (another layer's) already ran on arguments of these shapes at this bucket.
+        if capture is not None:
+            # Once eagerly first, unless a piece alike (another layer's) already ran on arguments of these
+            # shapes at this bucket.
             warmed = (size, piece.structure, tuple(_layout(a) for a in call_args))
-            ran_eagerly = warmed not in self._warmed
-            if ran_eagerly:
-                self._warmed.add(warmed)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    piece.module(*call_args)
-            launched = time.perf_counter()
-            stream.synchronize()
-            ran = time.perf_counter()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with capture_graph(graph, pool=pool):
-                outputs = piece.module(*call_args)
-            upload(graph, torch.cuda.current_stream(self.device))
-            self.capture_seconds.add(launched - start, ran - launched, time.perf_counter() - ran, ran_eagerly)
-            graphs[index] = (graph, outputs)
-            return outputs
+            warm_up = warmed not in self._warmed
+            self._warmed.add(warmed)
+            graphs[index] = capture.capture(piece.module, call_args, warm_up=warm_up)
+            return graphs[index][1]
         if index in graphs:
             graph, outputs = graphs[index]
             graph.replay()

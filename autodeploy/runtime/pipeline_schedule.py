@@ -35,7 +35,7 @@ import torch
 from autodeploy.custom_ops.pipeline_ops import async_transfers
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs
+from autodeploy.runtime.step_inputs import PendingTokens, SideInputSpec, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +83,17 @@ class PipelineSchedule:
     def stage_step(
         self, graph: Callable, input_names: Sequence[str], chunks: Sequence[ScheduledChunk], pool: KVBlockPool,
         caches: dict[str, torch.Tensor], device: torch.device, logits_for_all_tokens: bool = False,
-        pending: PendingTokens | None = None,
+        pending: PendingTokens | None = None, side_inputs: Sequence[SideInputSpec] = (),
     ) -> tuple[Callable[[], torch.Tensor], list[int]]:
-        """Like ``Engine._graph_call``: the micro-batches' inputs staged now, ``(run, completing)``; ``run()`` runs
+        """Like ``ModelRunner.stage``: the micro-batches' inputs staged now, ``(run, completing)``; ``run()`` runs
         them through the pipeline and returns the step's logits ``[rows, vocab]``."""
         inputs: list[list[torch.Tensor]] = []
         completing: list[int] = []
         offset = 0
         for group in self.split(chunks):
             group_inputs, group_completing = build_step_inputs(
-                input_names, group, pool, caches, device, logits_for_all_tokens=logits_for_all_tokens, pending=pending)
+                input_names, group, pool, caches, device, logits_for_all_tokens=logits_for_all_tokens, pending=pending,
+                side_inputs=side_inputs)
             inputs.append(group_inputs)
             completing += [offset + index for index in group_completing]
             offset += len(group)

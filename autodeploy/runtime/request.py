@@ -4,6 +4,9 @@ A ``Request`` is one prompt with its ``SamplingParams``. It runs as one or more 
 sample (``n``) or per live beam (beam search) — and each sequence is what the scheduler and the KV
 block pool see: token ids, how many of them are already in the cache, an importance.
 
+A request may carry side inputs (``TokenRows``): graph inputs other than token ids that go with given
+prompt positions, which the model runner hands to a graph whose serving signature declares them.
+
 A request may carry an ``OutputSink``: the engine hands it the request's outputs itself, from whichever
 thread ran the step, so a front end gets all of its outputs however many others share the engine.
 """
@@ -22,6 +25,17 @@ from autodeploy.runtime.outputs import CompletionOutput, RequestMetrics, Request
 from autodeploy.runtime.sampling_params import SamplingParams
 
 _sequence_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """A side input of one request: ``rows[i]`` goes with prompt position ``positions[i]`` (an image's
+    embeddings standing in for its placeholder tokens' embeddings, say). A step computing some of those
+    positions hands the graph their rows, in the step's token order, and where they go among its tokens
+    (``step_inputs.SideInputSpec``)."""
+
+    positions: tuple[int, ...]
+    rows: torch.Tensor  # [len(positions), *row shape]
 
 
 @dataclass(eq=False)
@@ -139,6 +153,7 @@ class Request:
         seed: int,
         priority: int,
         arrival_time: float,
+        side_inputs: dict[str, TokenRows] | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -148,6 +163,7 @@ class Request:
         self.seed = seed
         self.priority = priority
         self.arrival_time = arrival_time
+        self.side_inputs = side_inputs or {}  # graph input name → its rows (checked against the graph by admission)
         self.arrival = (self.arrival_time, next(Request._counter))
         self.first_scheduled_time: float | None = None
         self.token_times: list[float] = []

@@ -45,7 +45,7 @@ class SamplingParams:
     stop token follows. It needs ``xgrammar`` (``pip install 'autodeploy[serve]'``) and does not combine
     with beam search. With ``json_schema``, objects take no properties the schema does not list unless it
     says ``additionalProperties``. ``structural_tag`` is the general form (xgrammar's structural tag, a dict
-    or its JSON text): free text and constrained parts, as tool calls use (``runtime/tool_calls.py``).
+    or its JSON text): free text and constrained parts, as tool calls use (``frontend/tool_calls.py``).
 
     Stopping: at ``max_tokens``, at any of ``stop_token_ids`` (plus the model's EOS unless
     ``ignore_eos``), or when the text contains one of the ``stop`` strings (which is cut from the

@@ -7,6 +7,9 @@ the device in one go per tensor. ``batch_info`` stays on the CPU: kernels read i
 With the overlapped runtime a sequence's newest token may still be on the device (sampled by the step
 in flight, ``PendingTokens``): its input position gets a placeholder on the host and the device copies
 the sampled token in before the forward runs.
+
+A graph may also declare side inputs (``SideInputSpec``): rows that requests carry for given prompt
+positions (``Request.side_inputs``), gathered for the tokens of the step in its token order.
 """
 
 from __future__ import annotations
@@ -15,10 +18,46 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import fx
 
 from autodeploy.runtime.block_pool import KVBlockPool
+from autodeploy.errors import UnsupportedModelError
 from autodeploy.runtime.device_copies import pinned_to_device, to_device
 from autodeploy.runtime.scheduler import ScheduledChunk
+
+TOKEN_INDEX_SUFFIX = "_token_index"
+
+
+@dataclass(frozen=True)
+class SideInputSpec:
+    """A side input a graph declares as two inputs: ``<name>`` ``[N, *row_shape]``, the rows that the
+    step's requests carry for the tokens it computes (``TokenRows``), in the step's token order, and
+    ``<name>_token_index`` ``[N]``, each row's token among the step's (where to scatter it)."""
+
+    name: str
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def index_input(self) -> str:
+        return self.name + TOKEN_INDEX_SUFFIX
+
+
+def declared_side_inputs(graph: fx.GraphModule, input_names: Sequence[str]) -> dict[str, SideInputSpec]:
+    """The side inputs among ``input_names``: every ``<name>`` that has a ``<name>_token_index`` beside it,
+    its row shape and dtype from the shape the graph recorded for it."""
+    placeholders = {node.target: node for node in graph.graph.nodes if node.op == "placeholder"}
+    specs = {}
+    for index_input in input_names:
+        name = index_input.removesuffix(TOKEN_INDEX_SUFFIX)
+        if name == index_input or name not in input_names:
+            continue
+        value = placeholders[name].meta.get("val") if name in placeholders else None
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedModelError(f"the graph's side input {name!r} carries no recorded shape; export the graph "
+                                        f"with an example value for it")
+        specs[name] = SideInputSpec(name, tuple(int(d) for d in value.shape[1:]), value.dtype)
+    return specs
 
 
 @dataclass
@@ -54,6 +93,7 @@ def build_step_inputs(
     device: torch.device,
     logits_for_all_tokens: bool = False,
     pending: PendingTokens | None = None,
+    side_inputs: Sequence[SideInputSpec] = (),
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Graph arguments in declared order, and the indices (into ``chunks``) whose logits come out, in
     output-row order: the chunks that reach their sequence's last token, or every token of every chunk
@@ -115,7 +155,28 @@ def build_step_inputs(
         "logit_index": to_device(logit_index, torch.long, device),
         **caches,
     }
+    for spec in side_inputs:
+        available[spec.name], available[spec.index_input] = _gather_side_input(spec, chunks, device)
     missing = [name for name in input_names if name not in available]
     if missing:
         raise RuntimeError(f"the runtime cannot fill graph input(s) {missing}; it fills {sorted(available)}")
     return [available[name] for name in input_names], completing
+
+
+def _gather_side_input(spec: SideInputSpec, chunks: Sequence[ScheduledChunk], device: torch.device):
+    """The rows of side input ``spec`` that the chunks' requests carry for the positions the chunks compute,
+    in token order, and the token (in the step) each goes to."""
+    rows: list[torch.Tensor] = []
+    token_index: list[int] = []
+    first_token = 0
+    for chunk in chunks:
+        request = chunk.sequence.request  # None for the engine's probes, which carry nothing
+        carried = request.side_inputs.get(spec.name) if request is not None else None
+        if carried is not None:
+            computed = [(p, i) for i, p in enumerate(carried.positions) if chunk.start <= p < chunk.start + chunk.length]
+            computed.sort()
+            rows += [carried.rows[i] for _, i in computed]
+            token_index += [first_token + p - chunk.start for p, _ in computed]
+        first_token += chunk.length
+    stacked = torch.stack(rows) if rows else torch.zeros((0, *spec.row_shape), dtype=spec.dtype)
+    return stacked.to(device), to_device(token_index, torch.long, device)

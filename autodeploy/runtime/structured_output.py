@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime.sampling_params import SamplingParams
 
 _INSTALL = "structured output (json_schema / json_object / structural_tag, tool calls) needs xgrammar: pip install 'autodeploy[serve]'"
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; the rest is the message.
@@ -112,6 +112,15 @@ def check_structural_tag(tag: dict | str) -> None:
         raise InvalidRequestError(f"structural_tag cannot be enforced: {_compiler_message(error)}") from None
 
 
+class GrammarRequest(Protocol):
+    """What a request's grammar is read from: ``SamplingParams``'s fields, which import this module to
+    check them (so this module names the fields instead of importing ``SamplingParams`` back)."""
+
+    json_schema: dict | str | None
+    json_object: bool
+    structural_tag: dict | str | None
+
+
 class StructuredOutput:
     """One engine's grammar compiler, over the tokenizer's vocabulary padded to the logits' width.
 
@@ -125,7 +134,7 @@ class StructuredOutput:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgrammar.GrammarCompiler(info)  # thread-safe: front ends compile from their own threads
 
-    def compile(self, params: SamplingParams):
+    def compile(self, params: GrammarRequest):
         """The compiled grammar of a validated request with ``json_schema``, ``json_object`` or ``structural_tag``."""
         if params.structural_tag is not None:
             tag = params.structural_tag

@@ -30,14 +30,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from autodeploy.errors import ConfigError, InvalidRequestError, error_summary
-from autodeploy.runtime.async_llm import AsyncLLM, check_stream_interval
-from autodeploy.runtime.llm import LLM
+from autodeploy.frontend.async_llm import AsyncLLM, check_stream_interval
+from autodeploy.frontend.llm import LLM
 from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
 from autodeploy.runtime.request import Request as EngineRequest
-from autodeploy.runtime.chat_template import render_chat_text, tool_call_format
-from autodeploy.runtime.reasoning import CONTENT, REASONING, ReasoningParser, opens_thinking, split_reasoning
+from autodeploy.frontend.chat_template import render_chat_text, tool_call_format
+from autodeploy.frontend.reasoning import CONTENT, REASONING, ReasoningParser, opens_thinking, split_reasoning
 from autodeploy.runtime.sampling_params import SamplingParams
-from autodeploy.runtime.tool_calls import ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
+from autodeploy.frontend.tool_calls import ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
 from autodeploy.serve.api_key import API_KEY_SCOPES, KeyOnEveryRoute, bearer_key_matches, missing_key_error
 from autodeploy.serve.admission import Admission, Place
 from autodeploy.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
@@ -61,10 +61,10 @@ class ServerOptions:
     for up to ``queue_timeout_s`` seconds, then is refused (503, ``Retry-After: retry_after_s``; ``admission.py``).
     ``max_request_bytes``: a larger request body is refused (413) before it is read.
     ``tool_call_format``: how tool calls are generated, ``"hermes"`` tags or bare ``"json"`` (``"auto"``: the
-    one the chat template teaches, ``runtime/tool_calls.py``). ``stream_interval``: a stream's chunks after
+    one the chat template teaches, ``frontend/tool_calls.py``). ``stream_interval``: a stream's chunks after
     the first carry this many new tokens each (the last fewer): fewer events to encode and send, at longer
     gaps between them (``AsyncLLM.stream``). ``reasoning_parser``: ``"think"`` splits a chat answer's
-    ``<think>…</think>`` block into ``reasoning_content`` (``runtime/reasoning.py``); ``"none"`` leaves it in
+    ``<think>…</think>`` block into ``reasoning_content`` (``frontend/reasoning.py``); ``"none"`` leaves it in
     the content."""
 
     served_model_name: str

@@ -8,22 +8,19 @@ instead of downloading one from the hub).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI
 
 from autodeploy.serve.openai_errors import APIError
-
-if TYPE_CHECKING:
-    from autodeploy.serve.app import _Server
+from autodeploy.serve.route_server import RouteServer
 
 # Special tokens lm-eval's remote tokenizer reads by name; the key is there (None) when the tokenizer has none.
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
-def add_model_info_routes(app: FastAPI, server: _Server, list_models: Callable[[], Awaitable[dict]]) -> None:
-    """Register the two routes on ``app``; ``server`` is app.py's ``_Server`` and ``list_models`` the handler of
-    ``GET /v1/models``, whose cards ``models.retrieve`` returns one by one."""
+def add_model_info_routes(app: FastAPI, server: RouteServer, list_models: Callable[[], Awaitable[dict]]) -> None:
+    """Register the two routes on ``app``; ``server`` is app.py's ``_Server`` (a ``RouteServer``) and ``list_models``
+    the handler of ``GET /v1/models``, whose cards ``models.retrieve`` returns one by one."""
     authorized = [Depends(server.check_api_key)]
 
     @app.get("/v1/models/{model_id:path}", dependencies=authorized)  # :path: hub ids hold a slash

@@ -21,7 +21,7 @@ evaluation harnesses use them), and ``max_tokens`` 0 with ``echo`` generates not
 as strings → bias) becomes ``SamplingParams.logit_bias``, which converts the keys. ``best_of`` > ``n`` generates
 ``best_of`` samples and returns the ``n`` of highest log-probability, as OpenAI's legacy completions do.
 ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` become a grammar over the tools' calls
-(``runtime/tool_calls.py``). ``response_format`` (``text``, ``json_object``, ``json_schema``) is accepted by
+(``frontend/tool_calls.py``). ``response_format`` (``text``, ``json_object``, ``json_schema``) is accepted by
 both endpoints, as vLLM does; the JSON ones become ``SamplingParams.json_object`` / ``json_schema``
 (grammar-constrained decoding). Beyond OpenAI's fields, the SamplingParams ones without an OpenAI counterpart
 are accepted under vLLM's names (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
@@ -37,7 +37,7 @@ from pydantic_core import PydanticCustomError
 
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.sampling_params import SamplingParams
-from autodeploy.runtime.tool_calls import ToolChoice, ToolSpec, parse_tool_choice, tool_specs
+from autodeploy.frontend.tool_calls import ToolChoice, ToolSpec, parse_tool_choice, tool_specs
 
 # OpenAI chat fields that would change the output and are not implemented: a 400 naming them when given.
 _NOT_IMPLEMENTED = {
@@ -136,7 +136,7 @@ class _SamplingFields(StrictModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, structural_tag: dict | None = None) -> SamplingParams:
         """The engine's parameters; unset fields keep OpenAI's defaults (temperature 1, top_p 1).
-        ``structural_tag``: the grammar of tool calls (``runtime/tool_calls.py``)."""
+        ``structural_tag``: the grammar of tool calls (``frontend/tool_calls.py``)."""
         given = {
             name: getattr(self, name)
             for name in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
@@ -243,7 +243,7 @@ class ChatMessage(StrictModel):
     content_parts = field_validator("content", mode="before")(_text_parts_only)
 
     def template_input(self) -> dict:
-        """The message in OpenAI's current form, as ``runtime/chat_template.render_chat`` reads it."""
+        """The message in OpenAI's current form, as ``frontend/chat_template.render_chat`` reads it."""
         message = self.model_dump(exclude_none=True, include={"role", "content", "name", "tool_calls", "tool_call_id"})
         if self.role == "function":
             message["role"] = "tool"

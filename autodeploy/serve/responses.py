@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,9 +32,7 @@ from pydantic_core import PydanticCustomError
 from autodeploy.errors import InvalidRequestError
 from autodeploy.serve.openai_errors import APIError, invalid_request
 from autodeploy.serve.protocol import ChatCompletionRequest, StrictModel
-
-if TYPE_CHECKING:
-    from autodeploy.serve.app import _Server
+from autodeploy.serve.route_server import RouteServer
 
 LOGPROBS = "message.output_text.logprobs"
 # What a chat error's param is called here.
@@ -511,9 +509,9 @@ async def _events(writer: _OutputWriter, chat_stream: AsyncIterator[str | bytes]
         yield _sse(event)
 
 
-def add_responses_routes(app: FastAPI, server: _Server, chat: Callable[[ChatCompletionRequest, Request], Awaitable[Response]]) -> None:
-    """Register ``POST /v1/responses`` on ``app``; ``server`` is app.py's ``_Server`` and ``chat`` the handler of
-    ``/v1/chat/completions`` that every response runs through."""
+def add_responses_routes(app: FastAPI, server: RouteServer, chat: Callable[[ChatCompletionRequest, Request], Awaitable[Response]]) -> None:
+    """Register ``POST /v1/responses`` on ``app``; ``server`` is app.py's ``_Server`` (a ``RouteServer``) and ``chat``
+    the handler of ``/v1/chat/completions`` that every response runs through."""
     tokenizer = server.llm.tokenizer
 
     def count_tokens(text: str) -> int:  # reasoning tokens, re-counted from the reasoning text

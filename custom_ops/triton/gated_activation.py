@@ -11,7 +11,7 @@ writes the product once, in float32 registers between. It reads rows through the
 - ``fused_gated_mlp_triton`` (one ``gate_up_weight[2I, H]``) runs one GEMM, writes the product over that
   output's gate half and hands the down GEMM that half as a strided view; either way the block holds
   two ``[tokens, I]`` buffers' worth at its peak instead of three;
-- ``fused_gated_mlp_skinny`` (a decode step's few rows) runs both GEMMs in ``skinny_gemm``'s few-row
+- ``skinny_gemm.fused_gated_mlp_skinny`` (a decode step's few rows) runs both GEMMs in that module's few-row
   kernels; with several rows on Hopper its gate/up GEMM computes the activation in its epilogue
   (``skinny_gemm.skinny_gated_linear``), so :func:`gated_activation` runs only in its fall-back.
 
@@ -269,7 +269,7 @@ def gated_activation_fp8(gate: torch.Tensor, up: torch.Tensor, activation: str, 
     return x_q, x_scale
 
 
-def _check_weights(name: str, x: torch.Tensor, **weights: torch.Tensor) -> None:
+def check_gemm_weights(name: str, x: torch.Tensor, **weights: torch.Tensor) -> None:
     """The GEMMs run in ``x``'s dtype: it must be one the kernel takes, and every weight in it."""
     if x.dtype not in SUPPORTED_DTYPES or any(w.dtype != x.dtype for w in weights.values()):
         got = ", ".join(f"{key} {w.dtype}" for key, w in weights.items())
@@ -293,7 +293,7 @@ def gated_mlp_triton(
             f"gated_mlp_triton: expected gate/up [I, H={hidden}] and down [H, I]; got gate {tuple(gate_weight.shape)}, "
             f"up {tuple(up_weight.shape)}, down {tuple(down_weight.shape)}."
         )
-    _check_weights("gated_mlp_triton", x, gate=gate_weight, up=up_weight, down=down_weight)
+    check_gemm_weights("gated_mlp_triton", x, gate=gate_weight, up=up_weight, down=down_weight)
     up = F.linear(x, up_weight)
     # up is this function's own buffer: the activation's product overwrites it in place.
     hidden_states = gated_activation(F.linear(x, gate_weight), up, activation, out=up)
@@ -310,23 +310,9 @@ def fused_gated_mlp_triton(
     Raises ``ValueError`` for weights whose dtype or shapes disagree with ``x`` or an unknown activation.
     """
     inner = fused_gated_mlp_inner_size("fused_gated_mlp_triton", x, gate_up_weight, down_weight)
-    _check_weights("fused_gated_mlp_triton", x, gate_up=gate_up_weight, down=down_weight)
+    check_gemm_weights("fused_gated_mlp_triton", x, gate_up=gate_up_weight, down=down_weight)
     gate_up = F.linear(x, gate_up_weight)
     gate, up = gate_up[..., :inner], gate_up[..., inner:]
     # The product overwrites the gate half in place; the down GEMM reads that half through its row
     # stride (cuBLAS takes a leading dimension of 2I), so nothing is copied.
     return F.linear(gated_activation(gate, up, activation, out=gate), down_weight)
-
-
-def fused_gated_mlp_skinny(
-    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, activation: str
-) -> torch.Tensor:
-    """``fused_gated_mlp_triton`` with both GEMMs in the few-row kernels (float16 or bfloat16, a decode step's
-    rows) instead of cuBLAS: ``skinny_gemm.skinny_gated_linear`` for gate/up and the activation (one kernel
-    on Hopper), ``skinny_gemm.skinny_linear`` for down."""
-    # Imported here: skinny_gemm imports this module (the activation formulas and the fall-back step).
-    from .skinny_gemm import skinny_gated_linear, skinny_linear
-
-    fused_gated_mlp_inner_size("fused_gated_mlp_skinny", x, gate_up_weight, down_weight)
-    _check_weights("fused_gated_mlp_skinny", x, gate_up=gate_up_weight, down=down_weight)
-    return skinny_linear(skinny_gated_linear(x, gate_up_weight, activation), down_weight, None)

@@ -48,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fused_gated_mlp import fused_gated_mlp_inner_size
 from . import INTERPRETED, hopper_or_later
-from .gated_activation import ACTIVATIONS, activate, gated_activation
+from .gated_activation import ACTIVATIONS, activate, check_gemm_weights, gated_activation
 from .launch import arrival_counters, dependent_launch, wait_for_previous_kernel
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -432,6 +433,17 @@ def skinny_gated_linear(
     k_steps = triton.cdiv(in_features, config.block_k) * config.block_k
     _launch_tma_kernel(rows, gate_up_weight, None, out, inner, config, k_steps, 1, activation)
     return out.view(*x.shape[:-1], inner)
+
+
+def fused_gated_mlp_skinny(
+    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """``gated_activation.fused_gated_mlp_triton`` with both GEMMs in the few-row kernels (float16 or bfloat16,
+    a decode step's rows) instead of cuBLAS: :func:`skinny_gated_linear` for gate/up and the activation (one
+    kernel on Hopper), :func:`skinny_linear` for down."""
+    fused_gated_mlp_inner_size("fused_gated_mlp_skinny", x, gate_up_weight, down_weight)
+    check_gemm_weights("fused_gated_mlp_skinny", x, gate_up=gate_up_weight, down=down_weight)
+    return skinny_linear(skinny_gated_linear(x, gate_up_weight, activation), down_weight, None)
 
 
 def _input_rows(name: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

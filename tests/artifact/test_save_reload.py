@@ -4,6 +4,7 @@ transforms or verification; a damaged folder is a ``CheckpointError``; another e
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,6 +21,7 @@ from autodeploy.artifact import weights_file
 from autodeploy.artifact.weights_file import load_tensors, save_tensors
 from autodeploy.autotuner import describe_dispatch, token_dispatch
 from autodeploy.custom_ops import candidates
+from autodeploy.deployment import MODEL
 from autodeploy.errors import CheckpointError, ConfigError
 
 SEQUENCES = [list(range(3, 40)), [5], list(range(100, 117))]
@@ -174,8 +176,7 @@ def test_a_token_dispatch_survives_save_and_reload(llama_llm, tmp_path, forbid_b
     for node in norms:
         node.target = dispatch
     graph.recompile()
-    llm = LLM(graph, llama_llm.graph_inputs, llama_llm.settings, llama_llm.tokenizer, [2], llama_llm.records,
-              llama_llm._kv_caches, llama_llm.model_directory)
+    llm = LLM(dataclasses.replace(llama_llm.deployment, graphs={MODEL: graph}, eos_token_ids=(2,)))
     directory = llm.save(tmp_path / "dispatching")
     forbid_building()
     reloaded = autodeploy(str(directory))

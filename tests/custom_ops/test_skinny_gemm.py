@@ -184,7 +184,7 @@ def test_fused_gated_mlp_with_few_row_gemms(rows, hopper, monkeypatch):
     # fused_gated_mlp's triton_skinny backend: both GEMMs here. As on Hopper, several rows take the gated TMA
     # kernel for gate/up and the activation; else the activation kernel runs over the gate half in place.
     from autodeploy.custom_ops.fused_gated_mlp import fused_gated_mlp_reference
-    from autodeploy.custom_ops.triton.gated_activation import fused_gated_mlp_skinny
+    from autodeploy.custom_ops.triton.skinny_gemm import fused_gated_mlp_skinny
 
     monkeypatch.setattr(skinny_gemm, "hopper_or_later", lambda device: hopper)
     x = random(rows, 32, dtype=torch.float16, seed=0)

@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, port: int, directory: str, out: str, distribute
         result["mixed"] = {"async": _mixed(llm)}
         for name, schedule in (("sync", PipelineSchedule(2, overlapped=False)),
                                ("depth 1", PipelineSchedule(3, overlapped=True, depth=1))):
-            llm.engine.pipeline = schedule
+            llm.engine.runner.schedule = schedule
             result["mixed"][name] = _mixed(llm)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)

@@ -5,6 +5,7 @@ graph's decode steps are captured as CUDA graphs too (``torch_compile_cuda_graph
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.autotuner.token_dispatch import token_dispatch
 from autodeploy.custom_ops import candidates
+from autodeploy.deployment import MODEL
 from autodeploy.runtime.compiled_graph import CompiledGraph
 from autodeploy.runtime.engine import Engine
 from tests.runtime.test_engine import GREEDY, hf_greedy, random_prompts
@@ -33,7 +35,8 @@ def test_the_compiled_graph_serves_hf_greedy_tokens_through_token_dispatches(tin
     for node in norms:
         node.target = dispatch
     graph.recompile()
-    engine = Engine(graph, llm.graph_inputs, llm._kv_caches, llm.settings, llm.tokenizer, [], llm.vocab_size)
+    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=(), prefill_graph_token_sizes=())
+    engine = Engine(dataclasses.replace(llm.deployment, graphs={MODEL: graph}, signature=signature, eos_token_ids=()))
     llm._engine = engine
     prompts = random_prompts(3, seed=31, lengths=(1, 40))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
@@ -68,7 +71,7 @@ def test_on_a_gpu_compiled_decode_steps_are_captured_and_match_hf(tiny_checkpoin
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", max_batch_size=4,
                      compile={"backend": "torch_compile_cuda_graph"})
     engine = llm.engine
-    assert isinstance(engine.graph, CompiledGraph) and engine.decode_graphs is not None
+    assert isinstance(engine.graph, CompiledGraph) and engine.runner.decode_graphs is not None
     prompts = random_prompts(4, seed=33, lengths=(2, 50))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
     hf = tiny_hf_model("llama")

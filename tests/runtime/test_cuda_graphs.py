@@ -7,6 +7,8 @@ checked against Hugging Face here; the GPU test captures and replays for real.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,14 +16,15 @@ from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.cuda_graphs import DecodeGraphs
 from autodeploy.runtime.engine import Engine
+from autodeploy.runtime.model_runner import ModelRunner
 from autodeploy.transforms.compile_model import default_batch_sizes, uncapturable_nodes
 from tests.runtime.test_engine import GREEDY, hf_greedy, random_prompts
 from tests.tiny_models import tiny_hf_model
 
 
 def engine_with_graphs(llm, sizes) -> Engine:
-    return Engine(llm.graph, llm.graph_inputs, llm._kv_caches, llm.settings, llm.tokenizer, [], llm.vocab_size,
-                  decode_graph_batch_sizes=sizes)
+    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=sizes, prefill_graph_token_sizes=())
+    return Engine(dataclasses.replace(llm.deployment, signature=signature, eos_token_ids=()))
 
 
 def test_default_batch_sizes_cover_every_batch_up_to_the_maximum():
@@ -51,12 +54,12 @@ def test_padded_decode_steps_match_hf_generate(tiny_checkpoint, arch, monkeypatc
     assert engine.pool.num_used_blocks == 0
     # Padding rows write into one block more than the pool hands out (they would clobber the 7 otherwise).
     assert engine.caches["k_cache_0"].shape[0] == engine.pool.num_blocks + 1
-    assert engine.decode_graphs.pad_block == engine.pool.num_blocks
+    assert engine.runner.decode_graphs.pad_block == engine.pool.num_blocks
 
 
 def test_larger_batches_and_prefill_steps_run_eagerly(llama_llm):
     engine = engine_with_graphs(llama_llm, (1, 2))
-    graphs = engine.decode_graphs
+    graphs = engine.runner.decode_graphs
     prefill = [type("C", (), {"length": 5, "completes": True})()]
     decodes = [type("C", (), {"length": 1, "completes": True})() for _ in range(3)]
     assert not graphs.serves(prefill) and not graphs.serves(decodes) and graphs.serves(decodes[:2])
@@ -66,7 +69,7 @@ def test_larger_batches_and_prefill_steps_run_eagerly(llama_llm):
 
 def test_the_compile_stage_declares_sizes_only_for_capturable_gpu_graphs(llama_llm):
     assert "decode: no CUDA graphs (they need a GPU; the deploy runs on cpu)" in llama_llm.pipeline_report()
-    assert llama_llm.engine.decode_graphs is None
+    assert type(llama_llm.engine.runner) is ModelRunner  # eager: no graph to capture on the CPU
     # On the CPU attention (RoPE fused into its cache write) runs the SDPA kernel, which reads kv_lens on the
     # host: no graph could hold it.
     blockers = uncapturable_nodes(llama_llm.graph)
@@ -88,7 +91,7 @@ def test_a_failed_capture_serves_eagerly_with_a_warning(llama_llm, monkeypatch, 
 
     monkeypatch.setattr(DecodeGraphs, "capture_all", fail)
     engine = engine_with_graphs(llama_llm, (1, 2))
-    assert engine.decode_graphs is None
+    assert engine.runner.decode_graphs is None
     assert "decode CUDA graph capture failed (RuntimeError: operation not permitted" in caplog.text
     request = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
     while engine.has_unfinished():
@@ -104,7 +107,7 @@ def test_captured_decode_graphs_replay_what_eager_decoding_computes(llama_dir):
     common = dict(device="cuda", dtype="float32", max_batch_size=8, kv_cache={"num_blocks": 256})
     eager = autodeploy(str(llama_dir), compile={"backend": "none"}, **common)
     graphs = autodeploy(str(llama_dir), compile={"batch_sizes": [1, 2, 4, 8]}, **common)
-    assert all(graphs.engine.decode_graphs.batches[size].graph is not None for size in (1, 2, 4, 8))
+    assert all(graphs.engine.runner.decode_graphs.batches[size].graph is not None for size in (1, 2, 4, 8))
     assert "decode: CUDA graphs at batch sizes 1, 2, 4, 8" in graphs.pipeline_report()
     expected = [o.outputs[0] for o in eager.generate(prompts, params)]
     got = [o.outputs[0] for o in graphs.generate(prompts, params)]
@@ -115,7 +118,7 @@ def test_captured_decode_graphs_replay_what_eager_decoding_computes(llama_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_graph_uploaded_after_capture_replays_its_work():
-    from autodeploy.runtime.piecewise_graphs import upload
+    from autodeploy.custom_ops.graph_capture import upload
 
     x = torch.arange(8.0, device="cuda")
     stream = torch.cuda.Stream()

@@ -7,6 +7,8 @@ here; the GPU test captures and replays for real.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,8 +21,9 @@ from tests.tiny_models import tiny_hf_model
 
 
 def engine_with_pieces(llm, token_sizes, decode_sizes=()) -> Engine:
-    return Engine(llm.graph, llm.graph_inputs, llm._kv_caches, llm.settings, llm.tokenizer, [], llm.vocab_size,
-                  decode_graph_batch_sizes=decode_sizes, prefill_graph_token_sizes=token_sizes)
+    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=decode_sizes,
+                                    prefill_graph_token_sizes=token_sizes)
+    return Engine(dataclasses.replace(llm.deployment, signature=signature, eos_token_ids=()))
 
 
 def test_default_token_sizes_double_up_to_the_budget():
@@ -75,8 +78,8 @@ def test_padded_pieces_match_hf_generate(tiny_checkpoint, arch, monkeypatch):
                      scheduler={"max_num_tokens": 96})
     engine = engine_with_pieces(llm, (16, 64))
     runs = []
-    original = engine.prefill_graphs.run
-    monkeypatch.setattr(engine.prefill_graphs, "run", lambda inputs, n: runs.append(n) or original(inputs, n))
+    original = engine.runner.prefill_graphs.run
+    monkeypatch.setattr(engine.runner.prefill_graphs, "run", lambda inputs, n: runs.append(n) or original(inputs, n))
     llm._engine = engine
     prompts = random_prompts(6, seed=41, lengths=(3, 70))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=5, **GREEDY))
@@ -89,8 +92,8 @@ def test_padded_pieces_match_hf_generate(tiny_checkpoint, arch, monkeypatch):
 def test_prompt_logits_through_the_pieces_equal_the_eager_graph(llama_llm, monkeypatch):
     engine = engine_with_pieces(llama_llm, (32,))
     runs = []
-    original = engine.prefill_graphs.run
-    monkeypatch.setattr(engine.prefill_graphs, "run", lambda inputs, n: runs.append(n) or original(inputs, n))
+    original = engine.runner.prefill_graphs.run
+    monkeypatch.setattr(engine.runner.prefill_graphs, "run", lambda inputs, n: runs.append(n) or original(inputs, n))
     tokens = random_prompts(1, seed=42, lengths=(20, 20))[0]
     pieces = engine.prompt_logits(tokens)
     assert runs == [20]
@@ -113,9 +116,9 @@ def test_a_failed_capture_leaves_prefill_eager_with_a_warning(llama_llm, monkeyp
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(PiecewiseGraphs, "capture_all", refuse)
-    with caplog.at_level("WARNING", logger="autodeploy.runtime.engine"):
+    with caplog.at_level("WARNING", logger="autodeploy.runtime.model_runner"):
         engine = engine_with_pieces(llama_llm, (16, 64))
-    assert engine.prefill_graphs is None
+    assert engine.runner.prefill_graphs is None
     assert any("prefill CUDA graph capture failed" in r.message and "run eagerly" in r.message for r in caplog.records)
     tokens = random_prompts(1, seed=44, lengths=(30, 30))[0]
     torch.testing.assert_close(engine.prompt_logits(tokens), llama_llm.engine.prompt_logits(tokens), atol=1e-6, rtol=0)
@@ -126,11 +129,11 @@ def test_on_a_gpu_captured_pieces_replay_what_the_eager_graph_computes(tiny_chec
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", max_batch_size=8,
                      scheduler={"max_num_tokens": 128})
     engine = llm.engine
-    assert engine.prefill_graphs is not None and engine.prefill_graphs._graphs
+    assert engine.runner.prefill_graphs is not None and engine.runner.prefill_graphs._graphs
     prompts = random_prompts(8, seed=43, lengths=(2, 90))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
     hf = tiny_hf_model("llama")
     assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 6) for p in prompts]
     tokens = prompts[0] + prompts[1]
-    eager = Engine(llm.graph, llm.graph_inputs, llm._kv_caches, llm.settings, llm.tokenizer, [], llm.vocab_size)
+    eager = engine_with_pieces(llm, ())
     torch.testing.assert_close(engine.prompt_logits(tokens), eager.prompt_logits(tokens), atol=1e-4, rtol=0)

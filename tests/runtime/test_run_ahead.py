@@ -127,7 +127,7 @@ def test_preemption_with_tokens_in_flight_loses_nothing(tiny_checkpoint):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_steps_run_ahead_through_the_decode_graphs_and_match_lockstep_and_hf(tiny_checkpoint):
     llm = autodeploy(str(tiny_checkpoint("llama")), device="cuda", dtype="float32", max_batch_size=8)
-    assert llm.engine.decode_graphs is not None
+    assert llm.engine.runner.decode_graphs is not None
     prompts = random_prompts(6, seed=26, lengths=(3, 60))
     arrivals = [(i, p, SamplingParams(max_tokens=10, **GREEDY)) for i, p in enumerate(prompts[:4])] + [
         (1, prompts[4], SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=5, logprobs=2, ignore_eos=True)),

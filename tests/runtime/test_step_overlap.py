@@ -11,7 +11,7 @@ import time
 import pytest
 
 from autodeploy import AsyncLLM, SamplingParams, autodeploy
-from tests.runtime.test_frontends import GREEDY, TIMEOUT, expected_tokens, in_thread, joined
+from tests.frontend.test_frontends import GREEDY, TIMEOUT, expected_tokens, in_thread, joined
 
 FORWARD_S = 0.5
 

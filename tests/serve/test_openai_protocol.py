@@ -22,10 +22,10 @@ from autodeploy import SamplingParams, autodeploy
 from autodeploy.cli.main import build_parser, main
 from autodeploy.errors import ConfigError, InvalidRequestError
 from autodeploy.models.source import demo_model_directory
-from autodeploy.runtime.chat_template import render_chat, tool_call_format
+from autodeploy.frontend.chat_template import render_chat, tool_call_format
 from autodeploy.serve import ServerOptions, build_app
 from autodeploy.serve.protocol import ChatCompletionRequest, CompletionRequest
-from tests.runtime.test_tool_calls import TOOLS, TOOLS_TEMPLATE, WEATHER
+from tests.frontend.test_tool_calls import TOOLS, TOOLS_TEMPLATE, WEATHER
 from tests.serve.test_openai_server import MODEL, serving
 from tests.tiny_models import tiny_hf_model
 
@@ -365,7 +365,7 @@ def test_the_demo_model_ships_the_training_scripts_chat_template_which_teaches_h
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
     messages = [{"role": "system", "content": "Be brief."}, *QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
-    from autodeploy.runtime.tool_calls import tool_specs
+    from autodeploy.frontend.tool_calls import tool_specs
 
     text = tokenizer.decode(render_chat(tokenizer, messages, tools=tool_specs(TOOLS)))
     eot = tokenizer.eos_token

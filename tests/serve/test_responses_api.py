@@ -19,7 +19,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from autodeploy import SamplingParams
-from autodeploy.runtime.chat_template import render_chat
+from autodeploy.frontend.chat_template import render_chat
 from autodeploy.serve import ServerOptions, build_app
 from autodeploy.serve.responses import ResponsesRequest, _events, _OutputWriter
 from autodeploy.serve.server import serving_in_thread

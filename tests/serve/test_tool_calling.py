@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import ConfigError
-from autodeploy.runtime.chat_template import render_chat
-from autodeploy.runtime.tool_calls import ToolChoice, tool_call_grammar
+from autodeploy.frontend.chat_template import render_chat
+from autodeploy.frontend.tool_calls import ToolChoice, tool_call_grammar
 from autodeploy.serve import ServerOptions, build_app
-from tests.runtime.test_tool_calls import SPECS, TOOLS, TOOLS_TEMPLATE, WEATHER
+from tests.frontend.test_tool_calls import SPECS, TOOLS, TOOLS_TEMPLATE, WEATHER
 from tests.serve.test_openai_server import MODEL, serving
 from tests.tiny_models import tiny_hf_model
 

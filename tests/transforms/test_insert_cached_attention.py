@@ -31,10 +31,10 @@ def fp8_cache_llama(tiny_checkpoint, tmp_path_factory):
 
 def test_an_fp8_kv_cache_halves_the_bytes_a_block_and_verifies_within_its_rounding(fp8_cache_llama, tiny_checkpoint):
     llm = fp8_cache_llama
-    assert {spec.dtype for spec in llm._kv_caches} == {torch.float8_e4m3fn}
+    assert {spec.dtype for spec in llm.deployment.signature.kv_caches} == {torch.float8_e4m3fn}
     assert all(cache.dtype == torch.float8_e4m3fn for cache in llm.engine.caches.values())
     plain = autodeploy(str(tiny_checkpoint("llama")), device="cpu")
-    assert llm._kv_caches[0].bytes_per_block(16) * 4 == plain._kv_caches[0].bytes_per_block(16)  # float32 here
+    assert llm.deployment.signature.kv_caches[0].bytes_per_block(16) * 4 == plain.deployment.signature.kv_caches[0].bytes_per_block(16)  # float32 here
     assert "quantized KV cache: tolerance" in llm.verification.note
     assert llm.verification.relative_error <= llm.verification.tolerance
     for got, want in zip(llm.logits(PROMPTS), plain.logits(PROMPTS)):
@@ -63,7 +63,7 @@ def test_each_layer_takes_scales_calibrated_from_its_key_and_value_projections(f
 
 def test_a_deploy_with_an_fp8_cache_saves_and_reloads(fp8_cache_llama, tmp_path):
     reloaded = autodeploy(str(fp8_cache_llama.save(tmp_path / "fp8-kv")))
-    assert {spec.dtype for spec in reloaded._kv_caches} == {torch.float8_e4m3fn}
+    assert {spec.dtype for spec in reloaded.deployment.signature.kv_caches} == {torch.float8_e4m3fn}
     assert all(torch.equal(a, b) for a, b in zip(reloaded.logits(PROMPTS), fp8_cache_llama.logits(PROMPTS)))
 
 
@@ -103,7 +103,7 @@ def test_a_random_weight_config_without_a_tokenizer_serves_an_fp8_cache_at_scale
 
     tiny_config("llama").save_pretrained(tmp_path)
     llm = autodeploy(str(tmp_path), device="cpu", weights="random", quantize={"kv_cache": "fp8"})
-    assert {spec.dtype for spec in llm._kv_caches} == {torch.float8_e4m3fn}
+    assert {spec.dtype for spec in llm.deployment.signature.kv_caches} == {torch.float8_e4m3fn}
     assert llm.verification.relative_error <= llm.verification.tolerance
     attention = [n for n in llm.graph.graph.nodes if "cached_attention" in str(n.target)]
     assert attention and not any("k_scale" in n.kwargs for n in attention)

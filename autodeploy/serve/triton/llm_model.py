@@ -33,7 +33,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime.async_llm import check_stream_interval
+from autodeploy.frontend.async_llm import check_stream_interval
 from autodeploy.serve.triton import compatible_inputs, request_tensors
 from autodeploy.serve.triton.metrics import TritonMetrics
 from autodeploy.serve.triton.tensor_specs import (

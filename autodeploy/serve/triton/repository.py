@@ -94,7 +94,7 @@ def check_repository_destination(directory: Path) -> None:
 
 def check_stream_interval(value) -> None:
     """``ConfigError`` unless ``value`` is a stream interval (a positive integer)."""
-    from autodeploy.runtime.async_llm import check_stream_interval as check
+    from autodeploy.frontend.async_llm import check_stream_interval as check
 
     try:
         check(value)

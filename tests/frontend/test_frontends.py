@@ -267,7 +267,7 @@ def test_a_failed_forward_reaches_every_waiting_front_end(llm, monkeypatch):
 def test_stream_outputs_waiting_for_a_busy_loop_are_merged():
     """Outputs put while the loop has not yet taken the last one reach the coroutine as one output with the
     new text and tokens of all of them (and the latest state), so a loop behind the engine wakes less often."""
-    from autodeploy.runtime.async_llm import _AsyncSink
+    from autodeploy.frontend.async_llm import _AsyncSink
 
     async def main() -> list:
         queue: asyncio.Queue = asyncio.Queue()
@@ -285,7 +285,7 @@ def test_stream_outputs_waiting_for_a_busy_loop_are_merged():
 
 
 def test_a_sink_with_a_stream_interval_holds_outputs_back_until_n_new_tokens():
-    from autodeploy.runtime.async_llm import _AsyncSink
+    from autodeploy.frontend.async_llm import _AsyncSink
 
     async def main() -> list[list[int]]:
         queue: asyncio.Queue = asyncio.Queue()

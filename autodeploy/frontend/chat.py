@@ -1,8 +1,8 @@
 """``LLM.chat``: one chat turn, or the tool-calling loop that agent frameworks run, in-process.
 
 Each round renders the conversation through the chat template (with the tools), generates the
-assistant's turn — tool calls under their grammar (``runtime/tool_calls.py``) — and, when the model
-called tools of a ``ToolRegistry`` (``autodeploy/tools.py``), runs them and appends their results as
+assistant's turn — tool calls under their grammar (``frontend/tool_calls.py``) — and, when the model
+called tools of a ``ToolRegistry`` (``autodeploy/frontend/tools.py``), runs them and appends their results as
 ``tool`` messages; it ends when a turn calls nothing, or after ``max_rounds`` turns. ``tool_choice``
 applies to the first round; later rounds are ``"auto"``, or a model told to call a tool every turn
 would never answer.
@@ -14,11 +14,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime.chat_template import render_chat, tool_call_format
+from autodeploy.frontend.chat_template import render_chat, tool_call_format
 from autodeploy.runtime.outputs import RequestOutput
-from autodeploy.runtime.reasoning import opens_thinking, split_reasoning
+from autodeploy.frontend.reasoning import opens_thinking, split_reasoning
 from autodeploy.runtime.sampling_params import SamplingParams
-from autodeploy.runtime.tool_calls import CutOffToolCall, ToolCall, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs
+from autodeploy.frontend.tool_calls import CutOffToolCall, ToolCall, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs
 
 
 @dataclass

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.engine import Prompt
-from autodeploy.runtime.llm import LLM
+from autodeploy.frontend.llm import LLM
 from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.request import Request
 from autodeploy.runtime.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ Messages are OpenAI's: ``{"role": …, "content": …}``, assistant turns with `
 JSON text or a dict) and ``tool`` turns with the results. A template that knows tools (it reads
 ``tools``) gets them and the calls as Hugging Face templates expect (arguments as a dict); for one that
 does not, the tools are described in the system message and calls and results are written into the
-turns as text, in the format ``runtime/tool_calls.py`` generates and parses, so any template can serve
+turns as text, in the format ``frontend/tool_calls.py`` generates and parses, so any template can serve
 tool calling.
 
     ids = render_chat(tokenizer, [{"role": "user", "content": "Weather in Paris?"}], tools=tool_specs(tools))
@@ -16,7 +16,7 @@ import json
 import re
 
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime.tool_calls import CALL_END, CALL_START, TOOL_CALL_FORMATS, ToolCall, ToolSpec, format_for_template
+from autodeploy.frontend.tool_calls import CALL_END, CALL_START, TOOL_CALL_FORMATS, ToolCall, ToolSpec, format_for_template
 
 _READS_TOOLS = re.compile(r"\btools\b")
 _TOOLS_PROMPT = (

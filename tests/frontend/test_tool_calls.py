@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from autodeploy import SamplingParams
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime.chat_template import render_chat, tool_call_format, tool_calls_of
-from autodeploy.runtime.tool_calls import (
+from autodeploy.frontend.chat_template import render_chat, tool_call_format, tool_calls_of
+from autodeploy.frontend.tool_calls import (
     CutOffToolCall, ToolCall, ToolCallParser, ToolChoice, ToolSpec, parse_tool_calls, parse_tool_choice, tool_call_grammar, tool_specs,
 )
 
@@ -220,7 +220,7 @@ def test_auto_leaves_text_free_until_a_call_starts(llama_llm):
 
 
 def test_docstrings():
-    from autodeploy.runtime import tool_calls
+    from autodeploy.frontend import tool_calls
 
     assert doctest.testmod(tool_calls).failed == 0
 

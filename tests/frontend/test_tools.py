@@ -12,8 +12,8 @@ import pytest
 
 from autodeploy import SamplingParams, ToolRegistry
 from autodeploy.errors import ConfigError, InvalidRequestError
-from autodeploy.runtime.tool_calls import CutOffToolCall, ToolCall
-from tests.runtime.test_tool_calls import TOOLS, TOOLS_TEMPLATE
+from autodeploy.frontend.tool_calls import CutOffToolCall, ToolCall
+from tests.frontend.test_tool_calls import TOOLS, TOOLS_TEMPLATE
 
 
 class Unit(enum.Enum):

@@ -1,6 +1,6 @@
 """``ToolRegistry``: Python functions a model may call, with JSON Schemas read from their type hints and
 docstrings, for ``LLM.chat(messages, tools=registry)`` — the loop that runs the model's calls and feeds
-the results back (``runtime/chat.py``).
+the results back (``frontend/chat.py``).
 
     registry = ToolRegistry()
 
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autodeploy.errors import ConfigError
-from autodeploy.runtime.tool_calls import ToolCall, ToolSpec
+from autodeploy.frontend.tool_calls import ToolCall, ToolSpec
 
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 _ARGUMENT_SECTIONS = ("Args", "Arguments", "Parameters")

@@ -123,7 +123,7 @@ class ToolChoice:
 def format_for_template(template: str | None) -> str:
     """The call format a chat template teaches: ``"json"`` for one that describes bare ``"parameters"``
     objects and no ``<tool_call>`` tags (Llama 3.x), else ``"hermes"`` (also what templates without tools
-    are taught, in the system turn ``runtime/chat_template.py`` writes).
+    are taught, in the system turn ``frontend/chat_template.py`` writes).
 
     >>> format_for_template('... {"name": function name, "parameters": dictionary of argument name and its value} ...')
     'json'

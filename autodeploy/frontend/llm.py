@@ -3,26 +3,26 @@
 Everything runs through one :class:`~autodeploy.runtime.engine.Engine` (paged KV cache, in-flight
 batching), so a ``stream`` and a ``generate`` started from different threads share batches. Each call
 steps the engine when no one else is stepping and reads its outputs from its own sink, which any step
-fills, whoever ran it. For asyncio servers see :class:`~autodeploy.runtime.async_llm.AsyncLLM`.
+fills, whoever ran it. For asyncio servers see :class:`~autodeploy.frontend.async_llm.AsyncLLM`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections import deque
 from collections.abc import Iterator
-from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
 import torch
 from torch import fx
 from tqdm import tqdm
 
-from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.build_report import TransformRecord, VerificationReport
+from autodeploy.deployment import Deployment, as_deployment
 from autodeploy.errors import ConfigError, InvalidRequestError
-from autodeploy.build_report import TransformRecord, format_report
-from autodeploy.runtime.chat import ChatResult, run_chat
+from autodeploy.frontend.chat import ChatResult, run_chat
 from autodeploy.runtime.engine import Engine, Prompt
 from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams
@@ -38,41 +38,67 @@ class LLM:
     >>> llm.generate(["def add(a, b):"], SamplingParams(max_tokens=8, temperature=0))[0].text  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        graph: fx.GraphModule,
-        graph_inputs: tuple[str, ...],
-        settings,
-        tokenizer=None,
-        eos_token_ids: SequenceABC[int] = (),
-        records: list[TransformRecord] | None = None,
-        kv_caches: SequenceABC[KVCacheSpec] = (),
-        model_directory: str | None = None,
-        verification=None,
-        decode_graph_batch_sizes: SequenceABC[int] = (),
-        prefill_graph_token_sizes: SequenceABC[int] = (),
-    ):
-        self.graph = graph
-        self.graph_inputs = graph_inputs
-        self.settings = settings
-        self.tokenizer = tokenizer
-        self.records = records or []
-        self.model_directory = model_directory  # the checkpoint or config folder it was built from
-        self.verification = verification  # the build's VerificationReport (autodeploy/verification.py); None if off
-        self.device = torch.device(settings.device)
-        self.vocab_size = self._graph_vocab_size()
-        self._eos_token_ids = list(eos_token_ids)
-        self._kv_caches = tuple(kv_caches)
-        self._decode_graph_batch_sizes = tuple(decode_graph_batch_sizes)  # declared by the compile stage
-        self._prefill_graph_token_sizes = tuple(prefill_graph_token_sizes)
+    def __init__(self, deployment: Deployment, *legacy_arguments, **legacy_keywords):
+        """Serve ``deployment`` (what ``autodeploy()`` builds or reloads). The form before ``Deployment``,
+        ``LLM(graph, graph_inputs, settings, tokenizer, eos_token_ids, records, kv_caches, model_directory,
+        verification, decode_graph_batch_sizes, prefill_graph_token_sizes)``, still works and warns."""
+        deployment = as_deployment("LLM()", deployment, legacy_arguments, legacy_keywords)
+        self.deployment = deployment
+        self.device = torch.device(deployment.settings.device)
+        self.vocab_size = deployment.vocab_size
         self._engine: Engine | None = None
         self._shut_down = False
         self.workers = None  # the worker processes autodeploy() spawned for the other ranks (autodeploy/distributed.py)
 
+    # The deployment's parts as before it was one record. Setting one swaps in a new record rather than editing
+    # it: a copy of this LLM (copy.copy) shares the old one.
+    @property
+    def graph(self) -> fx.GraphModule:
+        """The served model graph (``deployment.graphs["model"]``)."""
+        return self.deployment.graph
+
+    @property
+    def graph_inputs(self) -> tuple[str, ...]:
+        """The graph's inputs in order, as the runtime fills them (the serving signature's)."""
+        return self.deployment.signature.inputs
+
+    @property
+    def settings(self):
+        """The resolved settings it was built (or reloaded) with."""
+        return self.deployment.settings
+
+    @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer; None serves token ids only."""
+        return self.deployment.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.deployment = dataclasses.replace(self.deployment, tokenizer=tokenizer)
+
+    @property
+    def records(self) -> list[TransformRecord]:
+        """Every transform's record, in run order (``pipeline_report`` prints them)."""
+        return self.deployment.report.records
+
+    @property
+    def verification(self) -> VerificationReport | None:
+        """The build's verification (``autodeploy/verification.py``); None if it was off."""
+        return self.deployment.report.verification
+
+    @property
+    def model_directory(self) -> str | None:
+        """The checkpoint or config folder it was built from."""
+        return self.deployment.model_directory
+
+    @model_directory.setter
+    def model_directory(self, directory: str | None) -> None:
+        self.deployment = dataclasses.replace(self.deployment, model_directory=directory)
+
     @property
     def can_serve(self) -> bool:
         """Whether this deploy can generate: it has weights (not the meta device) and a KV cache."""
-        return self.device.type != "meta" and bool(self._kv_caches)
+        return self.device.type != "meta" and bool(self.deployment.signature.kv_caches)
 
     @property
     def engine(self) -> Engine:
@@ -84,17 +110,13 @@ class LLM:
                 raise InvalidRequestError(
                     "this model was deployed on the meta device (no weights); deploy with device='cpu' or 'cuda' to generate"
                 )
-            if not self._kv_caches:
+            if not self.deployment.signature.kv_caches:
                 raise InvalidRequestError(
                     "this graph has no KV cache (the insert_cached_attention transform is disabled); enable it to generate"
                 )
             if self.workers is not None:
                 self.workers.build_engine()
-            self._engine = Engine(
-                self.graph, self.graph_inputs, self._kv_caches, self.settings, self.tokenizer, self._eos_token_ids, self.vocab_size,
-                decode_graph_batch_sizes=self._decode_graph_batch_sizes, prefill_graph_token_sizes=self._prefill_graph_token_sizes,
-                peers=self.workers,
-            )
+            self._engine = Engine(self.deployment, peers=self.workers)
         return self._engine
 
     def save(self, directory: str | Path) -> Path:
@@ -112,9 +134,7 @@ class LLM:
         if max(int(distributed[name]) for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel")) > 1:
             raise ConfigError("saving a deployment over several ranks is not available yet (each rank holds its own "
                               "slices); save one built with tensor_parallel, expert_parallel and pipeline_parallel 1")
-        return save_deployment(directory, self.graph, self.graph_inputs, self.settings, self.tokenizer, self._eos_token_ids,
-                               self.records, self._kv_caches, self.model_directory, self.verification,
-                               self._decode_graph_batch_sizes, self._prefill_graph_token_sizes)
+        return save_deployment(directory, self.deployment)
 
     def free_kv_cache(self) -> None:
         """Drop the engine and its KV cache now (the pool holds most of a GPU); the next request builds
@@ -148,8 +168,7 @@ class LLM:
     def pipeline_report(self) -> str:
         """Time, matches and node counts of every transform that built this model, op histograms, and
         the build-time verification."""
-        report = format_report(self.records)
-        return report if self.verification is None else f"{report}\n{self.verification}"
+        return str(self.deployment.report)
 
     def logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Logits ``[len(seq), vocab]`` (on the CPU) for every position of each token sequence (at most
@@ -223,13 +242,13 @@ class LLM:
     ) -> ChatResult:
         """The assistant's answer to OpenAI-style ``messages``, through the chat template.
 
-        ``tools``: a ``ToolRegistry`` (``autodeploy.tools``), whose functions are run when the model calls
+        ``tools``: a ``ToolRegistry`` (``autodeploy.ToolRegistry``), whose functions are run when the model calls
         them, their results fed back, for up to ``max_rounds`` turns; or OpenAI tool schemas, whose calls
         are returned (``ChatResult.tool_calls``) for the caller to run. ``tool_choice``: ``"auto"`` (the
         default with tools), ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": …}}``,
         for the first turn. ``tool_call_format``: ``"hermes"`` (``<tool_call>`` tags), ``"json"`` (a bare
         ``{"name", "parameters"}`` object, as Llama 3.x templates ask) or ``"auto"``, the one the template
-        teaches. ``reasoning``: split each answer's ``<think>…</think>`` block off (``runtime/reasoning.py``)
+        teaches. ``reasoning``: split each answer's ``<think>…</think>`` block off (``frontend/reasoning.py``)
         into ``ChatResult.reasoning`` and the turn's ``reasoning_content``; calls are looked for in the rest.
         ``params`` default to greedy with ``max_tokens=256``.
 
@@ -268,12 +287,6 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
             raise InvalidRequestError("generate() needs at least one prompt (a string or a list of token ids)")
         return list(prompts)
-
-    def _graph_vocab_size(self) -> int:
-        output = next(n for n in self.graph.graph.nodes if n.op == "output")
-        value = fx.node.map_aggregate(output.args, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
-        logits = value[0][0] if isinstance(value[0], (list, tuple)) else value[0]
-        return int(logits.shape[-1])
 
 
 class _CollectingSink:

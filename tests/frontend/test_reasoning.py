@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autodeploy.runtime.reasoning import CONTENT, REASONING, ReasoningParser, opens_thinking, split_reasoning
+from autodeploy.frontend.reasoning import CONTENT, REASONING, ReasoningParser, opens_thinking, split_reasoning
 
 
 def test_the_think_block_is_reasoning_and_the_rest_the_answer():

@@ -1,0 +1,96 @@
+"""``Deployment``: a built model as one record — what a build (or a reload) makes and ``LLM``, ``Engine``, save
+and load take.
+
+It holds the graphs by role (``"model"`` today; a draft model, a vision or an encoder graph are further roles,
+not further constructor arguments), the serving signature the cache stage declared (graph inputs in order,
+KV cache specs, the decode batch and prefill token sizes captured as graphs), the tokenizer and end-of-sequence
+ids, the resolved settings, the build report and the folder the model came from.
+
+The pipeline, the runtime and ``autodeploy/artifact`` all import this module, so it imports only records
+below them (the serving signature, the build report, the typed errors) and torch.
+
+    >>> from autodeploy import autodeploy
+    >>> deployment = autodeploy().deployment
+    >>> deployment.signature.inputs[:2], deployment.graph is deployment.graphs["model"]
+    (('input_ids', 'position_ids'), True)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from autodeploy.build_report import BuildReport, TransformRecord, VerificationReport
+from autodeploy.custom_ops.serving_signature import KVCacheSpec, ServingSignature
+from autodeploy.errors import ConfigError
+
+MODEL = "model"  # the role of the graph that turns token ids into logits; every deployment has one
+
+
+@dataclass
+class Deployment:
+    """A built model: its graphs by role, how to serve them, and how it was built."""
+
+    graphs: Mapping[str, fx.GraphModule]
+    signature: ServingSignature
+    settings: Any  # the resolved settings (an OmegaConf DictConfig, autodeploy/config.py)
+    tokenizer: Any = None  # a Hugging Face tokenizer; None serves token ids only
+    eos_token_ids: tuple[int, ...] = ()
+    report: BuildReport = field(default_factory=BuildReport)
+    model_directory: str | None = None  # the checkpoint or config folder it was built from
+
+    def __post_init__(self) -> None:
+        if MODEL not in self.graphs:
+            raise ConfigError(f"a Deployment needs a {MODEL!r} graph (token ids in, logits out); it has {sorted(self.graphs)}")
+        self.graphs = dict(self.graphs)
+        self.eos_token_ids = tuple(int(token) for token in self.eos_token_ids)
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        """The ``"model"`` graph: token ids and KV pages in, logits out."""
+        return self.graphs[MODEL]
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the model graph's logits, as the graph's output declares it."""
+        output = next(n for n in self.graph.graph.nodes if n.op == "output")
+        value = fx.node.map_aggregate(output.args, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
+        logits = value[0][0] if isinstance(value[0], (list, tuple)) else value[0]
+        return int(logits.shape[-1])
+
+
+def as_deployment(caller: str, deployment, legacy_arguments: tuple, legacy_keywords: dict) -> Deployment:
+    """``deployment`` itself, or, for the form before ``Deployment`` (``caller(graph, graph_inputs, settings,
+    tokenizer, eos_token_ids, records, kv_caches, model_directory, verification, decode_graph_batch_sizes,
+    prefill_graph_token_sizes)``, with those names and in that order), the deployment those loose arguments
+    describe, with a ``DeprecationWarning`` at the caller's caller."""
+    if isinstance(deployment, Deployment):
+        if legacy_arguments or legacy_keywords:
+            raise TypeError(f"{caller} takes the Deployment alone")
+        return deployment
+    warnings.warn(f"{caller}'s graph, graph_inputs, settings, ... arguments are deprecated: pass one Deployment "
+                  f"(autodeploy.deployment.Deployment)", DeprecationWarning, stacklevel=3)
+    return _from_loose_arguments(deployment, *legacy_arguments, **legacy_keywords)
+
+
+def _from_loose_arguments(
+    graph: fx.GraphModule,
+    graph_inputs: Sequence[str],
+    settings,
+    tokenizer=None,
+    eos_token_ids: Sequence[int] = (),
+    records: Sequence[TransformRecord] | None = None,
+    kv_caches: Sequence[KVCacheSpec] = (),
+    model_directory: str | None = None,
+    verification: VerificationReport | None = None,
+    decode_graph_batch_sizes: Sequence[int] = (),
+    prefill_graph_token_sizes: Sequence[int] = (),
+) -> Deployment:
+    signature = ServingSignature(tuple(graph_inputs), tuple(kv_caches), tuple(decode_graph_batch_sizes),
+                                 tuple(prefill_graph_token_sizes))
+    return Deployment({MODEL: graph}, signature, settings, tokenizer, tuple(eos_token_ids),
+                      BuildReport(list(records or []), verification), model_directory)

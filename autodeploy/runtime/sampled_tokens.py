@@ -1,0 +1,199 @@
+"""A step's logits rows becoming tokens on its sequences: the sampling plan, its launch, the tokens applied.
+
+Before the launch, ``plan_sampling`` gives each sequence that reaches its last token a sampling row (``n``
+rows for a request about to fork its samples; a grammar's mask where it has one) or a beam row, and
+``launch_sampling`` queues them on the device. Once the tokens are on the host, ``TokenApplier.apply``
+appends them (stop conditions, grammar matchers, logprobs), forks the samples of ``n`` > 1 off their
+parent, steps the beam groups whose beams are all in, and retires the requests that finished.
+
+    plan = plan_sampling([chunk.sequence for chunk in completing_chunks], vocab_size)
+    sample, beam_logprobs = launch_sampling(plan, logits)
+    changed = applier.apply(chunks, plan, sample.result(), beam_logprobs, run_ahead=False, now=clock())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from autodeploy.runtime.block_pool import KVBlockPool
+from autodeploy.runtime.device_copies import to_device
+from autodeploy.runtime.outputs import CompletionOutput
+from autodeploy.runtime.request import Request, Sequence
+from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
+from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
+from autodeploy.runtime.structured_output import new_matcher, next_token_bitmask
+
+
+@dataclass
+class SamplingPlan:
+    """How one step's logits rows become tokens: ``rows[i]`` samples logits row ``row_logits[i]`` for
+    ``owners[i]`` (the sequence it extends or forks from, and the completion index); beams separately."""
+
+    rows: list[SamplingRow] = field(default_factory=list)
+    row_logits: list[int] = field(default_factory=list)
+    owners: list[tuple[Sequence, int]] = field(default_factory=list)
+    beam_rows: list[tuple[Sequence, int]] = field(default_factory=list)
+    # No beams, forks, penalties or grammars: the next step needs none of its tokens on the host.
+    overlappable: bool = True
+
+
+def plan_sampling(sequences: list[Sequence], vocab_size: int) -> SamplingPlan:
+    """The sampling rows of the sequences that reach their last token (one per logits row, in order)."""
+    plan = SamplingPlan()
+    for row, sequence in enumerate(sequences):
+        request = sequence.request
+        if request.beam_search is not None:
+            plan.beam_rows.append((sequence, row))
+            continue
+        forking = request.params.n > 1 and len(request.sequences) == 1 and not sequence.output_token_ids
+        for index in range(request.params.n if forking else 1):
+            index = index if forking else sequence.index
+            # A constrained sequence never has a token in flight (its steps do not run ahead), so its
+            # matcher has seen every token; forks start from the parent's state, the grammar's start.
+            bitmask = next_token_bitmask(sequence.grammar, vocab_size) if sequence.grammar is not None else None
+            plan.rows.append(
+                SamplingRow(
+                    request.params, request.seed, len(sequence.output_token_ids) + sequence.num_pending,
+                    request.prompt_token_ids, sequence.output_token_ids, sample_index=index, token_bitmask=bitmask,
+                )
+            )
+            plan.row_logits.append(row)
+            plan.owners.append((sequence, index))
+        plan.overlappable &= not forking and not has_penalty(request.params) and request.grammar is None
+    plan.overlappable &= not plan.beam_rows
+    return plan
+
+
+def launch_sampling(plan: SamplingPlan, logits: torch.Tensor) -> tuple[PendingSample | None, torch.Tensor | None]:
+    """Queue the plan's sampling on the device: the pending sample, and the beam rows' log-probabilities."""
+    sample = beam_logprobs = None
+    if plan.rows:
+        picked = logits
+        if plan.row_logits != list(range(logits.shape[0])):
+            picked = logits.index_select(0, to_device(plan.row_logits, torch.long, logits.device))
+        sample = launch_sample(picked, plan.rows)
+    if plan.beam_rows:
+        index = to_device([row for _, row in plan.beam_rows], torch.long, logits.device)
+        beam_logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    return sample, beam_logprobs
+
+
+class TokenApplier:
+    """Applies steps' sampled tokens to their sequences, under the engine's lock; finished requests leave
+    ``requests`` (the engine's live requests, shared)."""
+
+    def __init__(self, pool: KVBlockPool, scheduler: Scheduler, requests: dict[str, Request], tokenizer):
+        self.pool = pool
+        self.scheduler = scheduler
+        self.requests = requests
+        self.tokenizer = tokenizer
+
+    def apply(self, chunks: list[ScheduledChunk], plan: SamplingPlan, result: SampleResult | None,
+              beam_logprobs: torch.Tensor | None, run_ahead: bool, now: float) -> list[Request]:
+        """Record what a step computed and append its tokens (or beam steps), for the requests still live;
+        the requests that changed."""
+        for chunk in chunks:
+            sequence = chunk.sequence
+            if not sequence.request.aborted:  # only tokens the host knows are hashed into the prefix cache
+                self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, min(sequence.num_computed, len(sequence.token_ids)))
+        changed: dict[str, Request] = {}
+        # Forks first: the parent's own first token may end it (EOS), which frees the blocks they share.
+        targets = [sequence if index == sequence.index or sequence.request.aborted else self._fork(sequence, index)
+                   for sequence, index in plan.owners]
+        for i, ((sequence, _), target) in enumerate(zip(plan.owners, targets)):
+            if run_ahead:
+                sequence.num_pending -= 1
+            if target.request.aborted or target.finish_reason is not None:
+                continue  # cancelled mid-step, or stopped on the token before this (a wasted row)
+            target.append(result.token_ids[i], self.tokenizer)
+            if target.grammar is not None:
+                self._advance_grammar(target, result.token_ids[i])
+            if result.logprobs[i] is not None:
+                target.logprobs.append(result.logprobs[i])
+                target.top_logprobs.append(result.top_logprobs[i])
+            self._after_token(target, now, changed)
+        beams = [(s, logprobs) for (s, _), logprobs in zip(plan.beam_rows, beam_logprobs if beam_logprobs is not None else ())
+                 if not s.request.aborted]
+        for sequence, logprobs in beams:
+            sequence.pending_logprobs = logprobs
+            sequence.awaiting_beam_step = True
+        for request in {id(s.request): s.request for s, _ in beams}.values():
+            if all(s.awaiting_beam_step for s in request.sequences):
+                self._beam_step(request, now)
+                changed[request.request_id] = request
+        return list(changed.values())
+
+    def start_grammar(self, sequence: Sequence) -> None:
+        """A matcher of its own at the grammar's start for each sample of a constrained request."""
+        if sequence.request.grammar is not None:
+            sequence.grammar = new_matcher(sequence.request.grammar, sequence.request.stop_token_ids)
+
+    def _advance_grammar(self, sequence: Sequence, token: int) -> None:
+        """Feed the sampled token to the sequence's matcher; the sequence stops once the grammar ends."""
+        if not sequence.grammar.accept_token(token):  # the mask allowed it, so the matcher must accept it
+            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed (request {sequence.request.request_id})")
+        if sequence.grammar.is_terminated():
+            sequence.finish_reason = "stop"
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """A new sample of ``parent``'s request sharing its computed full blocks (``n`` > 1)."""
+        request = parent.request
+        child = Sequence(request, list(request.prompt_token_ids), index)
+        self.start_grammar(child)
+        child.num_computed = self.pool.fork(parent.seq_id, child.seq_id, len(request.prompt_token_ids))
+        request.sequences.append(child)
+        self.scheduler.running.append(child)
+        return child
+
+    def _after_token(self, sequence: Sequence, now: float, changed: dict[str, Request]) -> None:
+        request = sequence.request
+        if sequence.index == 0:
+            request.token_times.append(now)
+        if sequence.finish_reason is not None:
+            self.scheduler.remove(sequence)
+        if request.finished:
+            request.finish_time = now
+            self.requests.pop(request.request_id, None)
+        changed[request.request_id] = request
+
+    def _beam_step(self, request: Request, now: float) -> None:
+        search = request.beam_search
+        parents = request.sequences
+        search.step(torch.stack([s.pending_logprobs for s in parents]))
+        request.token_times.append(now)
+        if search.done:
+            for sequence in parents:
+                self.scheduler.remove(sequence)
+            request.finished_completions = [
+                self._beam_completion(request, index, result) for index, result in enumerate(search.best(request.params.n))
+            ]
+            request.sequences = []
+            request.finish_time = now
+            self.requests.pop(request.request_id, None)
+            return
+        survivors: list[Sequence] = []
+        for beam in search.running:
+            parent = parents[beam.parent]
+            if parent not in survivors:  # the first child of a parent continues it in place
+                sequence = parent
+            else:  # a further child shares the parent's full blocks and recomputes the rest
+                sequence = Sequence(request, request.prompt_token_ids + beam.token_ids[:-1], len(survivors))
+                sequence.num_computed = self.pool.fork(parent.seq_id, sequence.seq_id, parent.num_computed)
+                # A parent preempted while it waited for its group shares nothing: the child queues like a new prompt.
+                (self.scheduler.running if sequence.num_computed else self.scheduler.waiting).append(sequence)
+            sequence.token_ids.append(beam.token_ids[-1])
+            sequence.awaiting_beam_step = False
+            survivors.append(sequence)
+        for sequence in parents:
+            if sequence not in survivors:
+                self.scheduler.remove(sequence)
+        for index, sequence in enumerate(survivors):
+            sequence.index = index
+        request.sequences = survivors
+
+    def _beam_completion(self, request: Request, index: int, result) -> CompletionOutput:
+        ends_in_stop = bool(result.token_ids) and result.token_ids[-1] in request.stop_token_ids
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return CompletionOutput(index, text, list(result.token_ids), "stop" if ends_in_stop else "length", cumulative_logprob=result.logprob)
