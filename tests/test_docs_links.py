@@ -49,16 +49,9 @@ def test_the_checker_sees_a_broken_link(tmp_path):
 # Files the README and docs/ name in backticks (`autodeploy/runtime/engine.py`): a file that moves or goes must
 # take its mentions along.
 NAMED_PATH = re.compile(r"`((?:autodeploy|transforms|patterns|custom_ops|autotuner|configs|scripts|tests|notes|docs|requirements)/[^`\s*…]*)`")
-# Named by docs/architecture.md ahead of issue 41's other branches, which create them. Each entry fails the test
-# below once its file exists: then delete the entry, and the path is checked like every other.
-PENDING = {"autodeploy/deployment.py", "autodeploy/frontend", "tests/test_import_layers.py"}
 
 
 @pytest.mark.parametrize("page", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_paths_exist(page):
     named = {path.rstrip("/") for path in NAMED_PATH.findall(page.read_text())}
-    assert not [path for path in sorted(named - PENDING) if not (ROOT / path).exists()]
-
-
-def test_pending_paths_are_still_pending():
-    assert not [path for path in sorted(PENDING) if (ROOT / path).exists()], "these exist now: delete them from PENDING"
+    assert not [path for path in sorted(named) if not (ROOT / path).exists()]
