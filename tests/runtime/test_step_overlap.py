@@ -4,7 +4,6 @@ an ``AsyncLLM``'s event loop stays responsive under load, and outputs stay what 
 from __future__ import annotations
 
 import asyncio
-import statistics
 import threading
 import time
 
@@ -57,31 +56,43 @@ def test_submit_and_abort_do_not_wait_for_a_running_forward(llm, monkeypatch):
     assert engine.pool.num_used_blocks == 0
 
 
-def test_64_coroutines_complete_while_the_event_loop_stays_responsive(llm):
+def test_64_coroutines_complete_while_the_event_loop_stays_responsive(llm, monkeypatch):
+    """The loop thread only tokenizes and queues; every step (the forwards) runs in the engine's own thread, so
+    the loop keeps turning while the batch decodes. Checked by where steps run and by the loop's ticks landing
+    between steps, not by how late they are (that depends on the machine)."""
     prompts = [[3 + i, 4 + i, 5 + (i * 7) % 50] for i in range(64)]
     params = SamplingParams(max_tokens=12, **GREEDY)
     expected = expected_tokens(llm, prompts, params)
+    events: list[str] = []  # "step" and "tick", in the order they happened
+    step_threads: set[int] = set()
+    step = llm.engine.step
+
+    def recorded_step():
+        step_threads.add(threading.get_ident())
+        finished = step()
+        events.append("step")
+        return finished
+
+    monkeypatch.setattr(llm.engine, "step", recorded_step)
 
     async def main():
         async_llm = AsyncLLM(llm)
-        lateness = []
         done = asyncio.Event()
 
         async def timer():
             while not done.is_set():
-                before = time.perf_counter()
                 await asyncio.sleep(0.001)
-                lateness.append(time.perf_counter() - before - 0.001)
+                events.append("tick")
 
         ticking = asyncio.create_task(timer())
         outputs = await asyncio.gather(*(async_llm.generate(p, params) for p in prompts))
         done.set()
         await ticking
         async_llm.shutdown()
-        return outputs, lateness
+        return outputs, threading.get_ident()
 
-    outputs, lateness = asyncio.run(asyncio.wait_for(main(), timeout=TIMEOUT))
+    outputs, loop_thread = asyncio.run(asyncio.wait_for(main(), timeout=TIMEOUT))
     assert [o.token_ids for o in outputs] == expected
-    # The loop thread only tokenizes and queues; forwards run in the engine's thread (sharing the GIL,
-    # whose switch interval is 5 ms).
-    assert statistics.median(lateness) < 0.005 and max(lateness) < 0.1, (statistics.median(lateness), max(lateness))
+    assert step_threads and loop_thread not in step_threads
+    first, last = events.index("step"), len(events) - 1 - events[::-1].index("step")
+    assert "tick" in events[first:last]  # the loop turned while steps were running
