@@ -340,10 +340,11 @@ def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.G
                       for role, target in record.targets.items()}
         with torch.no_grad():
             parameter.data = dequantize_weight(record.scheme, stored, torch.float32).to(parameter.dtype)
-        if record.scheme.name in ("fp8", "smoothquant"):
+        round_input = record.scheme.method.round_input(record.scheme, stored)
+        if round_input is not None:  # the scheme's op rounds its input too (fp8, smoothquant)
             owner = reference.get_submodule(name.rpartition(".")[0])
             rounding = rounding or _ActivationRounding()
-            owner.register_forward_pre_hook(rounding.hook(record.scheme.name, stored))
+            owner.register_forward_pre_hook(rounding.hook(round_input))
     return rounding
 
 
@@ -357,23 +358,16 @@ class _ActivationRounding:
     def __init__(self):
         self.kinds: set[str] = set()  # what is rounded: "activations", "KV cache"
 
-    def hook(self, scheme: str, stored: dict[str, torch.Tensor]):
-        """The pre-hook of one layer: ``smoothquant`` rounds ``x · smooth`` to int8, ``fp8`` to e4m3 with a scale
-        per token or the layer's static ``input_scale``."""
-        from autodeploy.custom_ops.quantized_linear import fake_quantize_activations_fp8, fake_quantize_activations_int8
-
+    def hook(self, round_input):
+        """The pre-hook of one layer whose op rounds its input as ``round_input`` does (its scheme's
+        ``QuantMethod.round_input``: ``smoothquant`` rounds ``x · smooth`` to int8, ``fp8`` to e4m3 with a scale
+        per token or the layer's static ``input_scale``)."""
         self.kinds.add("activations")
 
-        def round_input(module, args):
-            if not self.enabled:
-                return None
-            if scheme == "smoothquant":
-                rounded = fake_quantize_activations_int8(args[0], stored["smooth"])
-            else:
-                rounded = fake_quantize_activations_fp8(args[0], stored.get("input_scale"))
-            return (rounded, *args[1:])
+        def pre_hook(module, args):
+            return (round_input(args[0]), *args[1:]) if self.enabled else None
 
-        return round_input
+        return pre_hook
 
     def output_hook(self, dtype: torch.dtype, scale: float):
         """A forward hook that rounds a module's output as a KV cache of ``dtype`` with ``scale`` stores it."""

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from . import add_rms_norm, fp8_activations, fused_gated_mlp, gated_activation, gated_mlp, layer_norm, linear, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from . import add_rms_norm, fp8_activations, fused_gated_mlp, gated_activation, gated_mlp, layer_norm, linear, quantization, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
 from .registry import register_backend
 from .triton import triton_unavailable
 
@@ -278,11 +278,11 @@ def _fp8_prequantized_linear_supports(x_q, x_scale, qweight, scale, bias, dtype,
 
 
 def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
-    # the Triton row quantizer's limits, then torch._scaled_mm's (quantized_linear's torch backend)
+    # the Triton row quantizer's limits, then torch._scaled_mm's (fp8_linear's torch backend)
     reason = _fp8_supports(x, qweight, scale, bias, device=device)
     if reason is not True:
         return reason
-    return quantized_linear._fp8_scaled_mm_supports(x, qweight, scale, bias, device=device)
+    return quantized_linear.scaled_mm_supports(x.dtype, qweight, bias, device)
 
 
 def _fp8_supports(x, qweight, scale, bias, *, device):

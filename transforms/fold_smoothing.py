@@ -39,6 +39,7 @@ import torch
 from torch import fx
 from torch.fx import GraphModule
 
+from autodeploy.custom_ops.quantized_linear import row_scaled_ops
 from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.quantize_linear import (
     GATED_ACTIVATION,
@@ -53,8 +54,6 @@ from autodeploy.transforms.registry import Transform, TransformConfig, Transform
 RMS_NORM = torch.ops.autodeploy.rms_norm.default
 ADD_RMS_NORM = torch.ops.autodeploy.add_rms_norm.default
 LAYER_NORM = torch.ops.autodeploy.layer_norm.default
-# Projections whose output rows carry one scale each (the argument index of that [N] tensor).
-ROW_SCALED = {SMOOTHQUANT: 2, torch.ops.autodeploy.int8_wo_linear.default: 2, torch.ops.autodeploy.fp8_linear.default: 2}
 FOLDED = "folded_smoothing"
 
 
@@ -102,8 +101,9 @@ def _scale_projection_rows(gm: GraphModule, projection, factors: torch.Tensor, o
         return None
     if projection.target is LINEAR:
         rows = projection.args[1]
-    elif projection.target in ROW_SCALED:  # a per-tensor fp8 scale cannot take a factor per row: _scale_own refuses it
-        rows = projection.args[ROW_SCALED[projection.target]]
+    elif projection.target in (row_scaled := row_scaled_ops()):  # the scale argument of each scheme's row-scaled ops
+        # A per-tensor fp8 scale cannot take a factor per row: _scale_own refuses it.
+        rows = projection.args[row_scaled[projection.target]]
         if _own(gm, rows) is not None:
             originals.setdefault(rows.target, gm.get_parameter(rows.target).detach().clone())
     else:

@@ -47,9 +47,7 @@ import torch
 from torch import fx, nn
 from torch.fx import GraphModule
 
-from autodeploy.custom_ops.quantized_linear import EXPERT_SCHEMES, QuantScheme, quantize_weight
-from autodeploy.custom_ops.quantized_moe import EXPERT_PARALLEL_OPS
-from autodeploy.custom_ops.quantized_moe import OPS as EXPERT_OPS
+from autodeploy.custom_ops.quantized_linear import QuantScheme, expert_scheme_names, quantize_weight, scheme_names
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.shape_propagation import infer_values
@@ -86,8 +84,8 @@ _ACTIVATIONS = {
     "gelu": (torch.ops.aten.gelu.default, {}),
     "relu": (torch.ops.aten.relu.default, {}),
 }
-_ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero", "smooth": "input_smooth",
-          "input_scale": "input_scale"}  # stored tensor → attribute
+# stored tensor → attribute (a role of another scheme keeps its own name)
+_ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero", "smooth": "input_smooth", "input_scale": "input_scale"}
 
 
 @dataclass(frozen=True)
@@ -117,9 +115,17 @@ def _option(settings, key: str, allowed: tuple[str, ...], what_takes: str) -> st
     return name
 
 
+def uncalibrated_random_weights(calibrated: list[str]) -> ConfigError:
+    """The error for calibrated schemes (``calibrated``: their names) under ``weights=random``: calibration runs the
+    checkpoint's weights."""
+    plain = [name for name in scheme_names() if not QuantScheme(name).calibrated]
+    return ConfigError(f"{', '.join(sorted(set(calibrated))) or 'calibrated schemes'} calibrate on the checkpoint's weights; "
+                       f"with weights=random use a scheme without calibration: {', '.join(plain)}")
+
+
 def parse_experts(settings) -> QuantScheme | None:
     """The scheme of MoE experts' weights (``quantize.experts``), or None."""
-    name = _option(settings, "experts", EXPERT_SCHEMES, "MoE experts take")
+    name = _option(settings, "experts", expert_scheme_names(), "MoE experts take")
     return None if name is None else QuantScheme(name, group_size=int(settings.int4_group_size))
 
 
@@ -239,7 +245,7 @@ class _Rewriter:
         expert weights in ``scheme``."""
         x, router_logits, gate_up, down, *options = node.args
         storage = [*self.quantized_storage(gate_up, scheme), *self.quantized_storage(down, scheme)]
-        op = (EXPERT_PARALLEL_OPS if node.target is MOE_EXPERT_PARALLEL else EXPERT_OPS)[scheme.name]
+        op = scheme.expert_op(expert_parallel=node.target is MOE_EXPERT_PARALLEL)
         return self.graph.call_function(op, (x, router_logits, *storage, *options), dict(node.kwargs))
 
     def quantized_storage(self, weight_node: fx.Node, scheme: QuantScheme) -> list[fx.Node]:
@@ -254,7 +260,7 @@ class _Rewriter:
         prefix = "" if leaf == "weight" else f"{leaf}_"
         targets, nodes = {}, []
         for role, tensor in stored.items():
-            attribute = prefix + _ROLES[role]
+            attribute = prefix + _ROLES.get(role, role)
             owner.register_parameter(attribute, nn.Parameter(tensor, requires_grad=False))
             targets[role] = f"{owner_path}.{attribute}"
             nodes.append(self.graph.get_attr(targets[role]))
@@ -369,23 +375,21 @@ class QuantizeLinear(Transform):
         if found is not None:
             rules = [(None, scheme) for _, scheme in found.rules]
         all_schemes = [scheme for scheme in [default, *(s for _, s in rules)] if scheme is not None]
-        schemes = {scheme.name for scheme in all_schemes}
         if any(scheme.calibrated for scheme in all_schemes):  # calibration runs in load_weights (models/calibration.py)
             calibration = context.settings.quantize.calibration
             if context.settings.weights == "random":
-                raise ConfigError("int4_awq, int4_gptq, smoothquant and static fp8 activations calibrate on the checkpoint's "
-                                  "weights; with weights=random use int4_wo, int8_wo or fp8 with dynamic activations")
+                raise uncalibrated_random_weights([s.name for s in all_schemes if s.calibrated])
             if calibration.dataset != "builtin" and not Path(calibration.dataset).is_file():
                 raise ConfigError(f"quantize.calibration.dataset: {calibration.dataset!r} is neither 'builtin' nor a readable file")
             if calibration.samples < 1 or calibration.seq_len < 1:
                 raise ConfigError(f"quantize.calibration needs samples ≥ 1 and seq_len ≥ 1; got {calibration.samples} "
                                   f"and {calibration.seq_len}")
         device = torch.device(context.settings.device)
-        fp8 = any(scheme is not None and scheme.name == "fp8" for scheme in [default, *(s for _, s in rules)])
-        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            major, minor = torch.cuda.get_device_capability(device)
-            raise ConfigError(f"quantize: fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); this one is "
-                              f"{major}.{minor}. Use int8_wo or int4_wo, which run on any GPU")
+        for scheme in set(all_schemes):
+            problem = scheme.method.check_device(scheme, device)
+            if problem:
+                runs = [name for name in scheme_names() if QuantScheme(name).method.check_device(QuantScheme(name), device) is None]
+                raise ConfigError(f"quantize: {problem}. Use {', '.join(runs)}, which run on this device")
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         default, rules = parse_plan(context.settings.quantize)

@@ -389,7 +389,7 @@ class LoadWeights(Transform):
         if prequantized is not None or (settings.weights == "random" and factory.tensors is None):
             key_values = []
         if (calibrated or key_values) and prequantized is None:
-            hessians = sorted({r.path for r in (quantized or {}).values() if r.scheme.name == "int4_gptq"})
+            hessians = sorted({r.path for r in (quantized or {}).values() if "hessian" in r.scheme.statistics})
             statistics = share_smoothing(calibrate(factory, settings, lambda on: float_graph(snapshot, factory, on),
                                                    calibrated, hessians, key_values),
                                          context.state.get(SMOOTHING_GROUPS, []))
