@@ -14,6 +14,8 @@ import torch
 
 from autodeploy.errors import CheckpointError, ConfigError
 
+from .quantized_linear import QuantScheme
+
 FLOAT_SCALES = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes checkpoints store scales in
 
 
@@ -62,8 +64,6 @@ def require_compressed_tensors() -> None:
 def checkpoint_scheme(name: str, where: str, **options):
     """``QuantScheme(name, **options)`` for a checkpoint's layers; a ``CheckpointError`` naming ``where`` when the
     options are not ones the scheme takes."""
-    from .quantized_linear import QuantScheme
-
     try:
         return QuantScheme(name, **options)
     except ValueError as error:
