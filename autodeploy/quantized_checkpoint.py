@@ -57,7 +57,7 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
     from autodeploy.models.factory import config_dtype
     from autodeploy.models.prequantized import require_compressed_tensors
     from autodeploy.pipeline import Pipeline
-    from autodeploy.transforms.quantize_linear import STATE_KEY, parse_plan
+    from autodeploy.transforms.quantize_linear import parse_plan
     from autodeploy.transforms.registry import TransformContext
 
     require_compressed_tensors()
@@ -89,7 +89,7 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
     pipeline = Pipeline.from_settings(settings)
     context = TransformContext(settings=settings, model_factory=factory)
     graph = pipeline.run(context, stop=pipeline.first_index_of_stage("fuse"))
-    records = context.state.get(STATE_KEY) or {}
+    records = context.quantized_weights
     if not records:
         raise ConfigError(nothing)
     tensors = _float_tensors(graph, records, factory.meta_model, config_dtype(factory.hf_config))

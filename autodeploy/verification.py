@@ -40,15 +40,13 @@ from transformers import AutoModelForCausalLM
 
 from autodeploy.build_report import VerificationReport
 from autodeploy.errors import UnsupportedModelError
+from autodeploy.export.causal_lm import GRAPH_PREFIX
 from autodeploy.models.factory import ModelFactory
-from autodeploy.models.load_weights import GRAPH_PREFIX
 from autodeploy.models.twin import routes_tokens, twin_config
 from autodeploy.pipeline import Pipeline
 from autodeploy.runtime.engine import Engine
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import build_step_inputs
-from autodeploy.transforms.fold_smoothing import FOLDED
-from autodeploy.transforms.fuse_gemms import MOVED
 from autodeploy.transforms.registry import TransformContext
 
 logger = logging.getLogger(__name__)
@@ -197,7 +195,8 @@ class _Recorder(fx.Interpreter):
 
 def _module_paths(node: fx.Node) -> set[str]:
     # Export records paths under the CausalLMLogits wrapper's attribute ``model``; HF names them without it.
-    return {path.removeprefix("model.") for path, _ in node.meta.get("nn_module_stack", {}).values() if path.startswith("model.")}
+    return {path.removeprefix(GRAPH_PREFIX) for path, _ in node.meta.get("nn_module_stack", {}).values()
+            if path.startswith(GRAPH_PREFIX)}
 
 
 def module_output_nodes(graph: fx.Graph) -> dict[str, list[fx.Node]]:
@@ -272,8 +271,11 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         prefix_began = time.perf_counter()
         prefix = pipeline.run(context, dump_dir=dump_dir, stop=weights_at)
         began += time.perf_counter() - prefix_began  # the real build's share, not verification's
-        twin_context = TransformContext(twin_settings, dataclasses.replace(factory, tensors=tensors), context.graph_inputs,
-                                        context.kv_caches, state=dict(context.state))
+        # What the stages before load_weights handed on; the twin's own passes fill the rest of its context.
+        twin_context = TransformContext(
+            twin_settings, dataclasses.replace(factory, tensors=tensors), context.graph_inputs, context.kv_caches,
+            quantized_weights=context.quantized_weights, smoothing_groups=context.smoothing_groups,
+            head_smoothing=context.head_smoothing, calibration_graph=context.calibration_graph)
         twin_graph = twin_pipeline.run(twin_context, _copied_graph(prefix), start=weights_at)
         match_notes = _match_notes(pipeline.records)
     else:
@@ -281,9 +283,8 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         twin_context = TransformContext(settings=twin_settings, model_factory=twin_factory)
         twin_graph = twin_pipeline.run(twin_context)
         match_notes = _match_notes(twin_pipeline.records)
-    quantized = twin_context.state.get("quantized_weights") or {}
-    rounding = _quantize_like_the_deploy(reference, quantized, twin_graph, twin_context.state.get(MOVED) or {},
-                                         twin_context.state.get(FOLDED) or {})
+    rounding = _quantize_like_the_deploy(reference, twin_context.quantized_weights, twin_graph,
+                                         twin_context.concatenated_parameters, twin_context.folded_smoothing)
     if settings.quantize.kv_cache == "fp8":
         rounding = rounding or _ActivationRounding()
         if not _round_keys_and_values(reference, rounding, twin_context.kv_cache_scales):

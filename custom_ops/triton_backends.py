@@ -30,13 +30,13 @@ from typing import Optional
 import torch
 
 from . import add_rms_norm, fp8_activations, fused_gated_mlp, gated_activation, gated_mlp, layer_norm, linear, quantization, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from .activations import ACTIVATIONS
 from .registry import register_backend
 from .triton import triton_unavailable
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NORM_MAX_HIDDEN = 32768  # norms.MAX_HIDDEN: a whole row is one tile
 _ROPE_MAX_HEAD_DIM = 1024  # rope.MAX_HEAD_DIM
-_GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")  # gated_activation.ACTIVATIONS
 _SKINNY_DTYPES = (torch.float16, torch.bfloat16)  # skinny_gemm.DTYPES
 
 
@@ -115,8 +115,8 @@ def _gated_mlp_triton(x, gate_weight, up_weight, down_weight, activation):
 
 
 def _unsupported_activation(activation: str) -> Optional[str]:
-    if activation not in _GATED_ACTIVATIONS:
-        return f"activations {', '.join(_GATED_ACTIVATIONS)} only (got {activation!r})"
+    if activation not in ACTIVATIONS:
+        return f"activations {', '.join(ACTIVATIONS)} only (got {activation!r})"
     return None
 
 

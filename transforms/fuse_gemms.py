@@ -21,7 +21,7 @@ is concatenated along its rows, so every output feature is computed exactly as b
 the gate and up projections are separate nodes over one input, so they fuse here too. Schemes that hold a
 tensor per input column (``int4_awq``'s and ``smoothquant``'s smoothing) or one scale per layer (static
 fp8, per-tensor fp8) stay apart. Where each projection's rows went is kept in
-``context.state[MOVED]`` (old target → new target, first row, rows): verification reads a quantized
+``context.concatenated_parameters`` (old target → new target, first row, rows): verification reads a quantized
 weight's stored tensors by the names the quantize stage gave them.
 
     # YAML: transforms: {fuse_gemms: {enabled: false}} keeps every projection separate
@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import operator
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -41,17 +40,11 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.quantized_linear import row_wise_ops
 from autodeploy.transforms.parameter_concatenation import concatenate_parameters
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
 LINEAR = torch.ops.autodeploy.linear.default
-MOVED = "concatenated_parameters"
-
-
-@dataclass
-class FuseGemmsConfig(TransformConfig):
-    stage: str = "fuse"
 
 
 def _own_parameter(node: fx.Node | None) -> bool:
@@ -139,18 +132,13 @@ def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> dict[str, tuple[str, int, in
     return moved
 
 
-@register_transform("fuse_gemms")
+@register_transform("fuse_gemms", stage="fuse")
 class FuseGemms(Transform):
-    config_class = FuseGemmsConfig
-
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         groups = _groups(module)
-        moved = context.state.setdefault(MOVED, {})
+        moved = context.concatenated_parameters
         for nodes in groups:
             moved.update(_fuse(module, nodes))
-        if groups:
-            module.graph.lint()
-            module.recompile()
         fused = sum(len(g) for g in groups)
         shapes = sorted({len(g) for g in groups})
         ops = sorted({str(g[0].target).removeprefix("autodeploy.").removesuffix(".default") for g in groups})

@@ -21,10 +21,10 @@ Every canonical ``linear`` whose weight the graph reads straight from the module
 into its projections (each quantized by its own rule, or a plain ``linear``) and its activation (for a
 gated MLP the canonical ``gated_activation``, which keeps a fused kernel). The
 stage runs before ``load_weights``, on the meta graph: the float weight leaves the module, the scheme's
-tensors (meta for now) take its place, and ``context.state["quantized_weights"]`` records which
+tensors (meta for now) take its place, and ``context.quantized_weights`` records which
 checkpoint weight each is computed from, so ``load_weights`` quantizes every weight as it streams in
 (no float copy of the model is ever whole). When a scheme calibrates (or the KV cache is fp8), the graph
-as this stage found it is kept in ``context.state[CALIBRATION_GRAPH]`` (a copy over the same meta
+as this stage found it is kept in ``context.calibration_graph`` (a copy over the same meta
 parameters): calibration loads the float weights into it and runs it first (``models/calibration.py``). A weight read by any other node (tied to the embedding)
 stays in the model's dtype, as do MoE routers. MoE experts take ``quantize.experts`` (``int8_wo`` or
 ``int4_wo``, expert by expert: ``custom_ops/quantized_moe.py``), apart from the dense layers' rules; under
@@ -47,11 +47,12 @@ import torch
 from torch import fx, nn
 from torch.fx import GraphModule
 
+from autodeploy.custom_ops.activations import ATEN_ACTIVATIONS
 from autodeploy.custom_ops.quantized_linear import QuantScheme, expert_scheme_names, quantize_weight, scheme_names
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.shape_propagation import infer_values
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -66,24 +67,13 @@ EMBEDDING = torch.ops.aten.embedding.default
 EMBEDDING_INT8 = torch.ops.autodeploy.embedding_int8.default
 EMBEDDING_SCHEMES = ("int8",)
 NONE = "none"
-STATE_KEY = "quantized_weights"
-SMOOTHING_GROUPS = "smoothing_groups"  # smoothquant projections over one input: they share s (share_smoothing)
-# smoothquant projections over attention's output: (path, kv_heads, group, head_dim) (share_head_smoothing)
-HEAD_SMOOTHING = "head_smoothing"
 ATTENTION = torch.ops.autodeploy.attention.default
 # Ops that keep a tensor's values and their row-major order (reshapes, copies): with transposes that cancel
 # (HF's pairs, before the cache stage's refold_transposes), a chain between attention and a projection.
 RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
             torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
 COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
-CALIBRATION_GRAPH = "calibration_graph"  # the graph as this stage found it (meta): what calibration runs
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
-_ACTIVATIONS = {
-    "silu": (torch.ops.aten.silu.default, {}),
-    "gelu_tanh": (torch.ops.aten.gelu.default, {"approximate": "tanh"}),
-    "gelu": (torch.ops.aten.gelu.default, {}),
-    "relu": (torch.ops.aten.relu.default, {}),
-}
 # stored tensor → attribute (a role of another scheme keeps its own name)
 _ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero", "smooth": "input_smooth", "input_scale": "input_scale"}
 
@@ -98,11 +88,6 @@ class QuantizedWeight:
     shape: tuple[int, ...]
     scheme: QuantScheme
     targets: dict[str, str]
-
-
-@dataclass
-class QuantizeLinearConfig(TransformConfig):
-    stage: str = "quantize"
 
 
 def _option(settings, key: str, allowed: tuple[str, ...], what_takes: str) -> str | None:
@@ -276,7 +261,7 @@ class _Rewriter:
     def activation(self, name: str, gate: fx.Node, up: fx.Node | None) -> fx.Node:
         if up is not None:
             return self.graph.call_function(GATED_ACTIVATION, (gate, up, name))
-        op, kwargs = _ACTIVATIONS[name]
+        op, kwargs = ATEN_ACTIVATIONS[name]
         return self.graph.call_function(op, (gate,), kwargs)
 
 
@@ -363,10 +348,8 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> None:
     new.meta.update({k: v for k, v in old.meta.items() if k != "val"})  # values: infer_values
 
 
-@register_transform("quantize_linear")
+@register_transform("quantize_linear", stage="quantize")
 class QuantizeLinear(Transform):
-    config_class = QuantizeLinearConfig
-
     def validate(self, context: TransformContext) -> None:
         default, rules = parse_plan(context.settings.quantize)
         parse_experts(context.settings.quantize)
@@ -399,7 +382,7 @@ class QuantizeLinear(Transform):
         # A pre-quantized checkpoint's calibrated schemes are not calibrated again, but its verification twin's are.
         calibrated = any(s is not None and s.calibrated for s in (default, *(s for _, s in rules)))
         if found is not None or calibrated or context.settings.quantize.kv_cache == "fp8":
-            context.state[CALIBRATION_GRAPH] = _snapshot(module)
+            context.calibration_graph = _snapshot(module)
         if (found is None and experts is None and embedding is None and default is None
                 and all(scheme is None for _, scheme in rules)):
             return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")
@@ -454,13 +437,11 @@ class QuantizeLinear(Transform):
             if glob not in planner.used:
                 logger.warning("quantize.layers[%r] matches no quantizable layer of this model; check the module paths "
                                "(e.g. 'layers.0.mlp.gate_proj', 'lm_head')", glob)
-        module.graph.lint()
-        module.recompile()
         # Only the new nodes get values: the rest keep export's (a quantized op returns what the linear did).
         infer_values(module, [n for n in module.graph.nodes if n not in existing])
-        context.state[STATE_KEY] = {r.source: r for r in rewriter.records}
-        context.state[SMOOTHING_GROUPS] = _smoothing_groups(module, rewriter.records)
-        context.state[HEAD_SMOOTHING] = _head_smoothing(module, rewriter.records)
+        context.quantized_weights = {r.source: r for r in rewriter.records}
+        context.smoothing_groups = _smoothing_groups(module, rewriter.records)
+        context.head_smoothing = _head_smoothing(module, rewriter.records)
         counts: dict[str, int] = {}
         for record in rewriter.records:
             if len(record.shape) == 2 and module_path(record.source) not in tables:

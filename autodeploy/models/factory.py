@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from autodeploy.errors import ConfigError, UnsupportedModelError, error_summary
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.source import ModelSource
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -224,16 +224,9 @@ class ModelFactory:
             return None
 
 
-@dataclass
-class BuildModelConfig(TransformConfig):
-    stage: str = "factory"
-
-
-@register_transform("build_model")
+@register_transform("build_model", stage="factory", recompile=False)
 class BuildModel(Transform):
     """HF config → HF model on the meta device, in the deployment dtype."""
-
-    config_class = BuildModelConfig
 
     def apply(self, module, context) -> TransformResult:
         factory: ModelFactory = context.model_factory

@@ -210,15 +210,16 @@ def test_fp8_on_a_gpu_without_fp8_is_a_config_error_naming_schemes_that_work(mon
     from types import SimpleNamespace
 
     from autodeploy.config import QuantizeSettings
-    from autodeploy.transforms.quantize_linear import QuantizeLinear, QuantizeLinearConfig
+    from autodeploy.transforms import TransformConfig
+    from autodeploy.transforms.quantize_linear import QuantizeLinear
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
     context = SimpleNamespace(settings=SimpleNamespace(device="cuda", quantize=QuantizeSettings(layers={"*.mlp.*": "fp8"})),
                               model_factory=None)
     with pytest.raises(ConfigError, match=r"fp8 needs a GPU of compute capability 8.9.*8.0. Use int4_wo, .*int8_wo"):
-        QuantizeLinear(QuantizeLinearConfig()).validate(context)
+        QuantizeLinear(TransformConfig()).validate(context)
     context.settings.quantize = QuantizeSettings(default="int8_wo")
-    QuantizeLinear(QuantizeLinearConfig()).validate(context)  # weight-only schemes run anywhere
+    QuantizeLinear(TransformConfig()).validate(context)  # weight-only schemes run anywhere
 
 
 AWQ = {"default": "int4_awq", "int4_group_size": 32, "calibration": {"samples": 4, "seq_len": 64}}
