@@ -136,7 +136,7 @@ class CompileSettings:
 
 @dataclass
 class CalibrationSettings:
-    """The text the calibrated schemes (``int4_awq``, ``int4_gptq``) calibrate on (``autodeploy/models/calibration.py``):
+    """The text the calibrated schemes (``int4_awq``, ``int4_gptq``) calibrate on (``transforms/calibration.py``):
     ``builtin`` (Python standard-library modules) or a text / JSONL file; ``samples`` windows of ``seq_len`` tokens."""
 
     dataset: str = "builtin"
@@ -249,7 +249,7 @@ def _unknown_key_message(error: OmegaConfBaseException, where: str, options: Ite
 
 
 # Modules whose import registers the built-in transforms (the graph passes register with autodeploy.transforms).
-BUILT_IN_TRANSFORM_MODULES = ("autodeploy.transforms", "autodeploy.models.factory", "autodeploy.models.load_weights", "autodeploy.export")
+BUILT_IN_TRANSFORM_MODULES = ("autodeploy.transforms", "autodeploy.export")
 
 
 def register_built_in_transforms() -> None:

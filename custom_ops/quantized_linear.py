@@ -59,7 +59,7 @@ class QuantMethod(abc.ABC):
 
     def statistics(self, scheme: QuantScheme) -> frozenset[str]:
         """The calibration statistics of the layer's input that :meth:`quantize` takes (``mean_abs``,
-        ``mean_square``, ``max_abs``, ``weight_max_abs``, ``hessian``: ``models/calibration.py``); empty when
+        ``mean_square``, ``max_abs``, ``weight_max_abs``, ``hessian``: ``transforms/calibration.py``); empty when
         the scheme does not calibrate."""
         return frozenset()
 

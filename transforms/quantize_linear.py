@@ -25,7 +25,7 @@ tensors (meta for now) take its place, and ``context.quantized_weights`` records
 checkpoint weight each is computed from, so ``load_weights`` quantizes every weight as it streams in
 (no float copy of the model is ever whole). When a scheme calibrates (or the KV cache is fp8), the graph
 as this stage found it is kept in ``context.calibration_graph`` (a copy over the same meta
-parameters): calibration loads the float weights into it and runs it first (``models/calibration.py``). A weight read by any other node (tied to the embedding)
+parameters): calibration loads the float weights into it and runs it first (``transforms/calibration.py``). A weight read by any other node (tied to the embedding)
 stays in the model's dtype, as do MoE routers. MoE experts take ``quantize.experts`` (``int8_wo`` or
 ``int4_wo``, expert by expert: ``custom_ops/quantized_moe.py``), apart from the dense layers' rules; under
 expert parallelism (the shard stage ran first) a ``moe_expert_parallel`` node's experts are this rank's share,
@@ -279,7 +279,7 @@ def _routes_experts(node: fx.Node, depth: int = 4) -> bool:
 
 def _snapshot(module: GraphModule) -> GraphModule:
     """A copy of ``module``'s graph over the same (meta) parameters, which the rewrite below leaves in place for
-    it: calibration loads the checkpoint's weights into it and runs it (``models/calibration.py``)."""
+    it: calibration loads the checkpoint's weights into it and runs it (``transforms/calibration.py``)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(module.graph, {}))
     return GraphModule(module, graph)
@@ -358,7 +358,7 @@ class QuantizeLinear(Transform):
         if found is not None:
             rules = [(None, scheme) for _, scheme in found.rules]
         all_schemes = [scheme for scheme in [default, *(s for _, s in rules)] if scheme is not None]
-        if any(scheme.calibrated for scheme in all_schemes):  # calibration runs in load_weights (models/calibration.py)
+        if any(scheme.calibrated for scheme in all_schemes):  # calibration runs in load_weights (transforms/calibration.py)
             calibration = context.settings.quantize.calibration
             if context.settings.weights == "random":
                 raise uncalibrated_random_weights([s.name for s in all_schemes if s.calibrated])

@@ -242,8 +242,8 @@ def _routing_counts(module: GraphModule, context: TransformContext, moes: list[f
     and the tokens run: the graph as it stands (this rank's tensor-parallel slices, whole experts) with the
     checkpoint's weights, on every rank when tensor-parallel collectives are in it, else on the stage's first
     rank; that rank's counts are broadcast, so every rank places alike."""
-    from autodeploy.models.calibration import calibration_windows
-    from autodeploy.models.load_weights import float_graph
+    from autodeploy.transforms.calibration import calibration_windows
+    from autodeploy.transforms.load_weights import float_graph
 
     settings, factory = context.settings, context.model_factory
     layout = parallel_state.layout()

@@ -226,7 +226,7 @@ AWQ = {"default": "int4_awq", "int4_group_size": 32, "calibration": {"samples": 
 
 
 def test_an_awq_deploy_calibrates_once_then_reuses_the_cached_statistics(tiny_checkpoint, tmp_path, monkeypatch):
-    from autodeploy.models import calibration
+    from autodeploy.transforms import calibration
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     runs = []
@@ -251,7 +251,7 @@ def test_calibration_runs_the_canonical_graph_and_sees_what_the_models_projectio
                                                                                         monkeypatch):
     # The graph as the quantize stage finds it (after match: gated_mlp holds gate, up and down), with the
     # checkpoint's weights: each projection's input statistics equal what pre-hooks on the HF modules record.
-    from autodeploy.models import calibration
+    from autodeploy.transforms import calibration
     from tests.tiny_models import tiny_hf_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -376,7 +376,7 @@ def test_a_gptq_deploy_serves_int4_wo_ops_holding_its_rounding(tiny_checkpoint, 
 
 
 def test_statistics_past_the_cache_limit_are_recomputed_not_written(tiny_checkpoint, tmp_path, monkeypatch):
-    from autodeploy.models import calibration
+    from autodeploy.transforms import calibration
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(calibration, "CACHE_LIMIT_BYTES", 1024)  # the tiny model's Hessians are larger

@@ -16,7 +16,7 @@ Statistics of up to ``CACHE_LIMIT_BYTES`` (1 GiB) are cached on disk
 a second build does not run the model again; larger ones (a large model's Hessians) are recomputed.
 
 ```python
-from autodeploy.models.calibration import calibration_windows
+from autodeploy.transforms.calibration import calibration_windows
 windows = calibration_windows(tokenizer, "builtin", samples=4, seq_len=64)   # 4 lists of 64 token ids
 ```
 """

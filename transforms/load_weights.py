@@ -21,7 +21,7 @@ from tqdm import tqdm
 from autodeploy.custom_ops.quantized_linear import quantize_weight, share_head_smoothing, share_smoothing
 from autodeploy.errors import CheckpointError
 from autodeploy.export.causal_lm import GRAPH_PREFIX
-from autodeploy.models.calibration import calibrate, kv_cache_scales, kv_projections
+from autodeploy.transforms.calibration import calibrate, kv_cache_scales, kv_projections
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
 from autodeploy.transforms.shard_tensor_parallel import SHARDS
