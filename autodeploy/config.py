@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from autodeploy.custom_ops.parallel_state import RULE_KINDS
 from autodeploy.errors import ConfigError, error_summary
 from autodeploy.transforms.registry import STAGES, TransformConfig, registered_transforms
 
@@ -135,7 +136,7 @@ class CompileSettings:
 
 @dataclass
 class CalibrationSettings:
-    """The text the calibrated schemes (``int4_awq``, ``int4_gptq``) calibrate on (``autodeploy/models/calibration.py``):
+    """The text the calibrated schemes (``int4_awq``, ``int4_gptq``) calibrate on (``transforms/calibration.py``):
     ``builtin`` (Python standard-library modules) or a text / JSONL file; ``samples`` windows of ``seq_len`` tokens."""
 
     dataset: str = "builtin"
@@ -248,7 +249,7 @@ def _unknown_key_message(error: OmegaConfBaseException, where: str, options: Ite
 
 
 # Modules whose import registers the built-in transforms (the graph passes register with autodeploy.transforms).
-BUILT_IN_TRANSFORM_MODULES = ("autodeploy.transforms", "autodeploy.models.factory", "autodeploy.models.load_weights", "autodeploy.export")
+BUILT_IN_TRANSFORM_MODULES = ("autodeploy.transforms", "autodeploy.export")
 
 
 def register_built_in_transforms() -> None:
@@ -276,6 +277,8 @@ def validate_transform_entry(name: str, entry: Any) -> TransformConfig:
     except OmegaConfBaseException as error:
         fields = [f.name for f in dataclasses.fields(config_class)]
         raise ConfigError(_unknown_key_message(error, f"transforms.{name}", fields)) from error
+    if config.stage is None:
+        return dataclasses.replace(config, stage=registry[name].stage)
     if config.stage not in STAGES:
         raise ConfigError(f"transforms.{name}.stage is {config.stage!r}; stages are {', '.join(STAGES)}")
     return config
@@ -373,8 +376,6 @@ def _check_choices(settings: DictConfig) -> None:
                           f"{distributed.pipeline_schedule!r} and {distributed.pipeline_depth}")
     if distributed.expert_placement not in ("contiguous", "balanced"):
         raise ConfigError(f"distributed.expert_placement must be contiguous or balanced, got {distributed.expert_placement!r}")
-    from autodeploy.transforms.shard_tensor_parallel import RULE_KINDS
-
     unknown = {glob: kind for glob, kind in distributed.rules.items() if kind not in RULE_KINDS}
     if unknown:
         raise ConfigError(f"distributed.rules {unknown}: each rule's kind must be one of {', '.join(RULE_KINDS)}")

@@ -20,7 +20,8 @@ from torch import fx, nn
 from autodeploy.build_report import TransformRecord
 from autodeploy.config import transform_configs
 from autodeploy.errors import AutoDeployError, TransformError, error_summary
-from autodeploy.transforms.registry import STAGES, Transform, TransformContext, registered_transforms
+from autodeploy.transforms.registry import STAGES, Transform, TransformContext, TransformResult, registered_transforms
+from autodeploy.transforms.shape_propagation import propagate_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,25 @@ def op_histogram(module: nn.Module) -> dict[str, int]:
 
 def node_count(module: nn.Module) -> int | None:
     return len(module.graph.nodes) if isinstance(module, fx.GraphModule) else None
+
+
+def run_transform(transform: Transform, module: nn.Module, context: TransformContext) -> TransformResult:
+    """Apply one transform, then, when it changed a graph, the upkeep it declared at registration (dead-code
+    elimination, lint and recompile, shape propagation), so no pass ends with its own copy of that tail."""
+    result = transform.apply(module, context)
+    graph_module = result.module if result.module is not None else module
+    if not (result.changed and isinstance(graph_module, fx.GraphModule)):
+        return result
+    upkeep = transform.upkeep
+    if upkeep.dead_code:
+        graph_module.graph.eliminate_dead_code()
+    if upkeep.recompile:
+        graph_module.graph.lint()
+        graph_module.recompile()
+    if upkeep.shapes == "all" or (upkeep.shapes == "missing" and any(
+            "val" not in node.meta for node in graph_module.graph.nodes if node.op in ("call_function", "get_attr"))):
+        propagate_shapes(graph_module)
+    return result
 
 
 class Pipeline:
@@ -92,7 +112,7 @@ class Pipeline:
                 )
             began = time.perf_counter()
             try:
-                result = transform.apply(module, context)
+                result = run_transform(transform, module, context)
             except AutoDeployError:
                 raise
             except Exception as error:

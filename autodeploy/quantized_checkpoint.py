@@ -7,6 +7,9 @@ The pipeline runs up to and including ``load_weights`` (export on meta, match, q
 in and quantized). Each quantized layer is written as compressed-tensors stores its scheme; the tensors
 are packed and the config built with the ``compressed-tensors`` package:
 
+Each scheme says how (``QuantMethod.compressed_tensors_args`` and ``to_compressed_tensors`` in
+``custom_ops/quantization/``):
+
 | our scheme | compressed-tensors group | tensors |
 |---|---|---|
 | ``fp8`` | float-quantized; weights fp8 per channel or tensor; input activations fp8, dynamic per token or static per tensor | ``weight`` (float8_e4m3fn), ``weight_scale`` (and ``input_scale`` when static) |
@@ -50,10 +53,11 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
     """Quantize ``model``'s checkpoint as the ``quantize`` settings say and write it to ``out`` (a new or
     empty folder). Returns ``out``."""
     from autodeploy.api import deployment_settings
+    from autodeploy.custom_ops.quantized_linear import QuantScheme, scheme_names
     from autodeploy.models.factory import config_dtype
     from autodeploy.models.prequantized import require_compressed_tensors
     from autodeploy.pipeline import Pipeline
-    from autodeploy.transforms.quantize_linear import STATE_KEY, parse_plan
+    from autodeploy.transforms.quantize_linear import parse_plan
     from autodeploy.transforms.registry import TransformContext
 
     require_compressed_tensors()
@@ -66,17 +70,18 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
     if factory.prequantized is not None:
         raise ConfigError(f"{factory.source.name} is already quantized ({factory.prequantized.method}); quantize its float checkpoint")
     default, rules = parse_plan(settings.quantize)
-    schemes = {scheme.name for scheme in [default, *(scheme for _, scheme in rules)] if scheme is not None}
+    schemes = {scheme for scheme in [default, *(scheme for _, scheme in rules)] if scheme is not None}
     if settings.quantize.experts != "none":
         raise ConfigError("quantized MoE experts are not written to compressed-tensors yet; set quantize.experts: none "
                           "(the dense layers are written as their schemes say)")
     if settings.quantize.embedding != "none":
         raise ConfigError("an int8 embedding table has no compressed-tensors form (the format quantizes linear layers); "
                           "set quantize.embedding: none here, and quantize.embedding: int8 when deploying the written checkpoint")
-    smoothed = sorted(schemes & {"int4_awq", "smoothquant"})
-    if smoothed:
-        raise ConfigError(f"{' and '.join(smoothed)} keep a per-input smoothing that compressed-tensors has no field for; "
-                          f"write int4_gptq, int4_wo, int8_wo or fp8 instead")
+    unwritable = sorted({s.name for s in schemes if s.method.compressed_tensors_args(s) is None})
+    if unwritable:  # int4_awq and smoothquant: compressed-tensors has no field for their per-input smoothing
+        writable = [name for name in scheme_names() if QuantScheme(name).method.compressed_tensors_args(QuantScheme(name))]
+        raise ConfigError(f"{' and '.join(unwritable)} store tensors that compressed-tensors has no field for; write "
+                          f"{', '.join(writable)} instead")
     nothing = ("the quantize settings quantize no layer (quantize.default is none and no quantize.layers rule names a "
                "scheme that matches one); nothing to write")
     if not schemes:
@@ -84,14 +89,15 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
     pipeline = Pipeline.from_settings(settings)
     context = TransformContext(settings=settings, model_factory=factory)
     graph = pipeline.run(context, stop=pipeline.first_index_of_stage("fuse"))
-    records = context.state.get(STATE_KEY) or {}
+    records = context.quantized_weights
     if not records:
         raise ConfigError(nothing)
     tensors = _float_tensors(graph, records, factory.meta_model, config_dtype(factory.hf_config))
     groups: dict[tuple, list[str]] = {}
     for record in records.values():
         stored = {role: graph.get_parameter(target).detach().cpu() for role, target in record.targets.items()}
-        tensors.update(_compressed(record.path, record.scheme, stored))
+        tensors.update({f"{record.path}.{leaf}": tensor
+                        for leaf, tensor in record.scheme.method.to_compressed_tensors(record.scheme, stored).items()})
         groups.setdefault(_group_key(record.scheme), []).append(record.path)
     hf_config = factory.hf_config.to_dict()
     hf_config["quantization_config"] = _quantization_config(groups)
@@ -104,7 +110,7 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
         if (factory.source.directory / "generation_config.json").is_file():
             shutil.copy2(factory.source.directory / "generation_config.json", folder / "generation_config.json")
     logger.info("wrote %s: %d quantized layers (%s)", out, len(records),
-                ", ".join(f"{len(paths)} {key[0]}" for key, paths in groups.items()))
+                ", ".join(f"{len(paths)} {fmt}" for (fmt, *_), paths in groups.items()))
     return out
 
 
@@ -161,49 +167,22 @@ def _moved_into_place_when_complete(out: Path) -> Iterator[Path]:
         raise
 
 
-def _group_key(scheme) -> tuple:
-    return (scheme.name if scheme.name != "int4_gptq" else "int4_wo", scheme.group_size, scheme.per_channel,
-            scheme.static_activations)
+def _group_key(scheme) -> tuple[str, str, str]:
+    """The compressed-tensors group a layer of ``scheme`` is written in: its format and its weights' and input
+    activations' arguments (as JSON, so layers of equal arguments share a group: int4_gptq's with int4_wo's)."""
+    weights, inputs, fmt = scheme.method.compressed_tensors_args(scheme)
+    return fmt, weights.model_dump_json(), "" if inputs is None else inputs.model_dump_json()
 
 
-def _compressed(path: str, scheme, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors compressed-tensors stores for one layer, from our layout."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    from autodeploy.custom_ops.quantized_linear import unpack_int4
-
-    qweight, scale = stored["qweight"], stored["scale"].to(torch.float32)
-    if scheme.name == "fp8":
-        static = {f"{path}.input_scale": stored["input_scale"].to(torch.float32).reshape(1)} if scheme.static_activations else {}
-        return {f"{path}.weight": qweight, f"{path}.weight_scale": scale.reshape(-1, 1) if scheme.per_channel else scale.reshape(1),
-                **static}
-    if scheme.name == "int8_wo":
-        return {f"{path}.weight_packed": pack_to_int32(qweight, 8), f"{path}.weight_scale": scale.reshape(-1, 1),
-                f"{path}.weight_shape": torch.tensor(list(qweight.shape))}
-    signed = (unpack_int4(qweight).to(torch.int16) - 8).to(torch.int8)  # compressed-tensors' int4 range is [-8, 7]
-    zero_point = (stored["zero"].to(torch.int16) - 8).to(torch.int8)
-    return {f"{path}.weight_packed": pack_to_int32(signed, 4), f"{path}.weight_scale": scale,
-            f"{path}.weight_zero_point": pack_to_int32(zero_point, 4, packed_dim=0),
-            f"{path}.weight_shape": torch.tensor(list(signed.shape))}
-
-
-def _quantization_config(groups: dict[tuple, list[str]]) -> dict:
+def _quantization_config(groups: dict[tuple[str, str, str], list[str]]) -> dict:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     schemes, formats = {}, set()
-    for index, ((name, group_size, per_channel, static), paths) in enumerate(sorted(groups.items())):
-        if name == "fp8":
-            weights = QuantizationArgs(num_bits=8, type="float", strategy="channel" if per_channel else "tensor", symmetric=True)
-            inputs = QuantizationArgs(num_bits=8, type="float", strategy="tensor" if static else "token", symmetric=True,
-                                      dynamic=not static)
-            fmt = "float-quantized"
-        elif name == "int8_wo":
-            weights, inputs, fmt = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True), None, "pack-quantized"
-        else:
-            weights = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=False)
-            inputs, fmt = None, "pack-quantized"
+    for index, ((fmt, weights, inputs), paths) in enumerate(sorted(groups.items())):
         formats.add(fmt)
-        schemes[f"group_{index}"] = QuantizationScheme(targets=sorted(paths), weights=weights, input_activations=inputs, format=fmt)
+        schemes[f"group_{index}"] = QuantizationScheme(
+            targets=sorted(paths), weights=QuantizationArgs.model_validate_json(weights),
+            input_activations=QuantizationArgs.model_validate_json(inputs) if inputs else None, format=fmt)
     config = QuantizationConfig(config_groups=schemes, format=formats.pop() if len(formats) == 1 else "mixed-precision",
                                 quantization_status="compressed")
     return config.model_dump(mode="json", exclude_none=True)

@@ -42,15 +42,13 @@ from autodeploy.build_report import VerificationReport
 from autodeploy.custom_ops.serving_signature import ServingSignature
 from autodeploy.deployment import MODEL, Deployment
 from autodeploy.errors import UnsupportedModelError
+from autodeploy.export.causal_lm import GRAPH_PREFIX
 from autodeploy.models.factory import ModelFactory
-from autodeploy.models.load_weights import GRAPH_PREFIX
 from autodeploy.models.twin import routes_tokens, twin_config
 from autodeploy.pipeline import Pipeline
 from autodeploy.runtime.engine import Engine
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import build_step_inputs
-from autodeploy.transforms.fold_smoothing import FOLDED
-from autodeploy.transforms.fuse_gemms import MOVED
 from autodeploy.transforms.registry import TransformContext
 
 logger = logging.getLogger(__name__)
@@ -199,7 +197,8 @@ class _Recorder(fx.Interpreter):
 
 def _module_paths(node: fx.Node) -> set[str]:
     # Export records paths under the CausalLMLogits wrapper's attribute ``model``; HF names them without it.
-    return {path.removeprefix("model.") for path, _ in node.meta.get("nn_module_stack", {}).values() if path.startswith("model.")}
+    return {path.removeprefix(GRAPH_PREFIX) for path, _ in node.meta.get("nn_module_stack", {}).values()
+            if path.startswith(GRAPH_PREFIX)}
 
 
 def module_output_nodes(graph: fx.Graph) -> dict[str, list[fx.Node]]:
@@ -274,8 +273,11 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         prefix_began = time.perf_counter()
         prefix = pipeline.run(context, dump_dir=dump_dir, stop=weights_at)
         began += time.perf_counter() - prefix_began  # the real build's share, not verification's
-        twin_context = TransformContext(twin_settings, dataclasses.replace(factory, tensors=tensors), context.graph_inputs,
-                                        context.kv_caches, state=dict(context.state))
+        # What the stages before load_weights handed on; the twin's own passes fill the rest of its context.
+        twin_context = TransformContext(
+            twin_settings, dataclasses.replace(factory, tensors=tensors), context.graph_inputs, context.kv_caches,
+            quantized_weights=context.quantized_weights, smoothing_groups=context.smoothing_groups,
+            head_smoothing=context.head_smoothing, calibration_graph=context.calibration_graph)
         twin_graph = twin_pipeline.run(twin_context, _copied_graph(prefix), start=weights_at)
         match_notes = _match_notes(pipeline.records)
     else:
@@ -283,9 +285,8 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         twin_context = TransformContext(settings=twin_settings, model_factory=twin_factory)
         twin_graph = twin_pipeline.run(twin_context)
         match_notes = _match_notes(twin_pipeline.records)
-    quantized = twin_context.state.get("quantized_weights") or {}
-    rounding = _quantize_like_the_deploy(reference, quantized, twin_graph, twin_context.state.get(MOVED) or {},
-                                         twin_context.state.get(FOLDED) or {})
+    rounding = _quantize_like_the_deploy(reference, twin_context.quantized_weights, twin_graph,
+                                         twin_context.concatenated_parameters, twin_context.folded_smoothing)
     if settings.quantize.kv_cache == "fp8":
         rounding = rounding or _ActivationRounding()
         if not _round_keys_and_values(reference, rounding, twin_context.kv_cache_scales):
@@ -342,10 +343,11 @@ def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.G
                       for role, target in record.targets.items()}
         with torch.no_grad():
             parameter.data = dequantize_weight(record.scheme, stored, torch.float32).to(parameter.dtype)
-        if record.scheme.name in ("fp8", "smoothquant"):
+        round_input = record.scheme.method.round_input(record.scheme, stored)
+        if round_input is not None:  # the scheme's op rounds its input too (fp8, smoothquant)
             owner = reference.get_submodule(name.rpartition(".")[0])
             rounding = rounding or _ActivationRounding()
-            owner.register_forward_pre_hook(rounding.hook(record.scheme.name, stored))
+            owner.register_forward_pre_hook(rounding.hook(round_input))
     return rounding
 
 
@@ -359,23 +361,16 @@ class _ActivationRounding:
     def __init__(self):
         self.kinds: set[str] = set()  # what is rounded: "activations", "KV cache"
 
-    def hook(self, scheme: str, stored: dict[str, torch.Tensor]):
-        """The pre-hook of one layer: ``smoothquant`` rounds ``x · smooth`` to int8, ``fp8`` to e4m3 with a scale
-        per token or the layer's static ``input_scale``."""
-        from autodeploy.custom_ops.quantized_linear import fake_quantize_activations_fp8, fake_quantize_activations_int8
-
+    def hook(self, round_input):
+        """The pre-hook of one layer whose op rounds its input as ``round_input`` does (its scheme's
+        ``QuantMethod.round_input``: ``smoothquant`` rounds ``x · smooth`` to int8, ``fp8`` to e4m3 with a scale
+        per token or the layer's static ``input_scale``)."""
         self.kinds.add("activations")
 
-        def round_input(module, args):
-            if not self.enabled:
-                return None
-            if scheme == "smoothquant":
-                rounded = fake_quantize_activations_int8(args[0], stored["smooth"])
-            else:
-                rounded = fake_quantize_activations_fp8(args[0], stored.get("input_scale"))
-            return (rounded, *args[1:])
+        def pre_hook(module, args):
+            return (round_input(args[0]), *args[1:]) if self.enabled else None
 
-        return round_input
+        return pre_hook
 
     def output_hook(self, dtype: torch.dtype, scale: float):
         """A forward hook that rounds a module's output as a KV cache of ``dtype`` with ``scale`` stores it."""

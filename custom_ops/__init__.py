@@ -23,6 +23,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     moe,
     moe_expert_parallel,
     pipeline_ops,
+    quantization,
     quantized_embedding,
     quantized_linear,
     quantized_moe,

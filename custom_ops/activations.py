@@ -1,4 +1,5 @@
-"""The activation functions canonical MLP and MoE ops accept, by name."""
+"""The activation functions canonical MLP and MoE ops accept, by name: the one table that ops, kernels, patterns
+and passes read."""
 
 from collections.abc import Callable
 
@@ -10,6 +11,15 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,  # the exact, erf-based GELU
     "relu": F.relu,
+}
+
+# The aten op (and keyword arguments) each activation is in an exported graph: what the MoE pattern reads back
+# to a name, and what the quantize stage writes when it splits an MLP into its projections.
+ATEN_ACTIVATIONS: dict[str, tuple[torch._ops.OpOverload, dict]] = {
+    "silu": (torch.ops.aten.silu.default, {}),
+    "gelu_tanh": (torch.ops.aten.gelu.default, {"approximate": "tanh"}),
+    "gelu": (torch.ops.aten.gelu.default, {}),
+    "relu": (torch.ops.aten.relu.default, {}),
 }
 
 

@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from .add_rms_norm import add_rms_norm_reference
+from . import quantization  # noqa: F401  (registers the fp8 scheme that QuantScheme("fp8") names below)
 from .compute_dtype import compute_dtype
 from .gated_activation import gated_activation_reference
 from .quantized_linear import (
     QuantScheme,
-    _check_linear,
+    check_linear,
     dequantize_weight,
     quantize_activations_fp8,
     quantize_weight,
@@ -84,7 +85,7 @@ def fp8_prequantized_linear_reference(
     [..., 1]`` float32): ``F.linear(x_q · x_scale, qweight · scale, bias)`` computed in float32 (float64
     for a float64 ``dtype``), returned ``[..., N]`` in ``dtype``, the dtype of the activations before they
     were rounded. Equal to ``fp8_linear(x, ...)`` when ``(x_q, x_scale) = quantize_activations_fp8(x)``."""
-    _check_linear("fp8_prequantized_linear", x_q, qweight.shape[0], qweight.shape[1], bias)
+    check_linear("fp8_prequantized_linear", x_q, qweight.shape[0], qweight.shape[1], bias)
     if x_q.dtype != torch.float8_e4m3fn or x_scale.shape != (*x_q.shape[:-1], 1):
         raise ValueError(f"fp8_prequantized_linear: x_q must be float8_e4m3fn [..., K] and x_scale [..., 1]; got "
                          f"x_q {tuple(x_q.shape)} {x_q.dtype}, x_scale {tuple(x_scale.shape)}.")

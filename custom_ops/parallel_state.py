@@ -18,6 +18,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+# How a linear layer lies over a stage's tensor-parallel ranks: the values of ``distributed.rules``, which the
+# settings check when they load and transforms/shard_tensor_parallel.py applies.
+RULE_KINDS = ("colwise", "rowwise", "replicate")
+
 
 @dataclass(frozen=True)
 class Layout:

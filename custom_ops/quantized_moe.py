@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from . import quantization  # noqa: F401  (registers the int8_wo and int4_wo schemes named below)
 from .moe import moe_reference, moe_torch, _moe_torch_supports
 from .moe_expert_parallel import moe_expert_parallel_reference
 from .quantized_linear import QuantScheme, dequantize_weight, quantize_weight
@@ -80,7 +81,6 @@ moe_int4_wo = register_op(
     example_inputs=(*_EXAMPLE, _INT4_UP["qweight"], _INT4_UP["scale"], _INT4_UP["zero"], _INT4_DOWN["qweight"],
                     _INT4_DOWN["scale"], _INT4_DOWN["zero"], 2),
 )
-OPS = {"int8_wo": torch.ops.autodeploy.moe_int8_wo.default, "int4_wo": torch.ops.autodeploy.moe_int4_wo.default}
 
 
 def moe_expert_parallel_int8_wo_reference(
@@ -117,8 +117,6 @@ moe_expert_parallel_int4_wo = register_op(
     example_inputs=(*_EXAMPLE, _INT4_UP["qweight"], _INT4_UP["scale"], _INT4_UP["zero"], _INT4_DOWN["qweight"],
                     _INT4_DOWN["scale"], _INT4_DOWN["zero"], _ORDER, 2),
 )
-EXPERT_PARALLEL_OPS = {"int8_wo": torch.ops.autodeploy.moe_expert_parallel_int8_wo.default,
-                       "int4_wo": torch.ops.autodeploy.moe_expert_parallel_int4_wo.default}
 
 
 def moe_int8_wo_torch(x, router_logits, gate_up_qweight, gate_up_scale, down_qweight, down_scale, top_k, scoring="softmax",

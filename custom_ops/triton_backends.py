@@ -29,14 +29,14 @@ from typing import Optional
 
 import torch
 
-from . import add_rms_norm, fp8_activations, fused_gated_mlp, gated_activation, gated_mlp, layer_norm, linear, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from . import add_rms_norm, fp8_activations, fused_gated_mlp, gated_activation, gated_mlp, layer_norm, linear, quantization, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
+from .activations import ACTIVATIONS
 from .registry import register_backend
 from .triton import triton_unavailable
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NORM_MAX_HIDDEN = 32768  # norms.MAX_HIDDEN: a whole row is one tile
 _ROPE_MAX_HEAD_DIM = 1024  # rope.MAX_HEAD_DIM
-_GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")  # gated_activation.ACTIVATIONS
 _SKINNY_DTYPES = (torch.float16, torch.bfloat16)  # skinny_gemm.DTYPES
 
 
@@ -115,8 +115,8 @@ def _gated_mlp_triton(x, gate_weight, up_weight, down_weight, activation):
 
 
 def _unsupported_activation(activation: str) -> Optional[str]:
-    if activation not in _GATED_ACTIVATIONS:
-        return f"activations {', '.join(_GATED_ACTIVATIONS)} only (got {activation!r})"
+    if activation not in ACTIVATIONS:
+        return f"activations {', '.join(ACTIVATIONS)} only (got {activation!r})"
     return None
 
 
@@ -278,11 +278,11 @@ def _fp8_prequantized_linear_supports(x_q, x_scale, qweight, scale, bias, dtype,
 
 
 def _fp8_scaled_mm_supports(x, qweight, scale, bias, *, device):
-    # the Triton row quantizer's limits, then torch._scaled_mm's (quantized_linear's torch backend)
+    # the Triton row quantizer's limits, then torch._scaled_mm's (fp8_linear's torch backend)
     reason = _fp8_supports(x, qweight, scale, bias, device=device)
     if reason is not True:
         return reason
-    return quantized_linear._fp8_scaled_mm_supports(x, qweight, scale, bias, device=device)
+    return quantized_linear.scaled_mm_supports(x.dtype, qweight, bias, device)
 
 
 def _fp8_supports(x, qweight, scale, bias, *, device):

@@ -64,18 +64,16 @@ from dataclasses import dataclass, field
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.attention)
-from autodeploy.patterns.graph_walk import NoMatch, call_arguments, is_call, node_value, require
+from autodeploy.patterns.graph_walk import (DTYPE_CASTS, VIEWS, NoMatch, call_arguments, is_call, node_value, require,
+                                           same_size)
 from autodeploy.patterns.registry import register_rewrite
 
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack")
 _HIDING_FILL = -1e4
@@ -83,10 +81,6 @@ _HIDING_FILL = -1e4
 _MASK_PROBE_LIMIT = 8192
 
 
-
-
-def _same(a, b) -> bool:
-    return statically_known_true(a == b)
 
 
 # ---------------------------------------------------------------------------------------- the mask
@@ -271,7 +265,7 @@ class _Walk:
 
     def skip_casts(self, node):
         """Step over floating-point casts: the op fixes its own compute (float32) and output dtypes."""
-        while is_call(node, _CASTS):
+        while is_call(node, DTYPE_CASTS):
             require(node_value(node).is_floating_point(), f"{node} is not a float cast")
             self.nodes.add(node)
             node = node.args[0]
@@ -287,9 +281,9 @@ class _Walk:
             require(node_value(node).dim() == 4 and arguments["dim"] in (1, -3), f"{node} does not repeat heads")
             require(isinstance(arguments["repeats"], int), f"{node} repeats by a tensor")
             return arguments["input"]
-        if not (is_call(node, _VIEWS) and is_call(node.args[0], {aten.expand.default})):
+        if not (is_call(node, VIEWS) and is_call(node.args[0], {aten.expand.default})):
             return node
-        expanded = self.step(node, _VIEWS, "a view")["input"]
+        expanded = self.step(node, VIEWS, "a view")["input"]
         unsqueezed = self.step(expanded, {aten.expand.default}, "an expand")["input"]
         unsqueeze = self.step(unsqueezed, {aten.unsqueeze.default}, "an unsqueeze")
         source = unsqueeze["input"]
@@ -297,8 +291,8 @@ class _Walk:
         require(len(src) == 4 and len(wide) == 5 and len(out) == 4 and unsqueeze["dim"] in (2, -3),
                  f"{node} is not repeat_kv")
         kept = (wide[0], wide[1], wide[3], wide[4])
-        require(all(_same(a, b) for a, b in zip(kept, src)), f"{expanded} does not only widen the new dim 2")
-        require(all(_same(a, b) for a, b in zip(out, (src[0], src[1] * wide[2], src[2], src[3]))),
+        require(all(same_size(a, b) for a, b in zip(kept, src)), f"{expanded} does not only widen the new dim 2")
+        require(all(same_size(a, b) for a, b in zip(out, (src[0], src[1] * wide[2], src[2], src[3]))),
                  f"{node} does not merge the repeated heads")
         return source
 
@@ -318,11 +312,11 @@ class _Walk:
         if k_layout == "bshd":
             key = (key[0], key[2], key[1], key[3])
         require(len(query) == len(key) == len(value) == 4, "q, k and v are not [B, H, S, D]")
-        require(all(_same(a, b) for a, b in zip(key[:3], value[:3])), "k and v differ in batch, heads or length")
-        require(_same(query[0], key[0]) and _same(query[2], key[2]), "q and k differ in batch or length")
+        require(all(same_size(a, b) for a, b in zip(key[:3], value[:3])), "k and v differ in batch, heads or length")
+        require(same_size(query[0], key[0]) and same_size(query[2], key[2]), "q and k differ in batch or length")
         require(isinstance(query[1], int) and isinstance(key[1], int) and query[1] % key[1] == 0,
                  "query heads are not a multiple of kv heads")
-        require(_same(query[3], key[3]), "q and k have different head dims")
+        require(same_size(query[3], key[3]), "q and k have different head dims")
         # Every recorded step but the output must feed only other steps, or removing it changes another value.
         require(all(set(n.users) <= self.nodes for n in self.nodes - {output}),
                  "an intermediate value is also used outside the attention")
@@ -387,10 +381,10 @@ def _match_logits(walk: _Walk, node) -> tuple[Node, Node, float, float | None, s
 def _match_sinks(walk: _Walk, node, heads: int) -> Node:
     """``expand(reshape(sinks[H], [1, -1, 1, 1]), [B, -1, S, -1])`` → the sinks tensor."""
     viewed = walk.step(node, {aten.expand.default}, "an expand of the sinks")["input"]
-    sinks = walk.step(viewed, _VIEWS, "a view of the sinks")["input"]
+    sinks = walk.step(viewed, VIEWS, "a view of the sinks")["input"]
     shape = node_value(viewed).shape
-    require(node_value(sinks).dim() == 1 and len(shape) == 4 and _same(shape[1], heads)
-             and all(_same(size, 1) for size in (shape[0], shape[2], shape[3])), f"{sinks} is not one sink per head")
+    require(node_value(sinks).dim() == 1 and len(shape) == 4 and same_size(shape[1], heads)
+             and all(same_size(size, 1) for size in (shape[0], shape[2], shape[3])), f"{sinks} is not one sink per head")
     return sinks
 
 
@@ -487,9 +481,9 @@ def _match_lse_sinks(gm: GraphModule, node: Node, windows: dict) -> AttentionMat
     difference = walk.step(walk.skip_casts(sigmoid["input"]), {aten.sub.Tensor}, "logsumexp - sinks")
     lse = walk.step(difference["input"], {aten.logsumexp.default}, "logsumexp")
     require(list(lse["dim"]) in ([-1], [3]) and not lse["keepdim"], f"{difference['input']} is not a logsumexp over keys")
-    sinks = walk.step(difference["other"], _VIEWS, "a view of the sinks")["input"]
+    sinks = walk.step(difference["other"], VIEWS, "a view of the sinks")["input"]
     heads = node_value(lse["input"]).shape[1]
-    require(isinstance(sinks, Node) and node_value(sinks).dim() == 1 and _same(node_value(sinks).shape[0], heads),
+    require(isinstance(sinks, Node) and node_value(sinks).dim() == 1 and same_size(node_value(sinks).shape[0], heads),
             f"{sinks} is not one sink per head")
     return _match_eager(gm, out, windows, lse_sinks=(walk, node, sinks, lse["input"]))
 
@@ -505,7 +499,7 @@ def _match_alibi_bmm(gm: GraphModule, node: Node, windows: dict) -> AttentionMat
     walk = _Walk(gm, windows)
     product = walk.step(node, {aten.bmm.default}, "probs @ v")
     v = _unflattened_heads(walk, product["mat2"])
-    probs = walk.step(product["input"], _VIEWS, "a view of the probabilities")["input"]
+    probs = walk.step(product["input"], VIEWS, "a view of the probabilities")["input"]
     if is_call(probs, {aten.dropout.default}):
         dropout = walk.step(probs, {aten.dropout.default}, "dropout")
         require(dropout["p"] == 0.0 or dropout["train"] is False, f"{probs} drops attention weights")
@@ -515,7 +509,7 @@ def _match_alibi_bmm(gm: GraphModule, node: Node, windows: dict) -> AttentionMat
     require(node_value(probs).dim() == 4 and softmax["dim"] % 4 == 3, f"{probs} is not a softmax over keys")
     addition = walk.step(walk.skip_casts(softmax["input"]), {aten.add.Tensor}, "logits + mask")
     require(addition["alpha"] == 1 and isinstance(addition["other"], Node), f"{addition} adds no mask")
-    scores = walk.step(addition["input"], _VIEWS, "a view of the logits")["input"]
+    scores = walk.step(addition["input"], VIEWS, "a view of the logits")["input"]
     biased = walk.step(scores, {aten.baddbmm.default}, "alibi + scale · q @ kᵀ")
     require(biased["beta"] == 1 and _number(biased["alpha"]) is not None, f"{scores} scales its bias")
     q = _unflattened_heads(walk, biased["batch1"])
@@ -533,10 +527,10 @@ def _match_alibi_bmm(gm: GraphModule, node: Node, windows: dict) -> AttentionMat
 
 def _unflattened_heads(walk: _Walk, node: Node) -> Node:
     """``reshape(x [B, H, S, D], [B·H, S, D])`` → x."""
-    source = walk.step(node, _VIEWS, "a [B·H, S, D] view")["input"]
+    source = walk.step(node, VIEWS, "a [B·H, S, D] view")["input"]
     shape, flat = node_value(source).shape, node_value(node).shape
-    require(len(shape) == 4 and len(flat) == 3 and _same(flat[0], shape[0] * shape[1])
-            and _same(flat[1], shape[2]) and _same(flat[2], shape[3]), f"{node} does not merge batch and heads")
+    require(len(shape) == 4 and len(flat) == 3 and same_size(flat[0], shape[0] * shape[1])
+            and same_size(flat[1], shape[2]) and same_size(flat[2], shape[3]), f"{node} does not merge batch and heads")
     return source
 
 

@@ -1,9 +1,20 @@
-"""Helpers for rewrites that walk the graph (``register_rewrite``): reject a candidate with a reason."""
+"""Helpers for rewrites that walk the graph (``register_rewrite``): reject a candidate with a reason; and the
+tables of aten ops that walks step through, in one place for every pattern and pass that reads them."""
 
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
+
+aten = torch.ops.aten
+
+# ``Tensor.to`` as a model writes it: a cast that may change nothing (cleanup_noop and traced searches drop those).
+TO_CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten.to.device})
+# Ops that change a tensor's dtype and nothing else it holds: HF's upcasts around softmax and the MoE router,
+# which the attention and MoE walks step through.
+DTYPE_CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default})
+# Reshapes of a whole tensor (no expand: that one repeats values).
+VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 
 
 class NoMatch(Exception):
@@ -22,9 +33,19 @@ def node_value(node) -> torch.Tensor:
     return value
 
 
+def same_size(a, b) -> bool:
+    """Equal sizes for every value of the dynamic dims (symbolic sizes compared without adding guards)."""
+    return statically_known_true(a == b)
+
+
+def same_sizes(a, b) -> bool:
+    """Equal-length size lists (shapes, strides) equal position by position, as ``same_size`` compares them."""
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
 def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shapes for every value of the dynamic dims (symbolic sizes compared without adding guards)."""
-    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+    """Equal shapes for every value of the dynamic dims."""
+    return same_sizes(a.shape, b.shape)
 
 
 def is_call(node, targets) -> bool:

@@ -22,14 +22,9 @@ from torch._inductor.pattern_matcher import Match
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.*)
+from autodeploy.custom_ops.activations import ACTIVATIONS
 from autodeploy.patterns.registry import register_pattern
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 def _returns_x_shape(match: Match) -> bool:

@@ -50,19 +50,16 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.moe)
-from autodeploy.patterns.graph_walk import NoMatch, call_arguments, is_call, node_value, require
+from autodeploy.custom_ops.activations import ATEN_ACTIVATIONS
+from autodeploy.patterns.graph_walk import DTYPE_CASTS, VIEWS, NoMatch, call_arguments, is_call, node_value, require
 from autodeploy.patterns.registry import register_rewrite
 
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _DIVIDE = {aten.div_.Tensor, aten.div.Tensor}
-_SIMPLE_ACTIVATIONS = {aten.silu.default: "silu", aten.relu.default: "relu"}
-_GELU_APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
 @dataclass
@@ -99,7 +96,7 @@ class _BlockWalk:
 
     def skip_casts(self, node: Node) -> Node:
         """Step over casts between floating dtypes: the op fixes its own compute and output dtypes."""
-        while is_call(node, _CASTS):
+        while is_call(node, DTYPE_CASTS):
             source, result = node_value(node.args[0]), node_value(node)
             require(source.is_floating_point() and result.is_floating_point(), f"{node} is not a float cast")
             require(source.device == result.device, f"{node} moves between devices")
@@ -115,7 +112,7 @@ class _BlockWalk:
 
     def flattened(self, node, rank: int) -> Node:
         """``node`` is a view or reshape of ``source`` with ``rank`` dims; returns the source."""
-        arguments = self.step(node, _VIEWS, "a view")
+        arguments = self.step(node, VIEWS, "a view")
         require(node_value(node).dim() == rank, f"{node} has rank {node_value(node).dim()}, not {rank}")
         return arguments["input"]
 
@@ -151,12 +148,12 @@ class _BlockWalk:
 def _activation_name(node: Node, walk: _BlockWalk) -> tuple[str, Node]:
     """The canonical name of an activation node and its input."""
     require(isinstance(node, Node) and node.op == "call_function", f"{node} is not an activation")
-    if node.target in _SIMPLE_ACTIVATIONS:
-        arguments = walk.step(node, set(_SIMPLE_ACTIVATIONS), "an activation")
-        return _SIMPLE_ACTIVATIONS[node.target], arguments["input"]
-    arguments = walk.step(node, {aten.gelu.default}, "an activation")
-    require(arguments["approximate"] in _GELU_APPROXIMATIONS, f"{node} is an unknown GELU approximation")
-    return _GELU_APPROXIMATIONS[arguments["approximate"]], arguments["input"]
+    arguments = walk.step(node, {op for op, _ in ATEN_ACTIVATIONS.values()}, "an activation")
+    approximate = arguments.get("approximate", "none")  # tells GELU's two kinds apart
+    names = [name for name, (op, options) in ATEN_ACTIVATIONS.items()
+             if op is node.target and options.get("approximate", "none") == approximate]
+    require(bool(names), f"{node} is an unknown GELU approximation")
+    return names[0], arguments["input"]
 
 
 def _gated_activation(node: Node, walk: _BlockWalk) -> tuple[str, Node]:
@@ -250,7 +247,7 @@ def _walk_block(anchor: Node) -> MoeBlock:
         users = list(anchor.users)
         require(len(users) == 1, f"{anchor} is read by more than its cast back to the tokens' dtype")
         output = users[0]
-        walk.step(output, _CASTS, "a cast of the sum back to the tokens' dtype")
+        walk.step(output, DTYPE_CASTS, "a cast of the sum back to the tokens' dtype")
         require(node_value(output).dtype == node_value(x).dtype, f"{output} does not cast back to the tokens' dtype")
     inner = walk.nodes - {x, router_logits, gate_up_weight, down_weight}
     escaping = [node for node in inner - {output} if any(user not in inner for user in node.users)]

@@ -56,11 +56,10 @@ from torch.fx.operator_schemas import normalize_function
 from torch.utils import _pytree as pytree
 
 from autodeploy.errors import AutoDeployError, ConfigError
+from autodeploy.patterns.graph_walk import TO_CASTS
 
 # Application order. MoE before MLP: an expert's feed-forward must not be taken for a dense MLP.
 FAMILIES: tuple[str, ...] = ("rope", "attention", "norm", "moe", "mlp")
-
-_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device}
 
 
 class PatternRegistrationError(AutoDeployError):
@@ -95,7 +94,7 @@ def trace_export_ir(fn: Callable, args: Sequence[Any]) -> GraphModule:
 
 def _drop_identity_casts(graph: Graph) -> None:
     """Casts to the dtype and device a tensor already has, as ``cleanup_noop`` removes them from models."""
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _CASTS]:
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in TO_CASTS]:
         source, result = node.args[0].meta.get("val"), node.meta.get("val")
         normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
         if normalized is None or normalized.kwargs.get("copy") or source is None or result is None:

@@ -38,13 +38,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.rope)
+from autodeploy.patterns.graph_walk import same_size
 from autodeploy.patterns.registry import register_pattern, register_rewrite
 
 aten = torch.ops.aten
-
-
-def _same(a, b) -> bool:
-    return statically_known_true(a == b)
 
 
 def _angles_fit(match: Match) -> bool:
@@ -52,10 +49,10 @@ def _angles_fit(match: Match) -> bool:
     x, cos, sin = (match.kwargs[name].meta["val"] for name in ("x", "cos", "sin"))
     return (
         x.dim() == cos.dim() == sin.dim() == 4
-        and all(_same(a, b) for a, b in zip(cos.shape, sin.shape))
-        and _same(cos.shape[1], 1)
-        and _same(cos.shape[2], x.shape[2])
-        and (_same(cos.shape[0], 1) or _same(cos.shape[0], x.shape[0]))
+        and all(same_size(a, b) for a, b in zip(cos.shape, sin.shape))
+        and same_size(cos.shape[1], 1)
+        and same_size(cos.shape[2], x.shape[2])
+        and (same_size(cos.shape[0], 1) or same_size(cos.shape[0], x.shape[0]))
     )
 
 
@@ -65,20 +62,20 @@ def _rotates_halves(match: Match) -> bool:
     rotary_dim = match.kwargs.get("rotary_dim", x.shape[-1])
     return (
         _angles_fit(match)
-        and _same(2 * match.kwargs["half"], rotary_dim)
-        and _same(cos.shape[-1], rotary_dim)
+        and same_size(2 * match.kwargs["half"], rotary_dim)
+        and same_size(cos.shape[-1], rotary_dim)
         and statically_known_true(rotary_dim <= x.shape[-1])
     )
 
 
 def _rotates_pairs(match: Match) -> bool:
     x, cos = match.kwargs["x"].meta["val"], match.kwargs["cos"].meta["val"]
-    return _angles_fit(match) and _same(cos.shape[-1], x.shape[-1])
+    return _angles_fit(match) and same_size(cos.shape[-1], x.shape[-1])
 
 
 def _rotates_split_halves(match: Match) -> bool:
     x, cos = match.kwargs["x"].meta["val"], match.kwargs["cos"].meta["val"]
-    return _angles_fit(match) and _same(2 * cos.shape[-1], x.shape[-1])
+    return _angles_fit(match) and same_size(2 * cos.shape[-1], x.shape[-1])
 
 
 def _rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:

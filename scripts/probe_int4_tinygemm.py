@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autodeploy.custom_ops  # noqa: E402,F401
-from autodeploy.custom_ops.quantized_linear import QuantScheme, int4_wo_linear_reference, quantize_weight  # noqa: E402
+from autodeploy.custom_ops.quantization.int4_wo import int4_wo_linear_reference  # noqa: E402
+from autodeploy.custom_ops.quantized_linear import QuantScheme, quantize_weight  # noqa: E402
 from sweep_skinny_gemm import BANDWIDTH, L2_BYTES, seconds_per_call  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

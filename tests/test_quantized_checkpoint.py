@@ -83,8 +83,8 @@ def test_static_fp8_scales_travel_as_input_scale(tiny_checkpoint, tmp_path, monk
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"quantize": {"default": "int4_awq", "int4_group_size": 32}}, "int4_awq keep a per-input smoothing"),
-    ({"quantize": {"default": "smoothquant"}}, "smoothquant keep a per-input smoothing"),
+    ({"quantize": {"default": "int4_awq", "int4_group_size": 32}}, "int4_awq store tensors that compressed-tensors has no field for"),
+    ({"quantize": {"default": "smoothquant"}}, "smoothquant store tensors that compressed-tensors has no field for"),
     ({"quantize": {"default": "none"}}, "quantize no layer"),
     ({"weights": "random", "quantize": {"default": "int8_wo"}}, "weights=random has none to write"),
     ({"quantize": {"default": "int8_wo", "embedding": "int8"}}, "an int8 embedding table has no compressed-tensors form"),

@@ -15,11 +15,10 @@ from autodeploy.models import twin
 
 @dataclass
 class CorruptNormConfig(TransformConfig):
-    stage: str = "fuse"
     factor: float = 1.5
 
 
-@register_transform("test_corrupt_first_norm")
+@register_transform("test_corrupt_first_norm", stage="fuse")
 class CorruptFirstNorm(Transform):
     """Scales the output of the graph's first rms_norm: a stand-in for a pass with a bug."""
 
@@ -31,7 +30,6 @@ class CorruptFirstNorm(Transform):
             scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (norm, self.config.factor))
         scaled.meta = dict(norm.meta)
         norm.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
-        gm.recompile()
         return TransformResult(matches=1, changed=True)
 
 

@@ -1,4 +1,11 @@
-"""Graph transforms: one module per pass family, each registered by name."""
+"""Graph transforms: one module per pass family, each registered by name.
+
+Importing the package imports every module in it, so a new pass is one new file here: its
+``@register_transform`` runs with the import, and no list of modules needs editing.
+"""
+
+import importlib
+import pkgutil
 
 from autodeploy.transforms.registry import (
     STAGES,
@@ -6,16 +13,14 @@ from autodeploy.transforms.registry import (
     TransformConfig,
     TransformContext,
     TransformResult,
+    Upkeep,
     get_transform_class,
     register_transform,
     registered_transforms,
 )
-from autodeploy.transforms import cleanup_dead_code, cleanup_noop, cleanup_transposes  # noqa: F401  (registers the cleanup passes)
-from autodeploy.transforms import match_patterns, match_report  # noqa: F401  (registers the match-stage passes)
-from autodeploy.transforms import shard_expert_parallel, shard_pipeline_parallel, shard_tensor_parallel  # noqa: F401  (register the shard-stage passes)
-from autodeploy.transforms import quantize_linear  # noqa: F401  (registers the quantize-stage pass)
-from autodeploy.transforms import fold_smoothing, fuse_add_rms_norm, fuse_fp8_quantization, fuse_gate_up, fuse_gemms  # noqa: F401  (register the fuse-stage passes)
-from autodeploy.transforms import compile_model, fuse_rope_into_cached_attention, insert_cached_attention, select_kernels  # noqa: F401  (register the cache, select and compile passes)
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "STAGES",
@@ -23,6 +28,7 @@ __all__ = [
     "TransformConfig",
     "TransformContext",
     "TransformResult",
+    "Upkeep",
     "get_transform_class",
     "register_transform",
     "registered_transforms",

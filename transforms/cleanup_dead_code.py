@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,9 @@ def _delete_unused_tensors(gm: GraphModule) -> int:
     return len(unused)
 
 
-@register_transform("cleanup_dead_code")
+@register_transform("cleanup_dead_code", stage="cleanup")
 class CleanupDeadCode(Transform):
     """Remove unused side-effect-free nodes, then unused submodules, parameters, buffers and constants."""
-
-    config_class = TransformConfig
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
@@ -72,9 +70,6 @@ class CleanupDeadCode(Transform):
         removed_tensors = _delete_unused_tensors(module)
 
         changed = bool(removed_nodes or removed_modules or removed_tensors)
-        if changed:
-            graph.lint()
-            module.recompile()
         notes = f"removed {removed_nodes} nodes, {removed_modules} submodules, {removed_tensors} unused tensors"
         logger.debug("cleanup_dead_code: %s", notes)
         return TransformResult(matches=removed_nodes, changed=changed, notes=notes)

@@ -33,22 +33,21 @@ already recorded in ``meta["val"]``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.patterns.graph_walk import TO_CASTS, VIEWS, same_sizes
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 _INT64_MAX = torch.iinfo(torch.int64).max
 
-_SHAPE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
-_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device}
+_SHAPE_VIEWS = VIEWS | {aten.expand.default}
 _COPIES = {aten.clone.default, aten._to_copy.default}
 _IDENTITY_OPERAND = {
     aten.add.Tensor: 0,
@@ -61,7 +60,7 @@ _IDENTITY_OPERAND = {
     aten.div.Scalar: 1,
 }
 _CANDIDATES = {aten.slice.Tensor, aten.alias.default, aten.contiguous.default, aten.dropout.default}
-_CANDIDATES |= _SHAPE_VIEWS | _CASTS | _COPIES
+_CANDIDATES |= _SHAPE_VIEWS | TO_CASTS | _COPIES
 _CANDIDATES |= set(_IDENTITY_OPERAND)
 
 
@@ -70,18 +69,14 @@ def _fake_value(arg) -> FakeTensor | None:
     return value if isinstance(value, FakeTensor) else None
 
 
-def _all_equal(left: Sequence, right: Sequence) -> bool:
-    return len(left) == len(right) and all(statically_known_true(a == b) for a, b in zip(left, right))
-
-
 def _same_tensor_metadata(source: FakeTensor, result: FakeTensor) -> bool:
     """Same dtype, device, shape and strides for every value of the dynamic dims."""
     return (
         source.dtype == result.dtype
         and source.device == result.device
         and source.layout == result.layout
-        and _all_equal(source.shape, result.shape)
-        and _all_equal(source.stride(), result.stride())
+        and same_sizes(source.shape, result.shape)
+        and same_sizes(source.stride(), result.stride())
     )
 
 
@@ -102,22 +97,22 @@ def _is_number(value, number: int) -> bool:
 
 def _returns_input_view(node: Node, arguments: dict, source: FakeTensor, result: FakeTensor) -> bool:
     if node.target in _SHAPE_VIEWS:
-        return _all_equal(source.shape, result.shape)
+        return same_sizes(source.shape, result.shape)
     if node.target is aten.slice.Tensor:
         return _is_full_slice(arguments, source)
     if node.target is aten.alias.default:
         return True
     if node.target is aten.contiguous.default:
-        return _all_equal(source.stride(), result.stride())
+        return same_sizes(source.stride(), result.stride())
     if node.target is aten.dropout.default:
         return arguments["train"] is False or _is_number(arguments["p"], 0)
-    if node.target in _CASTS:
+    if node.target in TO_CASTS:
         return not arguments["copy"] and _same_tensor_metadata(source, result)
     return False
 
 
 def _returns_input_copy(node: Node, arguments: dict, source: FakeTensor, result: FakeTensor) -> bool:
-    if node.target in _CASTS:
+    if node.target in TO_CASTS:
         copies = arguments["copy"]
     elif node.target in _IDENTITY_OPERAND:
         identity = _IDENTITY_OPERAND[node.target]
@@ -138,11 +133,9 @@ def _writes_in_place(graph: torch.fx.Graph) -> bool:
     )
 
 
-@register_transform("cleanup_noop")
+@register_transform("cleanup_noop", stage="cleanup")
 class CleanupNoop(Transform):
     """Replace identity views, casts, copies and arithmetic by their input; drop metadata assertions."""
-
-    config_class = TransformConfig
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
@@ -169,8 +162,5 @@ class CleanupNoop(Transform):
                 node.replace_all_uses_with(node.args[0])
                 graph.erase_node(node)
                 removed += 1
-        if removed:
-            graph.lint()
-            module.recompile()
         logger.debug("cleanup_noop: removed %d nodes", removed)
         return TransformResult(matches=removed, changed=removed > 0, notes=f"removed {removed} no-op nodes")

@@ -21,7 +21,7 @@ import logging
 import torch
 from torch.fx import GraphModule, Node
 
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +52,9 @@ def _is_identity(dims: list[int]) -> bool:
     return dims == list(range(len(dims)))
 
 
-@register_transform("cleanup_transposes")
+@register_transform("cleanup_transposes", stage="cleanup")
 class CleanupTransposes(Transform):
     """Remove transpose/permute pairs that cancel and fold the others into a single permute."""
-
-    config_class = TransformConfig
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
@@ -89,15 +87,12 @@ class CleanupTransposes(Transform):
             if inner_dims is not None and not inner.users:
                 graph.erase_node(inner)
             rewrites += 1
-        if rewrites:
-            graph.lint()
-            module.recompile()
         logger.debug("cleanup_transposes: %d rewrites (%d folded into one permute)", rewrites, folded)
         notes = f"{rewrites} rewrites, {folded} folded into one permute"
         return TransformResult(matches=rewrites, changed=rewrites > 0, notes=notes)
 
 
-@register_transform("refold_transposes")
+@register_transform("refold_transposes", stage="cache")
 class RefoldTransposes(CleanupTransposes):
     """``cleanup_transposes`` once more, after the cache stage (YAML: ``refold_transposes: {stage: cache}``).
 

@@ -21,20 +21,14 @@ the node and its kernel: the deploy is slower, never wrong. On the CPU there are
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule
 
 from autodeploy.custom_ops import candidates, op_by_target
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CompileModelConfig(TransformConfig):
-    stage: str = "compile"
 
 
 def default_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -70,10 +64,8 @@ def uncapturable_nodes(module: GraphModule) -> list[str]:
     return found
 
 
-@register_transform("compile_model")
+@register_transform("compile_model", stage="compile")
 class CompileModel(Transform):
-    config_class = CompileModelConfig
-
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         settings = context.settings
         backend = settings.compile.backend

@@ -23,7 +23,7 @@ Folded, when every reader of the input is a ``smoothquant`` projection with equa
 Factors that are all one (a W8A8 checkpoint's: its smoothing is in its norms already) are dropped
 wherever they are. Anything else keeps its smoothing in the op.
 The factors folded, and the row scales of a quantized up projection as they were before, are kept in
-``context.state[FOLDED]`` (parameter name → tensor): verification builds its Hugging Face reference from
+``context.folded_smoothing`` (parameter name → tensor): verification builds its Hugging Face reference from
 the quantize stage's tensors (the unfolded model, whose norms are the checkpoint's) and rounds each
 projection's input as the op would have, the same function up to rounding.
 
@@ -33,12 +33,12 @@ projection's input as the op would have, the same function up to rounding.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch.fx import GraphModule
 
+from autodeploy.custom_ops.quantized_linear import row_scaled_ops
 from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.quantize_linear import (
     GATED_ACTIVATION,
@@ -48,19 +48,11 @@ from autodeploy.transforms.quantize_linear import (
     attention_heads,
     through_views,
 )
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 RMS_NORM = torch.ops.autodeploy.rms_norm.default
 ADD_RMS_NORM = torch.ops.autodeploy.add_rms_norm.default
 LAYER_NORM = torch.ops.autodeploy.layer_norm.default
-# Projections whose output rows carry one scale each (the argument index of that [N] tensor).
-ROW_SCALED = {SMOOTHQUANT: 2, torch.ops.autodeploy.int8_wo_linear.default: 2, torch.ops.autodeploy.fp8_linear.default: 2}
-FOLDED = "folded_smoothing"
-
-
-@dataclass
-class FoldSmoothingConfig(TransformConfig):
-    stage: str = "fuse"
 
 
 def _own(gm: GraphModule, node) -> torch.Tensor | None:
@@ -102,8 +94,9 @@ def _scale_projection_rows(gm: GraphModule, projection, factors: torch.Tensor, o
         return None
     if projection.target is LINEAR:
         rows = projection.args[1]
-    elif projection.target in ROW_SCALED:  # a per-tensor fp8 scale cannot take a factor per row: _scale_own refuses it
-        rows = projection.args[ROW_SCALED[projection.target]]
+    elif projection.target in (row_scaled := row_scaled_ops()):  # the scale argument of each scheme's row-scaled ops
+        # A per-tensor fp8 scale cannot take a factor per row: _scale_own refuses it.
+        rows = projection.args[row_scaled[projection.target]]
         if _own(gm, rows) is not None:
             originals.setdefault(rows.target, gm.get_parameter(rows.target).detach().clone())
     else:
@@ -153,10 +146,8 @@ def _fold_into_producer(gm: GraphModule, source: fx.Node, factors: torch.Tensor,
     return None
 
 
-@register_transform("fold_smoothing")
+@register_transform("fold_smoothing", stage="fuse")
 class FoldSmoothing(Transform):
-    config_class = FoldSmoothingConfig
-
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         readers: dict[fx.Node, list[fx.Node]] = {}
         for node in module.graph.find_nodes(op="call_function", target=SMOOTHQUANT):
@@ -164,7 +155,7 @@ class FoldSmoothing(Transform):
                 readers.setdefault(node.args[0], []).append(node)
         if any(module.get_parameter(p.args[3].target).is_meta for nodes in readers.values() for p in nodes):
             return TransformResult(notes="weights not loaded (meta device): the smoothing stays in the ops")
-        folded = context.state.setdefault(FOLDED, {})
+        folded = context.folded_smoothing
         # An fp8 KV cache's value scales were calibrated on the values as the checkpoint makes them.
         settings = getattr(context, "settings", None)
         values = settings is None or settings.quantize.kv_cache != "fp8"
@@ -194,9 +185,6 @@ class FoldSmoothing(Transform):
                     delattr(module.get_submodule(owner), leaf)
             details.append(f"{', '.join(p.name for p in projections)}: smoothing folded into {changed}")
             moved += len(projections)
-        if details:
-            module.graph.lint()
-            module.recompile()
         total = sum(len(p) for p in readers.values())
         notes = (f"smoothing folded into {len(details)} norms or linears ({moved} of {total} smoothquant projections)"
                  if readers else "no smoothquant projection with its own smoothing")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -28,16 +27,11 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.add_rms_norm import add_rms_norm_fake
 from autodeploy.patterns.graph_walk import NoMatch, call_arguments, is_call, node_value, require, same_shape
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 ADD = torch.ops.aten.add.Tensor
 RMS_NORM = torch.ops.autodeploy.rms_norm.default
 ADD_RMS_NORM = torch.ops.autodeploy.add_rms_norm.default
-
-
-@dataclass
-class FuseAddRmsNormConfig(TransformConfig):
-    stage: str = "fuse"
 
 
 def _residual_operands(norm: fx.Node, add: fx.Node) -> tuple[fx.Node, fx.Node]:
@@ -83,10 +77,8 @@ def _fuse(graph: fx.Graph, norm: fx.Node, norm_arguments: dict, x: fx.Node, resi
     graph.erase_node(add)
 
 
-@register_transform("fuse_add_rms_norm")
+@register_transform("fuse_add_rms_norm", stage="fuse")
 class FuseAddRmsNorm(Transform):
-    config_class = FuseAddRmsNormConfig
-
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
         fused, kept_apart = 0, []
@@ -101,9 +93,6 @@ class FuseAddRmsNorm(Transform):
                 continue
             _fuse(graph, norm, arguments, x, residual)
             fused += 1
-        if fused:
-            graph.lint()
-            module.recompile()
         notes = f"{fused} residual adds + rms_norm → add_rms_norm" if fused else "no residual add fused into an rms_norm"
         if kept_apart:
             notes += f" ({len(kept_apart)} kept apart, see details)"

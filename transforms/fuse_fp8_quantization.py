@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -32,18 +31,13 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.fp8_activations import add_rms_norm_fp8_fake, gated_activation_fp8_fake
 from autodeploy.patterns.graph_walk import NoMatch, call_arguments, is_call, node_value, require
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 ops = torch.ops.autodeploy
 FP8_LINEAR = ops.fp8_linear.default
 ADD_RMS_NORM = ops.add_rms_norm.default
 GATED_ACTIVATION = ops.gated_activation.default
 FUSED = {ADD_RMS_NORM: ops.add_rms_norm_fp8.default, GATED_ACTIVATION: ops.gated_activation_fp8.default}
-
-
-@dataclass
-class FuseFp8QuantizationConfig(TransformConfig):
-    stage: str = "fuse"
 
 
 def _producer(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -111,10 +105,8 @@ def _fuse(graph: fx.Graph, op: fx.Node, output: fx.Node, readers: list[fx.Node])
         graph.erase_node(node)
 
 
-@register_transform("fuse_fp8_quantization")
+@register_transform("fuse_fp8_quantization", stage="fuse")
 class FuseFp8Quantization(Transform):
-    config_class = FuseFp8QuantizationConfig
-
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
         settings = getattr(context, "settings", None)
@@ -137,9 +129,6 @@ class FuseFp8Quantization(Transform):
                 continue
             _fuse(graph, op, output, readers)
             fused += 1
-        if fused:
-            graph.lint()
-            module.recompile()
         notes = (f"{fused} norms / gated activations now write e4m3 rows for their fp8 linears" if fused
                  else "no fp8 linear's rounding moved into the op before it")
         if kept_apart:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -38,16 +37,11 @@ from torch.fx import GraphModule
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.*)
 from autodeploy.transforms.parameter_concatenation import concatenate_parameters
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 GATED_MLP = torch.ops.autodeploy.gated_mlp.default
 FUSED_GATED_MLP = torch.ops.autodeploy.fused_gated_mlp.default
 CHUNK = torch.ops.aten.chunk.default
-
-
-@dataclass
-class FuseGateUpConfig(TransformConfig):
-    stage: str = "fuse"
 
 
 def _sole_reader_parameters(gm: GraphModule) -> dict[fx.Node, torch.Tensor]:
@@ -117,11 +111,9 @@ def _replace(gm: GraphModule, node: fx.Node, weight: fx.Node, obsolete: list[fx.
         graph.erase_node(old)
 
 
-@register_transform("fuse_gate_up")
+@register_transform("fuse_gate_up", stage="fuse")
 class FuseGateUp(Transform):
     """Rewrite every ``gated_mlp`` whose gate/up weights are its own into ``fused_gated_mlp`` (one gate/up GEMM)."""
-
-    config_class = FuseGateUpConfig
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         graph = module.graph
@@ -143,9 +135,6 @@ class FuseGateUp(Transform):
                 _replace(module, node, weight, obsolete=[gate, up, gate.args[0]])
                 halves += 1
         fused = concatenated + halves
-        if fused:
-            graph.lint()
-            module.recompile()
         left = len(nodes) - fused
         notes = f"{fused} gated MLPs → one gate/up GEMM each" if fused else "no gated MLP has gate/up weights of its own"
         if left:

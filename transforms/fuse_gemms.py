@@ -13,14 +13,15 @@ deleted, so no second copy is kept; the peak is one group's weights more). Weigh
 the ``select`` stage and the autotuner treat it like any linear.
 
 Quantized projections of one scheme fuse alike, where every tensor the op takes after ``x`` holds a row per
-output feature: ``int8_wo_linear`` (int8 rows, a scale each), ``int4_wo_linear`` (packed rows, their group
-scales and zero points; one group size), ``fp8_linear`` with a scale per channel and ``int8_w8a8_linear``
-whose smoothing ``fold_smoothing`` moved into the norm before it. Each of those tensors
+output feature (each scheme names those ops: ``QuantMethod.row_wise_ops``): ``int8_wo_linear`` (int8 rows, a
+scale each), ``int4_wo_linear`` (packed rows, their group scales and zero points; one group size),
+``fp8_linear`` with a scale per channel and ``int8_w8a8_linear`` whose smoothing ``fold_smoothing`` moved into
+the norm before it. Each of those tensors
 is concatenated along its rows, so every output feature is computed exactly as before. Under quantization
 the gate and up projections are separate nodes over one input, so they fuse here too. Schemes that hold a
 tensor per input column (``int4_awq``'s and ``smoothquant``'s smoothing) or one scale per layer (static
 fp8, per-tensor fp8) stay apart. Where each projection's rows went is kept in
-``context.state[MOVED]`` (old target → new target, first row, rows): verification reads a quantized
+``context.concatenated_parameters`` (old target → new target, first row, rows): verification reads a quantized
 weight's stored tensors by the names the quantize stage gave them.
 
     # YAML: transforms: {fuse_gemms: {enabled: false}} keeps every projection separate
@@ -31,29 +32,19 @@ from __future__ import annotations
 import logging
 import operator
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule
 
+from autodeploy.custom_ops.quantized_linear import row_wise_ops
 from autodeploy.transforms.parameter_concatenation import concatenate_parameters
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
 LINEAR = torch.ops.autodeploy.linear.default
-MOVED = "concatenated_parameters"
-# Ops whose every argument after x is a row-per-output-feature tensor (the bias last, or None).
-ROW_WISE = (LINEAR, torch.ops.autodeploy.int8_wo_linear.default, torch.ops.autodeploy.int4_wo_linear.default,
-            torch.ops.autodeploy.fp8_linear.default, torch.ops.autodeploy.int8_w8a8_linear.default)
-SMOOTHQUANT = torch.ops.autodeploy.int8_w8a8_linear.default  # row-wise once fold_smoothing took its smoothing
-
-
-@dataclass
-class FuseGemmsConfig(TransformConfig):
-    stage: str = "fuse"
 
 
 def _own_parameter(node: fx.Node | None) -> bool:
@@ -83,9 +74,11 @@ def _groups(gm: GraphModule) -> list[list[fx.Node]]:
     same input size and, for int4, group size), biases on all or none, tensors their own."""
     by_input: dict[tuple, list[fx.Node]] = defaultdict(list)
     parameters = dict(gm.named_parameters(remove_duplicate=False))
-    for target in ROW_WISE:
+    # Ops whose every argument after x is a row-per-output-feature tensor (the bias last, or None), but for the
+    # per-input-column arguments each quantization scheme names (which must then be None).
+    for target, columns in {LINEAR: (), **row_wise_ops()}.items():
         for node in gm.graph.find_nodes(op="call_function", target=target):
-            if target is SMOOTHQUANT and node.args[3] is not None:  # a smoothing [K] is per input column
+            if any(node.args[index] is not None for index in columns):  # e.g. smoothquant's smoothing [K]
                 continue
             tensors = _row_tensors(node, parameters)
             if tensors is None:
@@ -139,18 +132,13 @@ def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> dict[str, tuple[str, int, in
     return moved
 
 
-@register_transform("fuse_gemms")
+@register_transform("fuse_gemms", stage="fuse")
 class FuseGemms(Transform):
-    config_class = FuseGemmsConfig
-
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         groups = _groups(module)
-        moved = context.state.setdefault(MOVED, {})
+        moved = context.concatenated_parameters
         for nodes in groups:
             moved.update(_fuse(module, nodes))
-        if groups:
-            module.graph.lint()
-            module.recompile()
         fused = sum(len(g) for g in groups)
         shapes = sorted({len(g) for g in groups})
         ops = sorted({str(g[0].target).removeprefix("autodeploy.").removesuffix(".default") for g in groups})

@@ -31,18 +31,13 @@ from torch.fx import GraphModule
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.transforms.cleanup_transposes import permutation
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
 CACHED_ATTENTION = torch.ops.autodeploy.cached_attention.default
 CACHED_ATTENTION_ROPE = torch.ops.autodeploy.cached_attention_rope.default
 ROPE = torch.ops.autodeploy.rope.default
-
-
-@dataclass
-class FuseRopeIntoCachedAttentionConfig(TransformConfig):
-    stage: str = "cache"
 
 
 @dataclass
@@ -138,11 +133,9 @@ def _fuse(graph: fx.Graph, attention: fx.Node, q: _Rotated, k: _Rotated) -> None
         _erase_unused(angles)
 
 
-@register_transform("fuse_rope_into_cached_attention")
+@register_transform("fuse_rope_into_cached_attention", stage="cache")
 class FuseRopeIntoCachedAttention(Transform):
     """Fold each layer's ``rope(q)``, ``rope(k)`` into its ``cached_attention``."""
-
-    config_class = FuseRopeIntoCachedAttentionConfig
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         backends = context.settings.get("backends") or {}
@@ -161,9 +154,6 @@ class FuseRopeIntoCachedAttention(Transform):
                 continue
             _fuse(graph, attention, *found)
             fused += 1
-        if fused:
-            graph.lint()
-            module.recompile()
         notes = (f"{fused} attention layers rotate q and k in their cache write ({2 * fused} ropes folded in)"
                  if fused else "no cached_attention reads rope(q) and rope(k)")
         details = [f"{count} attention layers left unfused: {reason}" for reason, count in sorted(left_alone.items())]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -34,7 +33,7 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.serving_signature import ATTENTION_METADATA, SEQUENCE_METADATA, KVCacheSpec
 from autodeploy.errors import ConfigError, UnsupportedModelError
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
 # gm.meta key: ``(first, total)``, the graph holds layers first … first + (its attentions) − 1 of the model's
@@ -42,11 +41,6 @@ _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``mode
 LAYERS = "autodeploy_layers"
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class InsertCachedAttentionConfig(TransformConfig):
-    stage: str = "cache"
-
 
 # Shapes the new inputs' meta values carry, so backends' supports() and the autotuner can read them:
 # a mixed step of 2 sequences and 4 tokens (sizes are placeholders; dtypes and the block size are real).
@@ -143,11 +137,9 @@ def kv_cache_dtype(settings) -> torch.dtype | None:
     return torch.float8_e4m3fn
 
 
-@register_transform("insert_cached_attention")
+@register_transform("insert_cached_attention", stage="cache")
 class InsertCachedAttention(Transform):
     """Swap every ``attention`` for ``cached_attention`` and declare the paged-KV graph inputs."""
-
-    config_class = InsertCachedAttentionConfig
 
     def validate(self, context: TransformContext) -> None:
         kv_cache_dtype(context.settings)
@@ -201,9 +193,7 @@ class InsertCachedAttention(Transform):
         graph._codegen = fx.graph.CodeGen()
         gm._forward_pre_hooks.clear()
         graph.eliminate_dead_code()
-        graph.lint()
         gm.delete_all_unused_submodules()
-        gm.recompile()
         context.graph_inputs = tuple(n.name for n in graph.nodes if n.op == "placeholder")
         context.kv_caches = tuple(specs)
         return TransformResult(matches=len(attention), changed=True, notes=f"{len(attention)} attention layers → paged KV cache")

@@ -27,14 +27,12 @@ import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.line
 from autodeploy.patterns import attention, mlp, moe, norm, rope  # noqa: F401  (register the built-in patterns)
 from autodeploy.patterns.registry import FAMILIES, apply_patterns, select_patterns
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
-from autodeploy.transforms.shape_propagation import propagate_shapes
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class MatchPatternsConfig(TransformConfig):
-    stage: str = "match"
     patterns: list[str] = field(default_factory=lambda: list(FAMILIES))  # families or pattern names
     skip: list[str] = field(default_factory=list)
 
@@ -42,7 +40,9 @@ class MatchPatternsConfig(TransformConfig):
         select_patterns(self.patterns, self.skip)  # unknown names are a ConfigError when the YAML loads
 
 
-@register_transform("match_patterns")
+# Traced replacements carry their values already (see autodeploy.patterns.registry); a whole-graph propagation
+# costs more than all matching, so it runs only for a rewrite that left a node without one.
+@register_transform("match_patterns", stage="match", dead_code=True, shapes="missing")
 class MatchPatterns(Transform):
     """Replace every subgraph a selected pattern matches by its canonical op."""
 
@@ -52,29 +52,14 @@ class MatchPatterns(Transform):
         gm = module
         counts = apply_patterns(gm, select_patterns(self.config.patterns, self.config.skip))
         matches = sum(counts.values())
-        if matches:
-            gm.graph.eliminate_dead_code()
-            gm.graph.lint()
-            gm.recompile()
-            # Traced replacements carry their values already (see autodeploy.patterns.registry); a
-            # whole-graph propagation costs more than all matching, so it runs only for a rewrite that left none.
-            if any("val" not in node.meta for node in gm.graph.nodes if node.op in ("call_function", "get_attr")):
-                propagate_shapes(gm)
         notes = ", ".join(f"{name}×{count}" for name, count in counts.items() if count) or "no matches"
         logger.debug("match_patterns: %s", notes)
         return TransformResult(matches=matches, changed=matches > 0, notes=notes)
 
 
-@dataclass
-class MatchLinearConfig(TransformConfig):
-    stage: str = "match"
-
-
-@register_transform("match_linear")
+@register_transform("match_linear", stage="match")
 class MatchLinear(Transform):
     """``aten.linear(x, weight, bias?)`` → ``autodeploy.linear(x, weight, bias)``: same arguments, same values."""
-
-    config_class = MatchLinearConfig
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         gm = module
@@ -84,7 +69,4 @@ class MatchLinear(Transform):
             node.target = torch.ops.autodeploy.linear.default
             node.args = (x, weight, bias[0] if bias else node.kwargs.get("bias"))
             node.kwargs = {}
-        if linears:  # same output as before, so node values stay valid
-            gm.graph.lint()
-            gm.recompile()
         return TransformResult(matches=len(linears), changed=bool(linears), notes=f"{len(linears)} linears")

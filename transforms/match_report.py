@@ -31,7 +31,7 @@ import torch
 from torch.fx import GraphModule
 
 from autodeploy.custom_ops import canonical_ops
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -156,16 +156,9 @@ def match_report(gm: GraphModule, hf_config: Any | None = None) -> MatchReport:
     return MatchReport(counts, unmatched, assumed)
 
 
-@dataclass
-class MatchReportConfig(TransformConfig):
-    stage: str = "match"
-
-
-@register_transform("match_report")
+@register_transform("match_report", stage="match")
 class MatchReportTransform(Transform):
     """Report expected vs found canonical ops and the unmatched modules; changes nothing."""
-
-    config_class = MatchReportConfig
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         hf_config = getattr(context.model_factory, "hf_config", None)

@@ -21,11 +21,11 @@ Every canonical ``linear`` whose weight the graph reads straight from the module
 into its projections (each quantized by its own rule, or a plain ``linear``) and its activation (for a
 gated MLP the canonical ``gated_activation``, which keeps a fused kernel). The
 stage runs before ``load_weights``, on the meta graph: the float weight leaves the module, the scheme's
-tensors (meta for now) take its place, and ``context.state["quantized_weights"]`` records which
+tensors (meta for now) take its place, and ``context.quantized_weights`` records which
 checkpoint weight each is computed from, so ``load_weights`` quantizes every weight as it streams in
 (no float copy of the model is ever whole). When a scheme calibrates (or the KV cache is fp8), the graph
-as this stage found it is kept in ``context.state[CALIBRATION_GRAPH]`` (a copy over the same meta
-parameters): calibration loads the float weights into it and runs it first (``models/calibration.py``). A weight read by any other node (tied to the embedding)
+as this stage found it is kept in ``context.calibration_graph`` (a copy over the same meta
+parameters): calibration loads the float weights into it and runs it first (``transforms/calibration.py``). A weight read by any other node (tied to the embedding)
 stays in the model's dtype, as do MoE routers. MoE experts take ``quantize.experts`` (``int8_wo`` or
 ``int4_wo``, expert by expert: ``custom_ops/quantized_moe.py``), apart from the dense layers' rules; under
 expert parallelism (the shard stage ran first) a ``moe_expert_parallel`` node's experts are this rank's share,
@@ -47,13 +47,12 @@ import torch
 from torch import fx, nn
 from torch.fx import GraphModule
 
-from autodeploy.custom_ops.quantized_linear import EXPERT_SCHEMES, QuantScheme, quantize_weight
-from autodeploy.custom_ops.quantized_moe import EXPERT_PARALLEL_OPS
-from autodeploy.custom_ops.quantized_moe import OPS as EXPERT_OPS
+from autodeploy.custom_ops.activations import ATEN_ACTIVATIONS
+from autodeploy.custom_ops.quantized_linear import QuantScheme, expert_scheme_names, quantize_weight, scheme_names
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.shape_propagation import infer_values
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -68,26 +67,15 @@ EMBEDDING = torch.ops.aten.embedding.default
 EMBEDDING_INT8 = torch.ops.autodeploy.embedding_int8.default
 EMBEDDING_SCHEMES = ("int8",)
 NONE = "none"
-STATE_KEY = "quantized_weights"
-SMOOTHING_GROUPS = "smoothing_groups"  # smoothquant projections over one input: they share s (share_smoothing)
-# smoothquant projections over attention's output: (path, kv_heads, group, head_dim) (share_head_smoothing)
-HEAD_SMOOTHING = "head_smoothing"
 ATTENTION = torch.ops.autodeploy.attention.default
 # Ops that keep a tensor's values and their row-major order (reshapes, copies): with transposes that cancel
 # (HF's pairs, before the cache stage's refold_transposes), a chain between attention and a projection.
 RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
             torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
 COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
-CALIBRATION_GRAPH = "calibration_graph"  # the graph as this stage found it (meta): what calibration runs
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
-_ACTIVATIONS = {
-    "silu": (torch.ops.aten.silu.default, {}),
-    "gelu_tanh": (torch.ops.aten.gelu.default, {"approximate": "tanh"}),
-    "gelu": (torch.ops.aten.gelu.default, {}),
-    "relu": (torch.ops.aten.relu.default, {}),
-}
-_ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero", "smooth": "input_smooth",
-          "input_scale": "input_scale"}  # stored tensor → attribute
+# stored tensor → attribute (a role of another scheme keeps its own name)
+_ROLES = {"qweight": "qweight", "scale": "weight_scale", "zero": "weight_zero", "smooth": "input_smooth", "input_scale": "input_scale"}
 
 
 @dataclass(frozen=True)
@@ -102,11 +90,6 @@ class QuantizedWeight:
     targets: dict[str, str]
 
 
-@dataclass
-class QuantizeLinearConfig(TransformConfig):
-    stage: str = "quantize"
-
-
 def _option(settings, key: str, allowed: tuple[str, ...], what_takes: str) -> str | None:
     """``quantize.<key>`` when it is one of ``allowed``, None for ``none``, else a ``ConfigError``."""
     name = getattr(settings, key)
@@ -117,9 +100,17 @@ def _option(settings, key: str, allowed: tuple[str, ...], what_takes: str) -> st
     return name
 
 
+def uncalibrated_random_weights(calibrated: list[str]) -> ConfigError:
+    """The error for calibrated schemes (``calibrated``: their names) under ``weights=random``: calibration runs the
+    checkpoint's weights."""
+    plain = [name for name in scheme_names() if not QuantScheme(name).calibrated]
+    return ConfigError(f"{', '.join(sorted(set(calibrated))) or 'calibrated schemes'} calibrate on the checkpoint's weights; "
+                       f"with weights=random use a scheme without calibration: {', '.join(plain)}")
+
+
 def parse_experts(settings) -> QuantScheme | None:
     """The scheme of MoE experts' weights (``quantize.experts``), or None."""
-    name = _option(settings, "experts", EXPERT_SCHEMES, "MoE experts take")
+    name = _option(settings, "experts", expert_scheme_names(), "MoE experts take")
     return None if name is None else QuantScheme(name, group_size=int(settings.int4_group_size))
 
 
@@ -239,7 +230,7 @@ class _Rewriter:
         expert weights in ``scheme``."""
         x, router_logits, gate_up, down, *options = node.args
         storage = [*self.quantized_storage(gate_up, scheme), *self.quantized_storage(down, scheme)]
-        op = (EXPERT_PARALLEL_OPS if node.target is MOE_EXPERT_PARALLEL else EXPERT_OPS)[scheme.name]
+        op = scheme.expert_op(expert_parallel=node.target is MOE_EXPERT_PARALLEL)
         return self.graph.call_function(op, (x, router_logits, *storage, *options), dict(node.kwargs))
 
     def quantized_storage(self, weight_node: fx.Node, scheme: QuantScheme) -> list[fx.Node]:
@@ -254,7 +245,7 @@ class _Rewriter:
         prefix = "" if leaf == "weight" else f"{leaf}_"
         targets, nodes = {}, []
         for role, tensor in stored.items():
-            attribute = prefix + _ROLES[role]
+            attribute = prefix + _ROLES.get(role, role)
             owner.register_parameter(attribute, nn.Parameter(tensor, requires_grad=False))
             targets[role] = f"{owner_path}.{attribute}"
             nodes.append(self.graph.get_attr(targets[role]))
@@ -270,7 +261,7 @@ class _Rewriter:
     def activation(self, name: str, gate: fx.Node, up: fx.Node | None) -> fx.Node:
         if up is not None:
             return self.graph.call_function(GATED_ACTIVATION, (gate, up, name))
-        op, kwargs = _ACTIVATIONS[name]
+        op, kwargs = ATEN_ACTIVATIONS[name]
         return self.graph.call_function(op, (gate,), kwargs)
 
 
@@ -288,7 +279,7 @@ def _routes_experts(node: fx.Node, depth: int = 4) -> bool:
 
 def _snapshot(module: GraphModule) -> GraphModule:
     """A copy of ``module``'s graph over the same (meta) parameters, which the rewrite below leaves in place for
-    it: calibration loads the checkpoint's weights into it and runs it (``models/calibration.py``)."""
+    it: calibration loads the checkpoint's weights into it and runs it (``transforms/calibration.py``)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(module.graph, {}))
     return GraphModule(module, graph)
@@ -357,10 +348,8 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> None:
     new.meta.update({k: v for k, v in old.meta.items() if k != "val"})  # values: infer_values
 
 
-@register_transform("quantize_linear")
+@register_transform("quantize_linear", stage="quantize")
 class QuantizeLinear(Transform):
-    config_class = QuantizeLinearConfig
-
     def validate(self, context: TransformContext) -> None:
         default, rules = parse_plan(context.settings.quantize)
         parse_experts(context.settings.quantize)
@@ -369,23 +358,21 @@ class QuantizeLinear(Transform):
         if found is not None:
             rules = [(None, scheme) for _, scheme in found.rules]
         all_schemes = [scheme for scheme in [default, *(s for _, s in rules)] if scheme is not None]
-        schemes = {scheme.name for scheme in all_schemes}
-        if any(scheme.calibrated for scheme in all_schemes):  # calibration runs in load_weights (models/calibration.py)
+        if any(scheme.calibrated for scheme in all_schemes):  # calibration runs in load_weights (transforms/calibration.py)
             calibration = context.settings.quantize.calibration
             if context.settings.weights == "random":
-                raise ConfigError("int4_awq, int4_gptq, smoothquant and static fp8 activations calibrate on the checkpoint's "
-                                  "weights; with weights=random use int4_wo, int8_wo or fp8 with dynamic activations")
+                raise uncalibrated_random_weights([s.name for s in all_schemes if s.calibrated])
             if calibration.dataset != "builtin" and not Path(calibration.dataset).is_file():
                 raise ConfigError(f"quantize.calibration.dataset: {calibration.dataset!r} is neither 'builtin' nor a readable file")
             if calibration.samples < 1 or calibration.seq_len < 1:
                 raise ConfigError(f"quantize.calibration needs samples ≥ 1 and seq_len ≥ 1; got {calibration.samples} "
                                   f"and {calibration.seq_len}")
         device = torch.device(context.settings.device)
-        fp8 = any(scheme is not None and scheme.name == "fp8" for scheme in [default, *(s for _, s in rules)])
-        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            major, minor = torch.cuda.get_device_capability(device)
-            raise ConfigError(f"quantize: fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); this one is "
-                              f"{major}.{minor}. Use int8_wo or int4_wo, which run on any GPU")
+        for scheme in set(all_schemes):
+            problem = scheme.method.check_device(scheme, device)
+            if problem:
+                runs = [name for name in scheme_names() if QuantScheme(name).method.check_device(QuantScheme(name), device) is None]
+                raise ConfigError(f"quantize: {problem}. Use {', '.join(runs)}, which run on this device")
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         default, rules = parse_plan(context.settings.quantize)
@@ -395,7 +382,7 @@ class QuantizeLinear(Transform):
         # A pre-quantized checkpoint's calibrated schemes are not calibrated again, but its verification twin's are.
         calibrated = any(s is not None and s.calibrated for s in (default, *(s for _, s in rules)))
         if found is not None or calibrated or context.settings.quantize.kv_cache == "fp8":
-            context.state[CALIBRATION_GRAPH] = _snapshot(module)
+            context.calibration_graph = _snapshot(module)
         if (found is None and experts is None and embedding is None and default is None
                 and all(scheme is None for _, scheme in rules)):
             return TransformResult(notes="off (quantize.default: none, no layer rule names a scheme)")
@@ -450,13 +437,11 @@ class QuantizeLinear(Transform):
             if glob not in planner.used:
                 logger.warning("quantize.layers[%r] matches no quantizable layer of this model; check the module paths "
                                "(e.g. 'layers.0.mlp.gate_proj', 'lm_head')", glob)
-        module.graph.lint()
-        module.recompile()
         # Only the new nodes get values: the rest keep export's (a quantized op returns what the linear did).
         infer_values(module, [n for n in module.graph.nodes if n not in existing])
-        context.state[STATE_KEY] = {r.source: r for r in rewriter.records}
-        context.state[SMOOTHING_GROUPS] = _smoothing_groups(module, rewriter.records)
-        context.state[HEAD_SMOOTHING] = _head_smoothing(module, rewriter.records)
+        context.quantized_weights = {r.source: r for r in rewriter.records}
+        context.smoothing_groups = _smoothing_groups(module, rewriter.records)
+        context.head_smoothing = _head_smoothing(module, rewriter.records)
         counts: dict[str, int] = {}
         for record in rewriter.records:
             if len(record.shape) == 2 and module_path(record.source) not in tables:

@@ -32,14 +32,9 @@ from torch.fx import GraphModule
 from autodeploy.autotuner import Autotuner, bucket_runs, token_buckets, token_dispatch
 from autodeploy.custom_ops import REFERENCE, candidates, canonical_ops, op_by_target
 from autodeploy.errors import ConfigError
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SelectKernelsConfig(TransformConfig):
-    stage: str = "select"
 
 
 @dataclass(frozen=True)
@@ -199,11 +194,9 @@ def _nodes(arg: Any) -> list[fx.Node]:
     return found
 
 
-@register_transform("select_kernels")
+@register_transform("select_kernels", stage="select")
 class SelectKernels(Transform):
     """Give every canonical node the backend op that serves it (preference > tuned > first supported)."""
-
-    config_class = SelectKernelsConfig
 
     def validate(self, context: TransformContext) -> None:
         parse_preferences(context.settings.get("backends") or {})
@@ -246,7 +239,6 @@ class SelectKernels(Transform):
                 details += ["tuned problems (token bucket: winner, median µs per candidate):", *self.tuning_table]
                 details.append(f"autotuner cache {tuner.cache.path}: {tuner.profiled} bucket timings made, "
                                f"{tuner.reused} reused")
-        module.recompile()
         tuned = f", {tuner.profiled} problem×bucket timings" if tuner is not None and tuner.profiled else ""
         return TransformResult(matches=sum(summary.values()), changed=bool(changed),
                                notes=f"{len(summary)} kernel choices{tuned}", details=details)

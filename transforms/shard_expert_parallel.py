@@ -31,7 +31,6 @@ span the whole intermediate size, which a rank holds only a slice of).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,17 +41,11 @@ from autodeploy.custom_ops import parallel_state
 from autodeploy.custom_ops.moe import route
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.quantize_linear import module_path, quantizes_dense_layers
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
-from autodeploy.transforms.shape_propagation import propagate_shapes
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 from autodeploy.transforms.shard_tensor_parallel import SHARDS
 
 logger = logging.getLogger(__name__)
 ops = torch.ops.autodeploy
-
-
-@dataclass
-class ShardExpertParallelConfig(TransformConfig):
-    stage: str = "shard"
 
 
 def rank_loads(order: list[int], counts: list[int], ranks: int) -> list[int]:
@@ -130,11 +123,9 @@ def _moe_shapes(gm: GraphModule, node: fx.Node) -> tuple[int, int]:
     return experts, double_inner // 2
 
 
-@register_transform("shard_expert_parallel")
+@register_transform("shard_expert_parallel", stage="shard", shapes="all")
 class ShardExpertParallel(Transform):
     """Place MoE experts over the stage's ranks (expert parallel), or slice them by intermediate size (TP alone)."""
-
-    config_class = ShardExpertParallelConfig
 
     def validate(self, context: TransformContext) -> None:
         settings = context.settings
@@ -192,7 +183,6 @@ class ShardExpertParallel(Transform):
                 total = graph.call_function(ops.all_reduce.default, (node,))
             total.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             node.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
-        _finish(module)
         return TransformResult(matches=len(moes), changed=True,
                                notes=f"rank {rank} of {parts}: {len(moes)} MoE layers' experts sliced by intermediate size "
                                      f"({inner // parts} of {inner} a rank), all-reduced")
@@ -240,7 +230,6 @@ class ShardExpertParallel(Transform):
             placed.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             node.replace_all_uses_with(placed)
             graph.erase_node(node)
-        _finish(module)
         experts = len(orders[moes[0]])
         notes = (f"rank {rank} of {parts}: {len(moes)} MoE layers, {experts // parts} of {experts} experts a rank, tokens "
                  f"dispatched with all-to-all; placement {placement}{balance}")
@@ -248,19 +237,13 @@ class ShardExpertParallel(Transform):
         return TransformResult(matches=len(moes), changed=True, notes=notes, details=details)
 
 
-def _finish(module: GraphModule) -> None:
-    module.graph.lint()
-    module.recompile()
-    propagate_shapes(module)
-
-
 def _routing_counts(module: GraphModule, context: TransformContext, moes: list[fx.Node]) -> tuple[dict[fx.Node, list[int]], int]:
     """Per ``moe`` node, the (token, expert) pairs its router sends to each expert over the calibration text,
     and the tokens run: the graph as it stands (this rank's tensor-parallel slices, whole experts) with the
     checkpoint's weights, on every rank when tensor-parallel collectives are in it, else on the stage's first
     rank; that rank's counts are broadcast, so every rank places alike."""
-    from autodeploy.models.calibration import calibration_windows
-    from autodeploy.models.load_weights import float_graph
+    from autodeploy.transforms.calibration import calibration_windows
+    from autodeploy.transforms.load_weights import float_graph
 
     settings, factory = context.settings, context.model_factory
     layout = parallel_state.layout()

@@ -30,7 +30,6 @@ between two layers, quantization (calibration would run one stage's part of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -40,15 +39,10 @@ from autodeploy.custom_ops import parallel_state
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.insert_cached_attention import LAYERS
 from autodeploy.transforms.quantize_linear import ATTENTION, quantizes_dense_layers
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 from autodeploy.transforms.shape_propagation import infer_values
 
 ops = torch.ops.autodeploy
-
-
-@dataclass
-class ShardPipelineParallelConfig(TransformConfig):
-    stage: str = "shard"
 
 
 def _weighted(module: GraphModule) -> set[fx.Node]:
@@ -110,11 +104,9 @@ def _value(node: fx.Node) -> torch.Tensor:
     return value
 
 
-@register_transform("shard_pipeline_parallel")
+@register_transform("shard_pipeline_parallel", stage="shard")
 class ShardPipelineParallel(Transform):
     """Keep this rank's pipeline stage of the layers; send and receive the activations between stages."""
-
-    config_class = ShardPipelineParallelConfig
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         settings = context.settings
@@ -168,9 +160,7 @@ class ShardPipelineParallel(Transform):
             before.replace_all_uses_with(hidden, delete_user_cb=lambda user: user is not hidden)
             new.insert(0, hidden)
         graph.eliminate_dead_code()
-        graph.lint()
         _drop_unused_parameters(module)
-        module.recompile()
         infer_values(module, new)
         first = stage * per_stage
         module.meta[LAYERS] = (first, layers)

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -59,19 +58,13 @@ from autodeploy.custom_ops import parallel_state
 from autodeploy.errors import ConfigError, error_summary
 from autodeploy.transforms.insert_cached_attention import lm_head
 from autodeploy.transforms.quantize_linear import ATTENTION, LINEAR, attention_heads, module_path, quantizes_dense_layers, through_views
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 from autodeploy.transforms.shape_propagation import propagate_shapes
 
 logger = logging.getLogger(__name__)
 ops = torch.ops.autodeploy
 SHARDS = "autodeploy_shards"  # gm.meta key: graph parameter → (dim, start, stop) this rank keeps; load_weights reads it
-RULE_KINDS = ("colwise", "rowwise", "replicate")  # the values of distributed.rules
 _PASS_THROUGH = {ops.rope.default, ops.rms_norm.default}  # per-head ops between a projection and attention
-
-
-@dataclass
-class ShardTensorParallelConfig(TransformConfig):
-    stage: str = "shard"
 
 
 def _producer(node):
@@ -241,11 +234,9 @@ def _apply_rules(sharder: _Sharder, ruled: dict[fx.Node, str]) -> None:
             sharder.row_parallel(linear, what)
 
 
-@register_transform("shard_tensor_parallel")
+@register_transform("shard_tensor_parallel", stage="shard")
 class ShardTensorParallel(Transform):
     """Slice attention and MLP weights over the tensor-parallel ranks, with an all-reduce after each block."""
-
-    config_class = ShardTensorParallelConfig
 
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         settings = context.settings
@@ -310,8 +301,6 @@ class ShardTensorParallel(Transform):
                 continue
             mlps += 1
         vocabulary = self._shard_vocabulary(module, sharder, ruled)
-        graph.lint()
-        module.recompile()
         try:
             propagate_shapes(module)
             problem = _width_mismatch(module) if ruled or whole_mlps else None

@@ -20,24 +20,11 @@ from torch.fx import GraphModule
 
 from autodeploy.errors import AutoDeployError, ExportError, error_summary
 from autodeploy.export import patches
+from autodeploy.export.causal_lm import CAUSAL_LM_INPUTS, CausalLMLogits
 from autodeploy.export.patches import apply_export_patches
 from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
-
-CAUSAL_LM_INPUTS: tuple[str, ...] = ("input_ids", "position_ids")
-
-
-class CausalLMLogits(nn.Module):
-    """The exported function: token ids and positions in, logits out (no HF output objects, no cache)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-
 
 @contextlib.contextmanager
 def _module_call_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
@@ -157,14 +144,13 @@ def export_causal_lm(
 
 @dataclass
 class ExportConfig(TransformConfig):
-    stage: str = "export"
     patches: list[str] = field(default_factory=lambda: [
         "hf_no_kv_cache", "hf_sdpa_attention", "hf_moe_batched_experts", "scalar_constants_on_cpu", "list_indices_as_slices",
     ])
     strict: bool = False
 
 
-@register_transform("export_to_fx")
+@register_transform("export_to_fx", stage="export", recompile=False)
 class ExportToFX(Transform):
     """nn.Module (meta) → GraphModule of aten ops with dynamic batch and sequence dims."""
 

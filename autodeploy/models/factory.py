@@ -22,7 +22,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from autodeploy.errors import ConfigError, UnsupportedModelError, error_summary
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.source import ModelSource
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -222,23 +221,3 @@ class ModelFactory:
             else:
                 logger.info("no tokenizer in %s (%s)", location, error)
             return None
-
-
-@dataclass
-class BuildModelConfig(TransformConfig):
-    stage: str = "factory"
-
-
-@register_transform("build_model")
-class BuildModel(Transform):
-    """HF config → HF model on the meta device, in the deployment dtype."""
-
-    config_class = BuildModelConfig
-
-    def apply(self, module, context) -> TransformResult:
-        factory: ModelFactory = context.model_factory
-        model = factory.build_meta_model(getattr(torch, context.settings.dtype))
-        n_params = sum(p.numel() for p in model.parameters())
-        return TransformResult(
-            changed=True, module=model, notes=f"{type(model).__name__}, {n_params / 1e9:.3g}B params, {context.settings.dtype}"
-        )

@@ -1,5 +1,7 @@
 """Checkpoints that other tools quantized, served without quantizing again: their config read into our
-schemes, their tensors into our layouts (``custom_ops/quantized_linear.py``).
+schemes, their tensors into our layouts (``custom_ops/quantized_linear.py``). compressed-tensors groups are
+read by the schemes themselves (``QuantMethod.from_compressed_tensors`` / ``read_compressed_tensors`` in
+``custom_ops/quantization/``): a new scheme with a compressed-tensors form is read without an edit here.
 
 | format | how it is recognised | weights → scheme |
 |---|---|---|
@@ -35,8 +37,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from autodeploy.custom_ops.quantized_linear import QuantScheme, pack_int4
-from autodeploy.errors import CheckpointError, ConfigError
+from autodeploy.custom_ops.quantization.fp8 import read_float8
+from autodeploy.custom_ops.quantized_linear import QuantScheme, pack_int4, scheme_names
+from autodeploy.custom_ops.quantized_tensors import (
+    FLOAT_SCALES,
+    CheckpointLayer,
+    checkpoint_scheme,
+    nibbles,
+    require_compressed_tensors,
+)
+from autodeploy.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +57,11 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM layout: the nibble j of 
 @dataclass
 class PrequantizedCheckpoint:
     """What a pre-quantized checkpoint holds. ``method`` names the format in messages; ``rules`` decide each
-    linear layer's scheme (the first that matches; None keeps the layer unquantized); ``layouts`` name, per
-    scheme, how the format stores it (``stored`` converts)."""
+    linear layer's scheme (the first that matches; None keeps the layer unquantized); ``readers`` convert, per
+    scheme name, a layer's tensors as the format stores them into ours (``stored`` calls them)."""
 
     method: str
-    layouts: dict[str, str]
+    readers: dict[str, Callable[[CheckpointLayer], dict[str, torch.Tensor]]]
     rules: list[tuple[Callable[[str, nn.Module | None], bool], QuantScheme | None]]
     notes: list[str] = field(default_factory=list)  # what is served differently from the producer's intent
 
@@ -66,110 +76,15 @@ class PrequantizedCheckpoint:
                ) -> dict[str, torch.Tensor]:
         """Our ``scheme``'s tensors (``quantize_weight``'s roles) for the layer at ``path`` of weight ``shape``
         ``[N, K]``, from the checkpoint's tensors of that layer by leaf name (``weight_packed``, ``qzeros``, …)."""
-        converter = _CONVERTERS[self.layouts[scheme.name]]
+        read = self.readers[scheme.name]
         try:
-            return converter(_Layer(path, dict(tensors), shape, scheme))
+            return read(CheckpointLayer(path, dict(tensors), shape, scheme))
         except KeyError as missing:
             raise CheckpointError(f"{self.method} checkpoint: layer {path} has no tensor {path}.{missing.args[0]} "
                                   f"(it has {', '.join(sorted(tensors)) or 'none'})") from None
 
 
-@dataclass
-class _Layer:
-    path: str
-    tensors: dict[str, torch.Tensor]
-    shape: tuple[int, int]
-    scheme: QuantScheme
-
-    def tensor(self, leaf: str, dtypes: tuple[torch.dtype, ...], shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-        """``leaf``'s tensor, checked against the dtypes and shapes the format allows here."""
-        tensor = self.tensors[leaf]
-        if tensor.dtype not in dtypes or tuple(tensor.shape) not in shapes:
-            wanted = " or ".join(str(tuple(s)) for s in shapes)
-            raise CheckpointError(
-                f"checkpoint tensor {self.path}.{leaf} is {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}, "
-                f"but a {self.scheme.name} layer of weight {self.shape} needs {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} "
-                f"{wanted}: the quantization_config disagrees with the tensors"
-            )
-        return tensor
-
-    @property
-    def groups(self) -> int:
-        return self.shape[1] // self.scheme.group_size
-
-
-_FLOAT_SCALES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def require_compressed_tensors() -> None:
-    """A clear error where the ``compressed-tensors`` package (a dependency on Python 3.11 and later) is missing."""
-    try:
-        import compressed_tensors  # noqa: F401
-    except ImportError as error:
-        raise ConfigError("compressed-tensors checkpoints are read and written with the compressed-tensors package, "
-                          "which is not installed: pip install compressed-tensors (it needs Python 3.11 or later)") from error
-
-
-def _float8(layer: _Layer) -> dict[str, torch.Tensor]:
-    rows, columns = layer.shape
-    qweight = layer.tensor("weight", (torch.float8_e4m3fn,), ((rows, columns),))
-    scale_shapes = ((rows, 1), (rows,)) if layer.scheme.per_channel else ((), (1,), (1, 1))
-    scale = layer.tensor("weight_scale", _FLOAT_SCALES, scale_shapes)
-    stored = {"qweight": qweight, "scale": scale.to(torch.float32).reshape(-1)}
-    if layer.scheme.static_activations:
-        stored["input_scale"] = layer.tensor("input_scale", _FLOAT_SCALES, ((), (1,), (1, 1))).to(torch.float32).reshape(1)
-    return stored
-
-
-def _int8(layer: _Layer) -> dict[str, torch.Tensor]:
-    rows, columns = layer.shape
-    if "weight_packed" in layer.tensors:  # pack-quantized: four int8 values a word
-        require_compressed_tensors()
-        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-        packed = layer.tensor("weight_packed", (torch.int32,), ((rows, -(-columns // 4)),))
-        qweight = unpack_from_int32(packed, 8, torch.Size((rows, columns)))
-    else:
-        qweight = layer.tensor("weight", (torch.int8,), ((rows, columns),))
-    scale = layer.tensor("weight_scale", _FLOAT_SCALES, ((rows, 1), (rows,)))
-    return {"qweight": qweight, "scale": scale.to(torch.float32).reshape(-1)}
-
-
-def _int8_w8a8(layer: _Layer) -> dict[str, torch.Tensor]:
-    """W8A8: int8 weights, activations quantized per token by the op; llm-compressor folds SmoothQuant's
-    smoothing into the preceding weights, so the op's own smoothing is one."""
-    return {**_int8(layer), "smooth": torch.ones(layer.shape[1])}
-
-
-def _packed_int4(layer: _Layer) -> dict[str, torch.Tensor]:
-    require_compressed_tensors()
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-    rows, columns = layer.shape
-    if "weight_shape" in layer.tensors and tuple(int(d) for d in layer.tensors["weight_shape"].tolist()) != layer.shape:
-        raise CheckpointError(f"checkpoint tensor {layer.path}.weight_shape says {layer.tensors['weight_shape'].tolist()}, "
-                              f"but the model's layer is {list(layer.shape)}: does config.json match these weights?")
-    packed = layer.tensor("weight_packed", (torch.int32,), ((rows, -(-columns // 8)),))
-    signed = unpack_from_int32(packed, 4, torch.Size((rows, columns)))  # in [-8, 7]
-    scale = layer.tensor("weight_scale", _FLOAT_SCALES, ((rows, layer.groups),))
-    if "weight_zero_point" in layer.tensors:  # asymmetric: zero points packed along the output dim
-        zero_points = layer.tensor("weight_zero_point", (torch.int32,), ((-(-rows // 8), layer.groups),))
-        # Unpacked here: compressed-tensors' unpack_from_int32 cannot read one packed row (a gate of fewer than 9
-        # outputs, as Qwen2-MoE's shared-expert gate), whose transpose it cannot view as bytes. Nibbles hold value + 8.
-        zero = _nibbles(zero_points).transpose(1, 2).reshape(-1, layer.groups)[:rows].to(torch.int16)
-    else:
-        zero = torch.full((rows, layer.groups), 8, dtype=torch.int16)
-    return {"qweight": pack_int4((signed.to(torch.int16) + 8).to(torch.uint8)), "scale": scale.to(torch.float32),
-            "zero": zero.to(torch.uint8)}
-
-
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 ``[R, C]`` → uint8 ``[R, C, 8]``: nibble ``j`` of each word (bits ``4j … 4j+3``)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)
-
-
-def _check_trivial_g_idx(layer: _Layer) -> None:
+def _check_trivial_g_idx(layer: CheckpointLayer) -> None:
     g_idx = layer.tensors.get("g_idx")
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(layer.shape[1]) // layer.scheme.group_size):
         raise CheckpointError(
@@ -179,43 +94,32 @@ def _check_trivial_g_idx(layer: _Layer) -> None:
         )
 
 
-def _awq(layer: _Layer) -> dict[str, torch.Tensor]:
+def _awq(layer: CheckpointLayer) -> dict[str, torch.Tensor]:
     rows, columns = layer.shape
     qweight = layer.tensor("qweight", (torch.int32,), ((columns, rows // 8),))
     qzeros = layer.tensor("qzeros", (torch.int32,), ((layer.groups, rows // 8),))
-    scales = layer.tensor("scales", _FLOAT_SCALES, ((layer.groups, rows),))
+    scales = layer.tensor("scales", FLOAT_SCALES, ((layer.groups, rows),))
     order = torch.argsort(torch.tensor(_AWQ_ORDER))  # nibble index of each of a word's 8 columns
 
     def unpacked(words: torch.Tensor) -> torch.Tensor:  # [R, N/8] → [R, N] in column order
-        return _nibbles(words)[..., order].reshape(words.shape[0], -1)
+        return nibbles(words)[..., order].reshape(words.shape[0], -1)
 
     return {"qweight": pack_int4(unpacked(qweight).t()), "scale": scales.to(torch.float32).t().contiguous(),
             "zero": unpacked(qzeros).t().contiguous()}
 
 
-def _gptq(layer: _Layer, zero_offset: int) -> dict[str, torch.Tensor]:
+def _gptq(layer: CheckpointLayer, zero_offset: int) -> dict[str, torch.Tensor]:
     rows, columns = layer.shape
     qweight = layer.tensor("qweight", (torch.int32,), ((columns // 8, rows),))
     qzeros = layer.tensor("qzeros", (torch.int32,), ((layer.groups, rows // 8),))
-    scales = layer.tensor("scales", _FLOAT_SCALES, ((layer.groups, rows),))
+    scales = layer.tensor("scales", FLOAT_SCALES, ((layer.groups, rows),))
     _check_trivial_g_idx(layer)
-    q = _nibbles(qweight.t()).reshape(rows, columns)  # packed along the inputs: [N, K/8, 8] → [N, K]
-    zero = _nibbles(qzeros).reshape(layer.groups, rows).t().to(torch.int16) + zero_offset
+    q = nibbles(qweight.t()).reshape(rows, columns)  # packed along the inputs: [N, K/8, 8] → [N, K]
+    zero = nibbles(qzeros).reshape(layer.groups, rows).t().to(torch.int16) + zero_offset
     if zero.min() < 0 or zero.max() > 15:
         raise CheckpointError(f"checkpoint tensor {layer.path}.qzeros holds zero points outside 0 … 15 once decoded: "
                               f"is quantization_config.checkpoint_format right (gptq stores them minus one, gptq_v2 as they are)?")
     return {"qweight": pack_int4(q), "scale": scales.to(torch.float32).t().contiguous(), "zero": zero.to(torch.uint8)}
-
-
-_CONVERTERS: dict[str, Callable[[_Layer], dict[str, torch.Tensor]]] = {
-    "float8": _float8,
-    "int8": _int8,
-    "int8_w8a8": _int8_w8a8,
-    "packed_int4": _packed_int4,
-    "awq": _awq,
-    "gptq": lambda layer: _gptq(layer, 1),
-    "gptq_v2": lambda layer: _gptq(layer, 0),
-}
 
 
 def detect_prequantized(hf_config, directory: Path | None) -> PrequantizedCheckpoint | None:
@@ -246,13 +150,6 @@ def detect_prequantized(hf_config, directory: Path | None) -> PrequantizedCheckp
     return found
 
 
-def _scheme(name: str, where: str, **options) -> QuantScheme:
-    try:
-        return QuantScheme(name, **options)
-    except ValueError as error:
-        raise CheckpointError(f"{where}: {error}") from error
-
-
 def _compressed_tensors(config: dict) -> PrequantizedCheckpoint:
     require_compressed_tensors()
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
@@ -275,34 +172,22 @@ def _compressed_tensors(config: dict) -> PrequantizedCheckpoint:
                       ours))
     if parsed.kv_cache_scheme is not None:
         notes.append("its KV cache scheme applies only with quantize.kv_cache: fp8 (which then takes its k_scale / v_scale)")
-    layouts = {"fp8": "float8", "int8_wo": "int8", "int4_wo": "packed_int4", "smoothquant": "int8_w8a8"}
-    return PrequantizedCheckpoint(f"compressed-tensors ({parsed.format})", layouts, rules, notes)
+    readers = {name: QuantScheme(name).method.read_compressed_tensors for name in {ours.name for _, ours in rules}}
+    return PrequantizedCheckpoint(f"compressed-tensors ({parsed.format})", readers, rules, notes)
 
 
 def _compressed_tensors_scheme(scheme, fmt: str, where: str) -> tuple[QuantScheme, str | None]:
+    """Our scheme for a compressed-tensors group: the first registered scheme that reads it
+    (``QuantMethod.from_compressed_tensors``), with a note on what is served differently."""
     weights, inputs = scheme.weights, scheme.input_activations
     described = f"{where} (format {fmt}, weights {weights}, input activations {inputs})"
     if weights is None or scheme.output_activations is not None:
         raise CheckpointError(f"{described}: autodeploy serves weight quantization (with or without input activations); "
                               f"this group has {'no weights' if weights is None else 'output activations'}")
-    kind, bits, strategy = str(weights.type), int(weights.num_bits), str(weights.strategy)
-    note = None
-    if kind == "float" and bits == 8 and strategy in ("channel", "tensor") and fmt in ("float-quantized", "naive-quantized"):
-        static = inputs is not None and not inputs.dynamic and str(inputs.strategy) == "tensor"
-        if inputs is None or not (static or str(inputs.strategy) == "token"):
-            note = f"{where}: activations {'unquantized' if inputs is None else inputs.strategy} in the checkpoint are quantized to fp8 per token at run time"
-        return _scheme("fp8", described, per_channel=strategy == "channel", static_activations=static), note
-    if kind == "int" and bits == 8 and strategy == "channel" and weights.symmetric and fmt in ("int-quantized", "pack-quantized", "naive-quantized"):
-        if inputs is None:
-            return _scheme("int8_wo", described), None
-        if str(inputs.type) != "int" or int(inputs.num_bits) != 8:
-            raise CheckpointError(f"{described}: int8 weights with {inputs.type}{inputs.num_bits} activations; autodeploy "
-                                  f"serves int8 weights with int8 activations (W8A8) or unquantized ones")
-        if not inputs.dynamic or str(inputs.strategy) != "token":
-            note = f"{where}: int8 activations with static scales in the checkpoint are quantized per token at run time"
-        return _scheme("smoothquant", described), note  # W8A8; its smoothing is folded into the checkpoint's norms
-    if kind == "int" and bits == 4 and strategy == "group" and fmt == "pack-quantized" and inputs is None:
-        return _scheme("int4_wo", described, group_size=int(weights.group_size)), None
+    for name in scheme_names():
+        found = QuantScheme(name).method.from_compressed_tensors(weights, inputs, fmt, where)
+        if found is not None:
+            return found
     raise CheckpointError(
         f"{described}: not a scheme autodeploy serves. It reads fp8 weights per channel or tensor (float-quantized), "
         f"int8 weights per channel (int-quantized, pack-quantized) and int4 weights per group (pack-quantized, no "
@@ -328,7 +213,7 @@ def _int4_group(config: dict, where: str) -> QuantScheme:
     if not isinstance(group, int) or group <= 0:
         raise CheckpointError(f"{where}: group_size is {group!r}; autodeploy reads 4-bit checkpoints quantized per group "
                               f"(group_size > 0, e.g. 128)")
-    return _scheme("int4_wo", where, group_size=group)
+    return checkpoint_scheme("int4_wo", where, group_size=group)
 
 
 def _awq_config(config: dict) -> PrequantizedCheckpoint:
@@ -339,7 +224,7 @@ def _awq_config(config: dict) -> PrequantizedCheckpoint:
         raise CheckpointError(f"{where}: version {version!r}, zero_point {config.get('zero_point')!r}; autodeploy reads "
                               f"AutoAWQ's GEMM layout with zero points (version: gemm, zero_point: true)")
     excluded = list(config.get("modules_to_not_convert") or [])
-    return PrequantizedCheckpoint("AutoAWQ (gemm)", {"int4_wo": "awq"}, [(_within_decoder_blocks(excluded), scheme)])
+    return PrequantizedCheckpoint("AutoAWQ (gemm)", {"int4_wo": _awq}, [(_within_decoder_blocks(excluded), scheme)])
 
 
 def _gptq_config(config: dict) -> PrequantizedCheckpoint:
@@ -353,14 +238,14 @@ def _gptq_config(config: dict) -> PrequantizedCheckpoint:
     if layout not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"{where}: checkpoint_format {layout!r}; autodeploy reads gptq and gptq_v2")
     excluded = list(config.get("modules_to_not_convert") or [])
-    return PrequantizedCheckpoint(f"GPTQ ({layout})", {"int4_wo": layout}, [(_within_decoder_blocks(excluded), scheme)])
+    return PrequantizedCheckpoint(f"GPTQ ({layout})", {"int4_wo": lambda layer: _gptq(layer, 1 if layout == "gptq" else 0)}, [(_within_decoder_blocks(excluded), scheme)])
 
 
 def _modelopt(config: dict) -> PrequantizedCheckpoint:
     where = f"NVIDIA ModelOpt quantization ({MODELOPT_CONFIG} or quant_method modelopt)"
     algorithm = str(config.get("quant_algo"))
-    schemes = {"FP8": _scheme("fp8", where, per_channel=False, static_activations=True),
-               "FP8_PER_CHANNEL_PER_TOKEN": _scheme("fp8", where)}
+    schemes = {"FP8": checkpoint_scheme("fp8", where, per_channel=False, static_activations=True),
+               "FP8_PER_CHANNEL_PER_TOKEN": checkpoint_scheme("fp8", where)}
     if algorithm not in schemes:
         raise CheckpointError(f"{where}: quant_algo {algorithm!r}; autodeploy reads {', '.join(schemes)}")
     excluded = [str(glob) for glob in config.get("exclude_modules") or []]
@@ -372,5 +257,5 @@ def _modelopt(config: dict) -> PrequantizedCheckpoint:
     def matches(path: str, module: nn.Module | None) -> bool:
         return isinstance(module, nn.Linear) and not any(fnmatch.fnmatchcase(path, glob) for glob in excluded)
 
-    return PrequantizedCheckpoint(f"ModelOpt ({algorithm})", {"fp8": "float8"}, [(matches, schemes[algorithm])], notes)
+    return PrequantizedCheckpoint(f"ModelOpt ({algorithm})", {"fp8": read_float8}, [(matches, schemes[algorithm])], notes)
 

@@ -60,12 +60,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..activations import ACTIVATIONS as ACTIVATION_FUNCTIONS
 from ..fused_gated_mlp import fused_gated_mlp_inner_size
 from . import INTERPRETED, SUPPORTED_DTYPES
 from .fp8 import fp8_row_scale, to_e4m3
 from .launch import dependent_launch, wait_for_previous_kernel
 
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
+ACTIVATIONS = tuple(ACTIVATION_FUNCTIONS)  # each written out below as a formula for a float32 block
 
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)

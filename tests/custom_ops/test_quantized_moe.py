@@ -42,7 +42,7 @@ def test_the_reference_is_moe_over_the_dequantized_experts_and_the_torch_backend
 
 
 def test_moe_experts_refuse_the_schemes_they_do_not_take():
-    assert "MoE experts take int8_wo or int4_wo, not fp8" in QuantScheme("fp8").check_shape((4, 16, 32))
+    assert "MoE experts take int4_wo or int8_wo, not fp8" in QuantScheme("fp8").check_shape((4, 16, 32))
     with pytest.raises(ValueError, match="multiple of group_size 128"):
         quantize_weight(QuantScheme("int4_wo"), torch.zeros(2, 8, 64))
 

@@ -397,6 +397,5 @@ def test_supports_limits_match_the_kernels():
     # supports() restates the kernel modules' limits so as not to import them (and Triton) early.
     assert triton_backends._NORM_MAX_HIDDEN == norms.MAX_HIDDEN
     assert triton_backends._ROPE_MAX_HEAD_DIM == rope.MAX_HEAD_DIM
-    assert triton_backends._GATED_ACTIVATIONS == gated_activation.ACTIVATIONS
     assert triton_backends._SKINNY_DTYPES == skinny_gemm.DTYPES
     assert set(triton_backends._DTYPES) == set(norms.SUPPORTED_DTYPES) == set(rope.SUPPORTED_DTYPES)

@@ -8,6 +8,7 @@ import torch
 from torch.fx import GraphModule
 
 from autodeploy.export.export import export_to_graph_module
+from autodeploy import pipeline
 from autodeploy.transforms import TransformContext, TransformResult, get_transform_class
 
 CLEANUP_PASSES = ("cleanup_noop", "cleanup_transposes", "cleanup_dead_code")
@@ -26,7 +27,7 @@ def export_dynamic(
 
 def run_transform(name: str, gm: GraphModule) -> TransformResult:
     transform_class = get_transform_class(name)
-    return transform_class(transform_class.config_class()).apply(gm, TransformContext(settings=None))
+    return pipeline.run_transform(transform_class(transform_class.config_class()), gm, TransformContext(settings=None))
 
 
 def call_targets(gm: GraphModule) -> Counter:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +9,9 @@ from torch import fx, nn
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops.quantized_linear import QuantScheme, quantize_weight
-from autodeploy.transforms.fold_smoothing import FOLDED, FoldSmoothing, FoldSmoothingConfig
+from autodeploy.pipeline import run_transform
+from autodeploy.transforms import TransformConfig, TransformContext
+from autodeploy.transforms.fold_smoothing import FoldSmoothing
 
 ops = torch.ops.autodeploy
 H, N, I = 32, 24, 40
@@ -63,9 +64,9 @@ def _graph(norm: str, offset: float = 0.0, extra_reader: bool = False, same_smoo
 
 
 def _fold(gm):
-    context = SimpleNamespace(state={})
-    result = FoldSmoothing(FoldSmoothingConfig()).apply(gm, context)
-    return result, context.state[FOLDED]
+    context = TransformContext(settings=None)
+    result = run_transform(FoldSmoothing(TransformConfig()), gm, context)
+    return result, context.folded_smoothing
 
 
 @pytest.mark.parametrize("norm, offset", [("rms_norm", 0.0), ("rms_norm", 1.0), ("add_rms_norm", 1.0), ("layer_norm", 0.0)],
@@ -102,6 +103,6 @@ def test_smoothing_stays_in_the_ops_where_a_fold_would_change_another_reader(ext
 def test_a_graph_without_weights_keeps_its_smoothing():
     # autodeploy inspect on the meta device: nothing to multiply yet, so nothing moves.
     gm = _graph("rms_norm").to("meta")
-    result = FoldSmoothing(FoldSmoothingConfig()).apply(gm, SimpleNamespace(state={}))
+    result = run_transform(FoldSmoothing(TransformConfig()), gm, TransformContext(settings=None))
     assert not result.changed and "meta device" in result.notes
     assert all(n.args[3] is not None for n in gm.graph.find_nodes(op="call_function", target=ops.int8_w8a8_linear.default))

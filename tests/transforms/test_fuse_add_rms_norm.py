@@ -10,8 +10,9 @@ from torch import nn
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy import autodeploy
 from autodeploy.export.export import export_to_graph_module
-from autodeploy.transforms import TransformContext
-from autodeploy.transforms.fuse_add_rms_norm import FuseAddRmsNorm, FuseAddRmsNormConfig
+from autodeploy.pipeline import run_transform
+from autodeploy.transforms import TransformConfig, TransformContext
+from autodeploy.transforms.fuse_add_rms_norm import FuseAddRmsNorm
 from tests.coverage_models import eager_reference_model
 
 ADD_RMS_NORM, RMS_NORM = torch.ops.autodeploy.add_rms_norm, torch.ops.autodeploy.rms_norm
@@ -85,7 +86,7 @@ def test_only_an_add_of_two_like_tensors_straight_into_the_norm_fuses(case):
     x, residual = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
     gm = export_to_graph_module(ResidualNorm(combine, read_early), (x, residual))
     expected = gm(x, residual)
-    result = FuseAddRmsNorm(FuseAddRmsNormConfig()).apply(gm, TransformContext(settings=None))
+    result = run_transform(FuseAddRmsNorm(TransformConfig()), gm, TransformContext(settings=None))
     assert result.matches == matches
     assert sum(1 for n in gm.graph.nodes if n.target is ADD_RMS_NORM.default) == matches
     if reason is None:

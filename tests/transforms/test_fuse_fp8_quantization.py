@@ -16,7 +16,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy import autodeploy
 from autodeploy.custom_ops.quantized_linear import QuantScheme, quantize_weight
-from autodeploy.transforms.fuse_fp8_quantization import FuseFp8Quantization, FuseFp8QuantizationConfig
+from autodeploy.pipeline import run_transform
+from autodeploy.transforms import TransformConfig, TransformContext
+from autodeploy.transforms.fuse_fp8_quantization import FuseFp8Quantization
 
 ops = torch.ops.autodeploy
 H, N, I = 32, 24, 40
@@ -60,7 +62,7 @@ def test_the_norm_and_the_gated_activation_round_for_their_fp8_linears_with_the_
     gen = torch.Generator().manual_seed(2)
     x, residual = torch.randn(5, H, generator=gen) * 3, torch.randn(5, H, generator=gen)
     before = gm(x, residual)
-    result = FuseFp8Quantization(FuseFp8QuantizationConfig()).apply(gm, SimpleNamespace(state={}))
+    result = run_transform(FuseFp8Quantization(TransformConfig()), gm, TransformContext(settings=None))
     assert result.matches == 2 and not result.details
     # q and k share the norm's one rounding (per-channel and per-tensor weight scales alike); gate and up
     # read the residual sum, which nothing rounds, so they keep theirs.
@@ -73,16 +75,16 @@ def test_the_norm_and_the_gated_activation_round_for_their_fp8_linears_with_the_
 def test_a_float32_gpu_deploy_keeps_each_fp8_linears_own_rounding():
     # There fp8_linear's GEMV sums in float32; no fast fp8_prequantized_linear kernel writes float32.
     gm = _graph()
-    on_gpu = SimpleNamespace(state={}, settings=SimpleNamespace(device="cuda"))
-    result = FuseFp8Quantization(FuseFp8QuantizationConfig()).apply(gm, on_gpu)
+    on_gpu = TransformContext(settings=SimpleNamespace(device="cuda"))
+    result = run_transform(FuseFp8Quantization(TransformConfig()), gm, on_gpu)
     assert result.matches == 0 and _targets(gm)["fp8_linear"] == 5
-    on_cpu = SimpleNamespace(state={}, settings=SimpleNamespace(device="cpu"))
-    assert FuseFp8Quantization(FuseFp8QuantizationConfig()).apply(gm, on_cpu).matches == 2
+    on_cpu = TransformContext(settings=SimpleNamespace(device="cpu"))
+    assert run_transform(FuseFp8Quantization(TransformConfig()), gm, on_cpu).matches == 2
 
 
 def test_a_norm_that_another_op_reads_keeps_its_output_and_is_named():
     gm = _graph(extra_reader=True)
-    result = FuseFp8Quantization(FuseFp8QuantizationConfig()).apply(gm, SimpleNamespace(state={}))
+    result = run_transform(FuseFp8Quantization(TransformConfig()), gm, TransformContext(settings=None))
     assert result.matches == 1  # the gated activation's still fuses
     assert any("add_rms_norm" in d and "neg" in d for d in result.details), result.details
     assert _targets(gm)["add_rms_norm"] == 1 and _targets(gm)["fp8_linear"] == 4
@@ -110,7 +112,7 @@ def test_the_autotuner_draws_e4m3_rows_for_a_prequantized_linear():
     from autodeploy.transforms.select_kernels import _Problem, _TokenShapes
 
     gm = _graph()
-    FuseFp8Quantization(FuseFp8QuantizationConfig()).apply(gm, SimpleNamespace(state={}))
+    run_transform(FuseFp8Quantization(TransformConfig()), gm, TransformContext(settings=None))
     (linear, *_) = gm.graph.find_nodes(op="call_function", target=ops.fp8_prequantized_linear.default)
     problem = _Problem(linear, gm, _TokenShapes(gm), torch.device("cpu"))
     assert problem.tunable() is None

@@ -10,8 +10,9 @@ from torch import fx, nn
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy import autodeploy
-from autodeploy.transforms import TransformContext
-from autodeploy.transforms.fuse_gate_up import FuseGateUp, FuseGateUpConfig
+from autodeploy.pipeline import run_transform
+from autodeploy.transforms import TransformConfig, TransformContext
+from autodeploy.transforms.fuse_gate_up import FuseGateUp
 from tests.patterns.tiny_family_configs_attention import tiny_family_model
 
 GATED_MLP = torch.ops.autodeploy.gated_mlp.default
@@ -88,7 +89,7 @@ def _graph(form: str) -> fx.GraphModule:
 
 
 def _fuse(gm: fx.GraphModule):
-    return FuseGateUp(FuseGateUpConfig()).apply(gm, TransformContext(settings=None))
+    return run_transform(FuseGateUp(TransformConfig()), gm, TransformContext(settings=None))
 
 
 @pytest.mark.parametrize(

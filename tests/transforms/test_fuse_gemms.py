@@ -8,8 +8,9 @@ from torch import fx, nn
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy import autodeploy
-from autodeploy.transforms import TransformContext
-from autodeploy.transforms.fuse_gemms import FuseGemms, FuseGemmsConfig
+from autodeploy.pipeline import run_transform
+from autodeploy.transforms import TransformConfig, TransformContext
+from autodeploy.transforms.fuse_gemms import FuseGemms
 
 LINEAR = torch.ops.autodeploy.linear.default
 
@@ -76,7 +77,7 @@ def _graph(shared_c: bool, bias_on_b: bool = False) -> fx.GraphModule:
 
 
 def _fuse(gm: fx.GraphModule):
-    return FuseGemms(FuseGemmsConfig()).apply(gm, TransformContext(settings=None))
+    return run_transform(FuseGemms(TransformConfig()), gm, TransformContext(settings=None))
 
 
 def test_a_weight_read_elsewhere_or_a_lone_bias_keeps_its_linear_apart():

@@ -11,11 +11,9 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy import SamplingParams, autodeploy
-from autodeploy.transforms import TransformContext
-from autodeploy.transforms.fuse_rope_into_cached_attention import (
-    FuseRopeIntoCachedAttention,
-    FuseRopeIntoCachedAttentionConfig,
-)
+from autodeploy.pipeline import run_transform
+from autodeploy.transforms import TransformConfig, TransformContext
+from autodeploy.transforms.fuse_rope_into_cached_attention import FuseRopeIntoCachedAttention
 from tests.coverage_models import eager_reference_model
 from tests.custom_ops.test_paged_attention_triton import (  # noqa: F401  (the fixture lets the interpreter loop)
     interpreter_loops_with_numpy_2_4,
@@ -107,9 +105,8 @@ def fuse(layer, backends=None):
         return [*gm(*copies), copies[5], copies[6]]  # outputs, then the caches as written
 
     before = run()
-    result = FuseRopeIntoCachedAttention(FuseRopeIntoCachedAttentionConfig()).apply(
-        gm, TransformContext(settings={"backends": backends or {}})
-    )
+    result = run_transform(FuseRopeIntoCachedAttention(TransformConfig()), gm,
+                           TransformContext(settings={"backends": backends or {}}))
     after = run()
     return result, before, after, [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 

@@ -20,7 +20,7 @@ CALIBRATED: list[dict] = []  # the statistics each calibration of fp8_cache_llam
 
 @pytest.fixture(scope="module")
 def fp8_cache_llama(tiny_checkpoint, tmp_path_factory):
-    from autodeploy.models import calibration
+    from autodeploy.transforms import calibration
 
     original = calibration.graph_statistics
     with pytest.MonkeyPatch.context() as patch:
@@ -45,7 +45,7 @@ def test_an_fp8_kv_cache_halves_the_bytes_a_block_and_verifies_within_its_roundi
 
 
 def test_each_layer_takes_scales_calibrated_from_its_key_and_value_projections(fp8_cache_llama):
-    from autodeploy.models.calibration import kv_cache_scales
+    from autodeploy.transforms.calibration import kv_cache_scales
 
     # The tiny model's keys and values are small: every scale stays 1 (no kwargs on the nodes).
     assert all("k_scale" not in n.kwargs for n in fp8_cache_llama.graph.graph.nodes)
@@ -83,7 +83,7 @@ def test_kv_cache_bad_inputs_are_config_errors(tiny_checkpoint, monkeypatch):
 
 def test_layers_with_scales_serve_and_verify_with_them(tiny_checkpoint, tmp_path, monkeypatch):
     # A headroom a million times the calibrated range forces scales past 1 on the tiny model's small values.
-    from autodeploy.models import calibration
+    from autodeploy.transforms import calibration
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(calibration, "_KV_HEADROOM", 1e6)

@@ -5,6 +5,7 @@ import torch
 
 from autodeploy.errors import ConfigError
 from autodeploy.export.export import export_causal_lm
+from autodeploy import pipeline
 from autodeploy.transforms import TransformContext, get_transform_class
 from autodeploy.transforms import match_patterns, match_report  # noqa: F401  (register the match transforms)
 from autodeploy.transforms.shape_propagation import propagate_shapes
@@ -30,7 +31,7 @@ CANONICAL = ("autodeploy.rms_norm.default", "autodeploy.layer_norm.default", "au
 
 def _run(name: str, gm, **options):
     transform_class = get_transform_class(name)
-    return transform_class(transform_class.config_class(**options)).apply(gm, TransformContext(settings=None))
+    return pipeline.run_transform(transform_class(transform_class.config_class(**options)), gm, TransformContext(settings=None))
 
 
 def _exported(arch: str, dtype: torch.dtype = torch.float32):

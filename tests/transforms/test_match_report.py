@@ -8,9 +8,9 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3MoeConfig
 
 from autodeploy.export.export import export_causal_lm
 from autodeploy.patterns import apply_patterns, select_patterns
-from autodeploy.transforms import TransformContext
+from autodeploy.transforms import TransformConfig, TransformContext
 from autodeploy.transforms import match_patterns  # noqa: F401  (registers the built-in patterns)
-from autodeploy.transforms.match_report import MODULE_SUFFIXES, MatchReportConfig, MatchReportTransform, expected_counts, match_report
+from autodeploy.transforms.match_report import MODULE_SUFFIXES, MatchReportTransform, expected_counts, match_report
 from tests.patterns.tiny_norm_mlp_models import ALL_ARCHITECTURES, config_for, model_for
 from tests.tiny_models import TINY_COMMON
 from tests.transforms.cleanup_harness import CLEANUP_PASSES, run_transform
@@ -57,5 +57,5 @@ def test_report_names_what_is_left_unmatched():
     assert str(match_report(gm, unknown)) == "attention 2/3, norm 5/7, mlp 2/3 (expected counts assume 2 norms + 1 MLP per layer)"
 
     context = TransformContext(settings=None, model_factory=SimpleNamespace(hf_config=model.config))
-    result = MatchReportTransform(MatchReportConfig()).apply(gm, context)
+    result = MatchReportTransform(TransformConfig()).apply(gm, context)
     assert result.notes == "attention 2/2, norm 5/5, mlp 2/2" and not result.changed

@@ -124,7 +124,7 @@ def test_moe_experts_quantize_apart_from_the_dense_layers_and_generate_what_hf_g
     assert llm.verification.relative_error <= 1e-4
     reloaded = autodeploy(str(llm.save(tmp_path / "experts")))
     assert all(torch.equal(a, b) for a, b in zip(reloaded.logits(prompts), llm.logits(prompts)))
-    with pytest.raises(ConfigError, match="quantize.experts: MoE experts take int8_wo, int4_wo or none; got 'fp8'"):
+    with pytest.raises(ConfigError, match="quantize.experts: MoE experts take int4_wo, int8_wo or none; got 'fp8'"):
         autodeploy(str(tiny_checkpoint("mixtral")), device="cpu", quantize={"experts": "fp8"})
 
 
@@ -210,22 +210,23 @@ def test_fp8_on_a_gpu_without_fp8_is_a_config_error_naming_schemes_that_work(mon
     from types import SimpleNamespace
 
     from autodeploy.config import QuantizeSettings
-    from autodeploy.transforms.quantize_linear import QuantizeLinear, QuantizeLinearConfig
+    from autodeploy.transforms import TransformConfig
+    from autodeploy.transforms.quantize_linear import QuantizeLinear
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
     context = SimpleNamespace(settings=SimpleNamespace(device="cuda", quantize=QuantizeSettings(layers={"*.mlp.*": "fp8"})),
                               model_factory=None)
-    with pytest.raises(ConfigError, match=r"fp8 needs a GPU of compute capability 8.9.*8.0. Use int8_wo or int4_wo"):
-        QuantizeLinear(QuantizeLinearConfig()).validate(context)
+    with pytest.raises(ConfigError, match=r"fp8 needs a GPU of compute capability 8.9.*8.0. Use int4_wo, .*int8_wo"):
+        QuantizeLinear(TransformConfig()).validate(context)
     context.settings.quantize = QuantizeSettings(default="int8_wo")
-    QuantizeLinear(QuantizeLinearConfig()).validate(context)  # weight-only schemes run anywhere
+    QuantizeLinear(TransformConfig()).validate(context)  # weight-only schemes run anywhere
 
 
 AWQ = {"default": "int4_awq", "int4_group_size": 32, "calibration": {"samples": 4, "seq_len": 64}}
 
 
 def test_an_awq_deploy_calibrates_once_then_reuses_the_cached_statistics(tiny_checkpoint, tmp_path, monkeypatch):
-    from autodeploy.models import calibration
+    from autodeploy.transforms import calibration
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     runs = []
@@ -250,7 +251,7 @@ def test_calibration_runs_the_canonical_graph_and_sees_what_the_models_projectio
                                                                                         monkeypatch):
     # The graph as the quantize stage finds it (after match: gated_mlp holds gate, up and down), with the
     # checkpoint's weights: each projection's input statistics equal what pre-hooks on the HF modules record.
-    from autodeploy.models import calibration
+    from autodeploy.transforms import calibration
     from tests.tiny_models import tiny_hf_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -362,7 +363,7 @@ def test_awq_calibration_bad_inputs_are_config_errors(tiny_checkpoint, tmp_path)
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**AWQ, "calibration": {"dataset": str(broken)}})
     with pytest.raises(ConfigError, match="neither 'builtin' nor a readable file"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize={**AWQ, "calibration": {"dataset": "nope.txt"}})
-    with pytest.raises(ConfigError, match="with weights=random use int4_wo"):
+    with pytest.raises(ConfigError, match="with weights=random use a scheme without calibration: fp8, int4_wo"):
         autodeploy(str(tiny_checkpoint("llama")), device="cpu", weights="random", quantize=AWQ)
 
 
@@ -375,7 +376,7 @@ def test_a_gptq_deploy_serves_int4_wo_ops_holding_its_rounding(tiny_checkpoint, 
 
 
 def test_statistics_past_the_cache_limit_are_recomputed_not_written(tiny_checkpoint, tmp_path, monkeypatch):
-    from autodeploy.models import calibration
+    from autodeploy.transforms import calibration
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(calibration, "CACHE_LIMIT_BYTES", 1024)  # the tiny model's Hessians are larger

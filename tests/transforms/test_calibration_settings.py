@@ -1,4 +1,4 @@
-"""Calibration settings that cannot work (autodeploy/models/calibration.py) are ``ConfigError``s naming the setting
+"""Calibration settings that cannot work (transforms/calibration.py) are ``ConfigError``s naming the setting
 and its fix, raised before any calibration forward runs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from autodeploy import autodeploy
 from autodeploy.errors import ConfigError
-from autodeploy.models import calibration
+from autodeploy.transforms import calibration
 
 GPTQ = {"default": "int4_gptq", "int4_group_size": 32}
 

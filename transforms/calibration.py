@@ -16,7 +16,7 @@ Statistics of up to ``CACHE_LIMIT_BYTES`` (1 GiB) are cached on disk
 a second build does not run the model again; larger ones (a large model's Hessians) are recomputed.
 
 ```python
-from autodeploy.models.calibration import calibration_windows
+from autodeploy.transforms.calibration import calibration_windows
 windows = calibration_windows(tokenizer, "builtin", samples=4, seq_len=64)   # 4 lists of 64 token ids
 ```
 """
@@ -36,7 +36,7 @@ from torch import fx, nn
 
 from autodeploy.custom_ops.activations import activation_fn
 from autodeploy.errors import ConfigError
-from autodeploy.transforms.quantize_linear import module_path
+from autodeploy.transforms.quantize_linear import module_path, uncalibrated_random_weights
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +236,7 @@ def calibrate(factory, settings, float_graph, modules: list[str], hessian_module
                           f"longest sequence this deploy takes; the model's max_position_embeddings unless set); set "
                           f"quantize.calibration.seq_len to {settings.max_seq_len} or less")
     if settings.weights == "random" and factory.tensors is None:
-        raise ConfigError("int4_awq, int4_gptq, smoothquant and static fp8 activations calibrate on the checkpoint's "
-                          "weights; with weights=random use int4_wo, int8_wo or fp8 with dynamic activations")
+        raise uncalibrated_random_weights([])
     cache = None
     if factory.tensors is None:  # a checkpoint folder; a twin's in-memory weights are calibrated afresh
         identity = json.dumps([str(factory.source.directory), _checkpoint_stamp(factory.source.directory)])

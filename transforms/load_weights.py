@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -21,17 +20,14 @@ from tqdm import tqdm
 
 from autodeploy.custom_ops.quantized_linear import quantize_weight, share_head_smoothing, share_smoothing
 from autodeploy.errors import CheckpointError
-from autodeploy.models.calibration import calibrate, kv_cache_scales, kv_projections
+from autodeploy.export.causal_lm import GRAPH_PREFIX
+from autodeploy.transforms.calibration import calibrate, kv_cache_scales, kv_projections
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
-from autodeploy.transforms.quantize_linear import CALIBRATION_GRAPH, HEAD_SMOOTHING, SMOOTHING_GROUPS
 from autodeploy.transforms.shard_tensor_parallel import SHARDS
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
+from autodeploy.transforms.registry import Transform, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
-
-# The exported graph wraps the HF model as attribute ``model`` (see autodeploy.export.CausalLMLogits).
-GRAPH_PREFIX = "model."
 
 
 def _set_attribute(root: nn.Module, dotted: str, value) -> None:
@@ -358,16 +354,9 @@ def checkpoint_kv_cache_scales(reader: CheckpointReader | StateDictReader) -> di
     return {path: (scales.get("k_scale", 1.0), scales.get("v_scale", 1.0)) for path, scales in found.items()}
 
 
-@dataclass
-class LoadWeightsConfig(TransformConfig):
-    stage: str = "load_weights"
-
-
-@register_transform("load_weights")
+@register_transform("load_weights", stage="load_weights")
 class LoadWeights(Transform):
     """Materialise the graph on the target device from the checkpoint (or random values)."""
-
-    config_class = LoadWeightsConfig
 
     def apply(self, gm: fx.GraphModule, context) -> TransformResult:
         settings = context.settings
@@ -377,11 +366,11 @@ class LoadWeights(Transform):
         factory: ModelFactory = context.model_factory
         moved = move_graph_to_device(gm, device)
         groups = _allocate_parameters(gm, device)
-        quantized = context.state.get("quantized_weights")  # the quantize stage's weights (transforms/quantize_linear.py)
+        quantized = context.quantized_weights  # the quantize stage's weights (transforms/quantize_linear.py)
         # A pre-quantized checkpoint's values are used as they are (the twin's weights are float).
         prequantized = factory.prequantized if factory.tensors is None and settings.weights == "checkpoint" else None
         statistics = None
-        snapshot = context.state.pop(CALIBRATION_GRAPH, None)  # dropped after: its float weights are the model's size
+        snapshot, context.calibration_graph = context.calibration_graph, None  # dropped: its float weights are the model's size
         calibrated = sorted({r.path for r in (quantized or {}).values() if r.scheme.calibrated})
         # An fp8 KV cache's per-layer scales come from the key and value projections' largest outputs,
         # when there are real weights to run (random weights, or a pre-quantized checkpoint: scale 1).
@@ -389,14 +378,14 @@ class LoadWeights(Transform):
         if prequantized is not None or (settings.weights == "random" and factory.tensors is None):
             key_values = []
         if (calibrated or key_values) and prequantized is None:
-            hessians = sorted({r.path for r in (quantized or {}).values() if r.scheme.name == "int4_gptq"})
+            hessians = sorted({r.path for r in (quantized or {}).values() if "hessian" in r.scheme.statistics})
             statistics = share_smoothing(calibrate(factory, settings, lambda on: float_graph(snapshot, factory, on),
                                                    calibrated, hessians, key_values),
-                                         context.state.get(SMOOTHING_GROUPS, []))
+                                         context.smoothing_groups)
             # o_proj: one s per value channel (the query heads sharing a key-value head), so fold_smoothing can
             # move it into v_proj; not with an fp8 KV cache, whose value scales are calibrated unscaled.
             if settings.quantize.kv_cache != "fp8":
-                statistics = share_head_smoothing(statistics, context.state.get(HEAD_SMOOTHING, []))
+                statistics = share_head_smoothing(statistics, context.head_smoothing)
             if key_values:
                 context.kv_cache_scales = kv_cache_scales(statistics, key_values)
         if prequantized is not None and settings.quantize.kv_cache == "fp8":
