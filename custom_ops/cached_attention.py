@@ -23,13 +23,14 @@ Layout and metadata (N sequences, T new tokens in all):
 
 from __future__ import annotations
 
+import inspect
 from typing import List, Optional
 
 import torch
 
 from .attention import attend, check_alibi_slopes
 from .compute_dtype import compute_dtype
-from .registry import register_backend, register_op
+from .registry import arguments_tuple, register_backend, register_op
 
 
 
@@ -114,11 +115,16 @@ def cached_attention_reference(
     return out
 
 
-def cached_attention_fake(
-    q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
-    sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0,
-):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+# The op's arguments, in order, as the reference declares them (its type hints give the op's schema): the one
+# declaration of the signature. The fakes, the backends and their supports checks, the rope variant and the
+# cache-stage passes bind a call's arguments by name with ``CachedAttentionArgs(*args, **kwargs)``.
+SIGNATURE = inspect.signature(cached_attention_reference, eval_str=True)
+CachedAttentionArgs = arguments_tuple("CachedAttentionArgs", SIGNATURE)
+
+
+def cached_attention_fake(*args, **kwargs):
+    call = CachedAttentionArgs(*args, **kwargs)
+    return call.q.new_empty((*call.q.shape[:-1], call.v.shape[-1]))
 
 
 def _example_inputs():
@@ -153,10 +159,7 @@ def _triton_backend(*args, **kwargs):
     return cached_attention_triton(*args, **kwargs, check=False)
 
 
-def _triton_supports(
-    q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
-    sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, *, device,
-):
+def _triton_supports(*args, device, **kwargs):
     from .triton import triton_unavailable
 
     reason = triton_unavailable(device)
@@ -164,9 +167,11 @@ def _triton_supports(
         return reason
     from .triton.paged_attention import check_supported  # Triton is usable here: its kernels may be defined
 
+    call = CachedAttentionArgs(*args, **kwargs)
     try:
         check_supported(
-            q, k, v, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes, device=device
+            call.q, call.k, call.v, call.k_cache, call.v_cache, call.block_tables, call.sliding_window, call.logit_cap,
+            call.sinks, call.alibi_slopes, device=device,
         )
     except ValueError as error:
         return str(error).removeprefix("cached_attention_triton: ")

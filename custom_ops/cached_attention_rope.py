@@ -30,53 +30,45 @@ Example (the reference; the metadata layout is ``cached_attention``'s)::
 
 from __future__ import annotations
 
-from typing import List, Optional
+import inspect
 
 import torch
 
-from .cached_attention import cached_attention_reference
+from .cached_attention import SIGNATURE, CachedAttentionArgs, cached_attention_reference
 from .cached_attention_sdpa import cached_attention_sdpa
-from .registry import register_backend, register_op
+from .registry import arguments_tuple, register_backend, register_op
 from .rope import rope_reference, rope_torch
 
 
-def cached_attention_rope_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    interleaved: bool,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_start: torch.Tensor,
-    kv_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    batch_info: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    logit_cap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    alibi_slopes: Optional[List[float]] = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+# cached_attention's arguments with rope's angles and layout after v: the signature derives from cached_attention's
+# one declaration (custom_ops/cached_attention.py), so the two cannot drift apart.
+_PARAMETERS = list(SIGNATURE.parameters.values())
+_ROPE = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+         for name, annotation in (("cos", torch.Tensor), ("sin", torch.Tensor), ("interleaved", bool))]
+ROPE_SIGNATURE = SIGNATURE.replace(parameters=[*_PARAMETERS[:3], *_ROPE, *_PARAMETERS[3:]])
+CachedAttentionRopeArgs = arguments_tuple("CachedAttentionRopeArgs", ROPE_SIGNATURE)
+
+
+def _attention_call(call: tuple, q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """The ``cached_attention`` call this one stands for, given q and k rotated."""
+    return CachedAttentionArgs(**{**{name: getattr(call, name) for name in CachedAttentionArgs._fields}, "q": q, "k": k})
+
+
+def cached_attention_rope_reference(*args, **kwargs) -> torch.Tensor:
     """``cached_attention(rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved), v, …)`` with
     both ops' references: rotates q ``[1, T, Hq, D]`` and k ``[1, T, Hkv, D]``, writes the rotated keys and
     the values into the caches, and attends. Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype."""
-    return cached_attention_reference(
-        rope_reference(q, cos, sin, interleaved), rope_reference(k, cos, sin, interleaved), v, k_cache, v_cache,
-        seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale, sliding_window, logit_cap, sinks,
-        alibi_slopes, k_scale, v_scale,
-    )
+    call = CachedAttentionRopeArgs(*args, **kwargs)
+    rotated = (rope_reference(x, call.cos, call.sin, call.interleaved) for x in (call.q, call.k))
+    return cached_attention_reference(*_attention_call(call, *rotated))
 
 
-def cached_attention_rope_fake(
-    q, k, v, cos, sin, interleaved, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info,
-    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0,
-):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+cached_attention_rope_reference.__signature__ = ROPE_SIGNATURE  # the op's schema is inferred from it
+
+
+def cached_attention_rope_fake(*args, **kwargs):
+    call = CachedAttentionRopeArgs(*args, **kwargs)
+    return call.q.new_empty((*call.q.shape[:-1], call.v.shape[-1]))
 
 
 def _example_inputs():
@@ -112,10 +104,7 @@ def _triton_backend(*args, **kwargs):
     return cached_attention_rope_triton(*args, **kwargs, check=False)
 
 
-def _triton_supports(
-    q, k, v, cos, sin, interleaved, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info,
-    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, *, device,
-):
+def _triton_supports(*args, device, **kwargs):
     from .triton import triton_unavailable
 
     reason = triton_unavailable(device)
@@ -123,41 +112,36 @@ def _triton_supports(
         return reason
     from .triton.paged_attention_rope import check_rope_supported  # Triton is usable here: its kernels may be defined
 
+    call = CachedAttentionRopeArgs(*args, **kwargs)
     try:
         check_rope_supported(
-            q, k, v, cos, sin, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes,
-            device=device,
+            call.q, call.k, call.v, call.cos, call.sin, call.k_cache, call.v_cache, call.block_tables,
+            call.sliding_window, call.logit_cap, call.sinks, call.alibi_slopes, device=device,
         )
     except ValueError as error:
         return str(error).split(": ", 1)[-1]  # without the kernel's name, which the report shows already
     return True
 
 
-def cached_attention_rope_sdpa(
-    q, k, v, cos, sin, interleaved, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info,
-    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0,
-):
+def cached_attention_rope_sdpa(*args, **kwargs):
     """``rope``'s torch backend on q and k, then ``cached_attention``'s SDPA backend: what the unfused graph
     runs on a CPU, in one node. q and k are rotated as one tensor (their heads side by side): the same
     element-wise arithmetic, so the same values, in one pass of ``rope_torch``'s dozen small ops instead of
     two (a CPU decode step is mostly such per-op overhead)."""
+    call = CachedAttentionRopeArgs(*args, **kwargs)
+    q, k, angles = call.q, call.k, (call.cos, call.sin, call.interleaved)
     if q.shape[-1] == k.shape[-1] and q.dtype == k.dtype:
         heads = q.shape[2]
-        rotated = rope_torch(torch.cat((q, k), dim=2), cos, sin, interleaved)
+        rotated = rope_torch(torch.cat((q, k), dim=2), *angles)
         q, k = rotated[:, :, :heads], rotated[:, :, heads:]
     else:
-        q, k = rope_torch(q, cos, sin, interleaved), rope_torch(k, cos, sin, interleaved)
-    return cached_attention_sdpa(
-        q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
-        sliding_window, logit_cap, sinks, alibi_slopes, k_scale, v_scale,
-    )
+        q, k = rope_torch(q, *angles), rope_torch(k, *angles)
+    return cached_attention_sdpa(*_attention_call(call, q, k))
 
 
-def _sdpa_supports(
-    q, k, v, cos, sin, interleaved, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info,
-    scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, *, device,
-):
-    if logit_cap is not None or sinks is not None:
+def _sdpa_supports(*args, device, **kwargs):
+    call = CachedAttentionRopeArgs(*args, **kwargs)
+    if call.logit_cap is not None or call.sinks is not None:
         return "SDPA has no soft-capping or sinks"
     return True
 

@@ -14,48 +14,32 @@ per-sequence loop was half of a CPU decode step.
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 import torch.nn.functional as F
 
 from .attention import check_alibi_slopes
-from .cached_attention import gather_sequence_kv, read_back, write_kv_cache
+from .cached_attention import CachedAttentionArgs, gather_sequence_kv, read_back, write_kv_cache
 from .registry import register_backend
 
 
-def cached_attention_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_start: torch.Tensor,
-    kv_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    batch_info: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    logit_cap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    alibi_slopes: Optional[List[float]] = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Same arguments and result as ``cached_attention_reference`` (without soft-capping or sinks)."""
-    if logit_cap is not None or sinks is not None:
+def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
+    """Same arguments (``CachedAttentionArgs``) and result as ``cached_attention_reference`` (without
+    soft-capping or sinks)."""
+    call = CachedAttentionArgs(*args, **kwargs)
+    q, k, v, k_cache, v_cache = call.q, call.k, call.v, call.k_cache, call.v_cache
+    scale, sliding_window = call.scale, call.sliding_window
+    if call.logit_cap is not None or call.sinks is not None:
         raise ValueError("cached_attention_sdpa: SDPA has no soft-capping or sinks; use the reference or triton backend.")
-    check_alibi_slopes("cached_attention_sdpa", alibi_slopes, q.shape[2])
-    slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32, device=q.device)[:, None, None]
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    num_prefill, num_decode = batch_info.tolist()[:2]
+    check_alibi_slopes("cached_attention_sdpa", call.alibi_slopes, q.shape[2])
+    slopes = None if call.alibi_slopes is None else torch.tensor(call.alibi_slopes, dtype=torch.float32, device=q.device)[:, None, None]
+    write_kv_cache(k, v, k_cache, v_cache, call.slot_mapping, call.k_scale, call.v_scale)
+    num_prefill, num_decode = call.batch_info.tolist()[:2]
     if num_prefill == 0 and q.shape[1] == num_decode:  # decodes only: their batch is the whole output (a CPU step counts its ops)
-        attended = _decode_batch(q[0], k_cache, v_cache, block_tables, kv_lens.tolist(), scale, sliding_window, slopes,
-                                 k_scale, v_scale)
+        attended = _decode_batch(q[0], k_cache, v_cache, call.block_tables, call.kv_lens.tolist(), scale, sliding_window,
+                                 slopes, call.k_scale, call.v_scale)
         return attended[None]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    starts, lengths = seq_start.tolist(), kv_lens.tolist()
+    starts, lengths = call.seq_start.tolist(), call.kv_lens.tolist()
     # A prompt with nothing cached before it attends over its own new keys, causally: no gather from the
     # cache and no mask to build (SDPA's own causal kernel). It reads k and v as given, so only when the
     # cache holds them unconverted, and only without a window or ALiBi, which need the explicit mask.
@@ -75,8 +59,8 @@ def cached_attention_sdpa(
             )
             out[0, first:last] = attended.transpose(0, 1)
             continue
-        keys, values = gather_sequence_kv(k_cache, v_cache, block_tables[s], kv_len)
-        keys, values = read_back(keys, q.dtype, k_scale).transpose(0, 1), read_back(values, q.dtype, v_scale).transpose(0, 1)  # [Hkv, kv_len, D]
+        keys, values = gather_sequence_kv(k_cache, v_cache, call.block_tables[s], kv_len)
+        keys, values = read_back(keys, q.dtype, call.k_scale).transpose(0, 1), read_back(values, q.dtype, call.v_scale).transpose(0, 1)  # [Hkv, kv_len, D]
         mask = None
         if last - first > 1 or sliding_window is not None or slopes is not None:
             query_pos = torch.arange(kv_len - (last - first), kv_len, device=q.device)[:, None]
@@ -93,8 +77,8 @@ def cached_attention_sdpa(
     if num_decode:
         first = starts[num_prefill]
         out[0, first : first + num_decode] = _decode_batch(
-            q[0, first : first + num_decode], k_cache, v_cache, block_tables[num_prefill:], lengths[num_prefill:],
-            scale, sliding_window, slopes, k_scale, v_scale,
+            q[0, first : first + num_decode], k_cache, v_cache, call.block_tables[num_prefill:], lengths[num_prefill:],
+            scale, sliding_window, slopes, call.k_scale, call.v_scale,
         )
     return out
 
@@ -137,9 +121,9 @@ def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_win
     return attended[:, :, 0]
 
 
-def _sdpa_supports(q, k, v, k_cache, v_cache, seq_start, kv_lens, block_tables, slot_mapping, batch_info, scale,
-                   sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, *, device):
-    if logit_cap is not None or sinks is not None:
+def _sdpa_supports(*args, device, **kwargs):
+    call = CachedAttentionArgs(*args, **kwargs)
+    if call.logit_cap is not None or call.sinks is not None:
         return "SDPA has no soft-capping or sinks"
     return True
 

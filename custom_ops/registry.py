@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,6 +146,33 @@ def register_op(
         reference_capturable=capturable,
     )
     return custom_op
+
+
+def arguments_tuple(name: str, signature: inspect.Signature) -> type:
+    """A namedtuple of ``signature``'s parameters in order, with its defaults: ``Args(*args, **kwargs)`` binds one
+    call's arguments by name, so an op's fake, backends and graph rewrites need not restate a long signature.
+
+    >>> Args = arguments_tuple("Args", inspect.signature(lambda x, scale=1.0: None))
+    >>> Args(2).scale
+    1.0
+    """
+    parameters = list(signature.parameters.values())
+    defaults = [p.default for p in parameters if p.default is not inspect.Parameter.empty]
+    return collections.namedtuple(name, [p.name for p in parameters], defaults=defaults)
+
+
+def positional(call: tuple) -> tuple:
+    """``call``'s values as a node's positional arguments, without the trailing ones that equal their default (a
+    graph then reads as it would had they been left out)."""
+    values, defaults = list(call), type(call)._field_defaults
+    while values and _is_default(values[-1], defaults.get(call._fields[len(values) - 1], inspect.Parameter.empty)):
+        values.pop()
+    return tuple(values)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    # Only plain values compare: a graph node or a tensor equals no default.
+    return value is default or (type(value) is type(default) in (int, float, bool, str) and value == default)
 
 
 def op_by_target(target: Any) -> tuple[CanonicalOp, str] | None:

@@ -30,6 +30,9 @@ from torch import fx
 from torch.fx import GraphModule
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.custom_ops.cached_attention import CachedAttentionArgs
+from autodeploy.custom_ops.cached_attention_rope import CachedAttentionRopeArgs
+from autodeploy.custom_ops.registry import positional
 from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
@@ -118,11 +121,11 @@ def _fusable(attention: fx.Node) -> tuple[_Rotated, _Rotated] | str:
 
 
 def _fuse(graph: fx.Graph, attention: fx.Node, q: _Rotated, k: _Rotated) -> None:
-    _, _, v, *cache_and_metadata = attention.args
+    call = CachedAttentionArgs(*attention.args)  # its kwargs (an fp8 cache's scales) stay kwargs
+    fused_call = CachedAttentionRopeArgs(**{**call._asdict(), "q": q.x, "k": k.x, "cos": q.cos, "sin": q.sin,
+                                            "interleaved": q.interleaved})
     with graph.inserting_before(attention):
-        fused = graph.call_function(
-            CACHED_ATTENTION_ROPE, (q.x, k.x, v, q.cos, q.sin, q.interleaved, *cache_and_metadata), attention.kwargs
-        )
+        fused = graph.call_function(CACHED_ATTENTION_ROPE, positional(fused_call), attention.kwargs)
     fused.meta = dict(attention.meta)  # the same output (value included) and module stack
     attention.replace_all_uses_with(fused)
     graph.erase_node(attention)

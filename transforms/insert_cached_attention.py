@@ -31,11 +31,13 @@ import torch
 from torch import fx
 from torch.fx import GraphModule
 
+from autodeploy.custom_ops.cached_attention import CachedAttentionArgs
+from autodeploy.custom_ops.registry import positional
 from autodeploy.custom_ops.serving_signature import ATTENTION_METADATA, SEQUENCE_METADATA, KVCacheSpec
 from autodeploy.errors import ConfigError, UnsupportedModelError
+from autodeploy.export.causal_lm import GRAPH_PREFIX
 from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
-_WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
 # gm.meta key: ``(first, total)``, the graph holds layers first … first + (its attentions) − 1 of the model's
 # total (a pipeline stage, transforms/shard_pipeline_parallel.py); absent: all of them.
 LAYERS = "autodeploy_layers"
@@ -115,7 +117,7 @@ def _cache_scales(node: fx.Node, spec: KVCacheSpec, scales: dict[str, tuple[floa
     if spec.dtype != torch.float8_e4m3fn:
         return {}
     stack = node.meta.get("nn_module_stack") or {}
-    path = next(reversed(stack.values()))[0].removeprefix(_WRAPPER) if stack else ""
+    path = next(reversed(stack.values()))[0].removeprefix(GRAPH_PREFIX) if stack else ""
     k_scale, v_scale = scales.get(path, (1.0, 1.0))
     return {"k_scale": k_scale, "v_scale": v_scale} if (k_scale, v_scale) != (1.0, 1.0) else {}
 
@@ -162,8 +164,8 @@ class InsertCachedAttention(Transform):
         specs = []
         last_input = metadata["logit_index"]
         for layer, node in enumerate(attention):
-            q, k, v, scale, *options = node.args
-            key, value = k.meta["val"], v.meta["val"]
+            given = {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}
+            key, value = given["k"].meta["val"], given["v"].meta["val"]
             spec = KVCacheSpec.for_layer(first_layer + layer, key.shape[2], key.shape[3], value.shape[3], kv_cache_dtype(context.settings) or key.dtype)
             with graph.inserting_after(last_input):
                 k_cache = graph.placeholder(spec.key_input)
@@ -172,10 +174,12 @@ class InsertCachedAttention(Transform):
             k_cache.meta["val"] = torch.empty(_EXAMPLE_BLOCKS, block_size, spec.kv_heads, spec.head_dim, dtype=spec.dtype, device="meta")
             v_cache.meta["val"] = torch.empty(_EXAMPLE_BLOCKS, block_size, spec.kv_heads, spec.value_head_dim, dtype=spec.dtype, device="meta")
             last_input = v_cache
+            # attention's arguments (q, k, v, scale and its options) go to cached_attention by name.
+            call = CachedAttentionArgs(**given, k_cache=k_cache, v_cache=v_cache,
+                                       **{name: metadata[name] for name in ATTENTION_METADATA})
             with graph.inserting_before(node):
                 cached = graph.call_function(
-                    torch.ops.autodeploy.cached_attention.default,
-                    (q, k, v, k_cache, v_cache, *(metadata[n] for n in ATTENTION_METADATA), scale, *options),
+                    torch.ops.autodeploy.cached_attention.default, positional(call),
                     _cache_scales(node, spec, context.kv_cache_scales),
                 )
             cached.meta = dict(node.meta)

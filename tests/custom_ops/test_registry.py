@@ -184,3 +184,19 @@ def test_a_backend_runs_through_an_fx_graph_under_its_own_name(name):
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     assert f"{name}_plain" in module.code
     torch.testing.assert_close(module(torch.ones(2)), torch.tanh(torch.ones(2) * 2))
+
+
+def test_arguments_tuple_binds_by_name_and_positional_drops_only_trailing_defaults():
+    import inspect
+
+    from autodeploy.custom_ops.cached_attention import CachedAttentionArgs
+    from autodeploy.custom_ops.registry import arguments_tuple, positional
+
+    Args = arguments_tuple("Args", inspect.signature(lambda x, window=None, k_scale=1.0, v_scale=1.0: None))
+    assert positional(Args(3)) == (3,)
+    assert positional(Args(3, v_scale=2.0)) == (3, None, 1.0, 2.0)  # a default before a given value stays
+    assert positional(Args(3, k_scale=1)) == (3, None, 1)  # an int 1 is not the float default: kept
+    tensors = [torch.ones(1)] * 10
+    call = CachedAttentionArgs(*tensors, 0.5, sinks=torch.zeros(2))
+    assert call.scale == 0.5 and call.sliding_window is None and call.k_scale == 1.0
+    assert len(positional(call)) == CachedAttentionArgs._fields.index("sinks") + 1
