@@ -42,10 +42,9 @@ from typing import Any
 import torch
 
 from autodeploy.errors import ConfigError
+from autodeploy.export.causal_lm import GRAPH_PREFIX
 
 logger = logging.getLogger(__name__)
-
-_GRAPH_PREFIX = "model."  # the exported graph holds the HF model as attribute ``model``
 
 
 def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path] = (), set_arguments: Iterable[str] = (),
@@ -53,11 +52,10 @@ def quantize_checkpoint(model: str, out: str | Path, config: Iterable[str | Path
     """Quantize ``model``'s checkpoint as the ``quantize`` settings say and write it to ``out`` (a new or
     empty folder). Returns ``out``."""
     from autodeploy.api import deployment_settings
-    from autodeploy.custom_ops.quantized_linear import QuantScheme, scheme_names
+    from autodeploy.custom_ops.quantized_linear import QuantScheme, parse_plan, scheme_names
     from autodeploy.models.factory import config_dtype
     from autodeploy.models.prequantized import require_compressed_tensors
     from autodeploy.pipeline import Pipeline
-    from autodeploy.transforms.quantize_linear import parse_plan
     from autodeploy.transforms.registry import TransformContext
 
     require_compressed_tensors()
@@ -131,7 +129,7 @@ def _float_tensors(graph, records: Mapping, meta_model, dtype: torch.dtype) -> d
         # Tied weights are stored once, under the embedding's name rather than the LM head's.
         aliases = sorted(names_of[id(parameter)], key=lambda alias: "lm_head" in alias)
         value = parameter.detach().cpu()
-        tensors[aliases[0].removeprefix(_GRAPH_PREFIX)] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
+        tensors[aliases[0].removeprefix(GRAPH_PREFIX)] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
     try:
         return {name: _owning_its_memory(tensor) for name, tensor in revert_weight_conversion(meta_model, tensors).items()}
     except Exception as error:  # a conversion transformers cannot revert: the model's own names then

@@ -43,6 +43,8 @@ from typing import Any, Optional
 
 import torch
 
+from autodeploy.errors import ConfigError
+
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 INT8_MAX = 127.0
 UINT4_MAX = 15
@@ -368,3 +370,27 @@ def scaled_mm_supports(dtype: torch.dtype, qweight: torch.Tensor, bias: Optional
     if bias is not None and bias.dtype != dtype:
         return f"bias dtype {bias.dtype} differs from the output's {dtype}"
     return True
+
+
+def parse_plan(settings) -> tuple[QuantScheme | None, list[tuple[str, QuantScheme | None]]]:
+    """(default scheme, [(glob, scheme)]) from the ``quantize`` settings; ``None`` is ``none``. Unknown scheme
+    names and bad options are ``ConfigError``s naming the key."""
+
+    def scheme(name, where: str) -> QuantScheme | None:
+        if not isinstance(name, str):
+            raise ConfigError(f"{where} must be a scheme name; got {name!r}")
+        if name == "none":
+            return None
+        try:
+            return QuantScheme(name, group_size=int(settings.int4_group_size), per_channel=settings.fp8_weight_scale == "channel",
+                               alpha=float(settings.smoothquant_alpha), static_activations=settings.fp8_activations == "static")
+        except ValueError as error:
+            raise ConfigError(f"{where}: {error}") from error
+
+    if settings.fp8_weight_scale not in ("channel", "tensor"):
+        raise ConfigError(f"quantize.fp8_weight_scale must be 'channel' or 'tensor'; got {settings.fp8_weight_scale!r}")
+    if settings.fp8_activations not in ("dynamic", "static"):
+        raise ConfigError(f"quantize.fp8_activations must be 'dynamic' (a scale per token) or 'static' (one per layer, from "
+                          f"calibration); got {settings.fp8_activations!r}")
+    rules = [(str(glob), scheme(name, f"quantize.layers[{glob!r}]")) for glob, name in dict(settings.layers).items()]
+    return scheme(settings.default, "quantize.default"), rules

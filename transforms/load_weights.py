@@ -21,9 +21,10 @@ from tqdm import tqdm
 from autodeploy.custom_ops.quantized_linear import quantize_weight, share_head_smoothing, share_smoothing
 from autodeploy.errors import CheckpointError
 from autodeploy.export.causal_lm import GRAPH_PREFIX
-from autodeploy.transforms.calibration import calibrate, kv_cache_scales, kv_projections
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.factory import ModelFactory
+from autodeploy.models.random_weights import random_parameter
+from autodeploy.transforms.calibration import calibrate, kv_cache_scales, kv_projections
 from autodeploy.transforms.shard_tensor_parallel import SHARDS
 from autodeploy.transforms.registry import Transform, TransformResult, register_transform
 
@@ -286,14 +287,6 @@ def load_checkpoint(gm: fx.GraphModule, factory: ModelFactory, reader: Checkpoin
             f"{' …' if len(missing) > 4 else ''}; is it a checkpoint of a different model variant?"
         )
     return len(filled)
-
-
-def random_parameter(name: str, shape: torch.Size, std: float, device: torch.device, generator=None) -> torch.Tensor:
-    """The benchmarking value of one parameter (float32): N(0, std) matrices, unit norm scales
-    (a 1-D tensor with "norm" in its qualified name), zero biases."""
-    if len(shape) == 1:
-        return torch.ones(shape, device=device) if "norm" in name else torch.zeros(shape, device=device)
-    return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).mul_(std)
 
 
 def initialize_randomly(gm: fx.GraphModule, factory: ModelFactory, groups, seed: int, quantized=None) -> int:

@@ -48,7 +48,7 @@ from torch import fx, nn
 from torch.fx import GraphModule
 
 from autodeploy.custom_ops.activations import ATEN_ACTIVATIONS
-from autodeploy.custom_ops.quantized_linear import QuantScheme, expert_scheme_names, quantize_weight, scheme_names
+from autodeploy.custom_ops.quantized_linear import QuantScheme, expert_scheme_names, parse_plan, quantize_weight, scheme_names
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.shape_propagation import infer_values
@@ -124,30 +124,6 @@ def quantizes_dense_layers(settings) -> bool:
 def parse_embedding(settings) -> QuantScheme | None:
     """How the token embedding table is stored (``quantize.embedding``): ``int8`` is ``int8_wo``'s layout."""
     return None if _option(settings, "embedding", EMBEDDING_SCHEMES, "the embedding table takes") is None else QuantScheme("int8_wo")
-
-
-def parse_plan(settings) -> tuple[QuantScheme | None, list[tuple[str, QuantScheme | None]]]:
-    """(default scheme, [(glob, scheme)]) from the ``quantize`` settings; ``None`` is ``none``. Unknown scheme
-    names and bad options are ``ConfigError``s naming the key."""
-
-    def scheme(name, where: str) -> QuantScheme | None:
-        if not isinstance(name, str):
-            raise ConfigError(f"{where} must be a scheme name; got {name!r}")
-        if name == NONE:
-            return None
-        try:
-            return QuantScheme(name, group_size=int(settings.int4_group_size), per_channel=settings.fp8_weight_scale == "channel",
-                               alpha=float(settings.smoothquant_alpha), static_activations=settings.fp8_activations == "static")
-        except ValueError as error:
-            raise ConfigError(f"{where}: {error}") from error
-
-    if settings.fp8_weight_scale not in ("channel", "tensor"):
-        raise ConfigError(f"quantize.fp8_weight_scale must be 'channel' or 'tensor'; got {settings.fp8_weight_scale!r}")
-    if settings.fp8_activations not in ("dynamic", "static"):
-        raise ConfigError(f"quantize.fp8_activations must be 'dynamic' (a scale per token) or 'static' (one per layer, from "
-                          f"calibration); got {settings.fp8_activations!r}")
-    rules = [(str(glob), scheme(name, f"quantize.layers[{glob!r}]")) for glob, name in dict(settings.layers).items()]
-    return scheme(settings.default, "quantize.default"), rules
 
 
 def module_path(weight_target: str) -> str:

@@ -30,7 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from autodeploy.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 from autodeploy.models.factory import parameters_on_meta
-from autodeploy.transforms.load_weights import random_parameter
+from autodeploy.models.random_weights import random_parameter
 
 logger = logging.getLogger(__name__)
 
