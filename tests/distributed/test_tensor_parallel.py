@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from autodeploy import SamplingParams, autodeploy
+from autodeploy.cli.main import main
 from autodeploy.errors import ConfigError
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
@@ -104,13 +105,15 @@ def test_what_tensor_parallelism_cannot_slice_is_refused_at_build(tiny_checkpoin
                    quantize={"default": "int8_wo"})
 
 
-def test_autodeploy_run_under_torchrun_prints_rank_zeros_completion_once(tiny_checkpoint):
-    # The CLI as a user starts it: `torchrun --nproc-per-node 2 -m autodeploy run MODEL --tp 2`.
+def test_autodeploy_run_under_torchrun_prints_rank_zeros_completion_once(tiny_checkpoint, capsys):
+    # The CLI as a user starts it: `torchrun --nproc-per-node 2 -m autodeploy run MODEL --tp 2`; the one-process
+    # reference runs in this process (a process of its own would import torch again for the same output).
     directory = str(tiny_checkpoint("llama"))
-    command = ["-m", "autodeploy", "run", directory, "--prompt", "def f(", "--max-tokens", "6", "--set", "device=cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600, env=env)
+    argv = ["run", directory, "--prompt", "def f(", "--max-tokens", "6", "--set", "device=cpu"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
     ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            *command, "--tp", "2"], capture_output=True, text=True, timeout=600, env=env)
-    assert single.returncode == 0 and ranks.returncode == 0, ranks.stderr[-3000:]
-    assert single.stdout.strip() and ranks.stdout == single.stdout
+                            "-m", "autodeploy", *argv, "--tp", "2"], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert single.strip() and ranks.stdout == single
