@@ -6,6 +6,7 @@ matching HF reference model with ``tiny_hf_model(arch)`` instead of keeping one 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -93,27 +94,47 @@ def hf_offline(monkeypatch, tmp_path) -> Path:
 
 # Every Triton launch of a CPU session, compiled for Hopper once the tests are done (tests/hopper_compile.py):
 # the interpreter accepts kernels the GPU compiler rejects, and only this finds them before a GPU does.
+# Under pytest-xdist each worker records its own launches and hands them to the controller, which compiles
+# the union once (a worker's report and exit status would be lost, and both workers make many of the same launches).
 _hopper_launches: list[dict] | None = None
+_hopper_recording = None
+_worker_launches: list[dict] = []  # the controller's: what the workers recorded
+
+
+def _is_xdist_controller(config) -> bool:
+    return config.pluginmanager.hasplugin("dsession")
 
 
 def pytest_sessionstart(session):
     global _hopper_launches, _hopper_recording
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" and not _is_xdist_controller(session.config):
         from tests.hopper_compile import recorded_launches
 
         _hopper_recording = recorded_launches()
         _hopper_launches = _hopper_recording.__enter__()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """A worker's launches (xdist's hook, on the controller)."""
+    _worker_launches.extend(json.loads(node.workeroutput.get("hopper_launches", "[]")))
+
+
 def pytest_sessionfinish(session, exitstatus):
-    if _hopper_launches is None:
-        return
-    _hopper_recording.__exit__(None, None, None)
-    if not _hopper_launches:
+    if _hopper_launches is not None:
+        _hopper_recording.__exit__(None, None, None)
+        if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller compiles
+            session.config.workeroutput["hopper_launches"] = json.dumps(_hopper_launches)
+            return
+        launches = _hopper_launches
+    else:
+        distinct = {json.dumps(launch, sort_keys=True): launch for launch in _worker_launches}
+        launches = list(distinct.values())
+    if not launches:
         return
     from tests.hopper_compile import compile_for_hopper
 
-    failures = compile_for_hopper(_hopper_launches, workers=os.cpu_count() or 1)
+    failures = compile_for_hopper(launches, workers=os.cpu_count() or 1)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     reporter.write("\n")  # after the progress line of -q, which ends without one
     if failures:
@@ -122,7 +143,7 @@ def pytest_sessionfinish(session, exitstatus):
             reporter.write_line(failure)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     else:
-        reporter.write_line(f"{len(_hopper_launches)} Triton launches of this session compile for Hopper (sm_90).")
+        reporter.write_line(f"{len(launches)} Triton launches of this session compile for Hopper (sm_90).")
 
 
 @pytest.fixture(autouse=True)

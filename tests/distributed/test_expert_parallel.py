@@ -71,7 +71,8 @@ def test_two_ranks_exchange_tokens_with_all_to_all_like_one_moe(tmp_path):
                                    atol=1e-6, rtol=1e-6)
 
 
-# Each spawn deploys the tiny Mixtral on both ranks (20-40 s here): one per layout.
+# One spawn (two interpreters, each importing torch) deploys the tiny Mixtral on both ranks in every layout, then
+# with each quantized-experts setting, one after another: `deployed_ranks`.
 LAYOUTS = {
     "expert_parallel": {"expert_parallel": 2, "expert_placement": "balanced"},
     "expert_and_tensor_parallel": {"expert_parallel": 2, "tensor_parallel": 2, "expert_placement": "balanced"},
@@ -80,15 +81,16 @@ LAYOUTS = {
 CALIBRATION = {"calibration": {"samples": 8, "seq_len": 64}}  # the text balanced placement routes: 512 tokens
 
 
-def _deploy_rank(rank: int, world: int, port: int, directory: str, layout: dict, out: str) -> None:
-    _environment(rank, world, port)
-    llm = autodeploy(directory, device="cpu", distributed={**layout, "timeout_s": 120}, quantize=CALIBRATION)
-    logits = [t.tolist() for t in llm.logits(SEQUENCES)]
-    tokens = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
-    experts = sum(p.numel() for p in llm.graph.parameters() if p.dim() == 3)
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump({"logits": logits, "tokens": list(tokens), "experts": experts, "report": llm.pipeline_report()}, f)
-    dist.destroy_process_group()
+def _layouts(directory: str) -> dict:
+    results = {}
+    for name, layout in LAYOUTS.items():
+        llm = autodeploy(directory, device="cpu", distributed={**layout, "timeout_s": 120}, quantize=CALIBRATION)
+        logits = [t.tolist() for t in llm.logits(SEQUENCES)]
+        tokens = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+        experts = sum(p.numel() for p in llm.graph.parameters() if p.dim() == 3)
+        results[name] = {"logits": logits, "tokens": list(tokens), "experts": experts, "report": llm.pipeline_report()}
+        llm.shutdown()  # the next layout differs: a live deployment laid out otherwise would refuse it
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +107,9 @@ def mixtral(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_two_ranks_serve_the_moe_model_as_one_process(mixtral, tmp_path, name):
+def test_two_ranks_serve_the_moe_model_as_one_process(mixtral, deployed_ranks, name):
     directory, want, experts, greedy = mixtral
-    out = str(tmp_path / "rank")
-    mp.start_processes(_deploy_rank, args=(2, _free_port(), str(directory), LAYOUTS[name], out), nprocs=2,
-                       start_method="spawn")
-    ranks = [json.load(open(f"{out}.{rank}")) for rank in range(2)]
+    ranks = [result["layouts"][name] for result in deployed_ranks]
     for result in ranks:
         for got, expected in zip(result["logits"], want):
             torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
@@ -143,8 +142,7 @@ def _expert_bytes(llm) -> int:
     return sum(p.numel() * p.element_size() for name, p in llm.graph.named_parameters() if ".experts." in name)
 
 
-def _quantized_deploy_rank(rank: int, world: int, port: int, directory: str, out: str) -> None:
-    _environment(rank, world, port)
+def _quantized(directory: str) -> dict:
     results = {}
     for scheme, placement in QUANTIZED.items():
         llm = autodeploy(directory, device="cpu", distributed={"expert_parallel": 2, **placement, "timeout_s": 120},
@@ -154,16 +152,28 @@ def _quantized_deploy_rank(rank: int, world: int, port: int, directory: str, out
                            "bytes": _expert_bytes(llm), "report": llm.pipeline_report(),
                            "ops": sorted({str(n.target) for n in llm.graph.graph.nodes if "moe" in str(n.target)})}
         del llm
+    return results
+
+
+def _deploy_rank(rank: int, world: int, port: int, directory: str, out: str) -> None:
+    _environment(rank, world, port)
+    results = {"layouts": _layouts(directory), "quantized": _quantized(directory)}
     with open(f"{out}.{rank}", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
 
 
-def test_two_ranks_serve_quantized_experts_as_one_process_quantizes_them(mixtral, tmp_path):
+@pytest.fixture(scope="module")
+def deployed_ranks(mixtral, tmp_path_factory) -> list[dict]:
+    """Each rank's results of every deploy of `_deploy_rank`, from one spawn."""
+    out = str(tmp_path_factory.mktemp("moe-ranks") / "rank")
+    mp.start_processes(_deploy_rank, args=(2, _free_port(), str(mixtral[0]), out), nprocs=2, start_method="spawn")
+    return [json.load(open(f"{out}.{rank}")) for rank in range(2)]
+
+
+def test_two_ranks_serve_quantized_experts_as_one_process_quantizes_them(mixtral, deployed_ranks):
     directory = mixtral[0]
-    out = str(tmp_path / "rank")
-    mp.start_processes(_quantized_deploy_rank, args=(2, _free_port(), str(directory), out), nprocs=2, start_method="spawn")
-    ranks = [json.load(open(f"{out}.{rank}")) for rank in range(2)]
+    ranks = [result["quantized"] for result in deployed_ranks]
     for scheme in QUANTIZED:
         single = autodeploy(str(directory), device="cpu", quantize=_quantized_settings(scheme))
         want = single.logits(SEQUENCES)

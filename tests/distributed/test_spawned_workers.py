@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from autodeploy import AsyncLLM, SamplingParams, autodeploy
+from autodeploy.cli.main import main
 from autodeploy.errors import ConfigError, InvalidRequestError, WorkerError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [7, 8, 9, 10]]
@@ -101,16 +102,17 @@ def test_parallelism_the_model_cannot_take_is_refused_before_any_process_starts(
             autodeploy(directory, device="cpu", **overrides)
 
 
-def test_autodeploy_run_with_pp_spawns_its_worker_and_prints_one_completion(tiny_checkpoint):
-    # Pipeline parallel through the CLI: the spawned worker holds the second layer.
+def test_autodeploy_run_with_pp_spawns_its_worker_and_prints_one_completion(tiny_checkpoint, capsys):
+    # Pipeline parallel through the CLI: the spawned worker holds the second layer. The one-process reference
+    # runs in this process (a process of its own would import torch again for the same output).
     directory = str(tiny_checkpoint("llama"))
-    command = [sys.executable, "-m", "autodeploy", "run", directory, "--prompt", "def f(", "--max-tokens", "6",
-               "--set", "device=cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    spawned = subprocess.run([*command, "--pp", "2"], capture_output=True, text=True, timeout=600, env=env)
-    assert single.returncode == 0 and spawned.returncode == 0, spawned.stderr[-3000:]
-    assert single.stdout.strip() and spawned.stdout == single.stdout
+    argv = ["run", directory, "--prompt", "def f(", "--max-tokens", "6", "--set", "device=cpu"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
+    spawned = subprocess.run([sys.executable, "-m", "autodeploy", *argv, "--pp", "2"], capture_output=True, text=True,
+                             timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert spawned.returncode == 0, spawned.stderr[-3000:]
+    assert single.strip() and spawned.stdout == single
 
 
 def test_a_stuck_worker_is_a_worker_error_after_the_collective_timeout(tiny_checkpoint):

@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from autodeploy import SamplingParams, autodeploy
+from autodeploy.cli.main import main
 from autodeploy.errors import ConfigError
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
@@ -27,37 +28,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, directory: str, out: str) -> None:
+ARCHITECTURES = ["llama", "qwen2"]  # qwen2: q/k/v biases (sliced), GQA
+
+
+def _rank(rank: int, world: int, port: int, directories: list[str], out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    llm = autodeploy(directory, device="cpu", distributed={"tensor_parallel": world, "timeout_s": 120})
-    logits = [t.tolist() for t in llm.logits(SEQUENCES)]
-    tokens = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
-    params = sum(p.numel() for p in llm.graph.parameters())
+    results = []
+    for directory in directories:
+        llm = autodeploy(directory, device="cpu", distributed={"tensor_parallel": world, "timeout_s": 120})
+        logits = [t.tolist() for t in llm.logits(SEQUENCES)]
+        tokens = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+        params = sum(p.numel() for p in llm.graph.parameters())
+        results.append({"logits": logits, "tokens": list(tokens), "params": params, "report": llm.pipeline_report()})
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"logits": logits, "tokens": list(tokens), "params": params, "report": llm.pipeline_report()}, f)
+        json.dump(results, f)
     torch.distributed.destroy_process_group()
 
 
-def _run_ranks(directory, tmp_path, world: int = 2) -> list[dict]:
-    out = str(tmp_path / "rank")
-    mp.start_processes(_rank, args=(world, _free_port(), str(directory), out), nprocs=world, start_method="spawn")
-    results = []
-    for rank in range(world):
+@pytest.fixture(scope="module")
+def two_ranks(tiny_checkpoint, tmp_path_factory) -> dict[str, list[dict]]:
+    """Each architecture's results on both ranks, from one spawn (two interpreters, each importing torch) that
+    deploys them in turn."""
+    out = str(tmp_path_factory.mktemp("tensor-parallel") / "rank")
+    directories = [str(tiny_checkpoint(arch)) for arch in ARCHITECTURES]
+    mp.start_processes(_rank, args=(2, _free_port(), directories, out), nprocs=2, start_method="spawn")
+    ranks = []
+    for rank in range(2):
         with open(f"{out}.{rank}") as f:
-            results.append(json.load(f))
-    return results
+            ranks.append(json.load(f))
+    return {arch: [ranks[0][index], ranks[1][index]] for index, arch in enumerate(ARCHITECTURES)}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases (sliced), GQA
-def test_two_ranks_compute_one_process_logits_and_hf_greedy_tokens(tiny_checkpoint, tmp_path, arch):
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_two_ranks_compute_one_process_logits_and_hf_greedy_tokens(tiny_checkpoint, two_ranks, arch):
     from transformers import AutoModelForCausalLM
 
     directory = tiny_checkpoint(arch)
     single = autodeploy(str(directory), device="cpu")
     want = single.logits(SEQUENCES)
-    ranks = _run_ranks(directory, tmp_path)
+    ranks = two_ranks[arch]
     for result in ranks:
         for got, expected in zip(result["logits"], want):
             torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
@@ -104,13 +115,15 @@ def test_what_tensor_parallelism_cannot_slice_is_refused_at_build(tiny_checkpoin
                    quantize={"default": "int8_wo"})
 
 
-def test_autodeploy_run_under_torchrun_prints_rank_zeros_completion_once(tiny_checkpoint):
-    # The CLI as a user starts it: `torchrun --nproc-per-node 2 -m autodeploy run MODEL --tp 2`.
+def test_autodeploy_run_under_torchrun_prints_rank_zeros_completion_once(tiny_checkpoint, capsys):
+    # The CLI as a user starts it: `torchrun --nproc-per-node 2 -m autodeploy run MODEL --tp 2`; the one-process
+    # reference runs in this process (a process of its own would import torch again for the same output).
     directory = str(tiny_checkpoint("llama"))
-    command = ["-m", "autodeploy", "run", directory, "--prompt", "def f(", "--max-tokens", "6", "--set", "device=cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600, env=env)
+    argv = ["run", directory, "--prompt", "def f(", "--max-tokens", "6", "--set", "device=cpu"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
     ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            *command, "--tp", "2"], capture_output=True, text=True, timeout=600, env=env)
-    assert single.returncode == 0 and ranks.returncode == 0, ranks.stderr[-3000:]
-    assert single.stdout.strip() and ranks.stdout == single.stdout
+                            "-m", "autodeploy", *argv, "--tp", "2"], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert single.strip() and ranks.stdout == single

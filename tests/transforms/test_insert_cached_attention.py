@@ -29,11 +29,11 @@ def fp8_cache_llama(tiny_checkpoint, tmp_path_factory):
         return autodeploy(str(tiny_checkpoint("llama")), device="cpu", quantize=FP8_CACHE)
 
 
-def test_an_fp8_kv_cache_halves_the_bytes_a_block_and_verifies_within_its_rounding(fp8_cache_llama, tiny_checkpoint):
+def test_an_fp8_kv_cache_halves_the_bytes_a_block_and_verifies_within_its_rounding(fp8_cache_llama, llama_llm):
     llm = fp8_cache_llama
     assert {spec.dtype for spec in llm.deployment.signature.kv_caches} == {torch.float8_e4m3fn}
     assert all(cache.dtype == torch.float8_e4m3fn for cache in llm.engine.caches.values())
-    plain = autodeploy(str(tiny_checkpoint("llama")), device="cpu")
+    plain = llama_llm  # the session's default deploy of the same tiny Llama (read only here)
     assert llm.deployment.signature.kv_caches[0].bytes_per_block(16) * 4 == plain.deployment.signature.kv_caches[0].bytes_per_block(16)  # float32 here
     assert "quantized KV cache: tolerance" in llm.verification.note
     assert llm.verification.relative_error <= llm.verification.tolerance
