@@ -12,10 +12,7 @@ from omegaconf import DictConfig
 
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
-from autodeploy.build_report import BuildReport
 from autodeploy.config import load_settings
-from autodeploy.custom_ops.serving_signature import ServingSignature
-from autodeploy.deployment import MODEL, Deployment
 from autodeploy.errors import AutoDeployError
 from autodeploy.distributed import (check_no_live_deployment, check_parallelism, hold, init_distributed, should_spawn,
                                     spawn_workers, world_size)
@@ -126,11 +123,8 @@ def _build(settings, factory: ModelFactory, store=None, workers=None) -> LLM:
         graph, verification = build_verified(pipeline, context, settings.dump_graphs)
     else:
         graph, verification = pipeline.run(context, dump_dir=settings.dump_graphs), None
-    signature = ServingSignature(context.graph_inputs, context.kv_caches, context.decode_graph_batch_sizes,
-                                 context.prefill_graph_token_sizes)
-    deployment = Deployment({MODEL: graph}, signature, settings, factory.load_tokenizer(settings.tokenizer), _eos_token_ids(factory),
-                            BuildReport(pipeline.records, verification), str(factory.source.directory))
-    llm = LLM(deployment)
+    llm = LLM(pipeline.deployment(graph, context, factory.load_tokenizer(settings.tokenizer), _eos_token_ids(factory),
+                                  verification, str(factory.source.directory)))
     llm.workers = workers
     if world_size(settings) > 1:
         hold(llm, workers)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from torch import fx, nn
 
-from autodeploy.build_report import TransformRecord
+from autodeploy.build_report import BuildReport, TransformRecord
 from autodeploy.config import transform_configs
+from autodeploy.deployment import MODEL, Deployment
 from autodeploy.errors import AutoDeployError, TransformError, error_summary
 from autodeploy.transforms.registry import STAGES, Transform, TransformContext, TransformResult, registered_transforms
 from autodeploy.transforms.shape_propagation import propagate_shapes
@@ -88,6 +89,13 @@ class Pipeline:
         """Index of the first transform at or after ``stage`` (``len(transforms)`` when none)."""
         order = STAGES.index(stage)
         return next((i for i, t in enumerate(self.transforms) if STAGES.index(t.config.stage) >= order), len(self.transforms))
+
+    def deployment(self, graph: fx.GraphModule, context: TransformContext, tokenizer=None, eos_token_ids=(),
+                   verification=None, model_directory: str | None = None) -> Deployment:
+        """What a run built, as the runtime, save and load take it: ``graph`` as the ``"model"`` role, the serving
+        signature the cache and compile stages declared in ``context``, and this run's records."""
+        return Deployment({MODEL: graph}, context.serving_signature(), context.settings, tokenizer, eos_token_ids,
+                          BuildReport(self.records, verification), model_directory)
 
     def run(
         self,

@@ -39,7 +39,6 @@ from torch import fx, nn
 from transformers import AutoModelForCausalLM
 
 from autodeploy.build_report import VerificationReport
-from autodeploy.custom_ops.serving_signature import ServingSignature
 from autodeploy.deployment import MODEL, Deployment
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.export.causal_lm import GRAPH_PREFIX
@@ -428,9 +427,7 @@ def _compare(factory, twin, reference, graph, context, match_notes, settings, de
             "or set verify.enabled=false to deploy an unserved graph unverified"
         )
     vocab = twin.config.get_text_config().vocab_size
-    signature = ServingSignature(context.graph_inputs, context.kv_caches, context.decode_graph_batch_sizes,
-                                 context.prefill_graph_token_sizes)
-    engine = Engine(Deployment({MODEL: graph}, signature, context.settings), check_logits=False)
+    engine = Engine(Deployment({MODEL: graph}, context.serving_signature(), context.settings), check_logits=False)
     sequences = _probe_tokens(vocab)
     ours = served_logits(engine, sequences, [length for length, _ in PROBES])
     worst = (0.0, 0.0, 0)

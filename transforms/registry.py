@@ -30,6 +30,8 @@ from typing import Any, ClassVar, Optional
 
 from torch import nn
 
+from autodeploy.custom_ops.serving_signature import ServingSignature
+
 STAGES: tuple[str, ...] = (
     "factory",
     "export",
@@ -117,6 +119,10 @@ class TransformContext:
     calibration_graph: Optional[nn.Module] = None
     concatenated_parameters: dict[str, Any] = field(default_factory=dict)
     folded_smoothing: dict[str, Any] = field(default_factory=dict)
+
+    def serving_signature(self) -> ServingSignature:
+        """How the runtime serves the built graph, as the cache and compile stages declared it."""
+        return ServingSignature(self.graph_inputs, self.kv_caches, self.decode_graph_batch_sizes, self.prefill_graph_token_sizes)
 
 
 class Transform(ABC):

@@ -3,7 +3,8 @@
 The engine plans a step (chunks of sequences) and asks its runner to ``stage`` it: the runner fills the
 graph's inputs from the chunks and the block pool's tables and returns ``(run, completing)``; ``run()``
 computes the logits rows of the ``completing`` chunks. Staging and running are apart so that the engine
-stages under its lock and runs outside it. The four ways (``make_model_runner`` picks one):
+stages under its lock and runs outside it. The four ways to run a step (eager, decode CUDA graphs, piecewise
+prefill graphs, the pipeline schedule) are three runners (``make_model_runner`` picks one):
 
 - ``ModelRunner``: eager, each step one call of the graph.
 - ``CapturedRunner``: decode steps replay CUDA graphs captured per batch size (``cuda_graphs.py``) and
