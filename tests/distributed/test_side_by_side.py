@@ -103,19 +103,17 @@ def directories(tiny_checkpoint) -> tuple[str, str]:
     return str(tiny_checkpoint("llama")), str(tiny_checkpoint("mixtral"))
 
 
-# The three tests read one run of SPAWNED, on one pytest-xdist worker (`--dist loadgroup`).
+# The three tests read one run of SPAWNED.
 @pytest.fixture(scope="module")
 def spawned(directories) -> dict:
     return _run_flow(SPAWNED, *directories)
 
 
-@pytest.mark.xdist_group("side_by_side_spawned")
 def test_a_one_process_deployment_serves_beside_a_live_distributed_one(spawned):
     # both serve, and tensor parallelism is exact on the CPU
     assert spawned["beside"]["single"] == spawned["beside"]["distributed"]
 
 
-@pytest.mark.xdist_group("side_by_side_spawned")
 def test_a_second_distributed_deployment_is_refused_at_once_and_works_after_shutdown(spawned, directories):
     assert len(spawned["refusals"]) == 3
     for refusal in spawned["refusals"]:
@@ -125,7 +123,6 @@ def test_a_second_distributed_deployment_is_refused_at_once_and_works_after_shut
     assert spawned["after_shutdown"] == spawned["first"]  # pipeline parallel, exact as well
 
 
-@pytest.mark.xdist_group("side_by_side_spawned")
 def test_a_distributed_llm_dropped_without_shutdown_takes_its_workers_and_group_with_it(spawned):
     assert spawned["worker_exit"] is not None and spawned["group_left"]
     assert spawned["again"] == spawned["first"]

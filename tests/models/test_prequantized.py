@@ -167,8 +167,6 @@ def quantized_here(float_llama, tmp_path_factory):
     return get
 
 
-# One pytest-xdist worker runs every format (`--dist loadgroup`), so the int4_wo deploy is shared.
-@pytest.mark.xdist_group("prequantized_formats")
 @pytest.mark.parametrize("name", FORMATS)
 def test_each_format_serves_the_logits_of_the_same_values_quantized_here(name, float_llama, quantized_here, tmp_path):
     scheme_name, write_layer, config, extra, settings = FORMATS[name]
