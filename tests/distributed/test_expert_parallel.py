@@ -43,10 +43,10 @@ def _case(tokens: int, raised: tuple[int, ...]):
     return x, logits, torch.randn(4, 8, 6, generator=generator), torch.randn(4, 6, 4, generator=generator)
 
 
-def _op_rank(rank: int, world: int, port: int, out: str) -> None:
+def _op_results(rank: int, world: int) -> list:
+    """This rank's ``moe_expert_parallel`` of each case, in a gloo group of its own (left before the deploys)."""
     from autodeploy.custom_ops import parallel_state
 
-    _environment(rank, world, port)
     dist.init_process_group("gloo")
     parallel_state.configure(1, world, 1)
     results = []
@@ -54,16 +54,13 @@ def _op_rank(rank: int, world: int, port: int, out: str) -> None:
         x, logits, gate_up, down = _case(tokens, raised)
         mine = ORDER[rank * 2:(rank + 1) * 2]
         results.append(torch.ops.autodeploy.moe_expert_parallel(x, logits, gate_up[mine], down[mine], ORDER, 2).tolist())
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(results, f)
     dist.destroy_process_group()
     parallel_state.reset()
+    return results
 
 
-def test_two_ranks_exchange_tokens_with_all_to_all_like_one_moe(tmp_path):
-    out = str(tmp_path / "rank")
-    mp.start_processes(_op_rank, args=(2, _free_port(), out), nprocs=2, start_method="spawn")
-    ranks = [json.load(open(f"{out}.{rank}")) for rank in range(2)]
+def test_two_ranks_exchange_tokens_with_all_to_all_like_one_moe(deployed_ranks):
+    ranks = [result["op"] for result in deployed_ranks]
     assert ranks[0] == ranks[1]  # the same bits on every rank
     for (tokens, raised), got in zip(CASES, ranks[0]):
         x, logits, gate_up, down = _case(tokens, raised)
@@ -71,8 +68,8 @@ def test_two_ranks_exchange_tokens_with_all_to_all_like_one_moe(tmp_path):
                                    atol=1e-6, rtol=1e-6)
 
 
-# One spawn (two interpreters, each importing torch) deploys the tiny Mixtral on both ranks in every layout, then
-# with each quantized-experts setting, one after another: `deployed_ranks`.
+# One spawn (two interpreters, each importing torch) runs the op alone, then deploys the tiny Mixtral on both ranks
+# in every layout, then with each quantized-experts setting, one after another: `deployed_ranks`.
 LAYOUTS = {
     "expert_parallel": {"expert_parallel": 2, "expert_placement": "balanced"},
     "expert_and_tensor_parallel": {"expert_parallel": 2, "tensor_parallel": 2, "expert_placement": "balanced"},
@@ -157,7 +154,7 @@ def _quantized(directory: str) -> dict:
 
 def _deploy_rank(rank: int, world: int, port: int, directory: str, out: str) -> None:
     _environment(rank, world, port)
-    results = {"layouts": _layouts(directory), "quantized": _quantized(directory)}
+    results = {"op": _op_results(rank, world), "layouts": _layouts(directory), "quantized": _quantized(directory)}
     with open(f"{out}.{rank}", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -34,19 +34,20 @@ def tokens(llm):
     return [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, GREEDY)]
 """
 
-ONE_PROCESS_BESIDE = """
-distributed = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
-single = autodeploy(directory, device="cpu")
-result = {"single": tokens(single), "distributed": tokens(distributed)}
-distributed.shutdown()
-"""
+# One interpreter for the three flows of a spawned deployment (each interpreter imports torch, and so does the
+# worker each distributed deployment spawns): a one-process deployment beside the live distributed one; a second
+# distributed one refused while it lives; the live one dropped without shutdown(); then one deployed again and
+# shut down, and one laid out otherwise after that shutdown.
+SPAWNED = """
+import torch.distributed as dist
 
-SECOND_WORLD_REFUSED = """
 def no_spawn(*args, **kwargs):
     raise AssertionError("a second deployment's workers were spawned")
 
-llm = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
-first = tokens(llm)
+distributed = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
+single = autodeploy(directory, device="cpu")
+beside = {"single": tokens(single), "distributed": tokens(distributed)}
+first = beside["distributed"]
 spawn, api.spawn_workers = api.spawn_workers, no_spawn
 refusals = []
 for model, parallelism in ((directory, {"pipeline_parallel": 2}), (moe_directory, {"expert_parallel": 2}),
@@ -55,27 +56,20 @@ for model, parallelism in ((directory, {"pipeline_parallel": 2}), (moe_directory
         autodeploy(model, device="cpu", distributed=WORLD, **parallelism)
     except ConfigError as error:
         refusals.append(str(error))
-unchanged = tokens(llm)  # the refusals touched nothing of the live deployment
-llm.shutdown()
+unchanged = tokens(distributed)  # the refusals touched nothing of the live deployment
 api.spawn_workers = spawn
-staged = autodeploy(directory, device="cpu", pipeline_parallel=2, distributed=WORLD)
-result = {"first": first, "unchanged": unchanged, "refusals": refusals, "after_shutdown": tokens(staged)}
-staged.shutdown()
-"""
-
-DROPPED_WITHOUT_SHUTDOWN = """
-import torch.distributed as dist
-
-llm = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
-first = tokens(llm)
-(worker,) = llm.workers.processes
-del llm
+(worker,) = distributed.workers.processes
+del distributed
 gc.collect()
 code = worker.poll()  # None while it runs: stopping is synchronous, so it has exited by now
 left = not dist.is_initialized()
 again = autodeploy(directory, device="cpu", tensor_parallel=2, distributed=WORLD)
-result = {"first": first, "worker_exit": code, "group_left": left, "again": tokens(again)}
+again_tokens = tokens(again)
 again.shutdown()
+staged = autodeploy(directory, device="cpu", pipeline_parallel=2, distributed=WORLD)
+result = {"beside": beside, "first": first, "unchanged": unchanged, "refusals": refusals, "worker_exit": code,
+          "group_left": left, "again": again_tokens, "after_shutdown": tokens(staged)}
+staged.shutdown()
 """
 
 
@@ -109,25 +103,29 @@ def directories(tiny_checkpoint) -> tuple[str, str]:
     return str(tiny_checkpoint("llama")), str(tiny_checkpoint("mixtral"))
 
 
-def test_a_one_process_deployment_serves_beside_a_live_distributed_one(directories):
-    result = _run_flow(ONE_PROCESS_BESIDE, *directories)
-    assert result["single"] == result["distributed"]  # both serve, and tensor parallelism is exact on the CPU
+# The three tests read one run of SPAWNED.
+@pytest.fixture(scope="module")
+def spawned(directories) -> dict:
+    return _run_flow(SPAWNED, *directories)
 
 
-def test_a_second_distributed_deployment_is_refused_at_once_and_works_after_shutdown(directories):
-    result = _run_flow(SECOND_WORLD_REFUSED, *directories)
-    assert len(result["refusals"]) == 3
-    for refusal in result["refusals"]:
+def test_a_one_process_deployment_serves_beside_a_live_distributed_one(spawned):
+    # both serve, and tensor parallelism is exact on the CPU
+    assert spawned["beside"]["single"] == spawned["beside"]["distributed"]
+
+
+def test_a_second_distributed_deployment_is_refused_at_once_and_works_after_shutdown(spawned, directories):
+    assert len(spawned["refusals"]) == 3
+    for refusal in spawned["refusals"]:
         assert f"{directories[0]} with tensor_parallel=2" in refusal  # names the live deployment
         assert "shutdown()" in refusal
-    assert result["unchanged"] == result["first"]
-    assert result["after_shutdown"] == result["first"]  # pipeline parallel, exact as well
+    assert spawned["unchanged"] == spawned["first"]
+    assert spawned["after_shutdown"] == spawned["first"]  # pipeline parallel, exact as well
 
 
-def test_a_distributed_llm_dropped_without_shutdown_takes_its_workers_and_group_with_it(directories):
-    result = _run_flow(DROPPED_WITHOUT_SHUTDOWN, *directories)
-    assert result["worker_exit"] is not None and result["group_left"]
-    assert result["again"] == result["first"]
+def test_a_distributed_llm_dropped_without_shutdown_takes_its_workers_and_group_with_it(spawned):
+    assert spawned["worker_exit"] is not None and spawned["group_left"]
+    assert spawned["again"] == spawned["first"]
 
 
 def test_torchrun_deployments_laid_out_alike_serve_side_by_side_and_another_layout_waits_for_shutdown(directories):

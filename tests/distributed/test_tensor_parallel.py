@@ -4,7 +4,6 @@ greedy tokens equal HF's."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -12,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.cli.main import main
@@ -31,10 +29,8 @@ def _free_port() -> int:
 ARCHITECTURES = ["llama", "qwen2"]  # qwen2: q/k/v biases (sliced), GQA
 
 
-def _rank(rank: int, world: int, port: int, directories: list[str], out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def deploy_each(rank: int, world: int, directories: list[str]) -> list[dict]:
+    """One rank's results of each tiny model deployed over ``world`` ranks (a job of the spawn in conftest.py)."""
     results = []
     for directory in directories:
         llm = autodeploy(directory, device="cpu", distributed={"tensor_parallel": world, "timeout_s": 120})
@@ -42,23 +38,7 @@ def _rank(rank: int, world: int, port: int, directories: list[str], out: str) ->
         tokens = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
         params = sum(p.numel() for p in llm.graph.parameters())
         results.append({"logits": logits, "tokens": list(tokens), "params": params, "report": llm.pipeline_report()})
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(results, f)
-    torch.distributed.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tiny_checkpoint, tmp_path_factory) -> dict[str, list[dict]]:
-    """Each architecture's results on both ranks, from one spawn (two interpreters, each importing torch) that
-    deploys them in turn."""
-    out = str(tmp_path_factory.mktemp("tensor-parallel") / "rank")
-    directories = [str(tiny_checkpoint(arch)) for arch in ARCHITECTURES]
-    mp.start_processes(_rank, args=(2, _free_port(), directories, out), nprocs=2, start_method="spawn")
-    ranks = []
-    for rank in range(2):
-        with open(f"{out}.{rank}") as f:
-            ranks.append(json.load(f))
-    return {arch: [ranks[0][index], ranks[1][index]] for index, arch in enumerate(ARCHITECTURES)}
+    return results
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -68,7 +48,8 @@ def test_two_ranks_compute_one_process_logits_and_hf_greedy_tokens(tiny_checkpoi
     directory = tiny_checkpoint(arch)
     single = autodeploy(str(directory), device="cpu")
     want = single.logits(SEQUENCES)
-    ranks = two_ranks[arch]
+    index = ARCHITECTURES.index(arch)
+    ranks = [result["architectures"][index] for result in two_ranks]
     for result in ranks:
         for got, expected in zip(result["logits"], want):
             torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)

@@ -4,13 +4,10 @@ overriding the detection, and each rank reading only its slices of the safetenso
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import fx
 
 from autodeploy import SamplingParams, autodeploy
@@ -18,7 +15,7 @@ from autodeploy.errors import ConfigError
 from autodeploy.models.checkpoint import CheckpointReader
 from autodeploy.transforms.quantize_linear import ATTENTION
 from autodeploy.transforms.shard_tensor_parallel import _head_rows
-from tests.distributed.test_tensor_parallel import PROMPT, SEQUENCES, _free_port
+from tests.distributed.test_tensor_parallel import PROMPT, SEQUENCES
 from tests.tiny_models import TINY_COMMON, train_tiny_tokenizer
 
 # Layer 0's attention kept whole; layer 1's sliced by rules as the detection would; layer 1's MLP whole; a glob
@@ -28,7 +25,7 @@ RULES = {"lm_head": "replicate", "model.layers.0.self_attn.*": "replicate",
          "model.layers.1.mlp.down_proj": "replicate", "model.layers.7.*": "colwise"}
 
 
-def _one_kv_head_checkpoint(directory) -> None:
+def write_one_kv_head_checkpoint(directory) -> None:
     """A tiny Qwen3 (per-head q/k norms) with one key-value head for its 4 query heads."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -49,10 +46,9 @@ def _deploy(directory: str, distributed: dict, reads: list, warnings: list) -> d
             "shapes": {name: list(p.shape) for name, p in llm.graph.named_parameters()}}
 
 
-def _rank(rank: int, world: int, port: int, jobs: list, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def deploy_each_spied(rank: int, world: int, jobs: list) -> list[dict]:
+    """One rank's results of each (directory, distributed settings) deploy, with the checkpoint reads and warnings
+    of each (a job of the spawn in conftest.py)."""
     reads, warnings = [], []  # (method, key, shape) of every checkpoint read; the warnings logged
     read, read_slice = CheckpointReader.read, CheckpointReader.read_slice
 
@@ -67,20 +63,11 @@ def _rank(rank: int, world: int, port: int, jobs: list, out: str) -> None:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("autodeploy").addHandler(handler)
-    results = [_deploy(directory, distributed, reads, warnings) for directory, distributed in jobs]
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(results, f)
-    torch.distributed.destroy_process_group()
-
-
-def _run_ranks(jobs: list, tmp_path, world: int = 2) -> list[list[dict]]:
-    out = str(tmp_path / "rank")
-    mp.start_processes(_rank, args=(world, _free_port(), jobs, out), nprocs=world, start_method="spawn")
-    results = []
-    for rank in range(world):
-        with open(f"{out}.{rank}") as f:
-            results.append(json.load(f))
-    return results
+    try:
+        return [_deploy(directory, distributed, reads, warnings) for directory, distributed in jobs]
+    finally:
+        CheckpointReader.read, CheckpointReader.read_slice = read, read_slice
+        logging.getLogger("autodeploy").removeHandler(handler)
 
 
 def _hf_greedy(directory) -> list[int]:
@@ -90,12 +77,12 @@ def _hf_greedy(directory) -> list[int]:
     return hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(PROMPT):].tolist()
 
 
-def test_replicated_kv_heads_and_rules_equal_one_process_and_ranks_read_only_their_slices(tiny_checkpoint, tmp_path):
-    one_kv = tmp_path / "qwen3-one-kv-head"
-    _one_kv_head_checkpoint(one_kv)
+def test_replicated_kv_heads_and_rules_equal_one_process_and_ranks_read_only_their_slices(tiny_checkpoint,
+                                                                                          one_kv_head_checkpoint, two_ranks):
+    one_kv = one_kv_head_checkpoint
     qwen2 = tiny_checkpoint("qwen2")
     singles = [autodeploy(str(d), device="cpu") for d in (one_kv, qwen2)]
-    ranks = _run_ranks([(str(one_kv), {}), (str(qwen2), {"rules": RULES})], tmp_path)
+    ranks = [result["layouts"] for result in two_ranks]  # [(one_kv, {}), (qwen2, {"rules": RULES})] on each rank
     for job, (single, directory) in enumerate(zip(singles, (one_kv, qwen2))):
         want = single.logits(SEQUENCES)
         for result in ranks:

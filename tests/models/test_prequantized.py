@@ -149,13 +149,28 @@ def float_llama(tiny_checkpoint):
     return tiny_checkpoint("llama")
 
 
+@pytest.fixture(scope="module")
+def quantized_here(float_llama, tmp_path_factory):
+    """``quantized_here(settings)``: the tiny Llama deployed with these quantize settings, once a module (four
+    formats store int4_wo's values; the tests only read the deploy)."""
+    deploys = {}
+
+    def get(settings: dict):
+        key = json.dumps(settings, sort_keys=True)
+        if key not in deploys:
+            with pytest.MonkeyPatch.context() as patch:  # static fp8 scales calibrate, each deploy afresh
+                patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+                # Projections kept apart, so each layer's stored tensors keep the names deployed_values reads.
+                deploys[key] = autodeploy(str(float_llama), device="cpu", quantize={**settings, "int4_group_size": GROUP},
+                                          transforms={"fuse_gemms": {"enabled": False}})
+        return deploys[key]
+    return get
+
+
 @pytest.mark.parametrize("name", FORMATS)
-def test_each_format_serves_the_logits_of_the_same_values_quantized_here(name, float_llama, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # static fp8 scales calibrate
+def test_each_format_serves_the_logits_of_the_same_values_quantized_here(name, float_llama, quantized_here, tmp_path):
     scheme_name, write_layer, config, extra, settings = FORMATS[name]
-    # Projections kept apart, so each layer's stored tensors keep the names deployed_values reads.
-    here = autodeploy(str(float_llama), device="cpu", quantize={**settings, "int4_group_size": GROUP},
-                      transforms={"fuse_gemms": {"enabled": False}})
+    here = quantized_here(settings)
     directory = write_prequantized(float_llama, tmp_path / "prequantized", None, write_layer, config, extra,
                                    values=lambda path, weight: deployed_values(here, path))
     served = autodeploy(str(directory), device="cpu")

@@ -160,9 +160,15 @@ def test_logit_bias_equals_hf_sequence_bias(llama_llm):
         llama_llm.generate([prompt], SamplingParams(logit_bias={10**6: 1.0}))
 
 
+@pytest.fixture(scope="module")
+def beam_llm(tiny_checkpoint):
+    """The tiny Llama with KV blocks of 4 tokens, one deploy for both beam widths (each test leaves its pool empty)."""
+    return autodeploy(str(tiny_checkpoint("llama")), device="cpu", kv_cache={"block_size": 4})
+
+
 @pytest.mark.parametrize("width, n", [(2, 1), (4, 2)])
-def test_beam_search_equals_hf(tiny_checkpoint, width, n):
-    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", kv_cache={"block_size": 4})
+def test_beam_search_equals_hf(beam_llm, width, n):
+    llm = beam_llm
     hf = tiny_hf_model("llama")
     for prompt in random_prompts(3, seed=8, lengths=(3, 20)):
         out = llm.generate([prompt], SamplingParams(beam_width=width, n=n, max_tokens=6, temperature=0, ignore_eos=True))[0]
