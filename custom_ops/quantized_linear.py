@@ -111,8 +111,9 @@ class QuantMethod(abc.ABC):
         return None
 
     def to_compressed_tensors(self, scheme: QuantScheme, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The layer's tensors as compressed-tensors stores them, by leaf name (``weight_packed``, …)."""
-        raise NotImplementedError(f"{self.name} has no compressed-tensors form")
+        """The layer's tensors as compressed-tensors stores them, by leaf name (``weight_packed``, …). Asked only of
+        a scheme whose ``compressed_tensors_args`` is not None: ``autodeploy quantize`` refuses the others first."""
+        raise TypeError(f"{self.name} has no compressed-tensors form (compressed_tensors_args is None); refuse it before writing")
 
     def from_compressed_tensors(self, weights, inputs, fmt: str, where: str) -> tuple[QuantScheme, str | None] | None:
         """``(scheme, note)`` when a compressed-tensors group of ``weights`` / ``inputs`` (``QuantizationArgs``)
@@ -121,8 +122,9 @@ class QuantMethod(abc.ABC):
         return None
 
     def read_compressed_tensors(self, layer) -> dict[str, torch.Tensor]:
-        """Our stored tensors from a compressed-tensors layer's (``quantized_tensors.CheckpointLayer``)."""
-        raise NotImplementedError(f"{self.name} has no compressed-tensors form")
+        """Our stored tensors from a compressed-tensors layer's (``quantized_tensors.CheckpointLayer``). Asked only of
+        a scheme whose ``from_compressed_tensors`` recognised the layer's group."""
+        raise TypeError(f"{self.name} reads no compressed-tensors group (from_compressed_tensors recognises none)")
 
 
 _METHODS: dict[str, QuantMethod] = {}
