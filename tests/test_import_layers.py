@@ -214,3 +214,12 @@ def test_function_level_relative_and_type_checking_imports_count(tmp_path):
                "autodeploy.frontend.llm": Path("llm.py"), "autodeploy.serve.app": Path("app.py")}
     assert imported_modules("autodeploy.runtime.engine", package / "engine.py", modules) == {
         "autodeploy.frontend.llm", "autodeploy.serve.app", "autodeploy.runtime.sampler"}
+
+
+def test_every_package_folder_is_in_the_distribution():
+    """A non-editable install (`pip install .`, a wheel) ships only the packages pyproject lists: a folder with an
+    ``__init__.py`` missing from that list imports in the checkout and fails once installed."""
+    listed = set(tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in package_modules().items() if path.name == "__init__.py"}
+    missing = sorted(packages - listed)
+    assert not missing, f"add {missing} to [tool.setuptools] packages in pyproject.toml"
