@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
-from autodeploy.errors import AutoDeployError
+from autodeploy.deployment import Deployment
+from autodeploy.errors import AutoDeployError, ConfigError
 from autodeploy.distributed import (check_no_live_deployment, check_parallelism, hold, init_distributed, should_spawn,
                                     spawn_workers, world_size)
 from autodeploy.models.checkpoint import CheckpointReader
@@ -22,6 +23,8 @@ from autodeploy.models.source import resolve_model_source
 from autodeploy.pipeline import Pipeline
 from autodeploy.preflight import check_deployment
 from autodeploy.frontend.llm import LLM
+from autodeploy.runtime import draft_model  # noqa: F401  (registers the "draft" drafter)
+from autodeploy.runtime.speculative import registered_drafters
 from autodeploy.transforms.registry import TransformContext
 from autodeploy.verification import build_verified
 
@@ -95,6 +98,7 @@ def autodeploy(
     settings, factory = deployment_settings(model, config, set_arguments, **overrides)
     check_parallelism(settings, factory.hf_config)
     check_no_live_deployment(settings)
+    _check_speculative(settings)
     if should_spawn(settings):
         workers, store = spawn_workers(settings, model, config, set_arguments, overrides)
         try:
@@ -111,8 +115,31 @@ def autodeploy(
     return _build(settings, factory)
 
 
+def _check_speculative(settings) -> None:
+    """Refuse a speculative setting the runtime cannot serve, before anything is built."""
+    method = settings.speculative.method
+    if method is None:
+        return
+    if method not in registered_drafters():
+        raise ConfigError(f"speculative.method is {method!r}; the registered drafters are "
+                          f"{', '.join(registered_drafters())} (register your own with register_drafter)")
+    if world_size(settings) > 1:
+        raise ConfigError(f"speculative decoding (speculative.method={method!r}) runs on one rank; deploy without "
+                          f"tensor, expert or pipeline parallelism, or without speculative")
+
+
 def _build(settings, factory: ModelFactory, store=None, workers=None) -> LLM:
     init_distributed(settings, store)
+    llm = LLM(_with_draft(_deploy(settings, factory)))
+    llm.workers = workers
+    if world_size(settings) > 1:
+        hold(llm, workers)
+    # Sizing the KV cache and the warm-up forward belong to the build: their errors are the build's.
+    return _with_engine(llm)
+
+
+def _deploy(settings, factory: ModelFactory) -> Deployment:
+    """``factory``'s model through the pipeline (verified on a reduced twin when ``verify.enabled``)."""
     if settings.weights == "checkpoint" and settings.device != "meta":
         CheckpointReader(factory.source.directory)  # fail on a folder without weights before exporting
     pipeline = Pipeline.from_settings(settings)
@@ -123,13 +150,52 @@ def _build(settings, factory: ModelFactory, store=None, workers=None) -> LLM:
         graph, verification = build_verified(pipeline, context, settings.dump_graphs)
     else:
         graph, verification = pipeline.run(context, dump_dir=settings.dump_graphs), None
-    llm = LLM(pipeline.deployment(graph, context, factory.load_tokenizer(settings.tokenizer), _eos_token_ids(factory),
-                                  verification, str(factory.source.directory)))
-    llm.workers = workers
-    if world_size(settings) > 1:
-        hold(llm, workers)
-    # Sizing the KV cache and the warm-up forward belong to the build: their errors are the build's.
-    return _with_engine(llm)
+    return pipeline.deployment(graph, context, factory.load_tokenizer(settings.tokenizer), _eos_token_ids(factory),
+                               verification, str(factory.source.directory))
+
+
+# What a draft model takes from the model's settings: where and how it runs, never what it is.
+DRAFT_INHERITS = ("device", "dtype", "weights", "max_seq_len", "max_batch_size", "seed", "trust_remote_code", "backends",
+                  "autotuner", "compile", "verify", "scheduler")
+
+
+def _with_draft(deployment: Deployment) -> Deployment:
+    """``deployment`` with its draft model built beside it when ``speculative.method`` is ``draft``: the checkpoint
+    ``speculative.model`` through the same pipeline, on the model's device, dtype and limits, with
+    ``speculative.options`` as its own settings (``{quantize: {default: fp8}}``, say), and a KV pool that holds
+    every sequence's whole context."""
+    settings = deployment.settings
+    speculative = settings.speculative
+    if speculative.method != "draft" or deployment.draft is not None:
+        return deployment
+    inherited = OmegaConf.to_container(OmegaConf.masked_copy(settings, list(DRAFT_INHERITS)), resolve=True)
+    blocks_per_sequence = -(-(settings.max_seq_len + speculative.num_tokens) // settings.kv_cache.block_size)
+    inherited["kv_cache"] = {"block_size": settings.kv_cache.block_size, "prefix_caching": False,
+                             "num_blocks": settings.max_batch_size * blocks_per_sequence}
+    overrides = OmegaConf.to_container(OmegaConf.merge(inherited, speculative.options), resolve=True)
+    try:
+        draft_settings, draft_factory = deployment_settings(speculative.model, **overrides)
+    except AutoDeployError as error:
+        raise type(error)(f"the draft model (speculative.model={speculative.model!r}): {error}") from error
+    draft = _deploy(draft_settings, draft_factory)
+    _check_draft_fits(deployment, draft, speculative.model)
+    deployment.draft = draft
+    return deployment
+
+
+def _check_draft_fits(model: Deployment, draft: Deployment, name: str) -> None:
+    """A draft must spell tokens as the model does: the same tokenizer vocabulary (or, without tokenizers, logits
+    as wide)."""
+    if model.tokenizer is not None and draft.tokenizer is not None:
+        ours, theirs = model.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+        if ours != theirs:
+            differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
+            raise ConfigError(f"the draft model {name!r} has another tokenizer than the model ({len(theirs)} against "
+                              f"{len(ours)} tokens; e.g. {differing}): its tokens would mean other text. Pick a draft "
+                              f"of the same family (the same tokenizer), or speculative.method=ngram")
+    elif draft.vocab_size != model.vocab_size:
+        raise ConfigError(f"the draft model {name!r} has {draft.vocab_size} logits against the model's {model.vocab_size}: "
+                          f"pick a draft with the model's vocabulary")
 
 
 def _with_engine(llm: LLM) -> LLM:
@@ -152,4 +218,4 @@ def _serve_saved(directory: Path, config, set_arguments: Iterable[str], override
         return autodeploy(source, config=[directory / SETTINGS, *config_files], set_arguments=set_arguments, **overrides)
     # The engine is built as a build builds it, while the loader checks the weights' digest.
     return load_deployment(directory, manifest, config_files, overrides, set_arguments,
-                           serve=lambda deployment: _with_engine(LLM(deployment)))
+                           serve=lambda deployment: _with_engine(LLM(_with_draft(deployment))))

@@ -171,6 +171,26 @@ class QuantizeSettings:
 
 
 @dataclass
+class SpeculativeSettings:
+    """Speculative decoding (``docs/speculative.md``): each decode step a drafter proposes up to ``num_tokens``
+    tokens per sequence and the model scores them all in one forward, keeping the longest prefix it would have
+    produced itself and one token of its own after it. ``method``: ``ngram`` (prompt lookup: the tokens that followed
+    the latest earlier occurrence of the sequence's last ``ngram_max`` … ``ngram_min`` tokens), ``draft`` (a smaller
+    model, ``model``, with the same tokenizer, deployed through the same pipeline with its own KV cache), or a name
+    given to ``register_drafter``; ``None`` decodes one token a step. ``options``: a registered drafter's own settings."""
+
+    method: Optional[str] = None
+    num_tokens: int = 4
+    model: Optional[str] = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+MAX_SPECULATIVE_TOKENS = 32  # drafted tokens a sequence may carry into one step
+
+
+@dataclass
 class DeploySettings:
     """Top-level settings. ``auto`` values are resolved from the model and hardware (see auto_settings)."""
 
@@ -195,6 +215,7 @@ class DeploySettings:
     verify: VerifySettings = field(default_factory=VerifySettings)
     quantize: QuantizeSettings = field(default_factory=QuantizeSettings)
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     transforms: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -376,9 +397,26 @@ def _check_choices(settings: DictConfig) -> None:
                           f"{distributed.pipeline_schedule!r} and {distributed.pipeline_depth}")
     if distributed.expert_placement not in ("contiguous", "balanced"):
         raise ConfigError(f"distributed.expert_placement must be contiguous or balanced, got {distributed.expert_placement!r}")
+    _check_speculative(settings.speculative)
     unknown = {glob: kind for glob, kind in distributed.rules.items() if kind not in RULE_KINDS}
     if unknown:
         raise ConfigError(f"distributed.rules {unknown}: each rule's kind must be one of {', '.join(RULE_KINDS)}")
+
+
+def _check_speculative(speculative: DictConfig) -> None:
+    """The shape of the ``speculative`` section; which methods exist is the runtime's drafter registry's to say
+    (``runtime/speculative.py``), checked when the deployment is built."""
+    if speculative.method is None:
+        return
+    if not 1 <= speculative.num_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"speculative.num_tokens must be in 1 … {MAX_SPECULATIVE_TOKENS} (tokens drafted per step), "
+                          f"got {speculative.num_tokens}")
+    if not 1 <= speculative.ngram_min <= speculative.ngram_max:
+        raise ConfigError(f"speculative.ngram_min and ngram_max must satisfy 1 ≤ ngram_min ≤ ngram_max, got "
+                          f"{speculative.ngram_min} and {speculative.ngram_max}")
+    if speculative.method == "draft" and not speculative.model:
+        raise ConfigError("speculative.method is 'draft' but speculative.model is not set: name the draft checkpoint "
+                          "(a smaller model with the same tokenizer), e.g. speculative.model=path/to/draft")
 
 
 def transform_configs(settings: DictConfig) -> dict[str, TransformConfig]:

@@ -42,6 +42,9 @@ class Deployment:
     eos_token_ids: tuple[int, ...] = ()
     report: BuildReport = field(default_factory=BuildReport)
     model_directory: str | None = None  # the checkpoint or config folder it was built from
+    # A draft model for speculative decoding (speculative.method "draft"): a deployment of its own, with its own
+    # serving signature, settings and build report, whose runner and KV pool sit beside the model's.
+    draft: Deployment | None = None
 
     def __post_init__(self) -> None:
         if MODEL not in self.graphs:

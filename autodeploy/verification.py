@@ -80,6 +80,7 @@ def _twin_settings(settings: DictConfig, device: str, dtype: str) -> DictConfig:
     blocks = sum(-(-(length + steps) // settings.kv_cache.block_size) for length, steps in PROBES)
     twin["kv_cache"].update(num_blocks=blocks, prefix_caching=False)
     twin["verify"]["enabled"] = False
+    twin["speculative"]["method"] = None  # the twin checks the graph's logits; a draft model is verified on its own
     return OmegaConf.create(twin)
 
 

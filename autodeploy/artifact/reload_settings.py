@@ -3,7 +3,7 @@
 Overrides go through the same loader as a build's (config files, keyword overrides, ``--set``; the site
 files of ``AUTODEPLOY_CONFIG`` too), over the saved settings instead of ``configs/default.yaml``. Only the
 runtime reads the keys in ``RELOADABLE`` (batch and sequence limits, the KV pool, the scheduler, the seed,
-the tokenizer), so those may change on a reload; ``max_seq_len`` may shrink, not grow past what the build
+the tokenizer, speculative decoding), so those may change on a reload; ``max_seq_len`` may shrink, not grow past what the build
 checked against the model. Everything else (dtype, device, weights, transforms, backends, compile,
 autotuner, verify) shaped the saved graph, so a change is a ``ConfigError`` that says how to rebuild;
 ``auto`` for device or dtype means the saved value.
@@ -27,6 +27,7 @@ RELOADABLE = frozenset({
     "kv_cache.memory_fraction", "kv_cache.cpu_bytes", "kv_cache.num_blocks", "kv_cache.prefix_caching",
     "scheduler.max_num_tokens", "scheduler.chunked_prefill",
 })
+RELOADABLE_SECTIONS = ("speculative.",)  # speculative decoding drafts beside the graph: a reload may turn it on
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -52,7 +53,7 @@ def reload_settings(
             merged[key] = saved[key]
     before, after = _flat(OmegaConf.to_container(saved, resolve=True)), _flat(OmegaConf.to_container(merged, resolve=True))
     changed = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
-    refused = [key for key in changed if key not in RELOADABLE]
+    refused = [key for key in changed if key not in RELOADABLE and not key.startswith(RELOADABLE_SECTIONS)]
     if refused:
         shown = ", ".join(f"{key}={after.get(key)!r} (saved: {repr(before[key]) if key in before else 'not set'})" for key in refused)
         raise ConfigError(

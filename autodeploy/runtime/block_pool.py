@@ -104,6 +104,19 @@ class KVBlockPool:
             table.append(self._pop_free_block())
         return True
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Give back ``seq_id``'s blocks past those ``num_tokens`` tokens need (the rejected tokens of a draft; such
+        blocks were never published to the prefix cache, which holds only tokens the host knows)."""
+        table = self._tables.get(seq_id)
+        if not table:
+            return
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(table[keep:]):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._never_used.append(block)
+        del table[keep:]
+
     def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> int:
         """Give ``child_id`` the parent's *full* blocks among its first ``num_tokens`` (shared, not copied);
         returns the tokens covered. The child recomputes the rest, so no block is written by two owners. A

@@ -34,6 +34,7 @@ import torch
 
 from autodeploy.deployment import Deployment
 from autodeploy.errors import InvalidRequestError
+from autodeploy.runtime import draft_model  # noqa: F401  (registers the "draft" drafter)
 from autodeploy.runtime.model_runner import make_model_runner
 from autodeploy.runtime.rank_mirror import Command, Peers, RankMirror
 from autodeploy.runtime.request import Request, TokenRows
@@ -42,6 +43,7 @@ from autodeploy.runtime.sampled_tokens import SamplingPlan, TokenApplier, launch
 from autodeploy.runtime.sampler import PendingSample
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
+from autodeploy.runtime.speculative import Speculator, make_drafter
 from autodeploy.runtime.step_inputs import PendingTokens
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,9 @@ class Engine:
         self.max_seq_len = settings.max_seq_len
         self.max_num_tokens = settings.scheduler.max_num_tokens
         self.runner = make_model_runner(deployment)
+        speculative = settings.speculative
+        # A draft model's runner sizes its own pool first: the model's pool takes the memory left.
+        drafter = make_drafter(deployment, speculative) if speculative.method else None
         started = time.perf_counter()
         phases = self.runner.set_up(check_logits)
         logger.info("engine ready in %.2f s (%s)", time.perf_counter() - started,
@@ -83,7 +88,10 @@ class Engine:
                                     self.runner.side_inputs)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
-        self.tokens = TokenApplier(self.pool, self.scheduler, self.requests, tokenizer)
+        self.speculator = (Speculator(drafter, speculative.num_tokens, self.pool, vocab_size, speculative.method)
+                           if drafter is not None else None)
+        self.tokens = TokenApplier(self.pool, self.scheduler, self.requests, tokenizer,
+                                   self.speculator.record if self.speculator is not None else None)
         self._lock = threading.RLock()  # requests, scheduler and pool
         self._step_lock = threading.Lock()  # one step at a time
         self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
@@ -260,6 +268,8 @@ class Engine:
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return None
+            if self.speculator is not None:
+                self.speculator.extend(plan.chunks, self.max_num_tokens - plan.num_tokens)
             now = self.clock()
             for chunk in plan.chunks:
                 if chunk.sequence.request.first_scheduled_time is None:
@@ -282,8 +292,10 @@ class Engine:
         run, completing = self.runner.stage(chunks, pending=pending)
         for chunk in chunks:  # counted as computed now, so the next plan can run ahead of this step
             chunk.sequence.num_computed = chunk.start + chunk.length
-        sampling = plan_sampling([chunks[i].sequence for i in completing], self.vocab_size)
-        step = _Step(chunks, sampling, run_ahead=self.overlap and sampling.overlappable and self._continues(chunks, completing))
+        sampling = plan_sampling([chunks[i] for i in completing], self.vocab_size)
+        # With a drafter, every step waits for its tokens: the next draft starts from them.
+        run_ahead = self.overlap and self.speculator is None and sampling.overlappable and self._continues(chunks, completing)
+        step = _Step(chunks, sampling, run_ahead=run_ahead)
         if step.run_ahead:
             for sequence, _ in sampling.owners:
                 sequence.num_pending += 1

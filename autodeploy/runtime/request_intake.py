@@ -128,6 +128,12 @@ class RequestIntake:
                 f"the prompt has {len(token_ids)} tokens and asks for max_tokens={params.max_tokens}: "
                 f"{total} > max_seq_len={self.max_seq_len}; shorten the prompt or lower max_tokens"
             )
+        method = self.settings.speculative.method
+        if params.beam_width > 1 and method:
+            raise InvalidRequestError(
+                f"beam search (beam_width={params.beam_width}) does not combine with speculative decoding, which this "
+                f"deployment runs (speculative.method={method!r}); sample (beam_width=1), or deploy without speculative"
+            )
         copies = params.beam_width if params.beam_width > 1 else 1  # a beam group must fit at once
         if copies * -(-total // self.pool.block_size) > self.pool.num_blocks:
             raise InvalidRequestError(

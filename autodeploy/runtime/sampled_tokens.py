@@ -6,13 +6,14 @@ rows for a request about to fork its samples; a grammar's mask where it has one)
 appends them (stop conditions, grammar matchers, logprobs), forks the samples of ``n`` > 1 off their
 parent, steps the beam groups whose beams are all in, and retires the requests that finished.
 
-    plan = plan_sampling([chunk.sequence for chunk in completing_chunks], vocab_size)
+    plan = plan_sampling(completing_chunks, vocab_size)
     sample, beam_logprobs = launch_sampling(plan, logits)
     changed = applier.apply(chunks, plan, sample.result(), beam_logprobs, run_ahead=False, now=clock())
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,29 +24,48 @@ from autodeploy.runtime.outputs import CompletionOutput
 from autodeploy.runtime.request import Request, Sequence
 from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
+from autodeploy.runtime.speculative import accepted_prefix
 from autodeploy.runtime.structured_output import new_matcher, next_token_bitmask
 
 
 @dataclass
 class SamplingPlan:
-    """How one step's logits rows become tokens: ``rows[i]`` samples logits row ``row_logits[i]`` for
-    ``owners[i]`` (the sequence it extends or forks from, and the completion index); beams separately."""
+    """How one step's logits rows become tokens: ``rows[i]`` samples logits row ``row_logits[i]``. Each owner (the
+    sequence a row extends or forks from, and the completion index) takes ``1 + len(drafts[j])`` consecutive rows:
+    one, or one per token of the draft it verifies and one after it (``runtime/speculative.py``). Beams separately."""
 
     rows: list[SamplingRow] = field(default_factory=list)
     row_logits: list[int] = field(default_factory=list)
     owners: list[tuple[Sequence, int]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per owner: the drafted tokens it verifies ([] for none)
     beam_rows: list[tuple[Sequence, int]] = field(default_factory=list)
-    # No beams, forks, penalties or grammars: the next step needs none of its tokens on the host.
+    # No beams, forks, penalties, grammars or drafts: the next step needs none of its tokens on the host.
     overlappable: bool = True
 
 
-def plan_sampling(sequences: list[Sequence], vocab_size: int) -> SamplingPlan:
-    """The sampling rows of the sequences that reach their last token (one per logits row, in order)."""
+def plan_sampling(chunks: list[ScheduledChunk], vocab_size: int) -> SamplingPlan:
+    """The sampling rows of the chunks that reach their sequence's last token, in logits-row order: one per
+    chunk, ``n`` on one row for a request about to fork its samples, ``1 + len(draft)`` for a verification chunk."""
     plan = SamplingPlan()
-    for row, sequence in enumerate(sequences):
+    row = 0
+    for chunk in chunks:
+        sequence = chunk.sequence
         request = sequence.request
         if request.beam_search is not None:
             plan.beam_rows.append((sequence, row))
+            row += 1
+            continue
+        if chunk.draft:  # each row sampled as that position would be without speculation
+            output = sequence.output_token_ids
+            for i in range(len(chunk.draft) + 1):
+                bitmask = chunk.draft_bitmasks[i] if chunk.draft_bitmasks is not None else None
+                plan.rows.append(SamplingRow(request.params, request.seed, len(output) + i, request.prompt_token_ids,
+                                             output + chunk.draft[:i], sample_index=sequence.index, token_bitmask=bitmask))
+                plan.row_logits.append(row + i)
+            plan.owners.append((sequence, sequence.index))
+            plan.drafts.append(chunk.draft)
+            plan.overlappable = False
+            row += len(chunk.draft) + 1
             continue
         forking = request.params.n > 1 and len(request.sequences) == 1 and not sequence.output_token_ids
         for index in range(request.params.n if forking else 1):
@@ -61,7 +81,9 @@ def plan_sampling(sequences: list[Sequence], vocab_size: int) -> SamplingPlan:
             )
             plan.row_logits.append(row)
             plan.owners.append((sequence, index))
+            plan.drafts.append([])
         plan.overlappable &= not forking and not has_penalty(request.params) and request.grammar is None
+        row += 1
     plan.overlappable &= not plan.beam_rows
     return plan
 
@@ -84,11 +106,13 @@ class TokenApplier:
     """Applies steps' sampled tokens to their sequences, under the engine's lock; finished requests leave
     ``requests`` (the engine's live requests, shared)."""
 
-    def __init__(self, pool: KVBlockPool, scheduler: Scheduler, requests: dict[str, Request], tokenizer):
+    def __init__(self, pool: KVBlockPool, scheduler: Scheduler, requests: dict[str, Request], tokenizer,
+                 on_verified: Callable[[int, int], None] | None = None):
         self.pool = pool
         self.scheduler = scheduler
         self.requests = requests
         self.tokenizer = tokenizer
+        self.on_verified = on_verified  # (drafted, accepted) of every verified draft: the speculator's statistics
 
     def apply(self, chunks: list[ScheduledChunk], plan: SamplingPlan, result: SampleResult | None,
               beam_logprobs: torch.Tensor | None, run_ahead: bool, now: float) -> list[Request]:
@@ -102,17 +126,31 @@ class TokenApplier:
         # Forks first: the parent's own first token may end it (EOS), which frees the blocks they share.
         targets = [sequence if index == sequence.index or sequence.request.aborted else self._fork(sequence, index)
                    for sequence, index in plan.owners]
-        for i, ((sequence, _), target) in enumerate(zip(plan.owners, targets)):
+        first_row = 0
+        for (sequence, _), target, draft in zip(plan.owners, targets, plan.drafts):
+            rows = range(first_row, first_row + 1 + len(draft))
+            first_row = rows.stop
             if run_ahead:
                 sequence.num_pending -= 1
             if target.request.aborted or target.finish_reason is not None:
                 continue  # cancelled mid-step, or stopped on the token before this (a wasted row)
-            target.append(result.token_ids[i], self.tokenizer)
-            if target.grammar is not None:
-                self._advance_grammar(target, result.token_ids[i])
-            if result.logprobs[i] is not None:
-                target.logprobs.append(result.logprobs[i])
-                target.top_logprobs.append(result.top_logprobs[i])
+            if draft:  # the draft's prefix the model confirms, then the model's own next token
+                accepted = accepted_prefix(draft, [result.token_ids[i] for i in rows])
+                rows = rows[: accepted + 1]
+                if self.on_verified is not None:
+                    self.on_verified(len(draft), accepted)
+            for i in rows:
+                target.append(result.token_ids[i], self.tokenizer)
+                if target.grammar is not None:
+                    self._advance_grammar(target, result.token_ids[i])
+                if result.logprobs[i] is not None:
+                    target.logprobs.append(result.logprobs[i])
+                    target.top_logprobs.append(result.top_logprobs[i])
+                if target.finish_reason is not None:
+                    break
+            if draft and target.finish_reason is None:  # the rejected tokens' KV entries are dropped
+                target.num_computed = len(target.token_ids) - 1
+                self.pool.truncate(target.seq_id, len(target.token_ids))
             self._after_token(target, now, changed)
         beams = [(s, logprobs) for (s, _), logprobs in zip(plan.beam_rows, beam_logprobs if beam_logprobs is not None else ())
                  if not s.request.aborted]

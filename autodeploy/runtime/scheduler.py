@@ -44,12 +44,16 @@ class Schedulable(Protocol):
 class ScheduledChunk:
     sequence: Schedulable
     start: int  # first token position computed this step
-    length: int  # tokens computed this step
+    length: int  # tokens computed this step (a verification chunk: 1 + len(draft))
+    # Speculative decoding (runtime/speculative.py): drafted tokens after the sequence's newest, verified by this
+    # step (a logits row for each of the chunk's tokens), and the grammar's mask for each of those rows.
+    draft: list[int] = field(default_factory=list)
+    draft_bitmasks: list | None = None
 
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the sequence's last token (its logits are then needed)."""
-        return self.start + self.length == self.sequence.num_tokens
+        return self.start + self.length == self.sequence.num_tokens + len(self.draft)
 
 
 @dataclass

@@ -96,8 +96,9 @@ def build_step_inputs(
     side_inputs: Sequence[SideInputSpec] = (),
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Graph arguments in declared order, and the indices (into ``chunks``) whose logits come out, in
-    output-row order: the chunks that reach their sequence's last token, or every token of every chunk
-    with ``logits_for_all_tokens``. A chunk may end at a token still on the device (``pending``)."""
+    output-row order: the chunks that reach their sequence's last token (one row each, or ``1 + len(draft)``
+    rows for a chunk verifying a draft), or every token of every chunk with ``logits_for_all_tokens``. A chunk
+    may end at a token still on the device (``pending``)."""
     block_size = pool.block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -115,7 +116,7 @@ def build_step_inputs(
         sequence = chunk.sequence
         end = chunk.start + chunk.length
         table = pool.block_table(sequence.seq_id)
-        known = sequence.token_ids[chunk.start : end]
+        known = sequence.token_ids[chunk.start : end - len(chunk.draft)] + chunk.draft
         input_ids += known
         if len(known) < chunk.length:  # its newest token is the step in flight's: filled on the device
             pending_places.append(len(input_ids))
@@ -126,6 +127,9 @@ def build_step_inputs(
         slots += [slot(table, p, block_size) for p in span]
         if logits_for_all_tokens:
             logit_index += range(seq_start[-1], seq_start[-1] + chunk.length)
+        elif chunk.draft:  # a verification chunk: a row for its newest token and for each drafted one
+            logit_index += range(seq_start[-1] + chunk.length - 1 - len(chunk.draft), seq_start[-1] + chunk.length)
+            completing.append(index)
         elif chunk.completes:
             logit_index.append(seq_start[-1] + chunk.length - 1)
             completing.append(index)

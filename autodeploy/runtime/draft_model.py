@@ -1,0 +1,126 @@
+"""The ``draft`` drafter: a smaller model, deployed through the same pipeline, proposes the next tokens greedily.
+
+The draft model is a deployment of its own (``Deployment.draft``: its graph, serving signature, settings and
+build report) run by a model runner of its own, with its own KV pool and, on a GPU, its own CUDA graphs. For
+each sequence it keeps the tokens it has in its cache; a proposal first computes what the sequence gained
+since (its prompt, the tokens the model accepted, the model's own token: one forward for all the sequences),
+then runs ``k - 1`` one-token steps, each token the draft's argmax. Tokens the model rejected are dropped from
+the draft's cache by comparing it with the sequence again at the next proposal.
+
+    drafter = DraftModel(deployment.draft)
+    drafts = drafter(sequences, limits=[4] * len(sequences))
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from autodeploy.errors import ConfigError
+from autodeploy.runtime.model_runner import make_model_runner
+from autodeploy.runtime.sampler import greedy_tokens
+from autodeploy.runtime.scheduler import ScheduledChunk
+from autodeploy.runtime.speculative import register_drafter
+
+logger = logging.getLogger(__name__)
+
+
+class _DraftSequence:
+    """One sequence as the draft's cache holds it (what ``build_step_inputs`` reads of a sequence)."""
+
+    _ids = itertools.count(-(2**40), -1)  # apart from the engine's probes' ids
+    request = None  # no side inputs
+
+    def __init__(self, target):
+        self.target = target
+        self.seq_id = next(self._ids)
+        self.token_ids: list[int] = []
+        self.num_computed = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class DraftModel:
+    """Greedy drafts from ``draft``'s graph (a ``Deployment``), on a KV pool of its own."""
+
+    def __init__(self, draft, vocab_size: int):
+        self.runner = make_model_runner(draft)
+        self.runner.set_up(check_logits=True)
+        self.pool = self.runner.pool
+        self.vocab_size = vocab_size  # the model's: a draft token past it (padding of a wider head) ends the draft
+        self._sequences: dict[int, _DraftSequence] = {}
+
+    @torch.inference_mode()
+    def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]:
+        self._forget_finished()
+        drafts: list[list[int]] = [[] for _ in sequences]
+        drafting = []
+        for index, (sequence, limit) in enumerate(zip(sequences, limits)):
+            if limit <= 0:
+                continue
+            state = self._synced(sequence)
+            if self._reserve(state, len(state.token_ids) + limit - 1, keep={s.seq_id for s in sequences}):
+                drafting.append((index, state, limit))
+        stopped: set[int] = set()  # drafts cut short by a token past the model's vocabulary
+        for round_ in range(max((limit for _, _, limit in drafting), default=0)):
+            active = [(index, state) for index, state, limit in drafting if limit > round_ and index not in stopped]
+            if not active:
+                break
+            chunks = [ScheduledChunk(state, state.num_computed, len(state.token_ids) - state.num_computed) for _, state in active]
+            order = sorted(range(len(chunks)), key=lambda i: chunks[i].length == 1)  # decodes last
+            logits, completing = self.runner.forward([chunks[i] for i in order])
+            tokens = greedy_tokens(logits).tolist()
+            for row, position in enumerate(completing):
+                index, state = active[order[position]]
+                state.num_computed = len(state.token_ids)
+                if tokens[row] >= self.vocab_size:
+                    stopped.add(index)
+                    continue
+                state.token_ids.append(tokens[row])
+                drafts[index].append(tokens[row])
+        return drafts
+
+    def _synced(self, sequence) -> _DraftSequence:
+        """The draft's state of ``sequence``, its cached tokens cut to the prefix they still share."""
+        state = self._sequences.get(sequence.seq_id)
+        if state is None:
+            state = self._sequences[sequence.seq_id] = _DraftSequence(sequence)
+        tokens = sequence.token_ids
+        shared = 0
+        limit = min(state.num_computed, len(tokens) - 1)  # at least the newest token is computed again
+        while shared < limit and state.token_ids[shared] == tokens[shared]:
+            shared += 1
+        state.num_computed = shared
+        state.token_ids = list(tokens)
+        self.pool.truncate(state.seq_id, shared)
+        return state
+
+    def _reserve(self, state: _DraftSequence, num_tokens: int, keep: set[int]) -> bool:
+        """Blocks for ``num_tokens`` of ``state``; when the pool is full, the states of sequences not drafting
+        now go first (they compute their tokens again later)."""
+        while not self.pool.reserve(state.seq_id, num_tokens):
+            idle = next((seq_id for seq_id in self._sequences if seq_id not in keep), None)
+            if idle is None:
+                return False
+            self._drop(idle)
+        return True
+
+    def _forget_finished(self) -> None:
+        for seq_id, state in list(self._sequences.items()):
+            if state.target.finish_reason is not None or state.target.request.aborted:
+                self._drop(seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        self.pool.free(self._sequences.pop(seq_id).seq_id)
+
+
+@register_drafter("draft")
+def draft_model_drafter(deployment, settings) -> DraftModel:
+    if deployment.draft is None:
+        raise ConfigError("speculative.method is 'draft' but the deployment holds no draft model: build it with "
+                          "autodeploy(model, speculative={'method': 'draft', 'model': 'path/to/draft'})")
+    return DraftModel(deployment.draft, deployment.vocab_size)

@@ -1,0 +1,224 @@
+"""Speculative decoding: a drafter proposes tokens, the model checks them all in the step's one forward.
+
+A ``Drafter`` proposes, for sequences about to decode one token, up to ``k`` further tokens each. The engine's
+``Speculator`` turns those decode chunks of a planned step into verification chunks (the sequence's newest
+token, then its draft), with KV blocks reserved for every token; the forward computes one logits row per
+token. Each row is sampled exactly as the sequence would have sampled that position without speculation — the
+same seeded counter (the output position), penalties counting the draft tokens before it, the grammar's mask
+after them — and ``accepted_prefix`` keeps the draft's longest prefix equal to the tokens sampled, then the
+first sampled token that differs (or the one after the whole draft). The KV entries of the rejected tokens are
+dropped (the sequence's computed count goes back, and ``KVBlockPool.truncate`` frees whole blocks past it).
+
+Why the output is the model's, exactly: a draft token ``d`` at a position is kept when the token the model
+samples there is ``d``; with probability ``p(d)`` that is so, and otherwise the sampled token, drawn from ``p``
+given that it is not ``d``, ends the step. That is rejection sampling against a draft distribution that puts
+all its mass on ``d`` (accept with ``min(1, p(d)/q(d)) = p(d)``, else draw from ``(p - q)⁺``). So greedy
+decoding is token-identical with and without speculation, and a seeded request draws the same tokens either way.
+
+Drafters are registered by name (``register_drafter``); ``speculative.method`` picks one. Built in: ``ngram``
+(prompt lookup, this module) and ``draft`` (a smaller model, ``runtime/draft_model.py``).
+
+    @register_drafter("repeat_last")
+    def repeat_last(deployment, settings):
+        return lambda sequences, limits: [[s.token_ids[-1]] * k for s, k in zip(sequences, limits)]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from autodeploy.errors import ConfigError
+from autodeploy.runtime.block_pool import KVBlockPool
+from autodeploy.runtime.scheduler import ScheduledChunk
+from autodeploy.runtime.structured_output import next_token_bitmask
+
+logger = logging.getLogger(__name__)
+
+
+class Drafter(Protocol):
+    """Proposes tokens to verify: ``drafter(sequences, limits)`` returns, for each sequence, at most ``limits[i]``
+    token ids to follow its ``token_ids`` (fewer, or none, when it has no good guess). It runs on the engine's
+    thread between steps, so it should be quick; it never changes the sequences."""
+
+    def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]: ...
+
+
+DrafterFactory = Callable[[Any, Any], Drafter]  # (deployment, speculative settings) -> Drafter
+_DRAFTERS: dict[str, DrafterFactory] = {}
+
+
+def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    """Register ``factory(deployment, settings) -> Drafter`` as ``speculative.method: <name>`` (``settings`` is the
+    ``speculative`` section; a drafter's own options are in ``settings.options``)."""
+
+    def register(factory: DrafterFactory) -> DrafterFactory:
+        if name in _DRAFTERS and _DRAFTERS[name] is not factory:
+            raise ConfigError(f"a drafter named {name!r} is already registered; pick another name")
+        _DRAFTERS[name] = factory
+        return factory
+
+    return register
+
+
+def registered_drafters() -> list[str]:
+    return sorted(_DRAFTERS)
+
+
+def make_drafter(deployment, settings) -> Drafter:
+    """The drafter ``settings.method`` names, made for ``deployment``; a ``ConfigError`` naming the registered ones."""
+    factory = _DRAFTERS.get(settings.method)
+    if factory is None:
+        raise ConfigError(f"speculative.method is {settings.method!r}; the registered drafters are "
+                          f"{', '.join(registered_drafters())} (register your own with register_drafter)")
+    return factory(deployment, settings)
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did so far: verification rows, drafted and accepted tokens, accepted tokens by position."""
+
+    steps: int = 0  # sequence-steps that carried a draft
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: drafts whose token i was accepted
+    drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: drafts at least i + 1 tokens long
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted ÷ drafted tokens."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens a verification step produced per sequence on average: the accepted drafts plus the model's own."""
+        return 1 + self.accepted / self.steps if self.steps else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for counts, upto in ((self.drafted_at, drafted), (self.accepted_at, accepted)):
+            counts.extend([0] * (upto - len(counts)))
+            for i in range(upto):
+                counts[i] += 1
+
+
+def accepted_prefix(draft: list[int], sampled: list[int]) -> int:
+    """How many leading draft tokens the model's own samples confirm (``sampled`` has one token per row: the
+    draft's ``len(draft) + 1``)."""
+    count = 0
+    while count < len(draft) and sampled[count] == draft[count]:
+        count += 1
+    return count
+
+
+class Speculator:
+    """The engine's side of speculation: drafts for a step's decode chunks, and the statistics."""
+
+    def __init__(self, drafter: Drafter, num_tokens: int, pool: KVBlockPool, vocab_size: int, method: str = ""):
+        self.drafter = drafter
+        self.num_tokens = num_tokens
+        self.pool = pool
+        self.vocab_size = vocab_size
+        self.method = method
+        self.stats = SpeculationStats()
+        self._warned_low_acceptance = False
+
+    def extend(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Give the decode chunks of a planned step their drafts, within ``budget`` more tokens and the blocks
+        free (a draft that does not fit is cut; speculation never preempts). Chunks stay ordered prompt chunks
+        first, single-token decodes last (what ``cached_attention`` wants)."""
+        candidates = [c for c in chunks if self._may_draft(c)]
+        if not candidates or budget <= 0:
+            return
+        limits = [min(self.num_tokens, self._tokens_left(c.sequence)) for c in candidates]
+        drafts = self.drafter([c.sequence for c in candidates], limits)
+        if len(drafts) != len(candidates):
+            raise RuntimeError(f"the {self.method!r} drafter returned {len(drafts)} drafts for {len(candidates)} sequences")
+        for chunk, limit, draft in zip(candidates, limits, drafts):
+            draft = [int(t) for t in draft[: min(limit, budget)]]
+            if any(not 0 <= t < self.vocab_size for t in draft):
+                raise RuntimeError(f"the {self.method!r} drafter proposed a token outside the vocabulary "
+                                   f"(0 … {self.vocab_size - 1}): {draft}")
+            masks = None
+            if chunk.sequence.grammar is not None:
+                draft, masks = _grammar_cut(chunk.sequence.grammar, draft, self.vocab_size)
+            if not draft or not self.pool.reserve(chunk.sequence.seq_id, chunk.start + 1 + len(draft)):
+                continue
+            chunk.draft, chunk.draft_bitmasks = draft, masks
+            chunk.length = 1 + len(draft)
+            budget -= len(draft)
+            if budget <= 0:
+                break
+        chunks.sort(key=lambda chunk: chunk.length == 1)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.stats.record(drafted, accepted)
+        stats = self.stats
+        if not self._warned_low_acceptance and stats.drafted >= 1000 and stats.acceptance_rate < 0.02:
+            self._warned_low_acceptance = True
+            logger.warning("the %r drafter's tokens are almost never accepted (%d of %d): speculation only costs time "
+                           "here; check the drafter (a draft model with another tokenizer or broken weights?) or turn "
+                           "speculative.method off", self.method, stats.accepted, stats.drafted)
+
+    def _may_draft(self, chunk: ScheduledChunk) -> bool:
+        """A decode chunk of a sequence whose newest token the host has, with tokens left to draft."""
+        sequence = chunk.sequence
+        return (chunk.length == 1 and chunk.completes and sequence.num_pending == 0 and sequence.finish_reason is None
+                and sequence.request.beam_search is None and self._tokens_left(sequence) > 0)
+
+    @staticmethod
+    def _tokens_left(sequence) -> int:
+        """Draft tokens the sequence may still take: its output ends at ``max_tokens``, one of them the model's own."""
+        request = sequence.request
+        return request.params.max_tokens - len(sequence.output_token_ids) - 1
+
+
+def _grammar_cut(matcher, draft: list[int], vocab_size: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The draft up to its first token the grammar refuses (or past its end), and the grammar's mask for each
+    row of the verification: before the draft, then after each kept token. The matcher ends where it began."""
+    masks = [next_token_bitmask(matcher, vocab_size)]
+    kept: list[int] = []
+    for token in draft:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        kept.append(token)
+        masks.append(next_token_bitmask(matcher, vocab_size))
+    if kept:
+        matcher.rollback(len(kept))
+    return kept, masks[: len(kept) + 1]
+
+
+@register_drafter("ngram")
+def ngram_drafter(deployment, settings) -> Drafter:
+    """Prompt lookup: for each sequence, the tokens that followed the latest earlier occurrence of its last
+    ``ngram_max`` tokens (then ``ngram_max - 1``, … ``ngram_min``). No weights; strong where the output quotes
+    its prompt (code edits, summaries, retrieval answers)."""
+    smallest, largest = settings.ngram_min, settings.ngram_max
+
+    def propose(sequences: list, limits: list[int]) -> list[list[int]]:
+        return [lookup(sequence.token_ids, limit, smallest, largest) for sequence, limit in zip(sequences, limits)]
+
+    return propose
+
+
+def lookup(tokens: list[int], limit: int, smallest: int, largest: int) -> list[int]:
+    """Up to ``limit`` tokens that followed the latest earlier occurrence of ``tokens``' last ``n`` tokens, for the
+    largest ``n`` from ``largest`` down to ``smallest`` that occurs earlier; [] when none does.
+
+    >>> lookup([1, 2, 3, 9, 1, 2], 3, 1, 2)
+    [3, 9, 1]
+    """
+    length = len(tokens)
+    for n in range(min(largest, length - 1), smallest - 1, -1):
+        suffix = tokens[length - n:]
+        first = suffix[0]
+        for start in range(length - n - 1, -1, -1):  # latest occurrence first, never the suffix itself
+            if tokens[start] == first and tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + limit]
+    return []

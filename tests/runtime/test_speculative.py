@@ -1,0 +1,242 @@
+"""Speculative decoding on the tiny random Llama: whatever a drafter proposes — the model's own continuation,
+random tokens, a mix — the output is the output without speculation, token for token (greedy and seeded
+sampling, penalties, logprobs, stop strings, max_tokens, grammars, a KV pool small enough to preempt), the
+rejected tokens' blocks go back to the pool, and what cannot be served is refused with a typed error."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from autodeploy import SamplingParams, autodeploy
+from autodeploy.errors import ConfigError, InvalidRequestError
+from autodeploy.runtime.speculative import SpeculationStats, accepted_prefix, lookup, register_drafter
+from tests.runtime.test_engine import hf_greedy, random_prompts
+from tests.tiny_models import tiny_hf_model
+
+# The scripted drafter's proposals: a function (sequences, limits) -> drafts that each test sets.
+SCRIPT = {"propose": lambda sequences, limits: [[] for _ in sequences]}
+
+
+@register_drafter("test_scripted")
+def _scripted(deployment, settings):
+    return lambda sequences, limits: SCRIPT["propose"](sequences, limits)
+
+
+def random_drafts(seed: int, vocab: int = 512):
+    rng = random.Random(seed)
+    return lambda sequences, limits: [[rng.randrange(vocab) for _ in range(rng.randint(0, k))] for k in limits]
+
+
+def oracle_drafts(expected: dict[tuple, list[int]], error_rate: float = 0.0, seed: int = 0):
+    """The continuation each prompt is known to get, a token wrong now and then."""
+    rng = random.Random(seed)
+
+    def propose(sequences, limits):
+        drafts = []
+        for sequence, limit in zip(sequences, limits):
+            prompt = tuple(sequence.request.prompt_token_ids)
+            done = len(sequence.output_token_ids)
+            draft = list(expected.get(prompt, [])[done + 1 : done + 1 + limit])
+            drafts.append([t if rng.random() >= error_rate else (t + 1) % 512 for t in draft])
+        return drafts
+
+    return propose
+
+
+@pytest.fixture(scope="module")
+def spec_llm(llama_dir):
+    """The tiny Llama with the scripted drafter, 4 tokens a step, and a pool of 40 blocks (640 tokens)."""
+    return autodeploy(str(llama_dir), device="cpu", speculative={"method": "test_scripted", "num_tokens": 4},
+                      kv_cache={"num_blocks": 40})
+
+
+@pytest.fixture(autouse=True)
+def _no_script():
+    yield
+    SCRIPT["propose"] = lambda sequences, limits: [[] for _ in sequences]
+
+
+def test_lookup_and_accepted_prefix():
+    assert lookup([1, 2, 3, 9, 1, 2], 3, 1, 2) == [3, 9, 1]
+    assert lookup([1, 2, 3, 9, 1, 2], 1, 1, 2) == [3]
+    assert lookup([5, 1, 7, 1], 4, 1, 3) == [7, 1]  # the latest earlier occurrence of [1]
+    assert lookup([1, 2, 3], 4, 1, 3) == []
+    assert lookup([4], 4, 1, 3) == []
+    assert accepted_prefix([5, 6, 7], [5, 6, 8, 9]) == 2
+    assert accepted_prefix([5, 6], [4, 6, 1]) == 0
+    assert accepted_prefix([5, 6], [5, 6, 1]) == 2
+    stats = SpeculationStats()
+    stats.record(4, 2)
+    stats.record(2, 0)
+    assert (stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at) == (6, 2, [1, 1], [2, 2, 1, 1])
+    assert stats.acceptance_length == 2.0 and stats.acceptance_rate == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("drafter", ["random", "oracle with errors"])
+def test_greedy_output_is_the_output_without_speculation_under_preemption(spec_llm, llama_llm, drafter):
+    prompts = random_prompts(24, seed=5, lengths=(1, 120))
+    rng = random.Random(1)
+    params = [SamplingParams(max_tokens=rng.randint(1, 40), temperature=0, ignore_eos=True) for _ in prompts]
+    expected = [o.token_ids for o in llama_llm.generate(prompts, params)]
+    continuation = {tuple(p): e for p, e in zip(prompts, expected)}
+    SCRIPT["propose"] = random_drafts(7) if drafter == "random" else oracle_drafts(continuation, error_rate=0.2)
+    before = _stats(spec_llm)
+    engine = spec_llm.engine
+    requests = []
+    for wave in range(4):  # staggered arrivals: prompt chunks and verification chunks share steps
+        requests += [engine.add_request(p, s) for p, s in zip(prompts[wave::4], params[wave::4])]
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    by_prompt = {tuple(r.prompt_token_ids): r.output(None).outputs[0].token_ids for r in requests}
+    assert [by_prompt[tuple(p)] for p in prompts] == expected
+    hf = tiny_hf_model("llama")
+    for prompt, tokens in list(zip(prompts, expected))[:3]:
+        assert hf_greedy(hf, prompt, len(tokens)) == tokens
+    after = _stats(spec_llm)
+    assert after.accepted > before.accepted and after.drafted - after.accepted > before.drafted - before.accepted
+    assert engine.pool.num_used_blocks == 0, "every block goes back once the requests finish"
+
+
+def test_seeded_sampling_penalties_logprobs_and_stop_strings_match(spec_llm, llama_llm):
+    prompts = ["def f(x):", "import os", "class A:", "x = [1, 2"]
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.9, seed=11, logprobs=2),
+        SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, top_k=20, seed=12, repetition_penalty=1.3,
+                       presence_penalty=0.5),
+        SamplingParams(max_tokens=30, temperature=0, stop=["e"], frequency_penalty=0.4),
+        SamplingParams(max_tokens=25, temperature=1.0, seed=13, n=2),
+    ]
+    expected = llama_llm.generate(prompts, params)
+    SCRIPT["propose"] = oracle_drafts({tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}, 0.3, seed=2)
+    got = spec_llm.generate(prompts, params)
+    for want, have in zip(expected, got):
+        for a, b in zip(want.outputs, have.outputs):
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+            if a.logprobs is not None:
+                assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+                assert [list(t) for t in b.top_logprobs] == [list(t) for t in a.top_logprobs]
+
+
+def test_grammar_masks_apply_to_drafted_positions(spec_llm, llama_llm):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a", "b"]}
+    params = SamplingParams(max_tokens=60, temperature=0, json_schema=schema)
+    (expected,) = llama_llm.generate(["def f(x):"], params)
+    tokenizer = spec_llm.tokenizer
+    quote, brace = tokenizer.convert_tokens_to_ids('"'), tokenizer.convert_tokens_to_ids("{")
+    # Proposals the grammar refuses (cut before verification) and ones it allows but the model does not pick.
+    SCRIPT["propose"] = lambda sequences, limits: [[brace, quote, quote][:k] for k in limits]
+    (got,) = spec_llm.generate(["def f(x):"], params)
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert got.outputs[0].text.startswith('{"a": ')  # (the random model runs out of tokens inside the integer)
+
+
+def test_sampled_tokens_follow_the_models_distribution(spec_llm, llama_llm):
+    """400 seeds at temperature 0.15, the second output token drafted as the likeliest after the first: each seed
+    draws what it draws without speculation, and how often the drafted token (and the next likeliest) comes
+    matches the model's probabilities within four standard deviations (a seeded run: the figures are fixed)."""
+    prompt = [5, 17, 33, 5, 17]
+    params = [SamplingParams(max_tokens=3, temperature=0.15, seed=seed, ignore_eos=True) for seed in range(400)]
+    without = [o.outputs[0].token_ids for o in llama_llm.generate([prompt] * 400, params)]
+    distribution = {}  # first output token → the model's distribution of the second
+    for first in {tokens[0] for tokens in without}:
+        distribution[first] = torch.softmax(llama_llm.engine.prompt_logits(prompt + [first])[-1].float() / 0.15, -1)
+
+    def likeliest(sequence, rank=0):
+        return int(distribution[sequence.output_token_ids[0]].topk(rank + 1).indices[rank])
+
+    SCRIPT["propose"] = lambda sequences, limits: [[likeliest(s)][:k] if len(s.output_token_ids) == 1 else []
+                                                    for s, k in zip(sequences, limits)]
+    before = _stats(spec_llm)
+    sampled = [o.outputs[0].token_ids for o in spec_llm.generate([prompt] * 400, params)]
+    assert sampled == without
+    after = _stats(spec_llm)
+    assert after.drafted - before.drafted == 400
+    for rank in (0, 1):
+        ranked = [int(distribution[t[0]].topk(rank + 1).indices[rank]) for t in sampled]
+        observed = sum(t[1] == token for t, token in zip(sampled, ranked))
+        probabilities = [float(distribution[t[0]][token]) for t, token in zip(sampled, ranked)]
+        expected, spread = sum(probabilities), math.sqrt(sum(p * (1 - p) for p in probabilities))
+        assert abs(observed - expected) <= 4 * spread + 1, (rank, observed, expected)
+        if rank == 0:
+            assert after.accepted - before.accepted == observed
+
+
+def test_ngram_drafts_from_the_prompt_and_changes_nothing(llama_dir, llama_llm):
+    llm = autodeploy(str(llama_dir), device="cpu", speculative={"method": "ngram", "num_tokens": 3})
+    prompts = [[7, 8, 9, 10, 11, 12] * 6, random_prompts(1, seed=3, lengths=(40, 40))[0]]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in llama_llm.generate(prompts, params)]
+    stats = llm.engine.speculator.stats
+    assert stats.drafted > 0 and stats.steps > 0
+
+
+def test_a_draft_model_with_the_models_weights_is_always_right(llama_dir):
+    llm = autodeploy(str(llama_dir), device="cpu", speculative={"method": "draft", "model": str(llama_dir), "num_tokens": 3})
+    prompts = random_prompts(3, seed=9, lengths=(5, 60))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    hf = tiny_hf_model("llama")
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 20) for p in prompts]
+    stats = llm.engine.speculator.stats
+    assert stats.drafted > 0 and stats.accepted == stats.drafted
+    assert llm.deployment.draft is not None and llm.deployment.draft.report.verification is not None
+
+
+def test_bad_settings_and_requests_are_refused_with_the_fix(llama_dir, tiny_checkpoint, tmp_path, spec_llm):
+    with pytest.raises(InvalidRequestError, match="beam search .* does not combine with speculative"):
+        spec_llm.generate(["def f"], SamplingParams(max_tokens=4, beam_width=2, temperature=0))
+    for speculative, message in [
+        ({"method": "ngram", "num_tokens": 0}, "num_tokens must be in 1"),
+        ({"method": "ngram", "num_tokens": 99}, "num_tokens must be in 1"),
+        ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "ngram_min"),
+        ({"method": "eagle9"}, "registered drafters are .*ngram"),
+        ({"method": "draft"}, "speculative.model is not set"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            autodeploy(str(llama_dir), device="cpu", speculative=speculative)
+    with pytest.raises(ConfigError, match="runs on one rank"):
+        autodeploy(str(llama_dir), device="cpu", tensor_parallel=2, speculative={"method": "ngram"})
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(llama_dir, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    (a, ia), (b, ib) = list(vocab.items())[300:302]
+    vocab[a], vocab[b] = ib, ia
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                   speculative={"method": "draft", "model": str(other), "options": {"verify": {"enabled": False}}})
+
+
+def test_a_drafter_that_breaks_its_contract_fails_its_requests_clearly(spec_llm):
+    SCRIPT["propose"] = lambda sequences, limits: [[10**6] for _ in sequences]
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        spec_llm.generate(["def f(x):"], SamplingParams(max_tokens=8, temperature=0))
+    SCRIPT["propose"] = lambda sequences, limits: []
+    with pytest.raises(RuntimeError, match="returned 0 drafts for 1"):
+        spec_llm.generate(["def f(x):"], SamplingParams(max_tokens=8, temperature=0))
+    SCRIPT["propose"] = lambda sequences, limits: [[] for _ in sequences]
+    assert spec_llm.generate(["def f(x):"], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].token_ids
+    assert spec_llm.engine.pool.num_used_blocks == 0
+
+
+def test_a_saved_deployment_serves_with_speculation_turned_on_at_reload(llama_llm, tmp_path):
+    directory = llama_llm.save(tmp_path / "saved")
+    llm = autodeploy(str(directory), speculative={"method": "ngram", "num_tokens": 2})
+    prompts = [[3, 4, 5, 6] * 8]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert llm.generate(prompts, params)[0].token_ids == llama_llm.generate(prompts, params)[0].token_ids
+    assert llm.engine.speculator.stats.drafted > 0
+
+
+def _stats(llm) -> SpeculationStats:
+    stats = llm.engine.speculator.stats
+    return SpeculationStats(stats.steps, stats.drafted, stats.accepted)
+
