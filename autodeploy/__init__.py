@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from autodeploy.custom_ops import register_backend, register_op
     from autodeploy.export import register_export_patch
     from autodeploy.patterns import register_pattern
+    from autodeploy.runtime.speculative import register_drafter
     from autodeploy.frontend.async_llm import AsyncLLM
     from autodeploy.frontend.llm import LLM
     from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
@@ -44,6 +45,7 @@ _MODULE_OF: dict[str, str] = {
     "autodeploy": "autodeploy.api",
     "deployment_settings": "autodeploy.api",
     "register_backend": "autodeploy.custom_ops",
+    "register_drafter": "autodeploy.runtime.speculative",
     "register_export_patch": "autodeploy.export",
     "register_op": "autodeploy.custom_ops",
     "register_pattern": "autodeploy.patterns",
@@ -65,6 +67,7 @@ __all__ = [
     "deployment_settings",
     "errors",
     "register_backend",
+    "register_drafter",
     "register_export_patch",
     "register_op",
     "register_pattern",

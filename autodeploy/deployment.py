@@ -1,7 +1,7 @@
 """``Deployment``: a built model as one record — what a build (or a reload) makes and ``LLM``, ``Engine``, save
 and load take.
 
-It holds the graphs by role (``"model"`` today; a draft model, a vision or an encoder graph are further roles,
+It holds the graphs by role (``"model"`` today; a vision or an encoder graph are further roles,
 not further constructor arguments), the serving signature the cache stage declared (graph inputs in order,
 KV cache specs, the decode batch and prefill token sizes captured as graphs), the tokenizer and end-of-sequence
 ids, the resolved settings, the build report and the folder the model came from.

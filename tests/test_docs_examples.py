@@ -73,3 +73,15 @@ def test_every_python_example_compiles(page):
         indent = len(block) - len(block.lstrip(" "))
         source = "\n".join(line[indent:] for line in block.splitlines())
         compile(source, f"{page.name} example", "exec")
+
+
+def test_drafter_example_runs_and_changes_no_token():
+    """docs/speculative.md's drafter, as written, on the demo model: the output is the output without speculation."""
+    from autodeploy import SamplingParams, autodeploy
+
+    source = re.search(r"## Writing a drafter\n.*?```python\n(.*?)```", (DOCS / "speculative.md").read_text(), re.S).group(1)
+    scope: dict = {}
+    exec(source.replace('autodeploy(speculative=', 'autodeploy(device="cpu", speculative='), scope)
+    plain = autodeploy(device="cpu").generate("aaaa", SamplingParams(max_tokens=8, temperature=0))[0]
+    assert scope["output"].token_ids == plain.token_ids
+    assert scope["stats"].drafted > 0

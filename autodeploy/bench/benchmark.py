@@ -167,6 +167,7 @@ def _run_result(workload: Workload, engine: str, measurements: list[RunMeasureme
         peak_host_rss_bytes=last.peak_host_rss_bytes,
         kv_pool_peak_utilization=last.kv_pool_peak_utilization,
         prefix_cache_hit_rate=last.prefix_cache_hit_rate,
+        speculation=last.speculation,
         failed_requests=len(last.failures),
         failures=sorted(set(last.failures))[:5],  # the distinct reasons, enough to see what went wrong
     )

@@ -62,6 +62,15 @@ def format_table(result: BenchResult) -> str:
     server_lines = [f"  {run.id}: {_ratios(run.ratios, SERVER_RATIO_METRICS)}" for run in result.runs if run.ratios and run.engine == "server"]
     if server_lines:
         lines += ["", "over HTTP / in-process (the same engine, point by point in the same run; what the server costs):", *server_lines]
+    speculating = [run for run in result.runs if run.metrics.get("speculation")]
+    if speculating:
+        lines += ["", "speculative decoding (tokens per verification row = accepted drafts + the model's own):"]
+        for run in speculating:
+            spec = run.metrics["speculation"]
+            rate, length = spec["acceptance_rate"], spec["acceptance_length"]
+            lines.append(f"  {run.id}: {spec['method']}, {spec['num_tokens']} tokens drafted a step; accepted "
+                         f"{spec['accepted_tokens']} of {spec['drafted_tokens']} ({_fraction(rate)}), "
+                         f"{'-' if length is None else f'{length:.2f}'} tokens per row over {spec['verification_rows']} rows")
     failed = [run for run in result.runs if run.metrics.get("failed_requests")]
     if failed:
         lines += ["", "requests that failed (left out of the metrics above):"]

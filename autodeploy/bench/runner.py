@@ -30,6 +30,8 @@ class RunMeasurement:
     kv_pool_peak_utilization: float | None
     prefix_cache_hit_rate: float | None
     failures: list[str] = field(default_factory=list)  # over HTTP: why each request that did not finish failed
+    # Speculative decoding within the run: drafted and accepted tokens, acceptance rate and length (None: off)
+    speculation: dict | None = None
 
 
 def peak_host_rss_bytes() -> int:
@@ -52,6 +54,8 @@ def run_workload(
     engine.pool.reset_prefix_cache()  # hits within this run only, never from an earlier repeat
     stats = engine.pool.stats
     queried_before, hits_before = stats.queried_tokens, stats.hit_tokens
+    speculator = engine.speculator
+    drafted_before = (speculator.stats.steps, speculator.stats.drafted, speculator.stats.accepted) if speculator else None
     pending = sorted(workload.requests, key=lambda r: r.arrival)
     submitted = []
     peak_blocks = 0
@@ -87,4 +91,14 @@ def run_workload(
         peak_host_rss_bytes=peak_host_rss_bytes(),
         kv_pool_peak_utilization=peak_blocks / engine.pool.num_blocks,
         prefix_cache_hit_rate=(stats.hit_tokens - hits_before) / queried if queried else None,
+        speculation=_speculation(speculator, drafted_before) if speculator else None,
     )
+
+
+def _speculation(speculator, before: tuple[int, int, int]) -> dict:
+    steps, drafted, accepted = (now - then for now, then in zip(
+        (speculator.stats.steps, speculator.stats.drafted, speculator.stats.accepted), before))
+    return {"method": speculator.method, "num_tokens": speculator.num_tokens, "verification_rows": steps,
+            "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "acceptance_length": 1 + accepted / steps if steps else None}

@@ -48,6 +48,26 @@ def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                         help="YAML pipeline config merged over configs/default.yaml (repeatable, later wins)")
     parser.add_argument("--set", dest="set_arguments", action="append", default=[], metavar="KEY=VALUE",
                         help="override one setting, e.g. --set transforms.cleanup_noop.enabled=false (repeatable)")
+    speculative = parser.add_argument_group("speculative decoding (docs/speculative.md; --set speculative.KEY=VALUE for the rest)")
+    for flag, key, kind, what in SPECULATIVE_FLAGS:
+        speculative.add_argument(flag, dest=f"speculative_{key}", type=kind, default=None, help=f"{what} (= --set speculative.{key}=…)")
+
+
+# Flags that stand for --set speculative.<key>=<value>: (flag, key, type, help).
+SPECULATIVE_FLAGS = (
+    ("--speculative-method", "method", str, "draft tokens with: ngram, draft (a smaller model) or a registered drafter"),
+    ("--speculative-num-tokens", "num_tokens", int, "tokens drafted per sequence and step"),
+    ("--speculative-model", "model", str, "the draft model's checkpoint (method draft)"),
+)
+
+
+def _with_speculative_flags(args: argparse.Namespace) -> None:
+    """Put the --speculative-* flags in front of the command's --set arguments (an explicit --set still wins)."""
+    if not hasattr(args, "set_arguments"):
+        return
+    flags = [f"speculative.{key}={getattr(args, 'speculative_' + key)}" for _, key, _, _ in SPECULATIVE_FLAGS
+             if getattr(args, "speculative_" + key, None) is not None]
+    args.set_arguments[:0] = flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -464,6 +484,7 @@ def _tune(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _with_speculative_flags(args)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     handlers = {"run": _run, "serve": _serve, "build": _build, "triton-repo": _triton_repo, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
                 "bench": _bench}

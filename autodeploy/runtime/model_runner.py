@@ -15,7 +15,8 @@ prefill graphs, the pipeline schedule) are three runners (``make_model_runner`` 
 ``set_up`` sizes the KV pool (on a GPU a warm-up forward at the token budget shows the activations'
 peak; over several ranks every pool takes the smallest size), allocates the caches and captures the
 graphs. The deployment's graphs come by role: ``{"model": graph}`` runs the steps; a role this runtime
-does not run yet (a ``"draft"``, ``"vision"`` or ``"encoder"`` graph) is refused. The side inputs that
+does not run yet (a ``"vision"`` or ``"encoder"`` graph) is refused (a draft model is a deployment of its own,
+``Deployment.draft``, run by ``runtime/draft_model.py``). The side inputs that
 requests carry (``TokenRows``) fill the inputs the graph declares for them (``step_inputs.SideInputSpec``).
 
     runner = make_model_runner(deployment)

@@ -139,7 +139,9 @@ class TokenApplier:
                 rows = rows[: accepted + 1]
                 if self.on_verified is not None:
                     self.on_verified(len(draft), accepted)
+            emitted = 0
             for i in rows:
+                emitted += 1
                 target.append(result.token_ids[i], self.tokenizer)
                 if target.grammar is not None:
                     self._advance_grammar(target, result.token_ids[i])
@@ -151,7 +153,7 @@ class TokenApplier:
             if draft and target.finish_reason is None:  # the rejected tokens' KV entries are dropped
                 target.num_computed = len(target.token_ids) - 1
                 self.pool.truncate(target.seq_id, len(target.token_ids))
-            self._after_token(target, now, changed)
+            self._after_token(target, now, changed, emitted)
         beams = [(s, logprobs) for (s, _), logprobs in zip(plan.beam_rows, beam_logprobs if beam_logprobs is not None else ())
                  if not s.request.aborted]
         for sequence, logprobs in beams:
@@ -185,10 +187,11 @@ class TokenApplier:
         self.scheduler.running.append(child)
         return child
 
-    def _after_token(self, sequence: Sequence, now: float, changed: dict[str, Request]) -> None:
+    def _after_token(self, sequence: Sequence, now: float, changed: dict[str, Request], count: int = 1) -> None:
+        """``count`` tokens came to ``sequence`` now (several from a verified draft)."""
         request = sequence.request
         if sequence.index == 0:
-            request.token_times.append(now)
+            request.token_times.extend([now] * count)
         if sequence.finish_reason is not None:
             self.scheduler.remove(sequence)
         if request.finished:

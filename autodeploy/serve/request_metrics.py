@@ -54,11 +54,22 @@ class EngineValue:
 
 
 def engine_state(engine) -> list[EngineValue]:
-    """The engine's scheduler and block pool now."""
+    """The engine's scheduler and block pool now (and its speculation, when it drafts)."""
     scheduler, pool = engine.scheduler, engine.pool
     waiting = {s.request.request_id for s in list(scheduler.waiting)}
     running = {s.request.request_id for s in list(scheduler.running)} - waiting
-    return [
+    speculator = getattr(engine, "speculator", None)
+    speculation = [] if speculator is None else [
+        EngineValue("autodeploy_spec_decode_num_drafts", "Verification rows: sequence-steps that carried a draft", "counter",
+                    speculator.stats.steps),
+        EngineValue("autodeploy_spec_decode_num_draft_tokens", "Drafted tokens verified", "counter", speculator.stats.drafted),
+        EngineValue("autodeploy_spec_decode_num_accepted_tokens", "Drafted tokens the model accepted", "counter",
+                    speculator.stats.accepted),
+        EngineValue("autodeploy_spec_decode_acceptance_rate", "Accepted / drafted tokens", "gauge", speculator.stats.acceptance_rate),
+        EngineValue("autodeploy_spec_decode_acceptance_length", "Tokens per verification row: accepted drafts + 1", "gauge",
+                    speculator.stats.acceptance_length),
+    ]
+    return speculation + [
         EngineValue("autodeploy_num_requests_waiting", "Requests waiting for a seat in the batch", "gauge", len(waiting)),
         EngineValue("autodeploy_num_requests_running", "Requests in the running batch", "gauge", len(running)),
         EngineValue("autodeploy_kv_cache_usage_ratio", "Share of the KV pool's blocks held by sequences", "gauge",

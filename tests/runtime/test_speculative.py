@@ -240,3 +240,40 @@ def _stats(llm) -> SpeculationStats:
     stats = llm.engine.speculator.stats
     return SpeculationStats(stats.steps, stats.drafted, stats.accepted)
 
+
+
+def test_metrics_and_token_times_count_every_accepted_token(spec_llm, llama_llm):
+    from autodeploy.serve.request_metrics import engine_state
+
+    prompts = random_prompts(2, seed=4, lengths=(10, 30))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = llama_llm.generate(prompts, params)
+    SCRIPT["propose"] = oracle_drafts({tuple(o.prompt_token_ids): o.token_ids for o in expected})
+    outputs = spec_llm.generate(prompts, params)
+    assert all(len(o.metrics.token_times) == 12 for o in outputs)  # one time per token, several per step
+    values = {value.name: value.value for value in engine_state(spec_llm.engine)}
+    stats = spec_llm.engine.speculator.stats
+    assert values["autodeploy_spec_decode_num_accepted_tokens"] == stats.accepted > 0
+    assert values["autodeploy_spec_decode_acceptance_length"] == stats.acceptance_length > 1
+
+
+@pytest.fixture(scope="module")
+def gpu_spec_llm(llama_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return autodeploy(str(llama_dir), device="cuda", dtype="float32", kv_cache={"num_blocks": 64},
+                      speculative={"method": "test_scripted", "num_tokens": 4})
+
+
+def test_on_the_gpu_verification_through_captured_graphs_changes_no_token(gpu_spec_llm, gpu_llama_llm):
+    prompts = random_prompts(12, seed=8, lengths=(1, 90))
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)]
+    for param in params:
+        expected = gpu_llama_llm.generate(prompts, param)
+        SCRIPT["propose"] = oracle_drafts({tuple(o.prompt_token_ids): o.token_ids for o in expected}, 0.25, seed=1)
+        assert [o.token_ids for o in gpu_spec_llm.generate(prompts, param)] == [o.token_ids for o in expected]
+    SCRIPT["propose"] = random_drafts(3)
+    expected = gpu_llama_llm.generate(prompts, params[0])
+    assert [o.token_ids for o in gpu_spec_llm.generate(prompts, params[0])] == [o.token_ids for o in expected]
+    assert gpu_spec_llm.engine.pool.num_used_blocks == 0
