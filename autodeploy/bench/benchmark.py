@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from autodeploy.bench import replay  # noqa: F401  (registers the benchmark-only "replay" drafter)
 from autodeploy.bench.metrics import RequestTiming, headline_values, summarize
 from autodeploy.bench.results import BenchResult, RunResult
 from autodeploy.bench.runner import RunMeasurement, peak_host_rss_bytes, run_workload
@@ -59,6 +60,8 @@ logger = logging.getLogger(__name__)
 WORKLOADS = ("synthetic", "poisson", "concurrency", "accuracy")
 BASELINE_ENGINES = ("hf-eager", "hf-compile")
 SERVER = "server"  # the engine name of runs measured over HTTP, and the --compare choice that adds them
+# With speculative decoding on, every point is measured first on the same engine with it off: this engine name.
+NO_SPECULATION = "no-speculation"
 
 
 @dataclass
@@ -207,7 +210,7 @@ def _hf_measurements(config: BenchmarkConfig, workload: Workload, engine: str, m
 
 def _ratios(result: BenchResult) -> None:
     """autodeploy's runs over each baseline's; the server's runs over the in-process ones (its overhead)."""
-    pairs = [(engine, "autodeploy") for engine in BASELINE_ENGINES] + [("autodeploy", SERVER)]
+    pairs = [(engine, "autodeploy") for engine in (*BASELINE_ENGINES, NO_SPECULATION)] + [("autodeploy", SERVER)]
     for run in result.runs:
         for other_engine, engine in pairs:
             if run.engine != engine:
@@ -219,6 +222,22 @@ def _ratios(result: BenchResult) -> None:
             for name, value in ours.items():
                 if theirs.get(name):
                     run.ratios[f"{name}/{other_engine}"] = value / theirs[name]
+
+
+def _without_speculation(llm, measure: Callable[[], RunMeasurement]) -> RunMeasurement:
+    """``measure()`` with the engine's speculation off (its drafter idle, the overlapped loop free to run ahead)."""
+    speculator, llm.engine.speculator = llm.engine.speculator, None
+    try:
+        return measure()
+    finally:
+        llm.engine.speculator = speculator
+
+
+def _remember(llm, plain: RunMeasurement) -> None:
+    """Hand a drafter that replays recorded output (``bench/replay.py``) what the run without speculation produced."""
+    remember = getattr(llm.engine.speculator.drafter, "remember", None)
+    if remember is not None:
+        remember(plain.continuations)
 
 
 def _machine(device: torch.device) -> dict:
@@ -266,21 +285,30 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
     if SERVER in config.compare:
         result.settings["server_stream_interval"] = config.server_stream_interval
     warm_up = synthetic_workload(2, 8, 4, llm.vocab_size, settings.max_seq_len, seed=config.seed + 1)
+    speculating = llm.engine.speculator is not None
     if workloads:
+        if speculating:  # verification steps have shapes of their own to warm up
+            _remember(llm, _without_speculation(llm, lambda: run_workload(llm, warm_up, progress=False)))
         run_workload(llm, warm_up, progress=False)
     # Repeats go round-robin over the points, so each point's spread includes the machine's drift over
     # the whole invocation, not only back-to-back jitter.
     measurements: dict[str, list[RunMeasurement]] = defaultdict(list)
     served: dict[str, list[RunMeasurement]] = defaultdict(list)
+    unspeculated: dict[str, list[RunMeasurement]] = defaultdict(list)
     server = _served(llm, workloads, warm_up, config) if SERVER in config.compare and workloads else contextlib.nullcontext()
     with server as measure_served:
         for _ in range(config.repeats):
             for workload in workloads:
+                if speculating:  # the same engine without speculation, right before: the speed-up's baseline
+                    plain = _without_speculation(llm, lambda: run_workload(llm, workload, progress=config.progress))
+                    unspeculated[workload.id].append(plain)
+                    _remember(llm, plain)
                 measurements[workload.id].append(run_workload(llm, workload, progress=config.progress))
                 if measure_served is not None:  # right after, so both see the machine in the same state
                     served[workload.id].append(measure_served(workload))
     result.runs += [_run_result(workload, "autodeploy", measurements[workload.id]) for workload in workloads]
     result.runs += [_run_result(workload, SERVER, served[workload.id]) for workload in workloads if served]
+    result.runs += [_run_result(workload, NO_SPECULATION, unspeculated[workload.id]) for workload in workloads if unspeculated]
     synthetic = [w for w in workloads if w.kind == "synthetic"]
     baselines = [engine for engine in config.compare if engine in BASELINE_ENGINES]
     if baselines and len(synthetic) < len(workloads):

@@ -70,7 +70,8 @@ def format_table(result: BenchResult) -> str:
             rate, length = spec["acceptance_rate"], spec["acceptance_length"]
             lines.append(f"  {run.id}: {spec['method']}, {spec['num_tokens']} tokens drafted a step; accepted "
                          f"{spec['accepted_tokens']} of {spec['drafted_tokens']} ({_fraction(rate)}), "
-                         f"{'-' if length is None else f'{length:.2f}'} tokens per row over {spec['verification_rows']} rows")
+                         f"{'-' if length is None else f'{length:.2f}'} tokens per row over {spec['verification_rows']} rows, "
+                         f"{spec['tokens_per_forward']:.2f} output tokens per engine step")
     failed = [run for run in result.runs if run.metrics.get("failed_requests")]
     if failed:
         lines += ["", "requests that failed (left out of the metrics above):"]

@@ -32,6 +32,7 @@ class RunMeasurement:
     failures: list[str] = field(default_factory=list)  # over HTTP: why each request that did not finish failed
     # Speculative decoding within the run: drafted and accepted tokens, acceptance rate and length (None: off)
     speculation: dict | None = None
+    continuations: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (prompt, output) token ids
 
 
 def peak_host_rss_bytes() -> int:
@@ -59,6 +60,7 @@ def run_workload(
     pending = sorted(workload.requests, key=lambda r: r.arrival)
     submitted = []
     peak_blocks = 0
+    steps = 0
     try:
         start = clock()
         with tqdm(total=len(pending), desc=workload.id, unit="req", leave=False, disable=not progress or None) as bar:
@@ -79,6 +81,7 @@ def run_workload(
                     continue
                 finished_before = sum(r.finished for _, r in submitted)
                 engine.step()
+                steps += 1
                 peak_blocks = max(peak_blocks, engine.pool.num_used_blocks)
                 bar.update(sum(r.finished for _, r in submitted) - finished_before)
     finally:
@@ -91,14 +94,17 @@ def run_workload(
         peak_host_rss_bytes=peak_host_rss_bytes(),
         kv_pool_peak_utilization=peak_blocks / engine.pool.num_blocks,
         prefix_cache_hit_rate=(stats.hit_tokens - hits_before) / queried if queried else None,
-        speculation=_speculation(speculator, drafted_before) if speculator else None,
+        speculation=_speculation(speculator, drafted_before, timings, steps) if speculator else None,
+        continuations=[(list(r.prompt_token_ids), list(r.sequences[0].output_token_ids)) for _, r in submitted if r.sequences],
     )
 
 
-def _speculation(speculator, before: tuple[int, int, int]) -> dict:
-    steps, drafted, accepted = (now - then for now, then in zip(
+def _speculation(speculator, before: tuple[int, int, int], timings: list[RequestTiming], forwards: int) -> dict:
+    rows, drafted, accepted = (now - then for now, then in zip(
         (speculator.stats.steps, speculator.stats.drafted, speculator.stats.accepted), before))
-    return {"method": speculator.method, "num_tokens": speculator.num_tokens, "verification_rows": steps,
+    output_tokens = sum(len(t.token_times) for t in timings)
+    return {"method": speculator.method, "num_tokens": speculator.num_tokens, "verification_rows": rows,
             "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
-            "acceptance_length": 1 + accepted / steps if steps else None}
+            "acceptance_length": 1 + accepted / rows if rows else None,
+            "tokens_per_forward": output_tokens / forwards if forwards else None}
