@@ -124,3 +124,26 @@ def test_bad_input_fails_before_anything_runs(capsys, monkeypatch, llama_dir, tm
     monkeypatch.setattr(benchmark, "run_workload", measured)
     code, _, err = run_cli(capsys, "bench", str(llama_dir), *FAST, *arguments)
     assert code == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_bench_with_speculation_measures_the_same_engine_without_it_and_replays_a_set_acceptance(capsys, llama_dir, tmp_path):
+    out_file = tmp_path / "speculative.json"
+    code, out, err = run_cli(
+        capsys, "bench", str(llama_dir), "--batch", "1,2", "--input-len", "8", "--output-len", "13", "--repeats", "1",
+        "--no-progress", "--set", "device=cpu", "--speculative-method", "replay", "--speculative-num-tokens", "4",
+        "--set", "speculative.options.acceptance_length=3", "--out", str(out_file),
+    )
+    assert code == 0, err
+    result = load_result(out_file)
+    assert [run.id for run in result.runs] == [
+        "synthetic/b1-in8-out13/autodeploy", "synthetic/b2-in8-out13/autodeploy",
+        "synthetic/b1-in8-out13/no-speculation", "synthetic/b2-in8-out13/no-speculation",
+    ]
+    spec = result.runs[1].metrics["speculation"]
+    # 13 tokens: 1 from the prompt's step, then rows of 3 (2 drafted right + the model's own) while 4 fit.
+    assert spec["method"] == "replay" and spec["acceptance_length"] == 3.0 and spec["accepted_tokens"] == 2 * 2 * 4
+    assert result.runs[3].metrics.get("speculation") is None
+    assert "output_tokens_per_s/no-speculation" in result.runs[0].ratios
+    assert "replay, 4 tokens drafted a step; accepted 16 of" in out
+    code, out, err = run_cli(capsys, "bench", str(llama_dir), "--batch", "1", "--speculative-method", "replay", *FAST)
+    assert code == 1 and "acceptance_length" in err
