@@ -81,7 +81,8 @@ def test_drafter_example_runs_and_changes_no_token():
 
     source = re.search(r"## Writing a drafter\n.*?```python\n(.*?)```", (DOCS / "speculative.md").read_text(), re.S).group(1)
     scope: dict = {}
-    exec(source.replace('autodeploy(speculative=', 'autodeploy(device="cpu", speculative='), scope)
+    source = source.replace('autodeploy(speculative={', 'autodeploy(device="cpu", speculative={"auto": False, ')
+    exec(source, scope)
     plain = autodeploy(device="cpu").generate("aaaa", SamplingParams(max_tokens=8, temperature=0))[0]
     assert scope["output"].token_ids == plain.token_ids
     assert scope["stats"].drafted > 0

@@ -43,6 +43,7 @@ from autodeploy.runtime.sampled_tokens import SamplingPlan, TokenApplier, launch
 from autodeploy.runtime.sampler import PendingSample
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
+from autodeploy.runtime.speculation_costs import StepCosts, measure_step_costs, timed_batch_sizes
 from autodeploy.runtime.speculative import Speculator, make_drafter
 from autodeploy.runtime.step_inputs import PendingTokens
 
@@ -88,7 +89,8 @@ class Engine:
                                     self.runner.side_inputs)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
-        self.speculator = (Speculator(drafter, speculative.num_tokens, self.pool, vocab_size, speculative.method)
+        self.speculator = (Speculator(drafter, speculative.num_tokens, self.pool, vocab_size, speculative.method,
+                                      self._step_costs(speculative.num_tokens) if speculative.auto else None)
                            if drafter is not None else None)
         self.tokens = TokenApplier(self.pool, self.scheduler, self.requests, tokenizer,
                                    self.speculator.record if self.speculator is not None else None)
@@ -101,6 +103,17 @@ class Engine:
         self._in_flight: _Step | None = None  # the step launched and not yet applied (overlapped runtime)
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
         self.mirror = RankMirror(peers) if peers is not None else None  # rank 0 of several: workers mirror its steps
+
+    def _step_costs(self, num_tokens: int) -> StepCosts:
+        """Decode and verification steps timed on this engine's runner and pool (``speculation_costs.py``)."""
+        context = 64
+        sizes = timed_batch_sizes(self.settings.max_batch_size, self.max_num_tokens,
+                                  self.pool.num_blocks * self.pool.block_size, num_tokens, context)
+        with torch.inference_mode():
+            costs = measure_step_costs(self.runner, sizes, num_tokens, context)
+        logger.info("speculation pays at batch %s from per-token acceptance %s", list(costs.batch_sizes),
+                    [None if (t := costs.threshold(b)) is None else round(t, 2) for b in costs.batch_sizes])
+        return costs
 
     @property
     def graph(self):
@@ -293,8 +306,9 @@ class Engine:
         for chunk in chunks:  # counted as computed now, so the next plan can run ahead of this step
             chunk.sequence.num_computed = chunk.start + chunk.length
         sampling = plan_sampling([chunks[i] for i in completing], self.vocab_size)
-        # With a drafter, every step waits for its tokens: the next draft starts from them.
-        run_ahead = self.overlap and self.speculator is None and sampling.overlappable and self._continues(chunks, completing)
+        # While speculation drafts, every step waits for its tokens: the next draft starts from them.
+        drafting = self.speculator is not None and self.speculator.drafting
+        run_ahead = self.overlap and not drafting and sampling.overlappable and self._continues(chunks, completing)
         step = _Step(chunks, sampling, run_ahead=run_ahead)
         if step.run_ahead:
             for sequence, _ in sampling.owners:

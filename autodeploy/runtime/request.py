@@ -56,6 +56,8 @@ class Sequence:
     streamed_text: str = ""
     grammar: object | None = None  # the sample's xgrammar GrammarMatcher (json_schema / json_object requests)
     detokenizer: IncrementalDetokenizer | None = None  # made by the first decode
+    num_drafted: int = 0  # speculative decoding: drafted tokens this sample verified …
+    num_accepted: int = 0  # … and how many of them the model accepted
 
     @property
     def priority(self) -> int:

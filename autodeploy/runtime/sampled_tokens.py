@@ -137,6 +137,8 @@ class TokenApplier:
             if draft:  # the draft's prefix the model confirms, then the model's own next token
                 accepted = accepted_prefix(draft, [result.token_ids[i] for i in rows])
                 rows = rows[: accepted + 1]
+                target.num_drafted += len(draft)
+                target.num_accepted += accepted
                 if self.on_verified is not None:
                     self.on_verified(len(draft), accepted)
             emitted = 0

@@ -35,6 +35,7 @@ import torch
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.scheduler import ScheduledChunk
+from autodeploy.runtime.speculation_costs import StepCosts, best_num_tokens
 from autodeploy.runtime.structured_output import next_token_bitmask
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class Drafter(Protocol):
 
     def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]: ...
 
+
+_PRIOR_WEIGHT = 4  # drafted tokens' worth of weight the overall acceptance has in a sequence's estimate
 
 DrafterFactory = Callable[[Any, Any], Drafter]  # (deployment, speculative settings) -> Drafter
 _DRAFTERS: dict[str, DrafterFactory] = {}
@@ -120,23 +123,32 @@ def accepted_prefix(draft: list[int], sampled: list[int]) -> int:
 class Speculator:
     """The engine's side of speculation: drafts for a step's decode chunks, and the statistics."""
 
-    def __init__(self, drafter: Drafter, num_tokens: int, pool: KVBlockPool, vocab_size: int, method: str = ""):
+    def __init__(self, drafter: Drafter, num_tokens: int, pool: KVBlockPool, vocab_size: int, method: str = "",
+                 costs: StepCosts | None = None):
         self.drafter = drafter
         self.num_tokens = num_tokens
         self.pool = pool
         self.vocab_size = vocab_size
         self.method = method
+        self.costs = costs  # None: draft num_tokens every step; else as many as pay (speculation_costs.py)
+        self.drafting = False  # whether the last planned step chose to draft (its step then does not run ahead)
         self.stats = SpeculationStats()
         self._warned_low_acceptance = False
 
     def extend(self, chunks: list[ScheduledChunk], budget: int) -> None:
         """Give the decode chunks of a planned step their drafts, within ``budget`` more tokens and the blocks
         free (a draft that does not fit is cut; speculation never preempts). Chunks stay ordered prompt chunks
-        first, single-token decodes last (what ``cached_attention`` wants)."""
-        candidates = [c for c in chunks if self._may_draft(c)]
-        if not candidates or budget <= 0:
+        first, single-token decodes last (what ``cached_attention`` wants). With step costs, as many tokens
+        as pay for this step's decoding sequences, maybe none."""
+        decoding = [c for c in chunks if c.length == 1 and c.completes and c.sequence.request.beam_search is None]
+        wanted = self.num_tokens
+        if self.costs is not None:
+            wanted = best_num_tokens(self.costs, [self.acceptance(c.sequence) for c in decoding], self.num_tokens)
+        self.drafting = wanted > 0 and bool(decoding)
+        candidates = [c for c in decoding if self._may_draft(c)]
+        if not self.drafting or not candidates or budget <= 0:
             return
-        limits = [min(self.num_tokens, self._tokens_left(c.sequence)) for c in candidates]
+        limits = [min(wanted, self._tokens_left(c.sequence)) for c in candidates]
         drafts = self.drafter([c.sequence for c in candidates], limits)
         if len(drafts) != len(candidates):
             raise RuntimeError(f"the {self.method!r} drafter returned {len(drafts)} drafts for {len(candidates)} sequences")
@@ -165,6 +177,12 @@ class Speculator:
             logger.warning("the %r drafter's tokens are almost never accepted (%d of %d): speculation only costs time "
                            "here; check the drafter (a draft model with another tokenizer or broken weights?) or turn "
                            "speculative.method off", self.method, stats.accepted, stats.drafted)
+
+    def acceptance(self, sequence) -> float:
+        """The per-token acceptance to expect of ``sequence``'s next draft: its own so far, pulled toward the
+        drafter's overall rate (or one half, before anything was verified) while it has verified few tokens."""
+        overall = self.stats.acceptance_rate if self.stats.drafted >= 100 else 0.5
+        return (sequence.num_accepted + _PRIOR_WEIGHT * overall) / (sequence.num_drafted + _PRIOR_WEIGHT)
 
     def _may_draft(self, chunk: ScheduledChunk) -> bool:
         """A decode chunk of a sequence whose newest token the host has, with tokens left to draft."""

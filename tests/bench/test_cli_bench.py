@@ -131,7 +131,7 @@ def test_bench_with_speculation_measures_the_same_engine_without_it_and_replays_
     code, out, err = run_cli(
         capsys, "bench", str(llama_dir), "--batch", "1,2", "--input-len", "8", "--output-len", "13", "--repeats", "1",
         "--no-progress", "--set", "device=cpu", "--speculative-method", "replay", "--speculative-num-tokens", "4",
-        "--set", "speculative.options.acceptance_length=3", "--out", str(out_file),
+        "--set", "speculative.options.acceptance_length=3", "--set", "speculative.auto=false", "--out", str(out_file),
     )
     assert code == 0, err
     result = load_result(out_file)

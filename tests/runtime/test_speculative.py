@@ -16,6 +16,7 @@ import torch
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import ConfigError, InvalidRequestError
+from autodeploy.runtime.speculation_costs import StepCosts, best_num_tokens, expected_tokens, measure_step_costs
 from autodeploy.runtime.speculative import SpeculationStats, accepted_prefix, lookup, register_drafter
 from tests.runtime.test_engine import hf_greedy, random_prompts
 from tests.tiny_models import tiny_hf_model
@@ -53,7 +54,7 @@ def oracle_drafts(expected: dict[tuple, list[int]], error_rate: float = 0.0, see
 @pytest.fixture(scope="module")
 def spec_llm(llama_dir):
     """The tiny Llama with the scripted drafter, 4 tokens a step, and a pool of 40 blocks (640 tokens)."""
-    return autodeploy(str(llama_dir), device="cpu", speculative={"method": "test_scripted", "num_tokens": 4},
+    return autodeploy(str(llama_dir), device="cpu", speculative={"method": "test_scripted", "num_tokens": 4, "auto": False},
                       kv_cache={"num_blocks": 40})
 
 
@@ -170,7 +171,7 @@ def test_sampled_tokens_follow_the_models_distribution(spec_llm, llama_llm):
 
 
 def test_ngram_drafts_from_the_prompt_and_changes_nothing(llama_dir, llama_llm):
-    llm = autodeploy(str(llama_dir), device="cpu", speculative={"method": "ngram", "num_tokens": 3})
+    llm = autodeploy(str(llama_dir), device="cpu", speculative={"method": "ngram", "num_tokens": 3, "auto": False})
     prompts = [[7, 8, 9, 10, 11, 12] * 6, random_prompts(1, seed=3, lengths=(40, 40))[0]]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in llama_llm.generate(prompts, params)]
@@ -179,7 +180,8 @@ def test_ngram_drafts_from_the_prompt_and_changes_nothing(llama_dir, llama_llm):
 
 
 def test_a_draft_model_with_the_models_weights_is_always_right(llama_dir):
-    llm = autodeploy(str(llama_dir), device="cpu", speculative={"method": "draft", "model": str(llama_dir), "num_tokens": 3})
+    llm = autodeploy(str(llama_dir), device="cpu", speculative={"method": "draft", "model": str(llama_dir), "num_tokens": 3,
+                                                                 "auto": False})
     prompts = random_prompts(3, seed=9, lengths=(5, 60))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     hf = tiny_hf_model("llama")
@@ -229,7 +231,7 @@ def test_a_drafter_that_breaks_its_contract_fails_its_requests_clearly(spec_llm)
 
 def test_a_saved_deployment_serves_with_speculation_turned_on_at_reload(llama_llm, tmp_path):
     directory = llama_llm.save(tmp_path / "saved")
-    llm = autodeploy(str(directory), speculative={"method": "ngram", "num_tokens": 2})
+    llm = autodeploy(str(directory), speculative={"method": "ngram", "num_tokens": 2, "auto": False})
     prompts = [[3, 4, 5, 6] * 8]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     assert llm.generate(prompts, params)[0].token_ids == llama_llm.generate(prompts, params)[0].token_ids
@@ -262,7 +264,7 @@ def gpu_spec_llm(llama_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return autodeploy(str(llama_dir), device="cuda", dtype="float32", kv_cache={"num_blocks": 64},
-                      speculative={"method": "test_scripted", "num_tokens": 4})
+                      speculative={"method": "test_scripted", "num_tokens": 4, "auto": False})
 
 
 def test_on_the_gpu_verification_through_captured_graphs_changes_no_token(gpu_spec_llm, gpu_llama_llm):
@@ -277,3 +279,43 @@ def test_on_the_gpu_verification_through_captured_graphs_changes_no_token(gpu_sp
     expected = gpu_llama_llm.generate(prompts, params[0])
     assert [o.token_ids for o in gpu_spec_llm.generate(prompts, params[0])] == [o.token_ids for o in expected]
     assert gpu_spec_llm.engine.pool.num_used_blocks == 0
+
+
+def test_the_cost_model_drafts_only_what_pays():
+    costs = StepCosts(batch_sizes=(1, 8), decode=(1.0, 1.2), verify=(1.5, 4.8), num_tokens=4)
+    assert costs.seconds(1, 0) == 1.0 and costs.seconds(1, 4) == 1.5 and costs.seconds(1, 2) == 1.25
+    assert costs.seconds(4, 0) == pytest.approx(1.0 + 0.2 * 3 / 7) and costs.seconds(16, 4) == pytest.approx(9.6)
+    assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5 and expected_tokens(0.5, 2) == 1.75
+    assert best_num_tokens(costs, [0.9], 4) == 4  # 4.1 tokens for 1.5× the time
+    assert best_num_tokens(costs, [0.05], 4) == 0  # 1.05 tokens for 1.1× the time at best
+    assert best_num_tokens(costs, [0.9] * 8, 4) == 1  # at 8 a whole draft costs 4×; one token (1.9 for 1.75×) pays
+    assert best_num_tokens(costs, [0.5] * 8, 4) == 0
+    assert best_num_tokens(costs, [], 4) == 0
+    assert costs.threshold(1) == pytest.approx(0.369, abs=1e-3)  # 1 + a + … + a⁴ = 1.05 × 1.5
+    assert costs.threshold(8) == pytest.approx(0.913, abs=1e-3)  # = 1.05 × 4
+    assert StepCosts((1,), (1.0,), (6.0,), 4).threshold(1) is None  # five tokens cannot pay for six steps
+
+
+def test_auto_speculation_turns_itself_off_where_the_step_costs_say_it_loses(llama_dir, llama_llm):
+    llm = autodeploy(str(llama_dir), device="cpu", speculative={"method": "test_scripted", "num_tokens": 4})
+    speculator = llm.engine.speculator
+    measured = speculator.costs  # timed at set-up on this machine: its figures are not asserted
+    assert measured.batch_sizes[0] == 1 and len(measured.decode) == len(measured.verify) == len(measured.batch_sizes)
+    assert all(seconds > 0 for seconds in measured.decode + measured.verify) and llm.engine.pool.num_used_blocks == 0
+    prompts = random_prompts(4, seed=6, lengths=(5, 40))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in llama_llm.generate(prompts, params)]
+    SCRIPT["propose"] = oracle_drafts({tuple(p): e for p, e in zip(prompts, expected)})
+    speculator.costs = StepCosts((1, 64), (1.0, 1.0), (100.0, 100.0), 4)  # verification never pays
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert speculator.stats.drafted == 0 and not speculator.drafting
+    speculator.costs = StepCosts((1, 64), (1.0, 1.0), (1.01, 1.01), 4)  # verification as cheap as decoding
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert speculator.stats.drafted > 0 and speculator.stats.accepted == speculator.stats.drafted
+
+
+def test_step_costs_are_timed_on_the_engines_own_runner_and_give_its_blocks_back(spec_llm):
+    engine = spec_llm.engine
+    costs = measure_step_costs(engine.runner, [1, 3], num_tokens=2, context=20, repeats=1)
+    assert costs.batch_sizes == (1, 3) and costs.num_tokens == 2 and min(costs.decode + costs.verify) > 0
+    assert engine.pool.num_used_blocks == 0

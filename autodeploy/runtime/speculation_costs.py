@@ -1,0 +1,140 @@
+"""When drafting pays: step costs measured at set-up, and the number of tokens to draft a step.
+
+Verifying ``k`` drafted tokens a sequence costs a forward over ``k + 1`` tokens a sequence (and, on a GPU, the
+piecewise graphs instead of a replayed decode graph, and no overlapped loop); it gains the tokens the model
+accepts. ``measure_step_costs`` times both kinds of step on the engine's own runner and pool at a few batch
+sizes; ``best_num_tokens`` picks, for a step's decoding sequences and each one's acceptance so far, the ``k``
+(0 … K) with the most expected tokens per second — 0 turns speculation off for that step. With per-token
+acceptance ``a``, a draft of ``k`` tokens yields ``1 + a + a² + … + aᵏ`` tokens in expectation.
+
+    costs = measure_step_costs(runner, batch_sizes=[1, 8, 32], num_tokens=4)
+    k = best_num_tokens(costs, acceptances=[0.7, 0.4], num_tokens=4)
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from autodeploy.runtime.scheduler import ScheduledChunk
+
+# A draft must promise this much more throughput than decoding alone: measurement noise must not flip it on.
+MARGIN = 1.05
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds per forward at ``batch_sizes``: ``decode[i]`` one token a sequence, ``verify[i]`` ``num_tokens + 1``."""
+
+    batch_sizes: tuple[int, ...]
+    decode: tuple[float, ...]
+    verify: tuple[float, ...]
+    num_tokens: int
+
+    def seconds(self, batch: int, k: int) -> float:
+        """A step of ``batch`` sequences each verifying ``k`` drafted tokens: linear between the measured batch
+        sizes (proportional past the largest), and in ``k`` between decoding and a whole draft."""
+        decode, verify = self._at(batch, self.decode), self._at(batch, self.verify)
+        return decode + (verify - decode) * k / self.num_tokens
+
+    def threshold(self, batch: int) -> float | None:
+        """The per-token acceptance above which drafting ``num_tokens`` beats decoding at ``batch`` (None: never)."""
+        needed = MARGIN * self.seconds(batch, self.num_tokens) / self.seconds(batch, 0)
+        if needed > self.num_tokens + 1:
+            return None
+        low, high = 0.0, 1.0
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if expected_tokens(middle, self.num_tokens) < needed else (low, middle)
+        return high
+
+    def _at(self, batch: int, values: tuple[float, ...]) -> float:
+        sizes = self.batch_sizes
+        if batch >= sizes[-1]:
+            return values[-1] * batch / sizes[-1]
+        i = bisect.bisect_left(sizes, batch)
+        if sizes[i] == batch or i == 0:
+            return values[i]
+        share = (batch - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return values[i - 1] + (values[i] - values[i - 1]) * share
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a row yields in expectation when each of ``k`` drafted tokens is accepted with ``acceptance``,
+    the first rejection ending the row, plus the model's own token."""
+    return float(k + 1) if acceptance >= 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def best_num_tokens(costs: StepCosts, acceptances: list[float], num_tokens: int) -> int:
+    """The tokens to draft a sequence this step (0: none) for sequences with these acceptances so far."""
+    batch = len(acceptances)
+    if batch == 0:
+        return 0
+    best, best_rate = 0, batch / costs.seconds(batch, 0)
+    for k in range(1, num_tokens + 1):
+        rate = sum(expected_tokens(a, k) for a in acceptances) / costs.seconds(batch, k)
+        if rate > best_rate * MARGIN:
+            best, best_rate = k, rate
+    return best
+
+
+def measure_step_costs(runner, batch_sizes: list[int], num_tokens: int, context: int = 64, repeats: int = 3) -> StepCosts:
+    """Time a decode step and a verification step of ``num_tokens`` at each batch size, on ``runner`` (set up: its
+    pool and graphs) with throwaway sequences of ``context`` tokens whose blocks go back to the pool after."""
+    decode, verify = [], []
+    for batch in batch_sizes:
+        decode.append(_time_step(runner, batch, context, 0, repeats))
+        verify.append(_time_step(runner, batch, context, num_tokens, repeats))
+    return StepCosts(tuple(batch_sizes), tuple(decode), tuple(verify), num_tokens)
+
+
+def timed_batch_sizes(max_batch_size: int, max_num_tokens: int, pool_tokens: int, num_tokens: int, context: int) -> list[int]:
+    """Batch sizes to time: 1, 4, 16, 64, 256 and ``max_batch_size``, as far as the token budget and the pool hold them."""
+    fits = min(max_batch_size, max_num_tokens // (num_tokens + 1), pool_tokens // (context + 1 + num_tokens))
+    return sorted({size for size in (1, 4, 16, 64, 256, max_batch_size) if size <= fits} or {1})
+
+
+class _Timed:
+    """A stand-in sequence: ``context`` computed tokens and a newest one (no request)."""
+
+    _ids = itertools.count(-(2**50), -1)
+    request = None
+
+    def __init__(self, context: int):
+        self.seq_id = next(self._ids)
+        self.token_ids = [1] * (context + 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _time_step(runner, batch: int, context: int, k: int, repeats: int) -> float:
+    sequences = [_Timed(context) for _ in range(batch)]
+    pool = runner.pool
+    try:
+        for sequence in sequences:
+            if not pool.reserve(sequence.seq_id, context + 1 + k):
+                raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context + 1 + k} tokens to time a step")
+        chunks = [ScheduledChunk(s, context, 1 + k, draft=[1] * k) for s in sequences]
+        seconds = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            _synchronize(runner.device)
+            began = time.perf_counter()
+            run, _ = runner.stage(chunks)
+            run()
+            _synchronize(runner.device)
+            seconds.append(time.perf_counter() - began)
+        return sorted(seconds[1:])[len(seconds[1:]) // 2]
+    finally:
+        for sequence in sequences:
+            pool.free(sequence.seq_id)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
