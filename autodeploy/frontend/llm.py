@@ -167,8 +167,14 @@ class LLM:
 
     def pipeline_report(self) -> str:
         """Time, matches and node counts of every transform that built this model, op histograms, and
-        the build-time verification."""
-        return str(self.deployment.report)
+        the build-time verification; with speculative decoding, the drafter, its costs and its acceptance so far."""
+        report = str(self.deployment.report)
+        if self.deployment.draft is not None:
+            report += "\n\ndraft model (speculative decoding):\n" + str(self.deployment.draft.report)
+        speculator = self._engine.speculator if self._engine is not None else None
+        if speculator is not None:
+            report += "\n\n" + speculator.describe()
+        return report
 
     def logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Logits ``[len(seq), vocab]`` (on the CPU) for every position of each token sequence (at most

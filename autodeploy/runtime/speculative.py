@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from autodeploy.errors import ConfigError
@@ -178,6 +179,24 @@ class Speculator:
                            "here; check the drafter (a draft model with another tokenizer or broken weights?) or turn "
                            "speculative.method off", self.method, stats.accepted, stats.drafted)
 
+    def describe(self) -> str:
+        """The drafter, when it drafts (the costs' thresholds) and what it achieved, by position."""
+        lines = [f"speculative decoding: {self.method!r}, up to {self.num_tokens} tokens a step"]
+        if self.costs is None:
+            lines.append("  auto off: every step drafts")
+        else:
+            for batch in self.costs.batch_sizes:
+                threshold = self.costs.threshold(batch)
+                lines.append(f"  batch {batch}: a whole draft pays from a per-token acceptance of "
+                             f"{'(never)' if threshold is None else f'{threshold:.2f}'}")
+        stats = self.stats
+        lines.append(f"  verified {stats.drafted} drafted tokens in {stats.steps} rows: {stats.accepted} accepted "
+                     f"({100 * stats.acceptance_rate:.0f}%), {stats.acceptance_length:.2f} tokens per row")
+        if stats.drafted_at:
+            lines.append("  accepted by position: " + ", ".join(
+                f"{i + 1}: {100 * a / d:.0f}%" for i, (a, d) in enumerate(zip(stats.accepted_at, stats.drafted_at))))
+        return "\n".join(lines)
+
     def acceptance(self, sequence) -> float:
         """The per-token acceptance to expect of ``sequence``'s next draft: its own so far, pulled toward the
         drafter's overall rate (or one half, before anything was verified) while it has verified few tokens."""
@@ -217,26 +236,53 @@ def ngram_drafter(deployment, settings) -> Drafter:
     """Prompt lookup: for each sequence, the tokens that followed the latest earlier occurrence of its last
     ``ngram_max`` tokens (then ``ngram_max - 1``, … ``ngram_min``). No weights; strong where the output quotes
     its prompt (code edits, summaries, retrieval answers)."""
-    smallest, largest = settings.ngram_min, settings.ngram_max
-
-    def propose(sequences: list, limits: list[int]) -> list[list[int]]:
-        return [lookup(sequence.token_ids, limit, smallest, largest) for sequence, limit in zip(sequences, limits)]
-
-    return propose
+    return PromptLookup(settings.ngram_min, settings.ngram_max)
 
 
-def lookup(tokens: list[int], limit: int, smallest: int, largest: int) -> list[int]:
+class PromptLookup:
+    """``lookup`` over each sequence's tokens, kept as a numpy array that grows with the sequence (the host's work a
+    step is one vectorised comparison per suffix length, not a Python loop over the context)."""
+
+    def __init__(self, smallest: int, largest: int):
+        self.smallest, self.largest = smallest, largest
+        self._arrays: dict[int, tuple[object, np.ndarray]] = {}  # seq_id → (the sequence, its tokens so far)
+
+    def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]:
+        live = {sequence.seq_id for sequence in sequences}
+        for seq_id in [i for i, (s, _) in self._arrays.items() if i not in live and s.finish_reason is not None]:
+            del self._arrays[seq_id]
+        return [lookup(self._tokens(sequence), limit, self.smallest, self.largest) for sequence, limit in zip(sequences, limits)]
+
+    def _tokens(self, sequence) -> np.ndarray:
+        tokens = sequence.token_ids
+        _, known = self._arrays.get(sequence.seq_id, (None, np.empty(0, dtype=np.int64)))
+        if len(known) > len(tokens) or (len(known) and known[-1] != tokens[len(known) - 1]):
+            known = np.empty(0, dtype=np.int64)  # not a prefix any more (a beam, a recomputed sequence): start over
+        if len(known) < len(tokens):
+            known = np.concatenate([known, np.asarray(tokens[len(known):], dtype=np.int64)])
+        self._arrays[sequence.seq_id] = (sequence, known)
+        return known
+
+
+def lookup(tokens, limit: int, smallest: int, largest: int) -> list[int]:
     """Up to ``limit`` tokens that followed the latest earlier occurrence of ``tokens``' last ``n`` tokens, for the
     largest ``n`` from ``largest`` down to ``smallest`` that occurs earlier; [] when none does.
 
     >>> lookup([1, 2, 3, 9, 1, 2], 3, 1, 2)
     [3, 9, 1]
     """
+    tokens = np.asarray(tokens, dtype=np.int64)
     length = len(tokens)
+    if length < 2:
+        return []
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])  # where an earlier n-gram could end: its last token
     for n in range(min(largest, length - 1), smallest - 1, -1):
-        suffix = tokens[length - n:]
-        first = suffix[0]
-        for start in range(length - n - 1, -1, -1):  # latest occurrence first, never the suffix itself
-            if tokens[start] == first and tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + limit]
+        candidates = ends[ends >= n - 1]
+        if not len(candidates):
+            continue
+        grams = tokens[candidates[:, None] - np.arange(n - 1, -1, -1)]  # the n tokens ending at each candidate
+        matches = candidates[(grams == tokens[length - n:]).all(axis=1)]
+        if len(matches):
+            start = int(matches[-1]) + 1  # after the latest occurrence
+            return tokens[start : start + limit].tolist()
     return []

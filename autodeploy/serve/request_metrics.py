@@ -68,6 +68,11 @@ def engine_state(engine) -> list[EngineValue]:
         EngineValue("autodeploy_spec_decode_acceptance_rate", "Accepted / drafted tokens", "gauge", speculator.stats.acceptance_rate),
         EngineValue("autodeploy_spec_decode_acceptance_length", "Tokens per verification row: accepted drafts + 1", "gauge",
                     speculator.stats.acceptance_length),
+    ] + [
+        EngineValue(f"autodeploy_spec_decode_acceptance_rate_at_{position}",
+                    f"Of the drafts with a token at position {position}, the share whose token there was accepted", "gauge",
+                    accepted / drafted)
+        for position, (accepted, drafted) in enumerate(zip(speculator.stats.accepted_at, speculator.stats.drafted_at))
     ]
     return speculation + [
         EngineValue("autodeploy_num_requests_waiting", "Requests waiting for a seat in the batch", "gauge", len(waiting)),

@@ -64,6 +64,23 @@ def _no_script():
     SCRIPT["propose"] = lambda sequences, limits: [[] for _ in sequences]
 
 
+def _lookup_by_definition(tokens, limit, smallest, largest):
+    for n in range(min(largest, len(tokens) - 1), smallest - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):  # the latest earlier occurrence of the last n tokens
+            if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                return tokens[start + n : start + n + limit]
+    return []
+
+
+def test_vectorised_lookup_equals_its_definition():
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 30))]
+        smallest = rng.randint(1, 4)
+        largest, limit = rng.randint(smallest, 5), rng.randint(1, 5)
+        assert lookup(tokens, limit, smallest, largest) == _lookup_by_definition(tokens, limit, smallest, largest)
+
+
 def test_lookup_and_accepted_prefix():
     assert lookup([1, 2, 3, 9, 1, 2], 3, 1, 2) == [3, 9, 1]
     assert lookup([1, 2, 3, 9, 1, 2], 1, 1, 2) == [3]
@@ -257,6 +274,9 @@ def test_metrics_and_token_times_count_every_accepted_token(spec_llm, llama_llm)
     stats = spec_llm.engine.speculator.stats
     assert values["autodeploy_spec_decode_num_accepted_tokens"] == stats.accepted > 0
     assert values["autodeploy_spec_decode_acceptance_length"] == stats.acceptance_length > 1
+    assert values["autodeploy_spec_decode_acceptance_rate_at_0"] == stats.accepted_at[0] / stats.drafted_at[0]
+    report = spec_llm.pipeline_report()
+    assert "speculative decoding: 'test_scripted', up to 4 tokens a step" in report and "accepted by position: 1: " in report
 
 
 @pytest.fixture(scope="module")
