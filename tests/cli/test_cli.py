@@ -88,6 +88,18 @@ def test_run_prints_prompt_and_completion(capsys, llama_dir):
     assert re.search(r"tokens in [0-9.]+s on (cpu|cuda) \(float32\)", err)
 
 
+def test_speculative_flags_change_no_token_and_an_explicit_set_wins(capsys, llama_dir):
+    argv = ["run", llama_dir, "--prompt", "def f(x):", "--max-tokens", "12", "--set", "device=cpu"]
+    plain = run_cli(capsys, *argv)
+    flags = ["--speculative-method", "ngram", "--speculative-num-tokens", "3", "--set", "speculative.auto=false"]
+    speculative = run_cli(capsys, *argv, *flags)
+    assert plain[0] == speculative[0] == 0 and plain[1] == speculative[1]
+    code, out, err = run_cli(capsys, "config", "show", *flags, "--set", "speculative.num_tokens=5")
+    assert code == 0 and "method: ngram" in out and "num_tokens: 5" in out
+    code, out, err = run_cli(capsys, "run", llama_dir, "--speculative-method", "ngram", "--speculative-num-tokens", "0")
+    assert code == 1 and "num_tokens must be in 1" in err
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
