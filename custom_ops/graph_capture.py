@@ -27,7 +27,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +90,14 @@ class GraphCapture:
         upload(graph, current)
         self.times.add(launched - start, ran - launched, time.perf_counter() - ran, warm_up)
         return graph, outputs
+
+    def capture_sizes(self, function: Callable, arguments: Mapping[int, Sequence], holders: Mapping[int, object]) -> None:
+        """Capture ``function`` at every size of ``arguments``, largest first (smaller ones then fit in the pool the
+        largest left), setting each holder's ``graph`` and ``logits`` (the first output)."""
+        for size in sorted(arguments, reverse=True):
+            holder = holders[size]
+            holder.graph, outputs = self.capture(function, arguments[size])
+            holder.logits = outputs[0]
 
     def pool_bytes(self) -> int:
         """The memory the captures so far hold (the pool and their outputs), once they are done."""

@@ -34,24 +34,36 @@ from autodeploy.runtime.step_inputs import PendingTokens, slot
 logger = logging.getLogger(__name__)
 
 
-class _StaticBatch:
-    """The static inputs, output and (on a GPU) the captured graph of one batch size."""
+class StaticBatch:
+    """The static inputs, output and (on a GPU) the captured graph of one batch size: ``size`` sequences of
+    ``width`` query tokens each (1 for decode steps; ``K + 1`` for verification steps, ``verify_graphs.py``)."""
 
-    def __init__(self, size: int, max_blocks: int, device: torch.device, pin: bool):
-        self.size = size
-        self.host64 = torch.zeros(3, size, dtype=torch.long, pin_memory=pin)  # ids, positions, slots
+    def __init__(self, size: int, max_blocks: int, device: torch.device, pin: bool, width: int = 1):
+        self.size, self.width = size, width
+        tokens = size * width
+        self.host64 = torch.zeros(3, tokens, dtype=torch.long, pin_memory=pin)  # ids, positions, slots
         self.host32 = torch.zeros(size * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)  # kv_lens, tables
         self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
         self.tables_np = self.host32_np[size:].reshape(size, max_blocks)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
-        self.seq_start = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.logit_index = torch.arange(size, dtype=torch.long, device=device)
+        self.seq_start = torch.arange(0, tokens + 1, width, dtype=torch.int32, device=device)
+        self.logit_index = torch.arange(tokens, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None  # recorded after the last host-to-device copy
 
-    def named_inputs(self, max_blocks: int, max_seq_len: int) -> dict[str, torch.Tensor]:
+    def run(self, graph: Callable, arguments: Sequence) -> torch.Tensor:
+        """The logits of the staged step: the captured graph replayed (its output, overwritten by the next replay),
+        or, uncaptured, ``graph`` called on the static inputs."""
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        return graph(*arguments)[0]
+
+    def named_inputs(self, max_blocks: int, max_kv_len: int) -> dict[str, torch.Tensor]:
+        """The graph's inputs; ``batch_info`` fixed: ``size`` decodes, or ``size`` chunks of ``width`` tokens."""
+        info = [0, self.size, 1, max_kv_len] if self.width == 1 else [self.size, 0, self.width, max_kv_len]
         return {
             "input_ids": self.dev64[0:1],
             "position_ids": self.dev64[1:2],
@@ -60,7 +72,7 @@ class _StaticBatch:
             "block_tables": self.dev32[self.size :].view(self.size, max_blocks),
             "seq_start": self.seq_start,
             "logit_index": self.logit_index,
-            "batch_info": torch.tensor([0, self.size, 1, max_seq_len], dtype=torch.int32),
+            "batch_info": torch.tensor(info, dtype=torch.int32),
         }
 
 
@@ -86,7 +98,7 @@ class DecodeGraphs:
         self.device = device
         self.capture = device.type == "cuda"
         self.sizes = sorted(set(batch_sizes))
-        self.batches = {size: _StaticBatch(size, self.max_blocks, device, pin=self.capture) for size in self.sizes}
+        self.batches = {size: StaticBatch(size, self.max_blocks, device, pin=self.capture) for size in self.sizes}
         self._arguments = {}
         for size, batch in self.batches.items():
             named = {**batch.named_inputs(self.max_blocks, max_seq_len), **caches}
@@ -104,10 +116,7 @@ class DecodeGraphs:
         if not self.capture:
             return
         capture = GraphCapture(self.device)
-        for size in reversed(self.sizes):
-            batch = self.batches[size]
-            batch.graph, outputs = capture.capture(self.graph, self._arguments[size])
-            batch.logits = outputs[0]
+        capture.capture_sizes(self.graph, self._arguments, self.batches)
         self.pool_bytes = capture.pool_bytes()
         logger.info("decode CUDA graphs: %d batch sizes up to %d captured, %.2f GiB; %s", len(self.sizes), self.max_size,
                     self.pool_bytes / 2**30, capture.times)
@@ -151,16 +160,10 @@ class DecodeGraphs:
 
     def replay(self, size: int, rows: int) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the step staged for ``size``."""
-        batch = self.batches[size]
-        if batch.graph is not None:
-            batch.graph.replay()
-            logits = batch.logits
-        else:
-            logits = self.graph(*self._arguments[size])[0]
         # The captured output is overwritten by the next replay: the caller gets its own rows.
-        return logits[:rows].clone()
+        return self.batches[size].run(self.graph, self._arguments[size])[:rows].clone()
 
-    def _fill(self, batch: _StaticBatch, tokens: list[int], positions: list[int], tables: list[list[int]],
+    def _fill(self, batch: StaticBatch, tokens: list[int], positions: list[int], tables: list[list[int]],
               kv_lens: list[int]) -> None:
         n, bs = len(tokens), self.block_size
         ids = batch.host64_np

@@ -46,6 +46,7 @@ from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs
 from autodeploy.runtime.pipeline_schedule import PipelineSchedule
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs, declared_side_inputs
+from autodeploy.runtime.verify_graphs import VerifyGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,13 @@ class CapturedRunner(ModelRunner):
         self.prefill_sizes = deployment.signature.prefill_graph_token_sizes
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
+        # Speculative decoding: verification steps of num_tokens + 1 tokens a sequence, captured at the decode
+        # sizes whose tokens fit the step's budget.
+        speculative = deployment.settings.speculative
+        self.verify_tokens = speculative.num_tokens if speculative.method else 0
+        self.verify_sizes = [size for size in self.decode_sizes if size * (self.verify_tokens + 1) <= self.max_num_tokens] \
+            if self.verify_tokens else []
+        self.verify_graphs: VerifyGraphs | None = None
 
     def set_up(self, check_logits: bool = True) -> dict[str, float]:
         """Capture the prefill graphs (before the pool is sized: their memory is gone by then), size the
@@ -203,10 +211,14 @@ class CapturedRunner(ModelRunner):
         phases = _Phases()
         self.prefill_graphs = self._capture_prefill_graphs() if self.prefill_sizes else None
         phases.done("prefill graphs")
-        self._set_up_pool(check_logits, phases, graph_tokens=self.decode_sizes[-1] if self.decode_sizes else 0,
-                          pad_block=bool(self.decode_sizes))
+        graph_tokens = max(self.decode_sizes[-1] if self.decode_sizes else 0,  # the graphs' activations stay
+                           self.verify_sizes[-1] * (self.verify_tokens + 1) if self.verify_sizes else 0)
+        self._set_up_pool(check_logits, phases, graph_tokens=graph_tokens, pad_block=bool(self.decode_sizes))
         self.decode_graphs = self._capture_decode_graphs() if self.decode_sizes else None
         phases.done("decode graphs")
+        if self.verify_sizes:
+            self.verify_graphs = self._capture_verify_graphs()
+            phases.done("verification graphs")
         return phases
 
     def stage(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False,
@@ -216,6 +228,9 @@ class CapturedRunner(ModelRunner):
             size = self.decode_graphs.stage(chunks, self.pool.block_table, pending)
             completing = [] if logits_for_all_tokens else list(range(len(chunks)))
             return (lambda: self.decode_graphs.replay(size, len(chunks))), completing
+        if self.verify_graphs is not None and not logits_for_all_tokens and self.verify_graphs.serves(chunks):
+            size, keep = self.verify_graphs.stage(chunks, self.pool.block_table, pending)
+            return (lambda: self.verify_graphs.replay(size, keep)), list(range(len(chunks)))
         inputs, completing = self._step_inputs(chunks, logits_for_all_tokens, pending)
         num_tokens = sum(chunk.length for chunk in chunks)
         if self.prefill_graphs is not None and self.prefill_graphs.serves(num_tokens):
@@ -244,6 +259,19 @@ class CapturedRunner(ModelRunner):
                 graphs.capture_all()
         except Exception as error:  # a kernel the compile stage could not vet: slower, never wrong
             logger.warning("decode CUDA graph capture failed (%s: %s); decode steps run eagerly", type(error).__name__, error)
+            return None
+        return graphs
+
+
+    def _capture_verify_graphs(self) -> VerifyGraphs | None:
+        graphs = VerifyGraphs(self.graph, self.graph_inputs, self.caches, self.verify_sizes, self.verify_tokens,
+                              self.block_size, self.max_seq_len, pad_block=self.pool.num_blocks, device=self.device)
+        try:
+            with torch.inference_mode():
+                graphs.capture_all()
+        except Exception as error:  # slower, never wrong: verification steps run as prefill steps do
+            logger.warning("verification CUDA graph capture failed (%s: %s); verification steps run piecewise or "
+                           "eagerly", type(error).__name__, error)
             return None
         return graphs
 

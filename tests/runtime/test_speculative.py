@@ -339,3 +339,31 @@ def test_step_costs_are_timed_on_the_engines_own_runner_and_give_its_blocks_back
     costs = measure_step_costs(engine.runner, [1, 3], num_tokens=2, context=20, repeats=1)
     assert costs.batch_sizes == (1, 3) and costs.num_tokens == 2 and min(costs.decode + costs.verify) > 0
     assert engine.pool.num_used_blocks == 0
+
+
+def test_verification_steps_run_on_static_padded_rows_like_captured_graphs(llama_dir, llama_llm, monkeypatch):
+    """On the CPU the verification graphs run eagerly on the static inputs a GPU replays: drafts shorter than K,
+    decodes without a draft and padded batch rows share them, and the tokens are those without speculation."""
+    import dataclasses
+
+    from autodeploy.runtime.engine import Engine
+    from autodeploy.runtime.verify_graphs import VerifyGraphs
+
+    llm = autodeploy(str(llama_dir), device="cpu", max_batch_size=8, verify={"enabled": False},
+                     speculative={"method": "test_scripted", "num_tokens": 3, "auto": False})
+    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=(1, 4, 8), prefill_graph_token_sizes=())
+    engine = Engine(dataclasses.replace(llm.deployment, signature=signature, eos_token_ids=()))
+    llm._engine = engine
+    assert engine.runner.verify_graphs is not None and engine.runner.verify_graphs.sizes == [1, 4, 8]
+    replayed = []
+    replay = VerifyGraphs.replay
+    monkeypatch.setattr(VerifyGraphs, "replay", lambda self, size, keep: replayed.append((size, len(keep))) or replay(self, size, keep))
+    prompts = random_prompts(7, seed=12, lengths=(1, 40))
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(7)]
+    expected = [o.token_ids for o in llama_llm.generate(prompts, params)]
+    SCRIPT["propose"] = oracle_drafts({tuple(p): e for p, e in zip(prompts, expected)}, error_rate=0.3, seed=4)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert {size for size, _ in replayed} >= {8} and any(kept < size * 4 for size, kept in replayed)
+    SCRIPT["propose"] = random_drafts(5)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert engine.pool.num_used_blocks == 0
