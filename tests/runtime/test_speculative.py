@@ -208,6 +208,18 @@ def test_a_draft_model_with_the_models_weights_is_always_right(llama_dir):
     assert llm.deployment.draft is not None and llm.deployment.draft.report.verification is not None
 
 
+def test_a_saved_deployment_with_a_draft_model_builds_its_draft_again_at_reload(llama_dir, tmp_path):
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "draft", "model": str(llama_dir), "num_tokens": 2, "auto": False,
+                                  "options": {"verify": {"enabled": False}}})
+    directory = llm.save(tmp_path / "saved")
+    reloaded = autodeploy(str(directory))
+    assert reloaded.deployment.draft is not None and reloaded.settings.speculative.method == "draft"
+    prompts, params = [[9, 8, 7, 6, 5]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    assert reloaded.generate(prompts, params)[0].token_ids == llm.generate(prompts, params)[0].token_ids
+    assert reloaded.engine.speculator.stats.accepted == reloaded.engine.speculator.stats.drafted > 0
+
+
 def test_bad_settings_and_requests_are_refused_with_the_fix(llama_dir, tiny_checkpoint, tmp_path, spec_llm):
     with pytest.raises(InvalidRequestError, match="beam search .* does not combine with speculative"):
         spec_llm.generate(["def f"], SamplingParams(max_tokens=4, beam_width=2, temperature=0))
