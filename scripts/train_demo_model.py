@@ -19,6 +19,10 @@ The stdlib is only ~8M tokens, so data, not compute, bounds quality: past ~10 ep
 rises. Debian/Ubuntu Pythons ship the stdlib without its test suite (a third of the text is left); point
 --source-dir at a full CPython stdlib (pyenv, python.org) to reproduce the checked-in model.
 
+A larger model on the same tokenizer is the target that the demo model drafts for in speculative decoding
+(issue 42; seed 0): ``--tokenizer autodeploy/assets/tiny-code-llama --hidden-size 768 --intermediate-size 2048
+--layers 12`` (~100M parameters).
+
 Examples:
   # the checked-in model (CPython 3.11.7's stdlib, one H200, ~40 s of training)
   python scripts/train_demo_model.py --device cuda --compile --source-dir ~/.pyenv/versions/3.11.7/lib/python3.11 \\
@@ -113,6 +117,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="reuse this folder's tokenizer instead of training one (a speculative-decoding target that the "
+                             "demo model drafts for: --tokenizer autodeploy/assets/tiny-code-llama)")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--hidden-size", type=int, default=384)
     parser.add_argument("--intermediate-size", type=int, default=768)
@@ -255,7 +262,8 @@ def main() -> None:
 
     train_texts, eval_texts = collect_sources(args.source_dir, args.max_files)
     t0 = time.time()
-    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    tokenizer = (PreTrainedTokenizerFast.from_pretrained(args.tokenizer) if args.tokenizer is not None
+                 else train_tokenizer(train_texts, args.vocab_size))
     sample = "def f(x):\n\tif x:\n        return '\\n'  # done\n\n"
     assert tokenizer.decode(tokenizer(sample)["input_ids"], skip_special_tokens=True) == sample
     train_tokens = tokenize(tokenizer, train_texts).to(device)
