@@ -69,17 +69,45 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return float(k + 1) if acceptance >= 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
-def best_num_tokens(costs: StepCosts, acceptances: list[float], num_tokens: int) -> int:
-    """The tokens to draft a sequence this step (0: none) for sequences with these acceptances so far."""
+def best_num_tokens(costs: StepCosts, acceptances: list[float], num_tokens: int, drafting: float = 0.0) -> int:
+    """The tokens to draft a sequence this step (0: none) for sequences with these acceptances so far, when drafting
+    takes ``drafting`` seconds per drafted position for this batch (a draft model's forward, say)."""
     batch = len(acceptances)
     if batch == 0:
         return 0
     best, best_rate = 0, batch / costs.seconds(batch, 0)
     for k in range(1, num_tokens + 1):
-        rate = sum(expected_tokens(a, k) for a in acceptances) / costs.seconds(batch, k)
+        rate = sum(expected_tokens(a, k) for a in acceptances) / (costs.seconds(batch, k) + drafting * k)
         if rate > best_rate * MARGIN:
             best, best_rate = k, rate
     return best
+
+
+class DraftingTimes:
+    """Seconds the drafter takes per drafted position, by batch size (the nearest power of two), as observed: an
+    exponential average of its calls, so a slow drafter (a draft model's forwards) counts against its drafts."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, batch: int, positions: int, seconds: float) -> None:
+        if positions <= 0:
+            return
+        bucket, value = _bucket(batch), seconds / positions
+        known = self._seconds.get(bucket)
+        self._seconds[bucket] = value if known is None else known + self.weight * (value - known)
+
+    def per_position(self, batch: int) -> float:
+        """The observed seconds per drafted position at the bucket nearest ``batch`` (0 before any call)."""
+        if not self._seconds:
+            return 0.0
+        bucket = _bucket(batch)
+        return self._seconds[min(self._seconds, key=lambda b: abs(b.bit_length() - bucket.bit_length()))]
+
+
+def _bucket(batch: int) -> int:
+    return 1 << max(batch - 1, 0).bit_length()
 
 
 def measure_step_costs(runner, batch_sizes: list[int], num_tokens: int, context: int = 64, repeats: int = 3) -> StepCosts:

@@ -26,6 +26,7 @@ Drafters are registered by name (``register_drafter``); ``speculative.method`` p
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,7 +37,7 @@ import torch
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.speculation_costs import StepCosts, best_num_tokens
+from autodeploy.runtime.speculation_costs import DraftingTimes, StepCosts, best_num_tokens
 from autodeploy.runtime.structured_output import next_token_bitmask
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class Speculator:
         self.vocab_size = vocab_size
         self.method = method
         self.costs = costs  # None: draft num_tokens every step; else as many as pay (speculation_costs.py)
+        self.drafting_times = DraftingTimes()  # what the drafter's own calls cost, counted against its drafts
         self.drafting = False  # whether the last planned step chose to draft (its step then does not run ahead)
         self.stats = SpeculationStats()
         self._warned_low_acceptance = False
@@ -144,13 +146,16 @@ class Speculator:
         decoding = [c for c in chunks if c.length == 1 and c.completes and c.sequence.request.beam_search is None]
         wanted = self.num_tokens
         if self.costs is not None:
-            wanted = best_num_tokens(self.costs, [self.acceptance(c.sequence) for c in decoding], self.num_tokens)
+            wanted = best_num_tokens(self.costs, [self.acceptance(c.sequence) for c in decoding], self.num_tokens,
+                                     self.drafting_times.per_position(len(decoding)))
         self.drafting = wanted > 0 and bool(decoding)
         candidates = [c for c in decoding if self._may_draft(c)]
         if not self.drafting or not candidates or budget <= 0:
             return
         limits = [min(wanted, self._tokens_left(c.sequence)) for c in candidates]
+        began = time.perf_counter()
         drafts = self.drafter([c.sequence for c in candidates], limits)
+        self.drafting_times.observe(len(candidates), max(limits), time.perf_counter() - began)
         if len(drafts) != len(candidates):
             raise RuntimeError(f"the {self.method!r} drafter returned {len(drafts)} drafts for {len(candidates)} sequences")
         for chunk, limit, draft in zip(candidates, limits, drafts):

@@ -16,7 +16,8 @@ import torch
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import ConfigError, InvalidRequestError
-from autodeploy.runtime.speculation_costs import StepCosts, best_num_tokens, expected_tokens, measure_step_costs
+from autodeploy.runtime.speculation_costs import (DraftingTimes, StepCosts, best_num_tokens, expected_tokens,
+                                                  measure_step_costs)
 from autodeploy.runtime.speculative import SpeculationStats, accepted_prefix, lookup, register_drafter
 from tests.runtime.test_engine import hf_greedy, random_prompts
 from tests.tiny_models import tiny_hf_model
@@ -326,6 +327,14 @@ def test_the_cost_model_drafts_only_what_pays():
     assert costs.threshold(1) == pytest.approx(0.369, abs=1e-3)  # 1 + a + … + a⁴ = 1.05 × 1.5
     assert costs.threshold(8) == pytest.approx(0.913, abs=1e-3)  # = 1.05 × 4
     assert StepCosts((1,), (1.0,), (6.0,), 4).threshold(1) is None  # five tokens cannot pay for six steps
+    assert best_num_tokens(costs, [0.9], 4, drafting=0.5) == 1  # a slow drafter: 1.9 tokens for 2.125× (4 cost 3.5×)
+    assert best_num_tokens(costs, [0.9], 4, drafting=2.0) == 0
+    times = DraftingTimes(weight=0.5)
+    assert times.per_position(8) == 0.0
+    times.observe(8, 4, 4.0)  # 1 s a position at batch 8
+    times.observe(7, 2, 4.0)  # 2 s a position: the average moves half way
+    times.observe(1, 0, 9.0)  # nothing drafted: nothing learnt
+    assert times.per_position(8) == 1.5 and times.per_position(5) == 1.5 and times.per_position(64) == 1.5
 
 
 def test_auto_speculation_turns_itself_off_where_the_step_costs_say_it_loses(llama_dir, llama_llm):
