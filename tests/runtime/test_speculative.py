@@ -55,8 +55,8 @@ def oracle_drafts(expected: dict[tuple, list[int]], error_rate: float = 0.0, see
 @pytest.fixture(scope="module")
 def spec_llm(llama_dir):
     """The tiny Llama with the scripted drafter, 4 tokens a step, and a pool of 40 blocks (640 tokens)."""
-    return autodeploy(str(llama_dir), device="cpu", speculative={"method": "test_scripted", "num_tokens": 4, "auto": False},
-                      kv_cache={"num_blocks": 40})
+    return autodeploy(str(llama_dir), device="cpu", verify={"enabled": False}, kv_cache={"num_blocks": 40},
+                      speculative={"method": "test_scripted", "num_tokens": 4, "auto": False})
 
 
 @pytest.fixture(autouse=True)
@@ -189,7 +189,8 @@ def test_sampled_tokens_follow_the_models_distribution(spec_llm, llama_llm):
 
 
 def test_ngram_drafts_from_the_prompt_and_changes_nothing(llama_dir, llama_llm):
-    llm = autodeploy(str(llama_dir), device="cpu", speculative={"method": "ngram", "num_tokens": 3, "auto": False})
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "ngram", "num_tokens": 3, "auto": False})
     prompts = [[7, 8, 9, 10, 11, 12] * 6, random_prompts(1, seed=3, lengths=(40, 40))[0]]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in llama_llm.generate(prompts, params)]
@@ -338,7 +339,8 @@ def test_the_cost_model_drafts_only_what_pays():
 
 
 def test_auto_speculation_turns_itself_off_where_the_step_costs_say_it_loses(llama_dir, llama_llm):
-    llm = autodeploy(str(llama_dir), device="cpu", speculative={"method": "test_scripted", "num_tokens": 4})
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "test_scripted", "num_tokens": 4})
     speculator = llm.engine.speculator
     measured = speculator.costs  # timed at set-up on this machine: its figures are not asserted
     assert measured.batch_sizes[0] == 1 and len(measured.decode) == len(measured.verify) == len(measured.batch_sizes)
