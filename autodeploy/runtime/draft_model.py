@@ -38,6 +38,7 @@ class _DraftSequence:
         self.seq_id = next(self._ids)
         self.token_ids: list[int] = []
         self.num_computed = 0
+        self.synced = 0  # the sequence's length at the last sync: its tokens up to there are ours too
 
     @property
     def num_tokens(self) -> int:
@@ -89,13 +90,14 @@ class DraftModel:
         state = self._sequences.get(sequence.seq_id)
         if state is None:
             state = self._sequences[sequence.seq_id] = _DraftSequence(sequence)
-        tokens = sequence.token_ids
-        shared = 0
+        tokens = sequence.token_ids  # only ever grows (no beams with speculation): compare past the last sync only
         limit = min(state.num_computed, len(tokens) - 1)  # at least the newest token is computed again
+        shared = min(state.synced, limit)
         while shared < limit and state.token_ids[shared] == tokens[shared]:
             shared += 1
         state.num_computed = shared
-        state.token_ids = list(tokens)
+        state.token_ids[shared:] = tokens[shared:]
+        state.synced = len(tokens)
         self.pool.truncate(state.seq_id, shared)
         return state
 

@@ -57,10 +57,12 @@ def plan_sampling(chunks: list[ScheduledChunk], vocab_size: int) -> SamplingPlan
             continue
         if chunk.draft:  # each row sampled as that position would be without speculation
             output = sequence.output_token_ids
+            penalized = has_penalty(request.params)  # only penalties read the output: copy it only for them
             for i in range(len(chunk.draft) + 1):
                 bitmask = chunk.draft_bitmasks[i] if chunk.draft_bitmasks is not None else None
                 plan.rows.append(SamplingRow(request.params, request.seed, len(output) + i, request.prompt_token_ids,
-                                             output + chunk.draft[:i], sample_index=sequence.index, token_bitmask=bitmask))
+                                             output + chunk.draft[:i] if penalized else output,
+                                             sample_index=sequence.index, token_bitmask=bitmask))
                 plan.row_logits.append(row + i)
             plan.owners.append((sequence, sequence.index))
             plan.drafts.append(chunk.draft)

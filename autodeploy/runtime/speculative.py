@@ -209,10 +209,9 @@ class Speculator:
         return (sequence.num_accepted + _PRIOR_WEIGHT * overall) / (sequence.num_drafted + _PRIOR_WEIGHT)
 
     def _may_draft(self, chunk: ScheduledChunk) -> bool:
-        """A decode chunk of a sequence whose newest token the host has, with tokens left to draft."""
+        """A decode chunk (``extend`` picked those) of a sequence whose newest token the host has, with tokens left."""
         sequence = chunk.sequence
-        return (chunk.length == 1 and chunk.completes and sequence.num_pending == 0 and sequence.finish_reason is None
-                and sequence.request.beam_search is None and self._tokens_left(sequence) > 0)
+        return sequence.num_pending == 0 and sequence.finish_reason is None and self._tokens_left(sequence) > 0
 
     @staticmethod
     def _tokens_left(sequence) -> int:
