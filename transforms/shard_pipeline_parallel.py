@@ -38,54 +38,12 @@ from torch.fx import GraphModule
 from autodeploy.custom_ops import parallel_state
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.insert_cached_attention import LAYERS
+from autodeploy.transforms.layer_boundaries import residual_streams
 from autodeploy.transforms.quantize_linear import ATTENTION, quantizes_dense_layers
 from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 from autodeploy.transforms.shape_propagation import infer_values
 
 ops = torch.ops.autodeploy
-
-
-def _weighted(module: GraphModule) -> set[fx.Node]:
-    """The computed nodes that read a parameter, directly or through other nodes."""
-    parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    weighted: set[fx.Node] = set()
-    for node in module.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if any(i in weighted or (i.op == "get_attr" and i.target in parameters) for i in node.all_input_nodes):
-            weighted.add(node)
-    return weighted
-
-
-def _cuts(module: GraphModule, attentions: list[fx.Node], boundaries: list[int]) -> list[fx.Node]:
-    """For each layer index in ``boundaries``, the one weighted tensor that crosses into that layer."""
-    nodes = list(module.graph.nodes)
-    position = {node: i for i, node in enumerate(nodes)}
-    weighted = _weighted(module)
-    # live[p]: the weighted nodes computed at or before position p and read after it.
-    opened: list[list[fx.Node]] = [[] for _ in nodes]
-    closes: dict[fx.Node, int] = {}
-    for node in weighted:
-        last = max((position[user] for user in node.users), default=position[node])
-        if last > position[node]:
-            opened[position[node]].append(node)
-            closes[node] = last
-    cuts = []
-    for layer in boundaries:
-        start, stop = position[attentions[layer - 1]], position[attentions[layer]]
-        live = {n for n, last in closes.items() if position[n] <= start < last}
-        found = None
-        for p in range(start, stop):
-            if p > start:
-                live = {n for n in live if closes[n] > p} | set(opened[p])
-            if len(live) == 1:
-                found = next(iter(live))
-        if found is None:
-            raise ConfigError(
-                f"pipeline parallelism found no single tensor passing from layer {layer - 1} to layer {layer} "
-                f"(between {attentions[layer - 1].name} and {attentions[layer].name}); deploy with pipeline_parallel=1")
-        cuts.append(found)
-    return cuts
 
 
 def _drop_unused_parameters(module: GraphModule) -> None:
@@ -129,7 +87,8 @@ class ShardPipelineParallel(Transform):
         per_stage = layers // stages
         layout = parallel_state.layout()
         stage = layout.stage
-        cuts = _cuts(module, attentions, [s * per_stage for s in range(1, stages)])
+        cuts = residual_streams(module, attentions, [s * per_stage for s in range(1, stages)], "pipeline parallelism",
+                                "deploy with pipeline_parallel=1")
         ids = next(n for n in graph.find_nodes(op="placeholder") if n.target == "input_ids")
         output = graph.output_node()
         logits = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
