@@ -2,10 +2,15 @@
 
 With random weights no drafter can guess honestly, yet the cost of verifying K tokens and the speed-up at a
 given acceptance length are what a deployment needs to know. ``replay`` proposes the model's own greedy
-continuation of each prompt, recorded by the benchmark's run without speculation, with its first
-``acceptance_length - 1`` tokens right and the rest wrong: every verification row then keeps exactly
-``acceptance_length`` tokens (fewer only where the benchmark's greedy output differs between the two runs).
-It is registered when ``autodeploy bench`` loads; a deployment outside the benchmark does not know the name.
+continuation of each prompt, recorded by the benchmark's run without speculation, and sets how many of each
+draft's tokens are kept (``benchmark_acceptance``: the first ``acceptance_length - 1``, whatever the model
+samples): every verification row keeps exactly ``acceptance_length`` tokens. Matching the recording cannot
+do that: random weights give near-equal logits, so a forward of K + 1 tokens and one of a single token, which
+round differently in bfloat16, soon pick different greedy tokens (on an H100 the recording matched 2 of 486
+drafted tokens). The work of each step (drafting, the verification forward, sampling every row, rolling back
+the rejected tokens' KV entries) is the work of a real acceptance of that length; the tokens kept are the
+drafted ones, so the output is not the model's — a benchmark's, labelled as such in its report. It is
+registered when ``autodeploy bench`` loads; a deployment outside the benchmark does not know the name.
 
     autodeploy bench llama-3-8b --set weights=random --speculative-method replay --speculative-num-tokens 4 \\
         --set speculative.options.acceptance_length=3
@@ -35,8 +40,13 @@ class Replay:
             recorded = self.continuations.get(tuple(sequence.request.prompt_token_ids), [])
             done = len(sequence.output_token_ids)
             upcoming = recorded[done : done + limit]
-            drafts.append([token if i < self.right else (token + 1) % self.vocab_size for i, token in enumerate(upcoming)])
+            upcoming += [sequence.token_ids[-1]] * (limit - len(upcoming))  # past the recording: any tokens do
+            drafts.append(upcoming)
         return drafts
+
+    def benchmark_acceptance(self, draft: list[int], sampled: list[int]) -> int:
+        """Draft tokens kept: the set number, whatever the model sampled."""
+        return min(len(draft), self.right)
 
 
 @register_drafter("replay")

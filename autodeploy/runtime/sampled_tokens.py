@@ -109,12 +109,14 @@ class TokenApplier:
     ``requests`` (the engine's live requests, shared)."""
 
     def __init__(self, pool: KVBlockPool, scheduler: Scheduler, requests: dict[str, Request], tokenizer,
-                 on_verified: Callable[[int, int], None] | None = None):
+                 on_verified: Callable[[int, int], None] | None = None,
+                 accept: Callable[[list[int], list[int]], int] = accepted_prefix):
         self.pool = pool
         self.scheduler = scheduler
         self.requests = requests
         self.tokenizer = tokenizer
         self.on_verified = on_verified  # (drafted, accepted) of every verified draft: the speculator's statistics
+        self.accept = accept  # (draft, sampled) -> how many draft tokens to keep: the prefix the model confirms
 
     def apply(self, chunks: list[ScheduledChunk], plan: SamplingPlan, result: SampleResult | None,
               beam_logprobs: torch.Tensor | None, run_ahead: bool, now: float) -> list[Request]:
@@ -137,7 +139,7 @@ class TokenApplier:
             if target.request.aborted or target.finish_reason is not None:
                 continue  # cancelled mid-step, or stopped on the token before this (a wasted row)
             if draft:  # the draft's prefix the model confirms, then the model's own next token
-                accepted = accepted_prefix(draft, [result.token_ids[i] for i in rows])
+                accepted = self.accept(draft, [result.token_ids[i] for i in rows])
                 rows = rows[: accepted + 1]
                 target.num_drafted += len(draft)
                 target.num_accepted += accepted
@@ -145,10 +147,12 @@ class TokenApplier:
                     self.on_verified(len(draft), accepted)
             emitted = 0
             for i in rows:
+                # An accepted draft token is the one sampled (only the replay benchmark keeps others).
+                token = draft[emitted] if emitted < len(rows) - 1 else result.token_ids[i]
                 emitted += 1
-                target.append(result.token_ids[i], self.tokenizer)
+                target.append(token, self.tokenizer)
                 if target.grammar is not None:
-                    self._advance_grammar(target, result.token_ids[i])
+                    self._advance_grammar(target, token)
                 if result.logprobs[i] is not None:
                     target.logprobs.append(result.logprobs[i])
                     target.top_logprobs.append(result.top_logprobs[i])

@@ -64,27 +64,28 @@ class VerifyGraphs:
         return self.sizes[-1]
 
     def capture_all(self) -> None:
-        """Capture every size, largest first into one memory pool, then check the smallest against eager. Raises
-        what capture raised, or ``RuntimeError`` when a replay differs (the caller then runs steps eagerly)."""
+        """Capture every size, largest first into one memory pool (``check`` then compares a replay with eager).
+        Raises what capture raised."""
         if not self.capture:
             return
         capture = GraphCapture(self.device)
         capture.capture_sizes(self.graph, self._arguments, self.rows)
         self.pool_bytes = capture.pool_bytes()
-        self.check(self.sizes[0])
         logger.info("verification CUDA graphs: %d batch sizes up to %d of %d tokens each captured, %.2f GiB; %s",
                     len(self.sizes), self.max_size, self.width, self.pool_bytes / 2**30, capture.times)
 
-    def check(self, size: int) -> None:
-        """The replay of ``size`` gives the logits an eager forward gives on the same static inputs (padding alone:
-        every key and value goes to the pad block)."""
-        rows = self.rows[size]
-        rows.graph.replay()
-        replayed = rows.logits.clone()
-        eager = self.graph(*self._arguments[size])[0]
-        if not torch.allclose(replayed.float(), eager.float(), rtol=1e-3, atol=1e-3):
-            worst = float((replayed.float() - eager.float()).abs().max())
-            raise RuntimeError(f"the replayed verification step differs from the eager one by up to {worst:.3g}")
+    def check(self, chunks: Sequence[ScheduledChunk], block_table: Callable[[int], list[int]]) -> None:
+        """The replay of a real verification step (``chunks``, on blocks of the pool) keeps the logits an eager
+        forward gives on the same static inputs. (Padding alone would not do: its rows' logits are not kept,
+        and may not even be finite.)"""
+        size, keep = self.stage(chunks, block_table)
+        replayed = self.replay(size, keep)
+        eager = self.graph(*self._arguments[size])[0].index_select(0, keep)
+        if not (replayed.isfinite().all() and torch.allclose(replayed.float(), eager.float(), rtol=1e-3, atol=1e-3)):
+            worst = float((replayed.float() - eager.float()).nan_to_num(float("inf")).abs().max())
+            raise RuntimeError(f"the replayed verification step differs from the eager one by up to {worst:.3g} (rows "
+                               f"with non-finite logits: replayed {_bad_rows(replayed)}, eager {_bad_rows(eager)} of "
+                               f"{len(eager)})")
 
     def serves(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """Whether every chunk decodes its sequence's newest token and at most ``width - 1`` drafted ones, some chunk
@@ -142,3 +143,7 @@ class VerifyGraphs:
             ids[2, first : first + chunk.length] = [slot(table, chunk.start + j, bs) for j in range(chunk.length)]
             rows.host32_np[row] = chunk.start + width
             rows.tables_np[row, : len(table)] = table
+
+
+def _bad_rows(logits: torch.Tensor) -> list[int]:
+    return (~logits.float().isfinite().all(dim=-1)).nonzero().flatten().tolist()[:8]

@@ -45,7 +45,7 @@ def oracle_drafts(expected: dict[tuple, list[int]], error_rate: float = 0.0, see
         for sequence, limit in zip(sequences, limits):
             prompt = tuple(sequence.request.prompt_token_ids)
             done = len(sequence.output_token_ids)
-            draft = list(expected.get(prompt, [])[done + 1 : done + 1 + limit])
+            draft = list(expected.get(prompt, [])[done : done + limit])
             drafts.append([t if rng.random() >= error_rate else (t + 1) % 512 for t in draft])
         return drafts
 
@@ -282,11 +282,13 @@ def test_metrics_and_token_times_count_every_accepted_token(spec_llm, llama_llm)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     expected = llama_llm.generate(prompts, params)
     SCRIPT["propose"] = oracle_drafts({tuple(o.prompt_token_ids): o.token_ids for o in expected})
+    before = _stats(spec_llm)
     outputs = spec_llm.generate(prompts, params)
     assert all(len(o.metrics.token_times) == 12 for o in outputs)  # one time per token, several per step
     values = {value.name: value.value for value in engine_state(spec_llm.engine)}
     stats = spec_llm.engine.speculator.stats
     assert values["autodeploy_spec_decode_num_accepted_tokens"] == stats.accepted > 0
+    assert stats.accepted - before.accepted == stats.drafted - before.drafted > 0  # the oracle is always right
     assert values["autodeploy_spec_decode_acceptance_length"] == stats.acceptance_length > 1
     assert values["autodeploy_spec_decode_acceptance_rate_at_0"] == stats.accepted_at[0] / stats.drafted_at[0]
     report = spec_llm.pipeline_report()
@@ -389,4 +391,8 @@ def test_verification_steps_run_on_static_padded_rows_like_captured_graphs(llama
     assert {size for size, _ in replayed} >= {8} and any(kept < size * 4 for size, kept in replayed)
     SCRIPT["propose"] = random_drafts(5)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert engine.pool.num_used_blocks == 0
+    # The check a GPU runs after capture: a real verification step (here eager against eager), blocks given back.
+    with torch.inference_mode():
+        engine.runner._check_verify_graphs(engine.runner.verify_graphs)
     assert engine.pool.num_used_blocks == 0
