@@ -176,8 +176,9 @@ class SpeculativeSettings:
     tokens per sequence and the model scores them all in one forward, keeping the longest prefix it would have
     produced itself and one token of its own after it. ``method``: ``ngram`` (prompt lookup: the tokens that followed
     the latest earlier occurrence of the sequence's last ``ngram_max`` … ``ngram_min`` tokens), ``draft`` (a smaller
-    model, ``model``, with the same tokenizer, deployed through the same pipeline with its own KV cache), or a name
-    given to ``register_drafter``; ``None`` decodes one token a step. ``options``: a registered drafter's own settings.
+    model, ``model``, with the same tokenizer, deployed through the same pipeline with its own KV cache), ``eagle3``
+    (an EAGLE-3 head, ``model``, drafting from the model's own hidden states), or a name given to
+    ``register_drafter``; ``None`` decodes one token a step. ``options``: a registered drafter's own settings.
     ``auto``: time decode and verification steps at set-up and, each step, draft only as many tokens as the
     sequences' acceptance so far makes worth it (none where drafting would be slower); off, every step drafts
     ``num_tokens``."""
@@ -418,6 +419,9 @@ def _check_speculative(speculative: DictConfig) -> None:
     if not 1 <= speculative.ngram_min <= speculative.ngram_max:
         raise ConfigError(f"speculative.ngram_min and ngram_max must satisfy 1 ≤ ngram_min ≤ ngram_max, got "
                           f"{speculative.ngram_min} and {speculative.ngram_max}")
+    if speculative.method == "eagle3" and not speculative.model:
+        raise ConfigError("speculative.method is 'eagle3' but speculative.model is not set: name the EAGLE-3 head's folder "
+                          "(config.json and model.safetensors, trained for this model), e.g. speculative.model=path/to/head")
     if speculative.method == "draft" and not speculative.model:
         raise ConfigError("speculative.method is 'draft' but speculative.model is not set: name the draft checkpoint "
                           "(a smaller model with the same tokenizer), e.g. speculative.model=path/to/draft")

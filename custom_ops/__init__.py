@@ -17,6 +17,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     fused_gated_mlp,
     gated_activation,
     gated_mlp,
+    hidden_states,
     layer_norm,
     linear,
     mlp,

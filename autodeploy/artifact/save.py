@@ -19,6 +19,7 @@ import torch
 from autodeploy.config import settings_to_yaml
 from autodeploy.deployment import Deployment, as_deployment
 from autodeploy.errors import ConfigError
+from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS
 
 from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS, is_whole_saved_deployment
 from .graph_archive import export_served_graph
@@ -48,6 +49,10 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
         raise ConfigError("a deploy on the meta device has no weights to save; deploy with device=cpu or cuda, then save")
     if not signature.kv_caches:
         raise ConfigError("this graph has no KV cache (insert_cached_attention is disabled), so it cannot serve; enable it to save")
+    if HIDDEN_STATE_LAYERS in getattr(deployment.graph, "meta", {}):
+        raise ConfigError(f"a deployment whose graph copies out hidden states for speculative.method="
+                          f"{deployment.settings.speculative.method!r} cannot be saved yet; deploy it from the checkpoint "
+                          f"each time, or save it built without speculative (ngram and draft may be turned on at load)")
     directory = Path(directory)
     check_save_destination(directory)
     staging = directory.with_name(f".{directory.name}.saving-{os.getpid()}")

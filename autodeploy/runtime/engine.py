@@ -34,7 +34,7 @@ import torch
 
 from autodeploy.deployment import Deployment
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime import draft_model  # noqa: F401  (registers the "draft" drafter)
+from autodeploy.runtime import draft_model, eagle3  # noqa: F401  (register the "draft" and "eagle3" drafters)
 from autodeploy.runtime.model_runner import make_model_runner
 from autodeploy.runtime.rank_mirror import Command, Peers, RankMirror
 from autodeploy.runtime.request import Request, TokenRows
@@ -44,7 +44,7 @@ from autodeploy.runtime.sampler import PendingSample
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
 from autodeploy.runtime.speculation_costs import StepCosts, measure_step_costs, timed_batch_sizes
-from autodeploy.runtime.speculative import Speculator, make_drafter
+from autodeploy.runtime.speculative import HIDDEN_STATES, Speculator, make_drafter
 from autodeploy.runtime.step_inputs import PendingTokens
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,9 @@ class Engine:
         self.speculator = (Speculator(drafter, speculative.num_tokens, self.pool, vocab_size, speculative.method,
                                       self._step_costs(speculative.num_tokens) if speculative.auto else None)
                            if drafter is not None else None)
+        self.hidden_states = getattr(deployment.graph, HIDDEN_STATES, None)  # what a hidden-state drafter reads
         self.tokens = TokenApplier(self.pool, self.scheduler, self.requests, tokenizer,
-                                   self.speculator.record if self.speculator is not None else None)
+                                   *((self.speculator.record, self.speculator.accept) if self.speculator is not None else ()))
         self._lock = threading.RLock()  # requests, scheduler and pool
         self._step_lock = threading.Lock()  # one step at a time
         self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
@@ -293,7 +294,10 @@ class Engine:
                 self._fail(plan.chunks, error)
                 raise
         try:
-            step.sample, step.beam_logprobs = launch_sampling(step.sampling, run())
+            logits = run()
+            if self.speculator is not None:
+                self.speculator.observe(plan.chunks, self.runner.staged_rows, self.hidden_states)
+            step.sample, step.beam_logprobs = launch_sampling(step.sampling, logits)
         except Exception as error:
             with self._lock:
                 self._fail(plan.chunks, error)

@@ -90,6 +90,7 @@ class ModelRunner:
         self.block_size = settings.kv_cache.block_size
         self.pool: KVBlockPool | None = None  # set_up makes the pool and its caches
         self.caches: dict[str, torch.Tensor] = {}
+        self.staged_rows: list[int] = []  # the staged step's first token row of each chunk (as the graph lays them out)
 
     @property
     def graph(self) -> Callable:
@@ -111,6 +112,7 @@ class ModelRunner:
               pending: PendingTokens | None = None) -> StagedStep:
         """Fill the step's inputs from the pool's tables; ``run()`` computes the logits."""
         inputs, completing = self._step_inputs(chunks, logits_for_all_tokens, pending)
+        self.staged_rows = _contiguous_rows(chunks)
         return (lambda: self.graph(*inputs)[0]), completing
 
     def forward(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False) -> tuple[torch.Tensor, list[int]]:
@@ -226,12 +228,15 @@ class CapturedRunner(ModelRunner):
         """A decode step a captured graph holds replays it; a step a prefill bucket holds runs the pieces."""
         if self.decode_graphs is not None and self.decode_graphs.serves(chunks, logits_for_all_tokens):
             size = self.decode_graphs.stage(chunks, self.pool.block_table, pending)
+            self.staged_rows = list(range(len(chunks)))
             completing = [] if logits_for_all_tokens else list(range(len(chunks)))
             return (lambda: self.decode_graphs.replay(size, len(chunks))), completing
         if self.verify_graphs is not None and not logits_for_all_tokens and self.verify_graphs.serves(chunks):
             size, keep = self.verify_graphs.stage(chunks, self.pool.block_table, pending)
+            self.staged_rows = [row * self.verify_graphs.width for row in range(len(chunks))]
             return (lambda: self.verify_graphs.replay(size, keep)), list(range(len(chunks)))
         inputs, completing = self._step_inputs(chunks, logits_for_all_tokens, pending)
+        self.staged_rows = _contiguous_rows(chunks)
         num_tokens = sum(chunk.length for chunk in chunks)
         if self.prefill_graphs is not None and self.prefill_graphs.serves(num_tokens):
             return (lambda: self.prefill_graphs.run(inputs, num_tokens)), completing
@@ -269,11 +274,29 @@ class CapturedRunner(ModelRunner):
         try:
             with torch.inference_mode():
                 graphs.capture_all()
+                if graphs.capture:
+                    self._check_verify_graphs(graphs)
         except Exception as error:  # slower, never wrong: verification steps run as prefill steps do
             logger.warning("verification CUDA graph capture failed (%s: %s); verification steps run piecewise or "
                            "eagerly", type(error).__name__, error)
             return None
         return graphs
+
+    def _check_verify_graphs(self, graphs: VerifyGraphs) -> None:
+        """Replay a real verification step of the smallest size (each probe's newest token and K drafted ones, on
+        blocks of the pool) against eager; ``RuntimeError`` when they differ."""
+        probes = [_Probe([i % self.vocab_size]) for i in range(graphs.sizes[0])]
+        try:
+            chunks = []
+            for probe in probes:
+                if not self.pool.reserve(probe.seq_id, graphs.width):
+                    raise RuntimeError("no free KV blocks to check the verification graphs on")
+                chunks.append(ScheduledChunk(probe, 0, graphs.width,
+                                             draft=[(probe.seq_id + j) % self.vocab_size for j in range(1, graphs.width)]))
+            graphs.check(chunks, self.pool.block_table)
+        finally:
+            for probe in probes:
+                self.pool.free(probe.seq_id)
 
 
 class PipelineRunner(ModelRunner):
@@ -287,6 +310,15 @@ class PipelineRunner(ModelRunner):
               pending: PendingTokens | None = None) -> StagedStep:
         return self.schedule.stage_step(self.graph, self.graph_inputs, chunks, self.pool, self.caches, self.device,
                                         logits_for_all_tokens, pending, side_inputs=list(self.side_inputs.values()))
+
+
+def _contiguous_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """Each chunk's first token row when the step's tokens are laid out chunk after chunk."""
+    rows, row = [], 0
+    for chunk in chunks:
+        rows.append(row)
+        row += chunk.length
+    return rows
 
 
 def _agreed_num_blocks(num_blocks: int, device: torch.device, ranks: int) -> int:

@@ -51,23 +51,42 @@ class Drafter(Protocol):
     def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]: ...
 
 
+# A drafter that reads the model's hidden states (EAGLE-3, MTP) names the layers it needs, ``(settings,
+# num_layers) -> [layer, ...]`` (the residual stream entering each, 1 … num_layers − 1);
+# ``transforms/expose_hidden_states.py`` makes the graph copy them out, and the engine hands each step's rows to
+# the drafter's ``observe(chunks, rows, hidden)``.
+HiddenStateLayers = Callable[[Any, int], list[int]]
+HIDDEN_STATES = "speculative_hidden_states"  # the graph's buffer of them ``[max_num_tokens, layers · H]``
+HIDDEN_STATE_LAYERS = "speculative_hidden_state_layers"  # graph.meta: (layers, the model's layers, H)
+_HIDDEN_STATE_LAYERS: dict[str, HiddenStateLayers] = {}
+
+
 _PRIOR_WEIGHT = 4  # drafted tokens' worth of weight the overall acceptance has in a sequence's estimate
 
 DrafterFactory = Callable[[Any, Any], Drafter]  # (deployment, speculative settings) -> Drafter
 _DRAFTERS: dict[str, DrafterFactory] = {}
 
 
-def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+def register_drafter(name: str, hidden_states: HiddenStateLayers | None = None) -> Callable[[DrafterFactory], DrafterFactory]:
     """Register ``factory(deployment, settings) -> Drafter`` as ``speculative.method: <name>`` (``settings`` is the
-    ``speculative`` section; a drafter's own options are in ``settings.options``)."""
+    ``speculative`` section; a drafter's own options are in ``settings.options``). ``hidden_states``: the layers
+    whose hidden states the drafter reads (see ``HiddenStateLayers``); its drafter then has an ``observe``."""
 
     def register(factory: DrafterFactory) -> DrafterFactory:
         if name in _DRAFTERS and _DRAFTERS[name] is not factory:
             raise ConfigError(f"a drafter named {name!r} is already registered; pick another name")
         _DRAFTERS[name] = factory
+        if hidden_states is not None:
+            _HIDDEN_STATE_LAYERS[name] = hidden_states
         return factory
 
     return register
+
+
+def hidden_state_layers(settings, num_layers: int) -> list[int]:
+    """The layers whose hidden states the drafter ``settings.method`` reads ([] for one that reads none)."""
+    layers = _HIDDEN_STATE_LAYERS.get(settings.method) if settings.method else None
+    return list(layers(settings, num_layers)) if layers is not None else []
 
 
 def registered_drafters() -> list[str]:
@@ -137,6 +156,9 @@ class Speculator:
         self.drafting = False  # whether the last planned step chose to draft (its step then does not run ahead)
         self.stats = SpeculationStats()
         self._warned_low_acceptance = False
+        # How many draft tokens a verification keeps: the prefix the model's own samples confirm. Only the replay
+        # benchmark (``bench/replay.py``) overrides it, to set the acceptance length of random weights.
+        self.accept = getattr(drafter, "benchmark_acceptance", None) or accepted_prefix
 
     def extend(self, chunks: list[ScheduledChunk], budget: int) -> None:
         """Give the decode chunks of a planned step their drafts, within ``budget`` more tokens and the blocks
@@ -174,6 +196,13 @@ class Speculator:
             if budget <= 0:
                 break
         chunks.sort(key=lambda chunk: chunk.length == 1)
+
+    def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor | None) -> None:
+        """A forward over ``chunks`` was queued; chunk ``i``'s tokens are rows ``rows[i]…`` of ``hidden`` (the
+        hidden states the drafter asked for, or None). A drafter that reads hidden states takes its copy now,
+        before the next forward overwrites them."""
+        if hidden is not None:
+            self.drafter.observe(chunks, rows, hidden)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted)

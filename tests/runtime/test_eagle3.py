@@ -1,0 +1,184 @@
+"""The ``eagle3`` drafter on the tiny random Llama: the graph exposes exactly the hidden states Hugging Face
+computes, the head is fed each position once with the right token, its cached steps equal one full forward,
+output is the output without speculation, and a head that does not fit the model is refused at build."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from autodeploy import SamplingParams, autodeploy
+from autodeploy.errors import ConfigError
+from autodeploy.runtime.eagle3 import Eagle3Config, Eagle3Head, HeadCache, eagle3_config, load_eagle3_head, save_eagle3_head
+from tests.runtime.test_engine import random_prompts
+from tests.tiny_models import tiny_hf_model
+
+LAYERS = [1, 1, 1]  # the tiny Llama has two layers: the residual stream between them, three times
+
+
+def make_head(target_config, seed: int = 0, draft_vocab: int | None = None, layers=LAYERS) -> Eagle3Head:
+    config = Eagle3Config.from_dict(eagle3_config(target_config, draft_vocab, layers))
+    torch.manual_seed(seed)
+    head = Eagle3Head(config, target_config.num_hidden_layers)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.normal_(0, 0.2) if parameter.dim() > 1 else parameter.fill_(1.0)
+        if draft_vocab:  # the draft vocabulary: every other token of the model's
+            head.d2t.copy_(torch.arange(draft_vocab))
+    return head
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    hf = tiny_hf_model("llama")
+    return save_eagle3_head(make_head(hf.config, draft_vocab=256), tmp_path_factory.mktemp("eagle3-head"))
+
+
+@pytest.fixture(scope="module")
+def eagle_llm(llama_dir, head_dir):
+    return autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                      speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "auto": False})
+
+
+def test_the_graph_exposes_the_hidden_states_hugging_face_computes_and_the_head_gets_each_position_once(eagle_llm):
+    hf = tiny_hf_model("llama")
+    drafter = eagle_llm.engine.speculator.drafter
+    fed = []  # (positions, tokens, rows) of every catch-up step
+    step = drafter.head.step
+
+    def spy(hidden, tokens, positions, counts, caches):
+        if hidden.shape[-1] != drafter.head.config.hidden_size:
+            for b, count in enumerate(counts):
+                fed.append((positions[b, :count].tolist(), tokens[b, :count].tolist(), hidden[b, :count].clone()))
+        return step(hidden, tokens, positions, counts, caches)
+
+    drafter.head.step = spy
+    try:
+        prompt = random_prompts(1, seed=5, lengths=(30, 30))[0]
+        output = eagle_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    finally:
+        del drafter.head.step
+    sequence = prompt + output.token_ids
+    with torch.no_grad():
+        states = hf(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+    expected = torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
+    positions = [p for ps, _, _ in fed for p in ps]
+    assert positions == list(range(len(positions))) and len(positions) >= len(prompt)  # each position once, in order
+    for ps, tokens, rows in fed:
+        assert tokens == [sequence[p + 1] for p in ps]
+        torch.testing.assert_close(rows, expected[ps], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_output_is_the_output_without_speculation(eagle_llm, llama_llm):
+    prompts = random_prompts(3, seed=11, lengths=(5, 50))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in eagle_llm.generate(prompts, params)] == \
+        [o.token_ids for o in llama_llm.generate(prompts, params)]
+    stats = eagle_llm.engine.speculator.stats
+    assert stats.drafted > 0 and stats.steps > 0
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    assert eagle_llm.generate(prompts, seeded)[0].token_ids == llama_llm.generate(prompts, seeded)[0].token_ids
+
+
+def test_cached_steps_equal_one_full_forward_and_drafts_map_to_the_models_vocabulary(llama_dir):
+    hf = tiny_hf_model("llama")
+    head = make_head(hf.config, seed=1, draft_vocab=256)
+    width = len(LAYERS) * hf.config.hidden_size
+    torch.manual_seed(2)
+    fused, tokens = torch.randn(11, width), torch.randint(0, 512, (11,))
+    with torch.no_grad():
+        expected = head.reference_logits(fused, tokens)
+        cache = HeadCache()
+        pieces = []
+        for start, stop in ((0, 4), (4, 5), (5, 11)):
+            out = head.step(fused[None, start:stop], tokens[None, start:stop], torch.arange(start, stop)[None],
+                            [stop - start], [cache])
+            pieces.append(head.logits(out[0]))
+    torch.testing.assert_close(torch.cat(pieces), expected, atol=1e-5, rtol=1e-5)
+    assert head.to_target(torch.tensor([0, 5, 255])).tolist() == [0, 10, 510]
+
+
+def test_two_sequences_padded_into_one_step_equal_each_alone():
+    hf = tiny_hf_model("llama")
+    head = make_head(hf.config, seed=4)
+    width = len(LAYERS) * hf.config.hidden_size
+    torch.manual_seed(5)
+    a, b = (torch.randn(n, width) for n in (6, 3))
+    ta, tb = (torch.randint(0, 512, (n,)) for n in (6, 3))
+    with torch.no_grad():
+        alone = [head.reference_logits(a, ta), head.reference_logits(b, tb)]
+        hidden = torch.zeros(2, 6, width)
+        hidden[0], hidden[1, :3] = a, b
+        tokens = torch.zeros(2, 6, dtype=torch.long)
+        tokens[0], tokens[1, :3] = ta, tb
+        out = head.logits(head.step(hidden, tokens, torch.arange(6).repeat(2, 1), [6, 3], [HeadCache(), HeadCache()]))
+    torch.testing.assert_close(out[0], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, :3], alone[1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_that_does_not_fit_the_model_is_refused_at_build(llama_dir, head_dir, tmp_path):
+    def variant(name, edit=None, drop=None):
+        folder = tmp_path / name
+        shutil.copytree(head_dir, folder)
+        if edit:
+            config = json.loads((folder / "config.json").read_text())
+            edit(config)
+            (folder / "config.json").write_text(json.dumps(config))
+        if drop:
+            from safetensors.torch import load_file, save_file
+
+            state = load_file(str(folder / "model.safetensors"))
+            state.pop(drop)
+            save_file(state, str(folder / "model.safetensors"))
+        return str(folder)
+
+    cases = [
+        (str(tmp_path / "nowhere"), "has no config.json"),
+        (variant("vocab", lambda c: c.update(vocab_size=1000)), "has vocabulary 1000; this model's is 512"),
+        (variant("layers", lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 5, 9]})),
+         r"reads the hidden states entering layer\(s\) \[5, 9\]"),
+        (variant("width", lambda c: c.update(target_hidden_size=32)), "trained for hidden size 32; this model's is 64"),
+        (variant("no-fc", drop="fc.weight"), r"does not match its config.json: missing \['fc.weight'\]"),
+        (variant("no-d2t", drop="d2t"), "no d2t map"),
+    ]
+    for model, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                       speculative={"method": "eagle3", "model": model, "auto": False})
+    with pytest.raises(ConfigError, match="speculative.model is not set"):
+        autodeploy(str(llama_dir), device="cpu", speculative={"method": "eagle3"})
+
+
+def test_a_loaded_head_uses_the_models_embedding_when_it_has_none(llama_dir, head_dir):
+    hf = tiny_hf_model("llama")
+    head = load_eagle3_head(head_dir, 2, 64, 512, hf.model.embed_tokens.weight, torch.device("cpu"), torch.float32)
+    assert torch.equal(head.embed_tokens.weight, hf.model.embed_tokens.weight)
+
+
+def test_saving_a_deployment_that_exposes_hidden_states_is_refused_and_a_plain_one_cannot_load_eagle3(
+        eagle_llm, llama_llm, head_dir, tmp_path):
+    with pytest.raises(ConfigError, match="cannot be saved yet"):
+        eagle_llm.save(tmp_path / "eagle")
+    directory = llama_llm.save(tmp_path / "plain")
+    with pytest.raises(ConfigError, match="exposes no hidden states"):
+        autodeploy(str(directory), speculative={"method": "eagle3", "model": str(head_dir)})
+
+
+def test_held_rows_are_replaced_by_a_later_forward_and_capped_at_the_context():
+    from autodeploy.runtime.eagle3 import _HeadSequence
+
+    state = _HeadSequence(sequence=None)
+    rows = lambda start, n: torch.arange(start, start + n, dtype=torch.float32)[:, None]  # noqa: E731  row = its position
+    state.keep(0, rows(0, 6), context=100)
+    state.keep(4, rows(4, 5) + 0.5, context=100)  # positions 4 … 8 computed again (a rejected draft's rows replaced)
+    positions, held = state.take(7)
+    assert positions == list(range(7)) and held[:, 0].tolist() == [0, 1, 2, 3, 4.5, 5.5, 6.5]
+    assert state.held == 2 and state.next_position == 7
+    state.keep(3, rows(3, 2), context=100)  # positions the head already fed are dropped
+    assert state.held == 2
+    state.keep(9, rows(9, 10), context=5)  # past the context: the latest positions stay
+    positions, held = state.take(100)
+    assert positions == list(range(14, 19)) and held[:, 0].tolist() == [14, 15, 16, 17, 18]
