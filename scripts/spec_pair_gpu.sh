@@ -1,19 +1,40 @@
 #!/usr/bin/env bash
-# Issue 42 on the device, one call: train the speculative-decoding target on the demo model's tokenizer (its
-# weights do not travel back: trained and measured in the same call), then bench it without speculation, with
-# the demo model as its draft, and with prompt lookup, each against the same engine without speculation.
-#   OUT=$OUT TRAIN_MINUTES=4 bash scripts/spec_pair_gpu.sh
+# Issue 42 on the device: the trained pair. STAGE=train trains the target (the demo model's tokenizer and corpus,
+# ~100M parameters) and its EAGLE-3 head into build/spec-pair/ (ignored: a warm machine keeps it for the next
+# call; the weights never travel back); STAGE=bench measures eagle3, draft (the demo model) and n-gram against the
+# same engine without speculation on prompts that quote code (scripts/code_rewrite_prompts.py), and STAGE=identity
+# checks greedy identity on 100 prompts.
+#   OUT=$OUT STAGE=train bash scripts/spec_pair_gpu.sh; OUT=$OUT STAGE=bench bash scripts/spec_pair_gpu.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+python3 -c "import omegaconf" 2>/dev/null || PYTHONPATH=/tmp/site python3 -c "import omegaconf" 2>/dev/null || \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-DEMO=autodeploy/assets/tiny-code-llama TARGET=/tmp/spec-target
-timeout $(( ${TRAIN_MINUTES:-4} * 60 + 120 )) python3 scripts/train_demo_model.py --device cuda --compile --seed 0 \
-  --tokenizer $DEMO --hidden-size 768 --intermediate-size 2048 --layers 12 --batch-size 64 --seq-len 512 \
-  --minutes ${TRAIN_MINUTES:-4} --metrics-json "$OUT/train.json" --out $TARGET > "$OUT/train.log" 2>&1
-echo "train rc=$?"; grep -E "^model:|best|eval" "$OUT/train.log" | tail -3
-bench() { local name=$1; shift; AUTODEPLOY_CONFIG= timeout ${BENCH_S:-150} python3 -m autodeploy bench $TARGET "$@" \
-  --batch ${BATCHES:-1,8,32} --input-len 256 --output-len 128 --repeats 1 --no-progress --out "$OUT/$name.json" \
-  > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"; grep -E "autodeploy |no-speculation |/no-speculation|drafted a step" "$OUT/$name.log"; }
-bench draft --speculative-method draft --speculative-model $DEMO --speculative-num-tokens ${K:-4}
-bench ngram --speculative-method ngram --speculative-num-tokens ${K:-4}
+DEMO=autodeploy/assets/tiny-code-llama PAIR=build/spec-pair; TARGET=$PAIR/target HEAD=$PAIR/eagle3 PROMPTS=$PAIR/code-rewrite.jsonl
+mkdir -p $PAIR
+case ${STAGE:-train} in
+train)
+  timeout $(( ${TRAIN_MINUTES:-3} * 60 + 120 )) python3 scripts/train_demo_model.py --device cuda --compile --seed 0 \
+    --tokenizer $DEMO --hidden-size 768 --intermediate-size 2048 --layers 12 --batch-size 64 --seq-len 512 \
+    --minutes ${TRAIN_MINUTES:-3} --metrics-json "$OUT/train.json" --out $TARGET > "$OUT/train.log" 2>&1
+  echo "target rc=$?"; grep -E "^model:|best|eval" "$OUT/train.log" | tail -3
+  timeout $(( ${EAGLE_MINUTES:-2} * 60 + 120 )) python3 scripts/train_eagle3_head.py --target $TARGET --out $HEAD \
+    --minutes ${EAGLE_MINUTES:-2} --seed 0 --metrics-json "$OUT/eagle3.json" > "$OUT/eagle3.log" 2>&1
+  echo "eagle3 rc=$?"; tail -2 "$OUT/eagle3.log"
+  python3 scripts/code_rewrite_prompts.py --out $PROMPTS --count 200 --output-len 128 ;;
+bench)
+  bench() { local name=$1; shift; AUTODEPLOY_CONFIG= timeout ${BENCH_S:-170} python3 -m autodeploy bench $TARGET "$@" \
+    --workload concurrency --concurrency ${CONCURRENCY:-1,8,32} --num-requests ${NUM_REQUESTS:-32} --dataset $PROMPTS \
+    --repeats 1 --no-progress --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"
+    grep -E "/autodeploy: output|drafted a step|pays|Error" "$OUT/$name.log"; }
+  for method in ${METHODS:-eagle3 draft ngram}; do
+    case $method in eagle3) model="--speculative-model $HEAD" ;; draft) model="--speculative-model $DEMO" ;; *) model= ;; esac
+    bench $method --speculative-method $method $model --speculative-num-tokens ${K:-4}
+  done ;;
+identity)
+  for method in ${METHODS:-eagle3 draft}; do
+    case $method in eagle3) model=$HEAD ;; draft) model=$DEMO ;; *) model= ;; esac
+    timeout ${IDENTITY_S:-200} python3 scripts/spec_identity.py $TARGET --dataset $PROMPTS --count 100 --method $method \
+      ${model:+--draft $model} --out "$OUT/identity-$method.json" 2>&1 | grep -E "^identity|Error" | cut -c1-600
+  done ;;
+esac
