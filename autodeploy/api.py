@@ -23,7 +23,7 @@ from autodeploy.models.source import resolve_model_source
 from autodeploy.pipeline import Pipeline
 from autodeploy.preflight import check_deployment
 from autodeploy.frontend.llm import LLM
-from autodeploy.runtime import draft_model, eagle3  # noqa: F401  (register the "draft" and "eagle3" drafters)
+from autodeploy.runtime import draft_model, eagle3, mtp  # noqa: F401  (register the "draft", "eagle3" and "mtp" drafters)
 from autodeploy.runtime.speculative import hidden_state_layers, registered_drafters
 from autodeploy.transforms.registry import TransformContext
 from autodeploy.verification import build_verified
@@ -126,7 +126,7 @@ def _check_speculative(settings) -> None:
     if world_size(settings) > 1:
         raise ConfigError(f"speculative decoding (speculative.method={method!r}) runs on one rank; deploy without "
                           f"tensor, expert or pipeline parallelism, or without speculative")
-    hidden_state_layers(settings.speculative, 1)  # a hidden-state drafter reads its head's config now (or refuses)
+    hidden_state_layers(settings, 1)  # a hidden-state drafter reads its head's config now (or refuses)
 
 
 def _build(settings, factory: ModelFactory, store=None, workers=None) -> LLM:

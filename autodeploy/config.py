@@ -177,8 +177,8 @@ class SpeculativeSettings:
     produced itself and one token of its own after it. ``method``: ``ngram`` (prompt lookup: the tokens that followed
     the latest earlier occurrence of the sequence's last ``ngram_max`` … ``ngram_min`` tokens), ``draft`` (a smaller
     model, ``model``, with the same tokenizer, deployed through the same pipeline with its own KV cache), ``eagle3``
-    (an EAGLE-3 head, ``model``, drafting from the model's own hidden states), or a name given to
-    ``register_drafter``; ``None`` decodes one token a step. ``options``: a registered drafter's own settings.
+    (an EAGLE-3 head, ``model``, drafting from the model's own hidden states), ``mtp`` (the checkpoint's own
+    multi-token-prediction layer), or a name given to ``register_drafter``; ``None`` decodes one token a step. ``options``: a registered drafter's own settings.
     ``auto``: time decode and verification steps at set-up and, each step, draft only as many tokens as the
     sequences' acceptance so far makes worth it (none where drafting would be slower); off, every step drafts
     ``num_tokens``."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 42 on the device: the trained pair. STAGE=train trains the target (the demo model's tokenizer and corpus,
-# ~100M parameters) and its EAGLE-3 head into build/spec-pair/ (ignored: a warm machine keeps it for the next
-# call; the weights never travel back); STAGE=bench measures eagle3, draft (the demo model) and n-gram against the
+# ~80M parameters), its EAGLE-3 head and an MTP layer (a copy of the target with it) into build/spec-pair/ (ignored: a warm machine keeps it for the next
+# call; the weights never travel back); STAGE=bench measures eagle3, mtp, draft (the demo model) and n-gram against the
 # same engine without speculation on prompts that quote code (scripts/code_rewrite_prompts.py), and STAGE=identity
 # checks greedy identity on 100 prompts.
 #   OUT=$OUT STAGE=train bash scripts/spec_pair_gpu.sh; OUT=$OUT STAGE=bench bash scripts/spec_pair_gpu.sh
@@ -20,21 +20,25 @@ train)
   echo "target rc=$?"; grep -E "^model:|best|eval" "$OUT/train.log" | tail -3
   timeout $(( ${EAGLE_MINUTES:-2} * 60 + 120 )) python3 scripts/train_eagle3_head.py --target $TARGET --out $HEAD \
     --minutes ${EAGLE_MINUTES:-2} --seed 0 --metrics-json "$OUT/eagle3.json" > "$OUT/eagle3.log" 2>&1
-  echo "eagle3 rc=$?"; tail -2 "$OUT/eagle3.log"
+  echo "eagle3 rc=$?"; tail -1 "$OUT/eagle3.log"
+  timeout $(( ${MTP_MINUTES:-1} * 60 + 120 )) python3 scripts/train_eagle3_head.py --kind mtp --target $TARGET \
+    --out $PAIR/target-mtp --minutes ${MTP_MINUTES:-1} --seed 0 --metrics-json "$OUT/mtp.json" > "$OUT/mtp.log" 2>&1
+  echo "mtp rc=$?"; tail -1 "$OUT/mtp.log"
   python3 scripts/code_rewrite_prompts.py --out $PROMPTS --count 200 --output-len 128 ;;
 bench)
-  bench() { local name=$1; shift; AUTODEPLOY_CONFIG= timeout ${BENCH_S:-170} python3 -m autodeploy bench $TARGET "$@" \
+  bench() { local name=$1 model=$2; shift 2; AUTODEPLOY_CONFIG= timeout ${BENCH_S:-170} python3 -m autodeploy bench $model "$@" \
     --workload concurrency --concurrency ${CONCURRENCY:-1,8,32} --num-requests ${NUM_REQUESTS:-32} --dataset $PROMPTS \
     --repeats 1 --no-progress --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"
     grep -E "/autodeploy: output|drafted a step|pays|Error" "$OUT/$name.log"; }
-  for method in ${METHODS:-eagle3 draft ngram}; do
-    case $method in eagle3) model="--speculative-model $HEAD" ;; draft) model="--speculative-model $DEMO" ;; *) model= ;; esac
-    bench $method --speculative-method $method $model --speculative-num-tokens ${K:-4}
+  for method in ${METHODS:-eagle3 mtp draft ngram}; do
+    target=$TARGET; case $method in eagle3) draft="--speculative-model $HEAD" ;; draft) draft="--speculative-model $DEMO" ;;
+      mtp) draft= target=$PAIR/target-mtp ;; *) draft= ;; esac
+    bench $method $target --speculative-method $method $draft --speculative-num-tokens ${K:-4} ${AUTO:+--set speculative.auto=$AUTO}
   done ;;
 identity)
-  for method in ${METHODS:-eagle3 draft}; do
-    case $method in eagle3) model=$HEAD ;; draft) model=$DEMO ;; *) model= ;; esac
-    timeout ${IDENTITY_S:-200} python3 scripts/spec_identity.py $TARGET --dataset $PROMPTS --count 100 --method $method \
+  for method in ${METHODS:-eagle3 mtp draft}; do
+    target=$TARGET; case $method in eagle3) model=$HEAD ;; draft) model=$DEMO ;; mtp) model= target=$PAIR/target-mtp ;; *) model= ;; esac
+    timeout ${IDENTITY_S:-200} python3 scripts/spec_identity.py $target --dataset $PROMPTS --count 100 --method $method \
       ${model:+--draft $model} --out "$OUT/identity-$method.json" 2>&1 | grep -E "^identity|Error" | cut -c1-600
   done ;;
 esac

@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 head for a model (issue 42's trained pair: the ~100M target of ``scripts/spec_pair_gpu.sh``).
+"""Train an EAGLE-3 head (or an MTP layer: ``--kind mtp``) for a model (issue 42's trained pair: the ~100M target of ``scripts/spec_pair_gpu.sh``).
 
 The head (``autodeploy/runtime/eagle3.py``) reads the model's hidden states entering three of its layers and the
 next token's embedding and predicts the token after. It learns the model's own next-token distribution
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import sysconfig
 import time
@@ -36,7 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from train_demo_model import collect_sources, lr_factor, random_windows, tokenize  # noqa: E402
 
-from autodeploy.runtime.eagle3 import Eagle3Config, Eagle3Head, _rotate, eagle3_config, save_eagle3_head  # noqa: E402
+from autodeploy.runtime.eagle3 import Eagle3Config, Eagle3Head, eagle3_config, save_eagle3_head  # noqa: E402
+from autodeploy.runtime.hidden_state_heads import HiddenStateHead, rotate  # noqa: E402
+from autodeploy.runtime.hidden_state_heads import LayerShape  # noqa: E402
+from autodeploy.runtime.mtp import MTPHead, save_mtp_layer  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--kind", choices=("eagle3", "mtp"), default="eagle3",
+                        help="mtp: a multi-token-prediction layer over the final hidden state, saved into a copy of the "
+                             "target's checkpoint (model.layers.{L}.*, num_nextn_predict_layers: 1)")
     parser.add_argument("--ttt-steps", type=int, default=3, help="chain steps the loss covers (1: no training-time test)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="default: the model's vocabulary")
     parser.add_argument("--layers", type=int, nargs=3, default=None, help="default: 2, L/2, L-3")
@@ -60,35 +67,33 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def chain_forward(head: Eagle3Head, fused: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Draft-vocabulary logits of each chain step ``j`` at every position ``t`` (``[B, T, draft_vocab]``), as
-    inference computes them: step 0 reads the model's hidden state at ``t`` and token ``t + 1``; step ``j`` reads
-    step ``j - 1``'s output at ``t - 1`` and token ``t + 1`` and attends to step 0's keys up to ``t - j`` and to
-    step ``m``'s key at ``t - j + m`` (``m = 1 … j``). Rows ``t < j`` are not meaningful."""
-    c, layer = head.config, head.midlayer
-    attn = layer.self_attn
+def chain_forward(head: HiddenStateHead, hidden: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Logits of each chain step ``j`` at every position ``t`` (``[B, T, vocab]``), as inference computes them:
+    step 0 reads the model's hidden state at ``t`` and token ``t + 1``; step ``j`` reads step ``j - 1``'s output at
+    ``t - 1`` and token ``t + 1`` and attends to step 0's keys up to ``t - j`` and to step ``m``'s key at
+    ``t - j + m`` (``m = 1 … j``). Rows ``t < j`` are not meaningful."""
+    c = head.shape
+    attn, mlp, post_norm = head.block()
     batch, length = tokens.shape
     positions = torch.arange(length, device=tokens.device)
-    cos, sin = head.rotary(fused, positions[None].expand(batch, -1))
-    embedded = layer.input_layernorm(head.embed_tokens(tokens).to(fused.dtype))
-    x = head.fc(fused)
+    cos, sin = head.rotary(hidden, positions[None].expand(batch, -1))
+    embedded = head.embed_tokens(tokens).to(hidden.dtype)
     keys, values, logits = [], [], []
+    x = hidden
     for j in range(steps):
         if j:
             x = torch.cat([x[:, :1] * 0, x[:, :-1]], dim=1)  # step j at t reads step j-1's output at t-1
-        attention_in = torch.cat([embedded, layer.hidden_norm(x)], dim=-1)
-        q = _rotate(attn.q_proj(attention_in).view(batch, length, attn.heads, c.head_dim).transpose(1, 2), cos, sin)
-        keys.append(_rotate(attn.k_proj(attention_in).view(batch, length, attn.kv_heads, c.head_dim).transpose(1, 2), cos, sin))
+        attention_in, x = head.layer_input(x, embedded, from_model=j == 0)
+        q = rotate(attn.q_proj(attention_in).view(batch, length, attn.heads, c.head_dim).transpose(1, 2), cos, sin)
+        keys.append(rotate(attn.k_proj(attention_in).view(batch, length, attn.kv_heads, c.head_dim).transpose(1, 2), cos, sin))
         values.append(attn.v_proj(attention_in).view(batch, length, attn.kv_heads, c.head_dim).transpose(1, 2))
         t = positions[:, None]
         s = positions[None, :]
-        masks = [s <= t - j] + [s == t - j + m for m in range(1, j + 1)]
-        mask = torch.cat(masks, dim=1)  # [T, (j + 1) T]
+        mask = torch.cat([s <= t - j] + [s == t - j + m for m in range(1, j + 1)], dim=1)  # [T, (j + 1) T]
         out = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask,
                                              enable_gqa=attn.heads != attn.kv_heads)
-        out = out.nan_to_num()  # rows t < j see no key
         x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + mlp(post_norm(x))
         logits.append(head.logits(x))
     return logits
 
@@ -113,13 +118,22 @@ def main() -> None:
     ids = draft_vocabulary(train_tokens, config.vocab_size, draft_size)
     layers = args.layers or [min(2, config.num_hidden_layers - 1), config.num_hidden_layers // 2,
                              max(config.num_hidden_layers - 3, 1)]
-    head_config = eagle3_config(config, draft_size, layers)
-    head = Eagle3Head(Eagle3Config.from_dict(head_config), config.num_hidden_layers)
-    with torch.no_grad():
-        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight[ids].float())
-        head.norm.weight.copy_(target.model.norm.weight.float())
-        head.d2t.copy_(ids - torch.arange(draft_size))
+    if args.kind == "mtp":  # the final hidden state, the full vocabulary
+        draft_size, layers = config.vocab_size, [config.num_hidden_layers]
+        ids = torch.arange(draft_size)
+        head = MTPHead(LayerShape.of(config.to_dict()))
+        with torch.no_grad():
+            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
+            head.shared_head.head.weight.copy_(target.get_output_embeddings().weight.float())
+            head.shared_head.norm.weight.copy_(target.model.norm.weight.float())
+        head.shared_head.head.requires_grad_(False)
+    else:
+        head = Eagle3Head(Eagle3Config.from_dict(eagle3_config(config, draft_size, layers)), config.num_hidden_layers)
+        with torch.no_grad():
+            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[ids].float())
+            head.norm.weight.copy_(target.model.norm.weight.float())
+            head.d2t.copy_(ids - torch.arange(draft_size))
     head = head.to(device)
     head.embed_tokens.requires_grad_(False)
     ids = ids.to(device)
@@ -132,6 +146,7 @@ def main() -> None:
         batch = batch.to(device)
         with torch.no_grad():
             out = target(batch, output_hidden_states=True)
+            # hidden_states[i]: what enters layer i; hidden_states[L]: the final norm's output (MTP's input)
             fused = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1).float()
             teacher = out.logits[:, 1:, ids].float().softmax(-1)  # what the model predicts after token t + 1
             greedy = out.logits[:, 1:].argmax(-1)
@@ -165,7 +180,11 @@ def main() -> None:
     with torch.no_grad():
         held_out = [losses(batch)[1] for batch in eval_batches]
     agreement = [sum(a[j] for a in held_out) / len(held_out) for j in range(args.ttt_steps)]
-    save_eagle3_head(head, args.out)
+    if args.kind == "mtp":
+        shutil.copytree(args.target, args.out, dirs_exist_ok=True)
+        save_mtp_layer(head, args.out)
+    else:
+        save_eagle3_head(head, args.out)
     parameters = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens"))
     metrics = {"steps": step, "seconds": round(seconds, 1), "parameters": parameters, "layers": layers,
                "draft_vocab_size": draft_size, "held_out_agreement_by_step": [round(a, 4) for a in agreement],

@@ -55,9 +55,10 @@ def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 # Flags that stand for --set speculative.<key>=<value>: (flag, key, type, help).
 SPECULATIVE_FLAGS = (
-    ("--speculative-method", "method", str, "draft tokens with: ngram, draft (a smaller model) or a registered drafter"),
+    ("--speculative-method", "method", str, "draft tokens with: ngram, draft (a smaller model), eagle3 (a head), mtp (the "
+                                           "checkpoint's MTP layer) or a registered drafter"),
     ("--speculative-num-tokens", "num_tokens", int, "tokens drafted per sequence and step"),
-    ("--speculative-model", "model", str, "the draft model's checkpoint (method draft)"),
+    ("--speculative-model", "model", str, "the draft model's checkpoint (method draft) or the head's folder (eagle3)"),
 )
 
 

@@ -34,7 +34,7 @@ import torch
 
 from autodeploy.deployment import Deployment
 from autodeploy.errors import InvalidRequestError
-from autodeploy.runtime import draft_model, eagle3  # noqa: F401  (register the "draft" and "eagle3" drafters)
+from autodeploy.runtime import draft_model, eagle3, mtp  # noqa: F401  (register the "draft", "eagle3" and "mtp" drafters)
 from autodeploy.runtime.model_runner import make_model_runner
 from autodeploy.runtime.rank_mirror import Command, Peers, RankMirror
 from autodeploy.runtime.request import Request, TokenRows

@@ -52,7 +52,8 @@ class Drafter(Protocol):
 
 
 # A drafter that reads the model's hidden states (EAGLE-3, MTP) names the layers it needs, ``(settings,
-# num_layers) -> [layer, ...]`` (the residual stream entering each, 1 … num_layers − 1);
+# num_layers) -> [layer, ...]`` (``settings``: the deployment's; layer ``i`` < num_layers: the residual stream
+# entering it; ``num_layers``: the final norm's output, what the LM head reads);
 # ``transforms/expose_hidden_states.py`` makes the graph copy them out, and the engine hands each step's rows to
 # the drafter's ``observe(chunks, rows, hidden)``.
 HiddenStateLayers = Callable[[Any, int], list[int]]
@@ -84,8 +85,9 @@ def register_drafter(name: str, hidden_states: HiddenStateLayers | None = None) 
 
 
 def hidden_state_layers(settings, num_layers: int) -> list[int]:
-    """The layers whose hidden states the drafter ``settings.method`` reads ([] for one that reads none)."""
-    layers = _HIDDEN_STATE_LAYERS.get(settings.method) if settings.method else None
+    """The layers whose hidden states the drafter ``settings.speculative.method`` reads ([] for one that reads none)."""
+    method = settings.speculative.method
+    layers = _HIDDEN_STATE_LAYERS.get(method) if method else None
     return list(layers(settings, num_layers)) if layers is not None else []
 
 
@@ -223,6 +225,8 @@ class Speculator:
                 threshold = self.costs.threshold(batch)
                 lines.append(f"  batch {batch}: a whole draft pays from a per-token acceptance of "
                              f"{'(never)' if threshold is None else f'{threshold:.2f}'}")
+        if hasattr(self.drafter, "describe"):
+            lines.append(self.drafter.describe())
         stats = self.stats
         lines.append(f"  verified {stats.drafted} drafted tokens in {stats.steps} rows: {stats.accepted} accepted "
                      f"({100 * stats.acceptance_rate:.0f}%), {stats.acceptance_length:.2f} tokens per row")

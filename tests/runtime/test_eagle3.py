@@ -12,7 +12,8 @@ import torch
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import ConfigError
-from autodeploy.runtime.eagle3 import Eagle3Config, Eagle3Head, HeadCache, eagle3_config, load_eagle3_head, save_eagle3_head
+from autodeploy.runtime.eagle3 import Eagle3Config, Eagle3Head, eagle3_config, load_eagle3_head, save_eagle3_head
+from autodeploy.runtime.hidden_state_heads import HeadCache, HeadSequence
 from tests.runtime.test_engine import random_prompts
 from tests.tiny_models import tiny_hf_model
 
@@ -43,33 +44,43 @@ def eagle_llm(llama_dir, head_dir):
                       speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "auto": False})
 
 
-def test_the_graph_exposes_the_hidden_states_hugging_face_computes_and_the_head_gets_each_position_once(eagle_llm):
-    hf = tiny_hf_model("llama")
-    drafter = eagle_llm.engine.speculator.drafter
+def check_what_the_head_is_fed(llm, expected_rows, seed: int) -> None:
+    """Generate one prompt, recording what the head is fed from the model; each position must come once, in
+    order, with token ``p + 1`` and the rows ``expected_rows(sequence)`` says the model computes there."""
+    drafter = llm.engine.speculator.drafter
     fed = []  # (positions, tokens, rows) of every catch-up step
     step = drafter.head.step
 
-    def spy(hidden, tokens, positions, counts, caches):
-        if hidden.shape[-1] != drafter.head.config.hidden_size:
+    def spy(hidden, tokens, positions, counts, caches, from_model):
+        if from_model:
             for b, count in enumerate(counts):
                 fed.append((positions[b, :count].tolist(), tokens[b, :count].tolist(), hidden[b, :count].clone()))
-        return step(hidden, tokens, positions, counts, caches)
+        return step(hidden, tokens, positions, counts, caches, from_model)
 
     drafter.head.step = spy
     try:
-        prompt = random_prompts(1, seed=5, lengths=(30, 30))[0]
-        output = eagle_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        prompt = random_prompts(1, seed=seed, lengths=(30, 30))[0]
+        output = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     finally:
         del drafter.head.step
     sequence = prompt + output.token_ids
     with torch.no_grad():
-        states = hf(torch.tensor([sequence]), output_hidden_states=True).hidden_states
-    expected = torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
+        expected = expected_rows(sequence)
     positions = [p for ps, _, _ in fed for p in ps]
     assert positions == list(range(len(positions))) and len(positions) >= len(prompt)  # each position once, in order
     for ps, tokens, rows in fed:
         assert tokens == [sequence[p + 1] for p in ps]
         torch.testing.assert_close(rows, expected[ps], atol=1e-4, rtol=1e-4)
+
+
+def test_the_graph_exposes_the_hidden_states_hugging_face_computes_and_the_head_gets_each_position_once(eagle_llm):
+    hf = tiny_hf_model("llama")
+
+    def entering_the_layers(sequence):
+        states = hf(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        return torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
+
+    check_what_the_head_is_fed(eagle_llm, entering_the_layers, seed=5)
 
 
 def test_greedy_output_is_the_output_without_speculation(eagle_llm, llama_llm):
@@ -95,7 +106,7 @@ def test_cached_steps_equal_one_full_forward_and_drafts_map_to_the_models_vocabu
         pieces = []
         for start, stop in ((0, 4), (4, 5), (5, 11)):
             out = head.step(fused[None, start:stop], tokens[None, start:stop], torch.arange(start, stop)[None],
-                            [stop - start], [cache])
+                            [stop - start], [cache], from_model=True)
             pieces.append(head.logits(out[0]))
     torch.testing.assert_close(torch.cat(pieces), expected, atol=1e-5, rtol=1e-5)
     assert head.to_target(torch.tensor([0, 5, 255])).tolist() == [0, 10, 510]
@@ -114,7 +125,8 @@ def test_two_sequences_padded_into_one_step_equal_each_alone():
         hidden[0], hidden[1, :3] = a, b
         tokens = torch.zeros(2, 6, dtype=torch.long)
         tokens[0], tokens[1, :3] = ta, tb
-        out = head.logits(head.step(hidden, tokens, torch.arange(6).repeat(2, 1), [6, 3], [HeadCache(), HeadCache()]))
+        out = head.logits(head.step(hidden, tokens, torch.arange(6).repeat(2, 1), [6, 3], [HeadCache(), HeadCache()],
+                                    from_model=True))
     torch.testing.assert_close(out[0], alone[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1, :3], alone[1], atol=1e-5, rtol=1e-5)
 
@@ -168,9 +180,7 @@ def test_saving_a_deployment_that_exposes_hidden_states_is_refused_and_a_plain_o
 
 
 def test_held_rows_are_replaced_by_a_later_forward_and_capped_at_the_context():
-    from autodeploy.runtime.eagle3 import _HeadSequence
-
-    state = _HeadSequence(sequence=None)
+    state = HeadSequence(sequence=None)
     rows = lambda start, n: torch.arange(start, start + n, dtype=torch.float32)[:, None]  # noqa: E731  row = its position
     state.keep(0, rows(0, 6), context=100)
     state.keep(4, rows(4, 5) + 0.5, context=100)  # positions 4 … 8 computed again (a rejected draft's rows replaced)
@@ -182,3 +192,19 @@ def test_held_rows_are_replaced_by_a_later_forward_and_capped_at_the_context():
     state.keep(9, rows(9, 10), context=5)  # past the context: the latest positions stay
     positions, held = state.take(100)
     assert positions == list(range(14, 19)) and held[:, 0].tolist() == [14, 15, 16, 17, 18]
+
+
+def test_the_build_checks_the_head_and_reports_it(eagle_llm, llama_dir, head_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from autodeploy.errors import UnsupportedModelError
+
+    assert "EAGLE-3 head" in eagle_llm.pipeline_report() and "cached steps equal one forward" in eagle_llm.pipeline_report()
+    broken = tmp_path / "nan"
+    shutil.copytree(head_dir, broken)
+    state = load_file(str(broken / "model.safetensors"))
+    state["fc.weight"][0, 0] = float("nan")
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="gives non-finite logits"):
+        autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                   speculative={"method": "eagle3", "model": str(broken), "auto": False})
