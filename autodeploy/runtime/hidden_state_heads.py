@@ -19,6 +19,7 @@ accepted tokens, never other output.
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ class LayerShape:
                    raw.get("head_dim") or raw["hidden_size"] // heads, raw.get("rms_norm_eps", 1e-6), raw["vocab_size"], raw)
 
 
-CONTEXT = 4096  # positions of hidden states a sequence keeps for the head while it does not draft (options.context)
+CONTEXT = 1024  # positions of hidden states a sequence keeps for the head while it does not draft (options.context)
 
 
 class RMSNorm(nn.Module):
@@ -233,55 +234,64 @@ def check_head(head: HiddenStateHead, name: str, positions: int = 12) -> str:
 
 class HeadSequence:
     """What the head knows of one sequence: its cache (``real`` entries from the model's hidden states, then
-    the last chain's), the next position it needs, and the model's hidden states it has not fed yet."""
+    the last chain's), the next position it needs, and where the model's hidden states it has not fed yet are:
+    for each held position (``first`` on, contiguous), the step whose rows hold it and its row there. Plain
+    integer arrays: a step allocates no Python object per sequence (at 32 sequences, per-sequence lists and
+    tensor views cost ~0.8 ms a step, most of it the garbage collector's)."""
 
     def __init__(self, sequence):
         self.sequence = sequence
         self.cache = HeadCache()
         self.real = 0
         self.next_position = 0
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, rows), positions increasing
-        self.held = 0  # rows in pending
+        self.first = 0
+        self.steps = array("q")
+        self.rows = array("q")
 
-    def keep(self, start: int, rows: torch.Tensor, context: int) -> None:
-        """Rows of positions ``start …`` as the latest forward computed them: they replace any held for those
-        positions (rejected tokens' rows); positions the head already fed are dropped."""
+    @property
+    def held(self) -> int:
+        return len(self.steps)
+
+    def keep(self, start: int, step: int, row: int, count: int, context: int) -> None:
+        """Positions ``start … start + count - 1`` are rows ``row …`` of step ``step``, as the latest forward
+        computed them: they replace any held from there on (rejected tokens' rows); positions already fed are
+        dropped; past ``context`` held positions, the oldest go (the head then skips them)."""
         skip = max(0, self.next_position - start)
-        if skip >= len(rows):
+        if skip >= count:
             return
-        start, rows = start + skip, rows[skip:]
-        pending = self.pending
-        while pending and pending[-1][0] + len(pending[-1][1]) > start:  # rows this forward computed again
-            first, held = pending.pop()
-            self.held -= len(held)
-            if first < start:
-                pending.append((first, held[: start - first]))
-                self.held += start - first
-        pending.append((start, rows))
-        self.held += len(rows)
-        while self.held > context:  # a long context the head does not draft for: keep its latest positions
-            first, held = pending[0]
-            drop = min(len(held), self.held - context)
-            self.held -= drop
-            if drop == len(held):
-                pending.pop(0)
-            else:
-                pending[0] = (first + drop, held[drop:])
+        start, row, count = start + skip, row + skip, count - skip
+        if not self.first <= start <= self.first + len(self.steps):  # positions between were never computed here
+            del self.steps[:], self.rows[:]
+            self.first = start
+        else:
+            del self.steps[start - self.first:], self.rows[start - self.first:]
+        if count == 1:
+            self.steps.append(step)
+            self.rows.append(row)
+        else:
+            self.steps.extend([step] * count)
+            self.rows.extend(range(row, row + count))
+        overflow = len(self.steps) - context
+        if overflow > 0:
+            del self.steps[:overflow], self.rows[:overflow]
+            self.first += overflow
 
-    def take(self, upto: int) -> tuple[list[int], torch.Tensor | None]:
-        """The held positions before ``upto`` (ascending) and their rows; they are the head's from now on."""
-        positions, rows, rest = [], [], []
-        for first, held in self.pending:
-            count = max(0, min(len(held), upto - first))
-            if count:
-                positions += range(first, first + count)
-                rows.append(held[:count])
-            if count < len(held):
-                rest.append((first + count, held[count:]))
-        self.pending = rest
-        self.held = sum(len(held) for _, held in rest)
+    def take(self, upto: int, tensors: dict[int, torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+        """The held positions before ``upto`` (ascending) and their rows (from ``tensors``, by step); they are the
+        head's from now on."""
+        n = max(0, min(len(self.steps), upto - self.first))
+        positions = list(range(self.first, self.first + n))
+        pieces, i = [], 0
+        while i < n:  # runs of consecutive rows of one step, one slice each
+            j = i
+            while j + 1 < n and self.steps[j + 1] == self.steps[i] and self.rows[j + 1] == self.rows[j] + 1:
+                j += 1
+            pieces.append(tensors[self.steps[i]][self.rows[i] : self.rows[j] + 1])
+            i = j + 1
+        del self.steps[:n], self.rows[:n]
+        self.first += n
         self.next_position = max(self.next_position, upto)
-        return positions, (torch.cat(rows) if rows else None)
+        return positions, (torch.cat(pieces) if pieces else None)
 
 
 class HeadDrafter:
@@ -293,6 +303,8 @@ class HeadDrafter:
         self.name = name
         self.check = check_head(head, name)
         self._sequences: dict[int, HeadSequence] = {}
+        self._tensors: dict[int, torch.Tensor] = {}  # step → the hidden states of its rows (a copy)
+        self._step = 0
 
     def describe(self) -> str:
         return f"  {self.name}: {self.check}"
@@ -301,13 +313,22 @@ class HeadDrafter:
         self._forget_finished()
         if not chunks:
             return
-        step = hidden[: max(first + chunk.length for chunk, first in zip(chunks, rows))].clone()  # one copy a step
+        step = self._step = self._step + 1
+        self._tensors[step] = hidden[: max(first + chunk.length for chunk, first in zip(chunks, rows))].clone()
         for chunk, first in zip(chunks, rows):
             sequence = chunk.sequence
             state = self._sequences.get(sequence.seq_id)
             if state is None:
                 state = self._sequences[sequence.seq_id] = HeadSequence(sequence)
-            state.keep(chunk.start, step[first : first + chunk.length], self.context)
+            state.keep(chunk.start, step, first, chunk.length, self.context)
+        if step % 32 == 0:
+            self._drop_unheld_steps()
+
+    def _drop_unheld_steps(self) -> None:
+        """Forget the steps' rows that no sequence holds a position in any more."""
+        oldest = min((state.steps[0] for state in self._sequences.values() if state.held), default=self._step)
+        for step in [s for s in self._tensors if s < oldest]:
+            del self._tensors[step]
 
     @torch.inference_mode()
     def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]:
@@ -319,7 +340,7 @@ class HeadDrafter:
                 continue
             state.cache.length = state.real  # the last chain's entries were guesses
             tokens = sequence.token_ids
-            positions, rows = state.take(min(sequence.num_computed, len(tokens) - 1))
+            positions, rows = state.take(min(sequence.num_computed, len(tokens) - 1), self._tensors)
             if rows is None or positions[-1] != len(tokens) - 2:
                 continue  # the head has not seen the newest position: nothing to draft from
             feeds.append((index, state, positions, rows))

@@ -181,30 +181,22 @@ def test_saving_a_deployment_that_exposes_hidden_states_is_refused_and_a_plain_o
 
 def test_held_rows_are_replaced_by_a_later_forward_and_capped_at_the_context():
     state = HeadSequence(sequence=None)
-    rows = lambda start, n: torch.arange(start, start + n, dtype=torch.float32)[:, None]  # noqa: E731  row = its position
-    state.keep(0, rows(0, 6), context=100)
-    state.keep(4, rows(4, 5) + 0.5, context=100)  # positions 4 … 8 computed again (a rejected draft's rows replaced)
-    positions, held = state.take(7)
+    tensors = {1: torch.arange(100, dtype=torch.float32)[:, None]}  # step 1's row p holds position p
+    tensors[2] = tensors[1] + 0.5
+    state.keep(0, 1, 0, 6, context=100)
+    state.keep(4, 2, 4, 5, context=100)  # positions 4 … 8 computed again (a rejected draft's rows replaced)
+    positions, held = state.take(7, tensors)
     assert positions == list(range(7)) and held[:, 0].tolist() == [0, 1, 2, 3, 4.5, 5.5, 6.5]
     assert state.held == 2 and state.next_position == 7
-    state.keep(3, rows(3, 2), context=100)  # positions the head already fed are dropped
+    state.keep(3, 1, 3, 2, context=100)  # positions the head already fed are dropped
     assert state.held == 2
-    state.keep(9, rows(9, 10), context=5)  # past the context: the latest positions stay
-    positions, held = state.take(100)
+    state.keep(8, 1, 8, 1, context=100)  # position 8 again: replaces the held one
+    state.keep(9, 1, 9, 10, context=5)  # past the context: the latest positions stay
+    positions, held = state.take(19, tensors)
     assert positions == list(range(14, 19)) and held[:, 0].tolist() == [14, 15, 16, 17, 18]
-
-
-def test_the_build_checks_the_head_and_reports_it(eagle_llm, llama_dir, head_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    from autodeploy.errors import UnsupportedModelError
-
-    assert "EAGLE-3 head" in eagle_llm.pipeline_report() and "cached steps equal one forward" in eagle_llm.pipeline_report()
-    broken = tmp_path / "nan"
-    shutil.copytree(head_dir, broken)
-    state = load_file(str(broken / "model.safetensors"))
-    state["fc.weight"][0, 0] = float("nan")
-    save_file(state, str(broken / "model.safetensors"))
-    with pytest.raises(UnsupportedModelError, match="gives non-finite logits"):
-        autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
-                   speculative={"method": "eagle3", "model": str(broken), "auto": False})
+    state.keep(19, 1, 19, 3, context=100)
+    state.keep(20, 2, 20, 1, context=100)  # a shorter recomputation: position 21 is not held any more
+    positions, held = state.take(22, tensors)
+    assert positions == [19, 20] and held[:, 0].tolist() == [19, 20.5]
+    state.keep(30, 1, 30, 2, context=100)  # positions 21 … 29 never computed here (a prefix-cache hit): skipped
+    assert state.take(32, tensors)[0] == [30, 31]
