@@ -18,6 +18,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from autodeploy.runtime.scheduler import ScheduledChunk
@@ -76,8 +77,11 @@ def best_num_tokens(costs: StepCosts, acceptances: list[float], num_tokens: int,
     if batch == 0:
         return 0
     best, best_rate = 0, batch / costs.seconds(batch, 0)
+    # expected_tokens(a, k) = 1 + a + … + a^k for every sequence and k at once (one step of host work, vectorised)
+    powers = np.asarray(acceptances, dtype=np.float64)[:, None] ** np.arange(1, num_tokens + 1)
+    totals = batch + powers.cumsum(axis=1).sum(axis=0)
     for k in range(1, num_tokens + 1):
-        rate = sum(expected_tokens(a, k) for a in acceptances) / (costs.seconds(batch, k) + drafting * k)
+        rate = float(totals[k - 1]) / (costs.seconds(batch, k) + drafting * k)
         if rate > best_rate * MARGIN:
             best, best_rate = k, rate
     return best
