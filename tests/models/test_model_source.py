@@ -41,11 +41,11 @@ def test_shipped_config_names_resolve_without_weights():
 def test_shipped_8b_config_deploys_on_meta_with_random_weights():
     # The one 8B export of the suite (~8 s): the whole pipeline runs without touching weight memory.
     llm = autodeploy("llama-3-8b", weights="random", device="meta")
-    assert [r.name for r in llm.records][-11:] == [
-        "load_weights", "fold_smoothing", "fuse_gemms", "fuse_gate_up", "fuse_add_rms_norm", "fuse_fp8_quantization",
+    assert [r.name for r in llm.records][-12:] == [
+        "load_weights", "expose_hidden_states", "fold_smoothing", "fuse_gemms", "fuse_gate_up", "fuse_add_rms_norm", "fuse_fp8_quantization",
         "insert_cached_attention", "fuse_rope_into_cached_attention", "refold_transposes", "select_kernels", "compile_model",
     ]
-    assert "meta" in llm.records[-11].notes
+    assert "meta" in llm.records[-12].notes
     assert all(p.is_meta for p in llm.graph.parameters())
     assert sum(p.numel() for p in llm.graph.parameters()) > 7e9
     assert llm.settings.max_seq_len == 8192
