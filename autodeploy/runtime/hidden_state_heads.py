@@ -340,10 +340,12 @@ class HeadDrafter:
                 continue
             state.cache.length = state.real  # the last chain's entries were guesses
             tokens = sequence.token_ids
-            positions, rows = state.take(min(sequence.num_computed, len(tokens) - 1), self._tensors)
-            if rows is None or positions[-1] != len(tokens) - 2:
-                continue  # the head has not seen the newest position: nothing to draft from
-            feeds.append((index, state, positions, rows))
+            newest = len(tokens) - 2  # the position whose hidden state, with the newest token, predicts the next
+            if not state.held or state.first + state.held - 1 < newest:
+                continue  # the model's hidden state there was not seen: nothing to draft from (the rows stay held)
+            positions, rows = state.take(min(sequence.num_computed, newest + 1), self._tensors)
+            if positions and positions[-1] == newest:
+                feeds.append((index, state, positions, rows))
         if not feeds:
             return drafts
         head = self.head
