@@ -165,11 +165,7 @@ def load_eagle3_head(folder: str | Path, num_target_layers: int, target_hidden_s
                           f"{dict(list(wrong.items())[:4])} (checkpoint, expected)")
     head = Eagle3Head(config, num_target_layers)
     head.load_state_dict({name: state[name] for name in expected}, strict=True)
-    inv_freq = head.rotary.inv_freq.float()  # kept in float32 whatever the head's dtype
-    head = head.to(device=device, dtype=dtype)
-    head.rotary.inv_freq = inv_freq.to(device)
-    head.eval()
-    return head
+    return head.placed(device, dtype)
 
 
 def eagle3_config(target_config, draft_vocab_size: int | None = None, layers: list[int] | None = None,

@@ -92,7 +92,8 @@ class Engine:
         self.speculator = (Speculator(drafter, speculative.num_tokens, self.pool, vocab_size, speculative.method,
                                       self._step_costs(speculative.num_tokens) if speculative.auto else None)
                            if drafter is not None else None)
-        self.hidden_states = getattr(deployment.graph, HIDDEN_STATES, None)  # what a hidden-state drafter reads
+        # What a hidden-state drafter (eagle3, mtp) reads: the graph's copy of the layers it asked for.
+        self.hidden_states = getattr(deployment.graph, HIDDEN_STATES, None) if self.speculator is not None else None
         self.tokens = TokenApplier(self.pool, self.scheduler, self.requests, tokenizer,
                                    *((self.speculator.record, self.speculator.accept) if self.speculator is not None else ()))
         self._lock = threading.RLock()  # requests, scheduler and pool
@@ -295,8 +296,8 @@ class Engine:
                 raise
         try:
             logits = run()
-            if self.speculator is not None:
-                self.speculator.observe(plan.chunks, self.runner.staged_rows, self.hidden_states)
+            if self.hidden_states is not None:  # a hidden-state drafter copies this step's rows now
+                self.speculator.observe(plan.chunks, self.runner.staged_rows(plan.chunks), self.hidden_states)
             step.sample, step.beam_logprobs = launch_sampling(step.sampling, logits)
         except Exception as error:
             with self._lock:

@@ -19,6 +19,7 @@ accepted tokens, never other output.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from array import array
 from dataclasses import dataclass
 
@@ -130,7 +131,7 @@ def make_rotary(c, raw: dict) -> nn.Module:
                                             head_dim=c.head_dim, **rope))
 
 
-class HiddenStateHead(nn.Module):
+class HiddenStateHead(nn.Module, ABC):
     """One decoder layer over the model's hidden states. Subclasses set ``shape`` (hidden_size, head counts,
     head_dim), ``embed_tokens`` and ``rotary``, and say how the layer's input is made (``layer_input``), which
     modules are its attention, MLP and norm before the MLP (``block``), and how logits come out (``logits``)."""
@@ -138,22 +139,28 @@ class HiddenStateHead(nn.Module):
     shape: object
     model_width: int  # the width of the model's hidden states it reads (all its layers')
 
+    @abstractmethod
     def layer_input(self, hidden: torch.Tensor, embedded: torch.Tensor, from_model: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(the attention's input, the residual) of positions with ``hidden`` states and ``embedded`` next tokens."""
-        raise NotImplementedError
 
+    @abstractmethod
     def block(self) -> tuple[Attention, nn.Module, nn.Module]:
-        raise NotImplementedError
+        """The layer's attention, its MLP and the norm before the MLP."""
 
+    @abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Logits of output hidden states (over the head's vocabulary: ``to_target`` maps its ids)."""
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """The model's token ids of the head's logits' ids (the same unless the head has a draft vocabulary)."""
         return draft_ids
 
-    def keep_rotary_in_float32(self) -> None:
-        self.rotary.inv_freq = self.rotary.inv_freq.float()
+    def placed(self, device: torch.device, dtype: torch.dtype) -> HiddenStateHead:
+        """The head on ``device`` in ``dtype``, its rotary frequencies kept in float32, in eval mode."""
+        inv_freq = self.rotary.inv_freq.float()
+        head = self.to(device=device, dtype=dtype)
+        head.rotary.inv_freq = inv_freq.to(device)
+        return head.eval()
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, counts: list[int],
              caches: list[HeadCache], from_model: bool) -> torch.Tensor:

@@ -90,7 +90,7 @@ class ModelRunner:
         self.block_size = settings.kv_cache.block_size
         self.pool: KVBlockPool | None = None  # set_up makes the pool and its caches
         self.caches: dict[str, torch.Tensor] = {}
-        self.staged_rows: list[int] = []  # the staged step's first token row of each chunk (as the graph lays them out)
+        self.staged_width: int | None = None  # how the staged step lays its chunks out: None in turn, w: chunk i at row i·w
 
     @property
     def graph(self) -> Callable:
@@ -112,8 +112,18 @@ class ModelRunner:
               pending: PendingTokens | None = None) -> StagedStep:
         """Fill the step's inputs from the pool's tables; ``run()`` computes the logits."""
         inputs, completing = self._step_inputs(chunks, logits_for_all_tokens, pending)
-        self.staged_rows = _contiguous_rows(chunks)
+        self.staged_width = None
         return (lambda: self.graph(*inputs)[0]), completing
+
+    def staged_rows(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """The first token row of each of the staged step's ``chunks`` in the graph's rows (its hidden states')."""
+        if self.staged_width is not None:
+            return [index * self.staged_width for index in range(len(chunks))]
+        rows, row = [], 0
+        for chunk in chunks:
+            rows.append(row)
+            row += chunk.length
+        return rows
 
     def forward(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False) -> tuple[torch.Tensor, list[int]]:
         """One forward over ``chunks``: the logits ``[rows, vocab]`` and the chunks they belong to."""
@@ -228,15 +238,15 @@ class CapturedRunner(ModelRunner):
         """A decode step a captured graph holds replays it; a step a prefill bucket holds runs the pieces."""
         if self.decode_graphs is not None and self.decode_graphs.serves(chunks, logits_for_all_tokens):
             size = self.decode_graphs.stage(chunks, self.pool.block_table, pending)
-            self.staged_rows = list(range(len(chunks)))
+            self.staged_width = 1
             completing = [] if logits_for_all_tokens else list(range(len(chunks)))
             return (lambda: self.decode_graphs.replay(size, len(chunks))), completing
         if self.verify_graphs is not None and not logits_for_all_tokens and self.verify_graphs.serves(chunks):
             size, keep = self.verify_graphs.stage(chunks, self.pool.block_table, pending)
-            self.staged_rows = [row * self.verify_graphs.width for row in range(len(chunks))]
+            self.staged_width = self.verify_graphs.width
             return (lambda: self.verify_graphs.replay(size, keep)), list(range(len(chunks)))
         inputs, completing = self._step_inputs(chunks, logits_for_all_tokens, pending)
-        self.staged_rows = _contiguous_rows(chunks)
+        self.staged_width = None
         num_tokens = sum(chunk.length for chunk in chunks)
         if self.prefill_graphs is not None and self.prefill_graphs.serves(num_tokens):
             return (lambda: self.prefill_graphs.run(inputs, num_tokens)), completing
@@ -310,15 +320,6 @@ class PipelineRunner(ModelRunner):
               pending: PendingTokens | None = None) -> StagedStep:
         return self.schedule.stage_step(self.graph, self.graph_inputs, chunks, self.pool, self.caches, self.device,
                                         logits_for_all_tokens, pending, side_inputs=list(self.side_inputs.values()))
-
-
-def _contiguous_rows(chunks: list[ScheduledChunk]) -> list[int]:
-    """Each chunk's first token row when the step's tokens are laid out chunk after chunk."""
-    rows, row = [], 0
-    for chunk in chunks:
-        rows.append(row)
-        row += chunk.length
-    return rows
 
 
 def _agreed_num_blocks(num_blocks: int, device: torch.device, ranks: int) -> int:

@@ -113,10 +113,7 @@ def load_mtp_head(folder: str | Path, embedding: torch.Tensor | None, device: to
                           f"{missing[:6]}, shapes {dict(list(wrong.items())[:4])} (checkpoint, expected)")
     head = MTPHead(shape)
     head.load_state_dict({name: state[name] for name in expected}, strict=True)
-    inv_freq = head.rotary.inv_freq.float()
-    head = head.to(device=device, dtype=dtype)
-    head.rotary.inv_freq = inv_freq.to(device)
-    return head.eval()
+    return head.placed(device, dtype)
 
 
 def save_mtp_layer(head: MTPHead, folder: str | Path) -> None:

@@ -199,12 +199,11 @@ class Speculator:
                 break
         chunks.sort(key=lambda chunk: chunk.length == 1)
 
-    def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor | None) -> None:
+    def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor) -> None:
         """A forward over ``chunks`` was queued; chunk ``i``'s tokens are rows ``rows[i]…`` of ``hidden`` (the
-        hidden states the drafter asked for, or None). A drafter that reads hidden states takes its copy now,
-        before the next forward overwrites them."""
-        if hidden is not None:
-            self.drafter.observe(chunks, rows, hidden)
+        hidden states the drafter asked for). The drafter takes its copy now, before the next forward overwrites
+        them."""
+        self.drafter.observe(chunks, rows, hidden)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted)
