@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from autodeploy.custom_ops import register_backend, register_op
     from autodeploy.export import register_export_patch
     from autodeploy.patterns import register_pattern
+    from autodeploy.runtime.draft_trees import DraftTree
     from autodeploy.runtime.speculative import register_drafter
     from autodeploy.frontend.async_llm import AsyncLLM
     from autodeploy.frontend.llm import LLM
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
 _MODULE_OF: dict[str, str] = {
     "AsyncLLM": "autodeploy.frontend.async_llm",
     "CompletionOutput": "autodeploy.runtime.outputs",
+    "DraftTree": "autodeploy.runtime.draft_trees",
     "LLM": "autodeploy.frontend.llm",
     "RequestOutput": "autodeploy.runtime.outputs",
     "SamplingParams": "autodeploy.runtime.sampling_params",
@@ -55,6 +57,7 @@ _MODULE_OF: dict[str, str] = {
 __all__ = [
     "AsyncLLM",
     "CompletionOutput",
+    "DraftTree",
     "LLM",
     "RequestOutput",
     "SamplingParams",

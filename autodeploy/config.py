@@ -181,10 +181,13 @@ class SpeculativeSettings:
     multi-token-prediction layer), or a name given to ``register_drafter``; ``None`` decodes one token a step. ``options``: a registered drafter's own settings.
     ``auto``: time decode and verification steps at set-up and, each step, draft only as many tokens as the
     sequences' acceptance so far makes worth it (none where drafting would be slower); off, every step drafts
-    ``num_tokens``."""
+    ``num_tokens``. ``tree_width`` (``eagle3``, ``mtp``, drafters that return a ``DraftTree``): > 1 drafts a tree,
+    the head's next ``tree_width - 1`` likeliest tokens beside each chain token, all verified in one forward under
+    a tree attention mask (``num_tokens × tree_width`` rows a sequence)."""
 
     method: Optional[str] = None
     num_tokens: int = 4
+    tree_width: int = 1
     auto: bool = True
     model: Optional[str] = None
     ngram_min: int = 1
@@ -193,6 +196,7 @@ class SpeculativeSettings:
 
 
 MAX_SPECULATIVE_TOKENS = 32  # drafted tokens a sequence may carry into one step
+MAX_TREE_NODES = 62  # drafted tokens of a tree: with the newest token, the bits of cached_attention's tree_mask
 
 
 @dataclass
@@ -416,6 +420,13 @@ def _check_speculative(speculative: DictConfig) -> None:
     if not 1 <= speculative.num_tokens <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"speculative.num_tokens must be in 1 … {MAX_SPECULATIVE_TOKENS} (tokens drafted per step), "
                           f"got {speculative.num_tokens}")
+    if speculative.tree_width < 1 or speculative.num_tokens * speculative.tree_width > MAX_TREE_NODES:
+        raise ConfigError(f"speculative.tree_width must be ≥ 1 (1: a chain) with num_tokens × tree_width ≤ {MAX_TREE_NODES} "
+                          f"(drafted tokens a tree verifies), got tree_width {speculative.tree_width} with num_tokens "
+                          f"{speculative.num_tokens}")
+    if speculative.tree_width > 1 and speculative.method in ("ngram", "draft"):
+        raise ConfigError(f"speculative.tree_width > 1 drafts trees, which come from heads (eagle3, mtp) and drafters that "
+                          f"return a DraftTree; {speculative.method!r} drafts chains: set speculative.tree_width=1")
     if not 1 <= speculative.ngram_min <= speculative.ngram_max:
         raise ConfigError(f"speculative.ngram_min and ngram_max must satisfy 1 ≤ ngram_min ≤ ngram_max, got "
                           f"{speculative.ngram_min} and {speculative.ngram_max}")

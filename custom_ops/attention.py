@@ -69,10 +69,12 @@ def attend(
     logit_cap: Optional[float],
     sinks: Optional[torch.Tensor],
     alibi_slopes: Optional[List[float]] = None,
+    visible_also: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The attention arithmetic shared by the un-cached and cached references: ``q[B, Sq, Hq, D]`` at
     ``query_positions[Sq]`` over ``k[B, Sk, Hkv, D]``/``v`` at ``key_positions[Sk]``, masked causally
-    (and by the window) on those absolute positions. Every query must see at least one key."""
+    (and by the window) on those absolute positions, and by ``visible_also[Sq, Sk]`` where given (a tree
+    verification's: ``cached_attention``'s ``tree_mask``). Every query must see at least one key."""
     batch, _, q_heads, _ = q.shape
     kv_heads = k.shape[2]
     dtype = compute_dtype(q.dtype)
@@ -91,6 +93,8 @@ def attend(
     visible = key_pos <= query_pos
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
+    if visible_also is not None:
+        visible &= visible_also
     logits = logits.masked_fill(~visible, float("-inf"))
 
     if sinks is not None:

@@ -19,6 +19,12 @@ Layout and metadata (N sequences, T new tokens in all):
 - ``batch_info`` (int32, on the CPU so kernels read it without a device sync):
   ``[num_prefill, num_decode, max_q_len, max_kv_len]``. Sequences ``0 … num_prefill - 1`` are prompt
   chunks (any length); the last ``num_decode`` have exactly one new token each.
+- ``tree_mask[T]`` (int64, optional: only graphs built for tree drafts, ``speculative.tree_width`` > 1, have it):
+  which of its sequence's new tokens each new token sees besides the cached ones. ``-1``: every one up to
+  itself (causal: prompt chunks, decodes, chains). Otherwise a bitmask over the chunk's tokens (bit ``j``, ``j``
+  ≤ 62, the chunk's token ``j``; its own bit set): a tree verification chunk, the sequence's newest token then
+  drafted nodes, each after its parent, each seeing its ancestors and itself
+  (``runtime/speculative.py``). A token never sees a later one, whatever its bits say.
 """
 
 from __future__ import annotations
@@ -92,11 +98,13 @@ def cached_attention_reference(
     alibi_slopes: Optional[List[float]] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tree_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write this step's ``k``/``v`` into the caches, then attend each new token over its sequence's
     cached tokens with the ``attention`` op's semantics (causal on absolute positions, GQA, window,
-    soft-cap, sinks, ALiBi). ``k_scale`` / ``v_scale``: the layer's fp8 cache scales (a stored value times its
-    scale is the value). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The oracle: one sequence at a time."""
+    soft-cap, sinks, ALiBi; a tree chunk's ``tree_mask``). ``k_scale`` / ``v_scale``: the layer's fp8 cache
+    scales (a stored value times its scale is the value). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The
+    oracle: one sequence at a time."""
     check_alibi_slopes("cached_attention", alibi_slopes, q.shape[2])
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -110,9 +118,24 @@ def cached_attention_reference(
         query_positions = key_positions[kv_len - (last - first) :]
         out[:, first:last] = attend(
             q[:, first:last], keys, values, query_positions, key_positions, scale, sliding_window, logit_cap, sinks,
-            alibi_slopes,
+            alibi_slopes, tree_visibility(tree_mask, first, last, kv_len),
         )
     return out
+
+
+def tree_visibility(tree_mask: Optional[torch.Tensor], first: int, last: int, kv_len: int) -> Optional[torch.Tensor]:
+    """``[q_len, kv_len]``: which keys the new tokens ``first … last - 1`` of a sequence with ``kv_len`` keys see
+    by their ``tree_mask`` bits (the causal mask applies as well); None for a chunk whose tokens are all causal."""
+    if tree_mask is None:
+        return None
+    rows = tree_mask[first:last].to(torch.int64)
+    if bool((rows == -1).all()):
+        return None
+    q_len = last - first
+    bits = (rows[:, None] >> torch.arange(q_len, device=rows.device)[None, :]) & 1  # [q_len, q_len]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=rows.device)
+    visible[:, kv_len - q_len :] = (bits == 1) | (rows[:, None] == -1)
+    return visible
 
 
 # The op's arguments, in order, as the reference declares them (its type hints give the op's schema): the one
@@ -171,7 +194,7 @@ def _triton_supports(*args, device, **kwargs):
     try:
         check_supported(
             call.q, call.k, call.v, call.k_cache, call.v_cache, call.block_tables, call.sliding_window, call.logit_cap,
-            call.sinks, call.alibi_slopes, device=device,
+            call.sinks, call.alibi_slopes, tree_mask=call.tree_mask, device=device,
         )
     except ValueError as error:
         return str(error).removeprefix("cached_attention_triton: ")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import check_alibi_slopes
-from .cached_attention import CachedAttentionArgs, gather_sequence_kv, read_back, write_kv_cache
+from .cached_attention import CachedAttentionArgs, gather_sequence_kv, read_back, tree_visibility, write_kv_cache
 from .registry import register_backend
 
 
@@ -44,7 +44,9 @@ def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
     # cache and no mask to build (SDPA's own causal kernel). It reads k and v as given, so only when the
     # cache holds them unconverted, and only without a window or ALiBi, which need the explicit mask.
     plain = sliding_window is None and slopes is None and k_cache.dtype == k.dtype and v_cache.dtype == v.dtype
-    fresh = [plain and lengths[s] == starts[s + 1] - starts[s] for s in range(num_prefill)]
+    fresh = [plain and lengths[s] == starts[s + 1] - starts[s] and tree_visibility(call.tree_mask, starts[s], starts[s + 1],
+                                                                                    lengths[s]) is None
+             for s in range(num_prefill)]
     if num_prefill > 1 and all(fresh) and len({lengths[s] for s in range(num_prefill)}) == 1:
         _same_length_prompts(q, k, v, out, starts[0], num_prefill, lengths[0], scale)
         num_done = num_prefill
@@ -68,6 +70,9 @@ def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
             mask = key_pos <= query_pos
             if sliding_window is not None:
                 mask &= key_pos > query_pos - sliding_window
+            tree = tree_visibility(call.tree_mask, first, last, kv_len)  # a tree verification chunk's
+            if tree is not None:
+                mask &= tree
             if slopes is not None:  # [Hq, q_len, kv_len] float bias; SDPA adds it to the scaled logits
                 mask = (slopes * (key_pos - query_pos)).masked_fill(~mask, float("-inf")).to(q.dtype)
         attended = F.scaled_dot_product_attention(

@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--method", required=True)
     parser.add_argument("--draft", default=None, help="speculative.model")
     parser.add_argument("--num-tokens", type=int, default=4)
+    parser.add_argument("--tree-width", type=int, default=1)
+    parser.add_argument("--dtype", default=None, help="e.g. float32 (default: the checkpoint's)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -33,10 +35,11 @@ def main() -> None:
     # Past the file's prompts, the same prompts with a prefix: other positions, other tokens.
     prompts = [p if i < len(set(prompts)) else f"# variant {i}\n{p}" for i, p in enumerate(prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    base = autodeploy(args.model)
+    dtype = {"dtype": args.dtype} if args.dtype else {}
+    base = autodeploy(args.model, **dtype)
     expected = [o.token_ids for o in base.generate(prompts, params)]
-    spec = autodeploy(args.model, speculative={"method": args.method, "model": args.draft, "num_tokens": args.num_tokens,
-                                               "auto": False})
+    spec = autodeploy(args.model, **dtype, speculative={"method": args.method, "model": args.draft, "auto": False,
+                                                        "num_tokens": args.num_tokens, "tree_width": args.tree_width})
     got = [o.token_ids for o in spec.generate(prompts, params)]
     same = sum(a == b for a, b in zip(expected, got))
     differences = []
@@ -49,7 +52,7 @@ def main() -> None:
         differences.append({"at": at, "tokens": [a[at], b[at]],
                             "logits": [round(float(logits[a[at]]), 4), round(float(logits[b[at]]), 4)]})
     stats = spec.engine.speculator.stats
-    summary = {"method": args.method, "prompts": len(prompts), "identical": same, "differences": differences,
+    summary = {"method": args.method, "tree_width": args.tree_width, "dtype": args.dtype or "checkpoint", "prompts": len(prompts), "identical": same, "differences": differences,
                "acceptance_length": round(stats.acceptance_length, 3), "acceptance_rate": round(stats.acceptance_rate, 3)}
     print("identity:", json.dumps(summary))
     if args.out:

@@ -30,15 +30,19 @@ bench)
     --workload concurrency --concurrency ${CONCURRENCY:-1,8,32} --num-requests ${NUM_REQUESTS:-32} --dataset $PROMPTS \
     --repeats 1 --no-progress --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"
     grep -E "/autodeploy: output|drafted a step|pays|Error" "$OUT/$name.log"; }
-  for method in ${METHODS:-eagle3 mtp draft ngram}; do
+  # METHODS: eagle3, mtp, draft, ngram; eagle3-tree and mtp-tree draft trees TREE_WIDTH wide (default 2).
+  for name in ${METHODS:-eagle3 mtp draft ngram}; do
+    method=${name%-tree}; tree=; [ "$method" != "$name" ] && tree="--speculative-tree-width ${TREE_WIDTH:-2}"
     target=$TARGET; case $method in eagle3) draft="--speculative-model $HEAD" ;; draft) draft="--speculative-model $DEMO" ;;
       mtp) draft= target=$PAIR/target-mtp ;; *) draft= ;; esac
-    bench $method $target --speculative-method $method $draft --speculative-num-tokens ${K:-4} ${AUTO:+--set speculative.auto=$AUTO}
+    bench $name${AUTO:+-auto-$AUTO} $target --speculative-method $method $draft $tree --speculative-num-tokens ${K:-4} \
+      ${AUTO:+--set speculative.auto=$AUTO}
   done ;;
 identity)
-  for method in ${METHODS:-eagle3 mtp draft}; do
+  for name in ${METHODS:-eagle3 mtp draft}; do
+    method=${name%-tree}; tree=; [ "$method" != "$name" ] && tree="--tree-width ${TREE_WIDTH:-2}"
     target=$TARGET; case $method in eagle3) model=$HEAD ;; draft) model=$DEMO ;; mtp) model= target=$PAIR/target-mtp ;; *) model= ;; esac
     timeout ${IDENTITY_S:-200} python3 scripts/spec_identity.py $target --dataset $PROMPTS --count 100 --method $method \
-      ${model:+--draft $model} --out "$OUT/identity-$method.json" 2>&1 | grep -E "^identity|Error" | cut -c1-600
+      ${model:+--draft $model} $tree ${DTYPE:+--dtype $DTYPE} --out "$OUT/identity-$name${DTYPE:+-$DTYPE}.json" 2>&1 | grep -E "^identity|Error" | cut -c1-600
   done ;;
 esac

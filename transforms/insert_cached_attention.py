@@ -11,7 +11,8 @@ positions, the sequence metadata and one ``KVCacheSpec`` cache pair per attentio
 (``TransformContext.graph_inputs`` / ``kv_caches``), from which the runtime sizes its block pool.
 ``logit_index[N]`` picks the token rows whose logits are wanted (each sequence's last token while
 generating); the gather sits before the LM head so the vocabulary projection runs for those rows only.
-The output is ``logits[1, N, vocab]``. A pipeline stage (``shard_pipeline_parallel``) holds some of the
+The output is ``logits[1, N, vocab]``. A deployment that drafts trees (``speculative.tree_width`` > 1) gets one
+more input, ``tree_mask[T]`` (``TREE_MASK``), which every ``cached_attention`` reads; others never carry it. A pipeline stage (``shard_pipeline_parallel``) holds some of the
 layers: it gets caches for those only (named by the model's layer index), and a stage before the last,
 which receives its logits from the last stage, receives them for the ``N`` picked rows.
 
@@ -33,7 +34,7 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.cached_attention import CachedAttentionArgs
 from autodeploy.custom_ops.registry import positional
-from autodeploy.custom_ops.serving_signature import ATTENTION_METADATA, SEQUENCE_METADATA, KVCacheSpec
+from autodeploy.custom_ops.serving_signature import ATTENTION_METADATA, SEQUENCE_METADATA, TREE_MASK, KVCacheSpec
 from autodeploy.errors import ConfigError, UnsupportedModelError
 from autodeploy.export.causal_lm import GRAPH_PREFIX
 from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
@@ -59,7 +60,14 @@ def _metadata_values() -> dict[str, torch.Tensor]:
         "slot_mapping": torch.empty(t, dtype=torch.long, **meta),
         "batch_info": torch.empty(4, dtype=torch.int32, **meta),  # lives on the CPU at run time
         "logit_index": torch.empty(n, dtype=torch.long, **meta),
+        TREE_MASK: torch.empty(t, dtype=torch.long, **meta),
     }
+
+
+def drafts_trees(settings) -> bool:
+    """Whether the deployment verifies tree drafts (its graphs then take a ``tree_mask``)."""
+    speculative = getattr(settings, "speculative", None)
+    return speculative is not None and bool(speculative.method) and speculative.tree_width > 1
 
 
 def lm_head(logits: fx.Node) -> fx.Node | None:
@@ -157,15 +165,19 @@ class InsertCachedAttention(Transform):
         values = _metadata_values()
         with graph.inserting_after(placeholders[-1]):
             metadata = {}
-            for name in reversed(SEQUENCE_METADATA):  # inserting_after puts each new node first
+            trees = drafts_trees(context.settings)
+            for name in reversed((*SEQUENCE_METADATA, TREE_MASK) if trees else SEQUENCE_METADATA):  # each new node goes first
                 metadata[name] = graph.placeholder(name)
                 metadata[name].meta["val"] = values[name]
         block_size = context.settings.kv_cache.block_size
         specs = []
-        last_input = metadata["logit_index"]
+        last_input = metadata[TREE_MASK if trees else "logit_index"]
         for layer, node in enumerate(attention):
             given = {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}
             key, value = given["k"].meta["val"], given["v"].meta["val"]
+            if trees and (given.get("sliding_window") is not None or given.get("alibi_slopes") is not None):
+                raise ConfigError(f"speculative.tree_width > 1: {node.name} attends with a sliding window or ALiBi, whose "
+                                  f"distances a tree's layout would change; draft chains here (speculative.tree_width=1)")
             spec = KVCacheSpec.for_layer(first_layer + layer, key.shape[2], key.shape[3], value.shape[3], kv_cache_dtype(context.settings) or key.dtype)
             with graph.inserting_after(last_input):
                 k_cache = graph.placeholder(spec.key_input)
@@ -177,11 +189,9 @@ class InsertCachedAttention(Transform):
             # attention's arguments (q, k, v, scale and its options) go to cached_attention by name.
             call = CachedAttentionArgs(**given, k_cache=k_cache, v_cache=v_cache,
                                        **{name: metadata[name] for name in ATTENTION_METADATA})
+            options = {**_cache_scales(node, spec, context.kv_cache_scales), **({TREE_MASK: metadata[TREE_MASK]} if trees else {})}
             with graph.inserting_before(node):
-                cached = graph.call_function(
-                    torch.ops.autodeploy.cached_attention.default, positional(call),
-                    _cache_scales(node, spec, context.kv_cache_scales),
-                )
+                cached = graph.call_function(torch.ops.autodeploy.cached_attention.default, positional(call), options)
             cached.meta = dict(node.meta)
             node.replace_all_uses_with(cached)
             graph.erase_node(node)

@@ -58,6 +58,7 @@ SPECULATIVE_FLAGS = (
     ("--speculative-method", "method", str, "draft tokens with: ngram, draft (a smaller model), eagle3 (a head), mtp (the "
                                            "checkpoint's MTP layer) or a registered drafter"),
     ("--speculative-num-tokens", "num_tokens", int, "tokens drafted per sequence and step"),
+    ("--speculative-tree-width", "tree_width", int, "eagle3 / mtp: draft a tree, this many candidates at each depth"),
     ("--speculative-model", "model", str, "the draft model's checkpoint (method draft) or the head's folder (eagle3)"),
 )
 

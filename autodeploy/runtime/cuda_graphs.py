@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from autodeploy.custom_ops.graph_capture import GraphCapture
+from autodeploy.custom_ops.serving_signature import TREE_MASK
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import PendingTokens, slot
 
@@ -41,7 +42,8 @@ class StaticBatch:
     def __init__(self, size: int, max_blocks: int, device: torch.device, pin: bool, width: int = 1):
         self.size, self.width = size, width
         tokens = size * width
-        self.host64 = torch.zeros(3, tokens, dtype=torch.long, pin_memory=pin)  # ids, positions, slots
+        self.host64 = torch.zeros(4, tokens, dtype=torch.long, pin_memory=pin)  # ids, positions, slots, tree mask
+        self.host64[3] = -1  # causal rows: a verification step's tree chunks set theirs (verify_graphs.py)
         self.host32 = torch.zeros(size * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)  # kv_lens, tables
         self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
         self.tables_np = self.host32_np[size:].reshape(size, max_blocks)
@@ -68,6 +70,7 @@ class StaticBatch:
             "input_ids": self.dev64[0:1],
             "position_ids": self.dev64[1:2],
             "slot_mapping": self.dev64[2],
+            TREE_MASK: self.dev64[3],  # read only by graphs that verify tree drafts
             "kv_lens": self.dev32[: self.size],
             "block_tables": self.dev32[self.size :].view(self.size, max_blocks),
             "seq_start": self.seq_start,

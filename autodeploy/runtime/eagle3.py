@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from autodeploy.errors import ConfigError
-from autodeploy.runtime.hidden_state_heads import (CONTEXT, MLP, Attention, HeadDrafter, HiddenStateHead, LayerShape,
+from autodeploy.runtime.hidden_state_heads import (MLP, Attention, HeadDrafter, HiddenStateHead, LayerShape,
                                                    RMSNorm, graph_embedding, make_rotary, torch_dtype)
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS, register_drafter
 
@@ -241,6 +241,6 @@ def eagle3_drafter(deployment, settings) -> HeadDrafter:
                             torch.device(deployment.settings.device), torch_dtype(deployment.settings.dtype))
     if head.layers != list(layers):
         raise ConfigError(f"the graph exposes layers {list(layers)} but the EAGLE-3 head reads {head.layers}: build again")
-    return HeadDrafter(head, int((settings.options or {}).get("context", CONTEXT)), f"EAGLE-3 head {settings.model}")
+    return HeadDrafter.for_deployment(head, f"EAGLE-3 head {settings.model}", deployment, settings)
 
 

@@ -90,12 +90,14 @@ class Engine:
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.speculator = (Speculator(drafter, speculative.num_tokens, self.pool, vocab_size, speculative.method,
-                                      self._step_costs(speculative.num_tokens) if speculative.auto else None)
+                                      self._step_costs(speculative.num_tokens, speculative.tree_width) if speculative.auto else None,
+                                      move_kv=self.runner.move_kv)
                            if drafter is not None else None)
         # What a hidden-state drafter (eagle3, mtp) reads: the graph's copy of the layers it asked for.
         self.hidden_states = getattr(deployment.graph, HIDDEN_STATES, None) if self.speculator is not None else None
         self.tokens = TokenApplier(self.pool, self.scheduler, self.requests, tokenizer,
-                                   *((self.speculator.record, self.speculator.accept) if self.speculator is not None else ()))
+                                   *((self.speculator.record, self.speculator.accept, self.speculator.relocate)
+                                     if self.speculator is not None else ()))
         self._lock = threading.RLock()  # requests, scheduler and pool
         self._step_lock = threading.Lock()  # one step at a time
         self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
@@ -106,13 +108,14 @@ class Engine:
         self.clock = time.perf_counter  # every timestamp in RequestMetrics; benchmarks may inject their own
         self.mirror = RankMirror(peers) if peers is not None else None  # rank 0 of several: workers mirror its steps
 
-    def _step_costs(self, num_tokens: int) -> StepCosts:
-        """Decode and verification steps timed on this engine's runner and pool (``speculation_costs.py``)."""
+    def _step_costs(self, num_tokens: int, tree_width: int = 1) -> StepCosts:
+        """Decode and verification steps timed on this engine's runner and pool (``speculation_costs.py``); a tree
+        of ``num_tokens`` levels verifies ``num_tokens × tree_width`` drafted tokens."""
         context = 64
         sizes = timed_batch_sizes(self.settings.max_batch_size, self.max_num_tokens,
-                                  self.pool.num_blocks * self.pool.block_size, num_tokens, context)
+                                  self.pool.num_blocks * self.pool.block_size, num_tokens * tree_width, context)
         with torch.inference_mode():
-            costs = measure_step_costs(self.runner, sizes, num_tokens, context)
+            costs = measure_step_costs(self.runner, sizes, num_tokens, context, width=tree_width)
         logger.info("speculation pays at batch %s from per-token acceptance %s", list(costs.batch_sizes),
                     [None if (t := costs.threshold(b)) is None else round(t, 2) for b in costs.batch_sizes])
         return costs

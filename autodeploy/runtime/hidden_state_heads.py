@@ -18,6 +18,8 @@ accepted tokens, never other output.
 
 from __future__ import annotations
 
+import bisect
+import logging
 import math
 from abc import ABC, abstractmethod
 from array import array
@@ -27,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autodeploy.runtime.draft_trees import DraftTree
 from autodeploy.runtime.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -89,28 +94,54 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class HeadCache:
-    """One sequence's keys and values in the head, in the order its positions were fed (a prefix is kept:
-    ``length``); the storage grows by doubling."""
+class SlotCache:
+    """The head's keys and values for up to ``slots`` sequences, one slot each (and one more, ``pad``, that padding
+    rows write to). A slot holds the last ``capacity`` positions fed to it in a ring indexed by position, with the
+    position each entry holds (-1: none). A query at position ``p`` sees its slot's entries at positions
+    ``p - window < q ≤ p``; ``window`` stays ``chain`` positions short of ``capacity``, so the guesses a chain
+    writes past a sequence's newest position never overwrite an entry a later query looks for. A feed of many
+    positions overwrites its own earliest ones' oldest keys as it goes: only its last row's output is used."""
 
-    def __init__(self):
-        self.k: torch.Tensor | None = None  # [kv_heads, capacity, head_dim]
-        self.v: torch.Tensor | None = None
-        self.length = 0
+    def __init__(self, slots: int, kv_heads: int, head_dim: int, window: int, chain: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.capacity, self.window, self.pad = window + chain, window, slots
+        self.k = torch.zeros(slots + 1, kv_heads, self.capacity, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.positions = torch.full((slots + 1, self.capacity), -1, dtype=torch.long, device=device)
+        self._free = list(range(slots - 1, -1, -1))
+        self._slots: dict[int, int] = {}
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        needed = self.length + k.shape[1]
-        if self.k is None or needed > self.k.shape[1]:
-            capacity = max(64, 1 << (needed - 1).bit_length())
-            grown_k = k.new_empty(k.shape[0], capacity, k.shape[2])
-            grown_v = v.new_empty(v.shape[0], capacity, v.shape[2])
-            if self.k is not None:
-                grown_k[:, : self.length] = self.k[:, : self.length]
-                grown_v[:, : self.length] = self.v[:, : self.length]
-            self.k, self.v = grown_k, grown_v
-        self.k[:, self.length : needed] = k
-        self.v[:, self.length : needed] = v
-        self.length = needed
+    def slot(self, seq_id: int) -> int | None:
+        """The slot of sequence ``seq_id`` (a fresh, emptied one the first time); None when every slot is taken."""
+        slot = self._slots.get(seq_id)
+        if slot is None and self._free:
+            slot = self._slots[seq_id] = self._free.pop()
+            self.positions[slot] = -1
+        return slot
+
+    def release(self, seq_id: int) -> None:
+        slot = self._slots.pop(seq_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys and values ``[B, kv_heads, n, head_dim]`` of positions ``[B, n]`` in slots ``[B, n]``."""
+        index = positions % self.capacity
+        self.k[slots, :, index] = k.transpose(1, 2)
+        self.v[slots, :, index] = v.transpose(1, 2)
+        self.positions[slots, index] = positions
+
+    def attend(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Queries ``[B, heads, n, head_dim]`` at positions ``[B, n]`` over their slots ``[B]`` → ``[B, heads, n, head_dim]``."""
+        batch, heads, n, head_dim = q.shape
+        keys, values, held = self.k[slots], self.v[slots], self.positions[slots]  # [B, kv, C, D], [B, C]
+        kv_heads = keys.shape[1]
+        held, at = held[:, None, :], positions[:, :, None]
+        visible = (held >= 0) & (held <= at) & (held > at - self.window)  # [B, n, C]
+        scores = q.reshape(batch, kv_heads, heads // kv_heads * n, head_dim) @ keys.transpose(-1, -2) / math.sqrt(head_dim)
+        scores = scores.float().view(batch, kv_heads, heads // kv_heads, n, -1).masked_fill(~visible[:, None, None], float("-inf"))
+        weights = scores.softmax(-1).to(values.dtype).view(batch, kv_heads, heads // kv_heads * n, -1)
+        return (weights @ values).view(batch, heads, n, head_dim)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,12 +193,13 @@ class HiddenStateHead(nn.Module, ABC):
         head.rotary.inv_freq = inv_freq.to(device)
         return head.eval()
 
-    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, counts: list[int],
-             caches: list[HeadCache], from_model: bool) -> torch.Tensor:
-        """The head over ``counts[b]`` new positions of each of ``B`` sequences (padded to ``n``): ``hidden``
-        ``[B, n, ·]``, the model's hidden states (``from_model``) or the head's own outputs, ``tokens`` and
-        ``positions`` ``[B, n]``. Appends their keys and values to ``caches`` and returns the output hidden
-        states ``[B, n, H]`` (rows past ``counts[b]`` are padding)."""
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+             slots: torch.Tensor, cache: SlotCache, from_model: bool) -> torch.Tensor:
+        """The head over ``n`` positions of each of ``B`` sequences: ``hidden`` ``[B, n, ·]``, the model's hidden states
+        (``from_model``) or the head's own outputs; ``tokens``, ``positions`` and ``valid`` ``[B, n]`` (padding rows:
+        not valid; give them a real position of theirs); ``slots`` ``[B]``, the sequences' in ``cache``. Stores the
+        valid rows' keys and values and returns the output hidden states ``[B, n, H]``. Tensor work only (no host
+        reads): a drafting step runs as a CUDA graph."""
         c = self.shape
         batch, n = tokens.shape
         embedded = self.embed_tokens(tokens).to(hidden.dtype if hidden.is_floating_point() else self.embed_tokens.weight.dtype)
@@ -178,35 +210,23 @@ class HiddenStateHead(nn.Module, ABC):
         v = attn.v_proj(attention_in).view(batch, n, attn.kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = self.rotary(x, positions)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        before = [cache.length for cache in caches]
-        for b, cache in enumerate(caches):
-            cache.append(k[b, :, : counts[b]], v[b, :, : counts[b]])
-        # Keys padded to a multiple of 64 and attention written out: the shapes change every step, and a fused
-        # attention kernel that plans per shape (cuDNN) would plan again every step.
-        longest = -(-max(cache.length for cache in caches) // 64) * 64
-        keys = k.new_zeros(batch, attn.kv_heads, longest, c.head_dim)
-        values = torch.zeros_like(keys)
-        for b, cache in enumerate(caches):
-            keys[b, :, : cache.length] = cache.k[:, : cache.length]
-            values[b, :, : cache.length] = cache.v[:, : cache.length]
-        # Query i of sequence b was fed at index before[b] + i of its cache: it sees the keys up to there.
-        key_index = torch.arange(longest, device=x.device)
-        query_index = torch.tensor(before, device=x.device)[:, None] + torch.arange(n, device=x.device)
-        mask = key_index[None, None, :] <= query_index[:, :, None]  # [B, n, longest]
-        group = attn.heads // attn.kv_heads
-        scores = q.reshape(batch, attn.kv_heads, group * n, c.head_dim) @ keys.transpose(-1, -2) / math.sqrt(c.head_dim)
-        scores = scores.float().view(batch, attn.kv_heads, group, n, longest).masked_fill(~mask[:, None, None], float("-inf"))
-        out = (scores.softmax(-1).to(values.dtype).view(batch, attn.kv_heads, group * n, longest) @ values)
-        out = out.view(batch, attn.heads, n, c.head_dim)
+        cache.write(torch.where(valid, slots[:, None], cache.pad), positions, k, v)
+        out = cache.attend(q, slots, positions)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n, attn.heads * c.head_dim))
         return x + mlp(post_norm(x))
+
+    def new_cache(self, slots: int, window: int, chain: int) -> SlotCache:
+        weight = self.embed_tokens.weight
+        return SlotCache(slots, self.shape.num_key_value_heads, self.shape.head_dim, window, chain, weight.device,
+                         weight.dtype)
 
     def reference_logits(self, fused: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of one sequence's positions ``0 … T − 1`` fed at once (``fused``: the model's hidden states ``[T, ·]``): what
         ``step`` must equal when the same positions arrive a few at a time."""
-        cache = HeadCache()
-        out = self.step(fused[None], tokens[None], torch.arange(len(tokens), device=tokens.device)[None], [len(tokens)], [cache],
-                        from_model=True)
+        count, device = len(tokens), tokens.device
+        out = self.step(fused[None], tokens[None], torch.arange(count, device=device)[None],
+                        torch.ones(1, count, dtype=torch.bool, device=device), torch.zeros(1, dtype=torch.long, device=device),
+                        self.new_cache(1, count, 1), from_model=True)
         return self.logits(out[0])
 
 
@@ -222,10 +242,11 @@ def check_head(head: HiddenStateHead, name: str, positions: int = 12) -> str:
     hidden = torch.randn(positions, head.model_width, generator=generator).to(weight.device, weight.dtype)
     tokens = torch.randint(0, weight.shape[0], (positions,), generator=generator).to(weight.device)
     whole = head.reference_logits(hidden, tokens).float()
-    cache, pieces = HeadCache(), []
+    cache, pieces, slot = head.new_cache(1, positions, 1), [], torch.zeros(1, dtype=torch.long, device=weight.device)
     for start, stop in ((0, 5), (5, 6), (6, positions)):
         out = head.step(hidden[None, start:stop], tokens[None, start:stop],
-                        torch.arange(start, stop, device=weight.device)[None], [stop - start], [cache], from_model=True)
+                        torch.arange(start, stop, device=weight.device)[None],
+                        torch.ones(1, stop - start, dtype=torch.bool, device=weight.device), slot, cache, from_model=True)
         pieces.append(head.logits(out[0]).float())
     if not whole.isfinite().all():
         raise UnsupportedModelError(f"the {name} gives non-finite logits ({int((~whole.isfinite()).sum())} of "
@@ -240,16 +261,14 @@ def check_head(head: HiddenStateHead, name: str, positions: int = 12) -> str:
 
 
 class HeadSequence:
-    """What the head knows of one sequence: its cache (``real`` entries from the model's hidden states, then
-    the last chain's), the next position it needs, and where the model's hidden states it has not fed yet are:
+    """What the head knows of one sequence: the next position it needs, and where the model's hidden states it has
+    not fed yet are:
     for each held position (``first`` on, contiguous), the step whose rows hold it and its row there. Plain
     integer arrays: a step allocates no Python object per sequence (at 32 sequences, per-sequence lists and
     tensor views cost ~0.8 ms a step, most of it the garbage collector's)."""
 
     def __init__(self, sequence):
         self.sequence = sequence
-        self.cache = HeadCache()
-        self.real = 0
         self.next_position = 0
         self.first = 0
         self.steps = array("q")
@@ -302,19 +321,35 @@ class HeadSequence:
 
 
 class HeadDrafter:
-    """Greedy chains of a hidden-state ``head``, fed the model's hidden states by ``observe``."""
+    """Greedy chains (or trees, ``tree_width`` > 1) of a hidden-state ``head`` over up to ``slots`` sequences, each
+    drafting at most ``chain`` tokens, fed the model's hidden states by ``observe``. On a GPU a drafting step whose
+    sequences each feed at most ``chain + 1`` new positions (every step after a sequence's first draft) replays a
+    CUDA graph captured per batch size (1, 2, 4, … ``slots``): the feed and all ``chain`` rounds in one launch."""
 
-    def __init__(self, head: HiddenStateHead, context: int = CONTEXT, name: str = "head"):
+    def __init__(self, head: HiddenStateHead, context: int = CONTEXT, name: str = "head", tree_width: int = 1,
+                 slots: int = 64, chain: int = 4):
         self.head = head
         self.context = context
         self.name = name
+        self.tree_width = tree_width  # > 1: beside each chain token, the head's next likeliest as leaves (a DraftTree)
+        self.chain = chain
         self.check = check_head(head, name)
+        self.cache = head.new_cache(slots, context, chain + 1)
         self._sequences: dict[int, HeadSequence] = {}
         self._tensors: dict[int, torch.Tensor] = {}  # step → the hidden states of its rows (a copy)
         self._step = 0
+        self._tree_rows: dict[int, tuple[int, int]] = {}  # seq_id → (step, first row) of its tree chunk in flight
+        self.graphs = HeadGraphs(self, slots) if head.embed_tokens.weight.is_cuda else None
+
+    @classmethod
+    def for_deployment(cls, head: HiddenStateHead, name: str, deployment, settings) -> HeadDrafter:
+        """The drafter ``settings`` (the ``speculative`` section) ask for, sized for ``deployment``'s batches."""
+        return cls(head, int((settings.options or {}).get("context", CONTEXT)), name, settings.tree_width,
+                   deployment.settings.max_batch_size, settings.num_tokens)
 
     def describe(self) -> str:
-        return f"  {self.name}: {self.check}"
+        graphs = f"; drafting steps replay CUDA graphs at batch sizes {self.graphs.sizes}" if self.graphs else ""
+        return f"  {self.name}: {self.check}{graphs}"
 
     def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor) -> None:
         self._forget_finished()
@@ -327,9 +362,22 @@ class HeadDrafter:
             state = self._sequences.get(sequence.seq_id)
             if state is None:
                 state = self._sequences[sequence.seq_id] = HeadSequence(sequence)
-            state.keep(chunk.start, step, first, chunk.length, self.context)
+            if chunk.draft_parents is None:
+                state.keep(chunk.start, step, first, chunk.length, self.context)
+            else:  # a tree's rows are not in position order: the newest token's now, the kept path's once known
+                state.keep(chunk.start, step, first, 1, self.context)
+                self._tree_rows[sequence.seq_id] = (step, first)
         if step % 32 == 0:
             self._drop_unheld_steps()
+
+    def accepted(self, sequence, start: int, path: list[int]) -> None:
+        """A tree verified at ``start`` kept nodes ``path``: their rows hold the positions after ``start``."""
+        step, first = self._tree_rows.pop(sequence.seq_id, (None, 0))
+        state = self._sequences.get(sequence.seq_id)
+        if step is None or state is None:
+            return
+        for depth, node in enumerate(path):
+            state.keep(start + 1 + depth, step, first + 1 + node, 1, self.context)
 
     def _drop_unheld_steps(self) -> None:
         """Forget the steps' rows that no sequence holds a position in any more."""
@@ -340,60 +388,129 @@ class HeadDrafter:
     @torch.inference_mode()
     def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in sequences]
-        feeds = []  # (index, state, positions, rows)
+        feeds = []  # (index, slot, positions, rows)
         for index, (sequence, limit) in enumerate(zip(sequences, limits)):
             state = self._sequences.get(sequence.seq_id)
             if limit <= 0 or state is None:
                 continue
-            state.cache.length = state.real  # the last chain's entries were guesses
-            tokens = sequence.token_ids
-            newest = len(tokens) - 2  # the position whose hidden state, with the newest token, predicts the next
+            newest = len(sequence.token_ids) - 2  # the position whose hidden state, with the newest token, predicts the next
             if not state.held or state.first + state.held - 1 < newest:
                 continue  # the model's hidden state there was not seen: nothing to draft from (the rows stay held)
+            slot = self.cache.slot(sequence.seq_id)
+            if slot is None:
+                continue  # more sequences than slots: this one decodes without a draft
             positions, rows = state.take(min(sequence.num_computed, newest + 1), self._tensors)
             if positions and positions[-1] == newest:
-                feeds.append((index, state, positions, rows))
+                feeds.append((index, slot, positions, rows))
         if not feeds:
             return drafts
-        head = self.head
-        device = feeds[0][3].device
-        n = max(len(positions) for _, _, positions, _ in feeds)
-        batch = len(feeds)
-        hidden = feeds[0][3].new_zeros(batch, n, feeds[0][3].shape[-1])
-        tokens = torch.zeros(batch, n, dtype=torch.long)
-        places = torch.zeros(batch, n, dtype=torch.long)
-        counts = []
-        for b, (index, state, positions, rows) in enumerate(feeds):
-            ids = sequences[index].token_ids
-            hidden[b, : len(positions)] = rows
-            tokens[b, : len(positions)] = torch.tensor([ids[p + 1] for p in positions])
-            places[b, : len(positions)] = torch.tensor(positions)
-            counts.append(len(positions))
-        caches = [state.cache for _, state, _, _ in feeds]
-        out = head.step(hidden, tokens.to(device), places.to(device), counts, caches, from_model=True)
-        for _, state, _, _ in feeds:
-            state.real = state.cache.length
-        last = out[torch.arange(batch, device=device), torch.tensor(counts, device=device) - 1]  # [B, H]
-        next_position = torch.tensor([positions[-1] + 1 for _, _, positions, _ in feeds], device=device)
-        chain = []
         rounds = max(limits[index] for index, _, _, _ in feeds)
+        width = max(len(positions) for _, _, positions, _ in feeds)
+        graphs = self.graphs
+        if graphs is not None and width <= self.chain + 1 and len(feeds) <= graphs.sizes[-1]:
+            proposed = graphs.draft(feeds, sequences)[:, :rounds]
+        else:
+            proposed = self.draft(*self._inputs(feeds, sequences, len(feeds), width, feeds[0][3].device), rounds)
+        proposed = proposed.tolist()  # one device-to-host copy for the whole draft: [B, rounds, w]
+        for b, (index, _, _, _) in enumerate(feeds):
+            levels = proposed[b][: limits[index]]
+            if self.tree_width == 1:
+                drafts[index] = [level[0] for level in levels]
+            else:  # level d: the chain's node (index d·w, the parent of level d + 1), then its alternatives
+                w = self.tree_width
+                drafts[index] = DraftTree([t for level in levels for t in level],
+                                          [(d - 1) * w if d else -1 for d in range(len(levels)) for _ in range(w)])
+        return drafts
+
+    def _inputs(self, feeds, sequences, batch: int, width: int, device: torch.device, out=None):
+        """``draft``'s inputs for ``feeds`` padded to ``batch`` sequences of ``width`` positions (into ``out``'s tensors
+        when given): padding rows repeat a sequence's last position and are not valid; padding sequences use the
+        pad slot."""
+        hidden = out[0] if out is not None else feeds[0][3].new_zeros(batch, width, feeds[0][3].shape[-1])
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        places = torch.zeros(batch, width, dtype=torch.long)
+        valid = torch.zeros(batch, width, dtype=torch.bool)
+        slots = torch.full((batch,), self.cache.pad, dtype=torch.long)
+        for b, (index, slot, positions, rows) in enumerate(feeds):
+            ids, count = sequences[index].token_ids, len(positions)
+            hidden[b, :count] = rows
+            tokens[b, :count] = torch.tensor([ids[p + 1] for p in positions])
+            places[b, :count] = torch.tensor(positions)
+            places[b, count:] = positions[-1]
+            valid[b, :count] = True
+            slots[b] = slot
+        if out is not None:
+            for buffer, values in zip(out[1:], (tokens, places, valid, slots)):
+                buffer.copy_(values, non_blocking=True)
+            return out
+        return hidden, tokens.to(device), places.to(device), valid.to(device), slots.to(device)
+
+    def draft(self, hidden, tokens, positions, valid, slots, rounds: int) -> torch.Tensor:
+        """Feed the positions, then ``rounds`` chain steps from each sequence's last valid one: the model's token ids
+        of each round's ``tree_width`` likeliest, ``[B, rounds, tree_width]``. Tensor work only (a CUDA graph's body)."""
+        head = self.head
+        out = head.step(hidden, tokens, positions, valid, slots, self.cache, from_model=True)
+        last_index = valid.sum(1) - 1  # [B]; a padding sequence's (-1) picks its last row, unused
+        rows = torch.arange(len(slots), device=slots.device)
+        last = out[rows, last_index]  # [B, H]
+        position = positions[rows, last_index.clamp(min=0)] + 1
+        every = torch.ones_like(valid[:, :1])
+        chain = []
         for round_ in range(rounds):
-            drafted = head.to_target(head.logits(last).argmax(-1))  # [B]
-            chain.append(drafted)
+            logits = head.logits(last)
+            candidates = logits.argmax(-1, keepdim=True) if self.tree_width == 1 else logits.topk(self.tree_width, -1).indices
+            candidates = head.to_target(candidates)  # [B, w]
+            chain.append(candidates)
             if round_ + 1 == rounds:
                 break
-            last = head.step(last[:, None], drafted[:, None], (next_position + round_)[:, None], [1] * batch, caches,
+            last = head.step(last[:, None], candidates[:, :1], (position + round_)[:, None], every, slots, self.cache,
                              from_model=False)[:, 0]
-        proposed = torch.stack(chain, dim=1).tolist()  # one device-to-host copy for the whole chain
-        for b, (index, _, _, _) in enumerate(feeds):
-            drafts[index] = proposed[b][: limits[index]]
-        return drafts
+        return torch.stack(chain, dim=1)
 
     def _forget_finished(self) -> None:
         for seq_id, state in list(self._sequences.items()):
             sequence = state.sequence
             if sequence.finish_reason is not None or (sequence.request is not None and sequence.request.aborted):
                 del self._sequences[seq_id]
+                self.cache.release(seq_id)
+
+
+class HeadGraphs:
+    """A ``HeadDrafter``'s drafting steps captured as CUDA graphs, one per batch size, each feeding up to ``chain + 1``
+    positions a sequence and running ``chain`` rounds (a step that drafts fewer keeps the first rounds)."""
+
+    def __init__(self, drafter: HeadDrafter, slots: int):
+        from autodeploy.custom_ops.graph_capture import GraphCapture
+
+        self.drafter = drafter
+        self.sizes = [1 << i for i in range(max(slots - 1, 0).bit_length() + 1)]
+        self.sizes[-1] = slots
+        head, width = drafter.head, drafter.chain + 1
+        weight = head.embed_tokens.weight
+        self._inputs, self._outputs, self._graphs = {}, {}, {}
+        capture = GraphCapture(weight.device)
+        for size in reversed(self.sizes):  # largest first into one memory pool
+            inputs = (torch.zeros(size, width, head.model_width, dtype=weight.dtype, device=weight.device),
+                      torch.zeros(size, width, dtype=torch.long, device=weight.device),
+                      torch.zeros(size, width, dtype=torch.long, device=weight.device),
+                      torch.zeros(size, width, dtype=torch.bool, device=weight.device),
+                      torch.full((size,), drafter.cache.pad, dtype=torch.long, device=weight.device))
+            with torch.inference_mode():
+                self._graphs[size], self._outputs[size] = capture.capture(
+                    lambda *args: drafter.draft(*args, drafter.chain), inputs)
+            self._inputs[size] = inputs
+        logger.info("%s: drafting CUDA graphs at batch sizes %s, %.2f GiB; %s", drafter.name, self.sizes,
+                    capture.pool_bytes() / 2**30, capture.times)
+
+    def draft(self, feeds, sequences) -> torch.Tensor:
+        """``draft`` for ``feeds`` (each at most ``chain + 1`` positions): the captured graph of the smallest size that
+        holds them, replayed; its first ``len(feeds)`` rows."""
+        size = self.sizes[bisect.bisect_left(self.sizes, len(feeds))]
+        inputs = self._inputs[size]
+        inputs[0].zero_()
+        self.drafter._inputs(feeds, sequences, size, inputs[1].shape[1], inputs[0].device, out=inputs)
+        self._graphs[size].replay()
+        return self._outputs[size][: len(feeds)]
 
 
 def graph_embedding(graph) -> torch.Tensor | None:

@@ -28,6 +28,15 @@ def allocate_kv_caches(specs: Sequence[KVCacheSpec], num_blocks: int, block_size
     return caches
 
 
+def move_kv_entries(caches: dict[str, torch.Tensor], sources: torch.Tensor, targets: torch.Tensor) -> None:
+    """Copy every layer's keys and values at flat slots ``sources`` to ``targets`` (all read before any is written)."""
+    for cache in caches.values():
+        flat = cache.view(-1, *cache.shape[2:])
+        if cache.dtype == torch.float8_e4m3fn:  # no float8 index kernels on CPUs: move the bytes
+            flat = flat.view(torch.uint8)
+        flat.index_copy_(0, targets, flat.index_select(0, sources))
+
+
 def _activation_peak(device: torch.device, warm_up: Callable[[int], None], num_tokens: int, allocated_before: int) -> int:
     torch.cuda.reset_peak_memory_stats(device)
     warm_up(num_tokens)

@@ -41,11 +41,12 @@ from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.compiled_graph import TORCH_COMPILE_BACKENDS, CompiledGraph
 from autodeploy.runtime.cuda_graphs import DecodeGraphs
-from autodeploy.runtime.kv_cache import allocate_kv_caches, plan_num_blocks
+from autodeploy.runtime.kv_cache import allocate_kv_caches, move_kv_entries, plan_num_blocks
 from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs
 from autodeploy.runtime.pipeline_schedule import PipelineSchedule
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs, declared_side_inputs
+from autodeploy.runtime.device_copies import to_device
+from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs, declared_side_inputs, slot
 from autodeploy.runtime.verify_graphs import VerifyGraphs
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,13 @@ class ModelRunner:
             rows.append(row)
             row += chunk.length
         return rows
+
+    def move_kv(self, seq_id: int, sources: list[int], targets: list[int]) -> None:
+        """Copy sequence ``seq_id``'s KV entries at positions ``sources`` to positions ``targets`` in every layer (the
+        accepted path of a tree draft, ``runtime/speculative.py``), queued on the device."""
+        table, size = self.pool.block_table(seq_id), self.block_size
+        move_kv_entries(self.caches, to_device([slot(table, p, size) for p in sources], torch.long, self.device),
+                        to_device([slot(table, p, size) for p in targets], torch.long, self.device))
 
     def forward(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False) -> tuple[torch.Tensor, list[int]]:
         """One forward over ``chunks``: the logits ``[rows, vocab]`` and the chunks they belong to."""
@@ -212,7 +220,7 @@ class CapturedRunner(ModelRunner):
         # Speculative decoding: verification steps of num_tokens + 1 tokens a sequence, captured at the decode
         # sizes whose tokens fit the step's budget.
         speculative = deployment.settings.speculative
-        self.verify_tokens = speculative.num_tokens if speculative.method else 0
+        self.verify_tokens = speculative.num_tokens * speculative.tree_width if speculative.method else 0
         self.verify_sizes = [size for size in self.decode_sizes if size * (self.verify_tokens + 1) <= self.max_num_tokens] \
             if self.verify_tokens else []
         self.verify_graphs: VerifyGraphs | None = None

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from autodeploy.errors import ConfigError
-from autodeploy.runtime.hidden_state_heads import (CONTEXT, MLP, Attention, HeadDrafter, HiddenStateHead, LayerShape,
+from autodeploy.runtime.hidden_state_heads import (MLP, Attention, HeadDrafter, HiddenStateHead, LayerShape,
                                                    RMSNorm, graph_embedding, make_rotary, torch_dtype)
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS, register_drafter
 
@@ -179,5 +179,4 @@ def mtp_drafter(deployment, settings) -> HeadDrafter:
                           "checkpoint folder (weights=random?); deploy from a checkpoint with MTP layers")
     head = load_mtp_head(deployment.model_directory, graph_embedding(deployment.graph),
                          torch.device(deployment.settings.device), torch_dtype(deployment.settings.dtype))
-    return HeadDrafter(head, int((settings.options or {}).get("context", CONTEXT)),
-                       f"MTP layer of {deployment.model_directory}")
+    return HeadDrafter.for_deployment(head, f"MTP layer of {deployment.model_directory}", deployment, settings)

@@ -24,6 +24,7 @@ from autodeploy.runtime.outputs import CompletionOutput
 from autodeploy.runtime.request import Request, Sequence
 from autodeploy.runtime.sampler import PendingSample, SampleResult, SamplingRow, has_penalty, launch_sample
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
+from autodeploy.runtime.draft_trees import accepted_path, tree_depths, tree_path
 from autodeploy.runtime.speculative import accepted_prefix
 from autodeploy.runtime.structured_output import new_matcher, next_token_bitmask
 
@@ -38,6 +39,7 @@ class SamplingPlan:
     row_logits: list[int] = field(default_factory=list)
     owners: list[tuple[Sequence, int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # per owner: the drafted tokens it verifies ([] for none)
+    parents: list[list[int] | None] = field(default_factory=list)  # per owner: its draft's tree (None: a chain)
     beam_rows: list[tuple[Sequence, int]] = field(default_factory=list)
     # No beams, forks, penalties, grammars or drafts: the next step needs none of its tokens on the host.
     overlappable: bool = True
@@ -58,14 +60,19 @@ def plan_sampling(chunks: list[ScheduledChunk], vocab_size: int) -> SamplingPlan
         if chunk.draft:  # each row sampled as that position would be without speculation
             output = sequence.output_token_ids
             penalized = has_penalty(request.params)  # only penalties read the output: copy it only for them
-            for i in range(len(chunk.draft) + 1):
+            parents = chunk.draft_parents
+            depths = range(len(chunk.draft) + 1) if parents is None else [0, *tree_depths(parents)]
+            for i, depth in enumerate(depths):
                 bitmask = chunk.draft_bitmasks[i] if chunk.draft_bitmasks is not None else None
-                plan.rows.append(SamplingRow(request.params, request.seed, len(output) + i, request.prompt_token_ids,
-                                             output + chunk.draft[:i] if penalized else output,
+                before = (chunk.draft[:i] if parents is None else [chunk.draft[n] for n in tree_path(parents, i - 1)]) \
+                    if penalized else []
+                plan.rows.append(SamplingRow(request.params, request.seed, len(output) + depth, request.prompt_token_ids,
+                                             output + before if penalized else output,
                                              sample_index=sequence.index, token_bitmask=bitmask))
                 plan.row_logits.append(row + i)
             plan.owners.append((sequence, sequence.index))
             plan.drafts.append(chunk.draft)
+            plan.parents.append(parents)
             plan.overlappable = False
             row += len(chunk.draft) + 1
             continue
@@ -84,6 +91,7 @@ def plan_sampling(chunks: list[ScheduledChunk], vocab_size: int) -> SamplingPlan
             plan.row_logits.append(row)
             plan.owners.append((sequence, index))
             plan.drafts.append([])
+            plan.parents.append(None)
         plan.overlappable &= not forking and not has_penalty(request.params) and request.grammar is None
         row += 1
     plan.overlappable &= not plan.beam_rows
@@ -110,13 +118,15 @@ class TokenApplier:
 
     def __init__(self, pool: KVBlockPool, scheduler: Scheduler, requests: dict[str, Request], tokenizer,
                  on_verified: Callable[[int, int], None] | None = None,
-                 accept: Callable[[list[int], list[int]], int] = accepted_prefix):
+                 accept: Callable[[list[int], list[int]], int] = accepted_prefix,
+                 on_tree_path: Callable[[Sequence, int, list[int]], None] | None = None):
         self.pool = pool
         self.scheduler = scheduler
         self.requests = requests
         self.tokenizer = tokenizer
         self.on_verified = on_verified  # (drafted, accepted) of every verified draft: the speculator's statistics
         self.accept = accept  # (draft, sampled) -> how many draft tokens to keep: the prefix the model confirms
+        self.on_tree_path = on_tree_path  # (sequence, newest position, kept nodes) of a verified tree: KV entries move
 
     def apply(self, chunks: list[ScheduledChunk], plan: SamplingPlan, result: SampleResult | None,
               beam_logprobs: torch.Tensor | None, run_ahead: bool, now: float) -> list[Request]:
@@ -131,24 +141,33 @@ class TokenApplier:
         targets = [sequence if index == sequence.index or sequence.request.aborted else self._fork(sequence, index)
                    for sequence, index in plan.owners]
         first_row = 0
-        for (sequence, _), target, draft in zip(plan.owners, targets, plan.drafts):
+        for (sequence, _), target, draft, parents in zip(plan.owners, targets, plan.drafts, plan.parents):
             rows = range(first_row, first_row + 1 + len(draft))
             first_row = rows.stop
             if run_ahead:
                 sequence.num_pending -= 1
             if target.request.aborted or target.finish_reason is not None:
                 continue  # cancelled mid-step, or stopped on the token before this (a wasted row)
+            kept = []  # the draft's tokens the model confirms: a prefix of a chain, a path down a tree
             if draft:  # the draft's prefix the model confirms, then the model's own next token
-                accepted = self.accept(draft, [result.token_ids[i] for i in rows])
-                rows = rows[: accepted + 1]
-                target.num_drafted += len(draft)
-                target.num_accepted += accepted
+                sampled = [result.token_ids[i] for i in rows]
+                if parents is None:
+                    kept = list(range(self.accept(draft, sampled)))
+                    drafted = len(draft)
+                else:
+                    kept = accepted_path(draft, parents, sampled)
+                    drafted = max(tree_depths(parents))
+                    if self.on_tree_path is not None:
+                        self.on_tree_path(target, len(target.token_ids) - 1, kept)
+                rows = [rows[0], *(rows[0] + 1 + node for node in kept)]
+                target.num_drafted += drafted
+                target.num_accepted += len(kept)
                 if self.on_verified is not None:
-                    self.on_verified(len(draft), accepted)
+                    self.on_verified(drafted, len(kept))
             emitted = 0
             for i in rows:
                 # An accepted draft token is the one sampled (only the replay benchmark keeps others).
-                token = draft[emitted] if emitted < len(rows) - 1 else result.token_ids[i]
+                token = draft[kept[emitted]] if emitted < len(rows) - 1 else result.token_ids[i]
                 emitted += 1
                 target.append(token, self.tokenizer)
                 if target.grammar is not None:

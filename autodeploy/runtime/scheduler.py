@@ -49,6 +49,8 @@ class ScheduledChunk:
     # step (a logits row for each of the chunk's tokens), and the grammar's mask for each of those rows.
     draft: list[int] = field(default_factory=list)
     draft_bitmasks: list | None = None
+    # A tree draft: draft[i] follows draft[draft_parents[i]] (-1: the sequence's newest token); None: a chain.
+    draft_parents: list[int] | None = None
 
     @property
     def completes(self) -> bool:

@@ -114,13 +114,17 @@ def _bucket(batch: int) -> int:
     return 1 << max(batch - 1, 0).bit_length()
 
 
-def measure_step_costs(runner, batch_sizes: list[int], num_tokens: int, context: int = 64, repeats: int = 3) -> StepCosts:
+def measure_step_costs(runner, batch_sizes: list[int], num_tokens: int, context: int = 64, repeats: int = 3,
+                       width: int = 1) -> StepCosts:
     """Time a decode step and a verification step of ``num_tokens`` at each batch size, on ``runner`` (set up: its
-    pool and graphs) with throwaway sequences of ``context`` tokens whose blocks go back to the pool after."""
+    pool and graphs) with throwaway sequences of ``context`` tokens whose blocks go back to the pool after. Tree
+    drafts ``width`` wide verify ``num_tokens × width`` tokens for ``num_tokens`` positions: the cost of ``k``
+    positions is then that of ``k × width`` tokens (``StepCosts.seconds``, linear in ``k``); their expected tokens
+    are counted as a chain's, which a tree only raises."""
     decode, verify = [], []
     for batch in batch_sizes:
         decode.append(_time_step(runner, batch, context, 0, repeats))
-        verify.append(_time_step(runner, batch, context, num_tokens, repeats))
+        verify.append(_time_step(runner, batch, context, num_tokens * width, repeats))
     return StepCosts(tuple(batch_sizes), tuple(decode), tuple(verify), num_tokens)
 
 

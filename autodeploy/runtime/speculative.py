@@ -15,6 +15,14 @@ given that it is not ``d``, ends the step. That is rejection sampling against a 
 all its mass on ``d`` (accept with ``min(1, p(d)/q(d)) = p(d)``, else draw from ``(p - q)⁺``). So greedy
 decoding is token-identical with and without speculation, and a seeded request draws the same tokens either way.
 
+**Trees.** A drafter may return a ``DraftTree`` instead of a list: several candidates at a position, each node
+following its parent. The chunk then carries every node after the newest token (``ScheduledChunk.draft_parents``),
+each at the position of its depth and seeing only its ancestors (``cached_attention``'s ``tree_mask``); each row
+is sampled as its position would be after its path. ``accepted_path`` walks from the newest token to the child
+whose token the model sampled, as long as there is one, so the output is again exactly the model's; the accepted
+nodes' KV entries then move to the positions they now hold (``Speculator.relocate``). A chain is the tree whose
+every node has one child. Sequences with a grammar or penalties verify only the tree's main chain.
+
 Drafters are registered by name (``register_drafter``); ``speculative.method`` picks one. Built in: ``ngram``
 (prompt lookup, this module) and ``draft`` (a smaller model, ``runtime/draft_model.py``).
 
@@ -36,6 +44,8 @@ import torch
 
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.block_pool import KVBlockPool
+from autodeploy.runtime.draft_trees import DraftTree, tree_depths
+from autodeploy.runtime.sampler import has_penalty
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.speculation_costs import DraftingTimes, StepCosts, best_num_tokens
 from autodeploy.runtime.structured_output import next_token_bitmask
@@ -45,7 +55,8 @@ logger = logging.getLogger(__name__)
 
 class Drafter(Protocol):
     """Proposes tokens to verify: ``drafter(sequences, limits)`` returns, for each sequence, at most ``limits[i]``
-    token ids to follow its ``token_ids`` (fewer, or none, when it has no good guess). It runs on the engine's
+    token ids to follow its ``token_ids`` (fewer, or none, when it has no good guess), or a ``DraftTree`` at most
+    ``limits[i]`` deep. It runs on the engine's
     thread between steps, so it should be quick; it never changes the sequences."""
 
     def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]: ...
@@ -147,8 +158,9 @@ class Speculator:
     """The engine's side of speculation: drafts for a step's decode chunks, and the statistics."""
 
     def __init__(self, drafter: Drafter, num_tokens: int, pool: KVBlockPool, vocab_size: int, method: str = "",
-                 costs: StepCosts | None = None):
+                 costs: StepCosts | None = None, move_kv: Callable[[int, list[int], list[int]], None] | None = None):
         self.drafter = drafter
+        self.move_kv = move_kv  # (seq_id, from positions, to positions): the runner's KV copy for tree drafts
         self.num_tokens = num_tokens
         self.pool = pool
         self.vocab_size = vocab_size
@@ -183,7 +195,10 @@ class Speculator:
         if len(drafts) != len(candidates):
             raise RuntimeError(f"the {self.method!r} drafter returned {len(drafts)} drafts for {len(candidates)} sequences")
         for chunk, limit, draft in zip(candidates, limits, drafts):
-            draft = [int(t) for t in draft[: min(limit, budget)]]
+            parents = None
+            if isinstance(draft, DraftTree):
+                draft, parents = self._tree(chunk.sequence, draft, limit, budget)
+            draft = [int(t) for t in draft[: min(limit, budget)]] if parents is None else draft
             if any(not 0 <= t < self.vocab_size for t in draft):
                 raise RuntimeError(f"the {self.method!r} drafter proposed a token outside the vocabulary "
                                    f"(0 … {self.vocab_size - 1}): {draft}")
@@ -192,12 +207,40 @@ class Speculator:
                 draft, masks = _grammar_cut(chunk.sequence.grammar, draft, self.vocab_size)
             if not draft or not self.pool.reserve(chunk.sequence.seq_id, chunk.start + 1 + len(draft)):
                 continue
-            chunk.draft, chunk.draft_bitmasks = draft, masks
+            chunk.draft, chunk.draft_bitmasks, chunk.draft_parents = draft, masks, parents
             chunk.length = 1 + len(draft)
             budget -= len(draft)
             if budget <= 0:
                 break
         chunks.sort(key=lambda chunk: chunk.length == 1)
+
+    def _tree(self, sequence, tree: DraftTree, depth: int, budget: int) -> tuple[list[int], list[int] | None]:
+        """A drafted tree as the chunk carries it: its nodes down to ``depth``, as (tokens, parents); its main chain
+        alone (parents None) where only a chain may be verified (a grammar, penalties) or the tree is a chain or
+        does not fit ``budget``."""
+        tree.check(self.method)
+        keep = [d <= depth for d in tree_depths(tree.parents)]
+        index = {-1: -1}
+        tokens, parents = [], []
+        for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+            if keep[node] and parent in index:
+                index[node] = len(tokens)
+                tokens.append(int(token))
+                parents.append(index[parent])
+        chain_only = sequence.grammar is not None or has_penalty(sequence.request.params) or len(tokens) > budget
+        if chain_only or parents == list(range(-1, len(parents) - 1)):
+            return DraftTree(tokens, parents).main_chain(), None
+        return tokens, parents
+
+    def relocate(self, sequence, start: int, path: list[int]) -> None:
+        """A tree verified at ``start`` (the position of the sequence's newest token) kept the nodes ``path``: their
+        KV entries move to the positions they now hold, and a drafter with an ``accepted`` method hears which."""
+        moves = [(start + 1 + node, start + 1 + depth) for depth, node in enumerate(path) if node != depth]
+        if moves and self.move_kv is not None:
+            self.move_kv(sequence.seq_id, [a for a, _ in moves], [b for _, b in moves])
+        accepted = getattr(self.drafter, "accepted", None)
+        if accepted is not None:
+            accepted(sequence, start, path)
 
     def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor) -> None:
         """A forward over ``chunks`` was queued; chunk ``i``'s tokens are rows ``rows[i]…`` of ``hidden`` (the

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from autodeploy.custom_ops.serving_signature import TREE_MASK
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.runtime.device_copies import pinned_to_device, to_device
+from autodeploy.runtime.draft_trees import tree_depths, tree_masks
 from autodeploy.runtime.scheduler import ScheduledChunk
 
 TOKEN_INDEX_SUFFIX = "_token_index"
@@ -112,6 +114,8 @@ def build_step_inputs(
     pending_seq_ids: list[int] = []
     num_decode = 0
     max_q_len = 0
+    trees = TREE_MASK in input_names
+    tree_mask: list[int] = []
     for index, chunk in enumerate(chunks):
         sequence = chunk.sequence
         end = chunk.start + chunk.length
@@ -123,7 +127,12 @@ def build_step_inputs(
             pending_seq_ids.append(sequence.seq_id)
             input_ids.append(0)
         span = range(chunk.start, end)
-        positions += span
+        if chunk.draft_parents is None:
+            positions += span
+        else:  # a tree's nodes sit at the positions of their depths, in the slots after the newest token
+            positions += [chunk.start + depth for depth in (0, *tree_depths(chunk.draft_parents))]
+        if trees:
+            tree_mask += [-1] * chunk.length if chunk.draft_parents is None else tree_masks(chunk.draft_parents)
         slots += [slot(table, p, block_size) for p in span]
         if logits_for_all_tokens:
             logit_index += range(seq_start[-1], seq_start[-1] + chunk.length)
@@ -157,6 +166,7 @@ def build_step_inputs(
         "slot_mapping": to_device(slots, torch.long, device),
         "batch_info": torch.tensor([len(chunks) - num_decode, num_decode, max(max_q_len, 1), max(kv_lens)], dtype=torch.int32),
         "logit_index": to_device(logit_index, torch.long, device),
+        **({TREE_MASK: to_device(tree_mask, torch.long, device)} if trees else {}),
         **caches,
     }
     for spec in side_inputs:

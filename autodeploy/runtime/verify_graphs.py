@@ -12,7 +12,9 @@ Each size's ``batch_info`` is fixed at capture to ``[b, 0, K + 1, max_seq_len + 
 ``K + 1``-token chunk; the kernels size their grids for the longest possible one), ``seq_start`` to
 ``0, K + 1, 2 (K + 1), …``; ids, positions, slots, lengths and block tables are refilled per step from pinned
 host buffers in two copies. Padding positions are clamped below ``max_seq_len`` (the rotary tables end there)
-and block tables are wide enough for the padding's positions, so nothing reads past a table.
+and block tables are wide enough for the padding's positions, so nothing reads past a table. Tree drafts
+(``speculative.tree_width`` = w) make it ``K·w + 1`` tokens a sequence, their nodes at their depths' positions and
+their ``tree_mask`` rows filled in (every other row: -1, causal).
 
 Before a capture is used, its replay must give the logits an eager forward gives on the same inputs
 (``check``): a kernel that reads a host value at capture time would replay stale work, and then the graphs
@@ -31,6 +33,7 @@ import torch
 from autodeploy.custom_ops.graph_capture import GraphCapture
 from autodeploy.runtime.cuda_graphs import StaticBatch
 from autodeploy.runtime.device_copies import to_device
+from autodeploy.runtime.draft_trees import tree_depths, tree_masks
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import PendingTokens, slot
 
@@ -131,6 +134,7 @@ class VerifyGraphs:
         ids, last_position = rows.host64_np, self.max_seq_len - 1
         ids[:] = 0
         ids[2, :] = pad_slot  # padding writes its key and value into the pad block
+        ids[3, :] = -1  # causal, but for tree drafts' rows
         rows.host32_np[: rows.size] = width  # padding sequences: width tokens at positions 0 … width - 1
         rows.tables_np[:, :] = self.pad_block
         for row, chunk in enumerate(chunks):
@@ -140,6 +144,9 @@ class VerifyGraphs:
             tokens = (known or [0]) + list(chunk.draft)
             ids[0, first : first + len(tokens)] = tokens
             ids[1, first : first + width] = [min(chunk.start + j, last_position) for j in range(width)]
+            if chunk.draft_parents is not None:  # nodes at their depths' positions, seeing their ancestors
+                ids[1, first + 1 : first + chunk.length] = [chunk.start + d for d in tree_depths(chunk.draft_parents)]
+                ids[3, first : first + chunk.length] = tree_masks(chunk.draft_parents)
             ids[2, first : first + chunk.length] = [slot(table, chunk.start + j, bs) for j in range(chunk.length)]
             rows.host32_np[row] = chunk.start + width
             rows.tables_np[row, : len(table)] = table

@@ -12,7 +12,9 @@ float32, base 2 (``exp2``):
   × num_prefill``, and a program whose query block lies past its chunk's end returns at once. Query
   ``j`` of a chunk sits at absolute position ``kv_len - q_len + j``, so a chunk that follows a cached
   prefix (chunked prefill, prefix-cache hit) needs nothing special. Key tiles wholly outside the causal
-  and window bounds are never visited, and only the tiles that straddle a bound pay for the mask.
+  and window bounds are never visited, and only the tiles that straddle a bound pay for the mask. A tree
+  verification chunk (``tree_mask``, ``HAS_TREE``) also masks the tiles that hold its own keys, by each
+  row's bits; graphs without trees compile none of it.
 - **Decode**: one query per sequence, so one program per (sequence, kv head) would leave most of the
   GPU idle for a small batch over long contexts. Split-K cuts each sequence's visible keys into
   ``num_splits`` contiguous ranges, one program each: enough for about two programs per
@@ -179,13 +181,14 @@ def _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION: tl.con
 def _prefill_tiles(
     acc, row_sum, row_max, q, query_positions,
     k_base, v_base, block_table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-    first_tile, end_tile, kv_len, scale, logit_cap, window, slope,
+    first_tile, end_tile, kv_len, scale, logit_cap, window, slope, tree_rows, chunk_start,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Attend over key tiles ``first_tile … end_tile - 1``; ``MASKED`` tiles apply the causal/window mask.
-    ALiBi (``slope``, this head's) biases every tile, masked or not."""
+    """Attend over key tiles ``first_tile … end_tile - 1``; ``MASKED`` tiles apply the causal/window mask,
+    and with ``HAS_TREE`` the rows' ``tree_mask`` bits (``tree_rows [BLOCK_M]``) over the chunk's keys (from
+    position ``chunk_start``). ALiBi (``slope``, this head's) biases every tile, masked or not."""
     for tile in range(first_tile, end_tile):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k, v = _gather_kv(
@@ -200,6 +203,12 @@ def _prefill_tiles(
             visible = keys[None, :] <= query_positions[:, None]
             if HAS_WINDOW:
                 visible &= keys[None, :] > query_positions[:, None] - window
+            if HAS_TREE:
+                # Chunk key j is seen iff the row's bit j is set (-1: every bit). Keys past the 63rd belong to
+                # longer chunks, all rows -1 (bit 63 set): the shift stops at 63, inside an int64.
+                in_chunk = keys - chunk_start
+                bits = tree_rows[:, None] >> tl.minimum(tl.maximum(in_chunk, 0), 63).to(tl.int64)[None, :]
+                visible &= (in_chunk[None, :] < 0) | ((bits & 1) != 0)
             logits = tl.where(visible, logits, float("-inf"))
         acc, row_sum, row_max = _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION)
     return acc, row_sum, row_max
@@ -208,6 +217,7 @@ def _prefill_tiles(
 @triton.jit(do_not_specialize=["num_query_blocks", "stride_bt"])  # batch-dependent: see the note on integer arguments above
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
+    tree_mask_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     scale, logit_cap, window, num_query_blocks,
@@ -215,7 +225,7 @@ def _prefill_kernel(
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8_IN_F16: tl.constexpr,
+    HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_IN_F16: tl.constexpr,
 ):
     head = tl.program_id(0)
     # A chunk's last query blocks see the most keys; launching them first shortens the tail.
@@ -226,10 +236,11 @@ def _prefill_kernel(
     if query_block * BLOCK_M >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + seq)
+    chunk_start = kv_len - q_len  # the absolute position of the chunk's first token
 
     rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = rows < q_len
-    query_positions = kv_len - q_len + rows
+    query_positions = chunk_start + rows
     tokens = (q_start + rows).to(tl.int64)
     dims = tl.arange(0, D_PAD)
     q = tl.load(
@@ -239,10 +250,13 @@ def _prefill_kernel(
     )
     if FP8_IN_F16:
         q = _in_float16(q)
+    tree_rows = -1
+    if HAS_TREE:  # the rows' bitmasks over the chunk's keys, read once for all tiles
+        tree_rows = tl.load(tree_mask_ptr + tokens, mask=row_valid, other=-1)
 
     # Key tiles first_tile … end_tile - 1 are visible to some row of this block; of them, free_first …
     # free_end - 1 are visible to every row and skip the mask.
-    first_position = kv_len - q_len + query_block * BLOCK_M
+    first_position = chunk_start + query_block * BLOCK_M
     last_position = tl.minimum(first_position + BLOCK_M, kv_len) - 1
     first_tile = 0
     free_first = 0
@@ -250,7 +264,10 @@ def _prefill_kernel(
         first_tile = tl.maximum(first_position - window + 1, 0) // BLOCK_N
         free_first = tl.cdiv(tl.maximum(last_position - window + 1, 0), BLOCK_N)
     end_tile = tl.cdiv(last_position + 1, BLOCK_N)
-    free_end = tl.maximum(tl.minimum((first_position + 1) // BLOCK_N, end_tile), first_tile)
+    free_end = tl.minimum((first_position + 1) // BLOCK_N, end_tile)
+    if HAS_TREE:  # only a chunk of ≤ 63 tokens may have tree rows: the tiles holding its keys take the mask
+        free_end = tl.where(q_len <= 63, tl.minimum(free_end, chunk_start // BLOCK_N), free_end)
+    free_end = tl.maximum(free_end, first_tile)
     free_first = tl.minimum(tl.maximum(free_first, first_tile), free_end)
 
     kv_head = head // GROUP
@@ -272,17 +289,20 @@ def _prefill_kernel(
     acc, row_sum, row_max = _prefill_tiles(
         acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
         stride_kb, stride_kt, stride_vb, stride_vt, first_tile, free_first, kv_len, scale, logit_cap, window, slope,
-        True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+        tree_rows, chunk_start, True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
+        PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
     acc, row_sum, row_max = _prefill_tiles(
         acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
         stride_kb, stride_kt, stride_vb, stride_vt, free_first, free_end, kv_len, scale, logit_cap, window, slope,
-        False, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+        tree_rows, chunk_start, False, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
+        PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
     acc, row_sum, row_max = _prefill_tiles(
         acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
         stride_kb, stride_kt, stride_vb, stride_vt, free_end, end_tile, kv_len, scale, logit_cap, window, slope,
-        True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+        tree_rows, chunk_start, True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
+        PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
 
     # Rows past the chunk's end may see no key at all (under a window); they are not stored.
@@ -529,6 +549,7 @@ def cached_attention_triton(
     alibi_slopes: Optional[List[float]] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tree_mask: Optional[torch.Tensor] = None,
     *,
     num_decode_splits: Optional[int] = None,
     check: bool = True,
@@ -536,8 +557,9 @@ def cached_attention_triton(
     """``cached_attention`` with Triton kernels: same arguments, same result as ``cached_attention_reference``.
 
     Writes ``k``/``v`` into the caches, then runs the prefill kernel over the first ``num_prefill``
-    sequences and the split-K decode kernel over the last ``num_decode`` (``batch_info``, read on the
-    host). ``num_decode_splits`` overrides the split count chosen from the batch and context sizes.
+    sequences (a tree chunk's rows masked by their ``tree_mask`` bits) and the split-K decode kernel over
+    the last ``num_decode`` (``batch_info``, read on the host; decode rows are causal, so it reads no
+    ``tree_mask``). ``num_decode_splits`` overrides the split count chosen from the batch and context sizes.
     Raises ``ValueError`` for inputs these kernels do not support (see :func:`check_supported`);
     ``check=False`` skips those checks, for a caller that ran them once already (the backend op, whose
     ``supports`` checked the node at build).
@@ -545,7 +567,7 @@ def cached_attention_triton(
     if check:
         check_supported(
             q, k, v, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes,
-            num_decode_splits, device=q.device,
+            num_decode_splits, tree_mask, device=q.device,
         )
         if batch_info.device.type != "cpu":
             raise ValueError(
@@ -564,7 +586,7 @@ def cached_attention_triton(
     q_tokens = q[0] if q.stride(-1) == 1 else q[0].contiguous()
     return attend_over_cache(
         q_tokens, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window, logit_cap,
-        sinks, alibi_slopes, num_decode_splits, k_scale, v_scale,
+        sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask,
     )
 
 
@@ -596,12 +618,14 @@ def attend_over_cache(
     num_decode_splits: Optional[int] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tree_mask: Optional[torch.Tensor] = None,
     rope: Optional[dict] = None,
 ) -> torch.Tensor:
     """The attention half of :func:`cached_attention_triton`, once this step's keys and values are in the
     caches: the prefill and decode kernels over ``q_tokens [T, Hq, D]`` (last dim contiguous). Returns
     ``[1, T, Hq, Dv]``. An fp8 cache's scales act outside the kernels: ``k_scale`` scales the logits (it
-    joins ``scale``), ``v_scale`` the output (attention is linear in the values).
+    joins ``scale``), ``v_scale`` the output (attention is linear in the values). ``tree_mask``: the op's, read
+    by the prefill kernel only (None compiles its test out).
 
     ``rope`` (a batch without prefills only): the decode kernel's arguments for the new tokens, unrotated
     (``paged_attention_rope``'s fused decode path). The decode kernel then rotates them itself, writing q
@@ -632,8 +656,8 @@ def attend_over_cache(
         block_m, block_n, num_warps, num_stages = _prefill_config(max_q_len, max(shared["D_PAD"], shared["DV_PAD"]))
         num_query_blocks = triton.cdiv(max_q_len, block_m)
         _prefill_kernel[(q_heads, num_query_blocks, num_prefill)](
-            **shared, num_query_blocks=num_query_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, num_stages=num_stages,
+            **shared, tree_mask_ptr=tree_mask, num_query_blocks=num_query_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
+            HAS_TREE=tree_mask is not None, num_warps=num_warps, num_stages=num_stages,
         )
     if num_decode > 0:
         _launch_decode(
@@ -759,6 +783,7 @@ def check_supported(
     sinks: Optional[torch.Tensor],
     alibi_slopes: Optional[List[float]],
     num_decode_splits: Optional[int] = None,
+    tree_mask: Optional[torch.Tensor] = None,
     *,
     device: torch.device,
 ) -> None:
@@ -822,4 +847,12 @@ def check_supported(
     if num_decode_splits is not None and num_decode_splits < 1:
         raise ValueError(
             f"cached_attention_triton: num_decode_splits must be ≥ 1 (or None); got {num_decode_splits}."
+        )
+    tokens = q.shape[1]
+    if tree_mask is not None and not (
+        tree_mask.dtype == torch.int64 and tree_mask.shape == (tokens,) and tree_mask.stride(0) == 1
+    ):
+        raise ValueError(
+            f"cached_attention_triton: tree_mask must be a contiguous int64 [T={tokens}]; got {tree_mask.dtype} "
+            f"{tuple(tree_mask.shape)}."
         )

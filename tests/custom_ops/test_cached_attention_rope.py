@@ -21,6 +21,8 @@ from tests.custom_ops.test_paged_attention_triton import (  # noqa: F401  (the f
     gpu_only,
     interpreter_loops_with_numpy_2_4,
     paged_batch,
+    tree_rows,
+    with_tree_mask,
 )
 
 
@@ -92,6 +94,20 @@ def test_triton_mixed_batch_with_gqa(num_decode_splits, rope_write_launches):
     args = with_angles(paged_batch([(9, 9), (4, 40)], [33, 5, 70], q_heads=4, kv_heads=2))
     assert_matches_reference(cached_attention_rope_triton, args, launch=dict(num_decode_splits=num_decode_splits))
     assert rope_write_launches == [(16, 2)]
+
+
+def test_triton_tree_chunk_after_a_cached_prefix(rope_write_launches):
+    # The attention kernels take the op's tree_mask: a prompt chunk, a tree chunk (parents -1, 0, 0, 1, 2) and
+    # decodes, against the reference, through the backend op as a graph calls it (every argument positional).
+    batch = paged_batch([(9, 9), (5, 40)], [33, 5], q_heads=4, kv_heads=2)
+    tree_mask = with_tree_mask(batch, [-1] * 9 + tree_rows([-1, 0, 0, 1, 2]) + [-1] * 2)
+    args = with_angles(batch)
+    assert_matches_reference(cached_attention_rope_triton, args, tree_mask=tree_mask)
+    options = (None, None, None, None, 1.0, 1.0, tree_mask)
+    expected, _ = run(cached_attention_rope_reference, (*args, *options))
+    got, _ = run(backend("triton").op, (*args, *options))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert rope_write_launches == [(16, 2), (16, 2)]
 
 
 def first_decode_as_a_prefill(args: tuple) -> tuple:

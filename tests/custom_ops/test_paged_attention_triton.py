@@ -286,6 +286,118 @@ def test_offered_as_a_backend_of_cached_attention():
     torch.testing.assert_close(backend.fn(q, k, v, k_cache, v_cache, *metadata), expected, atol=1e-4, rtol=1e-4)
 
 
+def tree_rows(parents: list[int]) -> list[int]:
+    """A tree chunk's ``tree_mask`` rows: token ``i`` (parent ``parents[i]``, -1 for the root) sees its
+    ancestors and itself."""
+    rows: list[int] = []
+    for i, parent in enumerate(parents):
+        rows.append((rows[parent] if parent >= 0 else 0) | 1 << i)
+    return rows
+
+
+def random_tree(nodes: int, seed: int = 0) -> list[int]:
+    """``tree_rows`` of a random tree: each token after the root hangs from an earlier one."""
+    gen = torch.Generator().manual_seed(seed)
+    return tree_rows([-1] + [int(torch.randint(i, (1,), generator=gen)) for i in range(1, nodes)])
+
+
+def with_tree_mask(batch: tuple, rows: list[int]) -> torch.Tensor:
+    """``rows`` (one per new token of ``batch``) as the op's ``tree_mask``."""
+    assert len(rows) == batch[0].shape[1]
+    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("num_decode_splits", [1, 2])
+def test_tree_chunks_see_their_ancestors_beside_prompt_chunks_and_decodes(num_decode_splits):
+    # A prompt chunk, a tree chunk after a cached prefix (root, then nodes whose parents are 0, 0, 1, 2), a
+    # tree chunk with nothing cached, and decodes: only the tree chunks' rows differ from causal attention.
+    batch = paged_batch([(12, 12), (5, 40), (6, 6)], [33, 7], q_heads=4, kv_heads=2)
+    trees = tree_rows([-1, 0, 0, 1, 2]) + tree_rows([-1, 0, 1, 1, 0, 4])
+    tree_mask = with_tree_mask(batch, [-1] * 12 + trees + [-1] * 2)
+    assert tree_mask[12:17].tolist() == [0b1, 0b11, 0b101, 0b1011, 0b10101]
+    assert_matches_reference(batch, tree_mask=tree_mask, num_decode_splits=num_decode_splits)
+    q, k, v, k_cache, v_cache, *metadata = batch
+    causal = cached_attention_triton(q, k, v, k_cache.clone(), v_cache.clone(), *metadata)
+    tree = cached_attention_triton(q, k, v, k_cache.clone(), v_cache.clone(), *metadata, tree_mask=tree_mask)
+    differs = (tree - causal).abs().amax(dim=(0, 2, 3)) > 1e-3
+    # Rows whose ancestors are all the tokens before them (a root, its first child, a chain) are causal rows.
+    first_tree, second_tree = [False, False, True, True, True], [False, False, False, True, True, True]
+    assert differs.tolist() == [False] * 12 + first_tree + second_tree + [False] * 2
+
+
+def test_a_tree_mask_of_causal_rows_changes_nothing():
+    batch = paged_batch([(9, 9), (40, 70), (5, 40)], [33, 7], q_heads=4, kv_heads=2)
+    q, k, v, k_cache, v_cache, *metadata = batch
+    causal = cached_attention_triton(q, k, v, k_cache.clone(), v_cache.clone(), *metadata)
+    tree = cached_attention_triton(
+        q, k, v, k_cache.clone(), v_cache.clone(), *metadata, tree_mask=with_tree_mask(batch, [-1] * q.shape[1])
+    )
+    torch.testing.assert_close(tree, causal)
+
+
+@pytest.mark.parametrize("prefill_config", [None, (16, 16, 4, 3)], ids=["shipped", "16x16"])
+def test_tiles_every_row_of_a_query_block_sees_still_take_a_tree_chunks_bits(prefill_config, monkeypatch):
+    # Causally, a tile wholly before a query block's first row needs no mask; a tree chunk's keys in it still
+    # do. Shipped (a 32-row query block over 64-key tiles): the chunk's first key (position 63) ends tile 0,
+    # and rows 1 and 4 do not see it. 16 x 16: a 40-token random tree after 30 cached keys, whose third query
+    # block (rows 32 … 39) reaches tiles 0 … 2 (chunk keys 0 … 17 among them) with every row.
+    from autodeploy.custom_ops.triton import paged_attention
+
+    if prefill_config is None:
+        batch = paged_batch([(5, 68), (30, 30)], [9], q_heads=4, kv_heads=2)
+        rows = [0b1, 0b10, 0b110, 0b1001, 0b10010] + [-1] * 30 + [-1]
+    else:
+        monkeypatch.setattr(paged_attention, "_prefill_config", lambda max_q_len, dim_pad: prefill_config)
+        batch = paged_batch([(40, 70), (30, 30)], [9], q_heads=4, kv_heads=2)
+        rows = random_tree(40) + [-1] * 30 + [-1]
+    assert_matches_reference(batch, tree_mask=with_tree_mask(batch, rows), sinks=torch.randn(4, device=DEVICE))
+
+
+def test_the_largest_tree_chunk_uses_bit_62():
+    # 63 tokens over two 64-key tiles: the last row sees itself through bit 62.
+    batch = paged_batch([(63, 100)], [20], q_heads=2, kv_heads=1)
+    rows = random_tree(63, seed=3)
+    assert rows[-1] >> 62 == 1
+    assert_matches_reference(batch, tree_mask=with_tree_mask(batch, rows + [-1]))
+
+
+def test_the_backend_op_takes_the_tree_mask_last():
+    # The backend op, as a graph calls it: every argument positional, tree_mask last.
+    backend = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "triton")
+    q, k, v, k_cache, v_cache, *metadata = batch = paged_batch([(5, 12)], [9])
+    tree_mask = with_tree_mask(batch, tree_rows([-1, 0, 0, 2, 1]) + [-1])
+    options = (None, None, None, None, 1.0, 1.0, tree_mask)
+    expected = cached_attention_reference(q, k, v, k_cache.clone(), v_cache.clone(), *metadata, *options)
+    got = backend.op(q, k, v, k_cache, v_cache, *metadata, *options)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_tree_mask_of_another_dtype_or_length_is_refused():
+    # By the launch's checks, and at build by the backend's supports() on the node's meta tensors.
+    batch = paged_batch([(3, 3)])
+    backend = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "triton")
+    node = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in (*batch, None, None, None, None, 1.0, 1.0)]
+    cuda = torch.device("cuda")
+    for tree_mask in (torch.full((3,), -1, dtype=torch.int32), torch.full((4,), -1)):
+        with pytest.raises(ValueError, match="tree_mask must be a contiguous int64"):
+            cached_attention_triton(*batch, tree_mask=tree_mask.to(DEVICE))
+        assert "tree_mask must be" in backend.check([*node, tree_mask.to("meta")], cuda)
+    assert backend.check([*node, torch.full((3,), -1, device="meta")], cuda) is None
+
+
+@gpu_only
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_tree_chunks_at_production_shapes(head_dim, block_size):
+    # Long prompt chunks beside tree chunks of 20 and 63 tokens after long cached prefixes, and decodes.
+    batch = paged_batch(
+        [(300, 300), (20, 1100), (63, 1500), (1, 40)], [5000, 37, 1], q_heads=32, kv_heads=8,
+        head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16,
+    )
+    rows = [-1] * 300 + random_tree(20, seed=1) + random_tree(63, seed=2) + [-1] * 4
+    assert_matches_reference(batch, atol=2e-2, tree_mask=with_tree_mask(batch, rows))
+
+
 @gpu_only
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])

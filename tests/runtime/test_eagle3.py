@@ -13,7 +13,7 @@ import torch
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.eagle3 import Eagle3Config, Eagle3Head, eagle3_config, load_eagle3_head, save_eagle3_head
-from autodeploy.runtime.hidden_state_heads import HeadCache, HeadSequence
+from autodeploy.runtime.hidden_state_heads import HeadSequence
 from tests.runtime.test_engine import random_prompts
 from tests.tiny_models import tiny_hf_model
 
@@ -51,11 +51,11 @@ def check_what_the_head_is_fed(llm, expected_rows, seed: int) -> None:
     fed = []  # (positions, tokens, rows) of every catch-up step
     step = drafter.head.step
 
-    def spy(hidden, tokens, positions, counts, caches, from_model):
+    def spy(hidden, tokens, positions, valid, slots, cache, from_model):
         if from_model:
-            for b, count in enumerate(counts):
+            for b, count in enumerate(valid.sum(1).tolist()):
                 fed.append((positions[b, :count].tolist(), tokens[b, :count].tolist(), hidden[b, :count].clone()))
-        return step(hidden, tokens, positions, counts, caches, from_model)
+        return step(hidden, tokens, positions, valid, slots, cache, from_model)
 
     drafter.head.step = spy
     try:
@@ -94,6 +94,24 @@ def test_greedy_output_is_the_output_without_speculation(eagle_llm, llama_llm):
     assert eagle_llm.generate(prompts, seeded)[0].token_ids == llama_llm.generate(prompts, seeded)[0].token_ids
 
 
+def test_tree_drafts_give_the_output_without_speculation_and_feed_the_head_each_kept_position(llama_dir, head_dir,
+                                                                                              llama_llm):
+    tree_llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                          speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "tree_width": 3,
+                                       "auto": False})
+    prompts = random_prompts(3, seed=11, lengths=(5, 50))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in tree_llm.generate(prompts, params)] == \
+        [o.token_ids for o in llama_llm.generate(prompts, params)]
+    hf = tiny_hf_model("llama")
+
+    def entering_the_layers(sequence):
+        states = hf(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        return torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
+
+    check_what_the_head_is_fed(tree_llm, entering_the_layers, seed=6)  # the kept nodes' rows, not the slots'
+
+
 def test_cached_steps_equal_one_full_forward_and_drafts_map_to_the_models_vocabulary(llama_dir):
     hf = tiny_hf_model("llama")
     head = make_head(hf.config, seed=1, draft_vocab=256)
@@ -102,11 +120,12 @@ def test_cached_steps_equal_one_full_forward_and_drafts_map_to_the_models_vocabu
     fused, tokens = torch.randn(11, width), torch.randint(0, 512, (11,))
     with torch.no_grad():
         expected = head.reference_logits(fused, tokens)
-        cache = HeadCache()
+        cache = head.new_cache(slots=3, window=16, chain=4)
+        slot = torch.tensor([cache.slot(seq_id=9)])
         pieces = []
         for start, stop in ((0, 4), (4, 5), (5, 11)):
             out = head.step(fused[None, start:stop], tokens[None, start:stop], torch.arange(start, stop)[None],
-                            [stop - start], [cache], from_model=True)
+                            torch.ones(1, stop - start, dtype=torch.bool), slot, cache, from_model=True)
             pieces.append(head.logits(out[0]))
     torch.testing.assert_close(torch.cat(pieces), expected, atol=1e-5, rtol=1e-5)
     assert head.to_target(torch.tensor([0, 5, 255])).tolist() == [0, 10, 510]
@@ -125,8 +144,10 @@ def test_two_sequences_padded_into_one_step_equal_each_alone():
         hidden[0], hidden[1, :3] = a, b
         tokens = torch.zeros(2, 6, dtype=torch.long)
         tokens[0], tokens[1, :3] = ta, tb
-        out = head.logits(head.step(hidden, tokens, torch.arange(6).repeat(2, 1), [6, 3], [HeadCache(), HeadCache()],
-                                    from_model=True))
+        positions = torch.tensor([list(range(6)), [0, 1, 2, 2, 2, 2]])  # padding rows repeat the last position
+        valid = positions.new_tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]).bool()
+        cache = head.new_cache(slots=2, window=8, chain=1)
+        out = head.logits(head.step(hidden, tokens, positions, valid, torch.tensor([1, 0]), cache, from_model=True))
     torch.testing.assert_close(out[0], alone[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1, :3], alone[1], atol=1e-5, rtol=1e-5)
 
@@ -200,3 +221,55 @@ def test_held_rows_are_replaced_by_a_later_forward_and_capped_at_the_context():
     assert positions == [19, 20] and held[:, 0].tolist() == [19, 20.5]
     state.keep(30, 1, 30, 2, context=100)  # positions 21 … 29 never computed here (a prefix-cache hit): skipped
     assert state.take(32, tensors)[0] == [30, 31]
+
+
+def test_a_verified_tree_leaves_the_kept_nodes_rows_at_the_positions_they_take():
+    from types import SimpleNamespace
+
+    from autodeploy.runtime.hidden_state_heads import HeadDrafter
+    from autodeploy.runtime.scheduler import ScheduledChunk
+
+    hf = tiny_hf_model("llama")
+    drafter = HeadDrafter(make_head(hf.config), name="test head", tree_width=2)
+    sequence = SimpleNamespace(seq_id=7, finish_reason=None, request=None)
+    hidden = torch.arange(8, dtype=torch.float32)[:, None]  # row r holds r
+    chunk = ScheduledChunk(sequence, 10, 6, draft=[1, 2, 3, 4, 5], draft_parents=[-1, -1, 0, 1, 3])
+    drafter.observe([ScheduledChunk(SimpleNamespace(seq_id=8, finish_reason=None, request=None), 0, 2), chunk],
+                    [0, 2], hidden)
+    drafter.accepted(sequence, 10, [1, 3, 4])  # nodes 1, 3, 4 (rows 2 + 2, 2 + 4, 2 + 5) now hold positions 11, 12, 13
+    positions, rows = drafter._sequences[7].take(14, drafter._tensors)
+    assert positions == [10, 11, 12, 13] and rows[:, 0].tolist() == [2, 4, 6, 7]
+
+
+def test_past_its_window_the_head_attends_over_the_latest_positions_only():
+    hf = tiny_hf_model("llama")
+    head = make_head(hf.config, seed=6)
+    width = len(LAYERS) * hf.config.hidden_size
+    torch.manual_seed(7)
+    fused, tokens = torch.randn(30, width), torch.randint(0, 512, (30,))
+    with torch.no_grad():
+        cache = head.new_cache(slots=2, window=8, chain=2)
+        slot = torch.tensor([cache.slot(seq_id=1)])
+        for start, stop in ((0, 7), (7, 10), (10, 11), (11, 16), (16, 20), (20, 30)):  # the ring wraps, feeds overrun it
+            out = head.step(fused[None, start:stop], tokens[None, start:stop], torch.arange(start, stop)[None],
+                            torch.ones(1, stop - start, dtype=torch.bool), slot, cache, from_model=True)
+        fresh = head.new_cache(slots=1, window=8, chain=2)  # the last 8 positions alone give the last row's output
+        alone = head.step(fused[None, 22:], tokens[None, 22:], torch.arange(22, 30)[None],
+                          torch.ones(1, 8, dtype=torch.bool), torch.tensor([0]), fresh, from_model=True)
+    torch.testing.assert_close(out[0, -1], alone[0, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tree_width", [1, 2])
+def test_on_the_gpu_drafting_replays_captured_graphs_and_changes_no_token(llama_dir, head_dir, gpu_llama_llm, tree_width):
+    llm = autodeploy(str(llama_dir), device="cuda", dtype="float32", kv_cache={"num_blocks": 64}, verify={"enabled": False},
+                     speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "tree_width": tree_width,
+                                  "auto": False})
+    drafter = llm.engine.speculator.drafter
+    assert drafter.graphs is not None and drafter.graphs.sizes[0] == 1
+    replays = []
+    draft = drafter.graphs.draft
+    drafter.graphs.draft = lambda feeds, sequences: (replays.append(len(feeds)), draft(feeds, sequences))[1]
+    prompts = random_prompts(6, seed=11, lengths=(5, 50))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in gpu_llama_llm.generate(prompts, params)]
+    assert replays and llm.engine.speculator.stats.drafted > 0
