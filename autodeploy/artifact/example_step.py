@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.custom_ops.serving_signature import TREE_MASK, KVCacheSpec
 from autodeploy.errors import ExportError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.kv_cache import allocate_kv_caches
@@ -38,7 +38,7 @@ def _dynamic_dims(graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec])
     dims: dict[str, dict[int, object] | None] = {
         "input_ids": {1: tokens}, "position_ids": {1: tokens}, "slot_mapping": {0: tokens},
         "seq_start": {0: sequences + 1}, "kv_lens": {0: sequences}, "block_tables": {0: sequences, 1: blocks},
-        "batch_info": None, "logit_index": {0: rows},
+        "batch_info": None, "logit_index": {0: rows}, TREE_MASK: {0: tokens},
     }
     for spec in kv_caches:
         dims[spec.key_input] = dims[spec.value_input] = {0: cache_blocks}

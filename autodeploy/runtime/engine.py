@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from autodeploy.deployment import Deployment
-from autodeploy.errors import InvalidRequestError
+from autodeploy.custom_ops.serving_signature import TREE_MASK
+from autodeploy.errors import ConfigError, InvalidRequestError
 from autodeploy.runtime import draft_model, eagle3, mtp  # noqa: F401  (register the "draft", "eagle3" and "mtp" drafters)
 from autodeploy.runtime.model_runner import make_model_runner
 from autodeploy.runtime.rank_mirror import Command, Peers, RankMirror
@@ -78,6 +79,9 @@ class Engine:
         self.max_num_tokens = settings.scheduler.max_num_tokens
         self.runner = make_model_runner(deployment)
         speculative = settings.speculative
+        if speculative.method and speculative.tree_width > 1 and TREE_MASK not in self.runner.graph_inputs:
+            raise ConfigError("speculative.tree_width > 1, but this deployment's graph was built without tree drafts (no "
+                              "tree_mask input: saved before, or built with tree_width 1); build it again with the tree_width")
         # A draft model's runner sizes its own pool first: the model's pool takes the memory left.
         drafter = make_drafter(deployment, speculative) if speculative.method else None
         started = time.perf_counter()

@@ -327,7 +327,7 @@ class HeadDrafter:
     CUDA graph captured per batch size (1, 2, 4, … ``slots``): the feed and all ``chain`` rounds in one launch."""
 
     def __init__(self, head: HiddenStateHead, context: int = CONTEXT, name: str = "head", tree_width: int = 1,
-                 slots: int = 64, chain: int = 4):
+                 slots: int = 64, chain: int = 4, graphs: bool | None = None):
         self.head = head
         self.context = context
         self.name = name
@@ -339,7 +339,9 @@ class HeadDrafter:
         self._tensors: dict[int, torch.Tensor] = {}  # step → the hidden states of its rows (a copy)
         self._step = 0
         self._tree_rows: dict[int, tuple[int, int]] = {}  # seq_id → (step, first row) of its tree chunk in flight
-        self.graphs = HeadGraphs(self, slots) if head.embed_tokens.weight.is_cuda else None
+        # None: on a GPU. On the CPU the same padded static inputs run eagerly (what the tests check).
+        on_gpu = head.embed_tokens.weight.is_cuda
+        self.graphs = HeadGraphs(self, slots, capture=on_gpu) if (on_gpu if graphs is None else graphs) else None
 
     @classmethod
     def for_deployment(cls, head: HiddenStateHead, name: str, deployment, settings) -> HeadDrafter:
@@ -348,7 +350,7 @@ class HeadDrafter:
                    deployment.settings.max_batch_size, settings.num_tokens)
 
     def describe(self) -> str:
-        graphs = f"; drafting steps replay CUDA graphs at batch sizes {self.graphs.sizes}" if self.graphs else ""
+        graphs = f"; drafting steps replay CUDA graphs at batch sizes {self.graphs.sizes}" if self.graphs and self.graphs.captured else ""
         return f"  {self.name}: {self.check}{graphs}"
 
     def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor) -> None:
@@ -477,30 +479,36 @@ class HeadDrafter:
 
 class HeadGraphs:
     """A ``HeadDrafter``'s drafting steps captured as CUDA graphs, one per batch size, each feeding up to ``chain + 1``
-    positions a sequence and running ``chain`` rounds (a step that drafts fewer keeps the first rounds)."""
+    positions a sequence and running ``chain`` rounds (a step that drafts fewer keeps the first rounds). Without
+    ``capture`` (the CPU) the same padded static inputs run eagerly."""
 
-    def __init__(self, drafter: HeadDrafter, slots: int):
-        from autodeploy.custom_ops.graph_capture import GraphCapture
-
+    def __init__(self, drafter: HeadDrafter, slots: int, capture: bool = True):
         self.drafter = drafter
         self.sizes = [1 << i for i in range(max(slots - 1, 0).bit_length() + 1)]
         self.sizes[-1] = slots
         head, width = drafter.head, drafter.chain + 1
         weight = head.embed_tokens.weight
-        self._inputs, self._outputs, self._graphs = {}, {}, {}
-        capture = GraphCapture(weight.device)
-        for size in reversed(self.sizes):  # largest first into one memory pool
-            inputs = (torch.zeros(size, width, head.model_width, dtype=weight.dtype, device=weight.device),
-                      torch.zeros(size, width, dtype=torch.long, device=weight.device),
-                      torch.zeros(size, width, dtype=torch.long, device=weight.device),
-                      torch.zeros(size, width, dtype=torch.bool, device=weight.device),
-                      torch.full((size,), drafter.cache.pad, dtype=torch.long, device=weight.device))
-            with torch.inference_mode():
-                self._graphs[size], self._outputs[size] = capture.capture(
-                    lambda *args: drafter.draft(*args, drafter.chain), inputs)
-            self._inputs[size] = inputs
-        logger.info("%s: drafting CUDA graphs at batch sizes %s, %.2f GiB; %s", drafter.name, self.sizes,
-                    capture.pool_bytes() / 2**30, capture.times)
+        self._inputs = {size: (torch.zeros(size, width, head.model_width, dtype=weight.dtype, device=weight.device),
+                               torch.zeros(size, width, dtype=torch.long, device=weight.device),
+                               torch.zeros(size, width, dtype=torch.long, device=weight.device),
+                               torch.zeros(size, width, dtype=torch.bool, device=weight.device),
+                               torch.full((size,), drafter.cache.pad, dtype=torch.long, device=weight.device))
+                        for size in self.sizes}
+        self._outputs, self._graphs = {}, {}
+        if capture:
+            from autodeploy.custom_ops.graph_capture import GraphCapture
+
+            graphs = GraphCapture(weight.device)
+            for size in reversed(self.sizes):  # largest first into one memory pool
+                with torch.inference_mode():
+                    self._graphs[size], self._outputs[size] = graphs.capture(
+                        lambda *args: drafter.draft(*args, drafter.chain), self._inputs[size])
+            logger.info("%s: drafting CUDA graphs at batch sizes %s, %.2f GiB; %s", drafter.name, self.sizes,
+                        graphs.pool_bytes() / 2**30, graphs.times)
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
 
     def draft(self, feeds, sequences) -> torch.Tensor:
         """``draft`` for ``feeds`` (each at most ``chain + 1`` positions): the captured graph of the smallest size that
@@ -509,6 +517,8 @@ class HeadGraphs:
         inputs = self._inputs[size]
         inputs[0].zero_()
         self.drafter._inputs(feeds, sequences, size, inputs[1].shape[1], inputs[0].device, out=inputs)
+        if size not in self._graphs:  # not captured (the CPU): the same static inputs, eagerly
+            return self.drafter.draft(*inputs, self.drafter.chain)[: len(feeds)]
         self._graphs[size].replay()
         return self._outputs[size][: len(feeds)]
 

@@ -273,3 +273,31 @@ def test_on_the_gpu_drafting_replays_captured_graphs_and_changes_no_token(llama_
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in gpu_llama_llm.generate(prompts, params)]
     assert replays and llm.engine.speculator.stats.drafted > 0
+
+
+def test_the_padded_static_inputs_a_cuda_graph_replays_draft_what_the_eager_step_drafts(llama_dir, head_dir, llama_llm):
+    from autodeploy.runtime.hidden_state_heads import HeadGraphs
+
+    def build(static: bool):
+        llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False}, max_batch_size=6,
+                         speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "tree_width": 2,
+                                      "auto": False})
+        drafter = llm.engine.speculator.drafter
+        drafter.graphs = HeadGraphs(drafter, slots=6, capture=False) if static else None
+        return llm
+
+    prompts = random_prompts(5, seed=12, lengths=(5, 40))
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    runs = []
+    for static in (False, True):
+        llm = build(static)
+        drafts = []
+        drafter = llm.engine.speculator.drafter
+        call = drafter.__class__.__call__
+        llm.engine.speculator.drafter = lambda sequences, limits: (lambda out: (drafts.append(out), out)[1])(
+            call(drafter, sequences, limits))
+        llm.engine.speculator.drafter.observe = drafter.observe
+        llm.engine.speculator.drafter.accepted = drafter.accepted
+        runs.append(([o.token_ids for o in llm.generate(prompts, params)], drafts))
+    assert runs[0][0] == runs[1][0] == [o.token_ids for o in llama_llm.generate(prompts, params)]
+    assert runs[0][1] == runs[1][1] and any(runs[0][1])

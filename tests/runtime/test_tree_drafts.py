@@ -191,3 +191,15 @@ def test_on_the_gpu_tree_verification_through_captured_graphs_changes_no_token(g
         assert [o.outputs[0].token_ids for o in gpu_tree_llm.generate(prompts, params)] == [e.token_ids for e in expected]
         assert gpu_tree_llm.engine.speculator.stats.accepted - before > 50
     assert gpu_tree_llm.engine.pool.num_used_blocks == 0
+
+
+def test_a_tree_deployment_saves_and_a_graph_without_tree_masks_refuses_trees(tree_llm, llama_llm, tmp_path):
+    reloaded = autodeploy(str(tree_llm.save(tmp_path / "tree")),
+                          speculative={"method": "test_trees", "num_tokens": 4, "tree_width": 3, "auto": False})
+    prompts = random_prompts(4, seed=9, lengths=(5, 40))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0] for o in llama_llm.generate(prompts, params)]
+    TREES["propose"] = hidden_path_trees({tuple(p): list(e.token_ids) for p, e in zip(prompts, expected)}, seed=3)
+    assert [o.outputs[0].token_ids for o in reloaded.generate(prompts, params)] == [e.token_ids for e in expected]
+    with pytest.raises(ConfigError, match="built without tree drafts"):
+        autodeploy(str(llama_llm.save(tmp_path / "plain")), speculative={"method": "test_trees", "tree_width": 2})
