@@ -95,7 +95,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.speculator = (Speculator(drafter, speculative.num_tokens, self.pool, vocab_size, speculative.method,
                                       self._step_costs(speculative.num_tokens, speculative.tree_width) if speculative.auto else None,
-                                      move_kv=self.runner.move_kv)
+                                      runner=self.runner)
                            if drafter is not None else None)
         # What a hidden-state drafter (eagle3, mtp) reads: the graph's copy of the layers it asked for.
         self.hidden_states = getattr(deployment.graph, HIDDEN_STATES, None) if self.speculator is not None else None
@@ -303,7 +303,7 @@ class Engine:
                 raise
         try:
             logits = run()
-            if self.hidden_states is not None:  # a hidden-state drafter copies this step's rows now
+            if self.hidden_states is not None and self.speculator is not None:  # a hidden-state drafter copies this step's rows now
                 self.speculator.observe(plan.chunks, self.runner.staged_rows(plan.chunks), self.hidden_states)
             step.sample, step.beam_logprobs = launch_sampling(step.sampling, logits)
         except Exception as error:
@@ -350,6 +350,8 @@ class Engine:
         with self._lock:
             try:
                 changed = self.tokens.apply(step.chunks, step.sampling, result, step.beam_logprobs, step.run_ahead, self.clock())
+                if self.speculator is not None:
+                    self.speculator.flush_moves()
             except Exception as error:
                 self._fail(step.chunks, error)
                 raise

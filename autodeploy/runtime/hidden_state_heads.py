@@ -418,10 +418,11 @@ class HeadDrafter:
             levels = proposed[b][: limits[index]]
             if self.tree_width == 1:
                 drafts[index] = [level[0] for level in levels]
-            else:  # level d: the chain's node (index d·w, the parent of level d + 1), then its alternatives
-                w = self.tree_width
-                drafts[index] = DraftTree([t for level in levels for t in level],
-                                          [(d - 1) * w if d else -1 for d in range(len(levels)) for _ in range(w)])
+            else:  # the chain first (node d at level d: a kept chain prefix needs no KV move), then each level's
+                # alternatives, children of the chain's node above them
+                drafts[index] = DraftTree([level[0] for level in levels] + [t for level in levels for t in level[1:]],
+                                          [d - 1 for d in range(len(levels))]
+                                          + [d - 1 for d, level in enumerate(levels) for _ in level[1:]])
         return drafts
 
     def _inputs(self, feeds, sequences, batch: int, width: int, device: torch.device, out=None):

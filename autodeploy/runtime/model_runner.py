@@ -126,12 +126,15 @@ class ModelRunner:
             row += chunk.length
         return rows
 
-    def move_kv(self, seq_id: int, sources: list[int], targets: list[int]) -> None:
-        """Copy sequence ``seq_id``'s KV entries at positions ``sources`` to positions ``targets`` in every layer (the
-        accepted path of a tree draft, ``runtime/speculative.py``), queued on the device."""
+    def kv_slots(self, seq_id: int, positions: list[int]) -> list[int]:
+        """The flat cache slots of sequence ``seq_id``'s ``positions``."""
         table, size = self.pool.block_table(seq_id), self.block_size
-        move_kv_entries(self.caches, to_device([slot(table, p, size) for p in sources], torch.long, self.device),
-                        to_device([slot(table, p, size) for p in targets], torch.long, self.device))
+        return [slot(table, p, size) for p in positions]
+
+    def move_kv(self, sources: list[int], targets: list[int]) -> None:
+        """Copy the KV entries at flat slots ``sources`` to slots ``targets`` in every layer (the accepted paths of a
+        step's tree drafts, ``runtime/speculative.py``), queued on the device: two kernels a cache."""
+        move_kv_entries(self.caches, to_device(sources, torch.long, self.device), to_device(targets, torch.long, self.device))
 
     def forward(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False) -> tuple[torch.Tensor, list[int]]:
         """One forward over ``chunks``: the logits ``[rows, vocab]`` and the chunks they belong to."""

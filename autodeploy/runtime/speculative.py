@@ -20,7 +20,7 @@ following its parent. The chunk then carries every node after the newest token (
 each at the position of its depth and seeing only its ancestors (``cached_attention``'s ``tree_mask``); each row
 is sampled as its position would be after its path. ``accepted_path`` walks from the newest token to the child
 whose token the model sampled, as long as there is one, so the output is again exactly the model's; the accepted
-nodes' KV entries then move to the positions they now hold (``Speculator.relocate``). A chain is the tree whose
+nodes' KV entries then move to the positions they now hold (``Speculator.relocate``, one copy a step). A chain is the tree whose
 every node has one child. Sequences with a grammar or penalties verify only the tree's main chain.
 
 Drafters are registered by name (``register_drafter``); ``speculative.method`` picks one. Built in: ``ngram``
@@ -158,9 +158,10 @@ class Speculator:
     """The engine's side of speculation: drafts for a step's decode chunks, and the statistics."""
 
     def __init__(self, drafter: Drafter, num_tokens: int, pool: KVBlockPool, vocab_size: int, method: str = "",
-                 costs: StepCosts | None = None, move_kv: Callable[[int, list[int], list[int]], None] | None = None):
+                 costs: StepCosts | None = None, runner=None):
         self.drafter = drafter
-        self.move_kv = move_kv  # (seq_id, from positions, to positions): the runner's KV copy for tree drafts
+        self.runner = runner  # its kv_slots and move_kv move the kept nodes of tree drafts
+        self._moves: tuple[list[int], list[int]] = ([], [])  # KV slots to copy from, to: the step's kept tree nodes
         self.num_tokens = num_tokens
         self.pool = pool
         self.vocab_size = vocab_size
@@ -234,13 +235,22 @@ class Speculator:
 
     def relocate(self, sequence, start: int, path: list[int]) -> None:
         """A tree verified at ``start`` (the position of the sequence's newest token) kept the nodes ``path``: their
-        KV entries move to the positions they now hold, and a drafter with an ``accepted`` method hears which."""
+        KV entries are to move to the positions they now hold (``flush_moves``, once for the step), and a drafter
+        with an ``accepted`` method hears which."""
         moves = [(start + 1 + node, start + 1 + depth) for depth, node in enumerate(path) if node != depth]
-        if moves and self.move_kv is not None:
-            self.move_kv(sequence.seq_id, [a for a, _ in moves], [b for _, b in moves])
+        if moves and self.runner is not None:  # slots now: the blocks past the kept tokens are freed next
+            self._moves[0].extend(self.runner.kv_slots(sequence.seq_id, [a for a, _ in moves]))
+            self._moves[1].extend(self.runner.kv_slots(sequence.seq_id, [b for _, b in moves]))
         accepted = getattr(self.drafter, "accepted", None)
         if accepted is not None:
             accepted(sequence, start, path)
+
+    def flush_moves(self) -> None:
+        """Copy the step's kept tree nodes' KV entries into place (before any forward can reuse a freed block)."""
+        sources, targets = self._moves
+        if sources:
+            self._moves = ([], [])
+            self.runner.move_kv(sources, targets)
 
     def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor) -> None:
         """A forward over ``chunks`` was queued; chunk ``i``'s tokens are rows ``rows[i]…`` of ``hidden`` (the

@@ -113,13 +113,13 @@ def test_output_is_the_output_without_speculation_under_preemption(tree_llm, lla
     TREES["propose"] = hidden_path_trees(continuation, seed=1) if drafter == "hidden path" else random_trees(5)
     engine = tree_llm.engine
     moves = []
-    move_kv = engine.speculator.move_kv
-    engine.speculator.move_kv = lambda seq_id, sources, targets: (moves.append(len(sources)), move_kv(seq_id, sources, targets))
+    runner = engine.runner
+    runner.move_kv = lambda sources, targets: (moves.append(len(sources)), type(runner).move_kv(runner, sources, targets))
     before = engine.speculator.stats.accepted
     try:
         outputs = _run(tree_llm, prompts, params)
     finally:
-        engine.speculator.move_kv = move_kv
+        del runner.move_kv
     assert [o.token_ids for o in outputs] == [e.token_ids for e in expected]
     for output, reference in zip(outputs, expected):
         assert (output.logprobs is None) == (reference.logprobs is None)
