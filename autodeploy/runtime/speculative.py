@@ -255,7 +255,11 @@ class Speculator:
     def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor) -> None:
         """A forward over ``chunks`` was queued; chunk ``i``'s tokens are rows ``rows[i]…`` of ``hidden`` (the
         hidden states the drafter asked for). The drafter takes its copy now, before the next forward overwrites
-        them."""
+        them. With ``auto``, a step of decodes alone that drafts nothing is not handed over: at large batches keeping
+        every sequence's row costs what speculation is off to save. A sequence that drafts again later starts from
+        the positions seen since (fewer accepted tokens, never other output)."""
+        if self.costs is not None and not self.drafting and all(chunk.length == 1 for chunk in chunks):
+            return
         self.drafter.observe(chunks, rows, hidden)
 
     def record(self, drafted: int, accepted: int) -> None:

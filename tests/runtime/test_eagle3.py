@@ -301,3 +301,21 @@ def test_the_padded_static_inputs_a_cuda_graph_replays_draft_what_the_eager_step
         runs.append(([o.token_ids for o in llm.generate(prompts, params)], drafts))
     assert runs[0][0] == runs[1][0] == [o.token_ids for o in llama_llm.generate(prompts, params)]
     assert runs[0][1] == runs[1][1] and any(runs[0][1])
+
+
+def test_with_auto_a_decode_step_that_drafts_nothing_hands_the_drafter_nothing(llama_dir, head_dir, llama_llm):
+    from autodeploy.runtime.speculation_costs import StepCosts
+
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "auto": False})
+    speculator = llm.engine.speculator
+    speculator.costs = StepCosts((1, 64), (1.0, 64.0), (100.0, 6400.0), 3)  # verifying never pays
+    observed = []
+    observe = speculator.drafter.observe
+    speculator.drafter.observe = lambda chunks, rows, hidden: (observed.append([c.length for c in chunks]),
+                                                                observe(chunks, rows, hidden))
+    prompts = random_prompts(2, seed=4, lengths=(20, 30))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in llama_llm.generate(prompts, params)]
+    assert observed and all(max(lengths) > 1 for lengths in observed)  # the prompts' steps only
+    assert speculator.stats.drafted == 0
