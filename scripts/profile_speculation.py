@@ -80,8 +80,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     target = target_folder(root)
     head = head_folder(root, target)
-    plain = autodeploy(str(target), weights="random", max_batch_size=max(batches))
-    spec = autodeploy(str(target), weights="random", max_batch_size=max(batches),
+    plain = autodeploy(str(target), weights="random", max_batch_size=max(batches), kv_cache={"memory_fraction": 0.2})
+    spec = autodeploy(str(target), weights="random", max_batch_size=max(batches), kv_cache={"memory_fraction": 0.2},
                       speculative={"method": "eagle3", "model": str(head), "num_tokens": args.num_tokens,
                                    "tree_width": args.tree_width, "auto": False})
     engine = spec.engine

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 from abc import ABC, abstractmethod
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autodeploy.runtime.device_copies import pinned_to_device
 from autodeploy.runtime.draft_trees import DraftTree
 from autodeploy.runtime.scheduler import ScheduledChunk
 
@@ -65,10 +66,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Hugging Face's Llama norm (float32 statistics, the weight applied in the input's dtype) in one fused op.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -132,16 +131,16 @@ class SlotCache:
         self.positions[slots, index] = positions
 
     def attend(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Queries ``[B, heads, n, head_dim]`` at positions ``[B, n]`` over their slots ``[B]`` → ``[B, heads, n, head_dim]``."""
+        """Queries ``[B, heads, n, head_dim]`` at positions ``[B, n]`` over their slots ``[B]`` → ``[B, heads, n, head_dim]``:
+        one fused attention call, each kv head's query heads stacked as rows (no copy of the keys per head)."""
         batch, heads, n, head_dim = q.shape
         keys, values, held = self.k[slots], self.v[slots], self.positions[slots]  # [B, kv, C, D], [B, C]
-        kv_heads = keys.shape[1]
+        kv_heads, group = keys.shape[1], heads // keys.shape[1]
         held, at = held[:, None, :], positions[:, :, None]
         visible = (held >= 0) & (held <= at) & (held > at - self.window)  # [B, n, C]
-        scores = q.reshape(batch, kv_heads, heads // kv_heads * n, head_dim) @ keys.transpose(-1, -2) / math.sqrt(head_dim)
-        scores = scores.float().view(batch, kv_heads, heads // kv_heads, n, -1).masked_fill(~visible[:, None, None], float("-inf"))
-        weights = scores.softmax(-1).to(values.dtype).view(batch, kv_heads, heads // kv_heads * n, -1)
-        return (weights @ values).view(batch, heads, n, head_dim)
+        mask = visible[:, None, None].expand(batch, 1, group, n, visible.shape[-1]).reshape(batch, 1, group * n, -1)
+        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=mask)
+        return out.view(batch, heads, n, head_dim)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -208,12 +207,29 @@ class HiddenStateHead(nn.Module, ABC):
         q = attn.q_proj(attention_in).view(batch, n, attn.heads, c.head_dim).transpose(1, 2)
         k = attn.k_proj(attention_in).view(batch, n, attn.kv_heads, c.head_dim).transpose(1, 2)
         v = attn.v_proj(attention_in).view(batch, n, attn.kv_heads, c.head_dim).transpose(1, 2)
-        cos, sin = self.rotary(x, positions)
+        cos, sin = self.angles(x, positions)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         cache.write(torch.where(valid, slots[:, None], cache.pad), positions, k, v)
         out = cache.attend(q, slots, positions)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n, attn.heads * c.head_dim))
         return x + mlp(post_norm(x))
+
+    rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, head_dim] (tabulate_rotary)
+
+    def tabulate_rotary(self, positions: int) -> None:
+        """Compute the rotary angles of positions ``0 … positions - 1`` once: a step then looks them up (two gathers)
+        instead of computing them (a drafting graph's kernels are its cost). Later positions use the last."""
+        weight = self.embed_tokens.weight
+        cos, sin = self.rotary(weight.new_zeros(1), torch.arange(positions, device=weight.device)[None])
+        self.rotary_table = (cos[0], sin[0])
+
+    def angles(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary ``cos``, ``sin`` ``[B, n, head_dim]`` of ``positions`` ``[B, n]``."""
+        if self.rotary_table is None:
+            return self.rotary(x, positions)
+        cos, sin = self.rotary_table
+        index = positions.clamp(max=len(cos) - 1)
+        return cos[index], sin[index]
 
     def new_cache(self, slots: int, window: int, chain: int) -> SlotCache:
         weight = self.embed_tokens.weight
@@ -302,22 +318,37 @@ class HeadSequence:
             del self.steps[:overflow], self.rows[:overflow]
             self.first += overflow
 
-    def take(self, upto: int, tensors: dict[int, torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-        """The held positions before ``upto`` (ascending) and their rows (from ``tensors``, by step); they are the
-        head's from now on."""
+    def take_rows(self, upto: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """The held positions before ``upto``: the first of them, and for each (ascending) the step and the row holding
+        it; they are the head's from now on."""
         n = max(0, min(len(self.steps), upto - self.first))
-        positions = list(range(self.first, self.first + n))
-        pieces, i = [], 0
-        while i < n:  # runs of consecutive rows of one step, one slice each
-            j = i
-            while j + 1 < n and self.steps[j + 1] == self.steps[i] and self.rows[j + 1] == self.rows[j] + 1:
-                j += 1
-            pieces.append(tensors[self.steps[i]][self.rows[i] : self.rows[j] + 1])
-            i = j + 1
+        first = self.first
+        steps = np.array(self.steps[:n], dtype=np.int64)
+        rows = np.array(self.rows[:n], dtype=np.int64)
         del self.steps[:n], self.rows[:n]
         self.first += n
         self.next_position = max(self.next_position, upto)
-        return positions, (torch.cat(pieces) if pieces else None)
+        return first, steps, rows
+
+    def take(self, upto: int, tensors: dict[int, torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+        """``take_rows`` with the rows themselves (from ``tensors``, by step), in position order."""
+        first, steps, rows = self.take_rows(upto)
+        if not len(steps):
+            return [], None
+        out = tensors[int(steps[0])].new_empty(len(steps), tensors[int(steps[0])].shape[-1])
+        gather_rows(out, np.arange(len(steps)), steps, rows, tensors)
+        return list(range(first, first + len(steps))), out
+
+
+def gather_rows(out: torch.Tensor, destinations: np.ndarray, steps: np.ndarray, rows: np.ndarray,
+                tensors: dict[int, torch.Tensor]) -> None:
+    """``out[destinations[i]] = tensors[steps[i]][rows[i]]`` (``out`` 2-D): one indexed copy per step held."""
+    device = out.device
+    for step in np.unique(steps):
+        pick = steps == step
+        source = tensors[int(step)]
+        out.index_copy_(0, pinned_to_device(torch.from_numpy(destinations[pick]), device),
+                        source.index_select(0, pinned_to_device(torch.from_numpy(rows[pick]), device)))
 
 
 class HeadDrafter:
@@ -327,12 +358,14 @@ class HeadDrafter:
     CUDA graph captured per batch size (1, 2, 4, … ``slots``): the feed and all ``chain`` rounds in one launch."""
 
     def __init__(self, head: HiddenStateHead, context: int = CONTEXT, name: str = "head", tree_width: int = 1,
-                 slots: int = 64, chain: int = 4, graphs: bool | None = None):
+                 slots: int = 64, chain: int = 4, graphs: bool | None = None, max_positions: int | None = None):
         self.head = head
         self.context = context
         self.name = name
         self.tree_width = tree_width  # > 1: beside each chain token, the head's next likeliest as leaves (a DraftTree)
         self.chain = chain
+        if max_positions is not None:  # the rotary angles of every position a sequence can reach, looked up
+            head.tabulate_rotary(max_positions + chain + 1)
         self.check = check_head(head, name)
         self.cache = head.new_cache(slots, context, chain + 1)
         self._sequences: dict[int, HeadSequence] = {}
@@ -347,7 +380,7 @@ class HeadDrafter:
     def for_deployment(cls, head: HiddenStateHead, name: str, deployment, settings) -> HeadDrafter:
         """The drafter ``settings`` (the ``speculative`` section) ask for, sized for ``deployment``'s batches."""
         return cls(head, int((settings.options or {}).get("context", CONTEXT)), name, settings.tree_width,
-                   deployment.settings.max_batch_size, settings.num_tokens)
+                   deployment.settings.max_batch_size, settings.num_tokens, max_positions=deployment.settings.max_seq_len)
 
     def describe(self) -> str:
         graphs = f"; drafting steps replay CUDA graphs at batch sizes {self.graphs.sizes}" if self.graphs and self.graphs.captured else ""
@@ -390,7 +423,7 @@ class HeadDrafter:
     @torch.inference_mode()
     def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in sequences]
-        feeds = []  # (index, slot, positions, rows)
+        feeds = []  # (index, slot, first position, steps, rows)
         for index, (sequence, limit) in enumerate(zip(sequences, limits)):
             state = self._sequences.get(sequence.seq_id)
             if limit <= 0 or state is None:
@@ -401,20 +434,20 @@ class HeadDrafter:
             slot = self.cache.slot(sequence.seq_id)
             if slot is None:
                 continue  # more sequences than slots: this one decodes without a draft
-            positions, rows = state.take(min(sequence.num_computed, newest + 1), self._tensors)
-            if positions and positions[-1] == newest:
-                feeds.append((index, slot, positions, rows))
+            first, steps, rows = state.take_rows(min(sequence.num_computed, newest + 1))
+            if len(steps) and first + len(steps) - 1 == newest:
+                feeds.append((index, slot, first, steps, rows))
         if not feeds:
             return drafts
-        rounds = max(limits[index] for index, _, _, _ in feeds)
-        width = max(len(positions) for _, _, positions, _ in feeds)
+        rounds = max(limits[index] for index, *_ in feeds)
+        width = max(len(steps) for *_, steps, _ in feeds)
         graphs = self.graphs
         if graphs is not None and width <= self.chain + 1 and len(feeds) <= graphs.sizes[-1]:
             proposed = graphs.draft(feeds, sequences)[:, :rounds]
         else:
-            proposed = self.draft(*self._inputs(feeds, sequences, len(feeds), width, feeds[0][3].device), rounds)
+            proposed = self.draft(*self._inputs(feeds, sequences, len(feeds), width), rounds)
         proposed = proposed.tolist()  # one device-to-host copy for the whole draft: [B, rounds, w]
-        for b, (index, _, _, _) in enumerate(feeds):
+        for b, (index, *_) in enumerate(feeds):
             levels = proposed[b][: limits[index]]
             if self.tree_width == 1:
                 drafts[index] = [level[0] for level in levels]
@@ -425,33 +458,46 @@ class HeadDrafter:
                                           + [d - 1 for d, level in enumerate(levels) for _ in level[1:]])
         return drafts
 
-    def _inputs(self, feeds, sequences, batch: int, width: int, device: torch.device, out=None):
-        """``draft``'s inputs for ``feeds`` padded to ``batch`` sequences of ``width`` positions (into ``out``'s tensors
-        when given): padding rows repeat a sequence's last position and are not valid; padding sequences use the
-        pad slot."""
-        hidden = out[0] if out is not None else feeds[0][3].new_zeros(batch, width, feeds[0][3].shape[-1])
-        tokens = torch.zeros(batch, width, dtype=torch.long)
-        places = torch.zeros(batch, width, dtype=torch.long)
-        valid = torch.zeros(batch, width, dtype=torch.bool)
-        slots = torch.full((batch,), self.cache.pad, dtype=torch.long)
-        for b, (index, slot, positions, rows) in enumerate(feeds):
-            ids, count = sequences[index].token_ids, len(positions)
-            hidden[b, :count] = rows
-            tokens[b, :count] = torch.tensor([ids[p + 1] for p in positions])
-            places[b, :count] = torch.tensor(positions)
-            places[b, count:] = positions[-1]
-            valid[b, :count] = True
+    def _inputs(self, feeds, sequences, batch: int, width: int, hidden: torch.Tensor | None = None,
+                staged: torch.Tensor | None = None):
+        """``draft``'s inputs for ``feeds`` padded to ``batch`` sequences of ``width`` positions: the hidden states
+        (one indexed copy per step they come from), and the tokens, positions, valid flags and slots in one copy (into
+        ``hidden`` and ``staged``, a graph's static inputs, when given). Padding rows repeat a sequence's last
+        position and are not valid; padding sequences use the pad slot."""
+        ints = np.zeros(3 * batch * width + batch, dtype=np.int64)
+        tokens, positions, valid = (ints[i * batch * width : (i + 1) * batch * width].reshape(batch, width) for i in range(3))
+        slots = ints[3 * batch * width :]
+        slots[:] = self.cache.pad
+        destinations, held_steps, held_rows = [], [], []
+        for b, (index, slot, first, steps, rows) in enumerate(feeds):
+            count = len(steps)
+            tokens[b, :count] = sequences[index].token_ids[first + 1 : first + count + 1]
+            positions[b, :count] = np.arange(first, first + count)
+            positions[b, count:] = first + count - 1
+            valid[b, :count] = 1
             slots[b] = slot
-        if out is not None:
-            for buffer, values in zip(out[1:], (tokens, places, valid, slots)):
-                buffer.copy_(values, non_blocking=True)
-            return out
-        return hidden, tokens.to(device), places.to(device), valid.to(device), slots.to(device)
+            destinations.append(np.arange(b * width, b * width + count))
+            held_steps.append(steps)
+            held_rows.append(rows)
+        sample = self._tensors[int(feeds[0][3][0])]
+        if hidden is None:
+            hidden = sample.new_zeros(batch, width, sample.shape[-1])
+        else:
+            hidden.zero_()
+        gather_rows(hidden.view(batch * width, -1), np.concatenate(destinations), np.concatenate(held_steps),
+                    np.concatenate(held_rows), self._tensors)
+        host = torch.from_numpy(ints)
+        if staged is None:
+            staged = pinned_to_device(host, sample.device)
+        else:
+            staged.copy_(host.pin_memory() if staged.is_cuda else host, non_blocking=True)
+        return (hidden, *staged_views(staged, batch, width))
 
     def draft(self, hidden, tokens, positions, valid, slots, rounds: int) -> torch.Tensor:
         """Feed the positions, then ``rounds`` chain steps from each sequence's last valid one: the model's token ids
         of each round's ``tree_width`` likeliest, ``[B, rounds, tree_width]``. Tensor work only (a CUDA graph's body)."""
         head = self.head
+        valid = valid != 0
         out = head.step(hidden, tokens, positions, valid, slots, self.cache, from_model=True)
         last_index = valid.sum(1) - 1  # [B]; a padding sequence's (-1) picks its last row, unused
         rows = torch.arange(len(slots), device=slots.device)
@@ -489,11 +535,13 @@ class HeadGraphs:
         self.sizes[-1] = slots
         head, width = drafter.head, drafter.chain + 1
         weight = head.embed_tokens.weight
+        # Per size: the hidden states, and one int64 buffer holding the tokens, positions, valid flags and slots.
+        self._staged = {size: torch.zeros(3 * size * width + size, dtype=torch.long, device=weight.device)
+                        for size in self.sizes}
+        for size, staged in self._staged.items():
+            staged[3 * size * width :] = drafter.cache.pad
         self._inputs = {size: (torch.zeros(size, width, head.model_width, dtype=weight.dtype, device=weight.device),
-                               torch.zeros(size, width, dtype=torch.long, device=weight.device),
-                               torch.zeros(size, width, dtype=torch.long, device=weight.device),
-                               torch.zeros(size, width, dtype=torch.bool, device=weight.device),
-                               torch.full((size,), drafter.cache.pad, dtype=torch.long, device=weight.device))
+                               *staged_views(self._staged[size], size, width))
                         for size in self.sizes}
         self._outputs, self._graphs = {}, {}
         if capture:
@@ -516,12 +564,17 @@ class HeadGraphs:
         holds them, replayed; its first ``len(feeds)`` rows."""
         size = self.sizes[bisect.bisect_left(self.sizes, len(feeds))]
         inputs = self._inputs[size]
-        inputs[0].zero_()
-        self.drafter._inputs(feeds, sequences, size, inputs[1].shape[1], inputs[0].device, out=inputs)
+        self.drafter._inputs(feeds, sequences, size, inputs[1].shape[1], inputs[0], self._staged[size])
         if size not in self._graphs:  # not captured (the CPU): the same static inputs, eagerly
             return self.drafter.draft(*inputs, self.drafter.chain)[: len(feeds)]
         self._graphs[size].replay()
         return self._outputs[size][: len(feeds)]
+
+
+def staged_views(staged: torch.Tensor, batch: int, width: int) -> tuple[torch.Tensor, ...]:
+    """The tokens, positions and valid flags ``[batch, width]`` and slots ``[batch]`` held in one int64 buffer."""
+    size = batch * width
+    return (*(staged[i * size : (i + 1) * size].view(batch, width) for i in range(3)), staged[3 * size :])
 
 
 def graph_embedding(graph) -> torch.Tensor | None:

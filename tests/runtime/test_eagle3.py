@@ -319,3 +319,15 @@ def test_with_auto_a_decode_step_that_drafts_nothing_hands_the_drafter_nothing(l
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in llama_llm.generate(prompts, params)]
     assert observed and all(max(lengths) > 1 for lengths in observed)  # the prompts' steps only
     assert speculator.stats.drafted == 0
+
+
+def test_tabulated_rotary_angles_are_the_computed_ones():
+    hf = tiny_hf_model("llama")
+    head = make_head(hf.config, seed=8)
+    positions = torch.tensor([[0, 5, 17], [3, 39, 39]])
+    x = torch.zeros(1)
+    computed = head.angles(x, positions)
+    head.tabulate_rotary(40)
+    for got, want in zip(head.angles(x, positions), computed):
+        torch.testing.assert_close(got, want)
+    assert torch.equal(head.angles(x, torch.tensor([[45]]))[0], head.angles(x, torch.tensor([[39]]))[0])  # past: the last
