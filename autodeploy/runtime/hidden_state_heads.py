@@ -374,7 +374,13 @@ class HeadDrafter:
         self._tree_rows: dict[int, tuple[int, int]] = {}  # seq_id → (step, first row) of its tree chunk in flight
         # None: on a GPU. On the CPU the same padded static inputs run eagerly (what the tests check).
         on_gpu = head.embed_tokens.weight.is_cuda
-        self.graphs = HeadGraphs(self, slots, capture=on_gpu) if (on_gpu if graphs is None else graphs) else None
+        self.graphs = None
+        if on_gpu if graphs is None else graphs:
+            try:
+                self.graphs = HeadGraphs(self, slots, capture=on_gpu)
+            except Exception as error:  # slower, never wrong: drafting steps run eagerly
+                logger.warning("%s: drafting CUDA graph capture failed (%s: %s); drafting runs eagerly", name,
+                               type(error).__name__, error)
 
     @classmethod
     def for_deployment(cls, head: HiddenStateHead, name: str, deployment, settings) -> HeadDrafter:
