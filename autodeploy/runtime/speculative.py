@@ -74,6 +74,9 @@ _HIDDEN_STATE_LAYERS: dict[str, HiddenStateLayers] = {}
 
 
 _PRIOR_WEIGHT = 4  # drafted tokens' worth of weight the overall acceptance has in a sequence's estimate
+# The acceptance taken before the drafter has verified EXPLORED tokens: hopeful, so that where drafting can pay at
+# all it is tried and the drafter's real rate learnt (a pessimistic start never drafts, so never learns).
+_FIRST_ACCEPTANCE, EXPLORED = 0.8, 100
 
 DrafterFactory = Callable[[Any, Any], Drafter]  # (deployment, speculative settings) -> Drafter
 _DRAFTERS: dict[str, DrafterFactory] = {}
@@ -293,8 +296,8 @@ class Speculator:
 
     def acceptance(self, sequence) -> float:
         """The per-token acceptance to expect of ``sequence``'s next draft: its own so far, pulled toward the
-        drafter's overall rate (or one half, before anything was verified) while it has verified few tokens."""
-        overall = self.stats.acceptance_rate if self.stats.drafted >= 100 else 0.5
+        drafter's overall rate (a hopeful 0.8 until it has verified ``EXPLORED`` tokens) while it has verified few."""
+        overall = self.stats.acceptance_rate if self.stats.drafted >= EXPLORED else _FIRST_ACCEPTANCE
         return (sequence.num_accepted + _PRIOR_WEIGHT * overall) / (sequence.num_drafted + _PRIOR_WEIGHT)
 
     def _may_draft(self, chunk: ScheduledChunk) -> bool:

@@ -354,9 +354,13 @@ def test_auto_speculation_turns_itself_off_where_the_step_costs_say_it_loses(lla
     speculator.costs = StepCosts((1, 64), (1.0, 1.0), (100.0, 100.0), 4)  # verification never pays
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert speculator.stats.drafted == 0 and not speculator.drafting
-    speculator.costs = StepCosts((1, 64), (1.0, 1.0), (1.01, 1.01), 4)  # verification as cheap as decoding
+    speculator.costs = StepCosts((1, 64), (1.0, 64.0), (3.2, 204.8), 4)  # drafts pay at 0.8 a token, not at 0.5
+    assert best_num_tokens(speculator.costs, [0.5], 4) == 0 and best_num_tokens(speculator.costs, [0.8], 4) > 0
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    assert speculator.stats.drafted > 0 and speculator.stats.accepted == speculator.stats.drafted
+    assert speculator.stats.drafted > 0  # tried (the hopeful start), and an always-right drafter keeps drafting
+    first = speculator.stats.drafted
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert speculator.stats.drafted > first and speculator.stats.accepted == speculator.stats.drafted
 
 
 def test_step_costs_are_timed_on_the_engines_own_runner_and_give_its_blocks_back(spec_llm):
