@@ -101,11 +101,11 @@ class SlotCache:
     writes past a sequence's newest position never overwrite an entry a later query looks for. A feed of many
     positions overwrites its own earliest ones' oldest keys as it goes: only its last row's output is used."""
 
-    def __init__(self, slots: int, kv_heads: int, head_dim: int, window: int, chain: int, device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(self, slots: int, kv_heads: int, head_dim: int, value_dim: int, window: int, chain: int,
+                 device: torch.device, dtype: torch.dtype):
         self.capacity, self.window, self.pad = window + chain, window, slots
         self.k = torch.zeros(slots + 1, kv_heads, self.capacity, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        self.v = torch.zeros(slots + 1, kv_heads, self.capacity, value_dim, device=device, dtype=dtype)
         self.positions = torch.full((slots + 1, self.capacity), -1, dtype=torch.long, device=device)
         self._free = list(range(slots - 1, -1, -1))
         self._slots: dict[int, int] = {}
@@ -130,8 +130,8 @@ class SlotCache:
         self.v[slots, :, index] = v.transpose(1, 2)
         self.positions[slots, index] = positions
 
-    def attend(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Queries ``[B, heads, n, head_dim]`` at positions ``[B, n]`` over their slots ``[B]`` → ``[B, heads, n, head_dim]``:
+    def attend(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Queries ``[B, heads, n, head_dim]`` at positions ``[B, n]`` over their slots ``[B]`` → ``[B, heads, n, value_dim]``:
         one fused attention call, each kv head's query heads stacked as rows (no copy of the keys per head)."""
         batch, heads, n, head_dim = q.shape
         keys, values, held = self.k[slots], self.v[slots], self.positions[slots]  # [B, kv, C, D], [B, C]
@@ -139,8 +139,9 @@ class SlotCache:
         held, at = held[:, None, :], positions[:, :, None]
         visible = (held >= 0) & (held <= at) & (held > at - self.window)  # [B, n, C]
         mask = visible[:, None, None].expand(batch, 1, group, n, visible.shape[-1]).reshape(batch, 1, group * n, -1)
-        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=mask)
-        return out.view(batch, heads, n, head_dim)
+        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=mask,
+                                             scale=scale)
+        return out.view(batch, heads, n, values.shape[-1])
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -199,20 +200,34 @@ class HiddenStateHead(nn.Module, ABC):
         not valid; give them a real position of theirs); ``slots`` ``[B]``, the sequences' in ``cache``. Stores the
         valid rows' keys and values and returns the output hidden states ``[B, n, H]``. Tensor work only (no host
         reads): a drafting step runs as a CUDA graph."""
-        c = self.shape
         batch, n = tokens.shape
         embedded = self.embed_tokens(tokens).to(hidden.dtype if hidden.is_floating_point() else self.embed_tokens.weight.dtype)
         attention_in, x = self.layer_input(hidden, embedded, from_model)
-        attn, mlp, post_norm = self.block()
+        _, mlp, post_norm = self.block()
+        q, k, v, scale = self.attention_qkv(attention_in, x, positions)
+        cache.write(torch.where(valid, slots[:, None], cache.pad), positions, k, v)
+        out = cache.attend(q, slots, positions, scale)
+        x = x + self.attention_out(out.transpose(1, 2).reshape(batch, n, -1))
+        return x + mlp(post_norm(x))
+
+    def attention_qkv(self, attention_in: torch.Tensor, x: torch.Tensor, positions: torch.Tensor):
+        """Queries ``[B, heads, n, Dk]``, keys ``[B, kv_heads, n, Dk]``, values ``[B, kv_heads, n, Dv]`` (rotated at
+        ``positions``) and the attention's scale (None: ``1/√Dk``); Llama's attention here."""
+        c, attn = self.shape, self.block()[0]
+        batch, n = positions.shape
         q = attn.q_proj(attention_in).view(batch, n, attn.heads, c.head_dim).transpose(1, 2)
         k = attn.k_proj(attention_in).view(batch, n, attn.kv_heads, c.head_dim).transpose(1, 2)
         v = attn.v_proj(attention_in).view(batch, n, attn.kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = self.angles(x, positions)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        cache.write(torch.where(valid, slots[:, None], cache.pad), positions, k, v)
-        out = cache.attend(q, slots, positions)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n, attn.heads * c.head_dim))
-        return x + mlp(post_norm(x))
+        return rotate(q, cos, sin), rotate(k, cos, sin), v, None
+
+    def attention_out(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention's output projection of ``out`` ``[B, n, heads · Dv]``."""
+        return self.block()[0].o_proj(out)
+
+    def cache_dims(self) -> tuple[int, int, int]:
+        """(kv heads, key dim, value dim) of what the slot cache keeps."""
+        return self.shape.num_key_value_heads, self.shape.head_dim, self.shape.head_dim
 
     rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, head_dim] (tabulate_rotary)
 
@@ -233,8 +248,7 @@ class HiddenStateHead(nn.Module, ABC):
 
     def new_cache(self, slots: int, window: int, chain: int) -> SlotCache:
         weight = self.embed_tokens.weight
-        return SlotCache(slots, self.shape.num_key_value_heads, self.shape.head_dim, window, chain, weight.device,
-                         weight.dtype)
+        return SlotCache(slots, *self.cache_dims(), window, chain, weight.device, weight.dtype)
 
     def reference_logits(self, fused: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of one sequence's positions ``0 … T − 1`` fed at once (``fused``: the model's hidden states ``[T, ·]``): what

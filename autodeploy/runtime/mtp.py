@@ -7,10 +7,11 @@ token ``t + 1``: ``h = eh_proj([enorm(embedding); hnorm(hidden)])``, one decoder
 ``shared_head.norm`` and ``shared_head.head``. Drafting runs that layer ``k`` times, its own output standing in
 for the model's hidden state (the first MTP layer each time, when the checkpoint has several).
 
-The layer here is a dense Llama-style one (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, RMS
-norms), what ``scripts/train_eagle3_head.py --kind mtp`` trains for a model. DeepSeek-V3's own MTP layer
-(multi-head latent attention and mixture of experts) is refused with a ``ConfigError`` naming what it has:
-running it needs those layers outside the model's graph, not built yet. ``expose_hidden_states`` makes the
+Two kinds of layer run: a dense Llama-style one (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, RMS
+norms), what ``scripts/train_eagle3_head.py --kind mtp`` trains for a model, and DeepSeek-V3's own (multi-head
+latent attention and a mixture of experts, ``DeepSeekMTPHead``, through Hugging Face's DeepSeek-V3 modules; the
+release's per-expert weights are stacked as those modules keep them). A quantized MTP layer is refused with a
+``ConfigError``. ``expose_hidden_states`` makes the
 graph copy the final hidden state out each step; the cache, the chain and the drafter are
 ``runtime/hidden_state_heads.py``'s.
 
@@ -30,12 +31,7 @@ from autodeploy.runtime.hidden_state_heads import (MLP, Attention, HeadDrafter, 
                                                    RMSNorm, graph_embedding, make_rotary, torch_dtype)
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS, register_drafter
 
-_UNSUPPORTED = {  # a key of the MTP layer → what it says the layer is
-    "self_attn.q_a_proj.weight": "multi-head latent attention",
-    "self_attn.kv_a_proj_with_mqa.weight": "multi-head latent attention",
-    "mlp.gate.weight": "a mixture of experts",
-    "mlp.experts.0.gate_proj.weight": "a mixture of experts",
-}
+_LATENT_ATTENTION = "self_attn.kv_a_proj_with_mqa.weight"  # a key only DeepSeek's multi-head latent attention has
 
 
 class _SharedHead(nn.Module):
@@ -76,6 +72,59 @@ class MTPHead(HiddenStateHead):
         return self.shared_head.head(self.shared_head.norm(hidden))
 
 
+class DeepSeekMTPHead(MTPHead):
+    """DeepSeek-V3's MTP layer: the same ``enorm`` / ``hnorm`` / ``eh_proj`` and shared head around a decoder layer
+    with multi-head latent attention (Hugging Face's ``DeepseekV3Attention`` modules: low-rank query and key-value
+    projections, decoupled rotary dims, the yarn softmax scale) and a mixture of experts with shared experts
+    (``DeepseekV3MoE``; a dense ``DeepseekV3MLP`` where the layer index is below ``first_k_dense_replace``). The slot
+    cache keeps the expanded per-head keys and values. The experts' routing reads token counts on the host, so
+    drafting with it runs eagerly (its CUDA graph capture fails over to eager)."""
+
+    def __init__(self, shape: LayerShape, layer_index: int):
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+        nn.Module.__init__(self)
+        c = self.shape = shape
+        config = self.config = DeepseekV3Config(**{k: v for k, v in c.raw.items() if k not in ("architectures", "auto_map")})
+        self.model_width = c.hidden_size
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = deepseek.DeepseekV3Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        dense = layer_index < (config.first_k_dense_replace or 0)
+        self.mlp = deepseek.DeepseekV3MLP(config) if dense else deepseek.DeepseekV3MoE(config)
+        self.shared_head = _SharedHead(c)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.rotary = deepseek.DeepseekV3RotaryEmbedding(config)
+        self._rotate = deepseek.apply_rotary_pos_emb_interleave if config.rope_interleave else deepseek.apply_rotary_pos_emb
+
+    def attention_qkv(self, attention_in: torch.Tensor, x: torch.Tensor, positions: torch.Tensor):
+        attn = self.self_attn
+        batch, n = positions.shape
+        if attn.q_lora_rank is None:
+            q = attn.q_proj(attention_in)
+        else:
+            q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(attention_in)))
+        q = q.view(batch, n, -1, attn.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(attention_in), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        kv_nope = attn.kv_a_layernorm(kv_nope).view(batch, 1, n, attn.kv_lora_rank)
+        cos, sin = self.angles(x, positions)
+        q_rot, k_rot = self._rotate(q_rot, k_rot.view(batch, 1, n, attn.qk_rope_head_dim), cos, sin)
+        k, v = attn.expand_kv(kv_nope, k_rot)
+        return torch.cat((q_pass, q_rot), dim=-1), k, v, attn.scaling
+
+    def attention_out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.o_proj(out)
+
+    def cache_dims(self) -> tuple[int, int, int]:
+        attn = self.self_attn
+        return attn.num_heads, attn.qk_head_dim, attn.v_head_dim
+
+
 def mtp_layer_index(config: dict, where: str) -> int:
     """Where the checkpoint's first MTP layer is stored (``model.layers.{index}``); ``ConfigError`` when it has none."""
     if not config.get("num_nextn_predict_layers"):
@@ -89,12 +138,16 @@ def load_mtp_head(folder: str | Path, embedding: torch.Tensor | None, device: to
     """The first MTP layer of the checkpoint in ``folder``; a ``ConfigError`` naming what is missing or not run."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    prefix = f"model.layers.{mtp_layer_index(config, str(folder))}."
+    index = mtp_layer_index(config, str(folder))
+    prefix = f"model.layers.{index}."
     state = _read_prefixed(folder, prefix)
-    kinds = sorted({kind for key, kind in _UNSUPPORTED.items() if key in state})
-    if kinds:
-        raise ConfigError(f"the MTP layer of {folder} uses {' and '.join(kinds)}, which the mtp drafter does not run yet "
-                          f"(it runs dense Llama-style MTP layers); use method 'eagle3', 'draft' or 'ngram'")
+    quantized = sorted(key for key in state if key.endswith(("_scale_inv", "weight_scale", "input_scale")))
+    if quantized:
+        raise ConfigError(f"the MTP layer of {folder} is stored quantized ({quantized[0]}, …), which the mtp drafter does "
+                          f"not run yet; use a bf16 checkpoint, or method 'eagle3', 'draft' or 'ngram'")
+    latent = _LATENT_ATTENTION in state
+    if latent:
+        state = _fused_experts(state)
     if "embed_tokens.weight" not in state:
         if embedding is None:
             raise ConfigError(f"the MTP layer of {folder} has no embed_tokens and the model's embedding is not a plain "
@@ -103,17 +156,31 @@ def load_mtp_head(folder: str | Path, embedding: torch.Tensor | None, device: to
     if "shared_head.head.weight" not in state and config.get("tie_word_embeddings"):
         state["shared_head.head.weight"] = state["embed_tokens.weight"]
     shape = LayerShape.of(config)
+    make = (lambda: DeepSeekMTPHead(shape, index)) if latent else (lambda: MTPHead(shape))
     with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in MTPHead(shape).state_dict().items()}
+        expected = {name: tuple(t.shape) for name, t in make().state_dict().items()}
     missing = sorted(set(expected) - set(state))
     wrong = {name: (tuple(state[name].shape), want) for name, want in expected.items()
              if name in state and tuple(state[name].shape) != want}
     if missing or wrong:
-        raise ConfigError(f"the MTP layer of {folder} ({prefix}*) is not the dense layer its config describes: missing "
+        raise ConfigError(f"the MTP layer of {folder} ({prefix}*) is not the layer its config describes: missing "
                           f"{missing[:6]}, shapes {dict(list(wrong.items())[:4])} (checkpoint, expected)")
-    head = MTPHead(shape)
+    head = make()
     head.load_state_dict({name: state[name] for name in expected}, strict=True)
     return head.placed(device, dtype)
+
+
+def _fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's per-expert weights (``mlp.experts.{e}.{gate,up,down}_proj.weight``, DeepSeek's release format)
+    as Hugging Face's stacked ones (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``)."""
+    count = len({key.split(".")[2] for key in state if key.startswith("mlp.experts.") and key.endswith("gate_proj.weight")})
+    if not count:
+        return state
+    state = dict(state)
+    experts = [{part: state.pop(f"mlp.experts.{e}.{part}_proj.weight") for part in ("gate", "up", "down")} for e in range(count)]
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([e["gate"], e["up"]]) for e in experts])
+    state["mlp.experts.down_proj"] = torch.stack([e["down"] for e in experts])
+    return state
 
 
 def save_mtp_layer(head: MTPHead, folder: str | Path) -> None:
@@ -126,8 +193,16 @@ def save_mtp_layer(head: MTPHead, folder: str | Path) -> None:
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     prefix = f"model.layers.{config['num_hidden_layers']}."
-    state = {prefix + name: t.detach().to(torch.bfloat16).contiguous().cpu() for name, t in head.state_dict().items()
-             if not name.startswith(("rotary.", "embed_tokens.", "shared_head.head."))}
+    tied = config.get("tie_word_embeddings", False)  # then the output head is the model's embedding, not stored again
+    layer = {name: t for name, t in head.state_dict().items()
+             if not name.startswith(("rotary.", "embed_tokens.")) and not (tied and name.startswith("shared_head.head."))}
+    if "mlp.experts.gate_up_proj" in layer:  # DeepSeek's release format: a tensor per expert and projection
+        gate_up, down = layer.pop("mlp.experts.gate_up_proj"), layer.pop("mlp.experts.down_proj")
+        gates, ups = gate_up.chunk(2, dim=1)
+        for e in range(len(gate_up)):
+            layer.update({f"mlp.experts.{e}.gate_proj.weight": gates[e], f"mlp.experts.{e}.up_proj.weight": ups[e],
+                          f"mlp.experts.{e}.down_proj.weight": down[e]})
+    state = {prefix + name: t.detach().to(torch.bfloat16).contiguous().cpu() for name, t in layer.items()}
     save_file(state, str(folder / "model-mtp.safetensors"), metadata={"format": "pt"})
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
