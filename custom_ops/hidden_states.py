@@ -5,7 +5,7 @@ one of these ops per layer it exposes: the op writes the step's token rows of ``
 ``[T, H]``) into columns ``column … column + H`` of ``out``, a buffer of the graph (``[rows, width]``, rows ≥
 the step's token budget). The buffer keeps one address, so the eager graph, the decode and verification
 CUDA graphs and the piecewise prefill graphs all leave a step's hidden states in the same place, and the
-drafter reads them there after the step (``runtime/hidden_state_drafters.py``). It returns nothing and is
+drafter reads them there after the step (``runtime/hidden_state_heads.py``). It returns nothing and is
 registered as a side effect: dead-code elimination keeps it.
 
     out = torch.zeros(8, 6)
