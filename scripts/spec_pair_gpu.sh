@@ -4,7 +4,7 @@
 # call; the weights never travel back); STAGE=bench measures eagle3, mtp, draft (the demo model) and n-gram against the
 # same engine without speculation on prompts that quote code (scripts/code_rewrite_prompts.py), and STAGE=identity
 # checks greedy identity on 100 prompts.
-#   OUT=$OUT STAGE=train bash scripts/spec_pair_gpu.sh; OUT=$OUT STAGE=bench bash scripts/spec_pair_gpu.sh
+#   OUT=$OUT STAGE=train,bench,identity bash scripts/spec_pair_gpu.sh  (or one stage a call on a warm machine)
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 python3 -c "import omegaconf" 2>/dev/null || PYTHONPATH=/tmp/site python3 -c "import omegaconf" 2>/dev/null || \
@@ -12,7 +12,10 @@ python3 -c "import omegaconf" 2>/dev/null || PYTHONPATH=/tmp/site python3 -c "im
 export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 DEMO=autodeploy/assets/tiny-code-llama PAIR=build/spec-pair; TARGET=$PAIR/target HEAD=$PAIR/eagle3 PROMPTS=$PAIR/code-rewrite.jsonl
 mkdir -p $PAIR
-case ${STAGE:-train} in
+# STAGE may name several stages, comma-separated, run in order in one call (e.g. train,bench: the weights never
+# have to outlive a machine's idle release).
+for stage in $(echo ${STAGE:-train} | tr , ' '); do
+case $stage in
 train)
   timeout $(( ${TRAIN_MINUTES:-3} * 60 + 120 )) python3 scripts/train_demo_model.py --device cuda --compile --seed 0 \
     --tokenizer $DEMO --hidden-size 768 --intermediate-size 2048 --layers 12 --batch-size 64 --seq-len 512 \
@@ -46,3 +49,4 @@ identity)
       ${model:+--draft $model} $tree ${DTYPE:+--dtype $DTYPE} --out "$OUT/identity-$name${DTYPE:+-$DTYPE}.json" 2>&1 | grep -E "^identity|Error" | cut -c1-600
   done ;;
 esac
+done
