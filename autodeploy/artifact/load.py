@@ -27,6 +27,7 @@ from autodeploy.config import load_yaml
 from autodeploy.custom_ops.serving_signature import KVCacheSpec, ServingSignature
 from autodeploy.deployment import MODEL, Deployment
 from autodeploy.errors import CheckpointError, ConfigError, error_summary
+from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS, hidden_state_buffer
 
 from .graph_archive import load_program, served_graph
 from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS
@@ -190,6 +191,13 @@ def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{directory}: a deployment file lacks an entry or has the wrong shape ({type(error).__name__}: "
                               f"{error}); save the deployment again") from error
+    if "hidden_state_layers" in serving:  # eagle3 / mtp: the graph copies hidden states out
+        layers, num_layers, width = serving["hidden_state_layers"]
+        graph.meta[HIDDEN_STATE_LAYERS] = (tuple(layers), num_layers, width)
+        rows = hidden_state_buffer(graph).shape[0]
+        if rows < max_tokens:
+            raise ConfigError(f"this deployment copies out the hidden states of at most {rows} tokens a step; "
+                              f"scheduler.max_num_tokens {max_tokens} is more: keep it at most {rows}, or build again")
     signature = ServingSignature(graph_inputs, kv_caches, tuple(decode_sizes), tuple(token_sizes))
     return Deployment({MODEL: graph}, signature, settings, _load_tokenizer(directory, settings), eos_token_ids,
                       BuildReport(records, verification), manifest.source.get("directory"))

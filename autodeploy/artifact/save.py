@@ -49,10 +49,6 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
         raise ConfigError("a deploy on the meta device has no weights to save; deploy with device=cpu or cuda, then save")
     if not signature.kv_caches:
         raise ConfigError("this graph has no KV cache (insert_cached_attention is disabled), so it cannot serve; enable it to save")
-    if HIDDEN_STATE_LAYERS in getattr(deployment.graph, "meta", {}):
-        raise ConfigError(f"a deployment whose graph copies out hidden states for speculative.method="
-                          f"{deployment.settings.speculative.method!r} cannot be saved yet; deploy it from the checkpoint "
-                          f"each time, or save it built without speculative (ngram and draft may be turned on at load)")
     directory = Path(directory)
     check_save_destination(directory)
     staging = directory.with_name(f".{directory.name}.saving-{os.getpid()}")
@@ -70,6 +66,9 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
             "decode_graph_batch_sizes": list(signature.decode_graph_batch_sizes),
             "prefill_graph_token_sizes": list(signature.prefill_graph_token_sizes),
             "eos_token_ids": list(deployment.eos_token_ids),
+            # eagle3 / mtp: which hidden states the graph copies out (transforms/expose_hidden_states.py)
+            **({"hidden_state_layers": _listed(deployment.graph.meta[HIDDEN_STATE_LAYERS])}
+               if HIDDEN_STATE_LAYERS in getattr(deployment.graph, "meta", {}) else {}),
         })
         _write_json(staging / TUNING, {"kernels": saved.kernels, "dispatches": saved.dispatches})
         _write_json(staging / BUILD_REPORT, [dataclasses.asdict(record) for record in deployment.report.records])
@@ -95,3 +94,8 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
         raise
     logger.info("saved the deployment to %s", directory)
     return directory
+
+
+def _listed(exposed) -> list:
+    layers, num_layers, width = exposed
+    return [list(layers), int(num_layers), int(width)]

@@ -45,7 +45,7 @@ from autodeploy.runtime.sampler import PendingSample
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
 from autodeploy.runtime.speculation_costs import StepCosts, measure_step_costs, timed_batch_sizes
-from autodeploy.runtime.speculative import HIDDEN_STATES, Speculator, make_drafter
+from autodeploy.runtime.speculative import Speculator, hidden_state_buffer, make_drafter
 from autodeploy.runtime.step_inputs import PendingTokens
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class Engine:
                                       runner=self.runner)
                            if drafter is not None else None)
         # What a hidden-state drafter (eagle3, mtp) reads: the graph's copy of the layers it asked for.
-        self.hidden_states = getattr(deployment.graph, HIDDEN_STATES, None) if self.speculator is not None else None
+        self.hidden_states = hidden_state_buffer(deployment.graph) if self.speculator is not None else None
         self.tokens = TokenApplier(self.pool, self.scheduler, self.requests, tokenizer,
                                    *((self.speculator.record, self.speculator.accept, self.speculator.relocate)
                                      if self.speculator is not None else ()))

@@ -68,7 +68,7 @@ class Drafter(Protocol):
 # ``transforms/expose_hidden_states.py`` makes the graph copy them out, and the engine hands each step's rows to
 # the drafter's ``observe(chunks, rows, hidden)``.
 HiddenStateLayers = Callable[[Any, int], list[int]]
-HIDDEN_STATES = "speculative_hidden_states"  # the graph's buffer of them ``[max_num_tokens, layers · H]``
+HIDDEN_STATES = "speculative_hidden_states"  # the graph's buffer of them ``[max_num_tokens, layers · H]`` (hidden_state_buffer)
 HIDDEN_STATE_LAYERS = "speculative_hidden_state_layers"  # graph.meta: (layers, the model's layers, H)
 _HIDDEN_STATE_LAYERS: dict[str, HiddenStateLayers] = {}
 
@@ -96,6 +96,19 @@ def register_drafter(name: str, hidden_states: HiddenStateLayers | None = None) 
         return factory
 
     return register
+
+
+def hidden_state_buffer(graph) -> torch.Tensor | None:
+    """The buffer a graph's ``save_hidden_states`` ops write the step's hidden states into (found from the ops, as a
+    saved and reloaded graph names its attributes anew), or None."""
+    target = torch.ops.autodeploy.save_hidden_states.default
+    for node in getattr(getattr(graph, "graph", None), "nodes", ()):
+        if node.op == "call_function" and node.target == target and node.args[1].op == "get_attr":
+            value = graph
+            for part in node.args[1].target.split("."):
+                value = getattr(value, part)
+            return value
+    return None
 
 
 def hidden_state_layers(settings, num_layers: int) -> list[int]:

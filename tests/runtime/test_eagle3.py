@@ -191,10 +191,20 @@ def test_a_loaded_head_uses_the_models_embedding_when_it_has_none(llama_dir, hea
     assert torch.equal(head.embed_tokens.weight, hf.model.embed_tokens.weight)
 
 
-def test_saving_a_deployment_that_exposes_hidden_states_is_refused_and_a_plain_one_cannot_load_eagle3(
+def test_a_saved_eagle3_deployment_reloads_and_drafts_and_a_plain_one_cannot_load_eagle3(
         eagle_llm, llama_llm, head_dir, tmp_path):
-    with pytest.raises(ConfigError, match="cannot be saved yet"):
-        eagle_llm.save(tmp_path / "eagle")
+    reloaded = autodeploy(str(eagle_llm.save(tmp_path / "eagle")),
+                          speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "auto": False})
+    prompts = random_prompts(3, seed=13, lengths=(5, 40))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in reloaded.generate(prompts, params)] == \
+        [o.token_ids for o in eagle_llm.generate(prompts, params)] == [o.token_ids for o in llama_llm.generate(prompts, params)]
+    assert reloaded.engine.speculator.stats.drafted > 0
+    narrow = autodeploy(str(reloaded.deployment.model_directory or eagle_llm.deployment.model_directory), device="cpu",
+                        verify={"enabled": False}, scheduler={"max_num_tokens": 128},
+                        speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "auto": False})
+    with pytest.raises(ConfigError, match="copies out the hidden states of at most 128 tokens a step"):
+        autodeploy(str(narrow.save(tmp_path / "narrow")), scheduler={"max_num_tokens": 256})
     directory = llama_llm.save(tmp_path / "plain")
     with pytest.raises(ConfigError, match="exposes no hidden states"):
         autodeploy(str(directory), speculative={"method": "eagle3", "model": str(head_dir)})
