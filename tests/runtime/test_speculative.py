@@ -52,6 +52,19 @@ def oracle_drafts(expected: dict[tuple, list[int]], error_rate: float = 0.0, see
     return propose
 
 
+def staggered_outputs(engine, prompts, params, waves: int) -> list:
+    """Each prompt's completion when the requests arrive in ``waves`` a step apart (prompt chunks and verification
+    chunks then share steps), in prompt order."""
+    requests = []
+    for wave in range(waves):
+        requests += [engine.add_request(p, s) for p, s in zip(prompts[wave::waves], params[wave::waves])]
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    by_prompt = {tuple(r.prompt_token_ids): r.output(None).outputs[0] for r in requests}
+    return [by_prompt[tuple(p)] for p in prompts]
+
+
 @pytest.fixture(scope="module")
 def spec_llm(llama_dir):
     """The tiny Llama with the scripted drafter, 4 tokens a step, and a pool of 40 blocks (640 tokens)."""
@@ -108,14 +121,7 @@ def test_greedy_output_is_the_output_without_speculation_under_preemption(spec_l
     SCRIPT["propose"] = random_drafts(7) if drafter == "random" else oracle_drafts(continuation, error_rate=0.2)
     before = _stats(spec_llm)
     engine = spec_llm.engine
-    requests = []
-    for wave in range(4):  # staggered arrivals: prompt chunks and verification chunks share steps
-        requests += [engine.add_request(p, s) for p, s in zip(prompts[wave::4], params[wave::4])]
-        engine.step()
-    while engine.has_unfinished():
-        engine.step()
-    by_prompt = {tuple(r.prompt_token_ids): r.output(None).outputs[0].token_ids for r in requests}
-    assert [by_prompt[tuple(p)] for p in prompts] == expected
+    assert [o.token_ids for o in staggered_outputs(engine, prompts, params, waves=4)] == expected
     hf = tiny_hf_model("llama")
     for prompt, tokens in list(zip(prompts, expected))[:3]:
         assert hf_greedy(hf, prompt, len(tokens)) == tokens

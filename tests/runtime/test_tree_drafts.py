@@ -15,6 +15,7 @@ from autodeploy.errors import ConfigError
 from autodeploy.runtime.draft_trees import DraftTree, accepted_path, tree_depths, tree_masks
 from autodeploy.runtime.speculative import register_drafter
 from tests.runtime.test_engine import random_prompts
+from tests.runtime.test_speculative import staggered_outputs
 
 TREES = {"propose": lambda sequences, limits: [[] for _ in sequences]}
 
@@ -89,18 +90,6 @@ def random_trees(seed: int):
     return propose
 
 
-def _run(llm, prompts, params):
-    engine = llm.engine
-    requests = []
-    for wave in range(3):  # staggered arrivals: prompt chunks and tree chunks share steps
-        requests += [engine.add_request(p, s) for p, s in zip(prompts[wave::3], params[wave::3])]
-        engine.step()
-    while engine.has_unfinished():
-        engine.step()
-    by_prompt = {tuple(r.prompt_token_ids): r.output(None).outputs[0] for r in requests}
-    return [by_prompt[tuple(p)] for p in prompts]
-
-
 @pytest.mark.parametrize("drafter", ["hidden path", "random"])
 def test_output_is_the_output_without_speculation_under_preemption(tree_llm, llama_llm, drafter):
     prompts = random_prompts(18, seed=3, lengths=(1, 120))
@@ -117,7 +106,7 @@ def test_output_is_the_output_without_speculation_under_preemption(tree_llm, lla
     runner.move_kv = lambda sources, targets: (moves.append(len(sources)), type(runner).move_kv(runner, sources, targets))
     before = engine.speculator.stats.accepted
     try:
-        outputs = _run(tree_llm, prompts, params)
+        outputs = staggered_outputs(engine, prompts, params, waves=3)
     finally:
         del runner.move_kv
     assert [o.token_ids for o in outputs] == [e.token_ids for e in expected]
