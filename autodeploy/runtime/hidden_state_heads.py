@@ -22,6 +22,7 @@ import bisect
 import logging
 from abc import ABC, abstractmethod
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,19 +60,61 @@ class LayerShape:
 CONTEXT = 1024  # positions of hidden states a sequence keeps for the head while it does not draft (options.context)
 
 
+def pick_kernel(op_name: str, device: torch.device, *example) -> Callable:
+    """Canonical op ``op_name``'s first backend, of Triton's, torch's and the reference, that runs ``example`` (its
+    arguments as meta tensors) on ``device``: one kernel per op on a GPU where the plain PyTorch ops take several."""
+    import autodeploy.custom_ops  # noqa: F401  (registers the ops and their backends)
+    from autodeploy.custom_ops.registry import candidates
+
+    order = {"triton": 0, "torch": 1}
+    for backend in sorted(candidates(op_name), key=lambda b: order.get(b.name, 2)):
+        if backend.name in order and backend.check(example, device) is None:
+            return backend.op
+    return candidates(op_name)[-1].op  # the reference: runs everywhere
+
+
 class RMSNorm(nn.Module):
+    kernel: Callable | None = None  # canonical rms_norm's backend (``HiddenStateHead.fuse``); None: Hugging Face's formula
+
     def __init__(self, width: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps)
         # Hugging Face's Llama norm (float32 statistics, the weight applied in the input's dtype) in one fused op.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
+    add_kernel: Callable | None = None  # canonical add_rms_norm's backend
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: with ``add_kernel``, one kernel."""
+        if self.add_kernel is not None:
+            return self.add_kernel(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self(total), total
+
+
+def fuse_rows(*linears: nn.Linear) -> torch.Tensor:
+    """One weight holding the ``linears``' rows in order (one GEMM for all their outputs); each linear's weight
+    becomes a view of its rows, so nothing is stored twice."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    row = 0
+    for linear in linears:
+        count = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[row : row + count], requires_grad=False)
+        row += count
+    return fused
+
 
 class Attention(nn.Module):
-    """``q/k/v_proj`` from ``in_width`` (twice the hidden width for EAGLE-3), ``o_proj`` back to it."""
+    """``q/k/v_proj`` from ``in_width`` (twice the hidden width for EAGLE-3), ``o_proj`` back to it. ``fuse``d, the
+    three projections are one GEMM (``qkv_weight``) and the rotation of queries and keys one ``rope`` kernel."""
+
+    qkv_weight: torch.Tensor | None = None
+    rope: Callable | None = None
 
     def __init__(self, c, in_width: int):
         super().__init__()
@@ -89,14 +132,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
+    gated: Callable | None = None  # canonical fused_gated_mlp's backend over ``gate_up_weight`` (``fuse``)
+    gate_up_weight: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated is not None:
+            return self.gated(x, self.gate_up_weight, self.down_proj.weight, "silu")
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+EMPTY = -(1 << 40)  # the position a slot cache entry holds before anything is written there
 
 
 class SlotCache:
     """The head's keys and values for up to ``slots`` sequences, one slot each (and one more, ``pad``, that padding
     rows write to). A slot holds the last ``capacity`` positions fed to it in a ring indexed by position, with the
-    position each entry holds (-1: none). A query at position ``p`` sees its slot's entries at positions
+    position each entry holds (``EMPTY``: none, far below any window, so one comparison excludes it). A query at position ``p`` sees its slot's entries at positions
     ``p - window < q ≤ p``; ``window`` stays ``chain`` positions short of ``capacity``, so the guesses a chain
     writes past a sequence's newest position never overwrite an entry a later query looks for. A feed of many
     positions overwrites its own earliest ones' oldest keys as it goes: only its last row's output is used."""
@@ -106,7 +157,7 @@ class SlotCache:
         self.capacity, self.window, self.pad = window + chain, window, slots
         self.k = torch.zeros(slots + 1, kv_heads, self.capacity, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros(slots + 1, kv_heads, self.capacity, value_dim, device=device, dtype=dtype)
-        self.positions = torch.full((slots + 1, self.capacity), -1, dtype=torch.long, device=device)
+        self.positions = torch.full((slots + 1, self.capacity), EMPTY, dtype=torch.long, device=device)
         self._free = list(range(slots - 1, -1, -1))
         self._slots: dict[int, int] = {}
 
@@ -115,7 +166,7 @@ class SlotCache:
         slot = self._slots.get(seq_id)
         if slot is None and self._free:
             slot = self._slots[seq_id] = self._free.pop()
-            self.positions[slot] = -1
+            self.positions[slot] = EMPTY
         return slot
 
     def release(self, seq_id: int) -> None:
@@ -137,7 +188,7 @@ class SlotCache:
         keys, values, held = self.k[slots], self.v[slots], self.positions[slots]  # [B, kv, C, D], [B, C]
         kv_heads, group = keys.shape[1], heads // keys.shape[1]
         held, at = held[:, None, :], positions[:, :, None]
-        visible = (held >= 0) & (held <= at) & (held > at - self.window)  # [B, n, C]
+        visible = (held <= at) & (held > at - self.window)  # [B, n, C]
         mask = visible[:, None, None].expand(batch, 1, group, n, visible.shape[-1]).reshape(batch, 1, group * n, -1)
         out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=mask,
                                              scale=scale)
@@ -187,11 +238,36 @@ class HiddenStateHead(nn.Module, ABC):
         return draft_ids
 
     def placed(self, device: torch.device, dtype: torch.dtype) -> HiddenStateHead:
-        """The head on ``device`` in ``dtype``, its rotary frequencies kept in float32, in eval mode."""
+        """The head on ``device`` in ``dtype``, its rotary frequencies kept in float32, in eval mode, ``fuse``d."""
         inv_freq = self.rotary.inv_freq.float()
         head = self.to(device=device, dtype=dtype)
         head.rotary.inv_freq = inv_freq.to(device)
-        return head.eval()
+        return head.eval().fuse()
+
+    @torch.no_grad()
+    def fuse(self) -> HiddenStateHead:
+        """Run the layer through canonical ops, each on the backend that takes it on the head's device (Triton's on a
+        GPU, ``pick_kernel``): its RMS norms (the residual add before the MLP's norm with it), the q/k/v projections
+        as one GEMM with one rotary kernel, the MLP's gate and up projections as one GEMM with the activation fused.
+        A drafting round is then ~35 kernels instead of ~60 (what a drafting CUDA graph replays). Only the head's
+        own Llama-style modules are fused (a DeepSeek layer's attention and experts stay Hugging Face's)."""
+        weight = self.embed_tokens.weight
+        device, meta = weight.device, lambda *shape: torch.empty(*shape, dtype=weight.dtype, device="meta")
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                width = module.weight.shape[0]
+                module.kernel = pick_kernel("rms_norm", device, meta(2, width), meta(width), module.eps)
+                module.add_kernel = pick_kernel("add_rms_norm", device, meta(2, width), meta(2, width), meta(width), module.eps)
+            elif isinstance(module, MLP):
+                module.gate_up_weight = fuse_rows(module.gate_proj, module.up_proj)
+                module.gated = pick_kernel("fused_gated_mlp", device, meta(2, module.gate_up_weight.shape[1]),
+                                           module.gate_up_weight.to("meta"), module.down_proj.weight.to("meta"), "silu")
+            elif isinstance(module, Attention):
+                module.qkv_weight = fuse_rows(module.q_proj, module.k_proj, module.v_proj)
+                example = meta(1, 2, module.heads + module.kv_heads, module.head_dim)
+                angles = torch.empty(1, 2, module.head_dim, device="meta")
+                module.rope = pick_kernel("rope", device, example, angles, angles)
+        return self
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
              slots: torch.Tensor, cache: SlotCache, from_model: bool) -> torch.Tensor:
@@ -207,14 +283,20 @@ class HiddenStateHead(nn.Module, ABC):
         q, k, v, scale = self.attention_qkv(attention_in, x, positions)
         cache.write(torch.where(valid, slots[:, None], cache.pad), positions, k, v)
         out = cache.attend(q, slots, positions, scale)
-        x = x + self.attention_out(out.transpose(1, 2).reshape(batch, n, -1))
-        return x + mlp(post_norm(x))
+        normed, x = post_norm.add(self.attention_out(out.transpose(1, 2).reshape(batch, n, -1)), x)
+        return x + mlp(normed)
 
     def attention_qkv(self, attention_in: torch.Tensor, x: torch.Tensor, positions: torch.Tensor):
         """Queries ``[B, heads, n, Dk]``, keys ``[B, kv_heads, n, Dk]``, values ``[B, kv_heads, n, Dv]`` (rotated at
         ``positions``) and the attention's scale (None: ``1/√Dk``); Llama's attention here."""
         c, attn = self.shape, self.block()[0]
         batch, n = positions.shape
+        if attn.qkv_weight is not None:  # fused: one GEMM, queries and keys rotated by one kernel
+            qkv = F.linear(attention_in, attn.qkv_weight).view(batch, n, -1, c.head_dim)
+            rotating = attn.heads + attn.kv_heads
+            rotated = attn.rope(qkv[:, :, :rotating], *self.angles(x, positions))
+            return (rotated[:, :, : attn.heads].transpose(1, 2), rotated[:, :, attn.heads :].transpose(1, 2),
+                    qkv[:, :, rotating:].transpose(1, 2), None)
         q = attn.q_proj(attention_in).view(batch, n, attn.heads, c.head_dim).transpose(1, 2)
         k = attn.k_proj(attention_in).view(batch, n, attn.kv_heads, c.head_dim).transpose(1, 2)
         v = attn.v_proj(attention_in).view(batch, n, attn.kv_heads, c.head_dim).transpose(1, 2)
@@ -229,22 +311,21 @@ class HiddenStateHead(nn.Module, ABC):
         """(kv heads, key dim, value dim) of what the slot cache keeps."""
         return self.shape.num_key_value_heads, self.shape.head_dim, self.shape.head_dim
 
-    rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, head_dim] (tabulate_rotary)
+    rotary_table: torch.Tensor | None = None  # cos, sin [positions, 2, head_dim] (tabulate_rotary), float32
 
     def tabulate_rotary(self, positions: int) -> None:
         """Compute the rotary angles of positions ``0 … positions - 1`` once: a step then looks them up (two gathers)
         instead of computing them (a drafting graph's kernels are its cost). Later positions use the last."""
         weight = self.embed_tokens.weight
-        cos, sin = self.rotary(weight.new_zeros(1), torch.arange(positions, device=weight.device)[None])
-        self.rotary_table = (cos[0], sin[0])
+        cos, sin = self.rotary(weight.new_zeros(1, dtype=torch.float32), torch.arange(positions, device=weight.device)[None])
+        self.rotary_table = torch.stack([cos[0], sin[0]], dim=1)
 
     def angles(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary ``cos``, ``sin`` ``[B, n, head_dim]`` of ``positions`` ``[B, n]``."""
         if self.rotary_table is None:
             return self.rotary(x, positions)
-        cos, sin = self.rotary_table
-        index = positions.clamp(max=len(cos) - 1)
-        return cos[index], sin[index]
+        both = self.rotary_table[positions.clamp(max=len(self.rotary_table) - 1)]  # one gather: [B, n, 2, head_dim]
+        return both[..., 0, :], both[..., 1, :]
 
     def new_cache(self, slots: int, window: int, chain: int) -> SlotCache:
         weight = self.embed_tokens.weight

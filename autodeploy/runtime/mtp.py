@@ -112,7 +112,7 @@ class DeepSeekMTPHead(MTPHead):
         q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
         kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(attention_in), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
         kv_nope = attn.kv_a_layernorm(kv_nope).view(batch, 1, n, attn.kv_lora_rank)
-        cos, sin = self.angles(x, positions)
+        cos, sin = (angle.to(q.dtype) for angle in self.angles(x, positions))  # a tabulated rotary is float32
         q_rot, k_rot = self._rotate(q_rot, k_rot.view(batch, 1, n, attn.qk_rope_head_dim), cos, sin)
         k, v = attn.expand_kv(kv_nope, k_rot)
         return torch.cat((q_pass, q_rot), dim=-1), k, v, attn.scaling

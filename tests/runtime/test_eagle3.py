@@ -341,3 +341,61 @@ def test_tabulated_rotary_angles_are_the_computed_ones():
     for got, want in zip(head.angles(x, positions), computed):
         torch.testing.assert_close(got, want)
     assert torch.equal(head.angles(x, torch.tensor([[45]]))[0], head.angles(x, torch.tensor([[39]]))[0])  # past: the last
+
+
+def fused_and_plain_outputs(head, device: str, dtype: torch.dtype, rounds: int = 3):
+    """The plain head's and its ``fuse``d copy's outputs over a feed of 9 positions, then ``rounds`` chain steps."""
+    import copy
+
+    plain = copy.deepcopy(head).to(device=device, dtype=dtype).eval()
+    fused = head.placed(torch.device(device), dtype)
+    plain.tabulate_rotary(64), fused.tabulate_rotary(64)
+    torch.manual_seed(3)
+    hidden = torch.randn(2, 9, head.model_width, device=device, dtype=dtype)
+    tokens, chain = torch.randint(0, 512, (2, 9), device=device), torch.randint(0, 512, (2, rounds), device=device)
+    positions = torch.arange(9, device=device).repeat(2, 1) + torch.tensor([[0], [20]], device=device)
+    valid = torch.ones(2, 9, dtype=torch.bool, device=device)
+    valid[1, 6:] = False  # the second sequence feeds 6 positions (padding repeats its last)
+    positions[1, 6:] = positions[1, 5]
+    slots = torch.tensor([0, 1], device=device)
+    outputs = []
+    with torch.inference_mode():
+        for model in (plain, fused):
+            cache = model.new_cache(2, 16, rounds)
+            out = model.step(hidden, tokens, positions, valid, slots, cache, from_model=True)
+            steps = [out[0, :9], out[1, :6]]
+            last = torch.stack([out[0, 8], out[1, 5]])[:, None]
+            for round_ in range(rounds):  # drafted tokens given (argmax could differ at a near-tie in bfloat16)
+                last = model.step(last, chain[:, round_ : round_ + 1], positions[:, 8:9] + 1 + round_,
+                                  valid[:, :1] | True, slots, cache, from_model=False)
+                steps.append(last[:, 0])
+            outputs.append([model.logits(s).float() for s in steps])
+    return outputs
+
+
+def test_the_fused_head_computes_what_the_plain_modules_do():
+    """``placed`` runs the head through canonical ops (one GEMM for q/k/v, one rotary kernel, fused norms and MLP);
+    on the CPU their torch backends, which must give the plain modules' logits."""
+    hf = tiny_hf_model("llama")
+    head = make_head(hf.config, seed=9)
+    plain, fused = fused_and_plain_outputs(head, "cpu", torch.float32)
+    for got, want in zip(fused, plain):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    layer = head.midlayer
+    assert layer.input_layernorm.kernel == torch.ops.autodeploy.rms_norm_torch.default
+    assert layer.self_attn.rope == torch.ops.autodeploy.rope_torch.default
+    assert layer.mlp.gated == torch.ops.autodeploy.fused_gated_mlp_torch.default
+    assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.qkv_weight.data_ptr()  # views: stored once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_the_fused_head_runs_the_triton_kernels_and_drafts_what_the_plain_modules_do():
+    hf = tiny_hf_model("llama")
+    head = make_head(hf.config, seed=9)
+    plain, fused = fused_and_plain_outputs(head, "cuda", torch.bfloat16)
+    for got, want in zip(fused, plain):
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)  # bf16: rounded at other places
+    layer = head.midlayer
+    assert layer.input_layernorm.kernel == torch.ops.autodeploy.rms_norm_triton.default
+    assert layer.self_attn.rope == torch.ops.autodeploy.rope_triton.default
+    assert layer.mlp.gated == torch.ops.autodeploy.fused_gated_mlp_triton.default
