@@ -264,6 +264,7 @@ class Engine:
         run what was queued before). Steps run one at a time. When a forward or its sampling raises, the
         requests of that step are aborted, their sinks get the error, and it is raised here too.
         """
+        began = time.perf_counter()
         with self._step_lock, self._peer_failures():
             if self.mirror is not None:  # every rank plans this step from the same requests
                 with self._lock:
@@ -282,6 +283,8 @@ class Engine:
                     self._in_flight = launched
                 else:
                     changed += [r for r in self._finish(launched) if r not in changed]
+                if self.speculator is not None:  # what auto weighs: steps as they ran
+                    self.speculator.step_took(time.perf_counter() - began)
             return changed
 
     def _plan_and_launch(self, previous: _Step | None) -> _Step | None:

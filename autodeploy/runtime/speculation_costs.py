@@ -7,6 +7,12 @@ sizes; ``best_num_tokens`` picks, for a step's decoding sequences and each one's
 (0 … K) with the most expected tokens per second — 0 turns speculation off for that step. With per-token
 acceptance ``a``, a draft of ``k`` tokens yields ``1 + a + a² + … + aᵏ`` tokens in expectation.
 
+A forward timed at set-up is not all a step costs: decoding steps overlap their host work (planning, staging,
+sampling, applying tokens) with the device's, a drafting step cannot (the next draft starts from its tokens), and
+the drafter takes its own time. So the engine reports each step's wall time as it ran (``ObservedSteps``):
+what decoding steps take, and how much longer drafting steps take than their forward and drafting predict; the
+choice uses both once seen.
+
     costs = measure_step_costs(runner, batch_sizes=[1, 8, 32], num_tokens=4)
     k = best_num_tokens(costs, acceptances=[0.7, 0.4], num_tokens=4)
 """
@@ -70,18 +76,21 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return float(k + 1) if acceptance >= 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
-def best_num_tokens(costs: StepCosts, acceptances: list[float], num_tokens: int, drafting: float = 0.0) -> int:
+def best_num_tokens(costs: StepCosts, acceptances: list[float], num_tokens: int, drafting: float = 0.0,
+                    overhead: float = 0.0, decoding: float | None = None) -> int:
     """The tokens to draft a sequence this step (0: none) for sequences with these acceptances so far, when drafting
-    takes ``drafting`` seconds per drafted position for this batch (a draft model's forward, say)."""
+    takes ``drafting`` seconds per drafted position for this batch (a draft model's forward, say), a drafting step
+    ``overhead`` seconds more than its forward and drafting, and a decoding step ``decoding`` seconds (None: its
+    forward's cost)."""
     batch = len(acceptances)
     if batch == 0:
         return 0
-    best, best_rate = 0, batch / costs.seconds(batch, 0)
+    best, best_rate = 0, batch / (decoding or costs.seconds(batch, 0))
     # expected_tokens(a, k) = 1 + a + … + a^k for every sequence and k at once (one step of host work, vectorised)
     powers = np.asarray(acceptances, dtype=np.float64)[:, None] ** np.arange(1, num_tokens + 1)
     totals = batch + powers.cumsum(axis=1).sum(axis=0)
     for k in range(1, num_tokens + 1):
-        rate = float(totals[k - 1]) / (costs.seconds(batch, k) + drafting * k)
+        rate = float(totals[k - 1]) / (costs.seconds(batch, k) + drafting * k + overhead)
         if rate > best_rate * MARGIN:
             best, best_rate = k, rate
     return best
@@ -96,22 +105,54 @@ class DraftingTimes:
         self._seconds: dict[int, float] = {}
 
     def observe(self, batch: int, positions: int, seconds: float) -> None:
-        if positions <= 0:
-            return
-        bucket, value = _bucket(batch), seconds / positions
-        known = self._seconds.get(bucket)
-        self._seconds[bucket] = value if known is None else known + self.weight * (value - known)
+        if positions > 0:
+            _average(self._seconds, batch, seconds / positions, self.weight)
 
     def per_position(self, batch: int) -> float:
         """The observed seconds per drafted position at the bucket nearest ``batch`` (0 before any call)."""
-        if not self._seconds:
-            return 0.0
-        bucket = _bucket(batch)
-        return self._seconds[min(self._seconds, key=lambda b: abs(b.bit_length() - bucket.bit_length()))]
+        return _nearest(self._seconds, batch, 0.0)
+
+
+class ObservedSteps:
+    """Whole engine steps of decoding sequences alone, as they ran, by batch size (the nearest power of two):
+    the wall seconds of a decoding step, and how many more a drafting step took than its forward (``StepCosts``)
+    and its drafting predict (host work a drafting step cannot hide). Exponential averages."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.decoding: dict[int, float] = {}
+        self.overhead: dict[int, float] = {}
+
+    def observe(self, batch: int, drafted: bool, seconds: float, predicted: float) -> None:
+        """A step of ``batch`` decoding sequences took ``seconds``; ``predicted``: a drafting step's forward and drafting."""
+        if drafted:
+            _average(self.overhead, batch, max(seconds - predicted, 0.0), self.weight)
+        else:
+            _average(self.decoding, batch, seconds, self.weight)
+
+    def decoding_seconds(self, batch: int) -> float | None:
+        return _nearest(self.decoding, batch, None)
+
+    def overhead_seconds(self, batch: int) -> float:
+        return _nearest(self.overhead, batch, 0.0)
 
 
 def _bucket(batch: int) -> int:
     return 1 << max(batch - 1, 0).bit_length()
+
+
+def _average(averages: dict[int, float], batch: int, value: float, weight: float) -> None:
+    bucket = _bucket(batch)
+    known = averages.get(bucket)
+    averages[bucket] = value if known is None else known + weight * (value - known)
+
+
+def _nearest(averages: dict[int, float], batch: int, default):
+    """The average at the bucket nearest ``batch``'s (``default`` while there is none)."""
+    if not averages:
+        return default
+    bucket = _bucket(batch)
+    return averages[min(averages, key=lambda b: abs(b.bit_length() - bucket.bit_length()))]
 
 
 def measure_step_costs(runner, batch_sizes: list[int], num_tokens: int, context: int = 64, repeats: int = 3,

@@ -47,7 +47,7 @@ from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.draft_trees import DraftTree, tree_depths
 from autodeploy.runtime.sampler import has_penalty
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.speculation_costs import DraftingTimes, StepCosts, best_num_tokens
+from autodeploy.runtime.speculation_costs import DraftingTimes, ObservedSteps, StepCosts, best_num_tokens
 from autodeploy.runtime.structured_output import next_token_bitmask
 
 logger = logging.getLogger(__name__)
@@ -184,6 +184,9 @@ class Speculator:
         self.method = method
         self.costs = costs  # None: draft num_tokens every step; else as many as pay (speculation_costs.py)
         self.drafting_times = DraftingTimes()  # what the drafter's own calls cost, counted against its drafts
+        self.observed = ObservedSteps()  # what whole steps took as they ran (``step_took``)
+        self._timing: tuple[int, int, float] | None = None  # the planned step's (batch, tokens drafted, drafting s/position)
+        self._last_drafted: bool | None = None  # whether the step before drafted (None: not decodes alone)
         self.drafting = False  # whether the last planned step chose to draft (its step then does not run ahead)
         self.stats = SpeculationStats()
         self._warned_low_acceptance = False
@@ -197,11 +200,13 @@ class Speculator:
         first, single-token decodes last (what ``cached_attention`` wants). With step costs, as many tokens
         as pay for this step's decoding sequences, maybe none."""
         decoding = [c for c in chunks if c.length == 1 and c.completes and c.sequence.request.beam_search is None]
-        wanted = self.num_tokens
+        wanted, batch = self.num_tokens, len(decoding)
+        per_position = self.drafting_times.per_position(batch)
         if self.costs is not None:
             wanted = best_num_tokens(self.costs, [self.acceptance(c.sequence) for c in decoding], self.num_tokens,
-                                     self.drafting_times.per_position(len(decoding)))
+                                     per_position, self.observed.overhead_seconds(batch), self.observed.decoding_seconds(batch))
         self.drafting = wanted > 0 and bool(decoding)
+        self._timing = (batch, wanted if self.drafting else 0, per_position) if decoding and batch == len(chunks) else None
         candidates = [c for c in decoding if self._may_draft(c)]
         if not self.drafting or not candidates or budget <= 0:
             return
@@ -248,6 +253,18 @@ class Speculator:
         if chain_only or parents == list(range(-1, len(parents) - 1)):
             return DraftTree(tokens, parents).main_chain(), None
         return tokens, parents
+
+    def step_took(self, seconds: float) -> None:
+        """The engine's step that launched the last planned one took ``seconds`` of wall time (overlapped, a decoding
+        step's call applies the step before it: in a run of them, one step's cost). Counted when that step and the
+        one before were decodes alone, both drafting or both not, so what ``auto`` weighs is what steps cost."""
+        timing, self._timing = self._timing, None
+        drafted = None if timing is None else timing[1] > 0
+        last, self._last_drafted = self._last_drafted, drafted
+        if self.costs is None or timing is None or drafted != last:
+            return
+        batch, k, per_position = timing
+        self.observed.observe(batch, drafted, seconds, self.costs.seconds(batch, k) + per_position * k)
 
     def relocate(self, sequence, start: int, path: list[int]) -> None:
         """A tree verified at ``start`` (the position of the sequence's newest token) kept the nodes ``path``: their
@@ -296,7 +313,13 @@ class Speculator:
             for batch in self.costs.batch_sizes:
                 threshold = self.costs.threshold(batch)
                 lines.append(f"  batch {batch}: a whole draft pays from a per-token acceptance of "
-                             f"{'(never)' if threshold is None else f'{threshold:.2f}'}")
+                             f"{'(never)' if threshold is None else f'{threshold:.2f}'} (the forwards timed at set-up)")
+            observed = self.observed
+            for bucket in sorted(set(observed.decoding) | set(observed.overhead)):
+                decoding, overhead = observed.decoding.get(bucket), observed.overhead.get(bucket)
+                lines.append(f"  batch ≤{bucket} as run: decoding step "
+                             f"{'-' if decoding is None else f'{1e3 * decoding:.2f} ms'}, a drafting step's host work "
+                             f"{'-' if overhead is None else f'{1e3 * overhead:.2f} ms'} more than its forward and drafting")
         if hasattr(self.drafter, "describe"):
             lines.append(self.drafter.describe())
         stats = self.stats

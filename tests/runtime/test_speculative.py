@@ -9,14 +9,13 @@ import json
 import math
 import random
 import shutil
-from collections import Counter
 
 import pytest
 import torch
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import ConfigError, InvalidRequestError
-from autodeploy.runtime.speculation_costs import (DraftingTimes, StepCosts, best_num_tokens, expected_tokens,
+from autodeploy.runtime.speculation_costs import (DraftingTimes, ObservedSteps, StepCosts, best_num_tokens, expected_tokens,
                                                   measure_step_costs)
 from autodeploy.runtime.speculative import SpeculationStats, accepted_prefix, lookup, register_drafter
 from tests.runtime.test_engine import hf_greedy, random_prompts
@@ -344,9 +343,20 @@ def test_the_cost_model_drafts_only_what_pays():
     times.observe(7, 2, 4.0)  # 2 s a position: the average moves half way
     times.observe(1, 0, 9.0)  # nothing drafted: nothing learnt
     assert times.per_position(8) == 1.5 and times.per_position(5) == 1.5 and times.per_position(64) == 1.5
+    # Steps as they ran: a drafting step's host work on top of its forward, a decoding step's wall time.
+    assert best_num_tokens(costs, [0.9], 4, overhead=3.0) == 0  # 4.1 tokens for 4.5× the time
+    assert best_num_tokens(costs, [0.9], 4, overhead=0.5) == 4  # 4.1 for 2×
+    assert best_num_tokens(costs, [0.9], 4, overhead=0.5, decoding=0.4) == 0  # decoding overlapped: 2.5 tokens a second
+    observed = ObservedSteps(weight=0.5)
+    assert observed.decoding_seconds(4) is None and observed.overhead_seconds(4) == 0.0
+    observed.observe(4, drafted=True, seconds=3.0, predicted=2.0)
+    observed.observe(3, drafted=True, seconds=4.0, predicted=1.0)
+    observed.observe(4, drafted=True, seconds=1.0, predicted=2.0)  # faster than predicted: no overhead
+    observed.observe(4, drafted=False, seconds=0.5, predicted=0.0)
+    assert observed.overhead_seconds(4) == 1.0 and observed.decoding_seconds(2) == 0.5
 
 
-def test_auto_speculation_turns_itself_off_where_the_step_costs_say_it_loses(llama_dir, llama_llm):
+def test_auto_speculation_turns_itself_off_where_the_step_costs_say_it_loses(llama_dir, llama_llm, monkeypatch):
     llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
                      speculative={"method": "test_scripted", "num_tokens": 4})
     speculator = llm.engine.speculator
@@ -357,6 +367,7 @@ def test_auto_speculation_turns_itself_off_where_the_step_costs_say_it_loses(lla
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     expected = [o.token_ids for o in llama_llm.generate(prompts, params)]
     SCRIPT["propose"] = oracle_drafts({tuple(p): e for p, e in zip(prompts, expected)})
+    monkeypatch.setattr(speculator, "step_took", lambda seconds: None)  # the costs alone decide here (see below)
     speculator.costs = StepCosts((1, 64), (1.0, 1.0), (100.0, 100.0), 4)  # verification never pays
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert speculator.stats.drafted == 0 and not speculator.drafting
@@ -367,6 +378,27 @@ def test_auto_speculation_turns_itself_off_where_the_step_costs_say_it_loses(lla
     first = speculator.stats.drafted
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert speculator.stats.drafted > first and speculator.stats.accepted == speculator.stats.drafted
+
+
+def test_auto_weighs_the_steps_as_they_ran_and_stops_drafting_where_host_work_makes_it_lose(llama_dir, llama_llm,
+                                                                                           monkeypatch):
+    """By the forwards timed at set-up drafting pays; the engine's steps say a drafting step takes 6 s against a
+    decoding step's 1 s (their host work): after one observed drafting step, auto drafts no more."""
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "test_scripted", "num_tokens": 4})
+    speculator = llm.engine.speculator
+    prompt = random_prompts(1, seed=8, lengths=(20, 20))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in llama_llm.generate(prompt, params)]
+    SCRIPT["propose"] = oracle_drafts({tuple(prompt[0]): expected[0]})
+    speculator.costs = StepCosts((1, 64), (1.0, 64.0), (1.5, 96.0), 4)  # whole drafts pay from an acceptance of 0.37
+    took = speculator.step_took
+    monkeypatch.setattr(speculator, "step_took", lambda seconds: took(6.0 if speculator.drafting else 1.0))
+    assert [o.token_ids for o in llm.generate(prompt, params)] == expected
+    assert speculator.stats.steps == 2  # the first drafting step is not timed (the step before it held the prompt)
+    assert speculator.observed.overhead_seconds(1) == pytest.approx(4.5, abs=0.1)  # 6 s − 1.5 s, less drafting
+    assert speculator.observed.decoding_seconds(1) == 1.0 and not speculator.drafting
+    assert "batch ≤1 as run: decoding step 1000.00 ms, a drafting step's host work 4" in speculator.describe()
 
 
 def test_step_costs_are_timed_on_the_engines_own_runner_and_give_its_blocks_back(spec_llm):
