@@ -1,4 +1,4 @@
-"""Where a speculative decoding step's time goes on the GPU (issue 42): the trained pair's shape (hidden 768, 12
+"""Where a speculative decoding step's time goes on the GPU (issue 42): the trained pair's shape (hidden 768, 24
 layers, the demo model's tokenizer and vocabulary) with random weights and a random EAGLE-3 head, B requests
 decoding with ``auto`` off, so every step drafts. For each B: the wall time per step with and without
 speculation, then the torch profiler over a few steps with the engine's phases marked (drafting, planning and
@@ -28,7 +28,7 @@ def target_folder(root: Path) -> Path:
     folder = root / "target"
     folder.mkdir()
     config = json.loads((DEMO / "config.json").read_text())
-    config.update(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+    config.update(hidden_size=768, intermediate_size=2048, num_hidden_layers=24, num_attention_heads=12,
                   num_key_value_heads=12, head_dim=64)
     (folder / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -38,7 +38,7 @@ def target_folder(root: Path) -> Path:
 
 def head_folder(root: Path, target: Path) -> Path:
     config = LlamaConfig(**json.loads((target / "config.json").read_text()))
-    head = Eagle3Head(Eagle3Config.from_dict(eagle3_config(config, layers=[2, 6, 9])), config.num_hidden_layers)
+    head = Eagle3Head(Eagle3Config.from_dict(eagle3_config(config, layers=[2, 12, 21])), config.num_hidden_layers)
     with torch.no_grad():
         for parameter in head.parameters():
             parameter.normal_(0, 0.02) if parameter.dim() > 1 else parameter.fill_(1.0)

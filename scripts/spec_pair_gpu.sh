@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 42 on the device: the trained pair. STAGE=train trains the target (the demo model's tokenizer and corpus,
-# ~80M parameters), its EAGLE-3 head and an MTP layer (a copy of the target with it) into build/spec-pair/ (ignored: a warm machine keeps it for the next
+# ~175M parameters), its EAGLE-3 head and an MTP layer (a copy of the target with it) into build/spec-pair/ (ignored: a warm machine keeps it for the next
 # call; the weights never travel back); STAGE=bench measures eagle3, mtp, draft (the demo model) and n-gram against the
 # same engine without speculation on prompts that quote code (scripts/code_rewrite_prompts.py), and STAGE=identity
 # checks greedy identity on 100 prompts.
@@ -18,7 +18,7 @@ for stage in $(echo ${STAGE:-train} | tr , ' '); do
 case $stage in
 train)
   timeout $(( ${TRAIN_MINUTES:-3} * 60 + 120 )) python3 scripts/train_demo_model.py --device cuda --compile --seed 0 \
-    --tokenizer $DEMO --hidden-size 768 --intermediate-size 2048 --layers 12 --batch-size 64 --seq-len 512 \
+    --tokenizer $DEMO --hidden-size 768 --intermediate-size 2048 --layers 24 --batch-size 64 --seq-len 512 \
     --minutes ${TRAIN_MINUTES:-3} --metrics-json "$OUT/train.json" --out $TARGET > "$OUT/train.log" 2>&1
   echo "target rc=$?"; grep -E "^model:|best|eval" "$OUT/train.log" | tail -3
   timeout $(( ${EAGLE_MINUTES:-2} * 60 + 120 )) python3 scripts/train_eagle3_head.py --target $TARGET --out $HEAD \
