@@ -352,6 +352,8 @@ class Engine:
             raise
         with self._lock:
             try:
+                if self.speculator is not None:  # drafts left on the device: their tokens, read with the samples
+                    self.speculator.resolve(step.chunks)
                 changed = self.tokens.apply(step.chunks, step.sampling, result, step.beam_logprobs, step.run_ahead, self.clock())
                 if self.speculator is not None:
                     self.speculator.flush_moves()

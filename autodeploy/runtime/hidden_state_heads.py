@@ -523,8 +523,27 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def __call__(self, sequences: list, limits: list[int]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in sequences]
-        feeds = []  # (index, slot, first position, steps, rows)
+        proposed, feeds = self._propose(sequences, limits)
+        if proposed is None:
+            return [[] for _ in sequences]
+        return self._drafts(feeds, limits, proposed.tolist(), len(sequences))  # one device-to-host copy: [B, rounds, w]
+
+    @torch.inference_mode()
+    def on_device(self, sequences: list, limits: list[int]) -> tuple[torch.Tensor | None, list]:
+        """The drafts as calling the drafter gives them, without waiting for the device: the drafted tokens in a flat
+        device tensor (None: no draft), each sequence's draft (a list or ``DraftTree``) holding indices into it. The
+        verification step takes its tokens from there; the host reads them with the step's samples
+        (``Speculator.extend``)."""
+        proposed, feeds = self._propose(sequences, limits)
+        if proposed is None:
+            return None, [[] for _ in sequences]
+        flat = proposed.reshape(-1)
+        return flat, self._drafts(feeds, limits, np.arange(flat.numel()).reshape(proposed.shape).tolist(), len(sequences))
+
+    def _propose(self, sequences: list, limits: list[int]) -> tuple[torch.Tensor | None, list]:
+        """The head's tokens for the sequences it can draft for, queued on the device: ``[feeds, rounds, tree_width]``
+        (None when none can), and the feeds (index, slot, first position, steps, rows) they belong to."""
+        feeds = []
         for index, (sequence, limit) in enumerate(zip(sequences, limits)):
             state = self._sequences.get(sequence.seq_id)
             if limit <= 0 or state is None:
@@ -539,15 +558,17 @@ class HeadDrafter:
             if len(steps) and first + len(steps) - 1 == newest:
                 feeds.append((index, slot, first, steps, rows))
         if not feeds:
-            return drafts
+            return None, feeds
         rounds = max(limits[index] for index, *_ in feeds)
         width = max(len(steps) for *_, steps, _ in feeds)
         graphs = self.graphs
         if graphs is not None and width <= self.chain + 1 and len(feeds) <= graphs.sizes[-1]:
-            proposed = graphs.draft(feeds, sequences)[:, :rounds]
-        else:
-            proposed = self.draft(*self._inputs(feeds, sequences, len(feeds), width), rounds)
-        proposed = proposed.tolist()  # one device-to-host copy for the whole draft: [B, rounds, w]
+            return graphs.draft(feeds, sequences)[:, :rounds], feeds
+        return self.draft(*self._inputs(feeds, sequences, len(feeds), width), rounds), feeds
+
+    def _drafts(self, feeds, limits: list[int], proposed: list, count: int) -> list:
+        """Each of ``count`` sequences' draft from ``proposed[feed][round][rank]`` (tokens, or indices of them)."""
+        drafts: list = [[] for _ in range(count)]
         for b, (index, *_) in enumerate(feeds):
             levels = proposed[b][: limits[index]]
             if self.tree_width == 1:

@@ -20,7 +20,7 @@ preempted) report no tokens to compute and are skipped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from autodeploy.runtime.block_pool import KVBlockPool
 
@@ -51,6 +51,10 @@ class ScheduledChunk:
     draft_bitmasks: list | None = None
     # A tree draft: draft[i] follows draft[draft_parents[i]] (-1: the sequence's newest token); None: a chain.
     draft_parents: list[int] | None = None
+    # Drafted on the device and not read yet: the draft's tokens are draft_source[draft_rows] (draft holds as many
+    # placeholders until the step's samples come back; Speculator.resolve). None: draft holds them.
+    draft_rows: list[int] | None = None
+    draft_source: Any = None  # a flat int64 tensor on the device
 
     @property
     def completes(self) -> bool:

@@ -187,6 +187,7 @@ class Speculator:
         self.observed = ObservedSteps()  # what whole steps took as they ran (``step_took``)
         self._timing: tuple[int, int, float] | None = None  # the planned step's (batch, tokens drafted, drafting s/position)
         self._last_drafted: bool | None = None  # whether the step before drafted (None: not decodes alone)
+        self._drafted = None  # the planned step's drafts left on the device: (tokens, (host copy, its event)); resolve
         self.drafting = False  # whether the last planned step chose to draft (its step then does not run ahead)
         self.stats = SpeculationStats()
         self._warned_low_acceptance = False
@@ -199,6 +200,7 @@ class Speculator:
         free (a draft that does not fit is cut; speculation never preempts). Chunks stay ordered prompt chunks
         first, single-token decodes last (what ``cached_attention`` wants). With step costs, as many tokens
         as pay for this step's decoding sequences, maybe none."""
+        self._drafted = None
         decoding = [c for c in chunks if c.length == 1 and c.completes and c.sequence.request.beam_search is None]
         wanted, batch = self.num_tokens, len(decoding)
         per_position = self.drafting_times.per_position(batch)
@@ -211,8 +213,18 @@ class Speculator:
         if not self.drafting or not candidates or budget <= 0:
             return
         limits = [min(wanted, self._tokens_left(c.sequence)) for c in candidates]
-        began = time.perf_counter()
-        drafts = self.drafter([c.sequence for c in candidates], limits)
+        sequences = [c.sequence for c in candidates]
+        # Drafts left on the device while the step is staged (the host reads them with its samples): a drafter that
+        # can, for sequences whose draft the host need not see first (no grammar to cut it, no penalty to sample by).
+        source = None
+        on_device = getattr(self.drafter, "on_device", None)
+        if on_device is not None and not any(s.grammar is not None or has_penalty(s.request.params) for s in sequences):
+            began = time.perf_counter()
+            source, drafts = on_device(sequences, limits)
+            self._drafted = (source, _host_copy(source)) if source is not None else None
+        else:
+            began = time.perf_counter()
+            drafts = self.drafter(sequences, limits)
         self.drafting_times.observe(len(candidates), max(limits), time.perf_counter() - began)
         if len(drafts) != len(candidates):
             raise RuntimeError(f"the {self.method!r} drafter returned {len(drafts)} drafts for {len(candidates)} sequences")
@@ -221,6 +233,14 @@ class Speculator:
             if isinstance(draft, DraftTree):
                 draft, parents = self._tree(chunk.sequence, draft, limit, budget)
             draft = [int(t) for t in draft[: min(limit, budget)]] if parents is None else draft
+            if source is not None:  # indices of the tokens in source, not tokens
+                if draft and self.pool.reserve(chunk.sequence.seq_id, chunk.start + 1 + len(draft)):
+                    chunk.draft, chunk.draft_rows, chunk.draft_source = [0] * len(draft), draft, source
+                    chunk.draft_parents, chunk.length = parents, 1 + len(draft)
+                    budget -= len(draft)
+                    if budget <= 0:
+                        break
+                continue
             if any(not 0 <= t < self.vocab_size for t in draft):
                 raise RuntimeError(f"the {self.method!r} drafter proposed a token outside the vocabulary "
                                    f"(0 … {self.vocab_size - 1}): {draft}")
@@ -253,6 +273,21 @@ class Speculator:
         if chain_only or parents == list(range(-1, len(parents) - 1)):
             return DraftTree(tokens, parents).main_chain(), None
         return tokens, parents
+
+    def resolve(self, chunks: list[ScheduledChunk]) -> None:
+        """Put the tokens of drafts left on the device into their chunks' ``draft`` (in place: the sampling plan holds
+        those lists), once the step's samples are back (so is their copy to the host)."""
+        drafted, self._drafted = self._drafted, None
+        if drafted is None:
+            return
+        source, (host, copied) = drafted
+        if copied is not None:
+            copied.synchronize()
+        tokens = host.tolist()
+        for chunk in chunks:
+            if chunk.draft_source is source:
+                chunk.draft[:] = [tokens[i] for i in chunk.draft_rows]
+                chunk.draft_rows = chunk.draft_source = None
 
     def step_took(self, seconds: float) -> None:
         """The engine's step that launched the last planned one took ``seconds`` of wall time (overlapped, a decoding
@@ -346,6 +381,17 @@ class Speculator:
         """Draft tokens the sequence may still take: its output ends at ``max_tokens``, one of them the model's own."""
         request = sequence.request
         return request.params.max_tokens - len(sequence.output_token_ids) - 1
+
+
+def _host_copy(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A copy of device ``tokens`` on the host, queued (pinned memory and the event that marks it done on a GPU)."""
+    if not tokens.is_cuda:
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def _grammar_cut(matcher, draft: list[int], vocab_size: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -82,6 +82,23 @@ class PendingTokens:
         input_ids.index_copy_(0, to_device(places, torch.long, device), self.tokens.index_select(0, to_device(rows, torch.long, device)))
 
 
+def copy_device_drafts(input_ids: torch.Tensor, firsts: Sequence[tuple[int, ScheduledChunk]]) -> None:
+    """Write the drafted tokens still on the device (``chunk.draft_source[chunk.draft_rows]``) of each chunk into the
+    flat ``input_ids`` from place ``first`` on: one indexed copy for the step."""
+    places: list[int] = []
+    sources: list[int] = []
+    source = None
+    for first, chunk in firsts:
+        if chunk.draft_rows is not None:
+            places += range(first, first + len(chunk.draft_rows))
+            sources += chunk.draft_rows
+            source = chunk.draft_source
+    if places:
+        device = input_ids.device
+        input_ids.index_copy_(0, to_device(places, torch.long, device),
+                              source.index_select(0, to_device(sources, torch.long, device)))
+
+
 def slot(table: list[int], position: int, block_size: int) -> int:
     """The flat cache slot (``block * block_size + offset``) of ``position`` in a sequence with block ``table``."""
     return table[position // block_size] * block_size + position % block_size
@@ -116,11 +133,13 @@ def build_step_inputs(
     max_q_len = 0
     trees = TREE_MASK in input_names
     tree_mask: list[int] = []
+    drafts_at: list[tuple[int, ScheduledChunk]] = []  # where each chunk's draft starts in input_ids
     for index, chunk in enumerate(chunks):
         sequence = chunk.sequence
         end = chunk.start + chunk.length
         table = pool.block_table(sequence.seq_id)
         known = sequence.token_ids[chunk.start : end - len(chunk.draft)] + chunk.draft
+        drafts_at.append((len(input_ids) + len(known) - len(chunk.draft), chunk))
         input_ids += known
         if len(known) < chunk.length:  # its newest token is the step in flight's: filled on the device
             pending_places.append(len(input_ids))
@@ -157,6 +176,7 @@ def build_step_inputs(
     ids = to_device([input_ids], torch.long, device)
     if pending_places:
         pending.copy_into(ids[0], pending_places, pending_seq_ids)
+    copy_device_drafts(ids[0], drafts_at)
     available = {
         "input_ids": ids,
         "position_ids": to_device([positions], torch.long, device),

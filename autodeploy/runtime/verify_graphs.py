@@ -35,7 +35,7 @@ from autodeploy.runtime.cuda_graphs import StaticBatch
 from autodeploy.runtime.device_copies import to_device
 from autodeploy.runtime.draft_trees import tree_depths, tree_masks
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.step_inputs import PendingTokens, slot
+from autodeploy.runtime.step_inputs import PendingTokens, copy_device_drafts, slot
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class VerifyGraphs:
         places = [p for p in pending_places if p is not None]
         if places:
             pending.copy_into(rows.dev64[0], places, pending_seq_ids)
+        copy_device_drafts(rows.dev64[0], [(row * self.width + 1, chunk) for row, chunk in enumerate(chunks)])
         if self.capture:
             rows.copied = torch.cuda.Event()
             rows.copied.record()

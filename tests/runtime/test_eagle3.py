@@ -399,3 +399,19 @@ def test_on_the_gpu_the_fused_head_runs_the_triton_kernels_and_drafts_what_the_p
     assert layer.input_layernorm.kernel == torch.ops.autodeploy.rms_norm_triton.default
     assert layer.self_attn.rope == torch.ops.autodeploy.rope_triton.default
     assert layer.mlp.gated == torch.ops.autodeploy.fused_gated_mlp_triton.default
+
+
+def test_drafts_stay_on_the_device_until_the_steps_samples_come_back(eagle_llm, llama_llm, monkeypatch):
+    """The head's drafts go into the verification step from the device (the host reads them with the samples); a
+    sequence with a penalty (its sampling reads the draft) gets them on the host first. Output is the same."""
+    drafter, speculator = eagle_llm.engine.speculator.drafter, eagle_llm.engine.speculator
+    calls, on_device = [], drafter.on_device
+    monkeypatch.setattr(drafter, "on_device", lambda sequences, limits: (calls.append(len(sequences)), on_device(sequences, limits))[1])
+    prompts = random_prompts(3, seed=13, lengths=(5, 30))
+    for params, device in ((SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), True),
+                           (SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3), False)):
+        calls.clear()
+        drafted = speculator.stats.drafted
+        assert [o.token_ids for o in eagle_llm.generate(prompts, params)] == [o.token_ids for o in llama_llm.generate(prompts, params)]
+        assert speculator.stats.drafted > drafted and bool(calls) == device
+        assert speculator._drafted is None  # read back with the last step's samples
