@@ -192,7 +192,7 @@ class SlotCache:
         mask = visible[:, None, None].expand(batch, 1, group, n, visible.shape[-1]).reshape(batch, 1, group * n, -1)
         out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=mask,
                                              scale=scale)
-        return out.view(batch, heads, n, values.shape[-1])
+        return out.reshape(batch, heads, n, values.shape[-1])  # a GPU kernel may return the query's strided layout
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
