@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 42 on the device: the trained pair. STAGE=train trains the target (the demo model's tokenizer and corpus,
-# ~175M parameters), its EAGLE-3 head and an MTP layer (a copy of the target with it) into build/spec-pair/ (ignored: a warm machine keeps it for the next
+# ~153M parameters), its EAGLE-3 head and an MTP layer (a copy of the target with it) into build/spec-pair/ (ignored: a warm machine keeps it for the next
 # call; the weights never travel back); STAGE=bench measures eagle3, mtp, draft (the demo model) and n-gram against the
 # same engine without speculation on prompts that quote code (scripts/code_rewrite_prompts.py), and STAGE=identity
 # checks greedy identity on 100 prompts.
