@@ -189,7 +189,10 @@ class SlotCache:
         kv_heads, group = keys.shape[1], heads // keys.shape[1]
         held, at = held[:, None, :], positions[:, :, None]
         visible = (held <= at) & (held > at - self.window)  # [B, n, C]
-        mask = visible[:, None, None].expand(batch, 1, group, n, visible.shape[-1]).reshape(batch, 1, group * n, -1)
+        if n == 1:  # a chain step: one row for all the group's heads, broadcast (no copy)
+            mask = visible[:, None]
+        else:
+            mask = visible[:, None, None].expand(batch, 1, group, n, visible.shape[-1]).reshape(batch, 1, group * n, -1)
         out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=mask,
                                              scale=scale)
         return out.reshape(batch, heads, n, values.shape[-1])  # a GPU kernel may return the query's strided layout

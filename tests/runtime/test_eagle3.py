@@ -386,6 +386,9 @@ def test_the_fused_head_computes_what_the_plain_modules_do():
     assert layer.self_attn.rope == torch.ops.autodeploy.rope_torch.default
     assert layer.mlp.gated == torch.ops.autodeploy.fused_gated_mlp_torch.default
     assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.qkv_weight.data_ptr()  # views: stored once
+    mapped = make_head(hf.config, seed=9, draft_vocab=256).placed(torch.device("cpu"), torch.float32)
+    ids = torch.tensor([[0, 5, 255]])
+    assert torch.equal(mapped.to_target(ids), ids + mapped.d2t[ids]) and mapped.to_target(ids).tolist() == [[0, 10, 510]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
