@@ -5,6 +5,9 @@
 # same engine without speculation on prompts that quote code (scripts/code_rewrite_prompts.py), and STAGE=identity
 # checks greedy identity on 100 prompts.
 #   OUT=$OUT STAGE=train,bench,identity bash scripts/spec_pair_gpu.sh  (or one stage a call on a warm machine)
+# One call of at most 10 minutes (machine starts are scarce; a warm machine goes back after 30 s idle):
+#   OUT=$OUT STAGE=train,bench TRAIN_MINUTES=1.5 EAGLE_MINUTES=1.5 HEADS=eagle3 METHODS="eagle3 eagle3-tree" \
+#     AUTOS="false true" BENCH_S=75 bash scripts/spec_pair_gpu.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 python3 -c "import omegaconf" 2>/dev/null || PYTHONPATH=/tmp/site python3 -c "import omegaconf" 2>/dev/null || \
@@ -17,16 +20,20 @@ mkdir -p $PAIR
 for stage in $(echo ${STAGE:-train} | tr , ' '); do
 case $stage in
 train)
-  timeout $(( ${TRAIN_MINUTES:-3} * 60 + 120 )) python3 scripts/train_demo_model.py --device cuda --compile --seed 0 \
+  limit() { python3 -c "print(int(float('$1') * 60 + 120))"; }  # minutes may be fractional
+  timeout $(limit ${TRAIN_MINUTES:-3}) python3 scripts/train_demo_model.py --device cuda --compile --seed 0 \
     --tokenizer $DEMO --hidden-size 768 --intermediate-size 2048 --layers 24 --batch-size 64 --seq-len 512 \
     --minutes ${TRAIN_MINUTES:-3} --metrics-json "$OUT/train.json" --out $TARGET > "$OUT/train.log" 2>&1
   echo "target rc=$?"; grep -E "^model:|best|eval" "$OUT/train.log" | tail -3
-  timeout $(( ${EAGLE_MINUTES:-2} * 60 + 120 )) python3 scripts/train_eagle3_head.py --target $TARGET --out $HEAD \
-    --minutes ${EAGLE_MINUTES:-2} --seed 0 --metrics-json "$OUT/eagle3.json" > "$OUT/eagle3.log" 2>&1
-  echo "eagle3 rc=$?"; tail -1 "$OUT/eagle3.log"
-  timeout $(( ${MTP_MINUTES:-1} * 60 + 120 )) python3 scripts/train_eagle3_head.py --kind mtp --target $TARGET \
-    --out $PAIR/target-mtp --minutes ${MTP_MINUTES:-1} --seed 0 --metrics-json "$OUT/mtp.json" > "$OUT/mtp.log" 2>&1
-  echo "mtp rc=$?"; tail -1 "$OUT/mtp.log"
+  # HEADS: which heads to train (default both; "eagle3" alone leaves the MTP benchmark out).
+  case " ${HEADS:-eagle3 mtp} " in *" eagle3 "*)
+    timeout $(limit ${EAGLE_MINUTES:-2}) python3 scripts/train_eagle3_head.py --target $TARGET --out $HEAD \
+      --minutes ${EAGLE_MINUTES:-2} --seed 0 --metrics-json "$OUT/eagle3.json" > "$OUT/eagle3.log" 2>&1
+    echo "eagle3 rc=$?"; tail -1 "$OUT/eagle3.log" ;; esac
+  case " ${HEADS:-eagle3 mtp} " in *" mtp "*)
+    timeout $(limit ${MTP_MINUTES:-1}) python3 scripts/train_eagle3_head.py --kind mtp --target $TARGET \
+      --out $PAIR/target-mtp --minutes ${MTP_MINUTES:-1} --seed 0 --metrics-json "$OUT/mtp.json" > "$OUT/mtp.log" 2>&1
+    echo "mtp rc=$?"; tail -1 "$OUT/mtp.log" ;; esac
   python3 scripts/code_rewrite_prompts.py --out $PROMPTS --count 200 --output-len 128 ;;
 bench)
   bench() { local name=$1 model=$2; shift 2; AUTODEPLOY_CONFIG= timeout ${BENCH_S:-170} python3 -m autodeploy bench $model "$@" \
@@ -38,8 +45,12 @@ bench)
     method=${name%-tree}; tree=; [ "$method" != "$name" ] && tree="--speculative-tree-width ${TREE_WIDTH:-2}"
     target=$TARGET; case $method in eagle3) draft="--speculative-model $HEAD" ;; draft) draft="--speculative-model $DEMO" ;;
       mtp) draft= target=$PAIR/target-mtp ;; *) draft= ;; esac
-    bench $name${AUTO:+-auto-$AUTO} $target --speculative-method $method $draft $tree --speculative-num-tokens ${K:-4} \
-      ${AUTO:+--set speculative.auto=$AUTO}
+    # AUTOS: run each method with each auto setting named ("false true"); AUTO: one; neither: the default.
+    for auto in ${AUTOS:-${AUTO:-default}}; do
+      [ "$auto" = default ] && auto=
+      bench $name${auto:+-auto-$auto} $target --speculative-method $method $draft $tree --speculative-num-tokens ${K:-4} \
+        ${auto:+--set speculative.auto=$auto}
+    done
   done ;;
 identity)
   for name in ${METHODS:-eagle3 mtp draft}; do
