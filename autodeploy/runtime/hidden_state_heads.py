@@ -161,6 +161,41 @@ class SlotCache:
         self._free = list(range(slots - 1, -1, -1))
         self._slots: dict[int, int] = {}
 
+    @torch.inference_mode()
+    def use_kernel(self, heads: int, scale: float | None = None) -> str:
+        """Attend with the Triton slot-attention kernel when it runs here and gives what the gathered attention gives on
+        random entries of this cache's shape (checked now, before any drafting graph is captured); what was done, for
+        the pipeline report."""
+        from autodeploy.custom_ops.triton import triton_unavailable
+
+        reason = triton_unavailable(self.k.device)
+        if reason:
+            return f"slot attention gathered ({reason})"
+        from autodeploy.custom_ops.triton.slot_attention import slot_attention
+
+        saved = self.k.clone(), self.v.clone(), self.positions.clone()
+        try:
+            generator = torch.Generator(device="cpu").manual_seed(0)
+            for cache in (self.k, self.v):
+                cache.copy_(torch.randn(cache.shape, generator=generator).to(cache.dtype))
+            self.positions.copy_(torch.randint(-1, 40, self.positions.shape, generator=generator))
+            batch, n = min(3, self.pad + 1), 2
+            slots = torch.arange(batch, device=self.k.device)
+            positions = torch.tensor([[20, 21], [35, 36], [3, 4]][:batch], device=self.k.device)
+            q = torch.randn(batch, heads, n, self.k.shape[-1], generator=generator).to(self.k)
+            want = self.attend(q, slots, positions, scale).float().nan_to_num(0.0)
+            got = slot_attention(q, self.k, self.v, self.positions, slots, positions, self.window, scale).float()
+            worst = float((got - want).abs().max())
+        except Exception as error:  # slower, never wrong: the gathered attention stays
+            return f"slot attention gathered (the kernel failed: {type(error).__name__}: {error})"
+        finally:
+            for cache, kept in zip((self.k, self.v, self.positions), saved):
+                cache.copy_(kept)
+        if worst > (1e-3 if self.k.dtype == torch.float32 else 3e-2):
+            return f"slot attention gathered (the kernel differs by {worst:.3g})"
+        self.kernel = slot_attention
+        return f"slot attention in one kernel (max difference {worst:.2g} from the gathered one)"
+
     def slot(self, seq_id: int) -> int | None:
         """The slot of sequence ``seq_id`` (a fresh, emptied one the first time); None when every slot is taken."""
         slot = self._slots.get(seq_id)
@@ -181,9 +216,14 @@ class SlotCache:
         self.v[slots, :, index] = v.transpose(1, 2)
         self.positions[slots, index] = positions
 
+    kernel: Callable | None = None  # custom_ops/triton/slot_attention.py's, where use_kernel found it right
+
     def attend(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Queries ``[B, heads, n, head_dim]`` at positions ``[B, n]`` over their slots ``[B]`` → ``[B, heads, n, value_dim]``:
-        one fused attention call, each kv head's query heads stacked as rows (no copy of the keys per head)."""
+        with ``kernel``, one kernel reading each slot's ring in place; else the slots' rings gathered and one fused
+        attention call, each kv head's query heads stacked as rows (no copy of the keys per head)."""
+        if self.kernel is not None:
+            return self.kernel(q, self.k, self.v, self.positions, slots, positions, self.window, scale)
         batch, heads, n, head_dim = q.shape
         keys, values, held = self.k[slots], self.v[slots], self.positions[slots]  # [B, kv, C, D], [B, C]
         kv_heads, group = keys.shape[1], heads // keys.shape[1]
@@ -313,6 +353,10 @@ class HiddenStateHead(nn.Module, ABC):
     def cache_dims(self) -> tuple[int, int, int]:
         """(kv heads, key dim, value dim) of what the slot cache keeps."""
         return self.shape.num_key_value_heads, self.shape.head_dim, self.shape.head_dim
+
+    def attention_heads(self) -> tuple[int, float | None]:
+        """(query heads, the attention's scale; None: ``1/√key dim``)."""
+        return self.shape.num_attention_heads, None
 
     rotary_table: torch.Tensor | None = None  # cos, sin [positions, 2, head_dim] (tabulate_rotary), float32
 
@@ -466,6 +510,7 @@ class HeadDrafter:
             head.tabulate_rotary(max_positions + chain + 1)
         self.check = check_head(head, name)
         self.cache = head.new_cache(slots, context, chain + 1)
+        self.attention = self.cache.use_kernel(*head.attention_heads())
         self._sequences: dict[int, HeadSequence] = {}
         self._tensors: dict[int, torch.Tensor] = {}  # step → the hidden states of its rows (a copy)
         self._step = 0
@@ -488,7 +533,7 @@ class HeadDrafter:
 
     def describe(self) -> str:
         graphs = f"; drafting steps replay CUDA graphs at batch sizes {self.graphs.sizes}" if self.graphs and self.graphs.captured else ""
-        return f"  {self.name}: {self.check}{graphs}"
+        return f"  {self.name}: {self.check}; {self.attention}{graphs}"
 
     def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor) -> None:
         self._forget_finished()

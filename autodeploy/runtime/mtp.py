@@ -124,6 +124,9 @@ class DeepSeekMTPHead(MTPHead):
         attn = self.self_attn
         return attn.num_heads, attn.qk_head_dim, attn.v_head_dim
 
+    def attention_heads(self) -> tuple[int, float | None]:
+        return self.self_attn.num_heads, self.self_attn.scaling
+
 
 def mtp_layer_index(config: dict, where: str) -> int:
     """Where the checkpoint's first MTP layer is stored (``model.layers.{index}``); ``ConfigError`` when it has none."""

@@ -276,6 +276,7 @@ def test_on_the_gpu_drafting_replays_captured_graphs_and_changes_no_token(llama_
                                   "auto": False})
     drafter = llm.engine.speculator.drafter
     assert drafter.graphs is not None and drafter.graphs.sizes[0] == 1
+    assert drafter.cache.kernel is not None, drafter.attention  # the slot-attention kernel, checked at build
     replays = []
     draft = drafter.graphs.draft
     drafter.graphs.draft = lambda feeds, sequences: (replays.append(len(feeds)), draft(feeds, sequences))[1]
