@@ -292,7 +292,7 @@ class HiddenStateHead(nn.Module, ABC):
         """Run the layer through canonical ops, each on the backend that takes it on the head's device (Triton's on a
         GPU, ``pick_kernel``): its RMS norms (the residual add before the MLP's norm with it), the q/k/v projections
         as one GEMM with one rotary kernel, the MLP's gate and up projections as one GEMM with the activation fused.
-        A drafting round is then ~35 kernels instead of ~60 (what a drafting CUDA graph replays). Only the head's
+        A drafting round is then ~36 kernels instead of ~70 (what a drafting CUDA graph replays). Only the head's
         own Llama-style modules are fused (a DeepSeek layer's attention and experts stay Hugging Face's)."""
         weight = self.embed_tokens.weight
         device, meta = weight.device, lambda *shape: torch.empty(*shape, dtype=weight.dtype, device="meta")
