@@ -2,7 +2,8 @@
 layers, the demo model's tokenizer and vocabulary) with random weights and a random EAGLE-3 head, B requests
 decoding with ``auto`` off, so every step drafts. For each B: the wall time per step with and without
 speculation, then the torch profiler over a few steps with the engine's phases marked (drafting, planning and
-staging, the forward, sampling, applying tokens): each phase's host time and the GPU time under it.
+staging, the forward, sampling, applying tokens): each phase's host time and the GPU time under it, then the
+kernels by GPU time.
 Run: python scripts/profile_speculation.py [B,...] [--tree-width W] [--num-tokens K]
 """
 
@@ -109,6 +110,8 @@ def main() -> None:
             engine.step()
         del requests
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=22, max_name_column_width=48))
+        # The device's side: the kernels (those the drafting and verification graphs replay included) by GPU time.
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":
