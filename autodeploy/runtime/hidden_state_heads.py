@@ -163,38 +163,33 @@ class SlotCache:
 
     @torch.inference_mode()
     def use_kernel(self, heads: int, scale: float | None = None) -> str:
-        """Attend with the Triton slot-attention kernel when it runs here and gives what the gathered attention gives on
-        random entries of this cache's shape (checked now, before any drafting graph is captured); what was done, for
-        the pipeline report."""
+        """Attend and store with the Triton kernels (``custom_ops/triton/slot_attention.py``) where they run and give
+        what the PyTorch path gives, checked now on a scratch cache of this one's shape with random entries (before
+        any drafting graph is captured); what was done, for the pipeline report."""
         from autodeploy.custom_ops.triton import triton_unavailable
 
         reason = triton_unavailable(self.k.device)
         if reason:
             return f"slot attention gathered ({reason})"
-        from autodeploy.custom_ops.triton.slot_attention import slot_attention
+        from autodeploy.custom_ops.triton.slot_attention import slot_attention, slot_store
 
-        saved = self.k.clone(), self.v.clone(), self.positions.clone()
         try:
-            generator = torch.Generator(device="cpu").manual_seed(0)
-            for cache in (self.k, self.v):
-                cache.copy_(torch.randn(cache.shape, generator=generator).to(cache.dtype))
-            self.positions.copy_(torch.randint(-1, 40, self.positions.shape, generator=generator))
-            batch, n = min(3, self.pad + 1), 2
-            slots = torch.arange(batch, device=self.k.device)
-            positions = torch.tensor([[20, 21], [35, 36], [3, 4]][:batch], device=self.k.device)
-            q = torch.randn(batch, heads, n, self.k.shape[-1], generator=generator).to(self.k)
-            want = self.attend(q, slots, positions, scale).float().nan_to_num(0.0)
-            got = slot_attention(q, self.k, self.v, self.positions, slots, positions, self.window, scale).float()
-            worst = float((got - want).abs().max())
-        except Exception as error:  # slower, never wrong: the gathered attention stays
-            return f"slot attention gathered (the kernel failed: {type(error).__name__}: {error})"
-        finally:
-            for cache, kept in zip((self.k, self.v, self.positions), saved):
-                cache.copy_(kept)
-        if worst > (1e-3 if self.k.dtype == torch.float32 else 3e-2):
-            return f"slot attention gathered (the kernel differs by {worst:.3g})"
-        self.kernel = slot_attention
-        return f"slot attention in one kernel (max difference {worst:.2g} from the gathered one)"
+            worst, stored = _check_slot_kernels(self, heads, scale, slot_attention, slot_store)
+        except Exception as error:  # slower, never wrong: the PyTorch path stays
+            return f"slot attention gathered (the kernels failed: {type(error).__name__}: {error})"
+        if worst > (1e-3 if self.k.dtype == torch.float32 else 3e-2) or not stored:
+            return f"slot attention gathered (the kernels differ: attention by {worst:.3g}, stores equal: {stored})"
+        self.kernel, self.store_kernel = slot_attention, slot_store
+        return f"slot attention and stores in one kernel each (attention within {worst:.2g} of the gathered one)"
+
+    store_kernel: Callable | None = None
+
+    def store(self, slots: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write`` the rows of ``slots [B]`` (rows not ``valid`` ``[B, n]`` into the pad slot)."""
+        if self.store_kernel is not None:
+            self.store_kernel(k, v, positions, valid, slots, self.pad, self.k, self.v, self.positions)
+        else:
+            self.write(torch.where(valid, slots[:, None], self.pad), positions, k, v)
 
     def slot(self, seq_id: int) -> int | None:
         """The slot of sequence ``seq_id`` (a fresh, emptied one the first time); None when every slot is taken."""
@@ -236,6 +231,36 @@ class SlotCache:
         out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=mask,
                                              scale=scale)
         return out.reshape(batch, heads, n, values.shape[-1])  # a GPU kernel may return the query's strided layout
+
+
+def _check_slot_kernels(cache: SlotCache, heads: int, scale: float | None, attend: Callable, store: Callable) -> tuple[float, bool]:
+    """The slot kernels against the PyTorch path on scratch caches shaped like ``cache`` (three slots, random
+    entries): the attention's worst difference, and whether the stores left equal caches."""
+    kv_heads, capacity, key_dim = cache.k.shape[1:]
+    value_dim, device, dtype = cache.v.shape[-1], cache.k.device, cache.k.dtype
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def scratch() -> SlotCache:
+        made = SlotCache(2, kv_heads, key_dim, value_dim, cache.window, capacity - cache.window, device, dtype)
+        generator.manual_seed(0)
+        made.k.copy_(torch.randn(made.k.shape, generator=generator).to(dtype))
+        made.v.copy_(torch.randn(made.v.shape, generator=generator).to(dtype))
+        made.positions.copy_(torch.randint(0, 40, made.positions.shape, generator=generator))
+        return made
+
+    plain, fused = scratch(), scratch()
+    slots, n = torch.tensor([1, 0, 2], device=device), 3
+    positions = torch.tensor([[20, 21, 22], [35, 36, 37], [3, 4, 5]], device=device)  # one entry each (no race)
+    valid = torch.tensor([[True, True, True], [True, True, False], [False, False, False]], device=device)
+    k = torch.randn(3, n, kv_heads, key_dim, generator=generator).to(device, dtype).transpose(1, 2)
+    v = torch.randn(3, n, kv_heads, value_dim, generator=generator).to(device, dtype).transpose(1, 2)
+    plain.store(slots, valid, positions, k, v)
+    store(k, v, positions, valid, slots, fused.pad, fused.k, fused.v, fused.positions)
+    stored = all(torch.equal(a, b) for a, b in ((plain.k, fused.k), (plain.v, fused.v), (plain.positions, fused.positions)))
+    q = torch.randn(3, heads, n, key_dim, generator=generator).to(device, dtype)
+    want = plain.attend(q, slots, positions, scale).float().nan_to_num(0.0)
+    got = attend(q, plain.k, plain.v, plain.positions, slots, positions, plain.window, scale).float()
+    return float((got - want).abs().max()), stored
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -324,7 +349,7 @@ class HiddenStateHead(nn.Module, ABC):
         attention_in, x = self.layer_input(hidden, embedded, from_model)
         _, mlp, post_norm = self.block()
         q, k, v, scale = self.attention_qkv(attention_in, x, positions)
-        cache.write(torch.where(valid, slots[:, None], cache.pad), positions, k, v)
+        cache.store(slots, valid, positions, k, v)
         out = cache.attend(q, slots, positions, scale)
         normed, x = post_norm.add(self.attention_out(out.transpose(1, 2).reshape(batch, n, -1)), x)
         return x + mlp(normed)

@@ -1,4 +1,4 @@
-"""Attention of a drafting head's queries over its slot cache, in one kernel.
+"""Attention of a drafting head's queries over its slot cache, and the store into it, a kernel each.
 
 A hidden-state head (``runtime/hidden_state_heads.py``) keeps its keys and values in a ``SlotCache``: per
 sequence slot a ring of ``C`` entries, each holding the position it was written at. A query at position ``p``
@@ -9,6 +9,7 @@ attention: ~9 kernels a drafting round, and the gathers' bytes grow with batch Ã
 the ring it attends to is read.
 
     out = slot_attention(q, k_cache, v_cache, held, slots, positions, window, scale)
+    slot_store(k, v, positions, valid, slots, pad, k_cache, v_cache, held)  # SlotCache.write's five kernels in one
 
 ``q [B, heads, n, Dk]`` (any strides, the last 1), ``k_cache [S, kv, C, Dk]``, ``v_cache [S, kv, C, Dv]``,
 ``held [S, C]`` int64, ``slots [B]``, ``positions [B, n]`` â†’ ``[B, heads, n, Dv]`` in ``q``'s dtype, equal to
@@ -102,3 +103,46 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         BLOCK=BLOCK_C, IEEE=q.dtype == torch.float32, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _slot_store_kernel(
+    k_ptr, v_ptr, positions_ptr, valid_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, held_ptr, n, pad,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ks, stride_kc_h, stride_kc_c,
+    stride_vs, stride_vc_h, stride_vc_c, stride_held,
+    CAPACITY: tl.constexpr, KV: tl.constexpr, KV_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * n + t
+    b, t = row // n, row % n
+    position = tl.load(positions_ptr + row)
+    slot = tl.where(tl.load(valid_ptr + row) != 0, tl.load(slots_ptr + b).to(tl.int64), pad)
+    index = position % CAPACITY
+    heads, dk, dv = tl.arange(0, KV_PAD)[:, None], tl.arange(0, DK_PAD)[None, :], tl.arange(0, DV_PAD)[None, :]
+    keys = tl.load(k_ptr + b * stride_kb + heads * stride_kh + t * stride_kt + dk, mask=(heads < KV) & (dk < DK))
+    tl.store(k_cache_ptr + slot * stride_ks + heads * stride_kc_h + index * stride_kc_c + dk, keys, mask=(heads < KV) & (dk < DK))
+    values = tl.load(v_ptr + b * stride_vb + heads * stride_vh + t * stride_vt + dv, mask=(heads < KV) & (dv < DV))
+    tl.store(v_cache_ptr + slot * stride_vs + heads * stride_vc_h + index * stride_vc_c + dv, values, mask=(heads < KV) & (dv < DV))
+    tl.store(held_ptr + slot * stride_held + index, position)
+
+
+def slot_store(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
+               pad: int, k_cache: torch.Tensor, v_cache: torch.Tensor, held: torch.Tensor) -> None:
+    """Store keys ``[B, kv, n, Dk]`` and values ``[B, kv, n, Dv]`` (any strides, the last 1) of positions ``[B, n]``
+    in the caches' ring entry ``position % C`` of each row's slot (``slots [B]``; rows not ``valid`` ``[B, n]``: slot
+    ``pad``), and the positions in ``held``: ``SlotCache.write`` in one kernel."""
+    batch, kv_heads, n, key_dim = k.shape
+    value_dim = v.shape[-1]
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"slot_store: k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype} into caches of "
+                         f"{k_cache.dtype}: last dims contiguous, the caches' dtypes")
+    if batch * n == 0:
+        return
+    positions, valid = positions.contiguous(), valid.contiguous()
+    _slot_store_kernel[(batch * n,)](
+        k, v, positions, valid, slots, k_cache, v_cache, held, n, pad,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        held.stride(0), CAPACITY=k_cache.shape[2], KV=kv_heads, KV_PAD=triton.next_power_of_2(kv_heads), DK=key_dim,
+        DK_PAD=triton.next_power_of_2(key_dim), DV=value_dim, DV_PAD=triton.next_power_of_2(value_dim), num_warps=1,
+    )

@@ -1,5 +1,5 @@
-"""The Triton slot-attention kernel (``custom_ops/triton/slot_attention.py``) against the gathered attention of
-``SlotCache.attend`` it replaces. Without a GPU the kernel runs in Triton's interpreter (``tests/conftest.py``), so
+"""The Triton slot-cache kernels (``custom_ops/triton/slot_attention.py``) against the PyTorch paths they replace:
+the gathered attention of ``SlotCache.attend`` and the indexed stores of ``SlotCache.write``. Without a GPU the kernel runs in Triton's interpreter (``tests/conftest.py``), so
 the shapes are tiny; they still cover grouped heads, several queries a sequence, key and value widths that are not
 powers of two, rings longer than a tile, padding sequences on the pad slot and rows that see nothing."""
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from autodeploy.runtime.hidden_state_heads import EMPTY, SlotCache
-from autodeploy.custom_ops.triton.slot_attention import slot_attention
+from autodeploy.custom_ops.triton.slot_attention import slot_attention, slot_store
+from autodeploy.runtime.hidden_state_heads import _check_slot_kernels
 
 
 def filled_cache(kv_heads: int, key_dim: int, value_dim: int, window: int, chain: int, seed: int) -> SlotCache:
@@ -48,6 +49,14 @@ def test_a_row_that_sees_nothing_gives_zeros():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("kv_heads, key_dim, value_dim", [(2, 16, 16), (3, 24, 20)])
+def test_the_store_kernel_writes_what_the_indexed_stores_do(kv_heads, key_dim, value_dim):
+    """Valid rows into their slots' ring entries (wrapping), padding rows into the pad slot, the positions held."""
+    cache = filled_cache(kv_heads, key_dim, value_dim, 6, chain=2, seed=5)
+    worst, stored = _check_slot_kernels(cache, kv_heads * 2, None, slot_attention, slot_store)
+    assert stored and worst < 1e-5
+
+
 def test_the_cache_takes_the_kernel_only_where_triton_runs():
     cache = filled_cache(2, 16, 16, 8, chain=2, seed=4)
     assert cache.use_kernel(heads=4).startswith("slot attention gathered (Triton kernels need a CUDA device")
@@ -59,5 +68,6 @@ def test_the_cache_takes_the_kernel_only_where_triton_runs():
 def test_on_the_gpu_the_cache_checks_and_takes_the_kernel(dtype):
     cache = SlotCache(4, 2, 64, 64, 64, 4, torch.device("cuda"), dtype)
     kept = cache.positions.clone()
-    assert cache.use_kernel(heads=8).startswith("slot attention in one kernel") and cache.kernel is slot_attention
+    assert cache.use_kernel(heads=8).startswith("slot attention and stores in one kernel each")
+    assert cache.kernel is slot_attention and cache.store_kernel is slot_store
     assert torch.equal(cache.positions, kept)  # the check's random entries are gone
