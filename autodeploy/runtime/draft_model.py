@@ -4,7 +4,8 @@ The draft model is a deployment of its own (``Deployment.draft``: its graph, ser
 build report) run by a model runner of its own, with its own KV pool and, on a GPU, its own CUDA graphs. For
 each sequence it keeps the tokens it has in its cache; a proposal first computes what the sequence gained
 since (its prompt, the tokens the model accepted, the model's own token: one forward for all the sequences),
-then runs ``k - 1`` one-token steps, each token the draft's argmax. Tokens the model rejected are dropped from
+then runs ``k - 1`` one-token steps, each token the draft's argmax, fed to the next step on the device (the host
+reads the draft's tokens once, after the last step, instead of waiting for each). Tokens the model rejected are dropped from
 the draft's cache by comparing it with the sequence again at the next proposal.
 
     drafter = DraftModel(deployment.draft)
@@ -22,6 +23,7 @@ from autodeploy.errors import ConfigError
 from autodeploy.runtime.model_runner import make_model_runner
 from autodeploy.runtime.sampler import greedy_tokens
 from autodeploy.runtime.scheduler import ScheduledChunk
+from autodeploy.runtime.step_inputs import PendingTokens
 from autodeploy.runtime.speculative import register_drafter
 
 logger = logging.getLogger(__name__)
@@ -39,10 +41,11 @@ class _DraftSequence:
         self.token_ids: list[int] = []
         self.num_computed = 0
         self.synced = 0  # the sequence's length at the last sync: its tokens up to there are ours too
+        self.pending = 0  # drafted tokens still on the device (not in token_ids yet)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.pending
 
 
 class DraftModel:
@@ -66,23 +69,33 @@ class DraftModel:
             state = self._synced(sequence)
             if self._reserve(state, len(state.token_ids) + limit - 1, keep={s.seq_id for s in sequences}):
                 drafting.append((index, state, limit))
-        stopped: set[int] = set()  # drafts cut short by a token past the model's vocabulary
+        # Each round's tokens stay on the device: the next round reads them there (pending, as a run-ahead decode
+        # step does), and the host reads them all once at the end.
+        rounds: list[tuple[torch.Tensor, list[tuple[int, _DraftSequence]]]] = []  # (tokens [rows], row owners)
+        pending = None
         for round_ in range(max((limit for _, _, limit in drafting), default=0)):
-            active = [(index, state) for index, state, limit in drafting if limit > round_ and index not in stopped]
-            if not active:
-                break
-            chunks = [ScheduledChunk(state, state.num_computed, len(state.token_ids) - state.num_computed) for _, state in active]
+            active = [(index, state) for index, state, limit in drafting if limit > round_]
+            chunks = [ScheduledChunk(state, state.num_computed, state.num_tokens - state.num_computed) for _, state in active]
             order = sorted(range(len(chunks)), key=lambda i: chunks[i].length == 1)  # decodes last
-            logits, completing = self.runner.forward([chunks[i] for i in order])
-            tokens = greedy_tokens(logits).tolist()
-            for row, position in enumerate(completing):
-                index, state = active[order[position]]
-                state.num_computed = len(state.token_ids)
-                if tokens[row] >= self.vocab_size:
-                    stopped.add(index)
+            run, completing = self.runner.stage([chunks[i] for i in order], pending=pending)
+            tokens = greedy_tokens(run())
+            owners = [active[order[position]] for position in completing]
+            for _, state in owners:
+                state.num_computed = state.num_tokens
+                state.pending += 1
+            rounds.append((tokens, owners))
+            pending = PendingTokens(tokens, {state.seq_id: row for row, (_, state) in enumerate(owners)})
+        stopped: set[int] = set()  # drafts cut short by a token past the model's vocabulary
+        for tokens, owners in zip((tokens.tolist() for tokens in _on_host([t for t, _ in rounds])), (o for _, o in rounds)):
+            for token, (index, state) in zip(tokens, owners):
+                state.pending -= 1
+                if index in stopped or token >= self.vocab_size:
+                    stopped.add(index)  # the draft ends; the draft's cache past here is cut at the next sync
                     continue
-                state.token_ids.append(tokens[row])
-                drafts[index].append(tokens[row])
+                state.token_ids.append(token)
+                drafts[index].append(token)
+        for _, state, _ in drafting:  # a cut draft's later tokens were computed but are not held: compute again
+            state.num_computed = min(state.num_computed, len(state.token_ids))
         return drafts
 
     def _synced(self, sequence) -> _DraftSequence:
@@ -118,6 +131,13 @@ class DraftModel:
 
     def _drop(self, seq_id: int) -> None:
         self.pool.free(self._sequences.pop(seq_id).seq_id)
+
+
+def _on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` (1-D, one device) copied to the host in one transfer."""
+    if not tensors:
+        return []
+    return list(torch.cat(tensors).cpu().split([len(t) for t in tensors]))
 
 
 @register_drafter("draft")
