@@ -20,3 +20,21 @@ def pinned_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """``tensor`` on its way to the host: the copy is queued now (into pinned memory, an event marking it done, on a
+    GPU); ``wait()`` returns it once there."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        self._host.copy_(tensor, non_blocking=tensor.is_cuda)
+        self._copied = None
+        if tensor.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def wait(self) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from autodeploy.runtime.device_copies import pinned_to_device, to_device
+from autodeploy.runtime.device_copies import HostCopy, pinned_to_device, to_device
 from autodeploy.runtime.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -76,20 +76,14 @@ class PendingSample:
     def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, rows: list[SamplingRow], top: int):
         self.tokens = tokens
         self._rows, self._top = rows, top
-        self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=packed.is_cuda)
-        self._host.copy_(packed, non_blocking=packed.is_cuda)
-        self._copied = None
-        if packed.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._copy = HostCopy(packed)
 
     def result(self) -> SampleResult:
-        if self._copied is not None:
-            self._copied.synchronize()
+        packed = self._copy.wait()
         count = len(self._rows)
-        if self._host.dim() == 1:  # token ids alone
-            return SampleResult(self._host.tolist(), [None] * count, [None] * count)
-        host = self._host.tolist()
+        if packed.dim() == 1:  # token ids alone
+            return SampleResult(packed.tolist(), [None] * count, [None] * count)
+        host = packed.tolist()
         token_ids = [int(values[0]) for values in host]
         chosen_logprobs: list[float | None] = [None] * count
         top_logprobs: list[dict[int, float] | None] = [None] * count

@@ -44,6 +44,7 @@ import torch
 
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.block_pool import KVBlockPool
+from autodeploy.runtime.device_copies import HostCopy
 from autodeploy.runtime.draft_trees import DraftTree, tree_depths
 from autodeploy.runtime.sampler import has_penalty
 from autodeploy.runtime.scheduler import ScheduledChunk
@@ -187,7 +188,7 @@ class Speculator:
         self.observed = ObservedSteps()  # what whole steps took as they ran (``step_took``)
         self._timing: tuple[int, int, float] | None = None  # the planned step's (batch, tokens drafted, drafting s/position)
         self._last_drafted: bool | None = None  # whether the step before drafted (None: not decodes alone)
-        self._drafted = None  # the planned step's drafts left on the device: (tokens, (host copy, its event)); resolve
+        self._drafted = None  # the planned step's drafts left on the device: (tokens, their HostCopy); resolve
         self.drafting = False  # whether the last planned step chose to draft (its step then does not run ahead)
         self.stats = SpeculationStats()
         self._warned_low_acceptance = False
@@ -218,12 +219,11 @@ class Speculator:
         # can, for sequences whose draft the host need not see first (no grammar to cut it, no penalty to sample by).
         source = None
         on_device = getattr(self.drafter, "on_device", None)
+        began = time.perf_counter()
         if on_device is not None and not any(s.grammar is not None or has_penalty(s.request.params) for s in sequences):
-            began = time.perf_counter()
             source, drafts = on_device(sequences, limits)
-            self._drafted = (source, _host_copy(source)) if source is not None else None
+            self._drafted = (source, HostCopy(source)) if source is not None else None
         else:
-            began = time.perf_counter()
             drafts = self.drafter(sequences, limits)
         self.drafting_times.observe(len(candidates), max(limits), time.perf_counter() - began)
         if len(drafts) != len(candidates):
@@ -233,15 +233,7 @@ class Speculator:
             if isinstance(draft, DraftTree):
                 draft, parents = self._tree(chunk.sequence, draft, limit, budget)
             draft = [int(t) for t in draft[: min(limit, budget)]] if parents is None else draft
-            if source is not None:  # indices of the tokens in source, not tokens
-                if draft and self.pool.reserve(chunk.sequence.seq_id, chunk.start + 1 + len(draft)):
-                    chunk.draft, chunk.draft_rows, chunk.draft_source = [0] * len(draft), draft, source
-                    chunk.draft_parents, chunk.length = parents, 1 + len(draft)
-                    budget -= len(draft)
-                    if budget <= 0:
-                        break
-                continue
-            if any(not 0 <= t < self.vocab_size for t in draft):
+            if source is None and any(not 0 <= t < self.vocab_size for t in draft):
                 raise RuntimeError(f"the {self.method!r} drafter proposed a token outside the vocabulary "
                                    f"(0 … {self.vocab_size - 1}): {draft}")
             masks = None
@@ -250,6 +242,8 @@ class Speculator:
             if not draft or not self.pool.reserve(chunk.sequence.seq_id, chunk.start + 1 + len(draft)):
                 continue
             chunk.draft, chunk.draft_bitmasks, chunk.draft_parents = draft, masks, parents
+            if source is not None:  # draft holds the tokens' indices in source: placeholders until resolve
+                chunk.draft, chunk.draft_rows, chunk.draft_source = [0] * len(draft), draft, source
             chunk.length = 1 + len(draft)
             budget -= len(draft)
             if budget <= 0:
@@ -280,10 +274,8 @@ class Speculator:
         drafted, self._drafted = self._drafted, None
         if drafted is None:
             return
-        source, (host, copied) = drafted
-        if copied is not None:
-            copied.synchronize()
-        tokens = host.tolist()
+        source, copy = drafted
+        tokens = copy.wait().tolist()
         for chunk in chunks:
             if chunk.draft_source is source:
                 chunk.draft[:] = [tokens[i] for i in chunk.draft_rows]
@@ -381,17 +373,6 @@ class Speculator:
         """Draft tokens the sequence may still take: its output ends at ``max_tokens``, one of them the model's own."""
         request = sequence.request
         return request.params.max_tokens - len(sequence.output_token_ids) - 1
-
-
-def _host_copy(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A copy of device ``tokens`` on the host, queued (pinned memory and the event that marks it done on a GPU)."""
-    if not tokens.is_cuda:
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return host, copied
 
 
 def _grammar_cut(matcher, draft: list[int], vocab_size: int) -> tuple[list[int], list[torch.Tensor]]:
