@@ -216,6 +216,10 @@ class DeploySettings:
     # [triton, sdpa]}, or per node (globs over module paths / node names, first match wins):
     # {rms_norm: {"*.layers.0.*": [reference], "*": [triton, torch]}}.
     backends: Dict[str, Any] = field(default_factory=dict)
+    # Every token's result independent of the rest of its step (custom_ops/batch_invariant.py): greedy output the
+    # same with and without speculation, alone or in any batch, in bfloat16 too; slower kernels, GPUs only. The
+    # select stage takes the batch-invariant backend of every op and refuses ops that have none.
+    batch_invariant: bool = False
     autotuner: AutotunerSettings = field(default_factory=AutotunerSettings)
     compile: CompileSettings = field(default_factory=CompileSettings)
     dump_graphs: Optional[str] = None  # folder: write the graph after every transform

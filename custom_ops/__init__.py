@@ -32,6 +32,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     rope,
     triton_backends,
 )
+from . import batch_invariant  # noqa: F401,E402  (opt-in backends, listed after every other)
 from .registry import (
     REFERENCE,
     Backend,

@@ -75,6 +75,9 @@ class Backend:
     # False when a call reads device tensors on the host (.tolist(), data-dependent shapes): that syncs,
     # which CUDA graph capture forbids, so the compile stage keeps a graph with such a kernel eager.
     capturable: bool = True
+    # True for a backend only asked-for selects (``batch_invariant``, a ``backends`` preference): the autotuner's
+    # contest and the first-supported rule pass it by (``custom_ops/batch_invariant.py``'s, slower by design).
+    opt_in: bool = False
 
     def check(self, args: Sequence[Any], device: torch.device) -> str | None:
         """``None`` when this backend supports the node, else the reason it does not."""
@@ -193,14 +196,14 @@ def canonical_ops() -> dict[str, CanonicalOp]:
 
 def register_backend(
     op_name: str, backend_name: str, fn: Callable[..., Any], *, supports: Supports = supports_any,
-    capturable: bool = True,
+    capturable: bool = True, opt_in: bool = False,
 ) -> Any:
     """Register ``fn`` as ``torch.ops.autodeploy.<op_name>_<backend_name>``, a candidate kernel for ``op_name``.
 
     ``fn`` takes the canonical op's arguments and returns what its reference does (the op's schema and
     fake are reused). ``supports(*args, device=...)`` admits the nodes it can run (see :class:`Backend`);
-    the default admits all; ``capturable=False`` marks a kernel that syncs with the host (see
-    :class:`Backend`). The backend then joins kernel selection and the autotuner's contest with no
+    the default admits all; ``capturable=False`` marks a kernel that syncs with the host, ``opt_in=True``
+    one that only a request selects (see :class:`Backend`). The backend then joins kernel selection and the autotuner's contest with no
     other change. Returns the new op's overload. Raises :class:`OpRegistrationError` for an unknown op,
     a taken backend name or a name that is not an identifier.
     """
@@ -221,7 +224,7 @@ def register_backend(
     _BACKEND_LIBRARY.impl(qualified, fn, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{qualified}", record.fake, lib=_BACKEND_LIBRARY)
     overload = getattr(getattr(torch.ops, NAMESPACE), qualified).default
-    record.backends.append(Backend(backend_name, fn, overload, supports, capturable))
+    record.backends.append(Backend(backend_name, fn, overload, supports, capturable, opt_in))
     return overload
 
 

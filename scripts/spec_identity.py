@@ -1,6 +1,7 @@
 """Greedy output with and without speculative decoding, prompt by prompt (issue 42: token-identical on the GPU).
 
   python scripts/spec_identity.py MODEL --dataset prompts.jsonl --count 100 --method eagle3 --draft HEAD [--num-tokens 4]
+      [--batch-invariant]
 
 Prints how many of the prompts give the same tokens, and for each that does not, where they part and the two
 tokens' logits under the model without speculation (a near-tie there is bfloat16 rounding, not a wrong token).
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--tree-width", type=int, default=1)
     parser.add_argument("--dtype", default=None, help="e.g. float32 (default: the checkpoint's)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch-invariant", action="store_true", help="both deployments with batch_invariant: true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     prompts = [json.loads(line)["prompt"] for line in args.dataset.read_text().splitlines() if line.strip()]
@@ -36,6 +38,8 @@ def main() -> None:
     prompts = [p if i < len(set(prompts)) else f"# variant {i}\n{p}" for i, p in enumerate(prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     dtype = {"dtype": args.dtype} if args.dtype else {}
+    if args.batch_invariant:
+        dtype["batch_invariant"] = True
     base = autodeploy(args.model, **dtype)
     expected = [o.token_ids for o in base.generate(prompts, params)]
     spec = autodeploy(args.model, **dtype, speculative={"method": args.method, "model": args.draft, "auto": False,
@@ -52,7 +56,8 @@ def main() -> None:
         differences.append({"at": at, "tokens": [a[at], b[at]],
                             "logits": [round(float(logits[a[at]]), 4), round(float(logits[b[at]]), 4)]})
     stats = spec.engine.speculator.stats
-    summary = {"method": args.method, "tree_width": args.tree_width, "dtype": args.dtype or "checkpoint", "prompts": len(prompts), "identical": same, "differences": differences,
+    summary = {"method": args.method, "tree_width": args.tree_width, "dtype": args.dtype or "checkpoint",
+               "batch_invariant": args.batch_invariant, "prompts": len(prompts), "identical": same, "differences": differences,
                "acceptance_length": round(stats.acceptance_length, 3), "acceptance_rate": round(stats.acceptance_rate, 3)}
     print("identity:", json.dumps(summary))
     if args.out:

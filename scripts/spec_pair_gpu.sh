@@ -3,7 +3,7 @@
 # ~153M parameters), its EAGLE-3 head and an MTP layer (a copy of the target with it) into build/spec-pair/ (ignored: a warm machine keeps it for the next
 # call; the weights never travel back); STAGE=bench measures eagle3, mtp, draft (the demo model) and n-gram against the
 # same engine without speculation on prompts that quote code (scripts/code_rewrite_prompts.py), and STAGE=identity
-# checks greedy identity on 100 prompts.
+# checks greedy identity on 100 prompts (BATCH_INVARIANT=1: both runs with batch_invariant: true).
 #   OUT=$OUT STAGE=train,bench,identity bash scripts/spec_pair_gpu.sh  (or one stage a call on a warm machine)
 # One call of at most 10 minutes (machine starts are scarce; a warm machine goes back after 30 s idle):
 #   OUT=$OUT STAGE=train,bench TRAIN_MINUTES=1.5 EAGLE_MINUTES=1.5 HEADS=eagle3 METHODS="eagle3 eagle3-tree" \
@@ -57,7 +57,8 @@ identity)
     method=${name%-tree}; tree=; [ "$method" != "$name" ] && tree="--tree-width ${TREE_WIDTH:-2}"
     target=$TARGET; case $method in eagle3) model=$HEAD ;; draft) model=$DEMO ;; mtp) model= target=$PAIR/target-mtp ;; *) model= ;; esac
     timeout ${IDENTITY_S:-200} python3 scripts/spec_identity.py $target --dataset $PROMPTS --count 100 --method $method \
-      ${model:+--draft $model} $tree ${DTYPE:+--dtype $DTYPE} --out "$OUT/identity-$name${DTYPE:+-$DTYPE}.json" 2>&1 | grep -E "^identity|Error" | cut -c1-600
+      ${model:+--draft $model} $tree ${DTYPE:+--dtype $DTYPE} ${BATCH_INVARIANT:+--batch-invariant} \
+      --out "$OUT/identity-$name${DTYPE:+-$DTYPE}${BATCH_INVARIANT:+-invariant}.json" 2>&1 | grep -E "^identity|Error" | cut -c1-600
   done ;;
 esac
 done

@@ -11,8 +11,13 @@ Per node, among the op's backends whose ``supports`` admits the node's arguments
    (``autotuner/``; per token-count bucket — a node whose buckets disagree gets a dispatch by token count);
 3. else the first supported backend in registration order.
 
+Steps 2 and 3 pass ``opt_in`` backends by. ``batch_invariant: true`` makes every op that has an ``invariant``
+backend prefer it (``custom_ops/batch_invariant.py``) and refuses, before anything is chosen, a device without
+Triton, a graph holding an op with no such backend that is not row-local, and a ``backends`` entry for an op it
+decides.
+
 The report (``autodeploy inspect``, ``LLM.pipeline_report()``) lists, per op, which kernel each group of
-nodes got and why: ``preference``, ``tuned`` or ``only candidate`` / ``first supported``.
+nodes got and why: ``preference``, ``batch_invariant``, ``tuned`` or ``only candidate`` / ``first supported``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch.fx import GraphModule
 
 from autodeploy.autotuner import Autotuner, bucket_runs, token_buckets, token_dispatch
 from autodeploy.custom_ops import REFERENCE, candidates, canonical_ops, op_by_target
+from autodeploy.custom_ops import batch_invariant
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
@@ -67,6 +73,36 @@ def parse_preferences(backends: Mapping[str, Any]) -> dict[str, list[tuple[str, 
                     raise ConfigError(f"{where}: {op_name} has no backend {name!r}; registered: {', '.join(known)}")
             parsed[op_name].append((str(glob), list(names)))
     return parsed
+
+
+def batch_invariant_preferences(
+    gm: GraphModule, preferences: dict[str, list[tuple[str, list[str]]]], device: torch.device
+) -> dict[str, list[tuple[str, list[str]]]]:
+    """``batch_invariant: true``: the ``invariant`` backend for every op that has one; a ``ConfigError`` on a device
+    they cannot run on, naming each op of the graph that has none and is not row-local (``custom_ops/batch_invariant.py``),
+    or naming a ``backends`` preference for an op the setting decides."""
+    reason = batch_invariant.unavailable(device)
+    if reason:
+        raise ConfigError(f"batch_invariant: true needs the batch-invariant Triton kernels, and {reason}; deploy on a CUDA "
+                          f"GPU, or without batch_invariant")
+    registry = canonical_ops()
+    present = Counter(found[0].name for node in gm.graph.nodes if node.op == "call_function"
+                      and (found := op_by_target(node.target)) is not None)
+    decided = {name for name in present if any(b.name == batch_invariant.BACKEND for b in registry[name].backends)}
+    clash = sorted(decided & set(preferences))
+    if clash:
+        raise ConfigError(f"batch_invariant: true selects the batch-invariant kernel of {', '.join(clash)}, and backends names "
+                          f"others for them; drop those backends entries or batch_invariant")
+    lacking = sorted(name for name in present if name not in decided and name not in batch_invariant.ROW_LOCAL_OPS)
+    if lacking:
+        raise ConfigError(
+            "batch_invariant: true, but no batch-invariant kernel serves "
+            + ", ".join(f"{name} (×{present[name]})" for name in lacking)
+            + f"; they are kept invariant for {', '.join(sorted(k for k, r in registry.items() if any(b.name == batch_invariant.BACKEND for b in r.backends)))}"
+            " (quantized layers, MoE and tensor-parallel collectives are not): deploy without batch_invariant, or without "
+            "what brings those ops in"
+        )
+    return {**preferences, **{name: [("*", [batch_invariant.BACKEND])] for name in decided}}
 
 
 def node_path(node: fx.Node) -> str:
@@ -111,7 +147,9 @@ class _TokenShapes:
 
 
 def _meta_args(node: fx.Node, shapes: _TokenShapes, gm: GraphModule) -> list[Any]:
-    """The node's arguments for ``supports``: tensors as meta tensors (concrete shapes, one token bucket)."""
+    """The node's arguments for ``supports``, all positional in the op's order (a keyword argument of the node,
+    such as a cache-stage node's ``tree_mask``, at its place, the defaults before it filled in): tensors as meta
+    tensors (concrete shapes, one token bucket)."""
 
     def convert(arg):
         if not isinstance(arg, fx.Node):
@@ -124,7 +162,19 @@ def _meta_args(node: fx.Node, shapes: _TokenShapes, gm: GraphModule) -> list[Any
         shape = shapes.concrete(value.shape, 8)
         return torch.empty_strided(shape, _strides(value, shape), dtype=value.dtype, device="meta")
 
-    return [fx.node.map_aggregate(a, convert) for a in node.args]
+    return [fx.node.map_aggregate(a, convert) for a in _positional(node)]
+
+
+def _positional(node: fx.Node) -> list[Any]:
+    """``node.args`` followed by its keyword arguments in the schema's order, the defaults between filled in."""
+    args = list(node.args)
+    if not node.kwargs:
+        return args
+    schema = node.target._schema.arguments
+    last = max(i for i, a in enumerate(schema) if a.name in node.kwargs)
+    for argument in schema[len(args) : last + 1]:
+        args.append(node.kwargs[argument.name] if argument.name in node.kwargs else argument.default_value)
+    return args
 
 
 def _strides(value: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -221,12 +271,20 @@ class SelectKernels(Transform):
         decided: dict[str, Any] = {}  # problem signature → target, so identical layers are tuned once
         self.tuning_table: list[str] = []
         changed = 0
+        invariant = bool(settings.get("batch_invariant", False))
+        self.invariant_ops: set[str] = set()
+        if invariant:
+            with_invariant = batch_invariant_preferences(module, preferences, device)
+            self.invariant_ops = set(with_invariant) - set(preferences)
+            preferences = with_invariant
         for node in list(module.graph.nodes):
             found = op_by_target(node.target) if node.op == "call_function" else None
             if found is None or not found[0].backends:
                 continue
             record = found[0]
             target, choice = self._choose(record.name, node, module, shapes, device, preferences, tuner, buckets, decided)
+            if record.name in self.invariant_ops:
+                choice = Choice(choice.backend, "batch_invariant")
             if target is not node.target:
                 node.target = target
                 changed += 1
@@ -252,6 +310,12 @@ class SelectKernels(Transform):
         if preference is not None:
             glob, names = preference
             chosen = next((b for name in names for b in supported if b.name == name), None)
+            if chosen is None and op_name in self.invariant_ops:
+                raise ConfigError(
+                    f"batch_invariant: true, but {op_name}'s batch-invariant kernel cannot serve node {node.name} "
+                    f"({node_path(node) or 'no module path'}): {reasons[batch_invariant.BACKEND]}; deploy without "
+                    f"batch_invariant, or without what the node needs"
+                )
             if chosen is None:
                 why_not = "; ".join(f"{name}: {reasons[name]}" for name in names)
                 raise ConfigError(
@@ -260,6 +324,7 @@ class SelectKernels(Transform):
                     f"{', '.join(b.name for b in supported)}; change the preference or add one of those to it"
                 )
             return chosen.op, Choice(chosen.name, "preference")
+        supported = [b for b in supported if not b.opt_in]  # only a preference selects those
         contenders = [b for b in supported if b.name != REFERENCE]
         if len(contenders) > 1 and tuner is not None:
             problem = _Problem(node, gm, shapes, device)

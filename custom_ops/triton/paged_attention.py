@@ -574,6 +574,18 @@ def cached_attention_triton(
                 f"cached_attention_triton: batch_info must be a CPU tensor (read without a device sync); "
                 f"it is on {batch_info.device}."
             )
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    q_tokens = q[0] if q.stride(-1) == 1 else q[0].contiguous()
+    return attend_over_cache(
+        q_tokens, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window, logit_cap,
+        sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask,
+    )
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """This step's keys and values ``[1, T, Hkv, D]`` into their slots of both caches, one kernel (an fp8 cache's
+    entries divided by its scales)."""
     k_tokens, v_tokens = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (k, v))
     if k.shape[1] > 0:
         _write_kv_kernel[(k.shape[1],)](
@@ -583,11 +595,6 @@ def cached_attention_triton(
             stride_new_vt=v_tokens.stride(0), stride_new_vh=v_tokens.stride(1),
             KV_HEADS=k_cache.shape[2], HEADS_PAD=triton.next_power_of_2(k_cache.shape[2]),
         )
-    q_tokens = q[0] if q.stride(-1) == 1 else q[0].contiguous()
-    return attend_over_cache(
-        q_tokens, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window, logit_cap,
-        sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask,
-    )
 
 
 def cache_arguments(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:

@@ -63,7 +63,7 @@ def test_a_preference_per_op_and_per_node_glob(llama_dir, default_tokens):
 @pytest.mark.parametrize(
     "backends, message",
     [
-        ({"cached_attention": ["flash"]}, "has no backend 'flash'; registered: triton, sdpa, reference"),
+        ({"cached_attention": ["flash"]}, "has no backend 'flash'; registered: triton, sdpa, invariant, reference"),
         ({"no_such_op": ["torch"]}, "no canonical op is named 'no_such_op'"),
         ({"cached_attention": 3}, "must be a list of backend names"),
         ({"cached_attention": {"*": []}}, "must be a list of backend names"),
