@@ -5,9 +5,11 @@
 # same engine without speculation on prompts that quote code (scripts/code_rewrite_prompts.py), and STAGE=identity
 # checks greedy identity on 100 prompts (BATCH_INVARIANT=1: both runs with batch_invariant: true).
 #   OUT=$OUT STAGE=train,bench,identity bash scripts/spec_pair_gpu.sh  (or one stage a call on a warm machine)
+# STAGE=tests runs the GPU tests of the speculative paths and the kernels they use (TESTS_S seconds at most).
 # One call of at most 10 minutes (machine starts are scarce; a warm machine goes back after 30 s idle):
-#   OUT=$OUT STAGE=train,bench TRAIN_MINUTES=1.5 EAGLE_MINUTES=1.5 HEADS=eagle3 METHODS="eagle3 eagle3-tree" \
-#     AUTOS="false true" BENCH_S=75 bash scripts/spec_pair_gpu.sh
+#   OUT=$OUT STAGE=tests,train,identity,bench TESTS_S=90 TRAIN_MINUTES=1.2 EAGLE_MINUTES=1.0 HEADS=eagle3 \
+#     METHODS=eagle3 BATCH_INVARIANT=1 IDENTITY_S=110 AUTO=true CONCURRENCY=1,8 NUM_REQUESTS=16 BENCH_S=100 \
+#     bash scripts/spec_pair_gpu.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 python3 -c "import omegaconf" 2>/dev/null || PYTHONPATH=/tmp/site python3 -c "import omegaconf" 2>/dev/null || \
@@ -19,6 +21,11 @@ mkdir -p $PAIR
 # have to outlive a machine's idle release).
 for stage in $(echo ${STAGE:-train} | tr , ' '); do
 case $stage in
+tests)
+  AUTODEPLOY_CONFIG= timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -n 8 tests/custom_ops/test_batch_invariant.py \
+    tests/runtime/test_batch_invariant.py tests/custom_ops/test_slot_attention.py tests/runtime/test_eagle3.py tests/runtime/test_mtp.py \
+    tests/runtime/test_tree_drafts.py tests/runtime/test_speculative.py tests/runtime/test_structured_output.py \
+    -k "gpu or cuda or invariant" > "$OUT/tests.log" 2>&1; echo "tests rc=$?"; tail -12 "$OUT/tests.log" ;;
 train)
   limit() { python3 -c "print(int(float('$1') * 60 + 120))"; }  # minutes may be fractional
   timeout $(limit ${TRAIN_MINUTES:-3}) python3 scripts/train_demo_model.py --device cuda --compile --seed 0 \
