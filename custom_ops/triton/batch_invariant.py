@@ -131,6 +131,9 @@ def _attention_kernel(
     end = tl.load(seq_start_ptr + lo + 1)
     kv_len = tl.load(kv_lens_ptr + lo)
     position = kv_len - (end - token)  # the token's absolute position; it sees keys 0 … position
+    if position < 0:  # a padding sequence of a captured graph (kv_len 0): zeros (Triton's // truncates -1 to 0)
+        tl.store(out_rows, tl.zeros((GROUP_PAD, DV_PAD), dtype=tl.float32).to(out_ptr.dtype.element_ty), mask=out_mask)
+        return
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(position - window + 1, 0)
@@ -154,8 +157,7 @@ def _attention_kernel(
         logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION)
         logits = tl.where(visible[None, :], logits, float("-inf"))
         acc, row_sum, row_max = _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION)
-    # A row that sees no key (a captured graph's padding sequence, kv_len 0) gives zeros, not 0 / 0.
-    tl.store(out_rows, (acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_rows, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def invariant_attention(
