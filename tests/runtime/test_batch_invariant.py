@@ -14,6 +14,7 @@ from autodeploy import SamplingParams, autodeploy
 from autodeploy.custom_ops import op_by_target
 from autodeploy.errors import ConfigError
 from tests.custom_ops.test_paged_attention_triton import interpreter_loops_with_numpy_2_4  # noqa: F401  (autouse)
+from tests.runtime.test_eagle3 import head_dir  # noqa: F401  (a fixture: a tiny EAGLE-3 head for the tiny Llama)
 from tests.runtime.test_tree_drafts import _trees  # noqa: F401  (registers the "test_trees" drafter)
 
 GPU = torch.cuda.is_available()
@@ -62,10 +63,14 @@ def test_a_tokens_logits_are_the_same_bits_in_a_forward_of_any_length(invariant_
         assert torch.equal(invariant_llm.engine.prompt_logits(ids[:length])[-1], whole[length - 1]), length
 
 
-def test_greedy_decoding_with_speculation_is_identical(llama_dir, interpreted, invariant_llm):
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_greedy_decoding_with_speculation_is_identical(llama_dir, interpreted, invariant_llm, head_dir, method):
+    """Prompt lookup, and an EAGLE-3 head (the graph then also copies out hidden states, and verification runs
+    through the verify graphs on a GPU)."""
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11], [12] * 7]
     plain = [o.outputs[0].token_ids for o in invariant_llm.generate(prompts, GREEDY)]
-    speculative = autodeploy(str(llama_dir), **QUICK, speculative={"method": "ngram", "num_tokens": 3, "auto": False})
+    drafter = {"method": "ngram"} if method == "ngram" else {"method": "eagle3", "model": str(head_dir)}
+    speculative = autodeploy(str(llama_dir), **QUICK, speculative={**drafter, "num_tokens": 3, "auto": False})
     assert [o.outputs[0].token_ids for o in speculative.generate(prompts, GREEDY)] == plain
     assert speculative.engine.speculator.stats.drafted > 0  # it did verify drafted tokens
 
