@@ -4,7 +4,7 @@ decoding with ``auto`` off, so every step drafts. For each B: the wall time per 
 speculation, then the torch profiler over a few steps with the engine's phases marked (drafting, planning and
 staging, the forward, sampling, applying tokens): each phase's host time and the GPU time under it, then the
 kernels by GPU time.
-Run: python scripts/profile_speculation.py [B,...] [--tree-width W] [--num-tokens K]
+Run: python scripts/profile_speculation.py [B,...] [--tree-width W] [--num-tokens K] [--batch-invariant]
 """
 
 import argparse
@@ -76,13 +76,16 @@ def main() -> None:
     parser.add_argument("batches", nargs="?", default="1,8,32")
     parser.add_argument("--tree-width", type=int, default=1)
     parser.add_argument("--num-tokens", type=int, default=4)
+    parser.add_argument("--batch-invariant", action="store_true", help="both engines with batch_invariant: true")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     root = Path(tempfile.mkdtemp())
     target = target_folder(root)
     head = head_folder(root, target)
-    plain = autodeploy(str(target), weights="random", max_batch_size=max(batches), kv_cache={"memory_fraction": 0.2})
-    spec = autodeploy(str(target), weights="random", max_batch_size=max(batches), kv_cache={"memory_fraction": 0.2},
+    common = dict(weights="random", max_batch_size=max(batches), kv_cache={"memory_fraction": 0.2},
+                  batch_invariant=args.batch_invariant)
+    plain = autodeploy(str(target), **common)
+    spec = autodeploy(str(target), **common,
                       speculative={"method": "eagle3", "model": str(head), "num_tokens": args.num_tokens,
                                    "tree_width": args.tree_width, "auto": False})
     engine = spec.engine
