@@ -1,6 +1,8 @@
 """The activation functions canonical MLP and MoE ops accept, by name: the one table that ops, kernels, patterns
 and passes read."""
 
+from __future__ import annotations
+
 from collections.abc import Callable
 
 import torch
@@ -21,6 +23,12 @@ ATEN_ACTIVATIONS: dict[str, tuple[torch._ops.OpOverload, dict]] = {
     "gelu": (torch.ops.aten.gelu.default, {}),
     "relu": (torch.ops.aten.relu.default, {}),
 }
+
+
+def unsupported_activation(name: str) -> str | None:
+    """Why a kernel taking the ``ACTIVATIONS`` by name cannot take ``name`` (a backend's ``supports`` answer), or
+    None."""
+    return None if name in ACTIVATIONS else f"activations {', '.join(ACTIVATIONS)} only (got {name!r})"
 
 
 def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

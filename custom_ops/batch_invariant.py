@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import add_rms_norm, cached_attention, cached_attention_rope, fused_gated_mlp, gated_mlp, layer_norm, linear, mlp, rms_norm  # noqa: F401  (the ops first)
-from .activations import ACTIVATIONS, activation_fn
+from .activations import activation_fn, unsupported_activation
 from .cached_attention import CachedAttentionArgs
 from .cached_attention_rope import CachedAttentionRopeArgs, _attention_call
 from .registry import register_backend
@@ -61,10 +61,6 @@ def _unsupported(device, *tensors) -> str | None:
     return None
 
 
-def _activation(name: str) -> str | None:
-    return None if name in ACTIVATIONS else f"activations {', '.join(ACTIVATIONS)} only (got {name!r})"
-
-
 # ---- GEMMs ----------------------------------------------------------------------------------------------
 def _linear(x, weight, bias):
     from .triton.batch_invariant import invariant_linear  # on first call: Triton decides then whether to interpret
@@ -85,7 +81,7 @@ def _fused_gated_mlp(x, gate_up_weight, down_weight, activation):
 
 
 def _fused_gated_mlp_supports(x, gate_up_weight, down_weight, activation, *, device):
-    return _unsupported(device, x, gate_up_weight, down_weight) or _activation(activation) or True
+    return _unsupported(device, x, gate_up_weight, down_weight) or unsupported_activation(activation) or True
 
 
 def _gated_mlp(x, gate_weight, up_weight, down_weight, activation):
@@ -97,7 +93,7 @@ def _gated_mlp(x, gate_weight, up_weight, down_weight, activation):
 
 
 def _gated_mlp_supports(x, gate_weight, up_weight, down_weight, activation, *, device):
-    return _unsupported(device, x, gate_weight, up_weight, down_weight) or _activation(activation) or True
+    return _unsupported(device, x, gate_weight, up_weight, down_weight) or unsupported_activation(activation) or True
 
 
 def _mlp(x, up_weight, up_bias, down_weight, down_bias, activation):
@@ -108,7 +104,7 @@ def _mlp(x, up_weight, up_bias, down_weight, down_bias, activation):
 
 
 def _mlp_supports(x, up_weight, up_bias, down_weight, down_bias, activation, *, device):
-    return _unsupported(device, x, up_weight, up_bias, down_weight, down_bias) or _activation(activation) or True
+    return _unsupported(device, x, up_weight, up_bias, down_weight, down_bias) or unsupported_activation(activation) or True
 
 
 # ---- norms ----------------------------------------------------------------------------------------------
@@ -144,21 +140,13 @@ def _norm_supports(x, *tensors, device, **_):
 def _attention_unsupported(call, device) -> str | None:
     from .triton.batch_invariant import unsupported_attention
 
-    return _unsupported(device, call.q, call.k, call.v) or unsupported_attention(
-        call.q, call.k_cache, call.sinks, call.alibi_slopes, call.tree_mask)
-
-
-def _attend(call):
-    from .triton.batch_invariant import invariant_attention
-
-    return invariant_attention(
-        call.q, call.k, call.v, call.k_cache, call.v_cache, call.seq_start, call.kv_lens, call.block_tables,
-        call.slot_mapping, call.scale, call.sliding_window, call.logit_cap, call.k_scale, call.v_scale,
-    )
+    return _unsupported(device, call.q, call.k, call.v) or unsupported_attention(call)
 
 
 def _cached_attention(*args, **kwargs):
-    return _attend(CachedAttentionArgs(*args, **kwargs))
+    from .triton.batch_invariant import invariant_attention
+
+    return invariant_attention(*args, **kwargs)
 
 
 def _cached_attention_supports(*args, device, **kwargs):
@@ -170,7 +158,7 @@ def _cached_attention_rope(*args, **kwargs):
 
     call = CachedAttentionRopeArgs(*args, **kwargs)
     q, k = (rope_triton(x, call.cos, call.sin, call.interleaved) for x in (call.q, call.k))
-    return _attend(_attention_call(call, q, k))
+    return _cached_attention(*_attention_call(call, q, k))
 
 
 def _cached_attention_rope_supports(*args, device, **kwargs):

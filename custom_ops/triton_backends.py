@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from . import add_rms_norm, fp8_activations, fused_gated_mlp, gated_activation, gated_mlp, layer_norm, linear, quantization, quantized_linear, rms_norm, rope  # noqa: F401  (the ops must exist before their backends)
-from .activations import ACTIVATIONS
+from .activations import unsupported_activation
 from .registry import register_backend
 from .triton import triton_unavailable
 
@@ -114,12 +114,6 @@ def _gated_mlp_triton(x, gate_weight, up_weight, down_weight, activation):
     return gated_mlp_triton(x, gate_weight, up_weight, down_weight, activation)
 
 
-def _unsupported_activation(activation: str) -> Optional[str]:
-    if activation not in ACTIVATIONS:
-        return f"activations {', '.join(ACTIVATIONS)} only (got {activation!r})"
-    return None
-
-
 def _gated_activation_triton(gate, up, activation):
     from .triton.gated_activation import gated_activation
 
@@ -127,13 +121,13 @@ def _gated_activation_triton(gate, up, activation):
 
 
 def _gated_activation_supports(gate, up, activation, *, device):
-    return _unsupported_dtypes(device, gate, up=up) or _unsupported_activation(activation) or True
+    return _unsupported_dtypes(device, gate, up=up) or unsupported_activation(activation) or True
 
 
 def _gated_mlp_supports(x, gate_weight, up_weight, down_weight, activation, *, device):
     return (
         _unsupported_dtypes(device, x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
-        or _unsupported_activation(activation)
+        or unsupported_activation(activation)
         or True
     )
 
@@ -147,7 +141,7 @@ def _fused_gated_mlp_triton(x, gate_up_weight, down_weight, activation):
 def _fused_gated_mlp_supports(x, gate_up_weight, down_weight, activation, *, device):
     return (
         _unsupported_dtypes(device, x, gate_up_weight=gate_up_weight, down_weight=down_weight)
-        or _unsupported_activation(activation)
+        or unsupported_activation(activation)
         or True
     )
 
@@ -254,7 +248,7 @@ def _gated_activation_fp8_triton(gate, up, activation):
 
 
 def _gated_activation_fp8_supports(gate, up, activation, *, device):
-    return _unsupported_dtypes(device, gate, up=up) or _unsupported_activation(activation) or _no_fp8(device) or True
+    return _unsupported_dtypes(device, gate, up=up) or unsupported_activation(activation) or _no_fp8(device) or True
 
 
 def _fp8_prequantized_linear_triton(x_q, x_scale, qweight, scale, bias, dtype):

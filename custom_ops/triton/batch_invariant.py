@@ -36,12 +36,13 @@ Example (on a CPU with ``TRITON_INTERPRET=1`` set before the import, as the test
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from ..cached_attention import CachedAttentionArgs
 from .norms import NormConfig
 from .paged_attention import _logits_base2, _online_softmax_step, cache_arguments, write_kv
 
@@ -160,26 +161,14 @@ def _attention_kernel(
     tl.store(out_rows, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def invariant_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_start: torch.Tensor,
-    kv_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    logit_cap: Optional[float] = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """``cached_attention``'s contract (``q [1, T, Hq, D]``; without sinks, ALiBi or tree masks, which
-    :func:`unsupported_attention` refuses): writes ``k``/``v`` into their slots, then attends every token
+def invariant_attention(*args, **kwargs) -> torch.Tensor:
+    """``cached_attention``'s arguments and contract (``q [1, T, Hq, D]``; without sinks, ALiBi or tree masks,
+    which :func:`unsupported_attention` refuses): writes ``k``/``v`` into their slots, then attends every token
     as a decode at its position would. Reads nothing on the host: a CUDA graph can hold it."""
-    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    call = CachedAttentionArgs(*args, **kwargs)
+    q, k_cache, v_cache, seq_start, kv_lens, block_tables = (
+        call.q, call.k_cache, call.v_cache, call.seq_start, call.kv_lens, call.block_tables)
+    write_kv(call.k, call.v, k_cache, v_cache, call.slot_mapping, call.k_scale, call.v_scale)
     q_tokens = q[0] if q.stride(-1) == 1 else q[0].contiguous()
     out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
     num_tokens, q_heads, kv_heads, num_seqs = q.shape[1], q.shape[2], k_cache.shape[2], kv_lens.shape[0]
@@ -191,30 +180,30 @@ def invariant_attention(
             q_tokens.stride(0), q_tokens.stride(1), out.stride(1), out.stride(2),
             caches["stride_kb"], caches["stride_kt"], caches["stride_kh"],
             caches["stride_vb"], caches["stride_vt"], caches["stride_vh"], block_tables.stride(0),
-            scale * k_scale, logit_cap or 0.0, sliding_window or 0,
+            call.scale * call.k_scale, call.logit_cap or 0.0, call.sliding_window or 0,
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=caches["HEAD_DIM"],
             VALUE_DIM=caches["VALUE_DIM"], D_PAD=caches["D_PAD"], DV_PAD=caches["DV_PAD"], PAGE_SIZE=caches["PAGE_SIZE"],
             BLOCK_N=ATTENTION_BLOCK_N, SEARCH_STEPS=max(1, int(num_seqs).bit_length()),
-            HAS_WINDOW=sliding_window is not None, HAS_CAP=logit_cap is not None,
+            HAS_WINDOW=call.sliding_window is not None, HAS_CAP=call.logit_cap is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
     elif num_tokens:
         out.zero_()
-    return out if v_scale == 1.0 else out.mul_(v_scale)
+    return out if call.v_scale == 1.0 else out.mul_(call.v_scale)
 
 
-def unsupported_attention(q: torch.Tensor, k_cache: torch.Tensor, sinks, alibi_slopes: Optional[List[float]],
-                          tree_mask) -> Optional[str]:
-    """Why :func:`invariant_attention` cannot serve these arguments, or None."""
+def unsupported_attention(call: CachedAttentionArgs) -> Optional[str]:
+    """Why :func:`invariant_attention` cannot serve this call of ``cached_attention``, or None."""
+    q, k_cache = call.q, call.k_cache
     if q.dtype not in DTYPES:
         return f"q is {q.dtype}; the batch-invariant attention takes {', '.join(map(str, DTYPES))}"
     if q.shape[-1] > 256:
         return f"head dim {q.shape[-1]} > 256"
     if q.shape[2] % k_cache.shape[2]:
         return f"{q.shape[2]} query heads are not a multiple of {k_cache.shape[2]} kv heads"
-    if sinks is not None or alibi_slopes is not None:
+    if call.sinks is not None or call.alibi_slopes is not None:
         return "the batch-invariant attention has no sinks or ALiBi"
-    if tree_mask is not None:
+    if call.tree_mask is not None:
         return ("tree drafts verify tokens whose keys are not at their positions; the batch-invariant attention "
                 "reads keys by position (use speculative.tree_width 1)")
     return None

@@ -15,6 +15,32 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_dots_row_by_row():
+    """A GPU's matrix instructions sum an output element's products in one order wherever its row sits in the
+    tile; the interpreter's ``tl.dot`` is one numpy matmul, whose BLAS may not (OpenBLAS's AVX-512 kernels on an
+    AMD EPYC give a row other bits at another offset in the tile). So that the interpreted kernels are held to
+    the property the kernels rely on (and not to a CPU BLAS's blocking), the interpreter multiplies a row at a
+    time while these tests run."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot_by_rows(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8:  # fp8 and batched dots as Triton does them
+            return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_by_rows)
+        yield
+
+
 @pytest.mark.parametrize("in_features, out_features, bias", [(96, 80, False), (64, 130, True)])
 def test_linear_is_the_reference_and_each_row_the_same_at_any_row_count(in_features, out_features, bias):
     generator = torch.Generator().manual_seed(in_features)
@@ -58,6 +84,12 @@ def _step(q_lens: list[int], kv_lens: list[int], tables: torch.Tensor, block: in
     return seq_start, torch.tensor(kv_lens, dtype=torch.int32), torch.tensor(slots)
 
 
+def _batch_info(q_lens: list[int], kv_lens: list[int]) -> torch.Tensor:
+    """``[num_prefill, num_decode, max_q_len, max_kv_len]`` (the decodes last; the kernel reads none of it)."""
+    decodes = sum(1 for n in q_lens if n == 1)
+    return torch.tensor([len(q_lens) - decodes, decodes, max(q_lens), max(kv_lens)], dtype=torch.int32)
+
+
 @pytest.mark.parametrize("heads, kv_heads, window, cap", [(4, 2, None, None), (2, 2, 7, None), (3, 1, None, 5.0)])
 def test_attention_is_the_reference_and_each_token_the_same_as_its_decode(heads, kv_heads, window, cap):
     """A step of a 70-token prompt chunk after a cached prefix, a 5-token verification and a decode; then each
@@ -73,13 +105,13 @@ def test_attention_is_the_reference_and_each_token_the_same_as_its_decode(heads,
     v = torch.randn(1, total, kv_heads, dim, generator=generator)
     options = dict(sliding_window=window, logit_cap=cap)
     caches = [c.clone() for c in (k_cache, v_cache)]
-    want = cached_attention_reference(q, k, v, *caches, seq_start, lens, tables, slots, torch.tensor([2, 1, 70, 90]),
-                                      dim**-0.5, **options)
+    info = _batch_info(q_lens, kv_lens)
+    want = cached_attention_reference(q, k, v, *caches, seq_start, lens, tables, slots, info, dim**-0.5, **options)
     to = dict(device=DEVICE)
     k_dev, v_dev = k_cache.to(DEVICE, DTYPE), v_cache.to(DEVICE, DTYPE)
     inputs = [t.to(DEVICE, DTYPE) for t in (q, k, v)]
     got = invariant_attention(*inputs, k_dev, v_dev, seq_start.to(**to), lens.to(**to), tables.to(**to), slots.to(**to),
-                              dim**-0.5, **options)
+                              info, dim**-0.5, **options)
     assert torch.equal(k_dev.cpu().float(), caches[0].to(DTYPE).float())  # the new keys are in their slots
     tolerance = dict(atol=0.03, rtol=0.03) if DTYPE == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.float().cpu(), want.float(), **tolerance)
@@ -92,7 +124,8 @@ def test_attention_is_the_reference_and_each_token_the_same_as_its_decode(heads,
             one = invariant_attention(
                 inputs[0][:, token:token + 1], inputs[1][:, token:token + 1], inputs[2][:, token:token + 1], k_dev, v_dev,
                 torch.tensor([0, 1], dtype=torch.int32, **to), torch.tensor([position + 1], dtype=torch.int32, **to),
-                tables[s:s + 1].to(**to), slots[token:token + 1].to(**to), dim**-0.5, **options)
+                tables[s:s + 1].to(**to), slots[token:token + 1].to(**to), _batch_info([1], [position + 1]), dim**-0.5,
+                **options)
             assert torch.equal(one[0, 0], got[0, token]), (s, j)
 
 
@@ -105,6 +138,6 @@ def test_padded_rows_past_the_step_are_zeros():
     to = dict(device=DEVICE)
     q, k, v = (torch.randn(1, 3, 1, 16, generator=generator).to(DEVICE, DTYPE) for _ in range(3))
     out = invariant_attention(q, k, v, k_cache.to(DEVICE, DTYPE), v_cache.to(DEVICE, DTYPE), seq_start.to(**to),
-                              lens.to(**to), tables.to(**to), slots.to(**to), 0.25)
+                              lens.to(**to), tables.to(**to), slots.to(**to), _batch_info([1], [3]), 0.25)
     assert torch.equal(out[0, 1:], torch.zeros_like(out[0, 1:]))
     assert out[0, 0].abs().sum() > 0

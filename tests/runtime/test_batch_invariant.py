@@ -15,6 +15,7 @@ from autodeploy.custom_ops import op_by_target
 from autodeploy.custom_ops.triton import triton_unavailable
 from autodeploy.errors import ConfigError
 from tests.custom_ops.test_paged_attention_triton import interpreter_loops_with_numpy_2_4  # noqa: F401  (autouse)
+from tests.custom_ops.test_batch_invariant import interpreter_dots_row_by_row  # noqa: F401  (autouse)
 from tests.runtime.test_eagle3 import head_dir  # noqa: F401  (a fixture: a tiny EAGLE-3 head for the tiny Llama)
 from tests.runtime.test_tree_drafts import _trees  # noqa: F401  (registers the "test_trees" drafter)
 
