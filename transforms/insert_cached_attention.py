@@ -47,21 +47,30 @@ logger = logging.getLogger(__name__)
 
 # Shapes the new inputs' meta values carry, so backends' supports() and the autotuner can read them:
 # a mixed step of 2 sequences and 4 tokens (sizes are placeholders; dtypes and the block size are real).
-_EXAMPLE_TOKENS, _EXAMPLE_SEQUENCES, _EXAMPLE_BLOCKS = 4, 2, 4
+_EXAMPLE_SEQUENCES, _EXAMPLE_BLOCKS = 2, 4
 
 
-def _metadata_values() -> dict[str, torch.Tensor]:
-    n, t = _EXAMPLE_SEQUENCES, _EXAMPLE_TOKENS
-    meta = dict(device="meta")
+def _metadata_values(queries: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Example values of the metadata inputs. The per-token ones (``slot_mapping``, ``tree_mask``) have the traced
+    queries' token count, symbolic where it is, as every backend's ``supports`` expects of a real step."""
+    n, meta = _EXAMPLE_SEQUENCES, dict(device="meta")
+
+    def per_token() -> torch.Tensor:
+        return queries.new_empty((queries.shape[1],), dtype=torch.long)
+
     return {
         "seq_start": torch.empty(n + 1, dtype=torch.int32, **meta),
         "kv_lens": torch.empty(n, dtype=torch.int32, **meta),
         "block_tables": torch.empty(n, _EXAMPLE_BLOCKS, dtype=torch.int32, **meta),
-        "slot_mapping": torch.empty(t, dtype=torch.long, **meta),
+        "slot_mapping": per_token(),
         "batch_info": torch.empty(4, dtype=torch.int32, **meta),  # lives on the CPU at run time
         "logit_index": torch.empty(n, dtype=torch.long, **meta),
-        TREE_MASK: torch.empty(t, dtype=torch.long, **meta),
+        TREE_MASK: per_token(),
     }
+
+
+def _argument(node, name: str):
+    return {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}[name]
 
 
 def drafts_trees(settings) -> bool:
@@ -162,7 +171,7 @@ class InsertCachedAttention(Transform):
         if not attention or (expected is not None and total != expected):
             raise UnsupportedModelError(_missing_attention_message(gm, total, expected))
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        values = _metadata_values()
+        values = _metadata_values(_argument(attention[0], "q").meta["val"])
         with graph.inserting_after(placeholders[-1]):
             metadata = {}
             trees = drafts_trees(context.settings)

@@ -160,6 +160,21 @@ def test_only_tree_deployments_take_a_tree_mask(tree_llm, llama_llm):
     assert torch.is_tensor(tree_llm.engine.runner.caches["k_cache_0"])
 
 
+def test_a_tree_graphs_per_token_inputs_are_as_long_as_its_tokens(tree_llm):
+    """What the select stage hands a backend's ``supports``: ``tree_mask`` and ``slot_mapping`` one entry a token. (Their
+    examples had a fixed 4 entries against 8 traced tokens, so Triton's attention refused every tree graph at build,
+    and on a GPU tree verification ran through SDPA, eagerly, without its CUDA graphs.)"""
+    from autodeploy.custom_ops.cached_attention_rope import CachedAttentionRopeArgs
+    from autodeploy.transforms.select_kernels import _meta_args, _TokenShapes
+
+    gm = tree_llm.graph
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "cached_attention_rope" in str(n.target)]
+    assert nodes
+    for node in nodes:
+        call = CachedAttentionRopeArgs(*_meta_args(node, _TokenShapes(gm), gm))
+        assert call.tree_mask.shape == call.slot_mapping.shape == (call.q.shape[1],)
+
+
 @pytest.fixture(scope="module")
 def gpu_tree_llm(llama_dir):
     if not torch.cuda.is_available():
