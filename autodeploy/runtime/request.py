@@ -56,8 +56,8 @@ class Sequence:
     streamed_text: str = ""
     grammar: object | None = None  # the sample's xgrammar GrammarMatcher (json_schema / json_object requests)
     detokenizer: IncrementalDetokenizer | None = None  # made by the first decode
-    num_drafted: int = 0  # speculative decoding: drafted tokens this sample verified …
-    num_accepted: int = 0  # … and how many of them the model accepted
+    num_accepted: int = 0  # speculative decoding: drafted tokens of this sample the model accepted …
+    num_rejected: int = 0  # … and drafts of it the model cut (Speculator.acceptance)
 
     @property
     def priority(self) -> int:

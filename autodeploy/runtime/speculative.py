@@ -139,6 +139,7 @@ class SpeculationStats:
     steps: int = 0  # sequence-steps that carried a draft
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # sequence-steps whose draft the model cut (a token not accepted)
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: drafts whose token i was accepted
     drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: drafts at least i + 1 tokens long
 
@@ -146,6 +147,15 @@ class SpeculationStats:
     def acceptance_rate(self) -> float:
         """Accepted ÷ drafted tokens."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """The chance that the model accepts a drafted token once it accepted those before it: accepted tokens ÷ the
+        tokens the model decided on (the accepted and each draft's first refused one; the tokens after that one are
+        never judged). Accepted ÷ drafted counts those as refusals, and so underrates a long draft's worth: with
+        K = 4 and 80% a token, a draft keeps 2.4 of 4 tokens on average, 60% of them."""
+        decided = self.accepted + self.rejected
+        return self.accepted / decided if decided else 0.0
 
     @property
     def acceptance_length(self) -> float:
@@ -156,6 +166,7 @@ class SpeculationStats:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejected += accepted < drafted
         for counts, upto in ((self.drafted_at, drafted), (self.accepted_at, accepted)):
             counts.extend([0] * (upto - len(counts)))
             for i in range(upto):
@@ -351,17 +362,21 @@ class Speculator:
             lines.append(self.drafter.describe())
         stats = self.stats
         lines.append(f"  verified {stats.drafted} drafted tokens in {stats.steps} rows: {stats.accepted} accepted "
-                     f"({100 * stats.acceptance_rate:.0f}%), {stats.acceptance_length:.2f} tokens per row")
+                     f"({100 * stats.acceptance_rate:.0f}%; {100 * stats.per_token_acceptance:.0f}% of the tokens judged), "
+                     f"{stats.acceptance_length:.2f} tokens per row")
         if stats.drafted_at:
             lines.append("  accepted by position: " + ", ".join(
                 f"{i + 1}: {100 * a / d:.0f}%" for i, (a, d) in enumerate(zip(stats.accepted_at, stats.drafted_at))))
         return "\n".join(lines)
 
     def acceptance(self, sequence) -> float:
-        """The per-token acceptance to expect of ``sequence``'s next draft: its own so far, pulled toward the
-        drafter's overall rate (a hopeful 0.8 until it has verified ``EXPLORED`` tokens) while it has verified few."""
-        overall = self.stats.acceptance_rate if self.stats.drafted >= EXPLORED else _FIRST_ACCEPTANCE
-        return (sequence.num_accepted + _PRIOR_WEIGHT * overall) / (sequence.num_drafted + _PRIOR_WEIGHT)
+        """The per-token acceptance to expect of ``sequence``'s next draft (``SpeculationStats.per_token_acceptance``,
+        what ``best_num_tokens``' geometric model takes): its own so far, pulled toward the drafter's overall one (a
+        hopeful 0.8 until it has verified ``EXPLORED`` tokens) while it has verified few."""
+        stats = self.stats
+        overall = stats.per_token_acceptance if stats.drafted >= EXPLORED else _FIRST_ACCEPTANCE
+        decided = sequence.num_accepted + sequence.num_rejected
+        return (sequence.num_accepted + _PRIOR_WEIGHT * overall) / (decided + _PRIOR_WEIGHT)
 
     def _may_draft(self, chunk: ScheduledChunk) -> bool:
         """A decode chunk (``extend`` picked those) of a sequence whose newest token the host has, with tokens left."""

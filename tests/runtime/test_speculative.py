@@ -108,6 +108,24 @@ def test_lookup_and_accepted_prefix():
     stats.record(2, 0)
     assert (stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at) == (6, 2, [1, 1], [2, 2, 1, 1])
     assert stats.acceptance_length == 2.0 and stats.acceptance_rate == pytest.approx(1 / 3)
+    # Per token: 2 accepted of the 4 the model decided on (2, then a refusal; a refusal); the draft's last 3 unjudged.
+    assert stats.rejected == 2 and stats.per_token_acceptance == pytest.approx(2 / 4)
+    stats.record(3, 3)  # a whole draft: every token judged and accepted
+    assert stats.per_token_acceptance == pytest.approx(5 / 7)
+
+
+def test_a_sequences_expected_acceptance_counts_only_the_tokens_the_model_judged(llama_dir):
+    """Drafts of 5 that keep 3 (3 accepted, the fourth refused: 0.75 a judged token): the estimate is 0.75, where
+    accepted ÷ drafted (0.6: the unjudged fifth counted as refused) would keep ``auto`` from drafting where it pays."""
+    from types import SimpleNamespace
+
+    speculator = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False}, kv_cache={"num_blocks": 8},
+                            speculative={"method": "ngram", "num_tokens": 5}).engine.speculator
+    for _ in range(200):
+        speculator.record(5, 3)
+    assert speculator.acceptance(SimpleNamespace(num_accepted=600, num_rejected=200)) == pytest.approx(0.75)
+    assert speculator.acceptance(SimpleNamespace(num_accepted=0, num_rejected=0)) == pytest.approx(0.75)  # the overall
+    assert speculator.stats.acceptance_rate == pytest.approx(0.6)
 
 
 @pytest.mark.parametrize("drafter", ["random", "oracle with errors"])
