@@ -233,6 +233,19 @@ class SlotCache:
         return out.reshape(batch, heads, n, values.shape[-1])  # a GPU kernel may return the query's strided layout
 
 
+def fill_randomly(cache: SlotCache, newest: torch.Tensor, generator: torch.Generator) -> None:
+    """Random keys and values in ``cache``, its slots holding what writes up to positions ``newest [slots + 1]`` leave:
+    entry ``i`` the latest position ``≤ newest`` that is ``i`` modulo the ring's length (EMPTY where none, and for
+    about a tenth of the entries at random: positions never fed)."""
+    capacity = cache.capacity
+    cache.k.copy_(torch.randn(cache.k.shape, generator=generator).to(cache.k.dtype))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=generator).to(cache.v.dtype))
+    entries = torch.arange(capacity)
+    held = newest[:, None] - (newest[:, None] - entries) % capacity  # [slots + 1, C]
+    unfed = torch.rand(held.shape, generator=generator) < 0.1
+    cache.positions.copy_(torch.where((held < 0) | unfed, EMPTY, held))
+
+
 def _check_slot_kernels(cache: SlotCache, heads: int, scale: float | None, attend: Callable, store: Callable) -> tuple[float, bool]:
     """The slot kernels against the PyTorch path on scratch caches shaped like ``cache`` (three slots, random
     entries): the attention's worst difference, and whether the stores left equal caches."""
@@ -243,9 +256,7 @@ def _check_slot_kernels(cache: SlotCache, heads: int, scale: float | None, atten
     def scratch() -> SlotCache:
         made = SlotCache(2, kv_heads, key_dim, value_dim, cache.window, capacity - cache.window, device, dtype)
         generator.manual_seed(0)
-        made.k.copy_(torch.randn(made.k.shape, generator=generator).to(dtype))
-        made.v.copy_(torch.randn(made.v.shape, generator=generator).to(dtype))
-        made.positions.copy_(torch.randint(0, 40, made.positions.shape, generator=generator))
+        fill_randomly(made, torch.tensor([40, 2 * capacity + 3, 10]), generator)
         return made
 
     plain, fused = scratch(), scratch()

@@ -6,7 +6,9 @@ sees its slot's entries at positions ``p - window < q ≤ p``. In plain PyTorch 
 queried slot's whole ring (keys, values, positions), the mask built from them, an expanded copy of it and the
 attention: ~9 kernels a drafting round, and the gathers' bytes grow with batch × ring. Here one program per
 (query row, kv head) reads its slot's ring in place, tile by tile, with an online softmax: one kernel, and only
-the ring it attends to is read.
+the ring it attends to is read — of it, only the entries that can hold a position it sees: a ring is written at
+``position % C``, so a query at ``p < C`` reads entries ``0 … p`` (a sequence's first thousand positions no longer
+walk the whole ring).
 
     out = slot_attention(q, k_cache, v_cache, held, slots, positions, window, scale)
     slot_store(k, v, positions, valid, slots, pad, k_cache, v_cache, held)  # SlotCache.write's five kernels in one
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_C = 32  # ring entries a tile
+BLOCK_C = 64  # ring entries a tile
 MIN_DOT = 16  # tl.dot's smallest M, N and K
 
 
@@ -50,7 +52,8 @@ def _slot_attention_kernel(
     acc = tl.zeros([GROUP_PAD, DV_PAD], dtype=tl.float32)
     k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
     v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
-    for start in range(0, CAPACITY, BLOCK):  # the ring's length: fixed for a cache, one compile
+    live = tl.minimum(at + 1, CAPACITY)  # entries past p hold no position ≤ p while p < C (entry i: i mod C)
+    for start in range(0, live, BLOCK):
         entries = start + tl.arange(0, BLOCK)
         inside = entries < CAPACITY
         held = tl.load(held_ptr + slot * stride_held + entries, mask=inside, other=0)

@@ -10,16 +10,14 @@ import torch
 
 from autodeploy.runtime.hidden_state_heads import EMPTY, SlotCache
 from autodeploy.custom_ops.triton.slot_attention import slot_attention, slot_store
-from autodeploy.runtime.hidden_state_heads import _check_slot_kernels
+from autodeploy.runtime.hidden_state_heads import _check_slot_kernels, fill_randomly
+from tests.custom_ops.test_paged_attention_triton import interpreter_loops_with_numpy_2_4  # noqa: F401  (autouse)
 
 
 def filled_cache(kv_heads: int, key_dim: int, value_dim: int, window: int, chain: int, seed: int) -> SlotCache:
+    """Three slots (and the pad slot) as writes up to positions 70, 30, 9 and 50 leave them."""
     cache = SlotCache(3, kv_heads, key_dim, value_dim, window, chain, torch.device("cpu"), torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
-    cache.positions.copy_(torch.randint(0, 60, cache.positions.shape, generator=generator))
-    cache.positions[1, ::3] = EMPTY  # entries never written
+    fill_randomly(cache, torch.tensor([70, 30, 9, 50]), torch.Generator().manual_seed(seed))
     return cache
 
 
@@ -39,6 +37,18 @@ def test_the_kernel_attends_as_the_gathered_attention_does(heads, kv_heads, n, k
         got = slot_attention(q, cache.k, cache.v, cache.positions, slots, positions, window, scale)
         assert got.shape == want.shape == (3, heads, n, value_dim)
         torch.testing.assert_close(got, want.nan_to_num(0.0), atol=1e-5, rtol=1e-5)
+
+
+def test_rings_of_several_tiles_wrapped_and_not():
+    """A ring of 104 entries (two tiles): a query past it reads the whole ring, wrapped; one at a position below it
+    reads only the entries up to its position (the rest hold later positions or none)."""
+    cache = SlotCache(3, 2, 16, 16, 100, 4, torch.device("cpu"), torch.float32)
+    fill_randomly(cache, torch.tensor([250, 60, 9, 50]), torch.Generator().manual_seed(2))
+    slots, positions = torch.tensor([0, 1, 2]), torch.tensor([[240, 241], [55, 56], [9, 10]])
+    q = torch.randn(3, 4, 2, 16, generator=torch.Generator().manual_seed(3))
+    want = cache.attend(q, slots, positions)
+    torch.testing.assert_close(slot_attention(q, cache.k, cache.v, cache.positions, slots, positions, 100), want,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_a_row_that_sees_nothing_gives_zeros():
