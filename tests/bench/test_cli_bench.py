@@ -147,3 +147,13 @@ def test_bench_with_speculation_measures_the_same_engine_without_it_and_replays_
     assert "replay, 4 tokens drafted a step; accepted 16 of" in out
     code, out, err = run_cli(capsys, "bench", str(llama_dir), "--batch", "1", "--speculative-method", "replay", *FAST)
     assert code == 1 and "acceptance_length" in err
+
+
+def test_speculation_warms_up_on_each_workloads_own_first_requests_at_its_concurrency():
+    from autodeploy.bench.benchmark import _speculation_warm_up
+    from autodeploy.bench.workloads import BenchRequest, concurrency_workload
+
+    requests = [BenchRequest([i, i + 1], 100 + i) for i in range(40)]
+    warm = _speculation_warm_up(concurrency_workload(requests, 8, {"num_requests": 40}))
+    assert warm.max_concurrency == 8 and [r.prompt_token_ids for r in warm.requests] == [[i, i + 1] for i in range(16)]
+    assert {r.output_len for r in warm.requests} == {32} and all(r.arrival == 0 for r in warm.requests)
