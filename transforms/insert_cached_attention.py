@@ -45,8 +45,8 @@ LAYERS = "autodeploy_layers"
 
 logger = logging.getLogger(__name__)
 
-# Shapes the new inputs' meta values carry, so backends' supports() and the autotuner can read them:
-# a mixed step of 2 sequences and 4 tokens (sizes are placeholders; dtypes and the block size are real).
+# Shapes the new inputs' meta values carry, so backends' supports() and the autotuner can read them: a step of 2
+# sequences and the traced token count (the sizes are placeholders; dtypes and the block size are real).
 _EXAMPLE_SEQUENCES, _EXAMPLE_BLOCKS = 2, 4
 
 
@@ -69,8 +69,9 @@ def _metadata_values(queries: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def _argument(node, name: str):
-    return {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}[name]
+def _arguments(node) -> dict:
+    """An ``attention`` node's arguments by name."""
+    return {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}
 
 
 def drafts_trees(settings) -> bool:
@@ -171,7 +172,7 @@ class InsertCachedAttention(Transform):
         if not attention or (expected is not None and total != expected):
             raise UnsupportedModelError(_missing_attention_message(gm, total, expected))
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        values = _metadata_values(_argument(attention[0], "q").meta["val"])
+        values = _metadata_values(_arguments(attention[0])["q"].meta["val"])
         with graph.inserting_after(placeholders[-1]):
             metadata = {}
             trees = drafts_trees(context.settings)
@@ -182,7 +183,7 @@ class InsertCachedAttention(Transform):
         specs = []
         last_input = metadata[TREE_MASK if trees else "logit_index"]
         for layer, node in enumerate(attention):
-            given = {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}
+            given = _arguments(node)
             key, value = given["k"].meta["val"], given["v"].meta["val"]
             if trees and (given.get("sliding_window") is not None or given.get("alibi_slopes") is not None):
                 raise ConfigError(f"speculative.tree_width > 1: {node.name} attends with a sliding window or ALiBi, whose "
