@@ -16,6 +16,10 @@ def _bytes(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**30:.2f}G"
 
 
+def _acceptance(value: float | None, none: str = "never") -> str:
+    return none if value is None else f"{value:.2f}"
+
+
 def _fraction(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -72,6 +76,11 @@ def format_table(result: BenchResult) -> str:
                          f"{spec['accepted_tokens']} of {spec['drafted_tokens']} ({_fraction(rate)}), "
                          f"{'-' if length is None else f'{length:.2f}'} tokens per row over {spec['verification_rows']} rows, "
                          f"{spec['tokens_per_forward']:.2f} output tokens per engine step")
+            auto = spec.get("auto")
+            if auto:
+                lines.append(f"    auto at {auto['batch']}: drafts from a per-token acceptance of "
+                             f"{_acceptance(auto['threshold_as_run'])} as steps ran ({_acceptance(auto['threshold_set_up'])} "
+                             f"by the set-up's forwards); this run's: {_acceptance(spec.get('per_token_acceptance'), '-')}")
     failed = [run for run in result.runs if run.metrics.get("failed_requests")]
     if failed:
         lines += ["", "requests that failed (left out of the metrics above):"]

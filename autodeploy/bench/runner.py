@@ -56,7 +56,8 @@ def run_workload(
     stats = engine.pool.stats
     queried_before, hits_before = stats.queried_tokens, stats.hit_tokens
     speculator = engine.speculator
-    drafted_before = (speculator.stats.steps, speculator.stats.drafted, speculator.stats.accepted) if speculator else None
+    drafted_before = (speculator.stats.steps, speculator.stats.drafted, speculator.stats.accepted,
+                      speculator.stats.rejected) if speculator else None
     pending = sorted(workload.requests, key=lambda r: r.arrival)
     submitted = []
     peak_blocks = 0
@@ -94,17 +95,26 @@ def run_workload(
         peak_host_rss_bytes=peak_host_rss_bytes(),
         kv_pool_peak_utilization=peak_blocks / engine.pool.num_blocks,
         prefix_cache_hit_rate=(stats.hit_tokens - hits_before) / queried if queried else None,
-        speculation=_speculation(speculator, drafted_before, timings, steps) if speculator else None,
+        speculation=_speculation(speculator, drafted_before, timings, steps, workload) if speculator else None,
         continuations=[(list(r.prompt_token_ids), list(r.sequences[0].output_token_ids)) for _, r in submitted if r.sequences],
     )
 
 
-def _speculation(speculator, before: tuple[int, int, int], timings: list[RequestTiming], forwards: int) -> dict:
-    rows, drafted, accepted = (now - then for now, then in zip(
-        (speculator.stats.steps, speculator.stats.drafted, speculator.stats.accepted), before))
+def _speculation(speculator, before: tuple[int, int, int, int], timings: list[RequestTiming], forwards: int,
+                 workload) -> dict:
+    stats = speculator.stats
+    rows, drafted, accepted, rejected = (now - then for now, then in zip(
+        (stats.steps, stats.drafted, stats.accepted, stats.rejected), before))
     output_tokens = sum(len(t.token_times) for t in timings)
+    # auto's break-even at the workload's width (its concurrency, or its batch): the per-token acceptance from which
+    # it drafts, from the set-up's forwards alone and from the steps as they ran
+    batch = workload.max_concurrency or len(workload.requests)
+    costs = speculator.costs
     return {"method": speculator.method, "num_tokens": speculator.num_tokens, "verification_rows": rows,
             "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
+            "per_token_acceptance": accepted / (accepted + rejected) if accepted + rejected else None,
             "acceptance_length": 1 + accepted / rows if rows else None,
-            "tokens_per_forward": output_tokens / forwards if forwards else None}
+            "tokens_per_forward": output_tokens / forwards if forwards else None,
+            "auto": None if costs is None else {"batch": batch, "threshold_set_up": costs.threshold(batch),
+                                                "threshold_as_run": speculator.threshold_as_run(batch)}}

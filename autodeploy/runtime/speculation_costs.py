@@ -50,14 +50,7 @@ class StepCosts:
 
     def threshold(self, batch: int) -> float | None:
         """The per-token acceptance above which drafting ``num_tokens`` beats decoding at ``batch`` (None: never)."""
-        needed = MARGIN * self.seconds(batch, self.num_tokens) / self.seconds(batch, 0)
-        if needed > self.num_tokens + 1:
-            return None
-        low, high = 0.0, 1.0
-        for _ in range(40):
-            middle = (low + high) / 2
-            low, high = (middle, high) if expected_tokens(middle, self.num_tokens) < needed else (low, middle)
-        return high
+        return breakeven_acceptance(MARGIN * self.seconds(batch, self.num_tokens) / self.seconds(batch, 0), self.num_tokens)
 
     def _at(self, batch: int, values: tuple[float, ...]) -> float:
         sizes = self.batch_sizes
@@ -68,6 +61,18 @@ class StepCosts:
             return values[i]
         share = (batch - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
         return values[i - 1] + (values[i] - values[i - 1]) * share
+
+
+def breakeven_acceptance(needed: float, k: int) -> float | None:
+    """The per-token acceptance at which a draft of ``k`` tokens yields ``needed`` tokens a row in expectation (None:
+    not even a whole draft accepted does)."""
+    if needed > k + 1:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_tokens(middle, k) < needed else (low, middle)
+    return high
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

@@ -48,7 +48,8 @@ from autodeploy.runtime.device_copies import HostCopy
 from autodeploy.runtime.draft_trees import DraftTree, tree_depths
 from autodeploy.runtime.sampler import has_penalty
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.speculation_costs import DraftingTimes, ObservedSteps, StepCosts, best_num_tokens
+from autodeploy.runtime.speculation_costs import (MARGIN, DraftingTimes, ObservedSteps, StepCosts, best_num_tokens,
+                                                  breakeven_acceptance)
 from autodeploy.runtime.structured_output import next_token_bitmask
 
 logger = logging.getLogger(__name__)
@@ -368,6 +369,17 @@ class Speculator:
             lines.append("  accepted by position: " + ", ".join(
                 f"{i + 1}: {100 * a / d:.0f}%" for i, (a, d) in enumerate(zip(stats.accepted_at, stats.drafted_at))))
         return "\n".join(lines)
+
+    def threshold_as_run(self, batch: int) -> float | None:
+        """The per-token acceptance from which ``auto`` drafts a whole draft at ``batch``, with the steps as they ran:
+        the verification forward timed at set-up plus the drafter's observed time and a drafting step's observed host
+        work, against a decoding step as it ran (the set-up's forward until one has). None: never (or ``auto`` off)."""
+        costs, k = self.costs, self.num_tokens
+        if costs is None:
+            return None
+        observed = self.observed
+        drafting = costs.seconds(batch, k) + self.drafting_times.per_position(batch) * k + observed.overhead_seconds(batch)
+        return breakeven_acceptance(MARGIN * drafting / (observed.decoding_seconds(batch) or costs.seconds(batch, 0)), k)
 
     def acceptance(self, sequence) -> float:
         """The per-token acceptance to expect of ``sequence``'s next draft (``SpeculationStats.per_token_acceptance``,

@@ -142,11 +142,28 @@ def test_bench_with_speculation_measures_the_same_engine_without_it_and_replays_
     spec = result.runs[1].metrics["speculation"]
     # 13 tokens: 1 from the prompt's step, then rows of 3 (2 drafted right + the model's own) while 4 fit.
     assert spec["method"] == "replay" and spec["acceptance_length"] == 3.0 and spec["accepted_tokens"] == 2 * 2 * 4
+    # Per judged token: each sequence's first three rows keep 2 and refuse the third; its last, a draft cut to the 2
+    # tokens the output has left, keeps both: 16 accepted of 16 + 6 judged.
+    assert spec["per_token_acceptance"] == pytest.approx(16 / 22) and spec["auto"] is None
     assert result.runs[3].metrics.get("speculation") is None
     assert "output_tokens_per_s/no-speculation" in result.runs[0].ratios
     assert "replay, 4 tokens drafted a step; accepted 16 of" in out
     code, out, err = run_cli(capsys, "bench", str(llama_dir), "--batch", "1", "--speculative-method", "replay", *FAST)
     assert code == 1 and "acceptance_length" in err
+
+
+def test_bench_with_auto_reports_the_acceptance_it_drafts_from_at_the_points_width(capsys, llama_dir, tmp_path):
+    out_file = tmp_path / "auto.json"
+    code, out, err = run_cli(
+        capsys, "bench", str(llama_dir), "--batch", "2", "--input-len", "8", "--output-len", "9", "--repeats", "1",
+        "--no-progress", "--set", "device=cpu", "--speculative-method", "replay", "--speculative-num-tokens", "4",
+        "--set", "speculative.options.acceptance_length=3", "--out", str(out_file),
+    )
+    assert code == 0, err
+    auto = load_result(out_file).runs[0].metrics["speculation"]["auto"]
+    assert auto["batch"] == 2 and set(auto) == {"batch", "threshold_set_up", "threshold_as_run"}
+    assert all(value is None or 0 < value <= 1 for value in (auto["threshold_set_up"], auto["threshold_as_run"]))
+    assert "auto at 2: drafts from a per-token acceptance of" in out
 
 
 def test_speculation_warms_up_on_each_workloads_own_first_requests_at_its_concurrency():

@@ -114,6 +114,20 @@ def test_lookup_and_accepted_prefix():
     assert stats.per_token_acceptance == pytest.approx(5 / 7)
 
 
+def test_the_threshold_as_run_weighs_the_observed_steps():
+    """Without observations it is the set-up's; a decoding step that ran in half its forward's time and a drafting
+    step's host work of half a second make even a whole accepted draft lose (never)."""
+    from autodeploy.runtime.speculation_costs import StepCosts
+    from autodeploy.runtime.speculative import Speculator
+
+    speculator = Speculator(lambda sequences, limits: [], 4, None, 10, costs=StepCosts((1,), (1.0,), (2.0,), 4))
+    assert speculator.threshold_as_run(1) == speculator.costs.threshold(1) and 0.5 < speculator.threshold_as_run(1) < 0.6
+    speculator.observed.observe(1, False, 0.5, 0.0)
+    speculator.observed.observe(1, True, 2.5, 2.0)
+    assert speculator.threshold_as_run(1) is None
+    assert Speculator(lambda sequences, limits: [], 4, None, 10).threshold_as_run(1) is None  # auto off
+
+
 def test_a_sequences_expected_acceptance_counts_only_the_tokens_the_model_judged(llama_dir):
     """Drafts of 5 that keep 3 (3 accepted, the fourth refused: 0.75 a judged token): the estimate is 0.75, where
     accepted ÷ drafted (0.6: the unjudged fifth counted as refused) would keep ``auto`` from drafting where it pays."""
