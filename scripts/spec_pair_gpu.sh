@@ -6,6 +6,8 @@
 # checks greedy identity on 100 prompts (BATCH_INVARIANT=1: both runs with batch_invariant: true).
 #   OUT=$OUT STAGE=train,bench,identity bash scripts/spec_pair_gpu.sh  (or one stage a call on a warm machine)
 # STAGE=tests runs the GPU tests of the speculative paths and the kernels they use (TESTS_S seconds at most).
+# The device returns at most 8 files from $OUT: write to another folder and pack it, e.g.
+#   OUT=/tmp/o STAGE=... bash scripts/spec_pair_gpu.sh; tar czf $OUT/o.tgz -C /tmp o
 # One call of at most 10 minutes (machine starts are scarce; a warm machine goes back after 30 s idle):
 #   OUT=$OUT STAGE=tests,train,identity,bench TESTS_S=90 TRAIN_MINUTES=1.2 EAGLE_MINUTES=1.0 HEADS=eagle3 \
 #     METHODS=eagle3 BATCH_INVARIANT=1 IDENTITY_S=110 AUTO=true CONCURRENCY=1,8 NUM_REQUESTS=16 BENCH_S=100 \
