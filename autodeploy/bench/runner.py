@@ -106,10 +106,10 @@ def _speculation(speculator, before: tuple[int, int, int, int], timings: list[Re
     rows, drafted, accepted, rejected = (now - then for now, then in zip(
         (stats.steps, stats.drafted, stats.accepted, stats.rejected), before))
     output_tokens = sum(len(t.token_times) for t in timings)
-    # auto's break-even at the workload's width (its concurrency, or its batch): the per-token acceptance from which
-    # it drafts, from the set-up's forwards alone and from the steps as they ran
-    batch = workload.max_concurrency or len(workload.requests)
-    costs = speculator.costs
+    # auto's break-even at the workload's width (its concurrency, or its batch; a Poisson point has none): the
+    # per-token acceptance from which it drafts, from the set-up's forwards alone and from the steps as they ran
+    batch = workload.max_concurrency or workload.description.get("batch")
+    costs = speculator.costs if batch else None
     return {"method": speculator.method, "num_tokens": speculator.num_tokens, "verification_rows": rows,
             "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
