@@ -154,11 +154,12 @@ def _cached_attention_supports(*args, device, **kwargs):
 
 
 def _cached_attention_rope(*args, **kwargs):
+    from .triton.batch_invariant import attend
     from .triton.rope import rope_triton  # element-wise: a token's rotation is its own
 
     call = CachedAttentionRopeArgs(*args, **kwargs)
     q, k = (rope_triton(x, call.cos, call.sin, call.interleaved) for x in (call.q, call.k))
-    return _cached_attention(*_attention_call(call, q, k))
+    return attend(_attention_call(call, q, k))
 
 
 def _cached_attention_rope_supports(*args, device, **kwargs):

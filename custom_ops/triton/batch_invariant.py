@@ -165,7 +165,11 @@ def invariant_attention(*args, **kwargs) -> torch.Tensor:
     """``cached_attention``'s arguments and contract (``q [1, T, Hq, D]``; without sinks, ALiBi or tree masks,
     which :func:`unsupported_attention` refuses): writes ``k``/``v`` into their slots, then attends every token
     as a decode at its position would. Reads nothing on the host: a CUDA graph can hold it."""
-    call = CachedAttentionArgs(*args, **kwargs)
+    return attend(CachedAttentionArgs(*args, **kwargs))
+
+
+def attend(call: CachedAttentionArgs) -> torch.Tensor:
+    """:func:`invariant_attention` of arguments already bound (the rope backend's, after its rotation)."""
     q, k_cache, v_cache, seq_start, kv_lens, block_tables = (
         call.q, call.k_cache, call.v_cache, call.seq_start, call.kv_lens, call.block_tables)
     write_kv(call.k, call.v, k_cache, v_cache, call.slot_mapping, call.k_scale, call.v_scale)
