@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
-from autodeploy.deployment import Deployment
+from autodeploy.deployment import VISION, Deployment
 from autodeploy.errors import AutoDeployError, ConfigError
 from autodeploy.distributed import (check_no_live_deployment, check_parallelism, hold, init_distributed, should_spawn,
                                     spawn_workers, world_size)
@@ -97,6 +98,9 @@ def autodeploy(
         return _serve_saved(Path(model), config, set_arguments, overrides)
     settings, factory = deployment_settings(model, config, set_arguments, **overrides)
     check_parallelism(settings, factory.hf_config)
+    if factory.vision_language is not None and world_size(settings) > 1:
+        raise ConfigError("vision-language models run on one rank so far (their images are encoded on rank 0's engine); "
+                          "deploy without tensor, expert or pipeline parallelism")
     check_no_live_deployment(settings)
     _check_speculative(settings)
     if should_spawn(settings):
@@ -151,8 +155,16 @@ def _deploy(settings, factory: ModelFactory) -> Deployment:
         graph, verification = build_verified(pipeline, context, settings.dump_graphs)
     else:
         graph, verification = pipeline.run(context, dump_dir=settings.dump_graphs), None
-    return pipeline.deployment(graph, context, factory.load_tokenizer(settings.tokenizer), _eos_token_ids(factory),
-                               verification, str(factory.source.directory))
+    records = pipeline.records
+    deployment = pipeline.deployment(graph, context, factory.load_tokenizer(settings.tokenizer), _eos_token_ids(factory),
+                                     verification, str(factory.source.directory))
+    if factory.vision_language is not None:
+        vision = TransformContext(settings=settings, model_factory=factory, role=VISION)
+        deployment.graphs[VISION] = pipeline.run(vision)
+        deployment.report.records = [*records, *(replace(record, name=f"{record.name} ({VISION})") for record in pipeline.records)]
+        deployment.image_processor = factory.load_image_processor()
+        deployment.image_token_id = factory.vision_language.image_token_id
+    return deployment
 
 
 # What a draft model takes from the model's settings: where and how it runs, never what it is.

@@ -195,6 +195,28 @@ class SpeculativeSettings:
     options: Dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class VisionSettings:
+    """Vision-language models (``docs/multimodal.md``). ``max_images_per_batch``: images the vision graph encodes
+    in one forward (a step's images beyond it are encoded in further forwards; on a GPU, CUDA graphs are captured
+    for 1, 2, 4, … up to it). ``max_images_per_request``: images one prompt may carry. ``encoder_cache_mb``: the
+    encoder cache's budget — the vision graph's output per image, kept by a hash of the decoded pixels and the
+    preprocessing settings so an image seen again is not encoded again (0: off). ``preprocess_workers``: threads
+    that decode and preprocess images off the engine's thread. ``max_image_pixels`` / ``max_image_bytes``:
+    larger images are refused before they are decoded (decompression bombs). ``allowed_local_dir``: the folder the
+    server may read local image files from (``file://`` and paths; unset: none); the Python API reads any path.
+    ``fetch_timeout_s``: the time limit of an ``http(s)`` image fetch."""
+
+    max_images_per_batch: int = 16
+    max_images_per_request: int = 8
+    encoder_cache_mb: float = 256.0
+    preprocess_workers: int = 4
+    max_image_pixels: int = 40_000_000
+    max_image_bytes: int = 20 * 2**20
+    allowed_local_dir: Optional[str] = None
+    fetch_timeout_s: float = 10.0
+
+
 MAX_SPECULATIVE_TOKENS = 32  # drafted tokens a sequence may carry into one step
 MAX_TREE_NODES = 62  # drafted tokens of a tree: with the newest token, the bits of cached_attention's tree_mask
 
@@ -229,6 +251,7 @@ class DeploySettings:
     quantize: QuantizeSettings = field(default_factory=QuantizeSettings)
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    vision: VisionSettings = field(default_factory=VisionSettings)
     transforms: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -411,6 +434,12 @@ def _check_choices(settings: DictConfig) -> None:
     if distributed.expert_placement not in ("contiguous", "balanced"):
         raise ConfigError(f"distributed.expert_placement must be contiguous or balanced, got {distributed.expert_placement!r}")
     _check_speculative(settings.speculative)
+    vision = settings.vision
+    if min(vision.max_images_per_batch, vision.max_images_per_request, vision.preprocess_workers, vision.max_image_pixels,
+           vision.max_image_bytes) < 1 or vision.encoder_cache_mb < 0 or not vision.fetch_timeout_s > 0:
+        raise ConfigError(f"vision.max_images_per_batch, max_images_per_request, preprocess_workers, max_image_pixels and "
+                          f"max_image_bytes must be ≥ 1, encoder_cache_mb ≥ 0 and fetch_timeout_s > 0; got "
+                          f"{OmegaConf.to_container(vision)}")
     unknown = {glob: kind for glob, kind in distributed.rules.items() if kind not in RULE_KINDS}
     if unknown:
         raise ConfigError(f"distributed.rules {unknown}: each rule's kind must be one of {', '.join(RULE_KINDS)}")

@@ -1,8 +1,8 @@
 """``Deployment``: a built model as one record — what a build (or a reload) makes and ``LLM``, ``Engine``, save
 and load take.
 
-It holds the graphs by role (``"model"`` today; a vision or an encoder graph are further roles,
-not further constructor arguments), the serving signature the cache stage declared (graph inputs in order,
+It holds the graphs by role (``"model"``, and ``"vision"`` for a vision-language model; an encoder graph is a
+further role, not further constructor arguments), the serving signature the cache stage declared (graph inputs in order,
 KV cache specs, the decode batch and prefill token sizes captured as graphs), the tokenizer and end-of-sequence
 ids, the resolved settings, the build report and the folder the model came from.
 
@@ -29,6 +29,8 @@ from autodeploy.custom_ops.serving_signature import KVCacheSpec, ServingSignatur
 from autodeploy.errors import ConfigError
 
 MODEL = "model"  # the role of the graph that turns token ids into logits; every deployment has one
+VISION = "vision"  # a vision-language model's: preprocessed images in, the feature rows the model graph reads out
+ROLES = (MODEL, VISION)
 
 
 @dataclass
@@ -42,6 +44,9 @@ class Deployment:
     eos_token_ids: tuple[int, ...] = ()
     report: BuildReport = field(default_factory=BuildReport)
     model_directory: str | None = None  # the checkpoint or config folder it was built from
+    # A vision-language model's image processor (transformers'; it resizes and normalises images for the vision graph).
+    image_processor: Any = None
+    image_token_id: int | None = None  # the placeholder token whose embeddings the vision graph's rows replace
     # A draft model for speculative decoding (speculative.method "draft"): a deployment of its own, with its own
     # serving signature, settings and build report, whose runner and KV pool sit beside the model's.
     draft: Deployment | None = None

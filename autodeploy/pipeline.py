@@ -112,6 +112,8 @@ class Pipeline:
             self.validate(context)
         stop = len(self.transforms) if stop is None else stop
         for index, transform in enumerate(self.transforms[start:stop], start):
+            if context.role not in transform.roles:
+                continue
             before = node_count(module) if module is not None else None
             if STAGES.index(transform.config.stage) > STAGES.index("export") and not isinstance(module, fx.GraphModule):
                 raise TransformError(

@@ -36,10 +36,10 @@ import warnings
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import fx, nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from autodeploy.build_report import VerificationReport
-from autodeploy.deployment import MODEL, Deployment
+from autodeploy.deployment import MODEL, VISION, Deployment
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.export.causal_lm import GRAPH_PREFIX
 from autodeploy.models.factory import ModelFactory
@@ -58,9 +58,10 @@ _TWIN_SEED = 1234
 
 
 class _Probe:
-    """A sequence fed to the twin's engine outside the scheduler."""
+    """A sequence fed to the twin's engine outside the scheduler (no request, so no side inputs)."""
 
     _ids = itertools.count(-1_000_000, -1)
+    request = None
 
     def __init__(self, token_ids: list[int]):
         self.seq_id = next(self._ids)
@@ -90,8 +91,10 @@ def _reference_model(config, device: str, dtype: torch.dtype, trust_remote_code:
     HF's own initialisation, then every 1-D parameter (norm scales, biases) is perturbed: HF starts
     those at exactly 1 or 0, which would hide a dropped bias or a mis-read norm offset."""
     torch.manual_seed(_TWIN_SEED)
+    # A vision-language model's reference is the whole model: its language model's logits and its image features.
+    model_class = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(  # a copy: HF records the attention implementation in the config
+        model = model_class.from_config(  # a copy: HF records the attention implementation in the config
             copy.deepcopy(config), dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code
         )
     generator = torch.Generator(device=device).manual_seed(_TWIN_SEED)
@@ -304,8 +307,34 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
     report = _compare(factory, twin, reference, twin_graph, twin_context, match_notes, settings, device, dtype, began,
                       tolerance)
     report.note = note
+    if factory.vision_language is not None:
+        twin_vision = TransformContext(twin_settings, dataclasses.replace(twin_context.model_factory, tensors=tensors), role=VISION)
+        report.vision_relative_error = _compare_vision(factory, twin.summary, reference, Pipeline(pipeline.transforms).run(twin_vision),
+                                                       device, dtype, tolerance)
     graph = pipeline.run(context, prefix, dump_dir, start=weights_at) if shared else pipeline.run(context, dump_dir=dump_dir)
     return graph, report
+
+
+def _compare_vision(factory, twin: str, reference: nn.Module, graph: fx.GraphModule, device: str, dtype: str,
+                    tolerance: float) -> float:
+    """Hold the twin's vision graph to Hugging Face's ``get_image_features`` on two random images; the relative error."""
+    spec = factory.vision_language
+    generator = torch.Generator().manual_seed(_TWIN_SEED)
+    pixels = torch.randn((2, 3, spec.image_size, spec.image_size), generator=generator).to(device, getattr(torch, dtype))
+    with torch.no_grad():
+        expected = torch.stack(list(reference.model.get_image_features(pixel_values=pixels.float()).pooler_output))
+        ours = graph(pixels)
+        ours = ours[0] if isinstance(ours, (tuple, list)) else ours
+    if ours.shape != expected.shape:
+        raise UnsupportedModelError(f"{factory.source.name}: the deployed vision graph makes image features {tuple(ours.shape)}; "
+                                    f"Hugging Face makes {tuple(expected.shape)} (on a twin: {twin})")
+    error, relative = _relative_error(ours.float().flatten(0, 1), expected.float().flatten(0, 1))
+    if not relative <= tolerance:
+        raise UnsupportedModelError(
+            f"{factory.source.name}: the deployed vision tower does not compute what Hugging Face computes — on a twin "
+            f"({twin}; {device} {dtype}) its image features differ by max {error:.3g} (relative {relative:.2g} > tolerance "
+            f"{tolerance:.3g}). Please report it; verify.enabled=false deploys it anyway, unverified")
+    return relative
 
 
 def _stored(graph: fx.GraphModule, target: str, moved: dict[str, tuple[str, int, int]],

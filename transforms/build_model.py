@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from autodeploy.models.factory import ModelFactory
-from autodeploy.transforms.registry import Transform, TransformResult, register_transform
+from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformResult, register_transform
 
 
-@register_transform("build_model", stage="factory", recompile=False)
+@register_transform("build_model", stage="factory", recompile=False, roles=ALL_ROLES)
 class BuildModel(Transform):
     """HF config → HF model on the meta device, in the deployment dtype."""
 

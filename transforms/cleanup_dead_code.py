@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _delete_unused_tensors(gm: GraphModule) -> int:
     return len(unused)
 
 
-@register_transform("cleanup_dead_code", stage="cleanup")
+@register_transform("cleanup_dead_code", stage="cleanup", roles=ALL_ROLES)
 class CleanupDeadCode(Transform):
     """Remove unused side-effect-free nodes, then unused submodules, parameters, buffers and constants."""
 

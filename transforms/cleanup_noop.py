@@ -40,7 +40,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autodeploy.patterns.graph_walk import TO_CASTS, VIEWS, same_sizes
-from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def _writes_in_place(graph: torch.fx.Graph) -> bool:
     )
 
 
-@register_transform("cleanup_noop", stage="cleanup")
+@register_transform("cleanup_noop", stage="cleanup", roles=ALL_ROLES)
 class CleanupNoop(Transform):
     """Replace identity views, casts, copies and arithmetic by their input; drop metadata assertions."""
 

@@ -21,7 +21,7 @@ import logging
 import torch
 from torch.fx import GraphModule, Node
 
-from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def _is_identity(dims: list[int]) -> bool:
     return dims == list(range(len(dims)))
 
 
-@register_transform("cleanup_transposes", stage="cleanup")
+@register_transform("cleanup_transposes", stage="cleanup", roles=ALL_ROLES)
 class CleanupTransposes(Transform):
     """Remove transpose/permute pairs that cancel and fold the others into a single permute."""
 

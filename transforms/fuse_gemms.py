@@ -40,7 +40,7 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.quantized_linear import row_wise_ops
 from autodeploy.transforms.parameter_concatenation import concatenate_parameters
-from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _fuse(gm: GraphModule, nodes: list[fx.Node]) -> dict[str, tuple[str, int, in
     return moved
 
 
-@register_transform("fuse_gemms", stage="fuse")
+@register_transform("fuse_gemms", stage="fuse", roles=ALL_ROLES)
 class FuseGemms(Transform):
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         groups = _groups(module)

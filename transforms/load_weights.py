@@ -26,7 +26,7 @@ from autodeploy.models.factory import ModelFactory
 from autodeploy.models.random_weights import random_parameter
 from autodeploy.transforms.calibration import calibrate, kv_cache_scales, kv_projections
 from autodeploy.transforms.shard_tensor_parallel import SHARDS
-from autodeploy.transforms.registry import Transform, TransformResult, register_transform
+from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +347,7 @@ def checkpoint_kv_cache_scales(reader: CheckpointReader | StateDictReader) -> di
     return {path: (scales.get("k_scale", 1.0), scales.get("v_scale", 1.0)) for path, scales in found.items()}
 
 
-@register_transform("load_weights", stage="load_weights")
+@register_transform("load_weights", stage="load_weights", roles=ALL_ROLES)
 class LoadWeights(Transform):
     """Materialise the graph on the target device from the checkpoint (or random values)."""
 

@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.linear)
 from autodeploy.patterns import attention, mlp, moe, norm, rope  # noqa: F401  (register the built-in patterns)
 from autodeploy.patterns.registry import FAMILIES, apply_patterns, select_patterns
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformConfig, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class MatchPatternsConfig(TransformConfig):
 
 # Traced replacements carry their values already (see autodeploy.patterns.registry); a whole-graph propagation
 # costs more than all matching, so it runs only for a rewrite that left a node without one.
-@register_transform("match_patterns", stage="match", dead_code=True, shapes="missing")
+@register_transform("match_patterns", stage="match", dead_code=True, shapes="missing", roles=ALL_ROLES)
 class MatchPatterns(Transform):
     """Replace every subgraph a selected pattern matches by its canonical op."""
 
@@ -57,7 +57,7 @@ class MatchPatterns(Transform):
         return TransformResult(matches=matches, changed=matches > 0, notes=notes)
 
 
-@register_transform("match_linear", stage="match")
+@register_transform("match_linear", stage="match", roles=ALL_ROLES)
 class MatchLinear(Transform):
     """``aten.linear(x, weight, bias?)`` → ``autodeploy.linear(x, weight, bias)``: same arguments, same values."""
 

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Optional
 from torch import nn
 
 from autodeploy.custom_ops.serving_signature import ServingSignature
+from autodeploy.deployment import MODEL, ROLES
 
 STAGES: tuple[str, ...] = (
     "factory",
@@ -46,6 +47,7 @@ STAGES: tuple[str, ...] = (
     "compile",
 )
 SHAPES = ("none", "missing", "all")
+ALL_ROLES = ROLES  # a pass that rewrites every graph of a deployment registers with roles=ALL_ROLES
 
 
 @dataclass
@@ -119,6 +121,7 @@ class TransformContext:
     calibration_graph: Optional[nn.Module] = None
     concatenated_parameters: dict[str, Any] = field(default_factory=dict)
     folded_smoothing: dict[str, Any] = field(default_factory=dict)
+    role: str = MODEL  # which graph of the deployment this run builds; passes not serving it are skipped
 
     def serving_signature(self) -> ServingSignature:
         """How the runtime serves the built graph, as the cache and compile stages declared it."""
@@ -132,6 +135,7 @@ class Transform(ABC):
     name: ClassVar[str] = ""
     stage: ClassVar[str] = ""
     upkeep: ClassVar[Upkeep] = Upkeep()
+    roles: ClassVar[tuple[str, ...]] = (MODEL,)  # the graphs of a deployment it rewrites (TransformContext.role)
     config_class: ClassVar[type[TransformConfig]] = TransformConfig
 
     def __init__(self, config: TransformConfig):
@@ -151,9 +155,10 @@ _REGISTRY: dict[str, type[Transform]] = {}
 
 
 def register_transform(name: str, stage: str | None = None, *, dead_code: bool = False, recompile: bool = True,
-                       shapes: str = "none"):
+                       shapes: str = "none", roles: tuple[str, ...] = (MODEL,)):
     """Class decorator registering a ``Transform`` subclass under ``name``, to run at ``stage`` (one of
-    ``STAGES``), followed by the ``Upkeep`` that ``dead_code``, ``recompile`` and ``shapes`` declare.
+    ``STAGES``), followed by the ``Upkeep`` that ``dead_code``, ``recompile`` and ``shapes`` declare, on the
+    graphs of the ``roles`` named (``"model"``: the language model; ``"vision"``: a vision tower).
 
     The stage is required. A pass written before it was (``register_transform(name)`` with the stage as its
     config's default) still registers, with a ``DeprecationWarning``.
@@ -184,6 +189,10 @@ def register_transform(name: str, stage: str | None = None, *, dead_code: bool =
         cls.name = name
         cls.stage = declared
         cls.upkeep = Upkeep(dead_code=dead_code, recompile=recompile, shapes=shapes)
+        unknown = set(roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"transform {name!r} has roles {sorted(unknown)}; roles are {', '.join(ROLES)}")
+        cls.roles = tuple(roles)
         _REGISTRY[name] = cls
         return cls
 

@@ -38,7 +38,7 @@ from autodeploy.autotuner import Autotuner, bucket_runs, token_buckets, token_di
 from autodeploy.custom_ops import REFERENCE, candidates, canonical_ops, op_by_target
 from autodeploy.custom_ops import batch_invariant
 from autodeploy.errors import ConfigError
-from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
+from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,15 @@ class _TokenShapes:
                 values[batch] = 1
             if seq is not None:
                 values[seq] = num_tokens
-        return tuple(int(d.node.expr.xreplace(values)) if isinstance(d, torch.SymInt) else int(d) for d in shape)
+
+        def size(d) -> int:
+            if not isinstance(d, torch.SymInt):
+                return int(d)
+            expr = d.node.expr.xreplace(values)
+            # Other symbols (a vision graph's image count, a side input's rows): one of each.
+            return int(expr.xreplace({symbol: 1 for symbol in expr.free_symbols}) if hasattr(expr, "free_symbols") else expr)
+
+        return tuple(size(d) for d in shape)
 
     def token_dim(self, value: torch.Tensor) -> int | None:
         seq = self.symbols[1] if len(self.symbols) == 2 else None
@@ -244,7 +252,7 @@ def _nodes(arg: Any) -> list[fx.Node]:
     return found
 
 
-@register_transform("select_kernels", stage="select")
+@register_transform("select_kernels", stage="select", roles=ALL_ROLES)
 class SelectKernels(Transform):
     """Give every canonical node the backend op that serves it (preference > tuned > first supported)."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from autodeploy.config import settings_to_yaml
-from autodeploy.deployment import Deployment, as_deployment
+from autodeploy.deployment import MODEL, Deployment, as_deployment
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS
 
@@ -49,6 +49,10 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
         raise ConfigError("a deploy on the meta device has no weights to save; deploy with device=cpu or cuda, then save")
     if not signature.kv_caches:
         raise ConfigError("this graph has no KV cache (insert_cached_attention is disabled), so it cannot serve; enable it to save")
+    unsaved = sorted(set(deployment.graphs) - {MODEL})
+    if unsaved:
+        raise ConfigError(f"this deployment has a {' and a '.join(unsaved)} graph beside its model graph, and saved deployments "
+                          f"hold the model graph only so far; build it from its checkpoint (autodeploy(model)) instead")
     directory = Path(directory)
     check_save_destination(directory)
     staging = directory.with_name(f".{directory.name}.saving-{os.getpid()}")

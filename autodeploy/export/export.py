@@ -18,11 +18,14 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from autodeploy.deployment import VISION
 from autodeploy.errors import AutoDeployError, ExportError, error_summary
 from autodeploy.export import patches
 from autodeploy.export.causal_lm import CAUSAL_LM_INPUTS, CausalLMLogits
 from autodeploy.export.patches import apply_export_patches
-from autodeploy.transforms.registry import Transform, TransformConfig, TransformResult, register_transform
+from autodeploy.export.vision_language import VISION_INPUTS, VISION_LANGUAGE_INPUTS, VisionFeatures, VisionLanguageLogits
+from autodeploy.models.vision_language import VisionLanguageSpec
+from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformConfig, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +127,11 @@ def export_causal_lm(
     max_seq_len: int,
     patches: list[str] = (),
     strict: bool = False,
+    vision_language: VisionLanguageSpec | None = None,
 ) -> GraphModule:
-    """Export a HF causal LM (usually on the meta device) with dynamic batch and sequence dims."""
+    """Export a HF causal LM (usually on the meta device) with dynamic batch and sequence dims; with
+    ``vision_language``, the language model of a vision-language model, taking image feature rows beside
+    its tokens (``export/vision_language.py``)."""
     device = next(model.parameters()).device
     # DYNAMIC hints rather than named Dims: a guard that holds for every size but that a torch
     # release cannot prove (torch 2.11 cannot prove min(16*s, 32*s) == 16*s for HF's SDPA path)
@@ -139,7 +145,24 @@ def export_causal_lm(
     input_ids = torch.zeros((2, 4), dtype=torch.long, device=device)
     position_ids = torch.arange(4, device=device).expand(2, 4)
     dynamic = ({0: batch, 1: seq}, {0: batch, 1: seq})
-    return export_to_graph_module(CausalLMLogits(model), (input_ids, position_ids), dynamic, patches, strict)
+    if vision_language is None:
+        return export_to_graph_module(CausalLMLogits(model), (input_ids, position_ids), dynamic, patches, strict)
+    # Image feature rows: any number a step (none in most), each the width of the language model's embeddings.
+    rows = torch.export.Dim.DYNAMIC(min=0, max=max(max_seq_len, max_num_tokens, 2))
+    width = model.get_input_embeddings().embedding_dim
+    features = torch.zeros((3, width), dtype=next(model.parameters()).dtype, device=device)
+    token_index = torch.arange(3, device=device)
+    return export_to_graph_module(VisionLanguageLogits(model), (input_ids, position_ids, features, token_index),
+                                  (*dynamic, {0: rows}, {0: rows}), patches, strict)
+
+
+def export_vision(model: nn.Module, spec: VisionLanguageSpec, max_images: int, patches: list[str] = (),
+                  strict: bool = False) -> GraphModule:
+    """Export a vision-language model's vision tower and projector (``VisionFeatures``), the image count dynamic."""
+    parameter = next(model.parameters())
+    images = torch.export.Dim.DYNAMIC(min=1, max=max(max_images, 2))
+    pixel_values = torch.zeros((2, 3, spec.image_size, spec.image_size), dtype=parameter.dtype, device=parameter.device)
+    return export_to_graph_module(VisionFeatures(model, spec), (pixel_values,), ({0: images},), patches, strict)
 
 
 @dataclass
@@ -150,7 +173,7 @@ class ExportConfig(TransformConfig):
     strict: bool = False
 
 
-@register_transform("export_to_fx", stage="export", recompile=False)
+@register_transform("export_to_fx", stage="export", recompile=False, roles=ALL_ROLES)
 class ExportToFX(Transform):
     """nn.Module (meta) → GraphModule of aten ops with dynamic batch and sequence dims."""
 
@@ -158,6 +181,13 @@ class ExportToFX(Transform):
 
     def apply(self, module: nn.Module, context) -> TransformResult:
         settings = context.settings
-        gm = export_causal_lm(module, settings.scheduler.max_num_tokens, settings.max_seq_len, self.config.patches, self.config.strict)
-        context.graph_inputs = CAUSAL_LM_INPUTS
-        return TransformResult(changed=True, module=gm, notes=f"inputs: {', '.join(CAUSAL_LM_INPUTS)}")
+        vision_language = context.model_factory.vision_language if context.model_factory is not None else None
+        if context.role == VISION:
+            gm = export_vision(module, vision_language, settings.vision.max_images_per_batch, self.config.patches, self.config.strict)
+            inputs = VISION_INPUTS
+        else:
+            gm = export_causal_lm(module, settings.scheduler.max_num_tokens, settings.max_seq_len, self.config.patches,
+                                  self.config.strict, vision_language)
+            inputs = CAUSAL_LM_INPUTS if vision_language is None else VISION_LANGUAGE_INPUTS
+        context.graph_inputs = inputs
+        return TransformResult(changed=True, module=gm, notes=f"inputs: {', '.join(inputs)}")

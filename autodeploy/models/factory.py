@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
 from autodeploy.errors import ConfigError, UnsupportedModelError, error_summary
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.source import ModelSource
+from autodeploy.models.vision_language import VisionLanguageSpec, vision_language_spec
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +162,14 @@ class ModelFactory:
                 f"{self.source.name}: {type(config).__name__} ({config.model_type}) is {kind}; "
                 f"it is not a causal language model autodeploy can serve: it serves decoder-only causal LMs"
             )
+        vision_language = self.vision_language
         modalities = [name for name in getattr(config, "sub_configs", None) or {} if name.startswith(_OTHER_MODALITIES)]
-        if modalities:
+        if modalities and vision_language is None:
             raise UnsupportedModelError(
                 f"{self.source.name}: {type(config).__name__} ({config.model_type}) is a multimodal model "
                 f"({', '.join(modalities)}); autodeploy serves text-only decoders, so multimodal models are not supported yet"
             )
-        if causal_lm_class(config) is None and not self.trust_remote_code:
+        if vision_language is None and causal_lm_class(config) is None and not self.trust_remote_code:
             raise UnsupportedModelError(
                 f"{self.source.name}: {type(config).__name__} ({config.model_type}) is not a causal language model: "
                 f"transformers has no AutoModelForCausalLM class for it, and autodeploy serves decoder-only causal LMs"
@@ -175,10 +177,14 @@ class ModelFactory:
         config.use_cache = False
         try:
             with parameters_on_meta():
-                model = AutoModelForCausalLM.from_config(
-                    config, dtype=dtype, attn_implementation=attention_implementation(config),
-                    trust_remote_code=self.trust_remote_code,
-                )
+                if vision_language is not None:  # the whole model: both graphs are exported from it
+                    model = AutoModelForImageTextToText.from_config(
+                        config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=self.trust_remote_code)
+                else:
+                    model = AutoModelForCausalLM.from_config(
+                        config, dtype=dtype, attn_implementation=attention_implementation(config),
+                        trust_remote_code=self.trust_remote_code,
+                    )
         except (ValueError, ImportError) as error:
             raise UnsupportedModelError(
                 f"{self.source.name}: transformers could not build {type(config).__name__} ({config.model_type}) "
@@ -196,6 +202,12 @@ class ModelFactory:
         return model
 
     @functools.cached_property
+    def vision_language(self) -> VisionLanguageSpec | None:
+        """What the pipeline and runtime need of a vision-language checkpoint (``models/vision_language.py``);
+        None for a text-only model. A multimodal family autodeploy does not serve raises here."""
+        return vision_language_spec(self.hf_config, self.source.name)
+
+    @functools.cached_property
     def prequantized(self):
         """The checkpoint's own quantization (``autodeploy/models/prequantized.py``), or None for a float checkpoint."""
         from autodeploy.models.prequantized import detect_prequantized
@@ -205,6 +217,26 @@ class ModelFactory:
     def checkpoint_reader(self) -> CheckpointReader | StateDictReader:
         """Where ``load_weights`` reads the weights: the in-memory ``tensors`` if given, else the checkpoint folder."""
         return StateDictReader(self.tensors, self.source.directory) if self.tensors is not None else CheckpointReader(self.source.directory)
+
+    def load_image_processor(self):
+        """A vision-language checkpoint's image processor (transformers' Pillow and numpy one: torchvision is not a
+        dependency). A checkpoint without a preprocessor config is refused: its images' size and normalisation
+        would be guesses."""
+        import json
+
+        import transformers
+
+        path = self.source.directory / "preprocessor_config.json"
+        try:
+            name = json.loads(path.read_text())["image_processor_type"].removesuffix("Fast")
+            # AutoImageProcessor needs torchvision; each family's Pillow processor is its class name + "Pil".
+            processor_class = getattr(transformers, name + "Pil", None) or getattr(transformers, name)
+            return processor_class.from_pretrained(str(self.source.directory))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as error:
+            raise UnsupportedModelError(
+                f"{self.source.name}: cannot load its image processor ({error_summary(error)}); a vision-language "
+                f"checkpoint needs its preprocessor_config.json (the image size and normalisation its tower was "
+                f"trained with)") from error
 
     def load_tokenizer(self, tokenizer: str | None = None):
         """The checkpoint's tokenizer (or ``tokenizer``), or None when there are no tokenizer files."""

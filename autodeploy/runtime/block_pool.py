@@ -71,7 +71,7 @@ class KVBlockPool:
         return max(0, -(-num_tokens // self.block_size) - len(self.block_table(seq_id)))
 
     # ---- allocation ----------------------------------------------------------------------------
-    def acquire_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+    def acquire_prefix(self, seq_id: Hashable, token_ids: Sequence[int], content_spans: Sequence[tuple[int, int, str]] = ()) -> int:
         """Start ``seq_id``'s table with the cached blocks of its longest cached prefix; returns how many
         tokens that covers. At least one token is always left to compute (its logits are needed), and a
         block being shared is never written again."""
@@ -83,7 +83,7 @@ class KVBlockPool:
         reusable_blocks = (len(token_ids) - 1) // self.block_size
         self.stats.queried_tokens += len(token_ids)
         table = self._tables[seq_id]
-        for block_hash in self._hashes(seq_id, token_ids, reusable_blocks):
+        for block_hash in self._hashes(seq_id, token_ids, reusable_blocks, content_spans):
             block = self._block_of_hash.get(block_hash)
             if block is None:
                 break
@@ -131,7 +131,8 @@ class KVBlockPool:
         self._tables[child_id] = list(shared)
         return len(shared) * self.block_size
 
-    def register_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+    def register_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int,
+                             content_spans: Sequence[tuple[int, int, str]] = ()) -> None:
         """Publish ``seq_id``'s blocks that are now full of computed tokens to the prefix cache (none
         when it holds no blocks: it was preempted after its step was launched)."""
         if not self.enable_prefix_caching:
@@ -141,7 +142,7 @@ class KVBlockPool:
         published = self._published.get(seq_id, 0)
         if full <= published:
             return
-        hashes = self._hashes(seq_id, token_ids, full)
+        hashes = self._hashes(seq_id, token_ids, full, content_spans)
         for block, block_hash in zip(table[published:full], hashes[published:full]):
             if block not in self._hash_of_block and block_hash not in self._block_of_hash:
                 # (the same prefix computed twice concurrently keeps the first copy)
@@ -184,14 +185,17 @@ class KVBlockPool:
         self._ref_counts[block] = 1
         return block
 
-    def _hashes(self, seq_id: Hashable, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
+    def _hashes(self, seq_id: Hashable, token_ids: Sequence[int], num_blocks: int,
+                content_spans: Sequence[tuple[int, int, str]] = ()) -> list[bytes]:
         """Hash of each of ``seq_id``'s first ``num_blocks`` blocks, chained so a hash names the whole
         prefix; computed once per block. BLAKE2 rather than Python's ``hash``: a collision would silently
-        serve another prompt's cache."""
+        serve another prompt's cache. ``content_spans``: positions ``[start, end)`` whose K/V depend on more than
+        their token ids (an image's placeholders), with that content's key, hashed into every block they touch."""
         hashes = self._prefix_hash_cache.setdefault(seq_id, [])
         size = self.block_size
         for index in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else b""
             block_tokens = array("q", token_ids[index * size : (index + 1) * size]).tobytes()
-            hashes.append(hashlib.blake2b(parent + block_tokens, digest_size=16).digest())
+            content = "".join(key for start, end, key in content_spans if start < (index + 1) * size and end > index * size)
+            hashes.append(hashlib.blake2b(parent + block_tokens + content.encode(), digest_size=16).digest())
         return hashes[:num_blocks]

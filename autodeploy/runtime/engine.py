@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autodeploy.deployment import Deployment
+from autodeploy.deployment import VISION, Deployment
 from autodeploy.custom_ops.serving_signature import TREE_MASK
 from autodeploy.errors import ConfigError, InvalidRequestError
 from autodeploy.runtime import draft_model, eagle3, mtp  # noqa: F401  (register the "draft", "eagle3" and "mtp" drafters)
@@ -47,6 +47,7 @@ from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
 from autodeploy.runtime.speculation_costs import StepCosts, measure_step_costs, timed_batch_sizes
 from autodeploy.runtime.speculative import Speculator, hidden_state_buffer, make_drafter
 from autodeploy.runtime.step_inputs import PendingTokens
+from autodeploy.runtime.vision_encoder import VisionEncoder, vision_output_shape
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,11 @@ class Engine:
         logger.info("engine ready in %.2f s (%s)", time.perf_counter() - started,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.pool = self.runner.pool
+        self.vision = (VisionEncoder(self.runner.graphs[VISION], vision_output_shape(deployment.graphs[VISION]),
+                                     deployment.image_processor, deployment.image_token_id, settings)
+                       if VISION in deployment.graphs else None)
         self.intake = RequestIntake(tokenizer, vocab_size, deployment.eos_token_ids, settings, self.pool,
-                                    self.runner.side_inputs)
+                                    self.runner.side_inputs, self.vision)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.speculator = (Speculator(drafter, speculative.num_tokens, self.pool, vocab_size, speculative.method,
@@ -293,6 +297,10 @@ class Engine:
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return None
+            if self.vision is not None:  # the images of requests this step starts, before their prompts are computed
+                starting = {id(c.sequence.request): c.sequence.request for c in plan.chunks if c.sequence.request.images}
+                if starting:
+                    self.vision.encode(list(starting.values()))
             if self.speculator is not None:
                 self.speculator.extend(plan.chunks, self.max_num_tokens - plan.num_tokens)
             now = self.clock()

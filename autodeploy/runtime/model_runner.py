@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from autodeploy.custom_ops.parallel_state import Layout
-from autodeploy.deployment import MODEL, Deployment
+from autodeploy.deployment import MODEL, VISION, Deployment
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.compiled_graph import TORCH_COMPILE_BACKENDS, CompiledGraph
@@ -51,7 +51,7 @@ from autodeploy.runtime.verify_graphs import VerifyGraphs
 
 logger = logging.getLogger(__name__)
 
-RUN_ROLES = (MODEL,)  # the graph roles a runner runs; the others are refused at set-up
+RUN_ROLES = (MODEL, VISION)  # the graph roles an engine runs (the vision graph: its VisionEncoder); others are refused
 StagedStep = tuple[Callable[[], torch.Tensor], list[int]]  # (run, completing)
 
 # Enough tokens for a forward to show whether the model computes finite logits at all.

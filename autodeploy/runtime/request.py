@@ -181,6 +181,12 @@ class Request:
         self.aborted = False
         self.sink: OutputSink | None = None
         self.grammar = None  # the compiled grammar of a json_schema / json_object request (the engine sets it)
+        # A vision-language request's images until the vision graph has encoded them (vision_encoder.py), where each
+        # one's placeholder run starts, and the spans of prompt positions whose K/V depend on more than their token
+        # ids — (start, end, content key) — which the prefix cache keys by that content too.
+        self.images: list = []
+        self.image_starts: list[int] = []
+        self.content_spans: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def finished(self) -> bool:

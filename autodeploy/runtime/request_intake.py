@@ -24,16 +24,19 @@ from autodeploy.runtime.request import Request, TokenRows
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.runtime.step_inputs import SideInputSpec
 from autodeploy.runtime.structured_output import StructuredOutput
+from autodeploy.runtime.vision_encoder import VisionEncoder
 
-Prompt = str | list[int]
+# Text or token ids; a vision-language model's prompt may be {"prompt": text or ids, "images": [paths, bytes, URLs, PIL images]}.
+Prompt = str | list[int] | Mapping
 
 
 class RequestIntake:
     """Validates and builds requests for one engine (see the module docstring). Thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: SequenceABC[int], settings, pool: KVBlockPool,
-                 side_inputs: Mapping[str, SideInputSpec]):
-        """``side_inputs``: the side inputs the engine's graph declares (a request may carry only those)."""
+                 side_inputs: Mapping[str, SideInputSpec], vision: VisionEncoder | None = None):
+        """``side_inputs``: the side inputs the engine's graph declares (a request may carry only those);
+        ``vision``: a vision-language deployment's image preparation (prompts with images are refused without)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
@@ -41,6 +44,7 @@ class RequestIntake:
         self.max_seq_len = settings.max_seq_len
         self.pool = pool
         self.side_inputs = dict(side_inputs)
+        self.vision = vision
         self._request_ids = itertools.count()
         self._seeds = random.Random(settings.seed)
         self._lock = threading.Lock()  # the request ids and the structured-output compiler
@@ -58,7 +62,11 @@ class RequestIntake:
         params.validate()
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}")
+        prompt, images = self._split_images(prompt)
         token_ids = self.tokenize(prompt)
+        image_starts: list[int] = []
+        if self.vision is not None:  # a text prompt carries no placeholders either
+            token_ids, image_starts = self.vision.expand_placeholders(token_ids, len(images or ()))
         self._check_fits(token_ids, params)
         biased_outside = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if biased_outside:
@@ -73,7 +81,24 @@ class RequestIntake:
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, stops, seed, priority,
                           clock(), side_inputs)
         request.grammar = grammar
+        if images:
+            request.images, request.image_starts = images, image_starts
+            width = self.vision.tokens_per_image
+            request.content_spans = tuple((start, start + width, image.key) for start, image in zip(image_starts, images))
         return request
+
+    def _split_images(self, prompt: Prompt) -> tuple[str | list[int], list | None]:
+        """A ``{"prompt": …, "images": […]}`` prompt's text (or ids) and its prepared images (loaded, checked and
+        preprocessed now, on worker threads); any other prompt as it is, with None."""
+        if not isinstance(prompt, Mapping):
+            return prompt, None
+        unknown = sorted(set(prompt) - {"prompt", "images"})
+        if unknown or "prompt" not in prompt:
+            raise InvalidRequestError(f"a prompt given as a dict takes the keys 'prompt' and 'images'; got {sorted(prompt)}")
+        sources = prompt.get("images") or []
+        if sources and self.vision is None:
+            raise InvalidRequestError("this model takes no images (it has no vision tower); send text only")
+        return prompt["prompt"], (self.vision.prepare(sources) if self.vision is not None else None)
 
     def grammar(self, params: SamplingParams):
         """The compiled grammar of a json_schema / json_object / structural_tag request (None for the others)."""

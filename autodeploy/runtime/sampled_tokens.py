@@ -135,7 +135,8 @@ class TokenApplier:
         for chunk in chunks:
             sequence = chunk.sequence
             if not sequence.request.aborted:  # only tokens the host knows are hashed into the prefix cache
-                self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, min(sequence.num_computed, len(sequence.token_ids)))
+                self.pool.register_full_blocks(sequence.seq_id, sequence.token_ids, min(sequence.num_computed, len(sequence.token_ids)),
+                                             sequence.request.content_spans)
         changed: dict[str, Request] = {}
         # Forks first: the parent's own first token may end it (EOS), which frees the blocks they share.
         targets = [sequence if index == sequence.index or sequence.request.aborted else self._fork(sequence, index)

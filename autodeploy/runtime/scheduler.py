@@ -134,7 +134,7 @@ class Scheduler:
                 break
             budget = self.max_num_tokens - plan.num_tokens
             if sequence.num_computed == 0 and not self.pool.block_table(sequence.seq_id):
-                sequence.num_computed = self.pool.acquire_prefix(sequence.seq_id, sequence.token_ids)
+                sequence.num_computed = self.pool.acquire_prefix(sequence.seq_id, sequence.token_ids, sequence.request.content_spans)
             want = sequence.num_to_compute
             length = min(want, budget) if self.chunked_prefill else want
             admitted = 0 < length <= budget

@@ -1,0 +1,60 @@
+"""Vision-language checkpoints: which ones autodeploy serves, and what it needs to know about them.
+
+A LLaVA-style model is a vision tower (CLIP or SigLIP), a projector, and a decoder-only language model that
+reads the projected image features in place of the embeddings of its image placeholder tokens. autodeploy
+builds it as two graphs of one deployment: ``"vision"`` (pixels in, one feature row per placeholder token out)
+and ``"model"`` (the language model, taking those rows as a side input scattered over the placeholders).
+Everything model-specific about that split lives here; the export wrappers (``export/vision_language.py``)
+and the runtime read only a ``VisionLanguageSpec``.
+
+    >>> spec = vision_language_spec(config)   # None for a text-only model
+    >>> spec.image_token_id, spec.vision_model_type
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from autodeploy.errors import UnsupportedModelError
+
+# The families served: the model type of the whole checkpoint → the vision towers served inside it.
+SERVED = {"llava": ("clip_vision_model", "siglip_vision_model")}
+
+
+@dataclass(frozen=True)
+class VisionLanguageSpec:
+    """What the pipeline and the runtime need to know of a vision-language checkpoint."""
+
+    model_type: str
+    vision_model_type: str
+    image_token_id: int  # the placeholder token the image's feature rows stand in for
+    image_size: int  # the tower's input resolution (the image processor resizes to it)
+    feature_layers: tuple[int, ...]  # the tower's hidden states the projector reads (concatenated)
+    keep_class_token: bool  # vision_feature_select_strategy "full"; "default" drops the first position
+
+
+def vision_language_spec(config: PretrainedConfig, name: str = "the model") -> VisionLanguageSpec | None:
+    """The spec of a vision-language ``config`` autodeploy serves; None for a model without a vision tower.
+    A multimodal model of another family, or with another tower, is an ``UnsupportedModelError`` naming it."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return None
+    towers = SERVED.get(config.model_type)
+    if towers is None:
+        raise UnsupportedModelError(
+            f"{name}: {type(config).__name__} ({config.model_type}) is a vision-language model of a family autodeploy "
+            f"does not serve yet; it serves {', '.join(SERVED)} (with {', '.join(sorted({t for ts in SERVED.values() for t in ts}))} "
+            f"vision towers) and text-only decoders")
+    if vision.model_type not in towers:
+        raise UnsupportedModelError(
+            f"{name}: its {config.model_type} checkpoint has a {vision.model_type} vision tower; autodeploy serves "
+            f"{config.model_type} with {' or '.join(towers)} towers")
+    layers = config.vision_feature_layer
+    layers = tuple(layers) if isinstance(layers, (list, tuple)) else (int(layers),)
+    strategy = config.vision_feature_select_strategy
+    if strategy not in ("default", "full"):
+        raise UnsupportedModelError(f"{name}: vision_feature_select_strategy {strategy!r} is neither 'default' nor 'full'")
+    return VisionLanguageSpec(config.model_type, vision.model_type, int(config.image_token_id), int(vision.image_size),
+                              layers, strategy == "full")

@@ -1,0 +1,159 @@
+"""Images of a vision-language deployment: prepared at admission, encoded by the ``"vision"`` graph at the step.
+
+At admission (``RequestIntake``, on the caller's thread) each image a prompt carries is loaded and checked
+(``images.py``), preprocessed by the checkpoint's own image processor on a pool of worker threads (never the
+engine's), and given its encoder-cache key: a hash of its decoded pixels and of the processor's settings. The
+prompt's image placeholder tokens are expanded to one per feature row the vision graph makes of an image.
+
+When a step first schedules a request that carries images, ``VisionEncoder.encode`` runs the vision graph on
+those not in the encoder cache — every such image of the step in forwards of up to ``max_images_per_batch`` —
+and hands the language model graph their rows as the request's ``image_features`` side input, at the
+placeholders' positions.
+
+    encoder = VisionEncoder(deployment.graphs["vision"], processor, settings)
+    prepared = encoder.prepare(["cat.png"])       # admission
+    encoder.encode([request])                      # the step that first computes its prompt
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import fx
+
+from autodeploy.errors import InvalidRequestError
+from autodeploy.runtime.encoder_cache import EncoderCache, key as cache_key
+from autodeploy.runtime.images import ImageLimits, load_image
+from autodeploy.runtime.request import Request, TokenRows
+
+logger = logging.getLogger(__name__)
+
+IMAGE_FEATURES = "image_features"  # the model graph's side input (export/vision_language.py declares it)
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """An image ready for the vision graph: its preprocessed pixels and its encoder-cache key."""
+
+    pixel_values: torch.Tensor  # [3, H, W]
+    key: str
+
+
+class VisionEncoder:
+    """Prepares a deployment's images and runs its vision graph (see the module docstring). Thread-safe."""
+
+    def __init__(self, graph: Callable, output_shape: Sequence[int], image_processor, image_token_id: int, settings,
+                 local_files: bool | Path = True):
+        """``output_shape``: the vision graph's output ``[images, tokens, hidden]`` (symbolic images); ``local_files``:
+        which local image paths admission reads (the server passes ``vision.allowed_local_dir``)."""
+        vision = settings.vision
+        self.graph = graph
+        self.tokens_per_image = int(output_shape[1])
+        self.image_processor = image_processor
+        self.image_token_id = image_token_id
+        self.device = torch.device(settings.device)
+        self.max_images_per_batch = vision.max_images_per_batch
+        self.max_images_per_request = vision.max_images_per_request
+        self.limits = ImageLimits(max_encoded_bytes=vision.max_image_bytes, max_pixels=vision.max_image_pixels,
+                                  fetch_timeout_s=vision.fetch_timeout_s)
+        self.local_files = local_files
+        self.cache = EncoderCache(int(vision.encoder_cache_mb * 2**20))
+        self.settings_digest = hashlib.blake2b(image_processor.to_json_string().encode(), digest_size=16).hexdigest()
+        self._workers = ThreadPoolExecutor(vision.preprocess_workers, thread_name_prefix="autodeploy-images")
+        self.images_encoded = 0  # forwards' images (misses); the cache counts its hits
+
+    # ---- admission -----------------------------------------------------------------------------
+    def prepare(self, sources: Sequence) -> list[PreparedImage]:
+        """Load, check and preprocess a prompt's images on the worker threads; the first bad one raises its
+        ``InvalidRequestError`` (naming it)."""
+        if not isinstance(sources, (list, tuple)):
+            raise InvalidRequestError(f"images must be a list (paths, bytes, URLs or PIL images), got {type(sources).__name__}")
+        if len(sources) > self.max_images_per_request:
+            raise InvalidRequestError(f"the prompt carries {len(sources)} images; at most {self.max_images_per_request} a "
+                                      f"request are served (vision.max_images_per_request)")
+        return list(self._workers.map(self._prepare_one, range(len(sources)), sources))
+
+    def _prepare_one(self, index: int, source) -> PreparedImage:
+        loaded = load_image(source, index=index, limits=self.limits, local_files=self.local_files)
+        try:
+            pixels = self.image_processor(images=[loaded.image], return_tensors="pt")["pixel_values"][0]
+        except Exception as error:  # the processor's own checks (an aspect ratio it cannot resize, say)
+            raise InvalidRequestError(f"image {index}: the model's image processor refused it: {error}") from error
+        return PreparedImage(pixels, cache_key(loaded.digest, self.settings_digest))
+
+    def expand_placeholders(self, token_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
+        """``token_ids`` with each image's placeholder run made ``tokens_per_image`` long, and where each run
+        starts. A run of one placeholder (a prompt's ``<image>``) is expanded; a run already that long (a
+        processor's output) is kept; runs must match the images one to one."""
+        runs: list[tuple[int, int]] = []  # (start, length) of each run of placeholder tokens
+        for position, token in enumerate(token_ids):
+            if token != self.image_token_id:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == position:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((position, 1))
+        if len(runs) != num_images:
+            raise InvalidRequestError(f"the prompt has {len(runs)} image placeholder(s) (token {self.image_token_id}) for "
+                                      f"{num_images} image(s); put one placeholder where each image goes (the chat "
+                                      f"template does this for image content parts)")
+        wrong = [length for _, length in runs if length not in (1, self.tokens_per_image)]
+        if wrong:
+            raise InvalidRequestError(f"an image placeholder run is {wrong[0]} tokens long; write one placeholder per image "
+                                      f"(or {self.tokens_per_image}, as the model's processor expands it)")
+        expanded: list[int] = []
+        starts: list[int] = []
+        previous = 0
+        for start, length in runs:
+            expanded += token_ids[previous:start]
+            starts.append(len(expanded))
+            expanded += [self.image_token_id] * self.tokens_per_image
+            previous = start + length
+        return expanded + token_ids[previous:], starts
+
+    # ---- the step ------------------------------------------------------------------------------
+    def encode(self, requests: Sequence[Request]) -> None:
+        """Give each request its ``image_features`` rows: cached features where the cache has its images, the
+        vision graph's for the others (all of the step's in forwards of up to ``max_images_per_batch``)."""
+        features: dict[str, torch.Tensor] = {}
+        missing: dict[str, PreparedImage] = {}
+        for request in requests:
+            for image in request.images:
+                if image.key in features or image.key in missing:
+                    continue
+                cached = self.cache.get(image.key)
+                if cached is not None:
+                    features[image.key] = cached
+                else:
+                    missing[image.key] = image
+        pending = list(missing.values())
+        for first in range(0, len(pending), self.max_images_per_batch):
+            batch = pending[first:first + self.max_images_per_batch]
+            pixels = torch.stack([image.pixel_values for image in batch]).to(self.device)
+            encoded = self.graph(pixels)
+            encoded = encoded[0] if isinstance(encoded, (tuple, list)) else encoded  # exported graphs return a bare tensor
+            self.images_encoded += len(batch)
+            for image, rows in zip(batch, encoded):
+                features[image.key] = rows
+                self.cache.put(image.key, rows)
+        for request in requests:
+            rows = torch.cat([features[image.key] for image in request.images])
+            positions = tuple(p for start in request.image_starts for p in range(start, start + self.tokens_per_image))
+            request.side_inputs[IMAGE_FEATURES] = TokenRows(positions, rows)
+            request.images = []  # encoded: the pixels are not needed again
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+
+def vision_output_shape(graph: fx.GraphModule) -> tuple:
+    """The vision graph's output shape ``[images, tokens, hidden]`` as export recorded it."""
+    output = next(n for n in graph.graph.nodes if n.op == "output")
+    value = output.args[0][0] if isinstance(output.args[0], (list, tuple)) else output.args[0]
+    return tuple(value.meta["val"].shape)

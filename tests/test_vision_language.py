@@ -1,0 +1,158 @@
+"""Vision-language models end to end on the CPU: tiny random LLaVA checkpoints (CLIP and SigLIP towers) deployed by
+``autodeploy()`` generate, under greedy decoding, exactly what Hugging Face's ``generate`` does with the same images.
+
+Also: several images a prompt, image and text-only prompts in one batch, the encoder cache (a hit gives what a miss
+gives; two images never share an entry), the prefix cache keyed by the image, build-time verification of the vision
+graph, and the typed errors of bad requests.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from transformers import LlavaConfig
+
+from autodeploy import SamplingParams, autodeploy
+from autodeploy.deployment import VISION
+from autodeploy.errors import ConfigError, InvalidRequestError, UnsupportedModelError
+from tests.tiny_vision_models import IMAGE_TOKEN, IMAGE_TOKEN_ID, random_image, write_tiny_llava
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+TOKENS_PER_IMAGE = 16  # 32 × 32 pixels in 8 × 8 patches
+
+
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def llava(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"llava-{request.param}")
+    hf = write_tiny_llava(directory, request.param)
+    llm = autodeploy(str(directory), device="cpu", dtype="float32", max_seq_len=256, max_batch_size=4)
+    yield llm, hf
+    llm.shutdown()
+
+
+def hf_greedy(llm, hf, token_ids: list[int], images: list) -> list[int]:
+    """Hugging Face's greedy continuation of ``token_ids`` (each placeholder expanded) with ``images``."""
+    expanded = [t for token in token_ids for t in ([token] * TOKENS_PER_IMAGE if token == IMAGE_TOKEN_ID else [token])]
+    pixels = llm.engine.vision.image_processor(images=images, return_tensors="pt")["pixel_values"] if images else None
+    ids = torch.tensor([expanded])
+    out = hf.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                      attention_mask=torch.ones_like(ids))
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_the_build_verifies_the_vision_graph_and_reports_it(llava):
+    llm, _ = llava
+    assert set(llm.deployment.graphs) == {"model", VISION}
+    verification = llm.deployment.report.verification
+    assert verification.vision_relative_error is not None and verification.vision_relative_error <= 1e-4
+    assert "image features" in str(verification)
+
+
+def test_greedy_output_with_one_and_two_images_and_text_only_in_one_batch_matches_hugging_face(llava):
+    llm, hf = llava
+    tokenizer = llm.tokenizer
+    one, two = random_image(1), random_image(2, (20, 64))
+    prompts = [
+        {"prompt": f"{IMAGE_TOKEN}\ndef fibonacci(n):", "images": [one]},
+        {"prompt": f"print({IMAGE_TOKEN}, {IMAGE_TOKEN})", "images": [one, two]},
+        "import os\nimport sys",
+    ]
+    outputs = llm.generate(prompts, GREEDY)
+    for prompt, output in zip(prompts, outputs):
+        text, images = (prompt["prompt"], prompt["images"]) if isinstance(prompt, dict) else (prompt, [])
+        assert output.outputs[0].token_ids == hf_greedy(llm, hf, tokenizer(text).input_ids, images), text
+    assert len(outputs[1].prompt_token_ids) == len(tokenizer(prompts[1]["prompt"]).input_ids) + 2 * (TOKENS_PER_IMAGE - 1)
+
+
+def test_prompts_already_expanded_by_a_processor_are_kept(llava):
+    llm, hf = llava
+    image = random_image(3)
+    ids = [1, 5] + [IMAGE_TOKEN_ID] * TOKENS_PER_IMAGE + [7, 8]
+    [output] = llm.generate([{"prompt": ids, "images": [image]}], GREEDY)
+    assert output.prompt_token_ids == ids
+    assert output.outputs[0].token_ids == hf_greedy(llm, hf, [1, 5, IMAGE_TOKEN_ID, 7, 8], [image])
+
+
+def test_an_image_seen_again_comes_from_the_encoder_cache_with_the_same_output(llava):
+    llm, _ = llava
+    cache = llm.engine.vision.cache
+    image = random_image(4)
+    encoded, hits = llm.engine.vision.images_encoded, cache.hits
+    first = llm.generate([{"prompt": f"{IMAGE_TOKEN} x", "images": [image]}], GREEDY)[0]
+    # The same pixels as PNG bytes: decoded, they hash alike.
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    second = llm.generate([{"prompt": f"{IMAGE_TOKEN} x", "images": [png.getvalue()]}], GREEDY)[0]
+    assert llm.engine.vision.images_encoded == encoded + 1 and cache.hits == hits + 1
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_two_images_never_share_an_encoder_cache_entry_nor_a_cached_prefix(llava):
+    """Same tokens, images one pixel apart: each output is Hugging Face's for its own image (the KV prefix cache
+    keys blocks by the image too)."""
+    llm, hf = llava
+    assert llm.deployment.settings.kv_cache.prefix_caching
+    first = random_image(5)
+    pixels = first.load()
+    second = first.copy()
+    second.putpixel((0, 0), tuple(255 - c for c in pixels[0, 0]))
+    prompt = f"{IMAGE_TOKEN}\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n"
+    entries = len(llm.engine.vision.cache)
+    outputs = [llm.generate([{"prompt": prompt, "images": [image]}], GREEDY)[0] for image in (first, second, first)]
+    assert len(llm.engine.vision.cache) == entries + 2
+    ids = llm.tokenizer(prompt).input_ids
+    for output, image in zip(outputs, (first, second, first)):
+        assert output.outputs[0].token_ids == hf_greedy(llm, hf, ids, [image])
+
+
+@pytest.mark.parametrize("prompt, images, message", [
+    ({"prompt": "no placeholder", "images": ["IMAGE"]}, None, r"0 image placeholder\(s\) .* for 1 image"),
+    ({"prompt": f"{IMAGE_TOKEN}{IMAGE_TOKEN}", "images": ["IMAGE"]}, None, "is 2 tokens long"),
+    ({"prompt": f"{IMAGE_TOKEN} and {IMAGE_TOKEN}", "images": ["IMAGE"]}, None, r"2 image placeholder\(s\)"),
+    (f"{IMAGE_TOKEN} text only", None, r"1 image placeholder\(s\) .* for 0 image"),
+    ({"prompt": "x", "images": "IMAGE"}, None, "images must be a list"),
+    ({"prompt": "x", "pictures": []}, None, "takes the keys 'prompt' and 'images'"),
+    ({"prompt": f"{IMAGE_TOKEN}", "images": [b"not an image"]}, None, "image 0"),
+    ({"prompt": IMAGE_TOKEN * 9, "images": ["IMAGE"] * 9}, None, "at most 8 a request"),
+])
+def test_bad_image_requests_are_refused_with_a_typed_error_before_anything_is_queued(llava, prompt, images, message):
+    llm, _ = llava
+    image = random_image(6)
+    if isinstance(prompt, dict) and isinstance(prompt.get("images"), list):
+        prompt = {**prompt, "images": [image if source == "IMAGE" else source for source in prompt["images"]]}
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.engine.add_request(prompt, GREEDY)
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_text_only_model_refuses_images(tiny_checkpoint):
+    llm = autodeploy(str(tiny_checkpoint("llama")), device="cpu", dtype="float32", max_seq_len=64, verify={"enabled": False})
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        llm.engine.add_request({"prompt": "x", "images": [random_image(7)]}, GREEDY)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda config: setattr(config, "model_type", "llava_next"), "does not serve yet"),
+    (lambda config: setattr(config.vision_config, "model_type", "pixtral"), "pixtral vision tower"),
+])
+def test_vision_language_models_it_does_not_serve_are_refused_by_name(tmp_path, change, message):
+    from autodeploy.models.vision_language import vision_language_spec
+
+    config = LlavaConfig()
+    change(config)
+    with pytest.raises(UnsupportedModelError, match=message):
+        vision_language_spec(config)
+
+
+def test_saving_a_vision_language_deployment_is_refused_rather_than_losing_its_vision_graph(llava, tmp_path):
+    llm, _ = llava
+    with pytest.raises(ConfigError, match="vision graph beside its model graph"):
+        llm.save(tmp_path / "saved")
+
+
+def test_vision_language_models_over_several_ranks_are_refused(tmp_path):
+    write_tiny_llava(tmp_path, "clip")
+    with pytest.raises(ConfigError, match="run on one rank"):
+        autodeploy(str(tmp_path), device="cpu", tensor_parallel=2)
