@@ -56,11 +56,11 @@ def run_chat(llm, messages: list[dict], params: SamplingParams | None, tools, to
     conversation = [dict(m) for m in messages]
     result = ChatResult(None, [], conversation)
     for _ in range(max_rounds):
-        prompt, output = _assistant_turn(llm, conversation, params, specs, choice, chat_template)
+        output = _assistant_turn(llm, conversation, params, specs, choice, chat_template)
         completion = output.outputs[0]
         thought, answer = None, completion.text
         if reasoning:
-            thought, answer = split_reasoning(answer, llm.tokenizer is not None and opens_thinking(llm.tokenizer.decode(prompt[-8:])))
+            thought, answer = split_reasoning(answer, llm.tokenizer is not None and opens_thinking(llm.tokenizer.decode(output.prompt_token_ids[-8:])))
         content, calls = parse_tool_calls(answer or "", specs) if specs and choice.mode != "none" else (answer, [])
         turn = {"role": "assistant", "content": content}
         if thought is not None:
@@ -84,9 +84,9 @@ def run_chat(llm, messages: list[dict], params: SamplingParams | None, tools, to
 
 
 def _assistant_turn(llm, conversation: list[dict], params: SamplingParams, specs: list[ToolSpec] | None, choice: ToolChoice,
-                    chat_template: str | None) -> tuple[list[int], RequestOutput]:
-    """The turn's prompt (token ids) and its output."""
-    prompt = render_chat(llm.tokenizer, conversation, chat_template, specs)
+                    chat_template: str | None) -> RequestOutput:
+    """The turn's output (its prompt: token ids; with images, ``{"prompt": ids, "images": …}``)."""
+    prompt = render_chat(llm.tokenizer, conversation, chat_template, specs, llm.image_token)
     grammar = tool_call_grammar(specs, choice) if specs else None
     turn_params = dataclasses.replace(params, structural_tag=grammar) if grammar is not None else params
-    return prompt, llm.generate([prompt], turn_params)[0]
+    return llm.generate([prompt], turn_params)[0]

@@ -36,14 +36,23 @@ def tool_call_format(tokenizer, chat_template: str | None = None, requested: str
     return format_for_template(template) if isinstance(template, str) and _READS_TOOLS.search(template) else "hermes"
 
 
-def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, tools: list[ToolSpec] | None = None) -> list[int]:
+def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, tools: list[ToolSpec] | None = None,
+                image_token: str | None = None) -> list[int] | dict:
     """Token ids of ``messages`` followed by the assistant's turn. The rendered text already holds whatever
-    special tokens the template writes (BOS included), so it is tokenized without adding more."""
-    return tokenizer(render_chat_text(tokenizer, messages, chat_template, tools), add_special_tokens=False).input_ids
+    special tokens the template writes (BOS included), so it is tokenized without adding more. With image parts
+    (a vision-language model's ``image_token`` given): ``{"prompt": ids, "images": [their sources, in order]}``."""
+    images: list = []
+    text = render_chat_text(tokenizer, messages, chat_template, tools, images if image_token else None, image_token)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return {"prompt": ids, "images": images} if images else ids
 
 
-def render_chat_text(tokenizer, messages: list[dict], chat_template: str | None = None, tools: list[ToolSpec] | None = None) -> str:
-    """``render_chat``'s text, before tokenizing (to be tokenized with ``add_special_tokens=False``)."""
+def render_chat_text(tokenizer, messages: list[dict], chat_template: str | None = None, tools: list[ToolSpec] | None = None,
+                     images: list | None = None, image_token: str | None = None) -> str:
+    """``render_chat``'s text, before tokenizing (to be tokenized with ``add_special_tokens=False``). Image parts
+    (``{"type": "image_url", "image_url": {"url": …}}``, or ``{"type": "image", "image": …}`` with a path, bytes or a
+    PIL image) become ``image_token`` in the text, where they stand, and their sources are appended to ``images``;
+    without ``images`` (a model with no vision tower) they are refused."""
     if tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer, so chat messages cannot be rendered; use /v1/completions with token ids")
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
@@ -51,7 +60,7 @@ def render_chat_text(tokenizer, messages: list[dict], chat_template: str | None 
         raise InvalidRequestError("this model's tokenizer has no chat template; start the server with --chat-template FILE "
                                   "(a Jinja template) or use /v1/completions")
     knows_tools = isinstance(template, str) and bool(_READS_TOOLS.search(template))  # a dict of templates: by name, not read here
-    turns = [_template_message(m, knows_tools) for m in messages]
+    turns = [_template_message(m, knows_tools, images, image_token) for m in messages]
     if tools and not knows_tools:
         turns = _with_tools_prompt(turns, tools)
     try:
@@ -82,8 +91,8 @@ def tool_calls_of(message: dict) -> list[ToolCall]:
     return calls
 
 
-def _template_message(message: dict, knows_tools: bool) -> dict:
-    role, content = message.get("role"), _text(message.get("content"))
+def _template_message(message: dict, knows_tools: bool, images: list | None = None, image_token: str | None = None) -> dict:
+    role, content = message.get("role"), _text(message.get("content"), images, image_token)
     calls = tool_calls_of(message) if role == "assistant" else []
     if knows_tools:
         turn = {"role": role, "content": content}
@@ -103,21 +112,36 @@ def _template_message(message: dict, knows_tools: bool) -> dict:
     return turn
 
 
-def _text(content) -> str:
-    """Text content: a string, or OpenAI's list of text parts."""
+def _text(content, images: list | None = None, image_token: str | None = None) -> str:
+    """Text content: a string, or OpenAI's list of parts — text, and images where ``images`` collects them (each
+    written as ``image_token``)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            error = InvalidRequestError(f"messages: a content part of type {kind!r} is not supported (only text parts are)")
-            error.param = "messages"
-            raise error
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in ("image_url", "image"):
+            if images is None:
+                raise _messages_error("image parts are not supported by this model (it has no vision tower); send text parts only")
+            source = part.get(kind)
+            source = source.get("url") if kind == "image_url" and isinstance(source, dict) else source
+            if source is None:
+                raise _messages_error(f'an {kind} part needs its image: {{"type": "image_url", "image_url": {{"url": …}}}}')
+            images.append(source)
+            parts.append(image_token)
+            continue
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise _messages_error(f"a content part of type {kind!r} is not supported (text and image_url parts are)")
         parts.append(part["text"])
     return "".join(parts)
+
+
+def _messages_error(message: str) -> InvalidRequestError:
+    error = InvalidRequestError(f"messages: {message}")
+    error.param = "messages"
+    return error
 
 
 def _with_tools_prompt(turns: list[dict], tools: list[ToolSpec]) -> list[dict]:

@@ -77,6 +77,13 @@ class LLM:
         self.deployment = dataclasses.replace(self.deployment, tokenizer=tokenizer)
 
     @property
+    def image_token(self) -> str | None:
+        """A vision-language model's image placeholder as prompt text (``"<image>"``: one where each image goes); None
+        for a model that takes no images."""
+        token_id = self.deployment.image_token_id
+        return None if token_id is None or self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(token_id)
+
+    @property
     def records(self) -> list[TransformRecord]:
         """Every transform's record, in run order (``pipeline_report`` prints them)."""
         return self.deployment.report.records

@@ -25,6 +25,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from autodeploy.errors import ConfigError, InvalidRequestError, error_summary
 from autodeploy.frontend.async_llm import AsyncLLM, check_stream_interval
 from autodeploy.frontend.llm import LLM
+from autodeploy.runtime.images import load_image
 from autodeploy.runtime.outputs import CompletionOutput, RequestOutput
 from autodeploy.runtime.request import Request as EngineRequest
 from autodeploy.frontend.chat_template import render_chat_text, tool_call_format
@@ -164,14 +167,15 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
             prompt = await asyncio.to_thread(server.render_chat, [m.template_input() for m in body.messages], tools)
             max_tokens = body.requested_max_tokens()
             if max_tokens is None:  # OpenAI's default: whatever the context leaves
-                max_tokens = engine.max_seq_len - len(prompt)
+                max_tokens = engine.max_seq_len - server.prompt_length(prompt)
                 if max_tokens < 1:
-                    raise APIError(400, f"the messages take {len(prompt)} tokens, the whole context (max_seq_len="
+                    raise APIError(400, f"the messages take {server.prompt_length(prompt)} tokens, the whole context (max_seq_len="
                                         f"{engine.max_seq_len}); shorten them", param="messages", code="context_length_exceeded")
             params = body.sampling_params(max_tokens, body.requested_logprobs(), tools and tool_call_grammar(tools, choice))
             thinking = None  # without a reasoning parser: no split
             if options.reasoning_parser == "think":
-                thinking = llm.tokenizer is not None and opens_thinking(llm.tokenizer.decode(prompt[-8:]))
+                ids = prompt["prompt"] if isinstance(prompt, dict) else prompt
+                thinking = llm.tokenizer is not None and opens_thinking(llm.tokenizer.decode(ids[-8:]))
             writer = (_LegacyFunctionFormat if body.functions is not None else _ChatFormat)(server, tools if choice.mode != "none" else None,
                                                                                             thinking)
             return await server.respond(request, writer, [prompt], params, body.stream,
@@ -185,6 +189,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         if body.messages is not None:
             tools = body.checked_tools()
             tokens = await asyncio.to_thread(server.render_chat, [m.template_input() for m in body.messages], tools)
+            if isinstance(tokens, dict):  # each image's placeholder as the model reads it
+                tokens = engine.vision.expand_placeholders(tokens["prompt"], len(tokens["images"]))[0]
         else:
             tokens = await asyncio.to_thread(engine.tokenize, body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_seq_len, "tokens": tokens}
@@ -237,10 +243,35 @@ class _Server:
             raise APIError(400, f"model {model!r} is not served here; this server serves {self.options.served_model_name!r} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
 
-    def render_chat(self, messages: list[dict], tools: list[ToolSpec] | None) -> list[int]:
-        """The chat's prompt token ids (its text checked for length before it is tokenized)."""
-        text = render_chat_text(self.llm.tokenizer, messages, self.options.chat_template, tools)
-        return self.engine.tokenize(text, add_special_tokens=False)
+    def render_chat(self, messages: list[dict], tools: list[ToolSpec] | None) -> list[int] | dict:
+        """The chat's prompt token ids (its text checked for length before it is tokenized); with image parts,
+        ``{"prompt": ids, "images": …}``, local files among them read here, only from ``vision.allowed_local_dir``."""
+        images: list = []
+        image_token = self.llm.image_token
+        text = render_chat_text(self.llm.tokenizer, messages, self.options.chat_template, tools,
+                                images if image_token else None, image_token)
+        ids = self.engine.tokenize(text, add_special_tokens=False)
+        if not images:
+            return ids
+        return {"prompt": ids, "images": [self._server_side(index, url) for index, url in enumerate(images)]}
+
+    def _server_side(self, index: int, url):
+        """An image URL as the engine may take it from a client: data: and http(s) URLs as they are (the engine fetches
+        those within its limits); a local file only inside ``vision.allowed_local_dir``, read here."""
+        if isinstance(url, str) and urlsplit(url).scheme.lower() in ("data", "http", "https"):
+            return url
+        allowed = self.llm.settings.vision.allowed_local_dir
+        if allowed is None:
+            raise InvalidRequestError(f"image {index}: this server reads no local files ({str(url)[:80]!r}); send a data: "
+                                      f"or http(s) URL, or start it with --set vision.allowed_local_dir=DIR")
+        vision = self.engine.vision
+        return load_image(url, index=index, limits=vision.limits, local_files=Path(allowed)).image
+
+    def prompt_length(self, prompt: list[int] | dict) -> int:
+        """Tokens the prompt takes in the context (each image's placeholder as many as its feature rows)."""
+        if isinstance(prompt, dict):
+            return len(prompt["prompt"]) + len(prompt["images"]) * (self.engine.vision.tokens_per_image - 1)
+        return len(prompt)
 
     def queue_place(self):
         """A place in the queue for this request's engine requests (``Admission.place``), waited for in the lobby

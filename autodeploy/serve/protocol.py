@@ -217,12 +217,22 @@ class MessageToolCall(StrictModel):
     function: CalledFunction
 
 
-def _text_parts_only(content):
+class ImageURL(StrictModel):
+    url: str  # a data: URL, an http(s) URL (fetched with vision's limits), or a file the server may read
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sets the resolution
+
+
+class ImagePart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _text_and_image_parts(content):
     for part in content if isinstance(content, list) else ():
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind != "text":
+        if kind not in ("text", "image_url"):
             raise PydanticCustomError("content_part", "a content part of type {kind!r} is not supported by this server "
-                                                      "(only text parts are: it serves a text model)", {"kind": kind})
+                                                      "(text and image_url parts are)", {"kind": kind})
     return content
 
 
@@ -232,7 +242,7 @@ class ChatMessage(StrictModel):
     turn. ``refusal`` (an earlier answer's) is bookkeeping; ``audio`` (an earlier audio answer) is refused."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
@@ -240,7 +250,7 @@ class ChatMessage(StrictModel):
     refusal: str | None = None
     audio: dict | None = None
 
-    content_parts = field_validator("content", mode="before")(_text_parts_only)
+    content_parts = field_validator("content", mode="before")(_text_and_image_parts)
 
     def template_input(self) -> dict:
         """The message in OpenAI's current form, as ``frontend/chat_template.render_chat`` reads it."""

@@ -54,7 +54,8 @@ class EngineValue:
 
 
 def engine_state(engine) -> list[EngineValue]:
-    """The engine's scheduler and block pool now (and its speculation, when it drafts)."""
+    """The engine's scheduler and block pool now (and its speculation, when it drafts; its encoder cache, when it
+    takes images)."""
     scheduler, pool = engine.scheduler, engine.pool
     waiting = {s.request.request_id for s in list(scheduler.waiting)}
     running = {s.request.request_id for s in list(scheduler.running)} - waiting
@@ -74,7 +75,19 @@ def engine_state(engine) -> list[EngineValue]:
                     accepted / drafted)
         for position, (accepted, drafted) in enumerate(zip(speculator.stats.accepted_at, speculator.stats.drafted_at))
     ]
-    return speculation + [
+    vision = getattr(engine, "vision", None)
+    images = [] if vision is None else [
+        EngineValue("autodeploy_encoder_cache_hits", "Images whose vision features came from the encoder cache", "counter",
+                    vision.cache.hits),
+        EngineValue("autodeploy_encoder_cache_misses", "Images looked up in the encoder cache and not found", "counter",
+                    vision.cache.misses),
+        EngineValue("autodeploy_encoder_cache_evictions", "Entries evicted from the encoder cache for room", "counter",
+                    vision.cache.evictions),
+        EngineValue("autodeploy_encoder_cache_usage_bytes", "Bytes of vision features the encoder cache holds", "gauge",
+                    vision.cache.bytes_used),
+        EngineValue("autodeploy_images_encoded", "Images the vision graph encoded", "counter", vision.images_encoded),
+    ]
+    return speculation + images + [
         EngineValue("autodeploy_num_requests_waiting", "Requests waiting for a seat in the batch", "gauge", len(waiting)),
         EngineValue("autodeploy_num_requests_running", "Requests in the running batch", "gauge", len(running)),
         EngineValue("autodeploy_kv_cache_usage_ratio", "Share of the KV pool's blocks held by sequences", "gauge",
