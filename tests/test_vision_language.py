@@ -36,7 +36,9 @@ def hf_greedy(llm, hf, token_ids: list[int], images: list) -> list[int]:
     """Hugging Face's greedy continuation of ``token_ids`` (each placeholder expanded) with ``images``."""
     expanded = [t for token in token_ids for t in ([token] * TOKENS_PER_IMAGE if token == IMAGE_TOKEN_ID else [token])]
     pixels = llm.engine.vision.image_processor(images=images, return_tensors="pt")["pixel_values"] if images else None
-    ids = torch.tensor([expanded])
+    device = next(hf.parameters()).device
+    ids = torch.tensor([expanded], device=device)
+    pixels = pixels.to(device) if pixels is not None else None
     out = hf.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=GREEDY.max_tokens, do_sample=False,
                       attention_mask=torch.ones_like(ids))
     return out[0, ids.shape[1]:].tolist()
@@ -156,3 +158,21 @@ def test_vision_language_models_over_several_ranks_are_refused(tmp_path):
     write_tiny_llava(tmp_path, "clip")
     with pytest.raises(ConfigError, match="run on one rank"):
         autodeploy(str(tmp_path), device="cpu", tensor_parallel=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_the_gpu_captured_vision_graphs_encode_what_the_eager_graph_does(tmp_path, dtype):
+    hf = write_tiny_llava(tmp_path, "clip")
+    llm = autodeploy(str(tmp_path), device="cuda", dtype=dtype, max_seq_len=256, max_batch_size=4, vision={"max_images_per_batch": 4})
+    vision = llm.engine.vision
+    assert sorted(vision._captured) == [1, 2, 4]
+    images = [random_image(seed) for seed in range(3)]
+    pixels = torch.stack([vision.image_processor(images=[image], return_tensors="pt")["pixel_values"][0] for image in images])
+    eager = vision.graph(pixels.to("cuda", getattr(torch, dtype)))
+    assert torch.equal(vision._forward(pixels), eager[0] if isinstance(eager, (tuple, list)) else eager)
+    if dtype == "float32":
+        ids = llm.tokenizer(f"{IMAGE_TOKEN} x").input_ids
+        [output] = llm.generate([{"prompt": ids, "images": images[:1]}], GREEDY)
+        assert output.outputs[0].token_ids == hf_greedy(llm, hf.to("cuda"), ids, images[:1])
+    llm.shutdown()

@@ -47,7 +47,7 @@ from autodeploy.runtime.scheduler import ScheduledChunk, Scheduler
 from autodeploy.runtime.speculation_costs import StepCosts, measure_step_costs, timed_batch_sizes
 from autodeploy.runtime.speculative import Speculator, hidden_state_buffer, make_drafter
 from autodeploy.runtime.step_inputs import PendingTokens
-from autodeploy.runtime.vision_encoder import VisionEncoder, vision_output_shape
+from autodeploy.runtime.vision_encoder import VisionEncoder, vision_signature
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +90,11 @@ class Engine:
         logger.info("engine ready in %.2f s (%s)", time.perf_counter() - started,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.pool = self.runner.pool
-        self.vision = (VisionEncoder(self.runner.graphs[VISION], vision_output_shape(deployment.graphs[VISION]),
+        self.vision = (VisionEncoder(self.runner.graphs[VISION], vision_signature(deployment.graphs[VISION]),
                                      deployment.image_processor, deployment.image_token_id, settings)
                        if VISION in deployment.graphs else None)
+        if self.vision is not None and settings.compile.backend == "cuda_graph":
+            self.vision.capture()
         self.intake = RequestIntake(tokenizer, vocab_size, deployment.eos_token_ids, settings, self.pool,
                                     self.runner.side_inputs, self.vision)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)

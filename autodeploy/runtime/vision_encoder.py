@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
+from autodeploy.custom_ops.graph_capture import GraphCapture
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.encoder_cache import EncoderCache, key as cache_key
 from autodeploy.runtime.images import ImageLimits, load_image
@@ -48,10 +49,11 @@ class PreparedImage:
 class VisionEncoder:
     """Prepares a deployment's images and runs its vision graph (see the module docstring). Thread-safe."""
 
-    def __init__(self, graph: Callable, output_shape: Sequence[int], image_processor, image_token_id: int, settings,
+    def __init__(self, graph: Callable, signature: tuple, image_processor, image_token_id: int, settings,
                  local_files: bool | Path = True):
-        """``output_shape``: the vision graph's output ``[images, tokens, hidden]`` (symbolic images); ``local_files``:
-        which local image paths admission reads (the server passes ``vision.allowed_local_dir``)."""
+        """``signature``: the vision graph's input shape and dtype and its output shape (``vision_signature``);
+        ``local_files``: which local image paths admission reads."""
+        input_shape, input_dtype, output_shape = signature
         vision = settings.vision
         self.graph = graph
         self.tokens_per_image = int(output_shape[1])
@@ -67,6 +69,9 @@ class VisionEncoder:
         self.settings_digest = hashlib.blake2b(image_processor.to_json_string().encode(), digest_size=16).hexdigest()
         self._workers = ThreadPoolExecutor(vision.preprocess_workers, thread_name_prefix="autodeploy-images")
         self.images_encoded = 0  # forwards' images (misses); the cache counts its hits
+        self.image_size = tuple(input_shape[-2:])
+        self.dtype = input_dtype
+        self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}  # images → graph, input, output
 
     # ---- admission -----------------------------------------------------------------------------
     def prepare(self, sources: Sequence) -> list[PreparedImage]:
@@ -135,9 +140,7 @@ class VisionEncoder:
         pending = list(missing.values())
         for first in range(0, len(pending), self.max_images_per_batch):
             batch = pending[first:first + self.max_images_per_batch]
-            pixels = torch.stack([image.pixel_values for image in batch]).to(self.device)
-            encoded = self.graph(pixels)
-            encoded = encoded[0] if isinstance(encoded, (tuple, list)) else encoded  # exported graphs return a bare tensor
+            encoded = self._forward(torch.stack([image.pixel_values for image in batch]))
             self.images_encoded += len(batch)
             for image, rows in zip(batch, encoded):
                 features[image.key] = rows
@@ -148,12 +151,54 @@ class VisionEncoder:
             request.side_inputs[IMAGE_FEATURES] = TokenRows(positions, rows)
             request.images = []  # encoded: the pixels are not needed again
 
+    def _forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The vision graph's rows for ``pixels`` (on the host): a captured graph's replay, padded up to its image
+        count, where one was captured; else the graph itself."""
+        size = next((size for size in sorted(self._captured) if size >= len(pixels)), None)
+        if size is None:
+            return _tensor(self.graph(pixels.to(self.device, self.dtype)))
+        graph, static_pixels, static_rows = self._captured[size]
+        static_pixels[: len(pixels)].copy_(pixels, non_blocking=True)
+        graph.replay()
+        return static_rows[: len(pixels)].clone()  # the next replay overwrites the graph's output
+
+    def capture(self) -> None:
+        """On a GPU, capture the vision graph as CUDA graphs for 1, 2, 4, … up to ``max_images_per_batch`` images
+        (a forward pads its images up to the next); each replay is checked against the graph run eagerly on the
+        same images, and the graphs are dropped with a warning if one differs (images then run eagerly)."""
+        if self.device.type != "cuda":
+            return
+        sizes = sorted({min(2 ** power, self.max_images_per_batch) for power in range(self.max_images_per_batch.bit_length() + 1)})
+        capture = GraphCapture(self.device)
+        height, width = self.image_size
+        generator = torch.Generator(self.device).manual_seed(0)
+        for size in sizes:
+            static_pixels = torch.randn((size, 3, height, width), generator=generator, device=self.device, dtype=self.dtype)
+            graph, rows = capture.capture(lambda pixels: _tensor(self.graph(pixels)), [static_pixels])
+            self._captured[size] = (graph, static_pixels, rows)
+            graph.replay()
+            expected = _tensor(self.graph(static_pixels))
+            if not torch.equal(rows, expected):
+                error = (rows.float() - expected.float()).abs().max().item()
+                logger.warning("the vision graph's CUDA graph for %d images differs from its eager run by up to %.3g; "
+                               "images are encoded eagerly", size, error)
+                self._captured.clear()
+                return
+        logger.info("vision graph captured for %s images (%s)", sizes, capture.times)
+
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
 
 
-def vision_output_shape(graph: fx.GraphModule) -> tuple:
-    """The vision graph's output shape ``[images, tokens, hidden]`` as export recorded it."""
+def _tensor(output) -> torch.Tensor:
+    """An exported graph returns its one output bare; a compiled one as a tuple."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def vision_signature(graph: fx.GraphModule) -> tuple[tuple, torch.dtype, tuple]:
+    """The vision graph's input shape ``[images, 3, H, W]`` and dtype and its output shape ``[images, tokens, hidden]``,
+    as export recorded them (the image count symbolic)."""
+    pixels = next(n for n in graph.graph.nodes if n.op == "placeholder").meta["val"]
     output = next(n for n in graph.graph.nodes if n.op == "output")
     value = output.args[0][0] if isinstance(output.args[0], (list, tuple)) else output.args[0]
-    return tuple(value.meta["val"].shape)
+    return tuple(pixels.shape), pixels.dtype, tuple(value.meta["val"].shape)
