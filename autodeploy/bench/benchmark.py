@@ -49,6 +49,7 @@ from autodeploy.bench.workloads import (
     poisson_workload,
     realistic_requests,
     synthetic_workload,
+    with_images,
 )
 from autodeploy.config import DeploySettings, load_yaml, parse_set_arguments, site_config_files
 from autodeploy.errors import ConfigError, InvalidRequestError
@@ -90,6 +91,11 @@ class BenchmarkConfig:
     api_key: str | None = None
     request_timeout: float = 120.0  # seconds an HTTP request may wait for its next byte
     server_stream_interval: int = 1  # --compare server: the server's stream interval (tokens a streamed event)
+    # A vision-language model's requests: this many images of image_size × image_size random pixels each (JPEG),
+    # every request its own, or with same_image one image for all (the encoder cache's best case)
+    images_per_request: int = 0
+    image_size: int = 336
+    same_image: bool = False
 
     def validate(self) -> None:
         unknown = [w for w in self.workloads if w not in WORKLOADS]
@@ -120,6 +126,11 @@ class BenchmarkConfig:
             raise ConfigError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
         if self.repeats < 1:
             raise ConfigError(f"--repeats must be ≥ 1, got {self.repeats}")
+        if self.images_per_request < 0 or self.image_size < 1 or (self.same_image and not self.images_per_request):
+            raise ConfigError(f"--images-per-request must be ≥ 0 and --image-size ≥ 1 (--same-image needs images), got "
+                              f"{self.images_per_request}, {self.image_size} and same_image={self.same_image}")
+        if self.images_per_request and (self.url is not None or SERVER in self.compare or "accuracy" in self.workloads):
+            raise ConfigError("--images-per-request measures the engine built here (no --url, --compare server or accuracy)")
         if any(rate <= 0 for rate in self.rates):
             raise ConfigError(f"arrival rates must be > 0 requests/s, got {self.rates}")
         if self.perplexity_text is not None and not Path(self.perplexity_text).is_file():
@@ -139,7 +150,23 @@ def _check_http_packages(with_server: bool) -> None:
         raise ConfigError(f"measuring over HTTP needs {', '.join(missing)}: pip install 'autodeploy[{extras}]'")
 
 
-def build_workloads(config: BenchmarkConfig, vocab_size: int, max_seq_len: int, tokenizer) -> list[Workload]:
+def build_workloads(config: BenchmarkConfig, vocab_size: int, max_seq_len: int, tokenizer, vision=None) -> list[Workload]:
+    """Every workload the config names; with ``images_per_request``, their requests carry images (``vision``: the
+    engine's ``VisionEncoder``, for the image token and the tokens an image takes)."""
+    workloads = _text_workloads(config, vocab_size, max_seq_len, tokenizer)
+    if vision is not None:  # a random prompt's image placeholder would be an image without its pixels
+        for workload in workloads:
+            for request in workload.requests:
+                request.prompt_token_ids = [t if t != vision.image_token_id else (t + 1) % vocab_size for t in request.prompt_token_ids]
+    if not config.images_per_request:
+        return workloads
+    if vision is None:
+        raise ConfigError(f"--images-per-request: {config.model} takes no images (it has no vision tower)")
+    return [with_images(workload, config.images_per_request, config.image_size, vision.image_token_id, vision.tokens_per_image,
+                        max_seq_len, config.same_image, config.seed) for workload in workloads]
+
+
+def _text_workloads(config: BenchmarkConfig, vocab_size: int, max_seq_len: int, tokenizer) -> list[Workload]:
     workloads = []
     if "synthetic" in config.workloads:
         for batch in config.batch:
@@ -172,6 +199,9 @@ def _run_result(workload: Workload, engine: str, measurements: list[RunMeasureme
         kv_pool_peak_utilization=last.kv_pool_peak_utilization,
         prefix_cache_hit_rate=last.prefix_cache_hit_rate,
         speculation=last.speculation,
+        image_wait_s=last.image_wait_s,
+        images_encoded=last.images_encoded,
+        encoder_cache_hits=last.encoder_cache_hits,
         failed_requests=len(last.failures),
         failures=sorted(set(last.failures))[:5],  # the distinct reasons, enough to see what went wrong
     )
@@ -187,15 +217,22 @@ def _run_result(workload: Workload, engine: str, measurements: list[RunMeasureme
     return RunResult(f"{workload.id}/{engine}", {"kind": workload.kind, **workload.description}, engine, len(measurements), metrics, dict(samples), {}, per_request)
 
 
-def _hf_measurements(config: BenchmarkConfig, workload: Workload, engine: str, model, device: torch.device) -> list[RunMeasurement]:
+def _hf_measurements(config: BenchmarkConfig, workload: Workload, engine: str, model, device: torch.device,
+                     vision=None) -> list[RunMeasurement]:
     from autodeploy.bench.hf_baselines import hf_generate_timing
 
     prompts = [r.prompt_token_ids for r in workload.requests]
+    pixel_values = None
+    if vision is not None and workload.requests[0].images:  # HF takes the placeholders expanded and the pixels (untimed)
+        width = vision.tokens_per_image
+        prompts = [[t for token in prompt for t in ([token] * width if token == vision.image_token_id else [token])] for prompt in prompts]
+        prepared = [image.pixel_values for r in workload.requests for image in vision.prepare(r.images)]
+        pixel_values = torch.stack(prepared).to(device, next(model.parameters()).dtype)
     measurements = []
     for _ in range(config.repeats):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        timing = hf_generate_timing(model, prompts, workload.description["output_len"], engine)
+        timing = hf_generate_timing(model, prompts, workload.description["output_len"], engine, pixel_values=pixel_values)
         timings = [RequestTiming(timing.start, list(timing.token_times), timing.input_len) for _ in prompts]
         measurements.append(
             RunMeasurement(
@@ -281,7 +318,7 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
     settings = llm.settings
     if "accuracy" in config.workloads and settings.weights == "random":
         raise ConfigError("the accuracy workload compares with the checkpoint's own HF model; it needs weights=checkpoint, not random")
-    workloads = build_workloads(config, llm.vocab_size, settings.max_seq_len, llm.tokenizer)
+    workloads = build_workloads(config, llm.vocab_size, settings.max_seq_len, llm.tokenizer, llm.engine.vision)
     stages: dict[str, float] = defaultdict(float)
     for record in llm.records:
         stages[record.stage] += record.seconds
@@ -338,7 +375,7 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
         # Untimed, as the engine's warm-up above: the first generate() pays one-off CUDA and cuBLAS setup.
         hf_generate_timing(model, [[1] * 8], output_len=4, mode="hf-eager")
         for workload in synthetic:
-            result.runs.append(_run_result(workload, engine, _hf_measurements(config, workload, engine, model, device)))
+            result.runs.append(_run_result(workload, engine, _hf_measurements(config, workload, engine, model, device, llm.engine.vision)))
         del model
         gc.collect()
         if device.type == "cuda":

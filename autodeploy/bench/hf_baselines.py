@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, CompileConfig, PretrainedConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from autodeploy.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnsupportedModelError
@@ -98,12 +98,17 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
     has_weights = any(next(directory.glob(pattern), None) for pattern in _WEIGHT_PATTERNS)
     try:
         if has_weights:
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa").to(device)
+            model = _model_class(AutoConfig.from_pretrained(directory)).from_pretrained(directory, dtype=dtype, attn_implementation="sdpa").to(device)
         else:
             model = _random_model(AutoConfig.from_pretrained(directory), dtype, device)
     except (ValueError, KeyError) as error:
         raise UnsupportedModelError(f"transformers cannot build a causal LM from {directory}: {error}") from error
     return model.eval()
+
+
+def _model_class(config: PretrainedConfig) -> type:
+    """A vision-language model's HF class is its image-text-to-text one (its generate takes pixel values)."""
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
 
 
 def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
@@ -113,7 +118,7 @@ def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.de
     takes seconds there, minutes on the CPU.
     """
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = _model_class(config).from_config(config, dtype=dtype, attn_implementation="sdpa")
     std = getattr(config, "initializer_range", 0.02)
     materialized: dict[int, nn.Parameter] = {}  # by id of the meta parameter, so tied weights stay one tensor
     for prefix, module in model.named_modules():
@@ -137,9 +142,11 @@ def hf_generate_timing(
     output_len: int,
     mode: str,
     clock: Callable[[], float] = time.perf_counter,
+    pixel_values: torch.Tensor | None = None,
 ) -> BatchTiming:
     """Greedy-decode exactly ``output_len`` tokens for each prompt in one ``generate()`` call, timing each step.
 
+    ``pixel_values``: a vision-language model's preprocessed images, in the order of the prompts' placeholders.
     ``mode`` is ``"hf-eager"`` or ``"hf-compile"``; the first ``hf-compile`` call for a shape compiles and
     warms up untimed. EOS cannot end a prompt early (``min_new_tokens``), as the other engines are run.
 
@@ -165,6 +172,7 @@ def hf_generate_timing(
         min_new_tokens=output_len,
         do_sample=False,
         pad_token_id=_pad_token_id(model),
+        **({"pixel_values": pixel_values} if pixel_values is not None else {}),
     )
     if mode == "hf-compile":
         generate_kwargs.update(cache_implementation="static", compile_config=_compile_state(model).config)

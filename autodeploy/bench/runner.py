@@ -12,6 +12,8 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +35,12 @@ class RunMeasurement:
     # Speculative decoding within the run: drafted and accepted tokens, acceptance rate and length (None: off)
     speculation: dict | None = None
     continuations: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (prompt, output) token ids
+    # Requests with images: seconds the step loop had nothing to run while arrived requests' images were still being
+    # loaded and preprocessed (off its thread), the images the vision graph encoded and those the encoder cache served
+    # (None: no images)
+    image_wait_s: float | None = None
+    images_encoded: int | None = None
+    encoder_cache_hits: int | None = None
 
 
 def peak_host_rss_bytes() -> int:
@@ -59,26 +67,45 @@ def run_workload(
     drafted_before = (speculator.stats.steps, speculator.stats.drafted, speculator.stats.accepted,
                       speculator.stats.rejected) if speculator else None
     pending = sorted(workload.requests, key=lambda r: r.arrival)
+    images = any(r.images for r in workload.requests)
+    vision = engine.vision if images else None
+    if vision is not None:
+        vision.cache.clear()  # hits within this run only, as the prefix cache
+    hits_before, encoded_before = (vision.cache.hits, vision.images_encoded) if vision is not None else (0, 0)
+    # Requests with images are made (loaded, preprocessed) on worker threads, as the server makes them, and submitted
+    # when ready: the step loop runs meanwhile, and only waits when it has nothing else to run.
+    preparing: list[tuple[object, float, Future]] = []
+    workers = ThreadPoolExecutor(4, thread_name_prefix="bench-requests") if images else None
+    image_wait = 0.0
     submitted = []
     peak_blocks = 0
     steps = 0
     try:
         start = clock()
         with tqdm(total=len(pending), desc=workload.id, unit="req", leave=False, disable=not progress or None) as bar:
-            while pending or engine.has_unfinished():
+            while pending or preparing or engine.has_unfinished():
                 now = clock() - start
-                in_flight = sum(not r.finished for _, r in submitted)
+                in_flight = sum(not r.finished for _, r in submitted) + len(preparing)
                 while pending and pending[0].arrival <= now and (workload.max_concurrency is None or in_flight < workload.max_concurrency):
                     request = pending.pop(0)
                     params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
-                    submitted_request = engine.make_request(list(request.prompt_token_ids), params)
                     # Poisson: the scheduled arrival. Closed loop: when a seat came free (vLLM's convention).
-                    submitted_request.arrival_time = start + request.arrival if workload.max_concurrency is None else clock()
-                    engine.submit(submitted_request)
-                    submitted.append((request, submitted_request))
+                    arrival = start + request.arrival if workload.max_concurrency is None else clock()
+                    if workers is not None:
+                        preparing.append((request, arrival, workers.submit(engine.make_request, request.prompt, params)))
+                    else:
+                        submitted.append((request, _submit(engine, engine.make_request(request.prompt, params), arrival)))
                     in_flight += 1
+                for entry in [entry for entry in preparing if entry[2].done()]:
+                    preparing.remove(entry)
+                    submitted.append((entry[0], _submit(engine, entry[2].result(), entry[1])))
                 if not engine.has_unfinished():
-                    wait(max(0.0, pending[0].arrival - (clock() - start)))
+                    if preparing:  # idle only because images are still being prepared
+                        waited = clock()
+                        futures_wait([entry[2] for entry in preparing], return_when=FIRST_COMPLETED)
+                        image_wait += clock() - waited
+                    else:
+                        wait(max(0.0, pending[0].arrival - (clock() - start)))
                     continue
                 finished_before = sum(r.finished for _, r in submitted)
                 engine.step()
@@ -87,8 +114,10 @@ def run_workload(
                 bar.update(sum(r.finished for _, r in submitted) - finished_before)
     finally:
         engine.clock = previous_clock
+        if workers is not None:
+            workers.shutdown(wait=True, cancel_futures=True)
     queried = stats.queried_tokens - queried_before
-    timings = [RequestTiming(r.arrival_time, list(r.token_times), len(b.prompt_token_ids)) for b, r in submitted]
+    timings = [RequestTiming(r.arrival_time, list(r.token_times), len(r.prompt_token_ids)) for _, r in submitted]
     return RunMeasurement(
         timings=timings,
         peak_device_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
@@ -97,7 +126,16 @@ def run_workload(
         prefix_cache_hit_rate=(stats.hit_tokens - hits_before) / queried if queried else None,
         speculation=_speculation(speculator, drafted_before, timings, steps, workload) if speculator else None,
         continuations=[(list(r.prompt_token_ids), list(r.sequences[0].output_token_ids)) for _, r in submitted if r.sequences],
+        image_wait_s=image_wait if images else None,
+        images_encoded=vision.images_encoded - encoded_before if vision is not None else None,
+        encoder_cache_hits=vision.cache.hits - hits_before if vision is not None else None,
     )
+
+
+def _submit(engine, request, arrival: float):
+    request.arrival_time = arrival
+    engine.submit(request)
+    return request
 
 
 def _speculation(speculator, before: tuple[int, int, int, int], timings: list[RequestTiming], forwards: int,

@@ -8,18 +8,22 @@
 
 Realistic requests draw their lengths from a distribution (``"fixed:128"``, ``"uniform:64:512"``,
 ``"normal:256:64"``) or come from a JSONL file, one request per line: ``{"prompt": "…"}`` or
-``{"prompt_token_ids": [...]}``, optionally with ``"output_len"``. Everything is seeded. Every check
+``{"prompt_token_ids": [...]}``, optionally with ``"output_len"``. A vision-language model's requests may carry
+images (``with_images``: N random images of a given size each, or one image everywhere). Everything is seeded. Every check
 (rates, lengths against ``max_seq_len``, the file's format and contents) happens when the workload is
 built, before anything runs.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from autodeploy.errors import ConfigError
 
@@ -29,6 +33,12 @@ class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
     arrival: float = 0.0  # seconds after the run starts
+    images: list[bytes] = field(default_factory=list)  # encoded images (a vision-language model's), one placeholder each
+
+    @property
+    def prompt(self):
+        """What the engine takes: the token ids, with the images beside them when there are any."""
+        return {"prompt": list(self.prompt_token_ids), "images": list(self.images)} if self.images else list(self.prompt_token_ids)
 
 
 @dataclass
@@ -41,10 +51,39 @@ class Workload:
     @property
     def id(self) -> str:
         d = self.description
+        images = f"-img{d['images_per_request']}x{d['image_size']}{'-same' if d['same_image'] else ''}" if d.get("images_per_request") else ""
         if self.kind == "synthetic":
-            return f"synthetic/b{d['batch']}-in{d['input_len']}-out{d['output_len']}"
+            return f"synthetic/b{d['batch']}-in{d['input_len']}-out{d['output_len']}{images}"
         point = f"rate{d['rate']:g}" if self.kind == "poisson" else f"c{d['max_concurrency']}"
-        return f"{self.kind}/{point}-n{d['num_requests']}-in{d['input_len']}-out{d['output_len']}"
+        return f"{self.kind}/{point}-n{d['num_requests']}-in{d['input_len']}-out{d['output_len']}{images}"
+
+
+def with_images(workload: Workload, per_request: int, size: int, image_token_id: int, tokens_per_image: int,
+                max_seq_len: int, same_image: bool = False, seed: int = 0) -> Workload:
+    """``workload`` with ``per_request`` images of ``size`` × ``size`` random pixels (JPEG, as clients send them) before
+    each prompt, one placeholder token each; every request's own images, or with ``same_image`` one image everywhere
+    (the encoder cache's best case)."""
+    if per_request < 1 or size < 1:
+        raise ConfigError(f"images per request and image size must be ≥ 1, got {per_request} and {size}")
+    rng = np.random.default_rng(seed)
+    shared = [_jpeg(rng, size) for _ in range(per_request)] if same_image else None
+    requests = []
+    for index, request in enumerate(workload.requests):
+        _check_fits(len(request.prompt_token_ids) + per_request * tokens_per_image, request.output_len, max_seq_len,
+                    f"request {index} with {per_request} image(s) of {tokens_per_image} tokens")
+        images = shared or [_jpeg(rng, size) for _ in range(per_request)]
+        requests.append(BenchRequest([image_token_id] * per_request + request.prompt_token_ids, request.output_len,
+                                     request.arrival, images))
+    description = {**workload.description, "images_per_request": per_request, "image_size": size, "same_image": same_image}
+    return Workload(workload.kind, requests, description, workload.max_concurrency)
+
+
+def _jpeg(rng: np.random.Generator, size: int) -> bytes:
+    from PIL import Image
+
+    encoded = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(encoded, format="JPEG", quality=90)
+    return encoded.getvalue()
 
 
 @dataclass(frozen=True)

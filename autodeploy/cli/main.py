@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input-dist", default="uniform:32:256", help="poisson/concurrency: fixed:N | uniform:LOW:HIGH | normal:MEAN:STD")
     bench.add_argument("--output-dist", default="uniform:16:128", help="poisson/concurrency: output length distribution")
     bench.add_argument("--dataset", default=None, help="poisson/concurrency: JSONL file of prompts instead of random ones")
+    bench.add_argument("--images-per-request", type=int, default=0, metavar="N",
+                       help="a vision-language model: N images (random pixels, JPEG) before every prompt")
+    bench.add_argument("--image-size", type=int, default=336, metavar="PIXELS", help="--images-per-request: their width and height")
+    bench.add_argument("--same-image", action="store_true",
+                       help="--images-per-request: one image for every request (encoder cache hits) instead of each its own")
     bench.add_argument("--perplexity-text", default=None, help="accuracy: also the perplexity on this text file")
     bench.add_argument("--repeats", type=int, default=3,
                        help="measurements per point (their spread feeds the regression check: 2 or more with --baseline)")
@@ -260,6 +265,9 @@ def _bench(args) -> int:
         api_key=args.api_key,
         request_timeout=args.request_timeout,
         server_stream_interval=args.server_stream_interval,
+        images_per_request=args.images_per_request,
+        image_size=args.image_size,
+        same_image=args.same_image,
     )
     config.validate()
     if args.threshold <= 0:

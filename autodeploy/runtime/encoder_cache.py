@@ -80,6 +80,12 @@ class EncoderCache:
             self.bytes_used += size
             return True
 
+    def clear(self) -> None:
+        """Forget every entry (benchmarks measure each run from a cold cache); the counts stay."""
+        with self._lock:
+            self._entries.clear()
+            self.bytes_used = 0
+
     def _remove(self, key: str) -> None:
         value = self._entries.pop(key, None)
         if value is not None:

@@ -93,33 +93,26 @@ class VisionEncoder:
         return PreparedImage(pixels, cache_key(loaded.digest, self.settings_digest))
 
     def expand_placeholders(self, token_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
-        """``token_ids`` with each image's placeholder run made ``tokens_per_image`` long, and where each run
-        starts. A run of one placeholder (a prompt's ``<image>``) is expanded; a run already that long (a
-        processor's output) is kept; runs must match the images one to one."""
-        runs: list[tuple[int, int]] = []  # (start, length) of each run of placeholder tokens
-        for position, token in enumerate(token_ids):
-            if token != self.image_token_id:
-                continue
-            if runs and runs[-1][0] + runs[-1][1] == position:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((position, 1))
-        if len(runs) != num_images:
-            raise InvalidRequestError(f"the prompt has {len(runs)} image placeholder(s) (token {self.image_token_id}) for "
-                                      f"{num_images} image(s); put one placeholder where each image goes (the chat "
-                                      f"template does this for image content parts)")
-        wrong = [length for _, length in runs if length not in (1, self.tokens_per_image)]
-        if wrong:
-            raise InvalidRequestError(f"an image placeholder run is {wrong[0]} tokens long; write one placeholder per image "
-                                      f"(or {self.tokens_per_image}, as the model's processor expands it)")
+        """``token_ids`` with each image's placeholder expanded to ``tokens_per_image`` placeholders, and where each
+        image's placeholders start. One placeholder an image (a prompt's ``<image>``) is expanded; ``tokens_per_image``
+        an image (a Hugging Face processor's output) are kept, the images filling them in order, as Hugging Face does."""
+        places = [position for position, token in enumerate(token_ids) if token == self.image_token_id]
+        width = self.tokens_per_image
+        if len(places) == num_images * width:  # already expanded (or no images and no placeholders)
+            return list(token_ids), places[::width]
+        if len(places) != num_images:
+            raise InvalidRequestError(
+                f"the prompt has {len(places)} image placeholder(s) (token {self.image_token_id}) for {num_images} image(s); "
+                f"put one placeholder where each image goes (the chat template does this for image content parts), or "
+                f"{width} an image as the model's processor expands them")
         expanded: list[int] = []
         starts: list[int] = []
         previous = 0
-        for start, length in runs:
-            expanded += token_ids[previous:start]
+        for place in places:
+            expanded += token_ids[previous:place]
             starts.append(len(expanded))
-            expanded += [self.image_token_id] * self.tokens_per_image
-            previous = start + length
+            expanded += [self.image_token_id] * width
+            previous = place + 1
         return expanded + token_ids[previous:], starts
 
     # ---- the step ------------------------------------------------------------------------------
