@@ -20,6 +20,9 @@ for grouped-query attention unless SDPA gets ``enable_gqa=True``; ``?`` marks op
         probs  = softmax(view(baddbmm(alibi, q, transpose(k, 1, 2), beta=1, alpha=scale)) + mask, -1, f32)
         out    = bmm(view(dropout(probs)), v)
 
+An SDPA with neither a mask nor ``is_causal`` (an encoder's: a vision tower's) becomes
+``bidirectional_attention(q, k, v, scale)`` likewise, which the cache stage leaves alone.
+
 Each becomes ``transpose(attention(transpose(q, 1, 2), transpose(k, 1, 2), transpose(v, 1, 2), scale,
 sliding_window, logit_cap, sinks), 1, 2)``: the op takes and returns ``[B, S, H, D]`` and does GQA
 itself, so ``repeat_kv`` goes; ``cleanup_transposes`` later folds the transposes into HF's own.
@@ -246,6 +249,7 @@ class AttentionMatch:
     nodes: set[Node] = field(default_factory=set)
     alibi_slopes: list[float] | None = None
     k_layout: str = "bhsd"  # "bshd": ``k`` is already [B, S, Hkv, D] (its kᵀ was one permute)
+    bidirectional: bool = False  # no mask at all: an encoder's attention (``bidirectional_attention``)
     output_layout: str = "bhsd"  # "bh_sd": the replaced value is [B·H, S, D] (Bloom's bmm)
 
 
@@ -328,8 +332,8 @@ def _match_sdpa(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     arguments = walk.step(node, {aten.scaled_dot_product_attention.default}, "scaled_dot_product_attention")
     require(arguments["dropout_p"] == 0.0, f"{node} has dropout")
     mask, is_causal = arguments["attn_mask"], arguments["is_causal"]
+    bidirectional = mask is None and is_causal is False  # an encoder's (a vision tower's): every key
     if mask is None:
-        require(is_causal is True, f"{node} attends to every key (no mask and not causal)")
         window = None
     else:
         require(is_causal is False, f"{node} combines a mask with is_causal")
@@ -339,7 +343,8 @@ def _match_sdpa(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     scale = arguments["scale"]
     if scale is None:
         scale = node_value(q).shape[-1] ** -0.5
-    return walk.finish(q, k, v, node, scale=float(scale), sliding_window=window, logit_cap=None, sinks=None)
+    return walk.finish(q, k, v, node, scale=float(scale), sliding_window=window, logit_cap=None, sinks=None,
+                       bidirectional=bidirectional)
 
 
 def _number(argument) -> float | None:
@@ -551,10 +556,13 @@ def _replace(graph: Graph, match: AttentionMatch) -> None:
     with graph.inserting_before(match.output):
         q, v = (_call(graph, aten.transpose.int, (x, 1, 2)) for x in (match.q, match.v))
         k = match.k if match.k_layout == "bshd" else _call(graph, aten.transpose.int, (match.k, 1, 2))
-        options = (match.scale, match.sliding_window, match.logit_cap, match.sinks)
-        if match.alibi_slopes is not None:
-            options += (match.alibi_slopes,)
-        out = _call(graph, torch.ops.autodeploy.attention.default, (q, k, v, *options))
+        if match.bidirectional:
+            out = _call(graph, torch.ops.autodeploy.bidirectional_attention.default, (q, k, v, match.scale))
+        else:
+            options = (match.scale, match.sliding_window, match.logit_cap, match.sinks)
+            if match.alibi_slopes is not None:
+                options += (match.alibi_slopes,)
+            out = _call(graph, torch.ops.autodeploy.attention.default, (q, k, v, *options))
         result = _call(graph, aten.transpose.int, (out, 1, 2))
         added = [n for n in (q, k, v) if n not in (match.q, match.k, match.v)] + [out, result]
         if match.output_layout == "bh_sd":
@@ -591,7 +599,8 @@ def _replace_all(gm: GraphModule, anchors: list[Node], match_at) -> int:
 
 
 def replace_sdpa_attention(gm: GraphModule) -> int:
-    """Replace every causal ``scaled_dot_product_attention`` (with its ``repeat_kv``); returns how many."""
+    """Replace every causal ``scaled_dot_product_attention`` (with its ``repeat_kv``), and every one without a mask
+    that is not causal by ``bidirectional_attention``; returns how many."""
     sdpa = gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default)
     return _replace_all(gm, sdpa, _match_sdpa)
 

@@ -167,6 +167,10 @@ class InsertCachedAttention(Transform):
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         gm, graph = module, module.graph
         attention = [n for n in graph.nodes if n.target == torch.ops.autodeploy.attention.default]
+        bidirectional = [n for n in graph.nodes if n.target == torch.ops.autodeploy.bidirectional_attention.default]
+        if bidirectional:  # over the step's tokens alone, uncached: not what a decoder computes
+            raise UnsupportedModelError(f"the model graph attends bidirectionally ({len(bidirectional)} attention layer(s) "
+                                        f"without a causal mask): it is an encoder, and autodeploy serves decoders")
         expected = _expected_attention_layers(context)
         first_layer, total = gm.meta.get(LAYERS, (0, len(attention)))  # a pipeline stage holds some of the layers
         if not attention or (expected is not None and total != expected):
