@@ -76,15 +76,29 @@ class RefusalPart(StrictModel):
         return self.refusal
 
 
+class ImagePart(StrictModel):
+    """An image in a user's message (a vision-language model's): a data: or http(s) URL, or a file the server may
+    read (``vision.allowed_local_dir``); ``file_id`` (uploaded files) is not served."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sets the resolution
+
+    @property
+    def chat_part(self) -> dict:
+        return {"type": "image_url", "image_url": {"url": self.image_url}}
+
+
 def _kind(value, default: str | None = None) -> str | None:
     return value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
 
 
 Content = list[Annotated[
-    Annotated[TextPart, Tag("input_text")] | Annotated[TextPart, Tag("output_text")] | Annotated[RefusalPart, Tag("refusal")],
+    Annotated[TextPart, Tag("input_text")] | Annotated[TextPart, Tag("output_text")] | Annotated[RefusalPart, Tag("refusal")]
+    | Annotated[ImagePart, Tag("input_image")],
     Discriminator(_kind, custom_error_type="content_part", custom_error_message=(
-        "only text content parts are supported (input_text; output_text and refusal fed back): this server serves a "
-        "text model, so input_image, input_file and input_audio parts are not"))]]
+        "only text and image content parts are supported (input_text, input_image with an image_url; output_text and "
+        "refusal fed back): input_file and input_audio parts are not"))]]
 
 
 def _parts(value):
@@ -103,7 +117,11 @@ class MessageItem(StrictModel):
     content_as_parts = field_validator("content", mode="before")(_parts)
 
     def append_to(self, messages: list[dict]) -> None:
-        messages.append({"role": self.role, "content": "".join(part.value for part in self.content)})
+        if any(isinstance(part, ImagePart) for part in self.content):  # chat's parts, images where they stand
+            parts = [part.chat_part if isinstance(part, ImagePart) else {"type": "text", "text": part.value} for part in self.content]
+            messages.append({"role": self.role, "content": parts})
+        else:
+            messages.append({"role": self.role, "content": "".join(part.value for part in self.content)})
 
 
 class FunctionCallItem(StrictModel):

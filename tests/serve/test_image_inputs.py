@@ -1,4 +1,5 @@
-"""Images through the chat front ends: ``LLM.chat`` with image parts, and the OpenAI server's ``image_url`` parts —
+"""Images through the chat front ends: ``LLM.chat`` with image parts, and the OpenAI server's ``image_url`` parts (and
+the Responses API's ``input_image``) —
 data URLs, ``http`` URLs fetched from a server on loopback, and local files only inside ``vision.allowed_local_dir`` —
 each answering exactly what Hugging Face generates for the same image."""
 
@@ -93,6 +94,9 @@ def test_the_server_takes_data_urls_loopback_urls_and_allowed_local_files(llava)
             reply = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0.0, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}]}])
             assert reply.choices[0].message.content == expected(llm, hf, "Describe.", image), url
+        response = client.responses.create(model=MODEL, max_output_tokens=8, temperature=0.0, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": urls[0]}, {"type": "input_text", "text": "Describe."}]}])
+        assert response.output_text == expected(llm, hf, "Describe.", images[0])
         refusals = [(f"{host}/missing.png", "404"), (str(allowed.parent / "outside.png"), "outside"),
                     ("data:text/plain;base64,aGk=", "image 0"), ("data:image/png;base64,!!!", "image 0")]
         for url, message in refusals:
