@@ -32,14 +32,14 @@ def llava(request, tmp_path_factory):
     llm.shutdown()
 
 
-def hf_greedy(llm, hf, token_ids: list[int], images: list) -> list[int]:
+def hf_greedy(llm, hf, token_ids: list[int], images: list, max_tokens: int = GREEDY.max_tokens) -> list[int]:
     """Hugging Face's greedy continuation of ``token_ids`` (each placeholder expanded) with ``images``."""
     expanded = [t for token in token_ids for t in ([token] * TOKENS_PER_IMAGE if token == IMAGE_TOKEN_ID else [token])]
     pixels = llm.engine.vision.image_processor(images=images, return_tensors="pt")["pixel_values"] if images else None
     device = next(hf.parameters()).device
     ids = torch.tensor([expanded], device=device)
     pixels = pixels.to(device) if pixels is not None else None
-    out = hf.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=GREEDY.max_tokens, do_sample=False,
+    out = hf.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=max_tokens, do_sample=False,
                       attention_mask=torch.ones_like(ids))
     return out[0, ids.shape[1]:].tolist()
 
@@ -149,10 +149,29 @@ def test_vision_language_models_it_does_not_serve_are_refused_by_name(tmp_path, 
         vision_language_spec(config)
 
 
-def test_saving_a_vision_language_deployment_is_refused_rather_than_losing_its_vision_graph(llava, tmp_path):
+def test_a_saved_vision_language_deployment_reloads_with_its_vision_graph_and_serves_the_same_tokens(llava, tmp_path):
+    llm, hf = llava
+    saved = llm.save(tmp_path / "saved")
+    reloaded = autodeploy(str(saved), device="cpu")
+    assert set(reloaded.deployment.graphs) == {"model", VISION} and reloaded.image_token == IMAGE_TOKEN
+    images = [random_image(30), random_image(31)]
+    prompt = {"prompt": f"{IMAGE_TOKEN} and {IMAGE_TOKEN}:", "images": images}
+    [output] = reloaded.generate([prompt], GREEDY)
+    assert output.outputs[0].token_ids == hf_greedy(llm, hf, llm.tokenizer(prompt["prompt"]).input_ids, images)
+    reloaded.shutdown()
+
+
+def test_a_saved_vision_graph_that_was_altered_is_refused(llava, tmp_path):
+    from autodeploy.errors import CheckpointError
+
     llm, _ = llava
-    with pytest.raises(ConfigError, match="vision graph beside its model graph"):
-        llm.save(tmp_path / "saved")
+    saved = llm.save(tmp_path / "saved")
+    weights = saved / "vision.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="vision.safetensors"):
+        autodeploy(str(saved), device="cpu")
 
 
 def test_vision_language_models_over_several_ranks_are_refused(tmp_path):
@@ -176,4 +195,20 @@ def test_on_the_gpu_captured_vision_graphs_encode_what_the_eager_graph_does(tmp_
         ids = llm.tokenizer(f"{IMAGE_TOKEN} x").input_ids
         [output] = llm.generate([{"prompt": ids, "images": images[:1]}], GREEDY)
         assert output.outputs[0].token_ids == hf_greedy(llm, hf.to("cuda"), ids, images[:1])
+    llm.shutdown()
+
+
+def test_an_image_split_over_prefill_chunks_preemption_and_several_samples_give_hugging_faces_tokens(tmp_path):
+    """Chunked prefill cutting through an image's placeholders (8-token chunks for 16-row images), sequences
+    preempted and recomputed (a pool too small for all), and n = 2 greedy samples: each completion is HF's."""
+    hf = write_tiny_llava(tmp_path, "clip")
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", max_seq_len=64, max_batch_size=4,
+                     scheduler={"max_num_tokens": 8, "chunked_prefill": True}, kv_cache={"num_blocks": 10, "block_size": 8})
+    images = [random_image(20 + index) for index in range(4)]
+    prompts = [{"prompt": f"x{IMAGE_TOKEN}def f{index}():", "images": [image]} for index, image in enumerate(images)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=2))
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(prompts, outputs):
+        expected = hf_greedy(llm, hf, llm.tokenizer(prompt["prompt"]).input_ids, prompt["images"], max_tokens=12)
+        assert [c.token_ids for c in output.outputs] == [expected, expected]
     llm.shutdown()

@@ -18,20 +18,28 @@ from autodeploy.errors import ExportError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.kv_cache import allocate_kv_caches
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.step_inputs import build_step_inputs
+from autodeploy.runtime.request import TokenRows
+from autodeploy.runtime.step_inputs import SideInputSpec, build_step_inputs
+
+
+@dataclass
+class _ExampleRequest:
+    side_inputs: dict[str, TokenRows]
 
 
 @dataclass
 class _ExampleSequence:
     seq_id: int
     token_ids: list[int]
+    request: _ExampleRequest | None = None  # what side inputs it carries
 
     @property
     def num_tokens(self) -> int:  # the scheduler's Schedulable: no token is ever on the device here
         return len(self.token_ids)
 
 
-def _dynamic_dims(graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec]) -> list[dict[int, object] | None]:
+def _dynamic_dims(graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec],
+                  side_inputs: Sequence[SideInputSpec] = ()) -> list[dict[int, object] | None]:
     Dim = torch.export.Dim
     tokens, sequences, blocks, rows, cache_blocks = (Dim(name) for name in (
         "tokens", "sequences", "blocks_per_sequence", "logit_rows", "cache_blocks"))
@@ -42,6 +50,9 @@ def _dynamic_dims(graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec])
     }
     for spec in kv_caches:
         dims[spec.key_input] = dims[spec.value_input] = {0: cache_blocks}
+    for spec in side_inputs:  # a side input's rows and where they go: a count of their own
+        side_rows = Dim(f"{spec.name}_rows")
+        dims[spec.name] = dims[spec.index_input] = {0: side_rows}
     unknown = [name for name in graph_inputs if name not in dims]
     if unknown:
         raise ExportError(
@@ -53,10 +64,14 @@ def _dynamic_dims(graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec])
 
 def example_step(
     graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec], block_size: int, device: torch.device,
+    side_inputs: Sequence[SideInputSpec] = (),
 ) -> tuple[list[torch.Tensor], list[dict[int, object] | None]]:
-    """The graph's inputs for one mixed step, in order, and each input's dynamic dims (``torch.export`` form)."""
+    """The graph's inputs for one mixed step, in order, and each input's dynamic dims (``torch.export`` form). The
+    partial prompt chunk carries ``b + 1`` rows of each side input (an image's feature rows, say)."""
     b = block_size
-    partial, whole, deep = _ExampleSequence(-1, [0] * (2 * b + 3)), _ExampleSequence(-2, [0] * 3), _ExampleSequence(-3, [0] * (4 * b + 2))
+    carried = {spec.name: TokenRows(tuple(range(b + 1)), torch.zeros((b + 1, *spec.row_shape), dtype=spec.dtype)) for spec in side_inputs}
+    partial = _ExampleSequence(-1, [0] * (2 * b + 3), _ExampleRequest(carried) if carried else None)
+    whole, deep = _ExampleSequence(-2, [0] * 3), _ExampleSequence(-3, [0] * (4 * b + 2))
     # Prompt chunks first, then decodes (the scheduler's order): 3 sequences, b + 6 tokens, 2 rows of logits
     # (the partial chunk completes nothing), block tables 5 or 6 wide.
     chunks = [ScheduledChunk(partial, 0, b + 2), ScheduledChunk(whole, 0, 3), ScheduledChunk(deep, 4 * b + 1, 1)]
@@ -66,5 +81,5 @@ def example_step(
     for chunk, tokens in zip(chunks, cached):
         pool.reserve(chunk.sequence.seq_id, tokens)
     caches = allocate_kv_caches(kv_caches, pool.num_blocks, b, device)
-    inputs, _ = build_step_inputs(graph_inputs, chunks, pool, caches, device)
-    return inputs, _dynamic_dims(graph_inputs, kv_caches)
+    inputs, _ = build_step_inputs(graph_inputs, chunks, pool, caches, device, side_inputs=side_inputs)
+    return inputs, _dynamic_dims(graph_inputs, kv_caches, side_inputs)

@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from autodeploy.autotuner import describe_dispatch, dispatch_from_description
 from autodeploy.custom_ops.serving_signature import KVCacheSpec
 from autodeploy.errors import CheckpointError, ExportError, error_summary
+from autodeploy.runtime.step_inputs import declared_side_inputs
 
 from .archive_safety import check_graph_archive
 from .example_step import example_step
@@ -91,6 +92,8 @@ def _tensors_as_inputs(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, di
             tensors[placeholder.name] = value
         env[node] = by_target[node.target]
     for node in graph_module.graph.nodes:
+        if node.op == "call_module" and node.target == "_guards_fn":  # export's input check (a vision graph keeps it)
+            continue
         if node.op != "get_attr":
             env[node] = graph.node_copy(node, env.__getitem__)
             env[node].meta["custom"] = {**node.meta.get("custom", {}), _SOURCE: node.name}
@@ -127,14 +130,27 @@ def export_served_graph(
     device: torch.device,
 ) -> SavedGraph:
     """Export the served graph with its tensors as inputs and save it to bytes (``torch.export`` format)."""
+    side_inputs = declared_side_inputs(graph_module, graph_inputs).values()
+    return export_graph(graph_module, *example_step(graph_inputs, kv_caches, block_size, device, side_inputs), "served graph")
+
+
+def export_vision_graph(graph_module: fx.GraphModule, device: torch.device) -> SavedGraph:
+    """Export a vision-language deployment's vision graph (``pixel_values`` in, the image count dynamic) likewise."""
+    pixels = next(n for n in graph_module.graph.nodes if n.op == "placeholder").meta["val"]
+    example = torch.zeros((3, *(int(size) for size in pixels.shape[1:])), dtype=pixels.dtype, device=device)
+    return export_graph(graph_module, [example], [{0: torch.export.Dim("images")}], "vision graph")
+
+
+def export_graph(graph_module: fx.GraphModule, inputs: Sequence[torch.Tensor], dims: Sequence, what: str) -> SavedGraph:
+    """Export ``graph_module`` over example ``inputs`` with their dynamic ``dims``, its tensors as leading inputs, and
+    save it to bytes (``torch.export`` format)."""
     lifted, tensors = _tensors_as_inputs(graph_module)
-    inputs, dims = example_step(graph_inputs, kv_caches, block_size, device)
     try:
         with torch.no_grad(), fx_traceback.preserve_node_meta():
             program = torch.export.export(_exportable(lifted), (*tensors.values(), *inputs),
                                           dynamic_shapes=(*[None] * len(tensors), *dims), strict=False)
     except Exception as error:  # torch.export raises many unrelated types; all mean "could not capture"
-        raise ExportError(f"the served graph could not be exported for saving: {type(error).__name__}: {error_summary(error)}") from error
+        raise ExportError(f"the {what} could not be exported for saving: {type(error).__name__}: {error_summary(error)}") from error
     sources = {node.name: node for node in graph_module.graph.nodes}
     dispatches: dict[str, dict[str, Any]] = {}
     kernels: dict[str, dict[str, str]] = {}

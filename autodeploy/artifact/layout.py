@@ -10,6 +10,10 @@
     settings.yaml        the resolved settings the deployment was built with
     build_report.json    the pipeline's records (what ``LLM.pipeline_report()`` shows)
     tokenizer/           the tokenizer's files (absent when the model had none)
+  a vision-language model's besides (``serving.json`` then names its image token):
+    vision.pt2           the vision graph (pixels in, feature rows out), a torch.export archive holding no tensor
+    vision.safetensors   its tensors
+    image_processor/     the checkpoint's image processor (preprocessor_config.json)
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ TUNING = "tuning.json"
 SETTINGS = "settings.yaml"
 BUILD_REPORT = "build_report.json"
 TOKENIZER = "tokenizer"
+VISION_GRAPH = "vision.pt2"
+VISION_WEIGHTS = "vision.safetensors"
+IMAGE_PROCESSOR = "image_processor"
 
 
 def is_saved_deployment(path: str | Path) -> bool:

@@ -25,16 +25,17 @@ import torch
 from autodeploy.build_report import BuildReport, TransformRecord, VerificationReport
 from autodeploy.config import load_yaml
 from autodeploy.custom_ops.serving_signature import KVCacheSpec, ServingSignature
-from autodeploy.deployment import MODEL, Deployment
+from autodeploy.deployment import MODEL, VISION, Deployment
 from autodeploy.errors import CheckpointError, ConfigError, error_summary
+from autodeploy.models.vision_language import load_image_processor
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS, hidden_state_buffer
 
 from .graph_archive import load_program, served_graph
-from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS
+from .layout import BUILD_REPORT, GRAPH, IMAGE_PROCESSOR, SERVING, SETTINGS, TOKENIZER, TUNING, VISION_GRAPH, VISION_WEIGHTS, WEIGHTS
 from .manifest import Manifest, incomplete
 from .rebuild import rebuild_command
 from .reload_settings import reload_settings
-from .weights_file import start_reading
+from .weights_file import load_tensors, start_reading
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,8 @@ def load_deployment(
             _check_tensors_fit_the_graph(program, placements, reading.layout(), directory / WEIGHTS)
             tensors_by_key = timed("waiting for the weights' copies", reading.tensors)
             deployment = _assemble(directory, manifest, settings, program, tensors_by_key, placements, serving, tuning, timed)
+            if "image_token_id" in serving:
+                timed("vision graph", _add_vision, deployment, directory, serving, tuning)
             served = deployment if serve is None else timed("engine", serve, deployment)
             timed("waiting for the weights' digest", lambda: manifest.check_digest(directory, WEIGHTS, reading.digest()))
         except Exception as error:
@@ -152,6 +155,27 @@ def load_deployment(
                 time.perf_counter() - began, ", ".join(f"{phase} {value:.2f} s" for phase, value in seconds.items()),
                 manifest.source.get("model") or "the demo model", manifest.reload_verification)
     return served
+
+
+def _add_vision(deployment: Deployment, directory: Path, serving: Mapping[str, Any], tuning: Mapping[str, Any]) -> None:
+    """A vision-language deployment's vision graph (on its tensors, read whole: the manifest's digest of the file
+    was checked with the others), its image processor and its image token."""
+    for name in (VISION_GRAPH, VISION_WEIGHTS):
+        if not (directory / name).is_file():
+            raise incomplete(directory, name)
+    try:
+        vision = tuning[VISION]
+        placements = vision["tensors"]
+        tensors_by_key, _ = load_tensors(directory / VISION_WEIGHTS, {entry["key"]: entry["device"] for entry in placements.values()})
+        program = load_program((directory / VISION_GRAPH).read_bytes(), str(directory / VISION_GRAPH))
+        tensors = {name: tensors_by_key[entry["key"]] for name, entry in placements.items()}
+        deployment.graphs[VISION] = served_graph(program, str(directory / VISION_GRAPH), tensors, vision["graph_inputs"],
+                                                 vision["dispatches"], vision["kernels"])
+        deployment.image_token_id = int(serving["image_token_id"])
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(f"{directory}: the vision graph's entries are missing or malformed ({type(error).__name__}: "
+                              f"{error}); save the deployment again") from error
+    deployment.image_processor = load_image_processor(directory / IMAGE_PROCESSOR, str(directory))
 
 
 def _described(dtype: torch.dtype, shape) -> str:

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 
 from autodeploy.config import settings_to_yaml
-from autodeploy.deployment import MODEL, Deployment, as_deployment
+from autodeploy.deployment import MODEL, VISION, Deployment, as_deployment
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS
 
-from .layout import BUILD_REPORT, GRAPH, SERVING, SETTINGS, TOKENIZER, TUNING, WEIGHTS, is_whole_saved_deployment
-from .graph_archive import export_served_graph
+from .layout import (BUILD_REPORT, GRAPH, IMAGE_PROCESSOR, SERVING, SETTINGS, TOKENIZER, TUNING, VISION_GRAPH, VISION_WEIGHTS,
+                     WEIGHTS, is_whole_saved_deployment)
+from .graph_archive import export_served_graph, export_vision_graph
 from .manifest import Manifest, device_kind, package_versions, file_digest
 from .weights_file import save_tensors
 
@@ -49,10 +50,10 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
         raise ConfigError("a deploy on the meta device has no weights to save; deploy with device=cpu or cuda, then save")
     if not signature.kv_caches:
         raise ConfigError("this graph has no KV cache (insert_cached_attention is disabled), so it cannot serve; enable it to save")
-    unsaved = sorted(set(deployment.graphs) - {MODEL})
+    unsaved = sorted(set(deployment.graphs) - {MODEL, VISION})
     if unsaved:
-        raise ConfigError(f"this deployment has a {' and a '.join(unsaved)} graph beside its model graph, and saved deployments "
-                          f"hold the model graph only so far; build it from its checkpoint (autodeploy(model)) instead")
+        raise ConfigError(f"this deployment has a {' and a '.join(unsaved)} graph beside its model graph, which saved "
+                          f"deployments do not hold; build it from its checkpoint (autodeploy(model)) instead")
     directory = Path(directory)
     check_save_destination(directory)
     staging = directory.with_name(f".{directory.name}.saving-{os.getpid()}")
@@ -73,8 +74,12 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
             # eagle3 / mtp: which hidden states the graph copies out (transforms/expose_hidden_states.py)
             **({"hidden_state_layers": _listed(deployment.graph.meta[HIDDEN_STATE_LAYERS])}
                if HIDDEN_STATE_LAYERS in getattr(deployment.graph, "meta", {}) else {}),
+            **({"image_token_id": int(deployment.image_token_id)} if VISION in deployment.graphs else {}),
         })
-        _write_json(staging / TUNING, {"kernels": saved.kernels, "dispatches": saved.dispatches})
+        tuning = {"kernels": saved.kernels, "dispatches": saved.dispatches}
+        if VISION in deployment.graphs:
+            tuning[VISION] = _save_vision(deployment, staging, torch.device(str(settings.device)))
+        _write_json(staging / TUNING, tuning)
         _write_json(staging / BUILD_REPORT, [dataclasses.asdict(record) for record in deployment.report.records])
         (staging / SETTINGS).write_text(settings_to_yaml(settings))
         if deployment.tokenizer is not None:
@@ -98,6 +103,18 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
         raise
     logger.info("saved the deployment to %s", directory)
     return directory
+
+
+def _save_vision(deployment: Deployment, staging: Path, device: torch.device) -> dict:
+    """Write the vision graph, its tensors and the image processor; the vision graph's tuning (its tensors'
+    placements, kernels and dispatches)."""
+    saved = export_vision_graph(deployment.graphs[VISION], device)
+    (staging / VISION_GRAPH).write_bytes(saved.archive)
+    keys = save_tensors(saved.tensors, staging / VISION_WEIGHTS)
+    deployment.image_processor.save_pretrained(str(staging / IMAGE_PROCESSOR))
+    inputs = [node.name for node in deployment.graphs[VISION].graph.nodes if node.op == "placeholder"]
+    return {"graph_inputs": inputs, "kernels": saved.kernels, "dispatches": saved.dispatches,
+            "tensors": {name: {"key": keys[name], "device": str(tensor.device)} for name, tensor in saved.tensors.items()}}
 
 
 def _listed(exposed) -> list:

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from autodeploy.errors import ConfigError, UnsupportedModelError, error_summary
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.source import ModelSource
-from autodeploy.models.vision_language import VisionLanguageSpec, vision_language_spec
+from autodeploy.models.vision_language import VisionLanguageSpec, load_image_processor, vision_language_spec
 
 logger = logging.getLogger(__name__)
 
@@ -219,24 +219,8 @@ class ModelFactory:
         return StateDictReader(self.tensors, self.source.directory) if self.tensors is not None else CheckpointReader(self.source.directory)
 
     def load_image_processor(self):
-        """A vision-language checkpoint's image processor (transformers' Pillow and numpy one: torchvision is not a
-        dependency). A checkpoint without a preprocessor config is refused: its images' size and normalisation
-        would be guesses."""
-        import json
-
-        import transformers
-
-        path = self.source.directory / "preprocessor_config.json"
-        try:
-            name = json.loads(path.read_text())["image_processor_type"].removesuffix("Fast")
-            # AutoImageProcessor needs torchvision; each family's Pillow processor is its class name + "Pil".
-            processor_class = getattr(transformers, name + "Pil", None) or getattr(transformers, name)
-            return processor_class.from_pretrained(str(self.source.directory))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as error:
-            raise UnsupportedModelError(
-                f"{self.source.name}: cannot load its image processor ({error_summary(error)}); a vision-language "
-                f"checkpoint needs its preprocessor_config.json (the image size and normalisation its tower was "
-                f"trained with)") from error
+        """A vision-language checkpoint's image processor (``models/vision_language.load_image_processor``)."""
+        return load_image_processor(self.source.directory, self.source.name)
 
     def load_tokenizer(self, tokenizer: str | None = None):
         """The checkpoint's tokenizer (or ``tokenizer``), or None when there are no tokenizer files."""

@@ -13,11 +13,13 @@ and the runtime read only a ``VisionLanguageSpec``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from transformers import PretrainedConfig
 
-from autodeploy.errors import UnsupportedModelError
+from autodeploy.errors import UnsupportedModelError, error_summary
 
 # The families served: the model type of the whole checkpoint → the vision towers served inside it.
 SERVED = {"llava": ("clip_vision_model", "siglip_vision_model")}
@@ -58,3 +60,20 @@ def vision_language_spec(config: PretrainedConfig, name: str = "the model") -> V
         raise UnsupportedModelError(f"{name}: vision_feature_select_strategy {strategy!r} is neither 'default' nor 'full'")
     return VisionLanguageSpec(config.model_type, vision.model_type, int(config.image_token_id), int(vision.image_size),
                               layers, strategy == "full")
+
+
+def load_image_processor(directory: str | Path, name: str = "the model"):
+    """The image processor saved in ``directory`` (its ``preprocessor_config.json``), as transformers' Pillow class:
+    ``AutoImageProcessor`` needs torchvision, which is not a dependency; each family's Pillow processor is its class
+    name + ``Pil``. A folder without one is refused: its images' size and normalisation would be guesses."""
+    import transformers
+
+    path = Path(directory) / "preprocessor_config.json"
+    try:
+        class_name = json.loads(path.read_text())["image_processor_type"].removesuffix("Fast")
+        processor_class = getattr(transformers, class_name + "Pil", None) or getattr(transformers, class_name)
+        return processor_class.from_pretrained(str(directory))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as error:
+        raise UnsupportedModelError(
+            f"{name}: cannot load its image processor ({error_summary(error)}); a vision-language model needs its "
+            f"preprocessor_config.json (the image size and normalisation its tower was trained with)") from error
