@@ -85,6 +85,13 @@ class VisionEncoder:
         return list(self._workers.map(self._prepare_one, range(len(sources)), sources))
 
     def _prepare_one(self, index: int, source) -> PreparedImage:
+        if isinstance(source, PreparedImage):  # preprocessed elsewhere (the Triton ensemble's preprocessing step)
+            expected = (3, *self.image_size)
+            if tuple(source.pixel_values.shape) != expected or not torch.isfinite(source.pixel_values).all():
+                raise InvalidRequestError(f"image {index}: its pixel values are {tuple(source.pixel_values.shape)}"
+                                          f"{'' if torch.isfinite(source.pixel_values).all() else ', not all finite'}; the "
+                                          f"model takes finite {list(expected)}")
+            return source
         loaded = load_image(source, index=index, limits=self.limits, local_files=self.local_files)
         try:
             pixels = self.image_processor(images=[loaded.image], return_tensors="pt")["pixel_values"][0]
@@ -181,6 +188,15 @@ class VisionEncoder:
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
+
+
+def prepared_from_pixels(pixel_values: torch.Tensor) -> PreparedImage:
+    """An image given already preprocessed (``[3, H, W]``), keyed in the encoder cache by a hash of those pixels: the
+    vision graph's output depends on nothing else."""
+    pixels = pixel_values.detach().to("cpu", torch.float32).contiguous()
+    digest = hashlib.blake2b(f"pixels {list(pixels.shape)}\n".encode(), digest_size=32)
+    digest.update(pixels.numpy().tobytes())
+    return PreparedImage(pixels, digest.hexdigest())
 
 
 def _tensor(output) -> torch.Tensor:

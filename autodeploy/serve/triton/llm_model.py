@@ -30,15 +30,17 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from autodeploy.errors import InvalidRequestError
 from autodeploy.frontend.async_llm import check_stream_interval
+from autodeploy.runtime.vision_encoder import prepared_from_pixels
 from autodeploy.serve.triton import compatible_inputs, request_tensors
 from autodeploy.serve.triton.metrics import TritonMetrics
 from autodeploy.serve.triton.tensor_specs import (
-    FINISH_REASON, INPUT_IDS, LLM_INPUTS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, OUTPUT_TOP_LOG_PROBS, OUTPUT_TOP_TOKEN_IDS, RETURN_LOG_PROBS,
-    SAMPLING_INPUTS, SAMPLING_PARAMETERS, SEQUENCE_INDEX, STOP, STOP_OUTPUT, STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TENSORRT_LLM_INPUTS,
+    FINISH_REASON, INPUT_IDS, LLM_INPUTS, NUM_NEW_TOKENS, OUTPUT_IDS, OUTPUT_LOG_PROBS, OUTPUT_TOP_LOG_PROBS, OUTPUT_TOP_TOKEN_IDS, PIXEL_VALUES,
+    RETURN_LOG_PROBS, SAMPLING_INPUTS, SAMPLING_PARAMETERS, SEQUENCE_INDEX, STOP, STOP_OUTPUT, STOP_TOKEN_IDS, STREAM, STREAM_INTERVAL, TENSORRT_LLM_INPUTS,
     TEXT_INPUT, TEXT_OUTPUT, TOP_LOG_PROBS,
 )
 
@@ -174,7 +176,11 @@ def _read_request(request, eos_token_ids: set[int], decoupled: bool):
                                   "(one response a request); send n 1, or serve a repository written with --decoupled true")
     if stream and params.beam_width > 1:
         raise InvalidRequestError("beam search is not streamed (the beams are known only when it ends); send stream false")
-    return (text if text is not None else ids), params, stream
+    prompt = text if text is not None else ids
+    pixels = request_tensors.optional_tensor(request, PIXEL_VALUES.name)
+    if pixels is not None and len(pixels):  # a vision-language model's images, preprocessed by the ensemble's first step
+        prompt = {"prompt": prompt, "images": [prepared_from_pixels(torch.from_numpy(np.array(image))) for image in pixels]}
+    return prompt, params, stream
 
 
 def _refuse_unknown_fields(request) -> None:

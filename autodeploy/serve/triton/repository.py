@@ -5,7 +5,7 @@
         config.pbtxt   its tensors, and the deployment's metadata as parameters
         1/model.py     imports autodeploy.serve.triton.llm_model
         1/deployment/  the deployment as `autodeploy build` saves it
-      preprocessing/   text → token ids (the deployment's tokenizer)
+      preprocessing/   text → token ids (the deployment's tokenizer); a vision-language model's images → pixel values
       postprocessing/  token ids → text
       output_filter/   text → text through a blocklist (only with one)
       ensemble/        text in → preprocessing → llm → postprocessing [→ output_filter] → text out
@@ -75,14 +75,21 @@ def write_model_repository(llm, directory: str | Path, blocklist: Blocklist | No
         specs.STREAM_INTERVAL.name: str(stream_interval),
     }
     tokenizer = {"tokenizer": f"{LLM}/1/{DEPLOYMENT}/tokenizer"}
-    _write_model(directory, LLM, "llm_model", "TritonPythonModel", specs.LLM_INPUTS, specs.LLM_OUTPUTS, metadata_parameters, decoupled)
-    _write_model(directory, PREPROCESSING, "tokenizer_models", "PreprocessingModel", specs.PREPROCESSING_INPUTS, specs.PREPROCESSING_OUTPUTS, tokenizer)
+    images = llm.image_token is not None  # a vision-language model: images through preprocessing to the llm model
+    llm_inputs = (*specs.LLM_INPUTS, specs.LLM_PIXEL_VALUES) if images else specs.LLM_INPUTS
+    _write_model(directory, LLM, "llm_model", "TritonPythonModel", llm_inputs, specs.LLM_OUTPUTS, metadata_parameters, decoupled)
+    if images:
+        _write_model(directory, PREPROCESSING, "tokenizer_models", "PreprocessingModel", (*specs.PREPROCESSING_INPUTS, specs.IMAGE_INPUT),
+                     (*specs.PREPROCESSING_OUTPUTS, specs.PIXEL_VALUES), {**tokenizer, "image_processor": f"{LLM}/1/{DEPLOYMENT}/image_processor"})
+    else:
+        _write_model(directory, PREPROCESSING, "tokenizer_models", "PreprocessingModel", specs.PREPROCESSING_INPUTS,
+                     specs.PREPROCESSING_OUTPUTS, tokenizer)
     _write_model(directory, POSTPROCESSING, "tokenizer_models", "PostprocessingModel", specs.POSTPROCESSING_INPUTS, specs.POSTPROCESSING_OUTPUTS, tokenizer)
     if blocklist is not None:
         _write_model(directory, OUTPUT_FILTER, "output_filter_model", "OutputFilterModel", specs.FILTER_INPUTS, specs.FILTER_OUTPUTS,
                      {"blocklist": json.dumps(blocklist.terms), "action": blocklist.action})
     (directory / ENSEMBLE / "1").mkdir(parents=True)
-    (directory / ENSEMBLE / "config.pbtxt").write_text(ensemble_config(with_filter=blocklist is not None))
+    (directory / ENSEMBLE / "config.pbtxt").write_text(ensemble_config(with_filter=blocklist is not None, with_images=images))
     return directory
 
 
@@ -119,8 +126,9 @@ def python_model_config(name: str, inputs, outputs, parameters: dict[str, str], 
     return "\n".join(lines) + "\n"
 
 
-def ensemble_config(with_filter: bool) -> str:
-    """The ensemble: its inputs reach the steps that read them; its outputs come from the last steps."""
+def ensemble_config(with_filter: bool, with_images: bool = False) -> str:
+    """The ensemble: its inputs reach the steps that read them; its outputs come from the last steps. With images,
+    preprocessing turns them into the pixel values the llm model takes."""
     options = [spec.name for spec in specs.REQUEST_OPTIONS]
     # With a filter, the engine's text and finish reason pass through it on their way out.
     text, finish_reason = ("_filter_input", "_finish_reason") if with_filter else (specs.TEXT_OUTPUT.name, specs.FINISH_REASON.name)
@@ -128,10 +136,13 @@ def ensemble_config(with_filter: bool) -> str:
     postprocessing_out = {"text_output": text}
     if with_filter:
         postprocessing_out |= {"text_so_far": "_text_so_far", "finish_reason": "_filter_finish_reason"}
+    images_in = {specs.IMAGE_INPUT.name: specs.IMAGE_INPUT.name} if with_images else {}
+    pixels = {specs.PIXEL_VALUES.name: "_pixel_values"} if with_images else {}
     steps = [
-        _step(PREPROCESSING, {"text_input": "text_input"}, {"input_ids": "_input_ids"}),
-        _step(LLM, {"input_ids": "_input_ids", **{name: name for name in options}}, {**to_postprocessing, **{name: name for name in (specs.OUTPUT_LOG_PROBS.name, specs.OUTPUT_TOP_TOKEN_IDS.name,
-                                                          specs.OUTPUT_TOP_LOG_PROBS.name, specs.SEQUENCE_INDEX.name)}}),
+        _step(PREPROCESSING, {"text_input": "text_input", **images_in}, {"input_ids": "_input_ids", **pixels}),
+        _step(LLM, {"input_ids": "_input_ids", **pixels, **{name: name for name in options}},
+              {**to_postprocessing, **{name: name for name in (specs.OUTPUT_LOG_PROBS.name, specs.OUTPUT_TOP_TOKEN_IDS.name,
+                                                                specs.OUTPUT_TOP_LOG_PROBS.name, specs.SEQUENCE_INDEX.name)}}),
         _step(POSTPROCESSING, to_postprocessing, postprocessing_out),
     ]
     if with_filter:
@@ -139,7 +150,8 @@ def ensemble_config(with_filter: bool) -> str:
                            {"text_output": specs.TEXT_OUTPUT.name, "finish_reason": specs.FINISH_REASON.name}))
     return "\n".join([
         f'name: "{ENSEMBLE}"', 'platform: "ensemble"', f"max_batch_size: {MAX_BATCH_SIZE}",
-        _tensor_list("input", specs.ENSEMBLE_INPUTS), _tensor_list("output", specs.ENSEMBLE_OUTPUTS),
+        _tensor_list("input", (*specs.ENSEMBLE_INPUTS, specs.IMAGE_INPUT) if with_images else specs.ENSEMBLE_INPUTS),
+        _tensor_list("output", specs.ENSEMBLE_OUTPUTS),
         "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}",
     ]) + "\n"
 

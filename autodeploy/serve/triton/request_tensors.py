@@ -64,6 +64,17 @@ def float_tensor(name: str, values):
     return _batch_of_one(name, np.array(values, dtype=np.float32))
 
 
+def float_array_tensor(name: str, values: np.ndarray):
+    """A float32 tensor of any shape (a batch dimension of 1 put before it)."""
+    return _batch_of_one(name, np.ascontiguousarray(values, dtype=np.float32))
+
+
+def optional_tensor(request, name: str) -> np.ndarray | None:
+    """The input as its shape gives it, without the batch dimension; None when the request does not carry it."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()[0]
+
+
 def _batch_of_one(name: str, values: np.ndarray):
     return pb_utils.Tensor(name, values[np.newaxis])
 

@@ -104,6 +104,12 @@ LLM_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP_OUTP
 
 PREPROCESSING_INPUTS = (TEXT_INPUT,)
 PREPROCESSING_OUTPUTS = (INPUT_IDS,)
+# A vision-language model's: the ensemble takes images (each an encoded file's bytes, or a data: or http(s) URL as
+# text, one per <image> in the text), its preprocessing step makes the model's pixel values of them (none: [0, 3, H, W]),
+# and the llm model takes those.
+IMAGE_INPUT = TensorSpec("image_input", "TYPE_STRING", (-1,), optional=True)
+PIXEL_VALUES = TensorSpec("pixel_values", "TYPE_FP32", (-1, 3, -1, -1))
+LLM_PIXEL_VALUES = TensorSpec(PIXEL_VALUES.name, PIXEL_VALUES.data_type, PIXEL_VALUES.dims, optional=True)
 POSTPROCESSING_INPUTS = (OUTPUT_IDS, NUM_NEW_TOKENS, FINISH_REASON, STOP)
 # The text so far and the finish reason go on to the output filter, which filters a stream as a whole
 # (a term split over pieces is found) without state between responses; it may end the answer with

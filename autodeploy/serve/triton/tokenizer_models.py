@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.request import streamable_prefix, text_before_stop
 from autodeploy.serve.triton import request_tensors
-from autodeploy.serve.triton.tensor_specs import FINISH_REASON, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, STOP, TEXT_INPUT, TEXT_OUTPUT, TEXT_SO_FAR
+from autodeploy.serve.triton.tensor_specs import (FINISH_REASON, IMAGE_INPUT, INPUT_IDS, NUM_NEW_TOKENS, OUTPUT_IDS, PIXEL_VALUES, STOP,
+                                                  TEXT_INPUT, TEXT_OUTPUT, TEXT_SO_FAR)
 
 
 def _load_tokenizer(args: dict):
@@ -30,10 +33,20 @@ def _load_tokenizer(args: dict):
 
 
 class PreprocessingModel:
-    """``text_input`` → ``input_ids``, tokenized as the engine tokenizes a text prompt."""
+    """``text_input`` → ``input_ids``, tokenized as the engine tokenizes a text prompt; for a vision-language model
+    also ``image_input`` (encoded images, or data: / http(s) URLs) → ``pixel_values``, each image loaded, checked
+    and preprocessed as the engine's admission does (``runtime/images.py``, the deployment's image processor; no
+    local files)."""
 
     def initialize(self, args: dict) -> None:
         self.tokenizer = _load_tokenizer(args)
+        parameters = json.loads(args["model_config"])["parameters"]
+        self.image_processor = None
+        if "image_processor" in parameters:
+            from autodeploy.models.vision_language import load_image_processor
+
+            root = Path(args["model_repository"]).resolve().parent
+            self.image_processor = load_image_processor(root / parameters["image_processor"]["string_value"])
 
     def execute(self, requests: list) -> list:
         return request_tensors.responses(requests, self._outputs)
@@ -42,7 +55,28 @@ class PreprocessingModel:
         ids = self.tokenizer(request_tensors.required_text(request, TEXT_INPUT.name)).input_ids
         if not ids:
             raise InvalidRequestError("the prompt is empty (no tokens); give it some text")
-        return [request_tensors.int_tensor(INPUT_IDS.name, ids)]
+        outputs = [request_tensors.int_tensor(INPUT_IDS.name, ids)]
+        if self.image_processor is not None:
+            outputs.append(request_tensors.float_array_tensor(PIXEL_VALUES.name, self._pixel_values(request)))
+        return outputs
+
+    def _pixel_values(self, request) -> np.ndarray:
+        """``[images, 3, H, W]`` of the request's images (``[0, 3, H, W]`` without)."""
+        from autodeploy.runtime.images import load_image
+
+        sources = request_tensors.optional_array(request, IMAGE_INPUT.name)
+        images = [load_image(_image_source(value), index=index, local_files=False).image
+                  for index, value in enumerate([] if sources is None else sources)]
+        if not images:
+            size = self.image_processor.crop_size if getattr(self.image_processor, "do_center_crop", False) else self.image_processor.size
+            return np.zeros((0, 3, int(size["height"]), int(size["width"])), dtype=np.float32)
+        return self.image_processor(images=images, return_tensors="np")["pixel_values"].astype(np.float32)
+
+
+def _image_source(value: bytes):
+    """An ``image_input`` element: a data: or http(s) URL sent as text, else an encoded image's bytes."""
+    head = bytes(value[:10]).lower()
+    return value.decode() if head.startswith((b"data:", b"http://", b"https://")) else bytes(value)
 
 
 class PostprocessingModel:
