@@ -6,6 +6,7 @@ is the tower's own (Pillow) one at the tower's 32-pixel resolution, so an image 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -63,3 +64,10 @@ def random_image(seed: int, size: tuple[int, int] = (48, 40)) -> Image.Image:
     """An RGB image of random pixels, ``size`` = (width, height)."""
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+def png(image: Image.Image) -> bytes:
+    """``image`` as a PNG file's bytes."""
+    data = io.BytesIO()
+    image.save(data, format="PNG")
+    return data.getvalue()

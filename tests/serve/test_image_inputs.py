@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.server
-import io
 import threading
 
 import httpx
@@ -19,16 +18,10 @@ from autodeploy import SamplingParams, autodeploy
 from autodeploy.serve import ServerOptions, build_app
 from autodeploy.serve.server import serving_in_thread
 from tests.test_vision_language import hf_greedy
-from tests.tiny_vision_models import IMAGE_TOKEN, random_image, write_tiny_llava
+from tests.tiny_vision_models import IMAGE_TOKEN, png, random_image, write_tiny_llava
 
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 MODEL = "tiny-llava"
-
-
-def png(image) -> bytes:
-    data = io.BytesIO()
-    image.save(data, format="PNG")
-    return data.getvalue()
 
 
 @pytest.fixture(scope="module")

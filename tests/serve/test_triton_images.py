@@ -5,7 +5,6 @@ greedy answers equal in-process ``LLM.generate`` with the same image, and bad im
 from __future__ import annotations
 
 import base64
-import io
 
 import httpx
 import numpy as np
@@ -15,15 +14,9 @@ from tritonclient.utils import InferenceServerException
 
 from autodeploy import SamplingParams, autodeploy
 from tests.serve.test_triton_server import serve_repository
-from tests.tiny_vision_models import IMAGE_TOKEN, random_image, write_tiny_llava
+from tests.tiny_vision_models import IMAGE_TOKEN, png, random_image, write_tiny_llava
 
 PROMPT = f"{IMAGE_TOKEN}\ndef fibonacci(n):"
-
-
-def png(image) -> bytes:
-    data = io.BytesIO()
-    image.save(data, format="PNG")
-    return data.getvalue()
 
 
 @pytest.fixture(scope="module")
