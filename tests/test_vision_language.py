@@ -103,8 +103,15 @@ def test_two_images_never_share_an_encoder_cache_entry_nor_a_cached_prefix(llava
     second.putpixel((0, 0), tuple(255 - c for c in pixels[0, 0]))
     prompt = f"{IMAGE_TOKEN}\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n"
     entries = len(llm.engine.vision.cache)
-    outputs = [llm.generate([{"prompt": prompt, "images": [image]}], GREEDY)[0] for image in (first, second, first)]
+    stats = llm.engine.pool.stats
+    outputs, hits = [], []
+    for image in (first, second, first):
+        before = stats.hit_tokens
+        outputs.append(llm.generate([{"prompt": prompt, "images": [image]}], GREEDY)[0])
+        hits.append(stats.hit_tokens - before)
     assert len(llm.engine.vision.cache) == entries + 2
+    # The other image's prompt reuses no block its placeholders touch; the same image's again reuses them.
+    assert hits[1] < TOKENS_PER_IMAGE and hits[2] >= TOKENS_PER_IMAGE
     ids = llm.tokenizer(prompt).input_ids
     for output, image in zip(outputs, (first, second, first)):
         assert output.outputs[0].token_ids == hf_greedy(llm, hf, ids, [image])
@@ -128,6 +135,12 @@ def test_bad_image_requests_are_refused_with_a_typed_error_before_anything_is_qu
     with pytest.raises(InvalidRequestError, match=message):
         llm.engine.add_request(prompt, GREEDY)
     assert not llm.engine.has_unfinished()
+
+
+def test_images_that_overflow_the_context_are_refused_naming_them(llava):
+    llm, _ = llava
+    with pytest.raises(InvalidRequestError, match=r"8 image\(s\) of 16 tokens each make it 128 tokens"):
+        llm.engine.add_request({"prompt": IMAGE_TOKEN * 8, "images": [random_image(8)] * 8}, SamplingParams(max_tokens=200))
 
 
 def test_a_text_only_model_refuses_images(tiny_checkpoint):

@@ -67,6 +67,11 @@ class RequestIntake:
         image_starts: list[int] = []
         if self.vision is not None:  # a text prompt carries no placeholders either
             token_ids, image_starts = self.vision.expand_placeholders(token_ids, len(images or ()))
+            if images and len(token_ids) + params.max_tokens > self.max_seq_len:
+                raise InvalidRequestError(
+                    f"the prompt's {len(images)} image(s) of {self.vision.tokens_per_image} tokens each make it {len(token_ids)} "
+                    f"tokens, and with max_tokens={params.max_tokens} more than max_seq_len={self.max_seq_len}; send fewer "
+                    f"images, a shorter prompt or a lower max_tokens")
         self._check_fits(token_ids, params)
         biased_outside = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if biased_outside:
