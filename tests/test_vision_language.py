@@ -225,3 +225,17 @@ def test_an_image_split_over_prefill_chunks_preemption_and_several_samples_give_
         expected = hf_greedy(llm, hf, llm.tokenizer(prompt["prompt"]).input_ids, prompt["images"], max_tokens=12)
         assert [c.token_ids for c in output.outputs] == [expected, expected]
     llm.shutdown()
+
+
+def test_the_cli_takes_images_for_its_prompts(llava, tmp_path, capsys):
+    from autodeploy.cli.main import main
+    from tests.tiny_vision_models import png
+
+    llm, hf = llava
+    image = random_image(50)
+    (tmp_path / "image.png").write_bytes(png(image))
+    prompt = f"{IMAGE_TOKEN}\ndef f():"
+    assert main(["run", llm.model_directory, "--prompt", prompt, "--image", str(tmp_path / "image.png"), "--max-tokens", "8",
+                 "--set", "device=cpu", "--set", "dtype=float32", "--set", "max_seq_len=256"]) == 0
+    expected = llm.tokenizer.decode(hf_greedy(llm, hf, llm.tokenizer(prompt).input_ids, [image]))
+    assert expected in capsys.readouterr().out

@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--beam-width", type=int, default=1, help="> 1: beam search (with --temperature 0)")
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--image", action="append", default=[], metavar="PATH_OR_URL",
+                     help="a vision-language model: an image for every prompt, one <image> in the prompt each (repeatable)")
     run.add_argument("--stream", action="store_true",
                      help="print tokens as they come (one prompt; with --n > 1 the samples print one after another)")
     for flag, setting, what in (("--tp", "tensor_parallel", "tensor parallel over N ranks"),
@@ -344,11 +346,12 @@ def _generate(llm, args) -> None:
     prompts = args.prompt or [DEFAULT_PROMPT]
     if args.stream and len(prompts) > 1:
         raise ConfigError("--stream prints the completions of one prompt as they come; give a single --prompt")
+    requests = [{"prompt": prompt, "images": list(args.image)} for prompt in prompts] if args.image else prompts
     start = time.perf_counter()
     if args.stream:
-        outputs = [print_stream(llm.stream(prompts[0], params), prompts[0], params)]
+        outputs = [print_stream(llm.stream(requests[0], params), prompts[0], params)]
     else:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(requests, params)
         print_outputs(outputs)
     seconds = time.perf_counter() - start
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
