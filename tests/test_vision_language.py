@@ -239,3 +239,23 @@ def test_the_cli_takes_images_for_its_prompts(llava, tmp_path, capsys):
                  "--set", "device=cpu", "--set", "dtype=float32", "--set", "max_seq_len=256"]) == 0
     expected = llm.tokenizer.decode(hf_greedy(llm, hf, llm.tokenizer(prompt).input_ids, [image]))
     assert expected in capsys.readouterr().out
+
+
+def test_a_vision_graph_that_fails_fails_its_steps_requests_and_leaves_nothing_waiting(llava, monkeypatch):
+    llm, _ = llava
+    vision = llm.engine.vision
+
+    def broken(pixels):
+        raise RuntimeError("the vision graph broke")
+
+    monkeypatch.setattr(vision, "graph", broken)
+    monkeypatch.setattr(vision, "_captured", {})
+    engine = llm.engine
+    requests = [engine.add_request({"prompt": f"{IMAGE_TOKEN} x", "images": [random_image(60)]}, GREEDY),
+                engine.add_request("import os", GREEDY)]
+    with pytest.raises(RuntimeError, match="vision graph broke"):
+        engine.step()
+    assert not engine.has_unfinished() and engine.pool.num_used_blocks == 0  # a server's clients get the error, not a hang
+    assert all(request.finished for request in requests)
+    monkeypatch.undo()
+    assert len(llm.generate(["import os"], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens

@@ -302,7 +302,11 @@ class Engine:
             if self.vision is not None:  # the images of requests this step starts, before their prompts are computed
                 starting = {id(c.sequence.request): c.sequence.request for c in plan.chunks if c.sequence.request.images}
                 if starting:
-                    self.vision.encode(list(starting.values()))
+                    try:
+                        self.vision.encode(list(starting.values()))
+                    except Exception as error:  # the step's requests get the error; nothing is left waiting
+                        self._fail(plan.chunks, error)
+                        raise
             if self.speculator is not None:
                 self.speculator.extend(plan.chunks, self.max_num_tokens - plan.num_tokens)
             now = self.clock()
