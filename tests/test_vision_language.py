@@ -259,3 +259,46 @@ def test_a_vision_graph_that_fails_fails_its_steps_requests_and_leaves_nothing_w
     assert all(request.finished for request in requests)
     monkeypatch.undo()
     assert len(llm.generate(["import os"], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.timeout(60)
+def test_async_llm_prepares_images_off_its_event_loop(llava, monkeypatch):
+    """A prompt with images is made on a worker thread: a slow image (a URL fetch, say) does not stop the loop."""
+    import asyncio
+    import threading
+    import time
+
+    from autodeploy.frontend.async_llm import AsyncLLM
+
+    llm, _ = llava
+    vision = llm.engine.vision
+    prepare, threads = vision.prepare, []
+
+    def slow_prepare(sources):
+        threads.append(threading.current_thread())
+        time.sleep(0.5)
+        return prepare(sources)
+
+    monkeypatch.setattr(vision, "prepare", slow_prepare)
+    engine = AsyncLLM(llm)
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        output = await engine.generate({"prompt": f"{IMAGE_TOKEN} x", "images": [random_image(70)]}, GREEDY)
+        task.cancel()
+        return output, ticks
+
+    try:
+        output, ticks = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
+    assert threads and threads[0] is not threading.main_thread() and ticks >= 10

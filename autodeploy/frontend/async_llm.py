@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.engine import Prompt
@@ -76,7 +76,12 @@ class AsyncLLM:
 
     async def _outputs(self, prompt: Prompt | Request, params: SamplingParams | None, priority: int, streaming: bool,
                        stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
-        request = prompt if isinstance(prompt, Request) else self.engine.make_request(prompt, params, priority=priority)  # bad input raises here
+        if isinstance(prompt, Request):
+            request = prompt
+        elif isinstance(prompt, Mapping):  # images: loaded (URLs fetched) and preprocessed off the event loop
+            request = await asyncio.to_thread(self.engine.make_request, prompt, params, priority=priority)
+        else:
+            request = self.engine.make_request(prompt, params, priority=priority)  # bad input raises here
         queue: asyncio.Queue = asyncio.Queue()
         request.sink = _AsyncSink(asyncio.get_running_loop(), queue, streaming, stream_interval)
         with self._lock:
