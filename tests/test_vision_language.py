@@ -73,7 +73,7 @@ def test_prompts_already_expanded_by_a_processor_are_kept(llava):
     llm, hf = llava
     image = random_image(3)
     ids = [1, 5] + [IMAGE_TOKEN_ID] * TOKENS_PER_IMAGE + [7, 8]
-    [output] = llm.generate([{"prompt": ids, "images": [image]}], GREEDY)
+    [output] = llm.generate({"prompt": ids, "images": [image]}, GREEDY)  # one prompt, not in a list
     assert output.prompt_token_ids == ids
     assert output.outputs[0].token_ids == hf_greedy(llm, hf, [1, 5, IMAGE_TOKEN_ID, 7, 8], [image])
 

@@ -295,10 +295,11 @@ class LLM:
                 engine.abort(request.request_id)
 
     def _prompt_list(self, prompts) -> list[Prompt]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: text, token ids, or {"prompt": …, "images": […]}
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise InvalidRequestError("generate() needs at least one prompt (a string or a list of token ids)")
+            raise InvalidRequestError("generate() needs at least one prompt (a string, a list of token ids, or "
+                                      "{'prompt': …, 'images': […]})")
         return list(prompts)
 
 
