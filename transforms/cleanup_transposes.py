@@ -92,7 +92,7 @@ class CleanupTransposes(Transform):
         return TransformResult(matches=rewrites, changed=rewrites > 0, notes=notes)
 
 
-@register_transform("refold_transposes", stage="cache")
+@register_transform("refold_transposes", stage="cache", roles=ALL_ROLES)
 class RefoldTransposes(CleanupTransposes):
     """``cleanup_transposes`` once more, after the cache stage (YAML: ``refold_transposes: {stage: cache}``).
 
