@@ -102,3 +102,19 @@ def test_the_server_takes_data_urls_loopback_urls_and_allowed_local_files(llava)
         assert f"autodeploy_images_encoded_total {vision.images_encoded:.1f}" in metrics
         assert f"autodeploy_encoder_cache_misses_total {vision.cache.misses:.1f}" in metrics
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.timeout(120)
+def test_without_an_allowed_directory_the_server_reads_no_local_image(tmp_path):
+    write_tiny_llava(tmp_path / "model", "clip")
+    llm = autodeploy(str(tmp_path / "model"), device="cpu", dtype="float32", max_seq_len=128, verify={"enabled": False})
+    (tmp_path / "secret.png").write_bytes(png(random_image(15)))
+    try:
+        with serving_in_thread(build_app(llm, ServerOptions(served_model_name=MODEL, chat_template=TEMPLATE))) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+            for url in (str(tmp_path / "secret.png"), f"file://{tmp_path / 'secret.png'}"):
+                with pytest.raises(openai.BadRequestError, match="reads no local files"):
+                    client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]}])
+    finally:
+        llm.shutdown()
