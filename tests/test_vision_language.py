@@ -302,3 +302,43 @@ def test_async_llm_prepares_images_off_its_event_loop(llava, monkeypatch):
         engine.shutdown()
     assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
     assert threads and threads[0] is not threading.main_thread() and ticks >= 10
+
+
+def test_decode_steps_replay_the_padded_static_graphs_with_image_prompts(llava, monkeypatch):
+    """The decode graphs (static, padded buffers: what a GPU captures) hold the image side input with no rows; a step
+    that computes an image placeholder (a prompt's last position, say) runs outside them. Outputs stay HF's."""
+    import dataclasses
+
+    from autodeploy.runtime.engine import Engine
+    from autodeploy.runtime.model_runner import CapturedRunner
+
+    llm, hf = llava
+    deployment = llm.deployment
+    signature = dataclasses.replace(deployment.signature, decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=())
+    engine = Engine(dataclasses.replace(deployment, signature=signature))
+    assert isinstance(engine.runner, CapturedRunner) and engine.runner.decode_graphs is not None
+    replays = []
+    replay = engine.runner.decode_graphs.replay
+    monkeypatch.setattr(engine.runner.decode_graphs, "replay", lambda *args: replays.append(args) or replay(*args))
+    images = [random_image(80), random_image(81), random_image(82)]
+    prompts = [f"{IMAGE_TOKEN} x", f"def f():{IMAGE_TOKEN}", f"{IMAGE_TOKEN}"]  # the last two end on an image
+    requests = [engine.add_request({"prompt": prompt, "images": [image]}, GREEDY) for prompt, image in zip(prompts, images)]
+    while engine.has_unfinished():
+        engine.step()
+    assert replays
+    for prompt, image, request in zip(prompts, images, requests):
+        assert request.output(llm.tokenizer).outputs[0].token_ids == hf_greedy(llm, hf, llm.tokenizer(prompt).input_ids, [image])
+
+
+def test_a_step_computing_an_image_row_is_told_apart_from_a_plain_decode():
+    from types import SimpleNamespace
+
+    from autodeploy.runtime.request import TokenRows
+    from autodeploy.runtime.step_inputs import SideInputSpec, carries_side_rows
+
+    spec = SideInputSpec("image_features", (4,), torch.float32)
+    request = SimpleNamespace(side_inputs={"image_features": TokenRows((5, 6, 7), torch.zeros(3, 4))})
+    chunk = lambda start, length: SimpleNamespace(sequence=SimpleNamespace(request=request), start=start, length=length)  # noqa: E731
+    assert carries_side_rows([chunk(7, 1)], [spec]) and carries_side_rows([chunk(0, 6)], [spec])
+    assert not carries_side_rows([chunk(8, 1)], [spec]) and not carries_side_rows([chunk(0, 5)], [spec])
+    assert not carries_side_rows([SimpleNamespace(sequence=SimpleNamespace(request=None), start=5, length=1)], [spec])

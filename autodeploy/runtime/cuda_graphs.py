@@ -30,7 +30,7 @@ import torch
 from autodeploy.custom_ops.graph_capture import GraphCapture
 from autodeploy.custom_ops.serving_signature import TREE_MASK
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.step_inputs import PendingTokens, slot
+from autodeploy.runtime.step_inputs import PendingTokens, SideInputSpec, no_side_rows, slot
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class DecodeGraphs:
         max_seq_len: int,
         pad_block: int,
         device: torch.device,
+        side_inputs: Sequence[SideInputSpec] = (),
     ):
         self.graph = graph
         self.block_size = block_size
@@ -104,7 +105,7 @@ class DecodeGraphs:
         self.batches = {size: StaticBatch(size, self.max_blocks, device, pin=self.capture) for size in self.sizes}
         self._arguments = {}
         for size, batch in self.batches.items():
-            named = {**batch.named_inputs(self.max_blocks, max_seq_len), **caches}
+            named = {**batch.named_inputs(self.max_blocks, max_seq_len), **no_side_rows(side_inputs, device), **caches}
             self._arguments[size] = [named[name] for name in input_names]
             self._fill(batch, [], [], [], [])
         self.pool_bytes = 0

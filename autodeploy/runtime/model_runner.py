@@ -46,7 +46,7 @@ from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs
 from autodeploy.runtime.pipeline_schedule import PipelineSchedule
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.device_copies import to_device
-from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs, declared_side_inputs, slot
+from autodeploy.runtime.step_inputs import PendingTokens, build_step_inputs, carries_side_rows, declared_side_inputs, slot
 from autodeploy.runtime.verify_graphs import VerifyGraphs
 
 logger = logging.getLogger(__name__)
@@ -213,10 +213,6 @@ class CapturedRunner(ModelRunner):
     def __init__(self, deployment: Deployment):
         super().__init__(deployment)
         self.decode_sizes = sorted(set(deployment.signature.decode_graph_batch_sizes))
-        if self.decode_sizes and self.side_inputs:
-            logger.info("decode steps run eagerly: the graph takes side inputs %s, which no decode graph holds",
-                        sorted(self.side_inputs))
-            self.decode_sizes = []
         self.prefill_sizes = deployment.signature.prefill_graph_token_sizes
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
@@ -247,12 +243,14 @@ class CapturedRunner(ModelRunner):
     def stage(self, chunks: list[ScheduledChunk], logits_for_all_tokens: bool = False,
               pending: PendingTokens | None = None) -> StagedStep:
         """A decode step a captured graph holds replays it; a step a prefill bucket holds runs the pieces."""
-        if self.decode_graphs is not None and self.decode_graphs.serves(chunks, logits_for_all_tokens):
+        # Captured steps hold side inputs without rows: a step computing a position that carries one runs otherwise.
+        plain = not self.side_inputs or not carries_side_rows(chunks, list(self.side_inputs.values()))
+        if plain and self.decode_graphs is not None and self.decode_graphs.serves(chunks, logits_for_all_tokens):
             size = self.decode_graphs.stage(chunks, self.pool.block_table, pending)
             self.staged_width = 1
             completing = [] if logits_for_all_tokens else list(range(len(chunks)))
             return (lambda: self.decode_graphs.replay(size, len(chunks))), completing
-        if self.verify_graphs is not None and not logits_for_all_tokens and self.verify_graphs.serves(chunks):
+        if plain and self.verify_graphs is not None and not logits_for_all_tokens and self.verify_graphs.serves(chunks):
             size, keep = self.verify_graphs.stage(chunks, self.pool.block_table, pending)
             self.staged_width = self.verify_graphs.width
             return (lambda: self.verify_graphs.replay(size, keep)), list(range(len(chunks)))
@@ -279,7 +277,8 @@ class CapturedRunner(ModelRunner):
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         graphs = DecodeGraphs(self.graph, self.graph_inputs, self.caches, self.decode_sizes, self.block_size,
-                              self.max_seq_len, pad_block=self.pool.num_blocks, device=self.device)
+                              self.max_seq_len, pad_block=self.pool.num_blocks, device=self.device,
+                              side_inputs=list(self.side_inputs.values()))
         try:
             with torch.inference_mode():
                 graphs.capture_all()
@@ -291,7 +290,8 @@ class CapturedRunner(ModelRunner):
 
     def _capture_verify_graphs(self) -> VerifyGraphs | None:
         graphs = VerifyGraphs(self.graph, self.graph_inputs, self.caches, self.verify_sizes, self.verify_tokens,
-                              self.block_size, self.max_seq_len, pad_block=self.pool.num_blocks, device=self.device)
+                              self.block_size, self.max_seq_len, pad_block=self.pool.num_blocks, device=self.device,
+                              side_inputs=list(self.side_inputs.values()))
         try:
             with torch.inference_mode():
                 graphs.capture_all()

@@ -197,6 +197,27 @@ def build_step_inputs(
     return [available[name] for name in input_names], completing
 
 
+def no_side_rows(specs: Sequence[SideInputSpec], device: torch.device) -> dict[str, torch.Tensor]:
+    """Each side input with no rows, as a captured step holds them (a decode or verification step computes no prompt
+    position that carries rows: ``carries_side_rows``)."""
+    empty = {}
+    for spec in specs:
+        empty[spec.name] = torch.zeros((0, *spec.row_shape), dtype=spec.dtype, device=device)
+        empty[spec.index_input] = torch.zeros(0, dtype=torch.long, device=device)
+    return empty
+
+
+def carries_side_rows(chunks: Sequence[ScheduledChunk], specs: Sequence[SideInputSpec]) -> bool:
+    """Whether a position the chunks compute carries a row of a side input (a prompt's image placeholder, say)."""
+    for chunk in chunks:
+        request = chunk.sequence.request
+        for spec in specs:
+            carried = request.side_inputs.get(spec.name) if request is not None else None
+            if carried is not None and any(chunk.start <= p < chunk.start + chunk.length for p in carried.positions):
+                return True
+    return False
+
+
 def _gather_side_input(spec: SideInputSpec, chunks: Sequence[ScheduledChunk], device: torch.device):
     """The rows of side input ``spec`` that the chunks' requests carry for the positions the chunks compute,
     in token order, and the token (in the step) each goes to."""

@@ -35,7 +35,7 @@ from autodeploy.runtime.cuda_graphs import StaticBatch
 from autodeploy.runtime.device_copies import to_device
 from autodeploy.runtime.draft_trees import tree_depths, tree_masks
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.step_inputs import PendingTokens, copy_device_drafts, slot
+from autodeploy.runtime.step_inputs import PendingTokens, SideInputSpec, copy_device_drafts, no_side_rows, slot
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class VerifyGraphs:
 
     def __init__(self, graph: Callable[..., tuple[torch.Tensor, ...]], input_names: Sequence[str],
                  caches: dict[str, torch.Tensor], batch_sizes: Sequence[int], num_tokens: int, block_size: int,
-                 max_seq_len: int, pad_block: int, device: torch.device):
+                 max_seq_len: int, pad_block: int, device: torch.device, side_inputs: Sequence[SideInputSpec] = ()):
         self.graph = graph
         self.width = num_tokens + 1
         self.block_size = block_size
@@ -56,7 +56,8 @@ class VerifyGraphs:
         self.sizes = sorted(set(batch_sizes))
         max_blocks = -(-(max_seq_len + self.width) // block_size)
         self.rows = {size: StaticBatch(size, max_blocks, device, self.capture, self.width) for size in self.sizes}
-        self._arguments = {size: [{**rows.named_inputs(max_blocks, max_seq_len + self.width), **caches}[name] for name in input_names]
+        empty = no_side_rows(side_inputs, device)  # a verification step computes no prompt position
+        self._arguments = {size: [{**rows.named_inputs(max_blocks, max_seq_len + self.width), **empty, **caches}[name] for name in input_names]
                            for size, rows in self.rows.items()}
         for rows in self.rows.values():
             self._fill(rows, [])
