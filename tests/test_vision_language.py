@@ -337,7 +337,7 @@ def test_a_step_computing_an_image_row_is_told_apart_from_a_plain_decode():
     from autodeploy.runtime.step_inputs import SideInputSpec, carries_side_rows
 
     spec = SideInputSpec("image_features", (4,), torch.float32)
-    request = SimpleNamespace(side_inputs={"image_features": TokenRows((5, 6, 7), torch.zeros(3, 4))})
+    request = SimpleNamespace(side_inputs={"image_features": TokenRows((5, 6, 7), torch.zeros(3, 4))}, prompt_token_ids=[0] * 10)
     chunk = lambda start, length: SimpleNamespace(sequence=SimpleNamespace(request=request), start=start, length=length)  # noqa: E731
     assert carries_side_rows([chunk(7, 1)], [spec]) and carries_side_rows([chunk(0, 6)], [spec])
     assert not carries_side_rows([chunk(8, 1)], [spec]) and not carries_side_rows([chunk(0, 5)], [spec])

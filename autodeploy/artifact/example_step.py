@@ -25,6 +25,7 @@ from autodeploy.runtime.step_inputs import SideInputSpec, build_step_inputs
 @dataclass
 class _ExampleRequest:
     side_inputs: dict[str, TokenRows]
+    prompt_token_ids: list[int]
 
 
 @dataclass
@@ -70,7 +71,8 @@ def example_step(
     partial prompt chunk carries ``b + 1`` rows of each side input (an image's feature rows, say)."""
     b = block_size
     carried = {spec.name: TokenRows(tuple(range(b + 1)), torch.zeros((b + 1, *spec.row_shape), dtype=spec.dtype)) for spec in side_inputs}
-    partial = _ExampleSequence(-1, [0] * (2 * b + 3), _ExampleRequest(carried) if carried else None)
+    prompt = [0] * (2 * b + 3)
+    partial = _ExampleSequence(-1, prompt, _ExampleRequest(carried, prompt) if carried else None)
     whole, deep = _ExampleSequence(-2, [0] * 3), _ExampleSequence(-3, [0] * (4 * b + 2))
     # Prompt chunks first, then decodes (the scheduler's order): 3 sequences, b + 6 tokens, 2 rows of logits
     # (the partial chunk completes nothing), block tables 5 or 6 wide.

@@ -211,11 +211,20 @@ def carries_side_rows(chunks: Sequence[ScheduledChunk], specs: Sequence[SideInpu
     """Whether a position the chunks compute carries a row of a side input (a prompt's image placeholder, say)."""
     for chunk in chunks:
         request = chunk.sequence.request
+        if not _may_carry_rows(chunk):
+            continue
         for spec in specs:
-            carried = request.side_inputs.get(spec.name) if request is not None else None
+            carried = request.side_inputs.get(spec.name)
             if carried is not None and any(chunk.start <= p < chunk.start + chunk.length for p in carried.positions):
                 return True
     return False
+
+
+def _may_carry_rows(chunk: ScheduledChunk) -> bool:
+    """Rows go with prompt positions only (admission checks it): a chunk past the prompt (a decode, a verification)
+    carries none, which spares every decode step a walk over an image's hundreds of positions."""
+    request = chunk.sequence.request
+    return request is not None and bool(request.side_inputs) and chunk.start < len(request.prompt_token_ids)
 
 
 def _gather_side_input(spec: SideInputSpec, chunks: Sequence[ScheduledChunk], device: torch.device):
@@ -226,7 +235,7 @@ def _gather_side_input(spec: SideInputSpec, chunks: Sequence[ScheduledChunk], de
     first_token = 0
     for chunk in chunks:
         request = chunk.sequence.request  # None for the engine's probes, which carry nothing
-        carried = request.side_inputs.get(spec.name) if request is not None else None
+        carried = request.side_inputs.get(spec.name) if _may_carry_rows(chunk) else None
         if carried is not None:
             computed = [(p, i) for i, p in enumerate(carried.positions) if chunk.start <= p < chunk.start + chunk.length]
             computed.sort()

@@ -10,7 +10,8 @@ those not in the encoder cache — every such image of the step in forwards of u
 and hands the language model graph their rows as the request's ``image_features`` side input, at the
 placeholders' positions.
 
-    encoder = VisionEncoder(deployment.graphs["vision"], processor, settings)
+    graph = deployment.graphs["vision"]
+    encoder = VisionEncoder(graph, vision_signature(graph), deployment.image_processor, deployment.image_token_id, settings)
     prepared = encoder.prepare(["cat.png"])       # admission
     encoder.encode([request])                      # the step that first computes its prompt
 """
@@ -86,11 +87,10 @@ class VisionEncoder:
 
     def _prepare_one(self, index: int, source) -> PreparedImage:
         if isinstance(source, PreparedImage):  # preprocessed elsewhere (the Triton ensemble's preprocessing step)
-            expected = (3, *self.image_size)
-            if tuple(source.pixel_values.shape) != expected or not torch.isfinite(source.pixel_values).all():
-                raise InvalidRequestError(f"image {index}: its pixel values are {tuple(source.pixel_values.shape)}"
-                                          f"{'' if torch.isfinite(source.pixel_values).all() else ', not all finite'}; the "
-                                          f"model takes finite {list(expected)}")
+            shape, finite = tuple(source.pixel_values.shape), bool(torch.isfinite(source.pixel_values).all())
+            if shape != (3, *self.image_size) or not finite:
+                raise InvalidRequestError(f"image {index}: its pixel values are {shape}{'' if finite else ', not all finite'}; "
+                                          f"the model takes finite {[3, *self.image_size]}")
             return source
         loaded = load_image(source, index=index, limits=self.limits, local_files=self.local_files)
         try:
@@ -185,9 +185,6 @@ class VisionEncoder:
                 self._captured.clear()
                 return
         logger.info("vision graph captured for %s images (%s)", sizes, capture.times)
-
-    def close(self) -> None:
-        self._workers.shutdown(wait=False, cancel_futures=True)
 
 
 def prepared_from_pixels(pixel_values: torch.Tensor) -> PreparedImage:

@@ -269,8 +269,8 @@ class _Server:
 
     def prompt_length(self, prompt: list[int] | dict) -> int:
         """Tokens the prompt takes in the context (each image's placeholder as many as its feature rows)."""
-        if isinstance(prompt, dict):
-            return len(prompt["prompt"]) + len(prompt["images"]) * (self.engine.vision.tokens_per_image - 1)
+        if isinstance(prompt, dict):  # as admission will expand it (a bad placeholder count is the request's 400 now)
+            return len(self.engine.vision.expand_placeholders(prompt["prompt"], len(prompt["images"]))[0])
         return len(prompt)
 
     def queue_place(self):
