@@ -70,11 +70,14 @@ def attend(
     sinks: Optional[torch.Tensor],
     alibi_slopes: Optional[List[float]] = None,
     visible_also: Optional[torch.Tensor] = None,
+    last_keys: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The attention arithmetic shared by the un-cached and cached references: ``q[B, Sq, Hq, D]`` at
     ``query_positions[Sq]`` over ``k[B, Sk, Hkv, D]``/``v`` at ``key_positions[Sk]``, masked causally
     (and by the window) on those absolute positions, and by ``visible_also[Sq, Sk]`` where given (a tree
-    verification's: ``cached_attention``'s ``tree_mask``). Every query must see at least one key."""
+    verification's: ``cached_attention``'s ``tree_mask``). ``last_keys[Sq]``: the last key position each query
+    sees, where past its own (a bidirectional block's: ``cached_attention``'s ``attend_until``); the window
+    still counts back from the query's own position. Every query must see at least one key."""
     batch, _, q_heads, _ = q.shape
     kv_heads = k.shape[2]
     dtype = compute_dtype(q.dtype)
@@ -90,7 +93,7 @@ def attend(
 
     query_pos = query_positions[:, None]
     key_pos = key_positions[None, :]
-    visible = key_pos <= query_pos
+    visible = key_pos <= (query_pos if last_keys is None else torch.maximum(query_pos, last_keys[:, None]))
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
     if visible_also is not None:

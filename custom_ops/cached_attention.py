@@ -25,6 +25,11 @@ Layout and metadata (N sequences, T new tokens in all):
   ≤ 62, the chunk's token ``j``; its own bit set): a tree verification chunk, the sequence's newest token then
   drafted nodes, each after its parent, each seeing its ancestors and itself
   (``runtime/speculative.py``). A token never sees a later one, whatever its bits say.
+- ``attend_until[T]`` (int64, optional: only graphs of models with bidirectional blocks in their prompts have it,
+  Gemma 3's images): the last position each new token sees when that is past its own, ``-1`` where it is its own
+  (causal). A block's tokens all name the block's last position, so they see one another; a prompt chunk always
+  holds the rest of a block it starts (``runtime/scheduler.py``), so the keys a token sees are cached or new in
+  its chunk. A sliding window still counts back from the token's own position.
 """
 
 from __future__ import annotations
@@ -99,10 +104,11 @@ def cached_attention_reference(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tree_mask: Optional[torch.Tensor] = None,
+    attend_until: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write this step's ``k``/``v`` into the caches, then attend each new token over its sequence's
     cached tokens with the ``attention`` op's semantics (causal on absolute positions, GQA, window,
-    soft-cap, sinks, ALiBi; a tree chunk's ``tree_mask``). ``k_scale`` / ``v_scale``: the layer's fp8 cache
+    soft-cap, sinks, ALiBi; a tree chunk's ``tree_mask``; bidirectional blocks' ``attend_until``). ``k_scale`` / ``v_scale``: the layer's fp8 cache
     scales (a stored value times its scale is the value). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The
     oracle: one sequence at a time."""
     check_alibi_slopes("cached_attention", alibi_slopes, q.shape[2])
@@ -118,9 +124,18 @@ def cached_attention_reference(
         query_positions = key_positions[kv_len - (last - first) :]
         out[:, first:last] = attend(
             q[:, first:last], keys, values, query_positions, key_positions, scale, sliding_window, logit_cap, sinks,
-            alibi_slopes, tree_visibility(tree_mask, first, last, kv_len),
+            alibi_slopes, tree_visibility(tree_mask, first, last, kv_len), last_keys(attend_until, first, last),
         )
     return out
+
+
+def last_keys(attend_until: Optional[torch.Tensor], first: int, last: int) -> Optional[torch.Tensor]:
+    """The last key position each of the new tokens ``first … last - 1`` sees past its own (``-1``: none), by
+    ``attend_until``; None where no token of the chunk sees past itself."""
+    if attend_until is None:
+        return None
+    rows = attend_until[first:last].to(torch.int64)
+    return None if bool((rows < 0).all()) else rows
 
 
 def tree_visibility(tree_mask: Optional[torch.Tensor], first: int, last: int, kv_len: int) -> Optional[torch.Tensor]:
@@ -194,7 +209,7 @@ def _triton_supports(*args, device, **kwargs):
     try:
         check_supported(
             call.q, call.k, call.v, call.k_cache, call.v_cache, call.block_tables, call.sliding_window, call.logit_cap,
-            call.sinks, call.alibi_slopes, tree_mask=call.tree_mask, device=device,
+            call.sinks, call.alibi_slopes, tree_mask=call.tree_mask, attend_until=call.attend_until, device=device,
         )
     except ValueError as error:
         return str(error).removeprefix("cached_attention_triton: ")

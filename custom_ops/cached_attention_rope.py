@@ -117,7 +117,7 @@ def _triton_supports(*args, device, **kwargs):
         check_rope_supported(
             call.q, call.k, call.v, call.cos, call.sin, call.k_cache, call.v_cache, call.block_tables,
             call.sliding_window, call.logit_cap, call.sinks, call.alibi_slopes, tree_mask=call.tree_mask,
-            device=device,
+            attend_until=call.attend_until, device=device,
         )
     except ValueError as error:
         return str(error).split(": ", 1)[-1]  # without the kernel's name, which the report shows already

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import check_alibi_slopes
-from .cached_attention import CachedAttentionArgs, gather_sequence_kv, read_back, tree_visibility, write_kv_cache
+from .cached_attention import CachedAttentionArgs, gather_sequence_kv, last_keys, read_back, tree_visibility, write_kv_cache
 from .registry import register_backend
 
 
@@ -44,8 +44,9 @@ def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
     # cache and no mask to build (SDPA's own causal kernel). It reads k and v as given, so only when the
     # cache holds them unconverted, and only without a window or ALiBi, which need the explicit mask.
     plain = sliding_window is None and slopes is None and k_cache.dtype == k.dtype and v_cache.dtype == v.dtype
-    fresh = [plain and lengths[s] == starts[s + 1] - starts[s] and tree_visibility(call.tree_mask, starts[s], starts[s + 1],
-                                                                                    lengths[s]) is None
+    fresh = [plain and lengths[s] == starts[s + 1] - starts[s]
+             and tree_visibility(call.tree_mask, starts[s], starts[s + 1], lengths[s]) is None
+             and last_keys(call.attend_until, starts[s], starts[s + 1]) is None
              for s in range(num_prefill)]
     if num_prefill > 1 and all(fresh) and len({lengths[s] for s in range(num_prefill)}) == 1:
         _same_length_prompts(q, k, v, out, starts[0], num_prefill, lengths[0], scale)
@@ -67,7 +68,8 @@ def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
         if last - first > 1 or sliding_window is not None or slopes is not None:
             query_pos = torch.arange(kv_len - (last - first), kv_len, device=q.device)[:, None]
             key_pos = torch.arange(kv_len, device=q.device)[None, :]
-            mask = key_pos <= query_pos
+            until = last_keys(call.attend_until, first, last)  # a bidirectional block's tokens see past themselves
+            mask = key_pos <= (query_pos if until is None else torch.maximum(query_pos, until[:, None]))
             if sliding_window is not None:
                 mask &= key_pos > query_pos - sliding_window
             tree = tree_visibility(call.tree_mask, first, last, kv_len)  # a tree verification chunk's

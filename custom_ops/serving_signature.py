@@ -8,7 +8,8 @@ graph's inputs, in order::
     seq_start, kv_lens, block_tables, slot_mapping, batch_info, logit_index,
     k_cache_0, v_cache_0, k_cache_1, v_cache_1, …  # one KVCacheSpec per attention layer
 
-A graph that verifies tree drafts takes ``tree_mask`` after ``logit_index``. The metadata's layout is documented
+A graph that verifies tree drafts takes ``tree_mask`` after ``logit_index``, and a model whose prompts hold
+bidirectional blocks (Gemma 3's images) ``attend_until`` after that. The metadata's layout is documented
 in ``custom_ops/cached_attention.py``; ``logit_index[N]`` picks the
 token rows whose logits come out (``logits[1, N, vocab]``).
 """
@@ -23,6 +24,7 @@ TOKEN_INPUTS = ("input_ids", "position_ids")
 SEQUENCE_METADATA = ("seq_start", "kv_lens", "block_tables", "slot_mapping", "batch_info", "logit_index")
 ATTENTION_METADATA = SEQUENCE_METADATA[:5]  # what cached_attention reads, in its argument order
 TREE_MASK = "tree_mask"  # [T] int64, only in graphs that verify tree drafts (custom_ops/cached_attention.py)
+ATTEND_UNTIL = "attend_until"  # [T] int64, only in graphs of models with bidirectional prompt blocks (the same)
 BATCH_INFO_FIELDS = ("num_prefill", "num_decode", "max_q_len", "max_kv_len")
 
 

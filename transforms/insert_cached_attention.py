@@ -12,7 +12,9 @@ positions, the sequence metadata and one ``KVCacheSpec`` cache pair per attentio
 ``logit_index[N]`` picks the token rows whose logits are wanted (each sequence's last token while
 generating); the gather sits before the LM head so the vocabulary projection runs for those rows only.
 The output is ``logits[1, N, vocab]``. A deployment that drafts trees (``speculative.tree_width`` > 1) gets one
-more input, ``tree_mask[T]`` (``TREE_MASK``), which every ``cached_attention`` reads; others never carry it. A pipeline stage (``shard_pipeline_parallel``) holds some of the
+more input, ``tree_mask[T]`` (``TREE_MASK``), which every ``cached_attention`` reads; others never carry it. So
+does a model whose image tokens attend to one another both ways in the prompt (Gemma 3: ``attend_until[T]``,
+``ATTEND_UNTIL``; ``VisionLanguageSpec.bidirectional_images``). A pipeline stage (``shard_pipeline_parallel``) holds some of the
 layers: it gets caches for those only (named by the model's layer index), and a stage before the last,
 which receives its logits from the last stage, receives them for the ``N`` picked rows.
 
@@ -34,8 +36,9 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.cached_attention import CachedAttentionArgs
 from autodeploy.custom_ops.registry import positional
-from autodeploy.custom_ops.serving_signature import ATTENTION_METADATA, SEQUENCE_METADATA, TREE_MASK, KVCacheSpec
+from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, ATTENTION_METADATA, SEQUENCE_METADATA, TREE_MASK, KVCacheSpec
 from autodeploy.errors import ConfigError, UnsupportedModelError
+from autodeploy.deployment import MODEL
 from autodeploy.export.causal_lm import GRAPH_PREFIX
 from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
@@ -66,6 +69,7 @@ def _metadata_values(queries: torch.Tensor) -> dict[str, torch.Tensor]:
         "batch_info": torch.empty(4, dtype=torch.int32, **meta),  # lives on the CPU at run time
         "logit_index": torch.empty(n, dtype=torch.long, **meta),
         TREE_MASK: per_token(),
+        ATTEND_UNTIL: per_token(),
     }
 
 
@@ -78,6 +82,13 @@ def drafts_trees(settings) -> bool:
     """Whether the deployment verifies tree drafts (its graphs then take a ``tree_mask``)."""
     speculative = getattr(settings, "speculative", None)
     return speculative is not None and bool(speculative.method) and speculative.tree_width > 1
+
+
+def bidirectional_blocks(context: TransformContext) -> bool:
+    """Whether the model graph's prompts hold blocks of tokens that see one another both ways (its graph then takes
+    an ``attend_until``): a vision-language model whose image tokens do (Gemma 3)."""
+    spec = getattr(context.model_factory, "vision_language", None)
+    return context.role == MODEL and spec is not None and spec.bidirectional_images
 
 
 def lm_head(logits: fx.Node) -> fx.Node | None:
@@ -180,12 +191,13 @@ class InsertCachedAttention(Transform):
         with graph.inserting_after(placeholders[-1]):
             metadata = {}
             trees = drafts_trees(context.settings)
-            for name in reversed((*SEQUENCE_METADATA, TREE_MASK) if trees else SEQUENCE_METADATA):  # each new node goes first
+            masks = (TREE_MASK,) * trees + (ATTEND_UNTIL,) * bidirectional_blocks(context)
+            for name in reversed((*SEQUENCE_METADATA, *masks)):  # each new node goes first
                 metadata[name] = graph.placeholder(name)
                 metadata[name].meta["val"] = values[name]
         block_size = context.settings.kv_cache.block_size
         specs = []
-        last_input = metadata[TREE_MASK if trees else "logit_index"]
+        last_input = metadata[(*SEQUENCE_METADATA, *masks)[-1]]
         for layer, node in enumerate(attention):
             given = _arguments(node)
             key, value = given["k"].meta["val"], given["v"].meta["val"]
@@ -203,7 +215,7 @@ class InsertCachedAttention(Transform):
             # attention's arguments (q, k, v, scale and its options) go to cached_attention by name.
             call = CachedAttentionArgs(**given, k_cache=k_cache, v_cache=v_cache,
                                        **{name: metadata[name] for name in ATTENTION_METADATA})
-            options = {**_cache_scales(node, spec, context.kv_cache_scales), **({TREE_MASK: metadata[TREE_MASK]} if trees else {})}
+            options = {**_cache_scales(node, spec, context.kv_cache_scales), **{name: metadata[name] for name in masks}}
             with graph.inserting_before(node):
                 cached = graph.call_function(torch.ops.autodeploy.cached_attention.default, positional(call), options)
             cached.meta = dict(node.meta)

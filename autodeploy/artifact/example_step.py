@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autodeploy.custom_ops.serving_signature import TREE_MASK, KVCacheSpec
+from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, TREE_MASK, KVCacheSpec
 from autodeploy.errors import ExportError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.kv_cache import allocate_kv_caches
@@ -26,6 +26,7 @@ from autodeploy.runtime.step_inputs import SideInputSpec, build_step_inputs
 class _ExampleRequest:
     side_inputs: dict[str, TokenRows]
     prompt_token_ids: list[int]
+    whole_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -48,6 +49,7 @@ def _dynamic_dims(graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec],
         "input_ids": {1: tokens}, "position_ids": {1: tokens}, "slot_mapping": {0: tokens},
         "seq_start": {0: sequences + 1}, "kv_lens": {0: sequences}, "block_tables": {0: sequences, 1: blocks},
         "batch_info": None, "logit_index": {0: rows}, TREE_MASK: {0: tokens},
+        ATTEND_UNTIL: {0: tokens},
     }
     for spec in kv_caches:
         dims[spec.key_input] = dims[spec.value_input] = {0: cache_blocks}
@@ -72,7 +74,7 @@ def example_step(
     b = block_size
     carried = {spec.name: TokenRows(tuple(range(b + 1)), torch.zeros((b + 1, *spec.row_shape), dtype=spec.dtype)) for spec in side_inputs}
     prompt = [0] * (2 * b + 3)
-    partial = _ExampleSequence(-1, prompt, _ExampleRequest(carried, prompt) if carried else None)
+    partial = _ExampleSequence(-1, prompt, _ExampleRequest(carried, prompt, ((1, b + 1),)) if carried else None)
     whole, deep = _ExampleSequence(-2, [0] * 3), _ExampleSequence(-3, [0] * (4 * b + 2))
     # Prompt chunks first, then decodes (the scheduler's order): 3 sequences, b + 6 tokens, 2 rows of logits
     # (the partial chunk completes nothing), block tables 5 or 6 wide.

@@ -25,7 +25,7 @@ import torch
 from autodeploy.build_report import BuildReport, TransformRecord, VerificationReport
 from autodeploy.config import load_yaml
 from autodeploy.custom_ops.serving_signature import KVCacheSpec, ServingSignature
-from autodeploy.deployment import MODEL, VISION, Deployment
+from autodeploy.deployment import MODEL, VISION, Deployment, ImageBoundaries
 from autodeploy.errors import CheckpointError, ConfigError, error_summary
 from autodeploy.models.vision_language import load_image_processor
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS, hidden_state_buffer
@@ -172,6 +172,8 @@ def _add_vision(deployment: Deployment, directory: Path, serving: Mapping[str, A
         deployment.graphs[VISION] = served_graph(program, str(directory / VISION_GRAPH), tensors, vision["graph_inputs"],
                                                  vision["dispatches"], vision["kernels"])
         deployment.image_token_id = int(serving["image_token_id"])
+        if "image_boundaries" in serving:
+            deployment.image_boundaries = ImageBoundaries(**serving["image_boundaries"])
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{directory}: the vision graph's entries are missing or malformed ({type(error).__name__}: "
                               f"{error}); save the deployment again") from error

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from autodeploy.custom_ops.graph_capture import GraphCapture
-from autodeploy.custom_ops.serving_signature import TREE_MASK
+from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, TREE_MASK
 from autodeploy.runtime.scheduler import ScheduledChunk
 from autodeploy.runtime.step_inputs import PendingTokens, SideInputSpec, no_side_rows, slot
 
@@ -51,6 +51,7 @@ class StaticBatch:
         self.dev32 = torch.zeros_like(self.host32, device=device)
         self.seq_start = torch.arange(0, tokens + 1, width, dtype=torch.int32, device=device)
         self.logit_index = torch.arange(tokens, dtype=torch.long, device=device)
+        self.causal = torch.full((tokens,), -1, dtype=torch.long, device=device)  # decodes and drafts see up to themselves
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None  # recorded after the last host-to-device copy
@@ -71,6 +72,7 @@ class StaticBatch:
             "position_ids": self.dev64[1:2],
             "slot_mapping": self.dev64[2],
             TREE_MASK: self.dev64[3],  # read only by graphs that verify tree drafts
+            ATTEND_UNTIL: self.causal,  # read only by graphs of models with bidirectional prompt blocks
             "kv_lens": self.dev32[: self.size],
             "block_tables": self.dev32[self.size :].view(self.size, max_blocks),
             "seq_start": self.seq_start,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autodeploy.deployment import VISION, Deployment
-from autodeploy.custom_ops.serving_signature import TREE_MASK
+from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, TREE_MASK
 from autodeploy.errors import ConfigError, InvalidRequestError
 from autodeploy.runtime import draft_model, eagle3, mtp  # noqa: F401  (register the "draft", "eagle3" and "mtp" drafters)
 from autodeploy.runtime.model_runner import make_model_runner
@@ -91,8 +91,14 @@ class Engine:
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.pool = self.runner.pool
         self.vision = (VisionEncoder(self.runner.graphs[VISION], vision_signature(deployment.graphs[VISION]),
-                                     deployment.image_processor, deployment.image_token_id, settings)
+                                     deployment.image_processor, deployment.image_token_id, settings,
+                                     boundaries=deployment.image_boundaries, tokenizer=tokenizer,
+                                     bidirectional=ATTEND_UNTIL in self.runner.graph_inputs)
                        if VISION in deployment.graphs else None)
+        if self.vision is not None and self.vision.bidirectional and self.vision.tokens_per_image > self.max_num_tokens:
+            raise ConfigError(f"an image's {self.vision.tokens_per_image} tokens attend to one another and must be computed in "
+                              f"one step, but scheduler.max_num_tokens is {self.max_num_tokens}; raise it to at least "
+                              f"{self.vision.tokens_per_image}")
         if self.vision is not None and settings.compile.backend == "cuda_graph":
             self.vision.capture()
         self.intake = RequestIntake(tokenizer, vocab_size, deployment.eos_token_ids, settings, self.pool,

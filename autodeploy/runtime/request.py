@@ -187,6 +187,9 @@ class Request:
         self.images: list = []
         self.image_starts: list[int] = []
         self.content_spans: tuple[tuple[int, int, str], ...] = ()
+        # Prompt spans [start, end) whose tokens see one another both ways (Gemma 3's image tokens): a prefill chunk
+        # never ends inside one (scheduler.py), and its tokens attend up to its end (step_inputs.chunk_attend_until).
+        self.whole_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -63,7 +63,7 @@ class RequestIntake:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}")
         prompt, images = self._split_images(prompt)
-        token_ids = self.tokenize(prompt)
+        token_ids = self.tokenize(self.vision.expand_text(prompt) if images and isinstance(prompt, str) else prompt)
         image_starts: list[int] = []
         if self.vision is not None:  # a text prompt carries no placeholders either
             token_ids, image_starts = self.vision.expand_placeholders(token_ids, len(images or ()))
@@ -90,6 +90,13 @@ class RequestIntake:
             request.images, request.image_starts = images, image_starts
             width = self.vision.tokens_per_image
             request.content_spans = tuple((start, start + width, image.key) for start, image in zip(image_starts, images))
+            request.whole_spans = self.vision.whole_spans(token_ids)
+            longest = max((end - start for start, end in request.whole_spans), default=0)
+            if longest > self.settings.scheduler.max_num_tokens:
+                raise InvalidRequestError(
+                    f"the prompt's image tokens make a run of {longest} tokens that attend to one another, which one step "
+                    f"must compute together; scheduler.max_num_tokens={self.settings.scheduler.max_num_tokens} is "
+                    f"smaller: raise it, or separate the images with text")
         return request
 
     def _split_images(self, prompt: Prompt) -> tuple[str | list[int], list | None]:

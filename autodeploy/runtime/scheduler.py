@@ -11,7 +11,9 @@ and a finished one leaves at once. A step carries at most ``max_num_tokens`` new
    (prefix caching usually makes that cheap). A sequence never preempts a more important one.
 2. Waiting sequences, most important first, while the budgets and free blocks last; a waiting
    sequence may preempt running ones of strictly lower priority to get a seat or blocks. Prompts
-   longer than the token budget are prefilled in chunks over several steps (chunked prefill).
+   longer than the token budget are prefilled in chunks over several steps (chunked prefill). A chunk never
+   ends inside one of its request's ``whole_spans`` (tokens that attend to one another both ways: each must
+   see the others' keys in the forward that computes it); it ends before the span instead, or waits a step.
 
 Sequences that wait on something other than compute (a beam waiting for its group, running or
 preempted) report no tokens to compute and are skipped.
@@ -112,8 +114,8 @@ class Scheduler:
             if want == 0:
                 index += 1
                 continue
-            length = min(want, budget) if self.chunked_prefill or want == 1 else want
-            if length > budget:
+            length = self._chunk_length(sequence, want, budget)
+            if not 0 < length <= budget:
                 index += 1
                 continue
             if not self._reserve_preempting(sequence, length, plan):
@@ -136,7 +138,7 @@ class Scheduler:
             if sequence.num_computed == 0 and not self.pool.block_table(sequence.seq_id):
                 sequence.num_computed = self.pool.acquire_prefix(sequence.seq_id, sequence.token_ids, sequence.request.content_spans)
             want = sequence.num_to_compute
-            length = min(want, budget) if self.chunked_prefill else want
+            length = self._chunk_length(sequence, want, budget)
             admitted = 0 < length <= budget
             while admitted and not self.pool.reserve(sequence.seq_id, sequence.num_computed + length):
                 admitted = self._preempt_for(sequence, plan)
@@ -151,6 +153,19 @@ class Scheduler:
 
         plan.chunks.sort(key=lambda chunk: chunk.length == 1)  # stable: decodes last, as cached_attention wants
         return plan
+
+    def _chunk_length(self, sequence: Schedulable, want: int, budget: int) -> int:
+        """How many of ``want`` tokens a sequence computes within ``budget``: all of them, or (chunked prefill) as many
+        as fit, cut back to before a whole span the cut would fall inside (0: none fit this step)."""
+        if not self.chunked_prefill or want <= budget:
+            return want
+        start = sequence.num_computed
+        end = start + budget
+        request = getattr(sequence, "request", None)
+        for first, last in getattr(request, "whole_spans", ()):
+            if first < end < last:
+                return max(first - start, 0)
+        return budget
 
     def _reserve_preempting(self, sequence: Schedulable, length: int, plan: StepPlan) -> bool:
         """Blocks for ``length`` more tokens of a running sequence, preempting the least important

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autodeploy.custom_ops.serving_signature import TREE_MASK
+from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, TREE_MASK
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.runtime.device_copies import pinned_to_device, to_device
@@ -133,6 +133,8 @@ def build_step_inputs(
     max_q_len = 0
     trees = TREE_MASK in input_names
     tree_mask: list[int] = []
+    blocks = ATTEND_UNTIL in input_names
+    attend_until: list[int] = []
     drafts_at: list[tuple[int, ScheduledChunk]] = []  # where each chunk's draft starts in input_ids
     for index, chunk in enumerate(chunks):
         sequence = chunk.sequence
@@ -152,6 +154,8 @@ def build_step_inputs(
             positions += [chunk.start + depth for depth in (0, *tree_depths(chunk.draft_parents))]
         if trees:
             tree_mask += [-1] * chunk.length if chunk.draft_parents is None else tree_masks(chunk.draft_parents)
+        if blocks:
+            attend_until += chunk_attend_until(chunk)
         slots += [slot(table, p, block_size) for p in span]
         if logits_for_all_tokens:
             logit_index += range(seq_start[-1], seq_start[-1] + chunk.length)
@@ -187,6 +191,7 @@ def build_step_inputs(
         "batch_info": torch.tensor([len(chunks) - num_decode, num_decode, max(max_q_len, 1), max(kv_lens)], dtype=torch.int32),
         "logit_index": to_device(logit_index, torch.long, device),
         **({TREE_MASK: to_device(tree_mask, torch.long, device)} if trees else {}),
+        **({ATTEND_UNTIL: to_device(attend_until, torch.long, device)} if blocks else {}),
         **caches,
     }
     for spec in side_inputs:
@@ -195,6 +200,19 @@ def build_step_inputs(
     if missing:
         raise RuntimeError(f"the runtime cannot fill graph input(s) {missing}; it fills {sorted(available)}")
     return [available[name] for name in input_names], completing
+
+
+def chunk_attend_until(chunk: ScheduledChunk) -> list[int]:
+    """``cached_attention``'s ``attend_until`` rows of a chunk: each token inside one of its request's bidirectional
+    blocks (``Request.whole_spans``) sees up to the block's last position; every other token, -1 (causal)."""
+    rows = [-1] * chunk.length
+    request = chunk.sequence.request
+    if request is None or not request.whole_spans or chunk.start >= len(request.prompt_token_ids):
+        return rows
+    for first, end in request.whole_spans:
+        for position in range(max(first, chunk.start), min(end, chunk.start + chunk.length)):
+            rows[position - chunk.start] = end - 1
+    return rows
 
 
 def no_side_rows(specs: Sequence[SideInputSpec], device: torch.device) -> dict[str, torch.Tensor]:

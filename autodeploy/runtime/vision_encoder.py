@@ -29,6 +29,7 @@ import torch
 from torch import fx
 
 from autodeploy.custom_ops.graph_capture import GraphCapture
+from autodeploy.deployment import ImageBoundaries
 from autodeploy.errors import InvalidRequestError
 from autodeploy.runtime.encoder_cache import EncoderCache, key as cache_key
 from autodeploy.runtime.images import ImageLimits, load_image
@@ -51,15 +52,21 @@ class VisionEncoder:
     """Prepares a deployment's images and runs its vision graph (see the module docstring). Thread-safe."""
 
     def __init__(self, graph: Callable, signature: tuple, image_processor, image_token_id: int, settings,
-                 local_files: bool | Path = True):
+                 local_files: bool | Path = True, boundaries: ImageBoundaries | None = None, tokenizer=None,
+                 bidirectional: bool = False):
         """``signature``: the vision graph's input shape and dtype and its output shape (``vision_signature``);
-        ``local_files``: which local image paths admission reads."""
+        ``local_files``: which local image paths admission reads; ``boundaries``: the tokens the model puts around
+        each image's placeholders (Gemma 3; ``tokenizer`` writes them and their separator); ``bidirectional``: whether
+        a prompt's runs of placeholders attend to one another both ways (the model graph takes ``attend_until``)."""
         input_shape, input_dtype, output_shape = signature
         vision = settings.vision
         self.graph = graph
         self.tokens_per_image = int(output_shape[1])
         self.image_processor = image_processor
         self.image_token_id = image_token_id
+        self.boundaries = boundaries
+        self.bidirectional = bidirectional
+        self._tokenizer = tokenizer
         self.device = torch.device(settings.device)
         self.max_images_per_batch = vision.max_images_per_batch
         self.max_images_per_request = vision.max_images_per_request
@@ -99,28 +106,72 @@ class VisionEncoder:
             raise InvalidRequestError(f"image {index}: the model's image processor refused it: {error}") from error
         return PreparedImage(pixels, cache_key(loaded.digest, self.settings_digest))
 
+    def expand_text(self, text: str) -> str:
+        """A text prompt with each image's start token (Gemma 3's ``<start_of_image>``) written out as the model's
+        processor writes it: the separator, the start token, a placeholder for each feature row, the end token and
+        the separator. Text as it is for a model without boundary tokens, whose placeholders expand as token ids."""
+        if self.boundaries is None or self._tokenizer is None:
+            return text
+        start, image, end = self._tokenizer.convert_ids_to_tokens(
+            [self.boundaries.start_token_id, self.image_token_id, self.boundaries.end_token_id])
+        separator = self.boundaries.separator
+        return text.replace(start, f"{separator}{start}{image * self.tokens_per_image}{end}{separator}")
+
     def expand_placeholders(self, token_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
         """``token_ids`` with each image's placeholder expanded to ``tokens_per_image`` placeholders, and where each
-        image's placeholders start. One placeholder an image (a prompt's ``<image>``) is expanded; ``tokens_per_image``
-        an image (a Hugging Face processor's output) are kept, the images filling them in order, as Hugging Face does."""
+        image's placeholders start. One placeholder an image (a prompt's ``<image>``; with boundary tokens, the start
+        token, expanded as ``expand_text`` writes it) is expanded; ``tokens_per_image`` an image (a Hugging Face
+        processor's output) are kept, the images filling them in order, as Hugging Face does."""
         places = [position for position, token in enumerate(token_ids) if token == self.image_token_id]
         width = self.tokens_per_image
         if len(places) == num_images * width:  # already expanded (or no images and no placeholders)
             return list(token_ids), places[::width]
+        marker, name = self.image_token_id, f"token {self.image_token_id}"
+        before, after = [], []
+        if self.boundaries is not None and not places:
+            marker, name = self.boundaries.start_token_id, f"start-of-image token {self.boundaries.start_token_id}"
+            places = [position for position, token in enumerate(token_ids) if token == marker]
+            separator = self._separator_ids()
+            before, after = [*separator, marker], [self.boundaries.end_token_id, *separator]
         if len(places) != num_images:
             raise InvalidRequestError(
-                f"the prompt has {len(places)} image placeholder(s) (token {self.image_token_id}) for {num_images} image(s); "
+                f"the prompt has {len(places)} image placeholder(s) ({name}) for {num_images} image(s); "
                 f"put one placeholder where each image goes (the chat template does this for image content parts), or "
                 f"{width} an image as the model's processor expands them")
         expanded: list[int] = []
         starts: list[int] = []
         previous = 0
         for place in places:
-            expanded += token_ids[previous:place]
+            expanded += token_ids[previous:place] + before
             starts.append(len(expanded))
-            expanded += [self.image_token_id] * width
+            expanded += [self.image_token_id] * width + after
             previous = place + 1
         return expanded + token_ids[previous:], starts
+
+    def whole_spans(self, token_ids: list[int]) -> tuple[tuple[int, int], ...]:
+        """The runs of image placeholders in a prompt that attend to one another both ways (a bidirectional model's;
+        none otherwise): each maximal run of placeholder tokens, as Hugging Face's ``token_type_ids`` mask groups them."""
+        if not self.bidirectional:
+            return ()
+        spans: list[tuple[int, int]] = []
+        for position, token in enumerate(token_ids):
+            if token != self.image_token_id:
+                continue
+            if spans and spans[-1][1] == position:
+                spans[-1] = (spans[-1][0], position + 1)
+            else:
+                spans.append((position, position + 1))
+        return tuple(spans)
+
+    def _separator_ids(self) -> list[int]:
+        separator = self.boundaries.separator
+        if not separator:
+            return []
+        if self._tokenizer is None:
+            raise InvalidRequestError(
+                "this deployment has no tokenizer to write the text around an image's tokens; send each image's tokens "
+                "as the model's processor expands them")
+        return self._tokenizer.encode(separator, add_special_tokens=False)
 
     # ---- the step ------------------------------------------------------------------------------
     def encode(self, requests: Sequence[Request]) -> None:

@@ -210,5 +210,7 @@ def unsupported_attention(call: CachedAttentionArgs) -> Optional[str]:
     if call.tree_mask is not None:
         return ("tree drafts verify tokens whose keys are not at their positions; the batch-invariant attention "
                 "reads keys by position (use speculative.tree_width 1)")
+    if call.attend_until is not None:
+        return "the batch-invariant attention is causal only; this model's prompts hold bidirectional blocks (attend_until)"
     return None
 

@@ -14,7 +14,9 @@ float32, base 2 (``exp2``):
   prefix (chunked prefill, prefix-cache hit) needs nothing special. Key tiles wholly outside the causal
   and window bounds are never visited, and only the tiles that straddle a bound pay for the mask. A tree
   verification chunk (``tree_mask``, ``HAS_TREE``) also masks the tiles that hold its own keys, by each
-  row's bits; graphs without trees compile none of it.
+  row's bits; graphs without trees compile none of it. A bidirectional block's rows (``attend_until``,
+  ``HAS_ATTEND_UNTIL``: Gemma 3's images) see keys up to ``max(own position, attend_until)``, so a query
+  block's tiles reach its rows' furthest last key; graphs without such blocks compile none of it.
 - **Decode**: one query per sequence, so one program per (sequence, kv head) would leave most of the
   GPU idle for a small batch over long contexts. Split-K cuts each sequence's visible keys into
   ``num_splits`` contiguous ranges, one program each: enough for about two programs per
@@ -23,9 +25,11 @@ float32, base 2 (``exp2``):
   each K/V tile is loaded once for the group. Splits write partial (max, sum, unnormalised output) to
   a workspace and count their arrival on a per-(sequence, kv head) counter; the last to arrive merges
   them with a log-sum-exp (sinks join the denominator there, once), so no second kernel is launched. A
-  sequence whose keys fit one split finishes the softmax itself. For ``cached_attention_rope``
-  (``paged_attention_rope.py``), a batch of decodes alone needs no write kernel: the decode kernel rotates
-  q and the new key and writes the caches itself (``HAS_ROPE``).
+  sequence whose keys fit one split finishes the softmax itself. A decode's last key is its own position,
+  the sequence's newest (``attend_until`` never names a later one), so this kernel reads no
+  ``attend_until``. For ``cached_attention_rope`` (``paged_attention_rope.py``), a batch of decodes alone
+  needs no write kernel: the decode kernel rotates q and the new key and writes the caches itself
+  (``HAS_ROPE``).
 
 Example (a 3-token prompt, then a one-token decode at position 2; on a CPU, Triton's interpreter runs
 it too, as ``tests/custom_ops/test_paged_attention_triton.py`` does)::
@@ -179,16 +183,18 @@ def _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION: tl.con
 
 @triton.jit
 def _prefill_tiles(
-    acc, row_sum, row_max, q, query_positions,
+    acc, row_sum, row_max, q, query_positions, row_last_keys,
     k_base, v_base, block_table_row, stride_kb, stride_kt, stride_vb, stride_vt,
     first_tile, end_tile, kv_len, scale, logit_cap, window, slope, tree_rows, chunk_start,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Attend over key tiles ``first_tile … end_tile - 1``; ``MASKED`` tiles apply the causal/window mask,
-    and with ``HAS_TREE`` the rows' ``tree_mask`` bits (``tree_rows [BLOCK_M]``) over the chunk's keys (from
-    position ``chunk_start``). ALiBi (``slope``, this head's) biases every tile, masked or not."""
+    """Attend over key tiles ``first_tile … end_tile - 1``; ``MASKED`` tiles apply the causal/window mask (row
+    ``i`` sees keys up to ``row_last_keys[i]``: its own position, or its bidirectional block's end; the window
+    counts back from ``query_positions``), and with ``HAS_TREE`` the rows' ``tree_mask`` bits (``tree_rows
+    [BLOCK_M]``) over the chunk's keys (from position ``chunk_start``). ALiBi (``slope``, this head's) biases
+    every tile, masked or not."""
     for tile in range(first_tile, end_tile):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k, v = _gather_kv(
@@ -200,7 +206,7 @@ def _prefill_tiles(
         if HAS_ALIBI:
             logits += slope * (keys[None, :] - query_positions[:, None]).to(tl.float32) * _LOG2E
         if MASKED:
-            visible = keys[None, :] <= query_positions[:, None]
+            visible = keys[None, :] <= row_last_keys[:, None]
             if HAS_WINDOW:
                 visible &= keys[None, :] > query_positions[:, None] - window
             if HAS_TREE:
@@ -217,7 +223,7 @@ def _prefill_tiles(
 @triton.jit(do_not_specialize=["num_query_blocks", "stride_bt"])  # batch-dependent: see the note on integer arguments above
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
-    tree_mask_ptr,
+    tree_mask_ptr, attend_until_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     scale, logit_cap, window, num_query_blocks,
@@ -225,7 +231,8 @@ def _prefill_kernel(
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_IN_F16: tl.constexpr,
+    HAS_TREE: tl.constexpr, HAS_ATTEND_UNTIL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_IN_F16: tl.constexpr,
 ):
     head = tl.program_id(0)
     # A chunk's last query blocks see the most keys; launching them first shortens the tail.
@@ -258,13 +265,23 @@ def _prefill_kernel(
     # free_end - 1 are visible to every row and skip the mask.
     first_position = chunk_start + query_block * BLOCK_M
     last_position = tl.minimum(first_position + BLOCK_M, kv_len) - 1
+    # Each row's last visible key; of them, the furthest bounds the tiles visited and the nearest the free ones.
+    row_last_keys = query_positions
+    last_key = last_position
+    free_key = first_position
+    if HAS_ATTEND_UNTIL:  # a bidirectional block's rows see on to its end, read once for all tiles
+        row_last_keys = tl.maximum(query_positions, tl.load(attend_until_ptr + tokens, mask=row_valid, other=-1))
+        # Rows past the chunk's end sit at kv_len and beyond: the clamp drops them from the furthest, and the
+        # nearest is a valid row's (row 0 of the block is one).
+        last_key = tl.minimum(tl.max(row_last_keys), kv_len - 1)
+        free_key = tl.min(row_last_keys)
     first_tile = 0
     free_first = 0
     if HAS_WINDOW:
         first_tile = tl.maximum(first_position - window + 1, 0) // BLOCK_N
         free_first = tl.cdiv(tl.maximum(last_position - window + 1, 0), BLOCK_N)
-    end_tile = tl.cdiv(last_position + 1, BLOCK_N)
-    free_end = tl.minimum((first_position + 1) // BLOCK_N, end_tile)
+    end_tile = tl.cdiv(last_key + 1, BLOCK_N)
+    free_end = tl.minimum((free_key + 1) // BLOCK_N, end_tile)
     if HAS_TREE:  # only a chunk of ≤ 63 tokens may have tree rows: the tiles holding its keys take the mask
         free_end = tl.where(q_len <= 63, tl.minimum(free_end, chunk_start // BLOCK_N), free_end)
     free_end = tl.maximum(free_end, first_tile)
@@ -287,19 +304,19 @@ def _prefill_kernel(
         slope = tl.load(alibi_ptr + head)
 
     acc, row_sum, row_max = _prefill_tiles(
-        acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
+        acc, row_sum, row_max, q, query_positions, row_last_keys, k_base, v_base, block_table_row,
         stride_kb, stride_kt, stride_vb, stride_vt, first_tile, free_first, kv_len, scale, logit_cap, window, slope,
         tree_rows, chunk_start, True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
         PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
     acc, row_sum, row_max = _prefill_tiles(
-        acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
+        acc, row_sum, row_max, q, query_positions, row_last_keys, k_base, v_base, block_table_row,
         stride_kb, stride_kt, stride_vb, stride_vt, free_first, free_end, kv_len, scale, logit_cap, window, slope,
         tree_rows, chunk_start, False, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
         PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
     acc, row_sum, row_max = _prefill_tiles(
-        acc, row_sum, row_max, q, query_positions, k_base, v_base, block_table_row,
+        acc, row_sum, row_max, q, query_positions, row_last_keys, k_base, v_base, block_table_row,
         stride_kb, stride_kt, stride_vb, stride_vt, free_end, end_tile, kv_len, scale, logit_cap, window, slope,
         tree_rows, chunk_start, True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
         PAGE_SIZE, BLOCK_N, DOT_PRECISION,
@@ -550,6 +567,7 @@ def cached_attention_triton(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tree_mask: Optional[torch.Tensor] = None,
+    attend_until: Optional[torch.Tensor] = None,
     *,
     num_decode_splits: Optional[int] = None,
     check: bool = True,
@@ -557,9 +575,10 @@ def cached_attention_triton(
     """``cached_attention`` with Triton kernels: same arguments, same result as ``cached_attention_reference``.
 
     Writes ``k``/``v`` into the caches, then runs the prefill kernel over the first ``num_prefill``
-    sequences (a tree chunk's rows masked by their ``tree_mask`` bits) and the split-K decode kernel over
-    the last ``num_decode`` (``batch_info``, read on the host; decode rows are causal, so it reads no
-    ``tree_mask``). ``num_decode_splits`` overrides the split count chosen from the batch and context sizes.
+    sequences (a tree chunk's rows masked by their ``tree_mask`` bits, a bidirectional block's rows seeing
+    on to their ``attend_until``) and the split-K decode kernel over the last ``num_decode`` (``batch_info``,
+    read on the host; decode rows are causal, so it reads neither ``tree_mask`` nor ``attend_until``).
+    ``num_decode_splits`` overrides the split count chosen from the batch and context sizes.
     Raises ``ValueError`` for inputs these kernels do not support (see :func:`check_supported`);
     ``check=False`` skips those checks, for a caller that ran them once already (the backend op, whose
     ``supports`` checked the node at build).
@@ -567,7 +586,7 @@ def cached_attention_triton(
     if check:
         check_supported(
             q, k, v, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes,
-            num_decode_splits, tree_mask, device=q.device,
+            num_decode_splits, tree_mask, attend_until, device=q.device,
         )
         if batch_info.device.type != "cpu":
             raise ValueError(
@@ -578,7 +597,7 @@ def cached_attention_triton(
     q_tokens = q[0] if q.stride(-1) == 1 else q[0].contiguous()
     return attend_over_cache(
         q_tokens, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window, logit_cap,
-        sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask,
+        sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask, attend_until,
     )
 
 
@@ -626,13 +645,14 @@ def attend_over_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tree_mask: Optional[torch.Tensor] = None,
+    attend_until: Optional[torch.Tensor] = None,
     rope: Optional[dict] = None,
 ) -> torch.Tensor:
     """The attention half of :func:`cached_attention_triton`, once this step's keys and values are in the
     caches: the prefill and decode kernels over ``q_tokens [T, Hq, D]`` (last dim contiguous). Returns
     ``[1, T, Hq, Dv]``. An fp8 cache's scales act outside the kernels: ``k_scale`` scales the logits (it
-    joins ``scale``), ``v_scale`` the output (attention is linear in the values). ``tree_mask``: the op's, read
-    by the prefill kernel only (None compiles its test out).
+    joins ``scale``), ``v_scale`` the output (attention is linear in the values). ``tree_mask``, ``attend_until``:
+    the op's, read by the prefill kernel only (None compiles its test out).
 
     ``rope`` (a batch without prefills only): the decode kernel's arguments for the new tokens, unrotated
     (``paged_attention_rope``'s fused decode path). The decode kernel then rotates them itself, writing q
@@ -663,8 +683,9 @@ def attend_over_cache(
         block_m, block_n, num_warps, num_stages = _prefill_config(max_q_len, max(shared["D_PAD"], shared["DV_PAD"]))
         num_query_blocks = triton.cdiv(max_q_len, block_m)
         _prefill_kernel[(q_heads, num_query_blocks, num_prefill)](
-            **shared, tree_mask_ptr=tree_mask, num_query_blocks=num_query_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-            HAS_TREE=tree_mask is not None, num_warps=num_warps, num_stages=num_stages,
+            **shared, tree_mask_ptr=tree_mask, attend_until_ptr=attend_until, num_query_blocks=num_query_blocks,
+            BLOCK_M=block_m, BLOCK_N=block_n, HAS_TREE=tree_mask is not None, HAS_ATTEND_UNTIL=attend_until is not None,
+            num_warps=num_warps, num_stages=num_stages,
         )
     if num_decode > 0:
         _launch_decode(
@@ -791,6 +812,7 @@ def check_supported(
     alibi_slopes: Optional[List[float]],
     num_decode_splits: Optional[int] = None,
     tree_mask: Optional[torch.Tensor] = None,
+    attend_until: Optional[torch.Tensor] = None,
     *,
     device: torch.device,
 ) -> None:
@@ -856,10 +878,9 @@ def check_supported(
             f"cached_attention_triton: num_decode_splits must be ≥ 1 (or None); got {num_decode_splits}."
         )
     tokens = q.shape[1]
-    if tree_mask is not None and not (
-        tree_mask.dtype == torch.int64 and tree_mask.shape == (tokens,) and tree_mask.stride(0) == 1
-    ):
-        raise ValueError(
-            f"cached_attention_triton: tree_mask must be a contiguous int64 [T={tokens}]; got {tree_mask.dtype} "
-            f"{tuple(tree_mask.shape)}."
-        )
+    for name, rows in (("tree_mask", tree_mask), ("attend_until", attend_until)):
+        if rows is not None and not (rows.dtype == torch.int64 and rows.shape == (tokens,) and rows.stride(0) == 1):
+            raise ValueError(
+                f"cached_attention_triton: {name} must be a contiguous int64 [T={tokens}]; got {rows.dtype} "
+                f"{tuple(rows.shape)}."
+            )

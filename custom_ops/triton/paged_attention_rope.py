@@ -113,6 +113,7 @@ def cached_attention_rope_triton(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tree_mask: Optional[torch.Tensor] = None,
+    attend_until: Optional[torch.Tensor] = None,
     *,
     num_decode_splits: Optional[int] = None,
     check: bool = True,
@@ -128,7 +129,7 @@ def cached_attention_rope_triton(
     if check:
         check_rope_supported(
             q, k, v, cos, sin, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes,
-            num_decode_splits, tree_mask, device=q.device,
+            num_decode_splits, tree_mask, attend_until, device=q.device,
         )
         if batch_info.device.type != "cpu":
             raise ValueError(
@@ -164,7 +165,7 @@ def cached_attention_rope_triton(
         )
     return attend_over_cache(
         rotated_q, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window,
-        logit_cap, sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask,
+        logit_cap, sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask, attend_until,
         rope=new_tokens if decodes_alone else None,
     )
 
@@ -184,6 +185,7 @@ def check_rope_supported(
     alibi_slopes: Optional[List[float]],
     num_decode_splits: Optional[int] = None,
     tree_mask: Optional[torch.Tensor] = None,
+    attend_until: Optional[torch.Tensor] = None,
     *,
     device: torch.device,
 ) -> None:
@@ -192,7 +194,7 @@ def check_rope_supported(
     and strides, so ``supports`` runs it on a node's meta tensors at build."""
     check_supported(
         q, k, v, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes, num_decode_splits,
-        tree_mask, device=device,
+        tree_mask, attend_until, device=device,
     )
     if cos.dtype not in SUPPORTED_DTYPES or sin.dtype != cos.dtype:
         raise ValueError(

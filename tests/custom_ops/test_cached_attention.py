@@ -154,3 +154,57 @@ def test_an_fp8_cache_stores_values_over_their_scale_and_reads_them_back_times_i
     assert k_cache[1, 1, 0].float().tolist() == [2.0, -448.0]  # 1 / 0.5; -1200 saturates
     assert read_back(k_cache[1, 1], torch.float32, 0.5)[0].tolist() == [1.0, -224.0]
     assert read_back(v_cache[1, 1], torch.float32, 0.01)[0].tolist() == pytest.approx([0.01, 2.0], rel=2**-4)
+
+
+def block_rows(starts: list[int], lens: list[int], blocks: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """``attend_until`` for the prompt chunks of a batch: a token inside one of its sequence's ``blocks`` (absolute
+    [first, end) spans) sees up to the block's last position; every other token -1."""
+    rows = []
+    for s, (first, last) in enumerate(zip(starts, starts[1:])):
+        chunk_start = lens[s] - (last - first)
+        for position in range(chunk_start, lens[s]):
+            rows.append(next((end - 1 for a, end in (blocks[s] if s < len(blocks) else ()) if a <= position < end), -1))
+    return torch.tensor(rows)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    cached=st.integers(0, 6),
+    block=st.tuples(st.integers(0, 8), st.integers(2, 9)),  # where the block starts in the chunk, its length
+    decodes=st.lists(st.integers(1, 20), max_size=3),
+    block_size=st.sampled_from([1, 4]),
+    window=st.sampled_from([None, 3]),
+)
+def test_bidirectional_blocks_see_one_another_as_hugging_faces_token_type_mask_says(seed, cached, block, decodes,
+                                                                                   block_size, window):
+    """A prompt chunk holding a block of tokens that see one another both ways (Gemma 3's image) after a cached
+    prefix, beside decodes: the reference equals a dense mask built as Hugging Face builds it — (causal or same
+    block) and within the window — and the SDPA backend equals the reference."""
+    offset, length = block
+    new = offset + length + 2
+    inputs = mixed_batch(seed, [(cached, new)], decodes, block_size)
+    starts, lens = inputs[5].tolist(), inputs[6].tolist()
+    first, end = cached + offset, cached + offset + length
+    until = block_rows(starts, lens, [[(first, end)]])
+    out, _, _ = run(cached_attention_reference, inputs, window, None, None, None, 1.0, 1.0, None, until)
+    q, k, v, k_before, _, _, _, tables = inputs[:8]
+    total = cached + new
+    slots = [int(tables[0, p // block_size]) * block_size + p % block_size for p in range(cached)]
+    keys = torch.cat((k_before.flatten(0, 1)[slots], k[0, :new])).double()
+    values = torch.cat((inputs[4].flatten(0, 1)[slots], v[0, :new])).double()
+    positions = torch.arange(total)
+    query_pos, key_pos = positions[cached:, None], positions[None, :]
+    same_block = (query_pos >= first) & (query_pos < end) & (key_pos >= first) & (key_pos < end)
+    visible = (key_pos <= query_pos) | same_block
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    heads = torch.arange(4) // 2
+    logits = torch.einsum("qhd,khd->hqk", q[0, :new].double(), keys[:, heads]) * 0.3
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1)
+    expected = torch.einsum("hqk,khd->qhd", probs, values[:, heads]).float()
+    torch.testing.assert_close(out[0, :new], expected, atol=1e-5, rtol=1e-5)
+    causal, _, _ = run(cached_attention_reference, inputs, window)
+    assert not torch.allclose(out[0, first - cached : end - cached - 1], causal[0, first - cached : end - cached - 1])
+    got, _, _ = run(cached_attention_sdpa, inputs, window, None, None, None, 1.0, 1.0, None, until)
+    torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)

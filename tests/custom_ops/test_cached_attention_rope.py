@@ -22,6 +22,7 @@ from tests.custom_ops.test_paged_attention_triton import (  # noqa: F401  (the f
     interpreter_loops_with_numpy_2_4,
     paged_batch,
     tree_rows,
+    with_attend_until,
     with_tree_mask,
 )
 
@@ -108,6 +109,30 @@ def test_triton_tree_chunk_after_a_cached_prefix(rope_write_launches):
     got, _ = run(backend("triton").op, (*args, *options))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert rope_write_launches == [(16, 2), (16, 2)]
+
+
+def test_triton_bidirectional_blocks_after_a_cached_prefix(rope_write_launches):
+    # The attention kernels take the op's attend_until: a prompt chunk with a block, a chunk after 30 cached tokens
+    # that starts inside a block (26 … 35) and decodes, against the reference and through the backend op as a graph
+    # calls it (every argument positional, attend_until last); then decodes alone, naming their own positions
+    # (the decode kernel rotates), and supports() refusing int32 rows.
+    batch = paged_batch([(20, 20), (9, 39)], [33, 5], q_heads=4, kv_heads=2)
+    attend_until = with_attend_until(batch, [[(3, 14)], [(26, 35)]])
+    args = with_angles(batch)
+    assert_matches_reference(cached_attention_rope_triton, args, attend_until=attend_until)
+    options = (None, None, None, None, 1.0, 1.0, None, attend_until)
+    expected, _ = run(cached_attention_rope_reference, (*args, *options))
+    got, _ = run(backend("triton").op, (*args, *options))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    causal, _ = run(cached_attention_rope_triton, args)
+    assert not torch.allclose(got[:, 3:14], causal[:, 3:14], atol=1e-3)
+    assert rope_write_launches == [(31, 2)] * 3
+    decodes = with_angles(paged_batch(decodes=[33, 5], q_heads=4, kv_heads=2))
+    assert_matches_reference(cached_attention_rope_triton, decodes, attend_until=torch.tensor([32, 4], device=DEVICE))
+    assert rope_write_launches == [(31, 2)] * 3
+    node, cuda = [*as_meta(args), None, None, None, None, 1.0, 1.0, None], torch.device("cuda")
+    assert "attend_until must be" in backend("triton").check([*node, attend_until.to("meta", torch.int32)], cuda)
+    assert backend("triton").check([*node, attend_until.to("meta")], cuda) is None
 
 
 def first_decode_as_a_prefill(args: tuple) -> tuple:

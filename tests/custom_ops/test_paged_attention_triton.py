@@ -361,12 +361,22 @@ def test_the_largest_tree_chunk_uses_bit_62():
     assert_matches_reference(batch, tree_mask=with_tree_mask(batch, rows + [-1]))
 
 
-def test_the_backend_op_takes_the_tree_mask_last():
-    # The backend op, as a graph calls it: every argument positional, tree_mask last.
+def _tree_options(batch):
+    return None, None, None, None, 1.0, 1.0, with_tree_mask(batch, tree_rows([-1, 0, 0, 2, 1]) + [-1])
+
+
+def _attend_until_options(batch):
+    return None, None, None, None, 1.0, 1.0, None, with_attend_until(batch, [[(2, 11)], [(8, 10)]])
+
+
+@pytest.mark.parametrize("sequences, options", [
+    ([(5, 12)], _tree_options),  # tree_mask last
+    ([(20, 20), (6, 12)], _attend_until_options),  # attend_until after tree_mask
+])
+def test_the_backend_op_takes_its_masks_positionally_as_a_graph_calls_it(sequences, options):
     backend = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "triton")
-    q, k, v, k_cache, v_cache, *metadata = batch = paged_batch([(5, 12)], [9])
-    tree_mask = with_tree_mask(batch, tree_rows([-1, 0, 0, 2, 1]) + [-1])
-    options = (None, None, None, None, 1.0, 1.0, tree_mask)
+    q, k, v, k_cache, v_cache, *metadata = batch = paged_batch(sequences, [9])
+    options = options(batch)
     expected = cached_attention_reference(q, k, v, k_cache.clone(), v_cache.clone(), *metadata, *options)
     got = backend.op(q, k, v, k_cache, v_cache, *metadata, *options)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -385,6 +395,86 @@ def test_a_tree_mask_of_another_dtype_or_length_is_refused():
     assert backend.check([*node, torch.full((3,), -1, device="meta")], cuda) is None
 
 
+def new_positions(batch: tuple) -> list[tuple[int, int]]:
+    """(sequence, absolute position) of each new token of ``batch``, in the row's order."""
+    seq_start, kv_lens = batch[5].tolist(), batch[6].tolist()
+    q_lens = [end - start for start, end in zip(seq_start, seq_start[1:])]
+    return [(s, p) for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)) for p in range(kv_len - q_len, kv_len)]
+
+
+def with_attend_until(batch: tuple, blocks: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """The op's ``attend_until`` for ``batch``: ``blocks[s]`` lists sequence ``s``'s bidirectional blocks as
+    (first, last) absolute positions; a new token inside one names its last position, every other -1."""
+    blocks = [*blocks, *[[]] * (len(batch[6]) - len(blocks))]
+    rows = [next((last for first, last in blocks[s] if first <= p <= last), -1) for s, p in new_positions(batch)]
+    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+
+
+def with_prefill_config(monkeypatch, prefill_config) -> None:
+    """``prefill_config`` (BLOCK_M, BLOCK_N, warps, stages) for every prefill launch; None keeps the shipped one."""
+    if prefill_config is not None:
+        from autodeploy.custom_ops.triton import paged_attention
+
+        monkeypatch.setattr(paged_attention, "_prefill_config", lambda max_q_len, dim_pad: prefill_config)
+
+
+@pytest.mark.parametrize("prefill_config", [None, (16, 16, 4, 3)], ids=["shipped", "16x16"])
+def test_bidirectional_blocks_see_to_their_end_beside_causal_chunks_and_decodes(prefill_config, monkeypatch):
+    # A prompt chunk with one block (5 … 17: across a 16-key tile and a 16-row query block, so rows 5 … 15 reach
+    # a tile past their own); one with two (the second, 16 … 47, holds whole 16-row query blocks, which see tiles
+    # 0 … 2 unmasked); a chunk after 28 cached tokens that starts inside a block (24 … 33) and holds another;
+    # a one-token chunk and a decode naming their own positions, and a causal decode. GQA: 2 query heads a kv head.
+    with_prefill_config(monkeypatch, prefill_config)
+    batch = paged_batch([(30, 30), (50, 50), (12, 40), (1, 9)], [33, 7], q_heads=4, kv_heads=2)
+    blocks = [[(5, 17)], [(3, 10), (16, 47)], [(24, 33), (36, 38)], [(8, 8)], [(32, 32)]]
+    attend_until = with_attend_until(batch, blocks)
+    assert attend_until[80:92].tolist() == [33] * 6 + [-1, -1, 38, 38, 38, -1]
+    assert_matches_reference(batch, attend_until=attend_until, num_decode_splits=2)
+    q, k, v, k_cache, v_cache, *metadata = batch
+    causal = cached_attention_triton(q, k, v, k_cache.clone(), v_cache.clone(), *metadata)
+    bidirectional = cached_attention_triton(
+        q, k, v, k_cache.clone(), v_cache.clone(), *metadata, attend_until=attend_until
+    )
+    # Exactly the rows that see past themselves change: every row of a block but its last.
+    differs = (bidirectional - causal).abs().amax(dim=(0, 2, 3)) > 1e-3
+    assert differs.tolist() == [until > p for until, (_, p) in zip(attend_until.tolist(), new_positions(batch))]
+    assert sum(differs.tolist()) == 12 + 7 + 31 + 5 + 2
+
+
+@pytest.mark.parametrize("prefill_config", [None, (16, 16, 4, 3)], ids=["shipped", "16x16"])
+def test_a_window_shorter_than_a_block_still_counts_back_from_each_rows_own_position(prefill_config, monkeypatch):
+    # Window 5 inside blocks of 27 and 13 tokens: a row sees keys p - 4 … the block's end, so the window's
+    # lower bound and the block's upper bound both cut the same rows' tiles. 4 query heads a kv head.
+    with_prefill_config(monkeypatch, prefill_config)
+    batch = paged_batch([(40, 40), (20, 60)], [70], q_heads=8, kv_heads=2, block_size=16)
+    attend_until = with_attend_until(batch, [[(4, 30)], [(45, 57)]])
+    assert_matches_reference(batch, attend_until=attend_until, sliding_window=5, sinks=torch.randn(8, device=DEVICE))
+
+
+def test_attend_until_naming_each_rows_own_position_changes_nothing():
+    # Every new token, decodes included, naming its own position (or -1) is causal attention.
+    batch = paged_batch([(9, 9), (40, 70), (1, 12)], [33, 7], q_heads=4, kv_heads=2)
+    q, k, v, k_cache, v_cache, *metadata = batch
+    attend_until = torch.tensor([p if p % 3 else -1 for _, p in new_positions(batch)], device=DEVICE)
+    causal = cached_attention_triton(q, k, v, k_cache.clone(), v_cache.clone(), *metadata)
+    own = cached_attention_triton(q, k, v, k_cache.clone(), v_cache.clone(), *metadata, attend_until=attend_until)
+    torch.testing.assert_close(own, causal)
+
+
+def test_an_attend_until_of_another_dtype_or_length_is_refused():
+    # By the launch's checks, and at build by the backend's supports() on the node's meta tensors.
+    batch = paged_batch([(3, 3)])
+    backend = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "triton")
+    options = (None, None, None, None, 1.0, 1.0, None)  # … k_scale, v_scale, tree_mask
+    node = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in (*batch, *options)]
+    cuda = torch.device("cuda")
+    for attend_until in (torch.full((3,), -1, dtype=torch.int32), torch.full((4,), -1)):
+        with pytest.raises(ValueError, match="attend_until must be a contiguous int64"):
+            cached_attention_triton(*batch, attend_until=attend_until.to(DEVICE))
+        assert "attend_until must be" in backend.check([*node, attend_until.to("meta")], cuda)
+    assert backend.check([*node, torch.full((3,), -1, device="meta")], cuda) is None
+
+
 @gpu_only
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -396,6 +486,20 @@ def test_tree_chunks_at_production_shapes(head_dim, block_size):
     )
     rows = [-1] * 300 + random_tree(20, seed=1) + random_tree(63, seed=2) + [-1] * 4
     assert_matches_reference(batch, atol=2e-2, tree_mask=with_tree_mask(batch, rows))
+
+
+@gpu_only
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("sliding_window", [None, 512])
+def test_bidirectional_blocks_at_production_shapes(head_dim, sliding_window):
+    # Gemma 3's images: 256-token blocks in a long prompt and in a chunk after a cached prefix that starts inside
+    # one, beside a causal prompt and decodes; with a window longer than a block (a local layer's) or none.
+    batch = paged_batch(
+        [(1100, 1100), (300, 1500), (64, 64)], [5000, 37, 1], q_heads=16, kv_heads=8,
+        head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
+    )
+    attend_until = with_attend_until(batch, [[(10, 265), (600, 855)], [(1100, 1355), (1240, 1495)]])
+    assert_matches_reference(batch, atol=2e-2, attend_until=attend_until, sliding_window=sliding_window)
 
 
 @gpu_only
