@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
-from autodeploy.deployment import VISION, Deployment
+from autodeploy.deployment import VISION, Deployment, ImageBoundaries
 from autodeploy.errors import AutoDeployError, ConfigError
 from autodeploy.distributed import (check_no_live_deployment, check_parallelism, hold, init_distributed, should_spawn,
                                     spawn_workers, world_size)
@@ -163,7 +163,10 @@ def _deploy(settings, factory: ModelFactory) -> Deployment:
         deployment.graphs[VISION] = pipeline.run(vision)
         deployment.report.records = [*records, *(replace(record, name=f"{record.name} ({VISION})") for record in pipeline.records)]
         deployment.image_processor = factory.load_image_processor()
-        deployment.image_token_id = factory.vision_language.image_token_id
+        spec = factory.vision_language
+        deployment.image_token_id = spec.image_token_id
+        if spec.boundary_token_ids is not None:
+            deployment.image_boundaries = ImageBoundaries(*spec.boundary_token_ids, spec.separator)
     return deployment
 
 

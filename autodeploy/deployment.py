@@ -33,6 +33,16 @@ VISION = "vision"  # a vision-language model's: preprocessed images in, the feat
 ROLES = (MODEL, VISION)
 
 
+@dataclass(frozen=True)
+class ImageBoundaries:
+    """The tokens a vision-language model puts around each image's placeholders (Gemma 3's start and end of image;
+    a prompt puts the start token where an image goes) and the text its processor puts on both sides of them."""
+
+    start_token_id: int
+    end_token_id: int
+    separator: str = ""
+
+
 @dataclass
 class Deployment:
     """A built model: its graphs by role, how to serve them, and how it was built."""
@@ -47,6 +57,7 @@ class Deployment:
     # A vision-language model's image processor (transformers'; it resizes and normalises images for the vision graph).
     image_processor: Any = None
     image_token_id: int | None = None  # the placeholder token whose embeddings the vision graph's rows replace
+    image_boundaries: ImageBoundaries | None = None  # tokens around each image's placeholders, where the model has them
     # A draft model for speculative decoding (speculative.method "draft"): a deployment of its own, with its own
     # serving signature, settings and build report, whose runner and KV pool sit beside the model's.
     draft: Deployment | None = None

@@ -54,18 +54,29 @@ logger = logging.getLogger(__name__)
 
 # Probe sequences: (prompt length, decode steps). Prompts cross the twin's windows (≤ 8 tokens).
 PROBES = ((1, 3), (6, 3), (13, 3), (29, 3))
+_IMAGE_PROBE_TEXT = 8  # a vision-language twin's image probe: 6 text and 2 boundary tokens around the image, at most
 _TWIN_SEED = 1234
 
 
 class _Probe:
-    """A sequence fed to the twin's engine outside the scheduler (no request, so no side inputs)."""
+    """A sequence fed to the twin's engine outside the scheduler; its ``request`` (an image probe's) carries side
+    inputs, and the spans of its prompt that attend both ways."""
 
     _ids = itertools.count(-1_000_000, -1)
-    request = None
 
-    def __init__(self, token_ids: list[int]):
+    def __init__(self, token_ids: list[int], request=None):
         self.seq_id = next(self._ids)
         self.token_ids = token_ids
+        self.request = request
+
+
+@dataclasses.dataclass
+class _ImageProbe:
+    """What ``step_inputs`` reads of a request: an image's feature rows at its placeholders."""
+
+    prompt_token_ids: list[int]
+    side_inputs: dict
+    whole_spans: tuple[tuple[int, int], ...] = ()
 
 
 def twin_device_and_dtype(settings: DictConfig) -> tuple[str, str]:
@@ -75,10 +86,12 @@ def twin_device_and_dtype(settings: DictConfig) -> tuple[str, str]:
     return str(settings.device), str(settings.dtype)
 
 
-def _twin_settings(settings: DictConfig, device: str, dtype: str) -> DictConfig:
+def _twin_settings(settings: DictConfig, device: str, dtype: str, image_tokens: int = 0) -> DictConfig:
+    """The twin's settings: the probes' batch and blocks (and, with ``image_tokens``, the image probe's)."""
     twin = OmegaConf.to_container(settings, resolve=True)
-    twin.update(device=device, dtype=dtype, weights="checkpoint", max_batch_size=len(PROBES), dump_graphs=None)
-    blocks = sum(-(-(length + steps) // settings.kv_cache.block_size) for length, steps in PROBES)
+    probes = [*PROBES, *([(image_tokens + _IMAGE_PROBE_TEXT, 3)] if image_tokens else [])]
+    twin.update(device=device, dtype=dtype, weights="checkpoint", max_batch_size=len(probes), dump_graphs=None)
+    blocks = sum(-(-(length + steps) // settings.kv_cache.block_size) for length, steps in probes)
     twin["kv_cache"].update(num_blocks=blocks, prefix_caching=False)
     twin["verify"]["enabled"] = False
     twin["speculative"]["method"] = None  # the twin checks the graph's logits; a draft model is verified on its own
@@ -112,10 +125,11 @@ def _probe_tokens(vocab_size: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def served_logits(engine: Engine, sequences: list[list[int]], prompt_lengths: list[int]) -> list[torch.Tensor]:
+def served_logits(engine: Engine, sequences: list[list[int]], prompt_lengths: list[int], requests=None) -> list[torch.Tensor]:
     """Every position's logits as the engine serves them: all prompts prefilled in one mixed batch, then
-    the remaining tokens decoded one step at a time for every sequence together (``[len, vocab]`` each)."""
-    probes = [_Probe(tokens) for tokens in sequences]
+    the remaining tokens decoded one step at a time for every sequence together (``[len, vocab]`` each).
+    ``requests``: what each sequence carries besides its tokens (an image probe's rows), or None."""
+    probes = [_Probe(tokens, request) for tokens, request in zip(sequences, requests or [None] * len(sequences))]
     rows: list[list[torch.Tensor]] = [[] for _ in probes]
     try:
         for probe in probes:
@@ -161,7 +175,7 @@ def _tensors(value) -> list[torch.Tensor]:
     return [logits] if isinstance(logits, torch.Tensor) else []
 
 
-def _module_outputs(model: nn.Module, token_ids: list[int]) -> list[tuple[str, str, list[torch.Tensor]]]:
+def _module_outputs(model: nn.Module, token_ids: list[int], **inputs) -> list[tuple[str, str, list[torch.Tensor]]]:
     """Every module's outputs for one sequence, in the order the modules finished: (path, class, tensors)."""
     finished: list[tuple[str, str, list[torch.Tensor]]] = []
     handles = []
@@ -178,7 +192,7 @@ def _module_outputs(model: nn.Module, token_ids: list[int]) -> list[tuple[str, s
     try:
         with torch.no_grad():
             device = next(model.parameters()).device
-            model(input_ids=torch.tensor([token_ids], device=device), use_cache=False)
+            model(input_ids=torch.tensor([token_ids], device=device), use_cache=False, **inputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -217,17 +231,20 @@ def module_output_nodes(graph: fx.Graph) -> dict[str, list[fx.Node]]:
 
 
 @torch.inference_mode()
-def first_diverging_module(engine: Engine, reference: nn.Module, token_ids: list[int], tolerance: float) -> str | None:
+def first_diverging_module(engine: Engine, reference: nn.Module, token_ids: list[int], tolerance: float,
+                           request=None, hf_inputs=None) -> str | None:
     """The first module (in execution order) whose deployed output differs from Hugging Face's, as
-    "path (Class): relative error"; None when every compared module agrees."""
-    expected = _module_outputs(reference, token_ids)
+    "path (Class): relative error"; None when every compared module agrees. ``request`` / ``hf_inputs``: an image
+    probe's rows and mask, and Hugging Face's inputs for it."""
+    expected = _module_outputs(reference, token_ids, **(hf_inputs or {}))
     outputs = module_output_nodes(engine.graph.graph)
-    probe = _Probe(list(token_ids))
+    probe = _Probe(list(token_ids), request)
     if not engine.pool.reserve(probe.seq_id, len(token_ids)):
         return None
     try:
         inputs, _ = build_step_inputs(engine.graph_inputs, [ScheduledChunk(probe, 0, len(token_ids))], engine.pool,
-                                      engine.caches, engine.device, logits_for_all_tokens=True)
+                                      engine.caches, engine.device, logits_for_all_tokens=True,
+                                      side_inputs=list(engine.runner.side_inputs.values()))
         recorder = _Recorder(engine.graph, {node for nodes in outputs.values() for node in nodes})
         recorder.run(*inputs)
     finally:
@@ -268,7 +285,7 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         dtype, note = "float32", f"compared in float32, not {dtype}: half-precision rounding flips near-tied expert choices"
     reference = _reference_model(twin.config, device, getattr(torch, dtype), factory.trust_remote_code)
     tensors = {name: p.detach().to(getattr(torch, dtype)) for name, p in reference.named_parameters()}
-    twin_settings = _twin_settings(settings, device, dtype)
+    twin_settings = _twin_settings(settings, device, dtype, _image_tokens_bound(twin.config))
     twin_pipeline = Pipeline(pipeline.transforms)
     weights_at = pipeline.first_index_of_stage("load_weights")
     shared = not twin.reduced and (device, dtype) == (str(settings.device), str(settings.dtype))
@@ -459,20 +476,59 @@ def _compare(factory, twin, reference, graph, context, match_notes, settings, de
     vocab = twin.config.get_text_config().vocab_size
     engine = Engine(Deployment({MODEL: graph}, context.serving_signature(), context.settings), check_logits=False)
     sequences = _probe_tokens(vocab)
-    ours = served_logits(engine, sequences, [length for length, _ in PROBES])
+    lengths, requests, hf_inputs = [length for length, _ in PROBES], [None] * len(PROBES), [{} for _ in PROBES]
+    if factory.vision_language is not None:  # and a prompt with an image: its rows at the placeholders, their mask
+        tokens, length, request, inputs = _image_probe(factory.vision_language, reference, vocab, device, dtype)
+        sequences, lengths, requests, hf_inputs = [*sequences, tokens], [*lengths, length], [*requests, request], [*hf_inputs, inputs]
+    ours = served_logits(engine, sequences, lengths, requests)
     worst = (0.0, 0.0, 0)
     with torch.no_grad():
         for index, tokens in enumerate(sequences):
-            expected = reference(input_ids=torch.tensor([tokens], device=device), use_cache=False).logits[0]
+            expected = reference(input_ids=torch.tensor([tokens], device=device), use_cache=False, **hf_inputs[index]).logits[0]
             error, relative = _relative_error(ours[index], expected)
             if not relative <= worst[1]:
                 worst = (error, relative, index)
     error, relative, index = worst
     if not relative <= tolerance:
-        module = first_diverging_module(engine, reference, sequences[index], tolerance)
+        module = first_diverging_module(engine, reference, sequences[index], tolerance, requests[index], hf_inputs[index])
         raise UnsupportedModelError(_mismatch_message(factory, twin.summary, device, dtype, error, relative, tolerance,
                                                       module, match_notes))
     return VerificationReport(twin.summary, device, dtype, error, relative, tolerance, time.perf_counter() - began)
+
+
+def _image_tokens_bound(config) -> int:
+    """At most how many placeholders an image of a vision-language ``config`` takes (its tower's patches and a class
+    token); 0 for a text-only model."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return 0
+    return (int(vision.image_size) // int(vision.patch_size)) ** 2 + 1
+
+
+def _image_probe(spec, reference: nn.Module, vocab: int, device: str, dtype: str):
+    """A prompt of random text around one image's placeholders (between its boundary tokens where the model has them),
+    then 3 decode steps: its tokens, its prompt's length, what the served sequence carries (the image's feature rows as
+    Hugging Face makes them, which placeholders attend both ways) and Hugging Face's extra inputs for it."""
+    from autodeploy.runtime.request import TokenRows
+    from autodeploy.runtime.vision_encoder import IMAGE_FEATURES
+
+    generator = torch.Generator().manual_seed(_TWIN_SEED + 1)
+    pixels = torch.randn((1, 3, spec.image_size, spec.image_size), generator=generator).to(device)
+    with torch.no_grad():
+        rows = reference.model.get_image_features(pixel_values=pixels).pooler_output
+    rows = torch.cat(list(rows)).to(getattr(torch, dtype))
+    special = {spec.image_token_id, *(spec.boundary_token_ids or ())}
+    text = [t for t in torch.randint(0, vocab, (16,), generator=generator).tolist() if t not in special][:8]
+    start, end = spec.boundary_token_ids or (None, None)
+    before, after = text[:2] + ([start] if start is not None else []), ([end] if end is not None else []) + text[2:4]
+    tokens = [*before, *[spec.image_token_id] * len(rows), *after, *text[4:7]]  # the last 3: decode steps
+    first = len(before)
+    spans = ((first, first + len(rows)),) if spec.bidirectional_images else ()
+    request = _ImageProbe(tokens[: len(tokens) - 2], {IMAGE_FEATURES: TokenRows(tuple(range(first, first + len(rows))), rows)}, spans)
+    inputs = {"pixel_values": pixels}
+    if spec.bidirectional_images:
+        inputs["token_type_ids"] = (torch.tensor([tokens], device=device) == spec.image_token_id).long()
+    return tokens, len(tokens) - 2, request, inputs
 
 
 def _mismatch_message(factory, twin, device, dtype, error, relative, tolerance, module, report: str) -> str:

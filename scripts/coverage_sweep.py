@@ -11,6 +11,7 @@ Each model type runs in a forked child (a crash or hang is that entry's result, 
 
     python scripts/coverage_sweep.py                 # all, writes notes/coverage.md and notes/coverage.json
     python scripts/coverage_sweep.py llama bloom     # some, printed only
+    python scripts/coverage_sweep.py --merge gemma3  # some, their entries replaced in notes/coverage.*
 """
 
 from __future__ import annotations
@@ -132,10 +133,15 @@ def main() -> None:
     parser.add_argument("model_types", nargs="*", help="model types to sweep (default: all)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--merge", action="store_true", help="replace the named types' entries in notes/coverage.*")
     args = parser.parse_args()
     _trace_patterns_in_parent()
     results = run_sweep(args.model_types or sweep_model_types(), args.jobs, args.timeout)
-    if not args.model_types:
+    if args.merge:  # the named types swept again, the others' entries as the last full sweep left them
+        swept = {r["model_type"] for r in results}
+        kept = [r for r in json.loads((ROOT / "notes" / "coverage.json").read_text()) if r["model_type"] not in swept]
+        results = sorted([*kept, *results], key=lambda r: r["model_type"])
+    if not args.model_types or args.merge:
         (ROOT / "notes" / "coverage.json").write_text(json.dumps(results, indent=1) + "\n")
         (ROOT / "notes" / "coverage.md").write_text(HEADER + markdown(results))
     else:
@@ -147,7 +153,9 @@ HEADER = """# Architecture coverage sweep
 `python scripts/coverage_sweep.py` (2-core CPU; torch and transformers versions in `notes/coverage.json`'s
 neighbour, docs/trust.md). Every model type in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` as a tiny random
 checkpoint (`tests/sweep_models.py`), deployed with the default pipeline (build-time verification on) on the CPU in
-float32, compared with HF eager attention. *exact*: relative logit error ≤ 1e-4 and 8 greedy tokens identical;
+float32, compared with HF eager attention; the served vision-language families (Gemma 3, LLaVA with CLIP and with
+SigLIP towers) as `tests/tiny_vision_models.py` builds them, their greedy tokens compared with one and with two images.
+*exact*: relative logit error ≤ 1e-4 and 8 greedy tokens identical;
 *refused*: a typed error; *wrong*: served differently or a raw exception; *n/a*: transformers cannot run the tiny config.
 
 """

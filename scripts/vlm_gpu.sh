@@ -12,7 +12,7 @@ MODEL=llava-1.5-7b
 for stage in $(echo ${STAGE:-tests,bench,tower} | tr , ' '); do
 case $stage in
 tests)
-  AUTODEPLOY_CONFIG=tests/gpu.yaml timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/test_vision_language.py \
+  AUTODEPLOY_CONFIG=tests/gpu.yaml timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/test_vision_language.py tests/test_vision_language_gemma3.py \
     tests/bench/test_multimodal_bench.py -x > "$OUT/vlm-tests.log" 2>&1; echo "tests rc=$?"; tail -3 "$OUT/vlm-tests.log" ;;
 bench)
   common="--set weights=random --images-per-request 1 --image-size 336 --repeats 1 --no-progress"

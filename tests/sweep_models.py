@@ -59,12 +59,19 @@ GREEDY_TOKENS = 8
 TOLERANCE = 1e-4  # verify.tolerance.float32
 
 
+# Vision-language families autodeploy serves: swept as tests/tiny_vision_models.py builds them, with images
+# (sweep_vision_language). LLaVA is not in the causal-LM mapping; it joins the sweep here.
+VISION_LANGUAGE = {"gemma3": None, "llava": "clip", "llava (siglip)": "siglip"}
+
+
 def sweep_model_types() -> list[str]:
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return sorted({*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *VISION_LANGUAGE})
 
 
 def family(model_type: str) -> str:
     """``decoder`` (a decoder-only text LM), ``encoder-decoder``, ``encoder`` or ``multimodal``."""
+    if model_type in VISION_LANGUAGE:
+        return "multimodal"
     if model_type in BIDIRECTIONAL_ENCODERS:
         return "encoder"
     if model_type in ENCODER_DECODER_DECODERS:
@@ -135,11 +142,52 @@ def relative_logit_error(model, llm) -> float:
     return worst
 
 
+def sweep_vision_language(model_type: str, entry: dict, reached_autodeploy) -> dict:
+    """A served vision-language family: its tiny checkpoint deployed, text logits against Hugging Face's, and greedy
+    tokens with one and two images against Hugging Face's ``generate`` with the same pixels (and Gemma 3's
+    ``token_type_ids``)."""
+    from tests.tiny_vision_models import GEMMA3_IMAGE, GEMMA3_START, IMAGE_TOKEN_ID, random_image, write_tiny_gemma3, write_tiny_llava
+
+    with tempfile.TemporaryDirectory() as directory:
+        gemma3 = model_type == "gemma3"
+        model = write_tiny_gemma3(Path(directory)) if gemma3 else write_tiny_llava(Path(directory), VISION_LANGUAGE[model_type])
+        reached_autodeploy()
+        start = time.perf_counter()
+        try:
+            llm = autodeploy(directory, device="cpu", dtype="float32", max_seq_len=160)
+        except AutoDeployError as error:
+            return {**entry, "status": "refused", "detail": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - start}
+        entry["seconds"] = time.perf_counter() - start
+        entry["verify"] = str(llm.verification)
+        entry["verify_seconds"] = llm.verification.seconds
+        entry["relative_error"] = relative_logit_error(model, llm)
+        marker = GEMMA3_START if gemma3 else IMAGE_TOKEN_ID
+        identical = True
+        for images in ([random_image(1)], [random_image(2), random_image(3, (20, 64))]):
+            prompt = [5, 6, *[marker, 7] * len(images), 8]
+            output = llm.generate({"prompt": prompt, "images": images},
+                                  SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True))[0]
+            ids = torch.tensor([output.prompt_token_ids])
+            pixels = llm.engine.vision.image_processor(images=images, return_tensors="pt")["pixel_values"]
+            extra = {"token_type_ids": (ids == GEMMA3_IMAGE).long()} if gemma3 else {}
+            expected = model.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                      attention_mask=torch.ones_like(ids), **extra)[0, ids.shape[1]:].tolist()
+            identical &= output.outputs[0].token_ids == expected
+        llm.shutdown()
+    entry["greedy_identical"] = identical
+    return entry
+
+
 def sweep_one(model_type: str, reached_autodeploy=lambda: None) -> dict:
     """One model type's entry; ``reached_autodeploy`` is called once transformers has run the tiny model."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     entry = {"model_type": model_type, "family": family(model_type)}
+    if model_type in VISION_LANGUAGE:
+        entry = sweep_vision_language(model_type, entry, reached_autodeploy)
+        if entry.get("status") == "refused":
+            return entry
+        return _classified(entry)
     try:
         model = tiny_model(model_type)
         with torch.no_grad():
@@ -169,6 +217,10 @@ def sweep_one(model_type: str, reached_autodeploy=lambda: None) -> dict:
             entry["greedy_identical"] = ours == hf_greedy(model, prompt, GREEDY_TOKENS)
         except Exception as error:
             return {**entry, "status": "wrong", "detail": f"serving raised {type(error).__name__}: {' '.join(str(error).split())[:300]}"}
+    return _classified(entry)
+
+
+def _classified(entry: dict) -> dict:
     exact = entry["relative_error"] <= TOLERANCE and entry["greedy_identical"]
     entry["status"] = "exact" if exact else "wrong"
     if not exact:

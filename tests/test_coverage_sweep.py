@@ -51,9 +51,9 @@ def test_a_constant_export_cannot_give_a_value_is_an_export_error(tmp_path):
         autodeploy(str(tmp_path), device="cpu", transforms={"export_to_fx": {"patches": patches}})
 
 
-@pytest.mark.parametrize("config_class", ["Gemma3Config", "Qwen2_5_VLConfig", "LlavaNextConfig", "Qwen2AudioConfig"])
+@pytest.mark.parametrize("config_class", ["PaliGemmaConfig", "Qwen2_5_VLConfig", "LlavaNextConfig", "Qwen2AudioConfig"])
 def test_a_multimodal_model_it_does_not_serve_is_refused_before_anything_is_built(tmp_path, config_class):
-    """LLaVA with CLIP or SigLIP towers is served (tests/test_vision_language.py); other vision-language families and
+    """LLaVA with CLIP or SigLIP towers and Gemma 3 are served (tests/test_vision_language*.py); other vision-language families and
     other modalities are refused by name."""
     import transformers
 

@@ -2,7 +2,7 @@
 
 ``VisionFeatures`` — the ``"vision"`` graph: preprocessed images ``[images, 3, H, W]`` in, the projected
 feature rows ``[images, tokens, hidden]`` out (the tower's chosen hidden states, the class token dropped
-under the ``"default"`` strategy, through the projector) — what Hugging Face's ``get_image_features`` computes,
+under the ``"default"`` strategy, or its output, through the projector) — what Hugging Face's ``get_image_features`` computes,
 without the list it returns (a list would fix the image count at export).
 
 ``VisionLanguageLogits`` — the ``"model"`` graph: token ids and positions, plus the side input
@@ -39,6 +39,8 @@ class VisionFeatures(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         inner = self.model.model
+        if not self.feature_layers:  # the tower's output, after its post-norm (Gemma 3)
+            return inner.multi_modal_projector(inner.vision_tower(pixel_values).last_hidden_state)
         hidden_states = inner.vision_tower(pixel_values, output_hidden_states=True).hidden_states
         selected = [hidden_states[layer] if self.keep_class_token else hidden_states[layer][:, 1:] for layer in self.feature_layers]
         return inner.multi_modal_projector(torch.cat(selected, dim=-1))

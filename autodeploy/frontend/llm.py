@@ -78,9 +78,10 @@ class LLM:
 
     @property
     def image_token(self) -> str | None:
-        """A vision-language model's image placeholder as prompt text (``"<image>"``: one where each image goes); None
-        for a model that takes no images."""
-        token_id = self.deployment.image_token_id
+        """A vision-language model's image placeholder as prompt text (``"<image>"``, Gemma 3's ``"<start_of_image>"``:
+        one where each image goes); None for a model that takes no images."""
+        boundaries = self.deployment.image_boundaries
+        token_id = self.deployment.image_token_id if boundaries is None else boundaries.start_token_id
         return None if token_id is None or self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(token_id)
 
     @property
