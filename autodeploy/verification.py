@@ -192,7 +192,7 @@ def _module_outputs(model: nn.Module, token_ids: list[int], **inputs) -> list[tu
     try:
         with torch.no_grad():
             device = next(model.parameters()).device
-            model(input_ids=torch.tensor([token_ids], device=device), use_cache=False, **inputs)
+            model(use_cache=False, **(inputs or {"input_ids": torch.tensor([token_ids], device=device)}))
     finally:
         for handle in handles:
             handle.remove()
@@ -484,7 +484,8 @@ def _compare(factory, twin, reference, graph, context, match_notes, settings, de
     worst = (0.0, 0.0, 0)
     with torch.no_grad():
         for index, tokens in enumerate(sequences):
-            expected = reference(input_ids=torch.tensor([tokens], device=device), use_cache=False, **hf_inputs[index]).logits[0]
+            inputs = hf_inputs[index] or {"input_ids": torch.tensor([tokens], device=device)}
+            expected = reference(use_cache=False, **inputs).logits[0]
             error, relative = _relative_error(ours[index], expected)
             if not relative <= worst[1]:
                 worst = (error, relative, index)
@@ -520,14 +521,23 @@ def _image_probe(spec, reference: nn.Module, vocab: int, device: str, dtype: str
     special = {spec.image_token_id, *(spec.boundary_token_ids or ())}
     text = [t for t in torch.randint(0, vocab, (16,), generator=generator).tolist() if t not in special][:8]
     start, end = spec.boundary_token_ids or (None, None)
+    if start is not None and max(start, end) >= vocab:  # a reduced twin's vocabulary: ordinary text around the image
+        start = end = None
     before, after = text[:2] + ([start] if start is not None else []), ([end] if end is not None else []) + text[2:4]
     tokens = [*before, *[spec.image_token_id] * len(rows), *after, *text[4:7]]  # the last 3: decode steps
     first = len(before)
     spans = ((first, first + len(rows)),) if spec.bidirectional_images else ()
-    request = _ImageProbe(tokens[: len(tokens) - 2], {IMAGE_FEATURES: TokenRows(tuple(range(first, first + len(rows))), rows)}, spans)
-    inputs = {"pixel_values": pixels}
+    positions = tuple(range(first, first + len(rows)))
+    request = _ImageProbe(tokens[: len(tokens) - 2], {IMAGE_FEATURES: TokenRows(positions, rows)}, spans)
+    # Hugging Face's inputs: the embeddings with the rows in place, as its forward makes them from pixel values (a
+    # reduced twin's placeholder may lie outside its vocabulary, which LLaVA's forward would index).
+    ids = torch.tensor([tokens], device=device)
+    with torch.no_grad():
+        embeds = reference.get_input_embeddings()(ids.masked_fill(ids == spec.image_token_id, 0))
+    embeds[0, list(positions)] = rows.to(device, embeds.dtype)
+    inputs = {"inputs_embeds": embeds}
     if spec.bidirectional_images:
-        inputs["token_type_ids"] = (torch.tensor([tokens], device=device) == spec.image_token_id).long()
+        inputs["token_type_ids"] = (ids == spec.image_token_id).long()
     return tokens, len(tokens) - 2, request, inputs
 
 

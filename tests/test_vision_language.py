@@ -342,3 +342,23 @@ def test_a_step_computing_an_image_row_is_told_apart_from_a_plain_decode():
     assert carries_side_rows([chunk(7, 1)], [spec]) and carries_side_rows([chunk(0, 6)], [spec])
     assert not carries_side_rows([chunk(8, 1)], [spec]) and not carries_side_rows([chunk(0, 5)], [spec])
     assert not carries_side_rows([SimpleNamespace(sequence=SimpleNamespace(request=None), start=5, length=1)], [spec])
+
+
+def test_a_placeholder_outside_the_vocabulary_is_embedded_as_hugging_face_does_and_verified(tmp_path):
+    """A reduced twin keeps the checkpoint's image token (LLaVA-1.5's 32000) with a 512-token vocabulary: the model
+    graph embeds it as token 0 (its row overwrites it), and the build's image probe gives Hugging Face the embeddings
+    with the rows in place rather than ids its embedding cannot index."""
+    from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration
+
+    from tests.tiny_vision_models import IMAGE_SIZE, tiny_llava_config
+
+    config = tiny_llava_config("clip")
+    config.image_token_index = 600  # the tiny vocabulary has 512
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(tmp_path)
+    CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", max_seq_len=64)
+    assert llm.deployment.report.verification.relative_error <= 1e-4
+    with pytest.raises(InvalidRequestError, match=r"outside the vocabulary \[0, 512\): \[600\]"):  # served: typed
+        llm.generate({"prompt": [1, 600, 5], "images": [random_image(50)]}, GREEDY)
+    llm.shutdown()

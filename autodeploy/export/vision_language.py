@@ -49,12 +49,18 @@ class VisionFeatures(nn.Module):
 class VisionLanguageLogits(nn.Module):
     """The exported language-model function of a vision-language checkpoint (see the module docstring)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, image_token_id: int):
         super().__init__()
         self.model = model
+        # A placeholder outside the vocabulary (a reduced twin's, say) is embedded as token 0, as Hugging Face does:
+        # its row overwrites the embedding anyway.
+        embeddings = model.get_input_embeddings().num_embeddings
+        self.outside_vocabulary = image_token_id if image_token_id >= embeddings else None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, image_features: torch.Tensor,
                 image_features_token_index: torch.Tensor) -> torch.Tensor:
+        if self.outside_vocabulary is not None:
+            input_ids = input_ids.masked_fill(input_ids == self.outside_vocabulary, 0)
         embeds = self.model.get_input_embeddings()(input_ids)
         rows = torch.zeros_like(image_features_token_index)  # the runtime's graph takes every token in row 0
         embeds = embeds.index_put((rows, image_features_token_index), image_features.to(embeds.dtype))

@@ -109,9 +109,11 @@ class DraftingTimes:
         self.weight = weight
         self._seconds: dict[int, float] = {}
 
-    def observe(self, batch: int, positions: int, seconds: float) -> None:
+    def observe(self, batch: int, positions: int, seconds: float, replace: bool = False) -> None:
+        """A call drafted ``positions`` for ``batch`` sequences in ``seconds``; ``replace``: it stands for the bucket
+        alone (a revisit after steps that did not draft: the old average may be one slow first call's)."""
         if positions > 0:
-            _average(self._seconds, batch, seconds / positions, self.weight)
+            _average(self._seconds, batch, seconds / positions, 1.0 if replace else self.weight)
 
     def per_position(self, batch: int) -> float:
         """The observed seconds per drafted position at the bucket nearest ``batch`` (0 before any call)."""
@@ -128,10 +130,11 @@ class ObservedSteps:
         self.decoding: dict[int, float] = {}
         self.overhead: dict[int, float] = {}
 
-    def observe(self, batch: int, drafted: bool, seconds: float, predicted: float) -> None:
-        """A step of ``batch`` decoding sequences took ``seconds``; ``predicted``: a drafting step's forward and drafting."""
+    def observe(self, batch: int, drafted: bool, seconds: float, predicted: float, replace: bool = False) -> None:
+        """A step of ``batch`` decoding sequences took ``seconds``; ``predicted``: a drafting step's forward and drafting;
+        ``replace``: a drafting step's overhead stands for the bucket alone (``DraftingTimes.observe``)."""
         if drafted:
-            _average(self.overhead, batch, max(seconds - predicted, 0.0), self.weight)
+            _average(self.overhead, batch, max(seconds - predicted, 0.0), 1.0 if replace else self.weight)
         else:
             _average(self.decoding, batch, seconds, self.weight)
 

@@ -79,6 +79,11 @@ _PRIOR_WEIGHT = 4  # drafted tokens' worth of weight the overall acceptance has 
 # The acceptance taken before the drafter has verified EXPLORED tokens: hopeful, so that where drafting can pay at
 # all it is tried and the drafter's real rate learnt (a pessimistic start never drafts, so never learns).
 _FIRST_ACCEPTANCE, EXPLORED = 0.8, 100
+# After REVISIT steps in a row that ``auto`` chose not to draft, it drafts two steps anyway (as many tokens as the
+# forward's costs alone would pay for) and takes what those cost as its new estimates of drafting's own time and a
+# drafting step's overhead: one slow first call (a kernel compiled, a graph captured) must not turn drafting off
+# for good, since a state that never drafts never measures drafting again.
+REVISIT, _REVISIT_STEPS = 64, 2
 
 DrafterFactory = Callable[[Any, Any], Drafter]  # (deployment, speculative settings) -> Drafter
 _DRAFTERS: dict[str, DrafterFactory] = {}
@@ -197,6 +202,9 @@ class Speculator:
         self.method = method
         self.costs = costs  # None: draft num_tokens every step; else as many as pay (speculation_costs.py)
         self.drafting_times = DraftingTimes()  # what the drafter's own calls cost, counted against its drafts
+        self._idle_steps = 0  # steps of decodes in a row that auto chose not to draft
+        self._revisit_left = 0  # steps left of a revisit (REVISIT), whose costs replace the estimates
+        self._revisiting = False  # whether the last planned step is one of them
         self.observed = ObservedSteps()  # what whole steps took as they ran (``step_took``)
         self._timing: tuple[int, int, float] | None = None  # the planned step's (batch, tokens drafted, drafting s/position)
         self._last_drafted: bool | None = None  # whether the step before drafted (None: not decodes alone)
@@ -217,10 +225,20 @@ class Speculator:
         decoding = [c for c in chunks if c.length == 1 and c.completes and c.sequence.request.beam_search is None]
         wanted, batch = self.num_tokens, len(decoding)
         per_position = self.drafting_times.per_position(batch)
-        if self.costs is not None:
-            wanted = best_num_tokens(self.costs, [self.acceptance(c.sequence) for c in decoding], self.num_tokens,
-                                     per_position, self.observed.overhead_seconds(batch), self.observed.decoding_seconds(batch))
+        revisiting = False
+        if self.costs is not None and decoding:
+            acceptances = [self.acceptance(c.sequence) for c in decoding]
+            wanted = best_num_tokens(self.costs, acceptances, self.num_tokens, per_position,
+                                     self.observed.overhead_seconds(batch), self.observed.decoding_seconds(batch))
+            self._idle_steps = 0 if wanted else self._idle_steps + 1
+            if self._idle_steps >= REVISIT:
+                self._idle_steps, self._revisit_left = 0, _REVISIT_STEPS
+            if not wanted and self._revisit_left:
+                self._revisit_left -= 1
+                wanted = best_num_tokens(self.costs, acceptances, self.num_tokens)
+                revisiting = wanted > 0
         self.drafting = wanted > 0 and bool(decoding)
+        self._revisiting = revisiting
         self._timing = (batch, wanted if self.drafting else 0, per_position) if decoding and batch == len(chunks) else None
         candidates = [c for c in decoding if self._may_draft(c)]
         if not self.drafting or not candidates or budget <= 0:
@@ -237,7 +255,7 @@ class Speculator:
             self._drafted = (source, HostCopy(source)) if source is not None else None
         else:
             drafts = self.drafter(sequences, limits)
-        self.drafting_times.observe(len(candidates), max(limits), time.perf_counter() - began)
+        self.drafting_times.observe(len(candidates), max(limits), time.perf_counter() - began, replace=revisiting)
         if len(drafts) != len(candidates):
             raise RuntimeError(f"the {self.method!r} drafter returned {len(drafts)} drafts for {len(candidates)} sequences")
         for chunk, limit, draft in zip(candidates, limits, drafts):
@@ -303,7 +321,8 @@ class Speculator:
         if self.costs is None or timing is None or drafted != last:
             return
         batch, k, per_position = timing
-        self.observed.observe(batch, drafted, seconds, self.costs.seconds(batch, k) + per_position * k)
+        self.observed.observe(batch, drafted, seconds, self.costs.seconds(batch, k) + per_position * k,
+                              replace=self._revisiting)
 
     def relocate(self, sequence, start: int, path: list[int]) -> None:
         """A tree verified at ``start`` (the position of the sequence's newest token) kept the nodes ``path``: their

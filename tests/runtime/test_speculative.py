@@ -433,6 +433,29 @@ def test_auto_weighs_the_steps_as_they_ran_and_stops_drafting_where_host_work_ma
     assert "batch ≤1 as run: decoding step 1000.00 ms, a drafting step's host work 4" in speculator.describe()
 
 
+def test_auto_revisits_drafting_after_a_slow_first_call_rather_than_never_drafting_again(llama_dir, llama_llm,
+                                                                                         monkeypatch):
+    """A drafter's first call was slow (a kernel compiled, say): by that estimate drafting never pays, and a state that
+    never drafts never measures drafting again. After REVISIT steps without drafts auto drafts two steps anyway, takes
+    their costs as its estimates, and drafts on."""
+    from autodeploy.runtime.speculative import REVISIT
+
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "test_scripted", "num_tokens": 4})
+    speculator = llm.engine.speculator
+    prompt = random_prompts(1, seed=9, lengths=(10, 10))
+    params = SamplingParams(max_tokens=REVISIT + 24, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in llama_llm.generate(prompt, params)]
+    SCRIPT["propose"] = oracle_drafts({tuple(prompt[0]): expected[0]})
+    monkeypatch.setattr(speculator, "step_took", lambda seconds: None)  # the costs and drafting times alone decide
+    speculator.costs = StepCosts((1, 64), (1.0, 64.0), (1.5, 96.0), 4)  # whole drafts pay from an acceptance of 0.37
+    speculator.drafting_times.observe(1, 1, 1000.0)  # one slow first call: 1000 s a drafted position
+    assert best_num_tokens(speculator.costs, [0.8], 4, speculator.drafting_times.per_position(1)) == 0
+    assert [o.token_ids for o in llm.generate(prompt, params)] == expected
+    assert speculator.stats.drafted > 0 and speculator.drafting_times.per_position(1) < 1.0
+    assert speculator.stats.steps > 2  # drafting went on after the revisit's two steps
+
+
 def test_step_costs_are_timed_on_the_engines_own_runner_and_give_its_blocks_back(spec_llm):
     engine = spec_llm.engine
     costs = measure_step_costs(engine.runner, [1, 3], num_tokens=2, context=20, repeats=1)
