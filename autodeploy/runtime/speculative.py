@@ -83,7 +83,9 @@ _FIRST_ACCEPTANCE, EXPLORED = 0.8, 100
 # forward's costs alone would pay for) and takes what those cost as its new estimates of drafting's own time and a
 # drafting step's overhead: one slow first call (a kernel compiled, a graph captured) must not turn drafting off
 # for good, since a state that never drafts never measures drafting again.
-REVISIT, _REVISIT_STEPS = 64, 2
+# A revisit that finds drafting still losing doubles the wait for the next, up to _REVISIT_MAX steps (where drafting
+# loses, revisits then cost under 0.2 % of the steps).
+REVISIT, _REVISIT_STEPS, _REVISIT_MAX = 64, 2, 1024
 
 DrafterFactory = Callable[[Any, Any], Drafter]  # (deployment, speculative settings) -> Drafter
 _DRAFTERS: dict[str, DrafterFactory] = {}
@@ -204,6 +206,7 @@ class Speculator:
         self.drafting_times = DraftingTimes()  # what the drafter's own calls cost, counted against its drafts
         self._idle_steps = 0  # steps of decodes in a row that auto chose not to draft
         self._revisit_left = 0  # steps left of a revisit (REVISIT), whose costs replace the estimates
+        self._revisit_every = REVISIT  # idle steps before the next revisit
         self._revisiting = False  # whether the last planned step is one of them
         self.observed = ObservedSteps()  # what whole steps took as they ran (``step_took``)
         self._timing: tuple[int, int, float] | None = None  # the planned step's (batch, tokens drafted, drafting s/position)
@@ -230,9 +233,13 @@ class Speculator:
             acceptances = [self.acceptance(c.sequence) for c in decoding]
             wanted = best_num_tokens(self.costs, acceptances, self.num_tokens, per_position,
                                      self.observed.overhead_seconds(batch), self.observed.decoding_seconds(batch))
-            self._idle_steps = 0 if wanted else self._idle_steps + 1
-            if self._idle_steps >= REVISIT:
+            if wanted:  # drafting pays by the estimates: the next revisit, if any, after REVISIT steps again
+                self._idle_steps, self._revisit_every = 0, REVISIT
+            else:
+                self._idle_steps += 1
+            if self._idle_steps >= self._revisit_every:  # each revisit that finds drafting still losing waits twice as long
                 self._idle_steps, self._revisit_left = 0, _REVISIT_STEPS
+                self._revisit_every = min(2 * self._revisit_every, _REVISIT_MAX)
             if not wanted and self._revisit_left:
                 self._revisit_left -= 1
                 wanted = best_num_tokens(self.costs, acceptances, self.num_tokens)

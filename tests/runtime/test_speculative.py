@@ -456,6 +456,27 @@ def test_auto_revisits_drafting_after_a_slow_first_call_rather_than_never_drafti
     assert speculator.stats.steps > 2  # drafting went on after the revisit's two steps
 
 
+def test_revisits_that_find_drafting_still_losing_wait_twice_as_long_each_time(llama_dir, llama_llm, monkeypatch):
+    """Host work makes every drafting step lose (6 s against 1 s, as in the test above): drafting stops after its first
+    two steps, is revisited for two steps after REVISIT idle steps, then after twice that — 6 drafting steps in 300
+    tokens, not one revisit every REVISIT steps."""
+    from autodeploy.runtime.speculative import REVISIT
+
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "test_scripted", "num_tokens": 4})
+    speculator = llm.engine.speculator
+    prompt = random_prompts(1, seed=8, lengths=(20, 20))
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in llama_llm.generate(prompt, params)]
+    SCRIPT["propose"] = oracle_drafts({tuple(prompt[0]): expected[0]})
+    speculator.costs = StepCosts((1, 64), (1.0, 64.0), (1.5, 96.0), 4)
+    took = speculator.step_took
+    monkeypatch.setattr(speculator, "step_took", lambda seconds: took(6.0 if speculator.drafting else 1.0))
+    assert [o.token_ids for o in llm.generate(prompt, params)] == expected
+    assert REVISIT + 2 * REVISIT + 6 * 5 < 300 < REVISIT * (1 + 2 + 4)  # the third revisit would come after 448 steps
+    assert speculator.stats.steps == 6 and not speculator.drafting
+
+
 def test_step_costs_are_timed_on_the_engines_own_runner_and_give_its_blocks_back(spec_llm):
     engine = spec_llm.engine
     costs = measure_step_costs(engine.runner, [1, 3], num_tokens=2, context=20, repeats=1)
