@@ -412,21 +412,29 @@ def test_auto_speculation_turns_itself_off_where_the_step_costs_say_it_loses(lla
     assert speculator.stats.drafted > first and speculator.stats.accepted == speculator.stats.drafted
 
 
-def test_auto_weighs_the_steps_as_they_ran_and_stops_drafting_where_host_work_makes_it_lose(llama_dir, llama_llm,
-                                                                                           monkeypatch):
-    """By the forwards timed at set-up drafting pays; the engine's steps say a drafting step takes 6 s against a
-    decoding step's 1 s (their host work): after one observed drafting step, auto drafts no more."""
+def generate_where_host_work_makes_drafting_lose(llama_dir, llama_llm, monkeypatch, max_tokens: int):
+    """Generate ``max_tokens`` greedily with an always-right drafter where the set-up's forwards say drafting pays but
+    the steps as they ran say a drafting step takes 6 s against a decoding step's 1 s; the tokens are checked against
+    the engine without speculation. Returns the speculator."""
     llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
                      speculative={"method": "test_scripted", "num_tokens": 4})
     speculator = llm.engine.speculator
     prompt = random_prompts(1, seed=8, lengths=(20, 20))
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     expected = [o.token_ids for o in llama_llm.generate(prompt, params)]
     SCRIPT["propose"] = oracle_drafts({tuple(prompt[0]): expected[0]})
     speculator.costs = StepCosts((1, 64), (1.0, 64.0), (1.5, 96.0), 4)  # whole drafts pay from an acceptance of 0.37
     took = speculator.step_took
     monkeypatch.setattr(speculator, "step_took", lambda seconds: took(6.0 if speculator.drafting else 1.0))
     assert [o.token_ids for o in llm.generate(prompt, params)] == expected
+    return speculator
+
+
+def test_auto_weighs_the_steps_as_they_ran_and_stops_drafting_where_host_work_makes_it_lose(llama_dir, llama_llm,
+                                                                                           monkeypatch):
+    """By the forwards timed at set-up drafting pays; the engine's steps say a drafting step takes 6 s against a
+    decoding step's 1 s (their host work): after one observed drafting step, auto drafts no more."""
+    speculator = generate_where_host_work_makes_drafting_lose(llama_dir, llama_llm, monkeypatch, max_tokens=24)
     assert speculator.stats.steps == 2  # the first drafting step is not timed (the step before it held the prompt)
     assert speculator.observed.overhead_seconds(1) == pytest.approx(4.5, abs=0.1)  # 6 s − 1.5 s, less drafting
     assert speculator.observed.decoding_seconds(1) == 1.0 and not speculator.drafting
@@ -462,17 +470,7 @@ def test_revisits_that_find_drafting_still_losing_wait_twice_as_long_each_time(l
     tokens, not one revisit every REVISIT steps."""
     from autodeploy.runtime.speculative import REVISIT
 
-    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
-                     speculative={"method": "test_scripted", "num_tokens": 4})
-    speculator = llm.engine.speculator
-    prompt = random_prompts(1, seed=8, lengths=(20, 20))
-    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
-    expected = [o.token_ids for o in llama_llm.generate(prompt, params)]
-    SCRIPT["propose"] = oracle_drafts({tuple(prompt[0]): expected[0]})
-    speculator.costs = StepCosts((1, 64), (1.0, 64.0), (1.5, 96.0), 4)
-    took = speculator.step_took
-    monkeypatch.setattr(speculator, "step_took", lambda seconds: took(6.0 if speculator.drafting else 1.0))
-    assert [o.token_ids for o in llm.generate(prompt, params)] == expected
+    speculator = generate_where_host_work_makes_drafting_lose(llama_dir, llama_llm, monkeypatch, max_tokens=300)
     assert REVISIT + 2 * REVISIT + 6 * 5 < 300 < REVISIT * (1 + 2 + 4)  # the third revisit would come after 448 steps
     assert speculator.stats.steps == 6 and not speculator.drafting
 
