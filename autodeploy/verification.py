@@ -125,7 +125,8 @@ def _probe_tokens(vocab_size: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def served_logits(engine: Engine, sequences: list[list[int]], prompt_lengths: list[int], requests=None) -> list[torch.Tensor]:
+def served_logits(engine: Engine, sequences: list[list[int]], prompt_lengths: list[int],
+                  requests=None) -> list[torch.Tensor]:
     """Every position's logits as the engine serves them: all prompts prefilled in one mixed batch, then
     the remaining tokens decoded one step at a time for every sequence together (``[len, vocab]`` each).
     ``requests``: what each sequence carries besides its tokens (an image probe's rows), or None."""
@@ -479,7 +480,8 @@ def _compare(factory, twin, reference, graph, context, match_notes, settings, de
     lengths, requests, hf_inputs = [length for length, _ in PROBES], [None] * len(PROBES), [{} for _ in PROBES]
     if factory.vision_language is not None:  # and a prompt with an image: its rows at the placeholders, their mask
         tokens, length, request, inputs = _image_probe(factory.vision_language, reference, vocab, device, dtype)
-        sequences, lengths, requests, hf_inputs = [*sequences, tokens], [*lengths, length], [*requests, request], [*hf_inputs, inputs]
+        sequences, lengths = [*sequences, tokens], [*lengths, length]
+        requests, hf_inputs = [*requests, request], [*hf_inputs, inputs]
     ours = served_logits(engine, sequences, lengths, requests)
     worst = (0.0, 0.0, 0)
     with torch.no_grad():
@@ -491,7 +493,8 @@ def _compare(factory, twin, reference, graph, context, match_notes, settings, de
                 worst = (error, relative, index)
     error, relative, index = worst
     if not relative <= tolerance:
-        module = first_diverging_module(engine, reference, sequences[index], tolerance, requests[index], hf_inputs[index])
+        module = first_diverging_module(engine, reference, sequences[index], tolerance, requests[index],
+                                        hf_inputs[index])
         raise UnsupportedModelError(_mismatch_message(factory, twin.summary, device, dtype, error, relative, tolerance,
                                                       module, match_notes))
     return VerificationReport(twin.summary, device, dtype, error, relative, tolerance, time.perf_counter() - began)

@@ -108,9 +108,9 @@ def cached_attention_reference(
 ) -> torch.Tensor:
     """Write this step's ``k``/``v`` into the caches, then attend each new token over its sequence's
     cached tokens with the ``attention`` op's semantics (causal on absolute positions, GQA, window,
-    soft-cap, sinks, ALiBi; a tree chunk's ``tree_mask``; bidirectional blocks' ``attend_until``). ``k_scale`` / ``v_scale``: the layer's fp8 cache
-    scales (a stored value times its scale is the value). Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The
-    oracle: one sequence at a time."""
+    soft-cap, sinks, ALiBi; a tree chunk's ``tree_mask``; bidirectional blocks' ``attend_until``).
+    ``k_scale`` / ``v_scale``: the layer's fp8 cache scales (a stored value times its scale is the value).
+    Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The oracle: one sequence at a time."""
     check_alibi_slopes("cached_attention", alibi_slopes, q.shape[2])
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention import check_alibi_slopes
-from .cached_attention import CachedAttentionArgs, gather_sequence_kv, last_keys, read_back, tree_visibility, write_kv_cache
+from .cached_attention import (CachedAttentionArgs, gather_sequence_kv, last_keys, read_back, tree_visibility,
+                              write_kv_cache)
 from .registry import register_backend
 
 

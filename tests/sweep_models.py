@@ -146,7 +146,8 @@ def sweep_vision_language(model_type: str, entry: dict, reached_autodeploy) -> d
     """A served vision-language family: its tiny checkpoint deployed, text logits against Hugging Face's, and greedy
     tokens with one and two images against Hugging Face's ``generate`` with the same pixels (and Gemma 3's
     ``token_type_ids``)."""
-    from tests.tiny_vision_models import GEMMA3_IMAGE, GEMMA3_START, IMAGE_TOKEN_ID, random_image, write_tiny_gemma3, write_tiny_llava
+    from tests.tiny_vision_models import (GEMMA3_IMAGE, GEMMA3_START, IMAGE_TOKEN_ID, random_image, write_tiny_gemma3,
+                                          write_tiny_llava)
 
     with tempfile.TemporaryDirectory() as directory:
         gemma3 = model_type == "gemma3"
@@ -156,7 +157,8 @@ def sweep_vision_language(model_type: str, entry: dict, reached_autodeploy) -> d
         try:
             llm = autodeploy(directory, device="cpu", dtype="float32", max_seq_len=160)
         except AutoDeployError as error:
-            return {**entry, "status": "refused", "detail": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - start}
+            return {**entry, "status": "refused", "detail": f"{type(error).__name__}: {error}",
+                    "seconds": time.perf_counter() - start}
         entry["seconds"] = time.perf_counter() - start
         entry["verify"] = str(llm.verification)
         entry["verify_seconds"] = llm.verification.seconds

@@ -356,7 +356,8 @@ def test_a_placeholder_outside_the_vocabulary_is_embedded_as_hugging_face_does_a
     config.image_token_index = 600  # the tiny vocabulary has 512
     torch.manual_seed(0)
     LlavaForConditionalGeneration(config).save_pretrained(tmp_path)
-    CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(tmp_path)
+    crop = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, crop_size=crop).save_pretrained(tmp_path)
     llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", max_seq_len=64)
     assert llm.deployment.report.verification.relative_error <= 1e-4
     with pytest.raises(InvalidRequestError, match=r"outside the vocabulary \[0, 512\): \[600\]"):  # served: typed

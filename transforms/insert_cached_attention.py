@@ -14,9 +14,9 @@ generating); the gather sits before the LM head so the vocabulary projection run
 The output is ``logits[1, N, vocab]``. A deployment that drafts trees (``speculative.tree_width`` > 1) gets one
 more input, ``tree_mask[T]`` (``TREE_MASK``), which every ``cached_attention`` reads; others never carry it. So
 does a model whose image tokens attend to one another both ways in the prompt (Gemma 3: ``attend_until[T]``,
-``ATTEND_UNTIL``; ``VisionLanguageSpec.bidirectional_images``). A pipeline stage (``shard_pipeline_parallel``) holds some of the
-layers: it gets caches for those only (named by the model's layer index), and a stage before the last,
-which receives its logits from the last stage, receives them for the ``N`` picked rows.
+``ATTEND_UNTIL``; ``VisionLanguageSpec.bidirectional_images``). A pipeline stage (``shard_pipeline_parallel``)
+holds some of the layers: it gets caches for those only (named by the model's layer index), and a stage before the
+last, which receives its logits from the last stage, receives them for the ``N`` picked rows.
 
 Every attention of the model must have been matched: a layer left as aten ops would attend only
 within the tokens of the current step, which is wrong, so that is an ``UnsupportedModelError``.

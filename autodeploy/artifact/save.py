@@ -75,7 +75,8 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
             **({"hidden_state_layers": _listed(deployment.graph.meta[HIDDEN_STATE_LAYERS])}
                if HIDDEN_STATE_LAYERS in getattr(deployment.graph, "meta", {}) else {}),
             **({"image_token_id": int(deployment.image_token_id)} if VISION in deployment.graphs else {}),
-            **({"image_boundaries": dataclasses.asdict(deployment.image_boundaries)} if deployment.image_boundaries else {}),
+            **({"image_boundaries": dataclasses.asdict(deployment.image_boundaries)}
+               if deployment.image_boundaries else {}),
         })
         tuning = {"kernels": saved.kernels, "dispatches": saved.dispatches}
         if VISION in deployment.graphs:

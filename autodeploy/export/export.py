@@ -152,7 +152,8 @@ def export_causal_lm(
     width = model.get_input_embeddings().embedding_dim
     features = torch.zeros((3, width), dtype=next(model.parameters()).dtype, device=device)
     token_index = torch.arange(3, device=device)
-    return export_to_graph_module(VisionLanguageLogits(model, vision_language.image_token_id), (input_ids, position_ids, features, token_index),
+    logits = VisionLanguageLogits(model, vision_language.image_token_id)
+    return export_to_graph_module(logits, (input_ids, position_ids, features, token_index),
                                   (*dynamic, {0: rows}, {0: rows}), patches, strict)
 
 
