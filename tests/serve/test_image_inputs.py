@@ -118,3 +118,28 @@ def test_without_an_allowed_directory_the_server_reads_no_local_image(tmp_path):
                         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]}])
     finally:
         llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_server_serves_gemma3_images_with_its_expansion_and_mask(tmp_path):
+    """Gemma 3 through the OpenAI client: the chat template writes ``<start_of_image>`` where the image part stands,
+    admission expands it as Gemma 3's processor does, and the reply is HF's with the processor's ``token_type_ids``."""
+    import torch
+
+    from tests.test_vision_language_gemma3 import START, hf_run, processor_ids
+    from tests.tiny_vision_models import write_tiny_gemma3
+
+    hf = write_tiny_gemma3(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", max_seq_len=128, max_batch_size=2)
+    image = random_image(15)
+    with serving_in_thread(build_app(llm, ServerOptions(served_model_name=MODEL, chat_template=TEMPLATE))) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        url = f"data:image/png;base64,{base64.b64encode(png(image)).decode()}"
+        reply = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0.0, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    ids = processor_ids(llm, f"<|user|>Describe{START}\n<|assistant|>")
+    ids = ids[1:] if ids[0] == llm.tokenizer.bos_token_id else ids  # the template's text, tokenized without a BOS
+    with torch.no_grad():
+        tokens, _ = hf_run(llm, hf, ids, [image])
+    assert reply.choices[0].message.content == llm.tokenizer.decode(tokens)
+    llm.shutdown()
