@@ -58,6 +58,17 @@ def check_alibi_slopes(op: str, alibi_slopes: Optional[List[float]], q_heads: in
         raise ValueError(f"{op}: alibi_slopes must have one slope per query head (Hq={q_heads}); got {len(alibi_slopes)}.")
 
 
+def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: Optional[int] = None,
+                 last_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[Sq, Sk]``: which keys each query sees — those up to its position (or up to ``last_keys``, where past it)
+    and, with a window, fewer than ``sliding_window`` back from its position."""
+    query_pos, key_pos = query_positions[:, None], key_positions[None, :]
+    visible = key_pos <= (query_pos if last_keys is None else torch.maximum(query_pos, last_keys[:, None]))
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    return visible
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,11 +102,7 @@ def attend(
     if logit_cap is not None:
         logits = logit_cap * torch.tanh(logits / logit_cap)
 
-    query_pos = query_positions[:, None]
-    key_pos = key_positions[None, :]
-    visible = key_pos <= (query_pos if last_keys is None else torch.maximum(query_pos, last_keys[:, None]))
-    if sliding_window is not None:
-        visible &= key_pos > query_pos - sliding_window
+    visible = visible_keys(query_positions, key_positions, sliding_window, last_keys)
     if visible_also is not None:
         visible &= visible_also
     logits = logits.masked_fill(~visible, float("-inf"))

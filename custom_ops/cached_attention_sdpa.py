@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import check_alibi_slopes
+from .attention import check_alibi_slopes, visible_keys
 from .cached_attention import (CachedAttentionArgs, gather_sequence_kv, last_keys, read_back, tree_visibility,
                               write_kv_cache)
 from .registry import register_backend
@@ -67,17 +67,15 @@ def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
         keys, values = read_back(keys, q.dtype, call.k_scale).transpose(0, 1), read_back(values, q.dtype, call.v_scale).transpose(0, 1)  # [Hkv, kv_len, D]
         mask = None
         if last - first > 1 or sliding_window is not None or slopes is not None:
-            query_pos = torch.arange(kv_len - (last - first), kv_len, device=q.device)[:, None]
-            key_pos = torch.arange(kv_len, device=q.device)[None, :]
-            until = last_keys(call.attend_until, first, last)  # a bidirectional block's tokens see past themselves
-            mask = key_pos <= (query_pos if until is None else torch.maximum(query_pos, until[:, None]))
-            if sliding_window is not None:
-                mask &= key_pos > query_pos - sliding_window
+            query_pos = torch.arange(kv_len - (last - first), kv_len, device=q.device)
+            key_pos = torch.arange(kv_len, device=q.device)
+            # a bidirectional block's tokens see past themselves (last_keys)
+            mask = visible_keys(query_pos, key_pos, sliding_window, last_keys(call.attend_until, first, last))
             tree = tree_visibility(call.tree_mask, first, last, kv_len)  # a tree verification chunk's
             if tree is not None:
                 mask &= tree
             if slopes is not None:  # [Hq, q_len, kv_len] float bias; SDPA adds it to the scaled logits
-                mask = (slopes * (key_pos - query_pos)).masked_fill(~mask, float("-inf")).to(q.dtype)
+                mask = (slopes * (key_pos[None, :] - query_pos[:, None])).masked_fill(~mask, float("-inf")).to(q.dtype)
         attended = F.scaled_dot_product_attention(
             q[0, first:last].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -114,17 +112,15 @@ def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_win
     if min(lengths) == longest and slopes is None and (sliding_window is None or longest <= sliding_window):
         # Every decode sees all of its keys (one sequence, or a batch of prompts of one length): no padding, no mask.
         return F.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
-    query_pos = torch.tensor(lengths, device=q.device)[:, None] - 1  # each decode's one query sits at its last position
-    key_pos = torch.arange(longest, device=q.device)[None, :]
-    visible = key_pos <= query_pos
-    if sliding_window is not None:
-        visible &= key_pos > query_pos - sliding_window
+    query_pos = torch.tensor(lengths, device=q.device) - 1  # each decode's one query sits at its last position
+    key_pos = torch.arange(longest, device=q.device)
+    visible = visible_keys(query_pos, key_pos, sliding_window)  # [B, L]
     # The padding gathers other blocks' slots, whatever they hold: a weight of 0 times a NaN is NaN.
     hidden = ~visible[:, None, :, None]
     keys, values = keys.masked_fill(hidden, 0), values.masked_fill(hidden, 0)
     mask = visible[:, None, None, :]  # [B, 1, 1, L]
     if slopes is not None:  # [B, Hq, 1, L] float bias
-        mask = (slopes[None] * (key_pos - query_pos)[:, None, None, :]).masked_fill(~mask, float("-inf")).to(q.dtype)
+        mask = (slopes[None] * (key_pos[None, :] - query_pos[:, None])[:, None, None, :]).masked_fill(~mask, float("-inf")).to(q.dtype)
     attended = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return attended[:, :, 0]
 

@@ -67,6 +67,17 @@ class VisionEncoder:
         self.boundaries = boundaries
         self.bidirectional = bidirectional
         self._tokenizer = tokenizer
+        # With boundary tokens and a tokenizer: the start token's text, what a text prompt's start token becomes (as
+        # the model's processor writes it), and the separator's ids (what a token prompt's start token gets around it).
+        self._start_text = self._expanded_text = None
+        self._separator = []
+        if boundaries is not None and tokenizer is not None:
+            start, image, end = tokenizer.convert_ids_to_tokens([boundaries.start_token_id, image_token_id,
+                                                                 boundaries.end_token_id])
+            separator = boundaries.separator
+            self._start_text = start
+            self._expanded_text = f"{separator}{start}{image * int(output_shape[1])}{end}{separator}"
+            self._separator = tokenizer.encode(separator, add_special_tokens=False) if separator else []
         self.device = torch.device(settings.device)
         self.max_images_per_batch = vision.max_images_per_batch
         self.max_images_per_request = vision.max_images_per_request
@@ -110,12 +121,7 @@ class VisionEncoder:
         """A text prompt with each image's start token (Gemma 3's ``<start_of_image>``) written out as the model's
         processor writes it: the separator, the start token, a placeholder for each feature row, the end token and
         the separator. Text as it is for a model without boundary tokens, whose placeholders expand as token ids."""
-        if self.boundaries is None or self._tokenizer is None:
-            return text
-        start, image, end = self._tokenizer.convert_ids_to_tokens(
-            [self.boundaries.start_token_id, self.image_token_id, self.boundaries.end_token_id])
-        separator = self.boundaries.separator
-        return text.replace(start, f"{separator}{start}{image * self.tokens_per_image}{end}{separator}")
+        return text if self._start_text is None else text.replace(self._start_text, self._expanded_text)
 
     def expand_placeholders(self, token_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
         """``token_ids`` with each image's placeholder expanded to ``tokens_per_image`` placeholders, and where each
@@ -131,8 +137,11 @@ class VisionEncoder:
         if self.boundaries is not None and not places:
             marker, name = self.boundaries.start_token_id, f"start-of-image token {self.boundaries.start_token_id}"
             places = [position for position, token in enumerate(token_ids) if token == marker]
-            separator = self._separator_ids()
-            before, after = [*separator, marker], [self.boundaries.end_token_id, *separator]
+            if self.boundaries.separator and self._tokenizer is None:
+                raise InvalidRequestError(
+                    "this deployment has no tokenizer to write the text around an image's tokens; send each image's "
+                    "tokens as the model's processor expands them")
+            before, after = [*self._separator, marker], [self.boundaries.end_token_id, *self._separator]
         if len(places) != num_images:
             raise InvalidRequestError(
                 f"the prompt has {len(places)} image placeholder(s) ({name}) for {num_images} image(s); "
@@ -162,16 +171,6 @@ class VisionEncoder:
             else:
                 spans.append((position, position + 1))
         return tuple(spans)
-
-    def _separator_ids(self) -> list[int]:
-        separator = self.boundaries.separator
-        if not separator:
-            return []
-        if self._tokenizer is None:
-            raise InvalidRequestError(
-                "this deployment has no tokenizer to write the text around an image's tokens; send each image's tokens "
-                "as the model's processor expands them")
-        return self._tokenizer.encode(separator, add_special_tokens=False)
 
     # ---- the step ------------------------------------------------------------------------------
     def encode(self, requests: Sequence[Request]) -> None:
