@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 # Probe sequences: (prompt length, decode steps). Prompts cross the twin's windows (≤ 8 tokens).
 PROBES = ((1, 3), (6, 3), (13, 3), (29, 3))
-_IMAGE_PROBE_TEXT = 8  # a vision-language twin's image probe: 6 text and 2 boundary tokens around the image, at most
+_IMAGE_PROBE_TEXT = 7  # a vision-language twin's image prompt: 5 text and 2 boundary tokens around the image, at most
 _TWIN_SEED = 1234
 
 
@@ -527,11 +527,12 @@ def _image_probe(spec, reference: nn.Module, vocab: int, device: str, dtype: str
     if start is not None and max(start, end) >= vocab:  # a reduced twin's vocabulary: ordinary text around the image
         start = end = None
     before, after = text[:2] + ([start] if start is not None else []), ([end] if end is not None else []) + text[2:4]
-    tokens = [*before, *[spec.image_token_id] * len(rows), *after, *text[4:7]]  # the last 3: decode steps
+    prompt = [*before, *[spec.image_token_id] * len(rows), *after, text[4]]
+    tokens = [*prompt, *text[5:8]]  # then 3 decode steps, as every probe has
     first = len(before)
     spans = ((first, first + len(rows)),) if spec.bidirectional_images else ()
     positions = tuple(range(first, first + len(rows)))
-    request = _ImageProbe(tokens[: len(tokens) - 2], {IMAGE_FEATURES: TokenRows(positions, rows)}, spans)
+    request = _ImageProbe(prompt, {IMAGE_FEATURES: TokenRows(positions, rows)}, spans)
     # Hugging Face's inputs: the embeddings with the rows in place, as its forward makes them from pixel values (a
     # reduced twin's placeholder may lie outside its vocabulary, which LLaVA's forward would index).
     ids = torch.tensor([tokens], device=device)
@@ -541,7 +542,7 @@ def _image_probe(spec, reference: nn.Module, vocab: int, device: str, dtype: str
     inputs = {"inputs_embeds": embeds}
     if spec.bidirectional_images:
         inputs["token_type_ids"] = (ids == spec.image_token_id).long()
-    return tokens, len(tokens) - 2, request, inputs
+    return tokens, len(prompt), request, inputs
 
 
 def _mismatch_message(factory, twin, device, dtype, error, relative, tolerance, module, report: str) -> str:
