@@ -64,9 +64,11 @@ def vision_language_spec(config: PretrainedConfig, name: str = "the model") -> V
             f"{name}: its {config.model_type} checkpoint has a {vision.model_type} vision tower; autodeploy serves "
             f"{config.model_type} with {' or '.join(towers)} towers")
     if config.model_type == "gemma3":  # the tower's output (after its post-norm), pooled and projected
-        return VisionLanguageSpec(config.model_type, vision.model_type, int(config.image_token_id), int(vision.image_size),
-                                  (), True, (int(config.boi_token_index), int(config.eoi_token_index)), GEMMA3_SEPARATOR,
-                                  True)
+        return VisionLanguageSpec(
+            config.model_type, vision.model_type, int(config.image_token_id), int(vision.image_size),
+            feature_layers=(), keep_class_token=True,
+            boundary_token_ids=(int(config.boi_token_index), int(config.eoi_token_index)), separator=GEMMA3_SEPARATOR,
+            bidirectional_images=True)
     layers = config.vision_feature_layer
     layers = tuple(layers) if isinstance(layers, (list, tuple)) else (int(layers),)
     strategy = config.vision_feature_select_strategy
