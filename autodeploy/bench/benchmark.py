@@ -365,7 +365,7 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
     baselines = [engine for engine in config.compare if engine in BASELINE_ENGINES]
     if baselines and len(synthetic) < len(workloads):
         logger.warning("baselines run the synthetic workloads only: HF generate() has no in-flight batching for arrival streams")
-    device = llm.engine.device
+    device, vision = llm.engine.device, llm.engine.vision  # read before freeing: ``llm.engine`` would build it again
     if baselines:
         llm.free_kv_cache()  # the pool takes most of a GPU; the baselines need room for their own caches
     for engine in baselines:
@@ -375,7 +375,7 @@ def run_benchmark(config: BenchmarkConfig) -> BenchResult:
         # Untimed, as the engine's warm-up above: the first generate() pays one-off CUDA and cuBLAS setup.
         hf_generate_timing(model, [[1] * 8], output_len=4, mode="hf-eager")
         for workload in synthetic:
-            result.runs.append(_run_result(workload, engine, _hf_measurements(config, workload, engine, model, device, llm.engine.vision)))
+            result.runs.append(_run_result(workload, engine, _hf_measurements(config, workload, engine, model, device, vision)))
         del model
         gc.collect()
         if device.type == "cuda":

@@ -8,6 +8,7 @@ import pytest
 
 from autodeploy.bench.benchmark import BenchmarkConfig, run_benchmark
 from autodeploy.errors import ConfigError
+from autodeploy.runtime.engine import Engine
 from tests.tiny_vision_models import IMAGE_TOKEN_ID, write_tiny_llava
 
 
@@ -40,10 +41,15 @@ def test_one_image_for_every_request_is_encoded_once(llava):
     assert run.metrics["encoder_cache_hits"] >= 3  # the later steps' requests (a step's own repeats are encoded once)
 
 
-def test_the_hf_baseline_gets_the_same_images(llava):
+def test_the_hf_baseline_gets_the_same_images_and_the_engine_is_not_built_again_beside_it(llava, monkeypatch):
+    import autodeploy.frontend.llm as frontend
+
+    built = []
+    monkeypatch.setattr(frontend, "Engine", lambda *args, **kwargs: built.append(1) or Engine(*args, **kwargs))
     result = run_benchmark(config(llava, workloads=["synthetic"], batch=[2], input_len=[12], output_len=[4], compare=["hf-eager"]))
     ours, hf = (result.run(f"synthetic/b2-in12-out4-img2x40/{engine}") for engine in ("autodeploy", "hf-eager"))
     assert ours.metrics["output_tokens_per_s"] > 0 and hf.metrics["output_tokens_per_s"] > 0
+    assert len(built) == 1  # a second engine would hold a second KV pool while HF runs (out of memory on a GPU)
 
 
 def test_images_for_a_text_model_are_refused(tiny_checkpoint):
