@@ -29,6 +29,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     quantized_embedding,
     quantized_linear,
     quantized_moe,
+    relative_position_bias,
     rms_norm,
     rope,
     triton_backends,
