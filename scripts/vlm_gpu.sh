@@ -3,13 +3,13 @@
 # 256 requests of one 336×336 image and a 64-token question, 128 tokens out, at most 64 in flight — each its own image
 # and one image for all (encoder cache hits) — HF eager generate at batch 64 on the same images, and the vision tower's
 # images/s at batch 1 and 32 against HF's. One call:
-#   OUT=/tmp/o STAGE=tests,bench,tower bash scripts/vlm_gpu.sh; tar czf $OUT/o.tgz -C /tmp o
+#   OUT=/tmp/o STAGE=tests,bench,hf,tower bash scripts/vlm_gpu.sh; tar czf $OUT/o.tgz -C /tmp o
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site AUTODEPLOY_CONFIG=
 mkdir -p "$OUT"
 MODEL=llava-1.5-7b
-for stage in $(echo ${STAGE:-tests,bench,tower} | tr , ' '); do
+for stage in $(echo ${STAGE:-tests,bench,hf,tower} | tr , ' '); do
 case $stage in
 tests)
   AUTODEPLOY_CONFIG=tests/gpu.yaml timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/test_vision_language.py tests/test_vision_language_gemma3.py \
@@ -20,7 +20,9 @@ bench)
     timeout ${BENCH_S:-200} python3 -m autodeploy bench $MODEL $common $same --workload concurrency --concurrency 64 \
       --num-requests ${NUM_REQUESTS:-256} --input-dist fixed:64 --output-dist fixed:128 --out "$OUT/vlm-c64${same:+-same}.json" \
       > "$OUT/vlm-c64${same:+-same}.log" 2>&1; echo "c64 $same rc=$?"; grep -E "autodeploy  |/autodeploy" "$OUT/vlm-c64${same:+-same}.log"
-  done
+  done ;;
+hf)
+  common="--set weights=random --images-per-request 1 --image-size 336 --repeats 1 --no-progress"
   timeout ${HF_S:-240} python3 -m autodeploy bench $MODEL $common --workload synthetic --batch 64 --input-len 64 --output-len 128 \
     --compare hf-eager --out "$OUT/vlm-hf.json" > "$OUT/vlm-hf.log" 2>&1; echo "hf rc=$?"; grep -E "/autodeploy|/hf-eager|×" "$OUT/vlm-hf.log" ;;
 tower)

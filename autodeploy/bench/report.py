@@ -76,6 +76,10 @@ def format_table(result: BenchResult) -> str:
                          f"{spec['accepted_tokens']} of {spec['drafted_tokens']} ({_fraction(rate)}), "
                          f"{'-' if length is None else f'{length:.2f}'} tokens per row over {spec['verification_rows']} rows, "
                          f"{spec['tokens_per_forward']:.2f} output tokens per engine step")
+            steps = spec.get("steps")
+            if steps and any(kind["steps"] for kind in steps.values()):
+                lines.append("    steps of decodes alone: " + ", ".join(
+                    f"{kind['steps']} {name} ({kind['mean_ms']:.2f} ms)" for name, kind in steps.items() if kind["steps"]))
             auto = spec.get("auto")
             if auto:
                 lines.append(f"    auto at {auto['batch']}: drafts from a per-token acceptance of "

@@ -65,7 +65,7 @@ def run_workload(
     queried_before, hits_before = stats.queried_tokens, stats.hit_tokens
     speculator = engine.speculator
     drafted_before = (speculator.stats.steps, speculator.stats.drafted, speculator.stats.accepted,
-                      speculator.stats.rejected) if speculator else None
+                      speculator.stats.rejected, speculator.tally.copy()) if speculator else None
     pending = sorted(workload.requests, key=lambda r: r.arrival)
     images = any(r.images for r in workload.requests)
     vision = engine.vision if images else None
@@ -138,11 +138,10 @@ def _submit(engine, request, arrival: float):
     return request
 
 
-def _speculation(speculator, before: tuple[int, int, int, int], timings: list[RequestTiming], forwards: int,
-                 workload) -> dict:
+def _speculation(speculator, before: tuple, timings: list[RequestTiming], forwards: int, workload) -> dict:
     stats = speculator.stats
     rows, drafted, accepted, rejected = (now - then for now, then in zip(
-        (stats.steps, stats.drafted, stats.accepted, stats.rejected), before))
+        (stats.steps, stats.drafted, stats.accepted, stats.rejected), before[:4]))
     output_tokens = sum(len(t.token_times) for t in timings)
     # auto's break-even at the workload's width (its concurrency, or its batch; a Poisson point has none): the
     # per-token acceptance from which it drafts, from the set-up's forwards alone and from the steps as they ran
@@ -154,5 +153,6 @@ def _speculation(speculator, before: tuple[int, int, int, int], timings: list[Re
             "per_token_acceptance": accepted / (accepted + rejected) if accepted + rejected else None,
             "acceptance_length": 1 + accepted / rows if rows else None,
             "tokens_per_forward": output_tokens / forwards if forwards else None,
+            "steps": speculator.tally.since(before[4]),  # steps of decodes alone by kind: how many, mean ms
             "auto": None if costs is None else {"batch": batch, "threshold_set_up": costs.threshold(batch),
                                                 "threshold_as_run": speculator.threshold_as_run(batch)}}

@@ -25,6 +25,9 @@ from autodeploy.runtime.outputs import CompletionOutput, RequestMetrics, Request
 from autodeploy.runtime.sampling_params import SamplingParams
 
 _sequence_ids = itertools.count()
+# How much less each earlier draft of a sample counts in what its next is expected to keep: acceptance comes in
+# runs (a copied passage, then new text), and a sample's rate a few drafts ago says little about its next.
+RECENCY = 0.7
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,19 @@ class Sequence:
     grammar: object | None = None  # the sample's xgrammar GrammarMatcher (json_schema / json_object requests)
     detokenizer: IncrementalDetokenizer | None = None  # made by the first decode
     num_accepted: int = 0  # speculative decoding: drafted tokens of this sample the model accepted …
-    num_rejected: int = 0  # … and drafts of it the model cut (Speculator.acceptance)
+    num_rejected: int = 0  # … and drafts of it the model cut
+    recent_accepted: float = 0.0  # the same two, each earlier draft's counts weighing RECENCY times less …
+    recent_judged: float = 0.0  # … (accepted tokens and first refusals): what Speculator.acceptance expects from
+    decodes_since_draft: int = 0  # decode steps since this sample last drafted (Speculator.acceptance's probes)
+
+    def judged(self, drafted: int, accepted: int) -> None:
+        """The model kept ``accepted`` of a draft of ``drafted`` tokens of this sample."""
+        refused = int(accepted < drafted)
+        self.num_accepted += accepted
+        self.num_rejected += refused
+        self.recent_accepted = RECENCY * self.recent_accepted + accepted
+        self.recent_judged = RECENCY * self.recent_judged + accepted + refused
+        self.decodes_since_draft = 0
 
     @property
     def priority(self) -> int:

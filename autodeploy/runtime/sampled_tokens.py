@@ -161,8 +161,7 @@ class TokenApplier:
                     if self.on_tree_path is not None:
                         self.on_tree_path(target, len(target.token_ids) - 1, kept)
                 rows = [rows[0], *(rows[0] + 1 + node for node in kept)]
-                target.num_accepted += len(kept)
-                target.num_rejected += len(kept) < drafted
+                target.judged(drafted, len(kept))
                 if self.on_verified is not None:
                     self.on_verified(drafted, len(kept))
             emitted = 0

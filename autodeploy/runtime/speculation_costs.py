@@ -145,6 +145,34 @@ class ObservedSteps:
         return _nearest(self.overhead, batch, 0.0)
 
 
+class StepTally:
+    """Every step of decoding sequences alone as it ran, by batch size (the nearest power of two) and kind —
+    ``decoding`` (no draft), ``drafting``, ``revisit`` (``auto`` drafting to measure again): how many, and their
+    wall seconds. What ``auto`` chose and what each choice cost, for the bench's report."""
+
+    KINDS = ("decoding", "drafting", "revisit")
+
+    def __init__(self):
+        self.steps: dict[tuple[int, str], list] = {}  # (bucket, kind) -> [steps, seconds]
+
+    def add(self, batch: int, kind: str, seconds: float) -> None:
+        counted = self.steps.setdefault((_bucket(batch), kind), [0, 0.0])
+        counted[0] += 1
+        counted[1] += seconds
+
+    def since(self, earlier: dict[tuple[int, str], list]) -> dict[str, dict[str, float]]:
+        """What was added after ``earlier`` (a ``copy()``): ``{kind: {"steps", "mean_ms"}}`` over every bucket."""
+        totals = {kind: [0, 0.0] for kind in self.KINDS}
+        for (_, kind), (steps, seconds) in self.steps.items():
+            then = earlier.get((_, kind), (0, 0.0))
+            totals[kind][0] += steps - then[0]
+            totals[kind][1] += seconds - then[1]
+        return {kind: {"steps": steps, "mean_ms": 1e3 * seconds / steps if steps else None} for kind, (steps, seconds) in totals.items()}
+
+    def copy(self) -> dict[tuple[int, str], list]:
+        return {key: list(value) for key, value in self.steps.items()}
+
+
 def _bucket(batch: int) -> int:
     return 1 << max(batch - 1, 0).bit_length()
 

@@ -48,7 +48,7 @@ from autodeploy.runtime.device_copies import HostCopy
 from autodeploy.runtime.draft_trees import DraftTree, tree_depths
 from autodeploy.runtime.sampler import has_penalty
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.speculation_costs import (MARGIN, DraftingTimes, ObservedSteps, StepCosts, best_num_tokens,
+from autodeploy.runtime.speculation_costs import (MARGIN, DraftingTimes, ObservedSteps, StepCosts, StepTally, best_num_tokens,
                                                   breakeven_acceptance)
 from autodeploy.runtime.structured_output import next_token_bitmask
 
@@ -75,7 +75,11 @@ HIDDEN_STATE_LAYERS = "speculative_hidden_state_layers"  # graph.meta: (layers, 
 _HIDDEN_STATE_LAYERS: dict[str, HiddenStateLayers] = {}
 
 
-_PRIOR_WEIGHT = 4  # drafted tokens' worth of weight the overall acceptance has in a sequence's estimate
+_PRIOR_WEIGHT = 1  # judged tokens' worth of weight the overall acceptance has in a sequence's estimate
+# A sequence that has not drafted for PROBE decode steps is expected to keep what the drafter keeps overall, its own
+# record forgotten: a sequence whose early drafts failed would otherwise never draft again, though acceptance comes in
+# runs (the same trap as a slow first call, below, one sequence at a time).
+PROBE = 8
 # The acceptance taken before the drafter has verified EXPLORED tokens: hopeful, so that where drafting can pay at
 # all it is tried and the drafter's real rate learnt (a pessimistic start never drafts, so never learns).
 _FIRST_ACCEPTANCE, EXPLORED = 0.8, 100
@@ -209,6 +213,7 @@ class Speculator:
         self._revisit_every = REVISIT  # idle steps before the next revisit
         self._revisiting = False  # whether the last planned step is one of them
         self.observed = ObservedSteps()  # what whole steps took as they ran (``step_took``)
+        self.tally = StepTally()  # every step of decodes alone, by kind (the bench reports it)
         self._timing: tuple[int, int, float] | None = None  # the planned step's (batch, tokens drafted, drafting s/position)
         self._last_drafted: bool | None = None  # whether the step before drafted (None: not decodes alone)
         self._drafted = None  # the planned step's drafts left on the device: (tokens, their HostCopy); resolve
@@ -224,6 +229,12 @@ class Speculator:
         free (a draft that does not fit is cut; speculation never preempts). Chunks stay ordered prompt chunks
         first, single-token decodes last (what ``cached_attention`` wants). With step costs, as many tokens
         as pay for this step's decoding sequences, maybe none."""
+        self._extend(chunks, budget)
+        for chunk in chunks:
+            if chunk.length == 1 and chunk.completes:  # a decode without a draft (Speculator.acceptance's probes)
+                chunk.sequence.decodes_since_draft += 1
+
+    def _extend(self, chunks: list[ScheduledChunk], budget: int) -> None:
         self._drafted = None
         decoding = [c for c in chunks if c.length == 1 and c.completes and c.sequence.request.beam_search is None]
         wanted, batch = self.num_tokens, len(decoding)
@@ -325,6 +336,8 @@ class Speculator:
         timing, self._timing = self._timing, None
         drafted = None if timing is None else timing[1] > 0
         last, self._last_drafted = self._last_drafted, drafted
+        if timing is not None:
+            self.tally.add(timing[0], "revisit" if self._revisiting else "drafting" if drafted else "decoding", seconds)
         if self.costs is None or timing is None or drafted != last:
             return
         batch, k, per_position = timing
@@ -409,12 +422,14 @@ class Speculator:
 
     def acceptance(self, sequence) -> float:
         """The per-token acceptance to expect of ``sequence``'s next draft (``SpeculationStats.per_token_acceptance``,
-        what ``best_num_tokens``' geometric model takes): its own so far, pulled toward the drafter's overall one (a
-        hopeful 0.8 until it has verified ``EXPLORED`` tokens) while it has verified few."""
+        what ``best_num_tokens``' geometric model takes): its own over its last few drafts (``RECENCY``), pulled toward
+        the drafter's overall one (a hopeful 0.8 until it has verified ``EXPLORED`` tokens) while that is little; the
+        overall one alone once it has not drafted for ``PROBE`` steps."""
         stats = self.stats
         overall = stats.per_token_acceptance if stats.drafted >= EXPLORED else _FIRST_ACCEPTANCE
-        decided = sequence.num_accepted + sequence.num_rejected
-        return (sequence.num_accepted + _PRIOR_WEIGHT * overall) / (decided + _PRIOR_WEIGHT)
+        if sequence.decodes_since_draft >= PROBE:
+            return overall
+        return (sequence.recent_accepted + _PRIOR_WEIGHT * overall) / (sequence.recent_judged + _PRIOR_WEIGHT)
 
     def _may_draft(self, chunk: ScheduledChunk) -> bool:
         """A decode chunk (``extend`` picked those) of a sequence whose newest token the host has, with tokens left."""

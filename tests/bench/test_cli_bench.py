@@ -145,6 +145,9 @@ def test_bench_with_speculation_measures_the_same_engine_without_it_and_replays_
     # Per judged token: each sequence's first three rows keep 2 and refuse the third; its last, a draft cut to the 2
     # tokens the output has left, keeps both: 16 accepted of 16 + 6 judged.
     assert spec["per_token_acceptance"] == pytest.approx(16 / 22) and spec["auto"] is None
+    # Steps of decodes alone, by kind: the four drafting ones (the prompt's step is not one), none without a draft.
+    assert {kind: counted["steps"] for kind, counted in spec["steps"].items()} == {"decoding": 0, "drafting": 4, "revisit": 0}
+    assert spec["steps"]["drafting"]["mean_ms"] > 0 and "steps of decodes alone: 4 drafting (" in out
     assert result.runs[3].metrics.get("speculation") is None
     assert "output_tokens_per_s/no-speculation" in result.runs[0].ratios
     assert "replay, 4 tokens drafted a step; accepted 16 of" in out

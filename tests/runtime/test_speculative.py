@@ -131,15 +131,49 @@ def test_the_threshold_as_run_weighs_the_observed_steps():
 def test_a_sequences_expected_acceptance_counts_only_the_tokens_the_model_judged(llama_dir):
     """Drafts of 5 that keep 3 (3 accepted, the fourth refused: 0.75 a judged token): the estimate is 0.75, where
     accepted ÷ drafted (0.6: the unjudged fifth counted as refused) would keep ``auto`` from drafting where it pays."""
-    from types import SimpleNamespace
-
     speculator = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False}, kv_cache={"num_blocks": 8},
                             speculative={"method": "ngram", "num_tokens": 5}).engine.speculator
     for _ in range(200):
         speculator.record(5, 3)
-    assert speculator.acceptance(SimpleNamespace(num_accepted=600, num_rejected=200)) == pytest.approx(0.75)
-    assert speculator.acceptance(SimpleNamespace(num_accepted=0, num_rejected=0)) == pytest.approx(0.75)  # the overall
+    sequence = fresh_sequence()
+    for _ in range(200):
+        sequence.judged(5, 3)
+    assert speculator.acceptance(sequence) == pytest.approx(0.75)
+    assert speculator.acceptance(fresh_sequence()) == pytest.approx(0.75)  # the overall
     assert speculator.stats.acceptance_rate == pytest.approx(0.6)
+
+
+def fresh_sequence():
+    from types import SimpleNamespace
+
+    from autodeploy.runtime.request import Sequence
+
+    return Sequence(SimpleNamespace(), [1, 2], index=0)
+
+
+def test_a_sequences_expected_acceptance_follows_its_recent_drafts_and_is_forgotten_after_probe_steps(llama_dir):
+    """Acceptance comes in runs (a copied passage, then new text): a sample's estimate follows its last few drafts,
+    and once it has not drafted for PROBE decode steps it is expected to do as the drafter does overall — else a
+    sample whose early drafts failed would never draft again, however well it would do later."""
+    from autodeploy.runtime.speculative import PROBE
+
+    speculator = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False}, kv_cache={"num_blocks": 8},
+                            speculative={"method": "ngram", "num_tokens": 4}).engine.speculator
+    for _ in range(100):
+        speculator.record(4, 2)  # overall: 2 kept, the third refused: 2/3 a judged token
+    sequence = fresh_sequence()
+    for _ in range(20):
+        sequence.judged(4, 0)  # a bad start …
+    assert speculator.acceptance(sequence) < 0.2
+    for _ in range(4):
+        sequence.judged(4, 4)  # … then four whole drafts kept
+    assert speculator.acceptance(sequence) > 0.75  # cumulative counts would say 16 of 36 judged: 0.44
+    for _ in range(20):
+        sequence.judged(4, 0)
+    sequence.decodes_since_draft = PROBE - 1
+    assert speculator.acceptance(sequence) < 0.2
+    sequence.decodes_since_draft = PROBE
+    assert speculator.acceptance(sequence) == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("drafter", ["random", "oracle with errors"])
@@ -462,6 +496,31 @@ def test_auto_revisits_drafting_after_a_slow_first_call_rather_than_never_drafti
     assert [o.token_ids for o in llm.generate(prompt, params)] == expected
     assert speculator.stats.drafted > 0 and speculator.drafting_times.per_position(1) < 1.0
     assert speculator.stats.steps > 2  # drafting went on after the revisit's two steps
+
+
+def test_auto_drafts_again_for_a_sequence_whose_early_drafts_failed(llama_dir, llama_llm, monkeypatch):
+    """A drafter wrong for a sequence's first 24 tokens, right after (a passage it can copy begins): auto stops
+    drafting the sequence early on, probes it every PROBE steps, and drafts on once the probes are kept — well within
+    the 64 steps after which auto's revisits would come."""
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "test_scripted", "num_tokens": 4})
+    speculator = llm.engine.speculator
+    prompt = random_prompts(1, seed=4, lengths=(10, 10))
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in llama_llm.generate(prompt, params)]
+    oracle = oracle_drafts({tuple(prompt[0]): expected[0]})
+
+    def propose(sequences, limits):
+        right = oracle(sequences, limits)
+        return [draft if len(s.output_token_ids) >= 24 else [(t + 1) % 512 for t in draft] for s, draft in zip(sequences, right)]
+
+    SCRIPT["propose"] = propose
+    monkeypatch.setattr(speculator, "step_took", lambda seconds: None)  # the costs alone decide
+    speculator.costs = StepCosts((1, 64), (1.0, 64.0), (3.0, 192.0), 4)  # drafts pay from an acceptance of ~0.58
+    assert [o.token_ids for o in llm.generate(prompt, params)] == expected
+    # The probes at outputs 1, 10, 19 fail, the one at 28 is kept and drafting goes on (each estimate growing from its
+    # last drafts); cumulative counts (3 refusals early) would keep it at a draft every PROBE steps.
+    assert speculator.stats.accepted >= 12 and speculator.stats.rejected <= 4
 
 
 def test_revisits_that_find_drafting_still_losing_wait_twice_as_long_each_time(llama_dir, llama_llm, monkeypatch):
