@@ -526,9 +526,11 @@ def test_auto_drafts_again_for_a_sequence_whose_early_drafts_failed(llama_dir, l
 def test_revisits_that_find_drafting_still_losing_wait_twice_as_long_each_time(llama_dir, llama_llm, monkeypatch):
     """Host work makes every drafting step lose (6 s against 1 s, as in the test above): drafting stops after its first
     two steps, is revisited for two steps after REVISIT idle steps, then after twice that — 6 drafting steps in 300
-    tokens, not one revisit every REVISIT steps."""
-    from autodeploy.runtime.speculative import REVISIT
+    tokens, not one revisit every REVISIT steps (64 here, for a short test)."""
+    import autodeploy.runtime.speculative as speculative
 
+    REVISIT = 64
+    monkeypatch.setattr(speculative, "REVISIT", REVISIT)
     speculator = generate_where_host_work_makes_drafting_lose(llama_dir, llama_llm, monkeypatch, max_tokens=300)
     assert REVISIT + 2 * REVISIT + 6 * 5 < 300 < REVISIT * (1 + 2 + 4)  # the third revisit would come after 448 steps
     assert speculator.stats.steps == 6 and not speculator.drafting
