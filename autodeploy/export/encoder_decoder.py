@@ -1,0 +1,95 @@
+"""The two functions an encoder–decoder checkpoint is exported as (``models/encoder_decoder.py`` says which).
+
+``EncoderCrossKV`` — the ``"encoder"`` graph: a request's input ids ``[B, S]`` in; every decoder layer's
+cross-attention keys and values of the encoder's last hidden state out, ``[layers, B, S, heads, head_dim]`` each —
+what each decoding step of Hugging Face's ``generate`` reads from its cross-attention cache, computed once.
+
+``EncoderDecoderLogits`` — the ``"model"`` graph: the decoder's token ids and positions ``[B, T]`` and those keys
+and values in; logits out. Each decoder layer's cross-attention takes its keys and values from the inputs instead
+of projecting the encoder's output again; the decoder's learned positions are looked up at the positions given
+(Hugging Face counts them from the cache it keeps; the served graph's tokens come from many sequences at once).
+
+Both hold the whole Hugging Face model as ``model``, so every parameter keeps its Hugging Face path and one
+checkpoint fills both graphs. The substitutions are instance ``forward`` methods set only while a wrapper runs
+(``_reading``): the Hugging Face modules are left as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autodeploy.models.encoder_decoder import EncoderDecoderSpec, cross_attentions
+
+ENCODER_INPUTS: tuple[str, ...] = ("input_ids",)
+CROSS_KEYS, CROSS_VALUES = "cross_keys", "cross_values"
+ENCODER_DECODER_INPUTS: tuple[str, ...] = ("input_ids", "position_ids", CROSS_KEYS, CROSS_VALUES)
+
+
+class EncoderCrossKV(nn.Module):
+    """The exported encoder function (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, spec: EncoderDecoderSpec):
+        super().__init__()
+        self.model = model
+        self.spec = spec
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded = self.model.get_encoder()(input_ids=input_ids).last_hidden_state
+        heads = (self.spec.num_heads, self.spec.head_dim)
+        attentions = cross_attentions(self.model, self.spec)
+        keys = torch.stack([attention.k_proj(encoded).unflatten(-1, heads) for attention in attentions])
+        values = torch.stack([attention.v_proj(encoded).unflatten(-1, heads) for attention in attentions])
+        return keys, values
+
+
+class EncoderDecoderLogits(nn.Module):
+    """The exported decoder function (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, spec: EncoderDecoderSpec):
+        super().__init__()
+        self.model = model
+        self.spec = spec
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cross_keys: torch.Tensor,
+                cross_values: torch.Tensor) -> torch.Tensor:
+        decoder = self.model.get_decoder()
+        # The decoder only checks that an encoder output is given (its mask is None without an encoder mask): a view
+        # of the keys stands for it, and no layer reads it.
+        stand_in = cross_keys[0].flatten(2)
+        with _reading(decoder, cross_attentions(self.model, self.spec), position_ids, cross_keys, cross_values):
+            hidden = decoder(input_ids=input_ids, encoder_hidden_states=stand_in, use_cache=False).last_hidden_state
+        return self.model.lm_head(hidden) + self.model.final_logits_bias
+
+
+@contextlib.contextmanager
+def _reading(decoder: nn.Module, attentions: list[nn.Module], position_ids: torch.Tensor, cross_keys: torch.Tensor,
+             cross_values: torch.Tensor) -> Iterator[None]:
+    """While it lasts, ``decoder``'s position embedding looks up ``position_ids`` and its layers' cross-attentions
+    (``attentions``) read ``cross_keys`` / ``cross_values`` ``[layers, B, S, heads, head_dim]``."""
+    positions = decoder.embed_positions
+
+    def embed_positions(*args, **kwargs):  # Hugging Face's arguments count positions from its cache: unused
+        return F.embedding(position_ids + positions.offset, positions.weight)
+
+    def cross_attention(attention: nn.Module, layer: int):
+        def forward(hidden_states, key_value_states=None, attention_mask=None, past_key_values=None, **kwargs):
+            query = attention.q_proj(hidden_states).unflatten(-1, (-1, attention.head_dim)).transpose(1, 2)
+            keys, values = cross_keys[layer].transpose(1, 2), cross_values[layer].transpose(1, 2)
+            out = F.scaled_dot_product_attention(query, keys, values, scale=attention.scaling)
+            return attention.out_proj(out.transpose(1, 2).flatten(2)), None
+
+        return forward
+
+    patched = [(positions, embed_positions)] + [(a, cross_attention(a, layer)) for layer, a in enumerate(attentions)]
+    try:
+        for module, forward in patched:
+            module.forward = forward
+        yield
+    finally:
+        for module, _ in patched:
+            del module.forward
