@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (registers the ops and their backends)
     cached_attention,
     cached_attention_rope,
     cached_attention_sdpa,
+    cached_cross_attention,
     collectives,
     cutlass_backends,
     fp8_activations,
