@@ -1,5 +1,6 @@
 """``torch.ops.autodeploy.bidirectional_attention``: every query sees every key of its sequence (an encoder's
-attention: a vision tower's, a text encoder's), with GQA.
+attention: a vision tower's, a text encoder's; a decoder's cross-attention over the encoder's keys, which may be
+more or fewer than its queries), with GQA.
 
 It is its own op rather than an option of the causal ``attention``: the cache stage turns ``attention`` into
 paged, cached attention over the KV pool, and this one never is (an encoder's sequence is whole in one forward).
@@ -13,15 +14,15 @@ from .registry import register_backend, register_op
 
 
 def bidirectional_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q[B, S, Hq, D]`` over ``k[B, S, Hkv, D]``, ``v[B, S, Hkv, Dv]`` → ``[B, S, Hq, Dv]``, no mask.
+    """``q[B, S, Hq, D]`` over ``k[B, Sk, Hkv, D]``, ``v[B, Sk, Hkv, Dv]`` → ``[B, S, Hq, Dv]``, no mask.
 
     ``softmax(scale · q_i · k_j) · v_j`` per head in float32 (float64 for float64 inputs), cast back to ``q``'s
     dtype; query head ``h`` reads kv head ``h // (Hq // Hkv)``.
     """
-    batch, seq, q_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    if k.shape != (batch, seq, kv_heads, head_dim) or v.shape[:3] != (batch, seq, kv_heads):
-        raise ValueError(f"bidirectional_attention: expected k [B, S, Hkv, D] and v [B, S, Hkv, Dv] matching q "
+    batch, _, q_heads, head_dim = q.shape
+    keys, kv_heads = k.shape[1], k.shape[2]
+    if k.shape != (batch, keys, kv_heads, head_dim) or v.shape[:3] != (batch, keys, kv_heads):
+        raise ValueError(f"bidirectional_attention: expected k [B, Sk, Hkv, D] and v [B, Sk, Hkv, Dv] matching q "
                          f"{tuple(q.shape)}; got k {tuple(k.shape)} and v {tuple(v.shape)}.")
     if q_heads % kv_heads != 0:
         raise ValueError(f"bidirectional_attention: query heads Hq={q_heads} must be a multiple of kv heads Hkv={kv_heads}.")

@@ -20,7 +20,8 @@ for grouped-query attention unless SDPA gets ``enable_gqa=True``; ``?`` marks op
         probs  = softmax(view(baddbmm(alibi, q, transpose(k, 1, 2), beta=1, alpha=scale)) + mask, -1, f32)
         out    = bmm(view(dropout(probs)), v)
 
-An SDPA with neither a mask nor ``is_causal`` (an encoder's: a vision tower's) becomes
+An SDPA with neither a mask nor ``is_causal`` (an encoder's: a vision tower's), or with a mask that hides
+nothing for every length (a text encoder's over its unpadded input: evaluated as below), becomes
 ``bidirectional_attention(q, k, v, scale)`` likewise, which the cache stage leaves alone.
 
 Each becomes ``transpose(attention(transpose(q, 1, 2), transpose(k, 1, 2), transpose(v, 1, 2), scale,
@@ -209,6 +210,18 @@ def causal_sliding_window(gm: GraphModule, mask: Node, hides: bool = False) -> i
     return window if window < probe else None
 
 
+def hides_nothing(gm: GraphModule, mask: Node, hides: bool = False) -> bool:
+    """Whether ``mask`` (as ``causal_sliding_window`` reads it) lets every query see every key, for every length:
+    what Hugging Face builds for an encoder's unpadded sequence, and what ``bidirectional_attention`` computes."""
+    try:
+        value, probe = _evaluate_mask(gm, mask)
+    except NoMatch:
+        return False
+    if value.dim() < 2 or tuple(value.shape[-2:]) not in ((probe, probe), (1, probe)):
+        return False
+    return bool((value != hides).all()) if value.dtype == torch.bool else bool((value == 0).all())
+
+
 def alibi_slopes(gm: GraphModule, bias: Node, heads: int) -> list[float]:
     """The per-head slopes of an ALiBi bias added to the attention logits; ``NoMatch`` when it is not one.
 
@@ -311,6 +324,12 @@ class _Walk:
             raise window
         return window
 
+    def hides_nothing(self, mask: Node) -> bool:
+        key = ("hides nothing", mask)
+        if key not in self.windows:
+            self.windows[key] = hides_nothing(self.gm, mask)
+        return self.windows[key]
+
     def finish(self, q: Node, k: Node, v: Node, output: Node, k_layout: str = "bhsd", **options) -> AttentionMatch:
         query, key, value = node_value(q).shape, node_value(k).shape, node_value(v).shape
         if k_layout == "bshd":
@@ -337,7 +356,9 @@ def _match_sdpa(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
         window = None
     else:
         require(is_causal is False, f"{node} combines a mask with is_causal")
-        window = walk.window_of(mask)
+        # A mask that hides nothing (a text encoder's over its unpadded input) is no mask at all.
+        bidirectional = walk.hides_nothing(mask)
+        window = None if bidirectional else walk.window_of(mask)
     q = arguments["query"]
     k, v = walk.kv_source(arguments["key"]), walk.kv_source(arguments["value"])
     scale = arguments["scale"]

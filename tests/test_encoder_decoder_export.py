@@ -89,3 +89,109 @@ def test_which_configs_are_encoder_decoders_autodeploy_exports():
         encoder_decoder_spec(T5Config(), "t5-small")
     with pytest.raises(UnsupportedModelError, match="no decoder_start_token_id"):
         encoder_decoder_spec(BartConfig(**{**TINY, "decoder_start_token_id": None}))
+
+
+@pytest.mark.parametrize("kind", ["bart", "mbart"])
+def test_the_match_stage_finds_every_attention_of_both_graphs_and_they_still_compute_hf_logits(kind):
+    """The encoder's self-attention (HF hands SDPA a mask that hides nothing) becomes ``bidirectional_attention``; the
+    decoder's becomes the causal ``attention``; its cross-attention is ``bidirectional_attention`` from export on."""
+    from autodeploy.export.export import ExportConfig
+    from autodeploy.patterns.registry import FAMILIES, apply_patterns, select_patterns
+
+    model = tiny(kind, seed=2)
+    spec = encoder_decoder_spec(model.config)
+    patches = ExportConfig().patches
+    batch, length, tokens = (torch.export.Dim.DYNAMIC(min=1, max=64) for _ in range(3))
+    encoder = export_to_graph_module(EncoderCrossKV(model, spec), (torch.randint(3, 512, (2, 5)),), ({0: batch, 1: length},), patches)
+    keys, values = EncoderCrossKV(model, spec)(torch.randint(3, 512, (2, 5)))
+    decoder = export_to_graph_module(EncoderDecoderLogits(model, spec), (torch.randint(3, 512, (2, 4)), torch.arange(4).expand(2, 4), keys, values),
+                                     ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {1: batch, 2: length}, {1: batch, 2: length}), patches)
+    ops = torch.ops.autodeploy
+    for graph, expected in ((encoder, {ops.bidirectional_attention.default: 2}),
+                            (decoder, {ops.bidirectional_attention.default: 2, ops.attention.default: 2})):
+        apply_patterns(graph, select_patterns(list(FAMILIES), []))
+        graph.graph.eliminate_dead_code()
+        graph.recompile()
+        targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+        assert {target: targets.count(target) for target in expected} == expected
+        assert torch.ops.aten.scaled_dot_product_attention.default not in targets
+    source, target = torch.randint(3, 512, (1, 10)), torch.randint(3, 512, (1, 4))
+    with torch.no_grad():
+        expected_logits = model(input_ids=source, decoder_input_ids=target).logits
+        logits = decoder(target, torch.arange(4)[None], *encoder(source))
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+
+
+def served_decoder(kind: str, seed: int):
+    """The tiny model's decoder graph through cleanup, match and the cache stage, and its build context."""
+    from autodeploy import pipeline
+    from autodeploy.config import load_settings
+    from autodeploy.export.export import ExportConfig
+    from autodeploy.transforms.registry import TransformContext, get_transform_class
+
+    model = tiny(kind, seed=seed)
+    spec = encoder_decoder_spec(model.config)
+    batch, length, tokens = (torch.export.Dim.DYNAMIC(min=1, max=64) for _ in range(3))
+    keys, values = EncoderCrossKV(model, spec)(torch.randint(3, 512, (2, 5)))
+    gm = export_to_graph_module(EncoderDecoderLogits(model, spec), (torch.randint(3, 512, (2, 4)), torch.arange(4).expand(2, 4), keys, values),
+                                ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {1: batch, 2: length}, {1: batch, 2: length}),
+                                ExportConfig().patches)
+    context = TransformContext(settings=load_settings(set_arguments=["device=cpu", "dtype=float32"]))
+    for name in ("cleanup_noop", "cleanup_transposes", "cleanup_dead_code", "match_patterns", "match_linear", "insert_cached_attention"):
+        transform_class = get_transform_class(name)
+        gm = pipeline.run_transform(transform_class(transform_class.config_class()), gm, context).module or gm
+    return model, spec, gm, context
+
+
+def test_the_cache_stage_gives_the_decoder_a_cross_cache_per_layer_and_its_steps_give_hf_logits():
+    """Two requests (encoder inputs of 9 and 4 tokens) prefill 4 and 3 decoder tokens in one flattened step, then
+    decode one token each: every row's logits are HF's for that request at that position. The dense cross inputs
+    are gone; each layer reads its cross cache through ``cached_cross_attention``."""
+    from autodeploy.custom_ops.cached_attention import write_kv_cache
+
+    model, spec, gm, context = served_decoder("bart", seed=3)
+    names = context.graph_inputs
+    assert "cross_keys" not in names and {"cross_lens", "cross_block_tables", "cross_k_cache_1", "cross_v_cache_1"} <= set(names)
+    assert [c.key_input for c in context.cross_kv_caches] == ["cross_k_cache_0", "cross_k_cache_1"]
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch.ops.autodeploy.cached_cross_attention.default) == 2
+    assert targets.count(torch.ops.autodeploy.cached_attention.default) == 2
+    assert torch.ops.autodeploy.bidirectional_attention.default not in targets
+
+    block, blocks = 4, 16
+    sources = [torch.randint(3, 512, (1, 9)), torch.randint(3, 512, (1, 4))]
+    outputs = [torch.randint(3, 512, (1, 5)), torch.randint(3, 512, (1, 4))]  # prefill all but the last, then decode it
+    caches = {s.key_input: torch.zeros(blocks, block, s.kv_heads, s.head_dim) for s in (*context.kv_caches, *context.cross_kv_caches)}
+    caches |= {s.value_input: torch.zeros(blocks, block, s.kv_heads, s.value_head_dim) for s in (*context.kv_caches, *context.cross_kv_caches)}
+    self_tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    cross_tables = torch.tensor([[7, 5, 9], [11, 0, 0]], dtype=torch.int32)  # scattered blocks
+    with torch.no_grad():
+        for s, source in enumerate(sources):  # the encoder pass: each layer's keys and values into its cross cache
+            keys, values = EncoderCrossKV(model, spec)(source)
+            slots = torch.tensor([int(cross_tables[s, p // block]) * block + p % block for p in range(source.shape[1])])
+            for layer, cross in enumerate(context.cross_kv_caches):
+                write_kv_cache(keys[layer], values[layer], caches[cross.key_input], caches[cross.value_input], slots)
+        expected = [model(input_ids=src, decoder_input_ids=out).logits[0] for src, out in zip(sources, outputs)]
+
+        def step(chunks, starts, num_prefill):
+            """chunks: each sequence's new tokens; starts: their first position."""
+            ids = torch.cat(chunks)[None]
+            positions = torch.cat([torch.arange(a, a + len(c)) for c, a in zip(chunks, starts)])[None]
+            lengths = [len(c) for c in chunks]
+            seq_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            kv_lens = torch.tensor([a + n for a, n in zip(starts, lengths)], dtype=torch.int32)
+            slots = torch.cat([torch.tensor([int(self_tables[s, p // block]) * block + p % block for p in range(a, a + n)])
+                               for s, (a, n) in enumerate(zip(starts, lengths))])
+            inputs = {"input_ids": ids, "position_ids": positions, "seq_start": seq_start, "kv_lens": kv_lens,
+                      "block_tables": self_tables, "slot_mapping": slots,
+                      "batch_info": torch.tensor([num_prefill, len(chunks) - num_prefill, max(lengths), int(kv_lens.max())], dtype=torch.int32),
+                      "logit_index": (seq_start[1:] - 1).long(), "cross_lens": torch.tensor([9, 4], dtype=torch.int32),
+                      "cross_block_tables": cross_tables, **caches}
+            return gm(*(inputs[name] for name in names))[0]
+
+        prefill = step([outputs[0][0, :4], outputs[1][0, :3]], [0, 0], num_prefill=2)
+        torch.testing.assert_close(prefill[0], expected[0][3], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(prefill[1], expected[1][2], rtol=1e-5, atol=1e-5)
+        decode = step([outputs[0][0, 4:], outputs[1][0, 3:]], [4, 3], num_prefill=0)
+        torch.testing.assert_close(decode[0], expected[0][4], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(decode[1], expected[1][3], rtol=1e-5, atol=1e-5)

@@ -18,6 +18,12 @@ does a model whose image tokens attend to one another both ways in the prompt (G
 holds some of the layers: it gets caches for those only (named by the model's layer index), and a stage before the
 last, which receives its logits from the last stage, receives them for the ``N`` picked rows.
 
+An encoder–decoder's decoder graph (``export/encoder_decoder.py``) takes every layer's cross-attention keys and values
+as the dense inputs ``cross_keys`` / ``cross_values``; each layer's ``bidirectional_attention`` over its slice of them
+becomes ``cached_cross_attention`` over a cross cache pair of its own (``cross_k_cache_i``, ``cross_v_cache_i``:
+``TransformContext.cross_kv_caches``), which the runtime fills once a request from the encoder graph's output, read
+through ``cross_lens`` and ``cross_block_tables``. Any other ``bidirectional_attention`` is an encoder's: refused here.
+
 Every attention of the model must have been matched: a layer left as aten ops would attend only
 within the tokens of the current step, which is wrong, so that is an ``UnsupportedModelError``.
 
@@ -36,10 +42,12 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.cached_attention import CachedAttentionArgs
 from autodeploy.custom_ops.registry import positional
-from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, ATTENTION_METADATA, SEQUENCE_METADATA, TREE_MASK, KVCacheSpec
+from autodeploy.custom_ops.serving_signature import (ATTEND_UNTIL, ATTENTION_METADATA, CROSS_METADATA, SEQUENCE_METADATA, TREE_MASK,
+                                                     KVCacheSpec)
 from autodeploy.errors import ConfigError, UnsupportedModelError
 from autodeploy.deployment import MODEL
 from autodeploy.export.causal_lm import GRAPH_PREFIX
+from autodeploy.export.encoder_decoder import CROSS_KEYS, CROSS_VALUES
 from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 
 # gm.meta key: ``(first, total)``, the graph holds layers first … first + (its attentions) − 1 of the model's
@@ -108,7 +116,63 @@ def _expected_attention_layers(context: TransformContext) -> int | None:
     factory = context.model_factory
     config = getattr(factory, "hf_config", None)
     config = getattr(config, "text_config", None) or config
+    if getattr(config, "is_encoder_decoder", False):  # the model graph is the decoder
+        return getattr(config, "decoder_layers", None)
     return getattr(config, "num_hidden_layers", None)
+
+
+def cross_attentions(graph: fx.Graph) -> dict[int, fx.Node]:
+    """An encoder–decoder's decoder graph (``export/encoder_decoder.py``): layer → its cross-attention, the
+    ``bidirectional_attention`` whose keys and values are that layer's slice of the ``cross_keys`` /
+    ``cross_values`` inputs."""
+    found = {}
+    for node in graph.find_nodes(op="call_function", target=torch.ops.autodeploy.bidirectional_attention.default):
+        k, v = node.args[1], node.args[2]
+        slices = [(a.args[0], a.args[1:]) if a.op == "call_function" and a.target == torch.ops.aten.select.int else (None, None)
+                  for a in (k, v)]
+        (keys, where_k), (values, where_v) = slices
+        if (getattr(keys, "target", None), getattr(values, "target", None)) == (CROSS_KEYS, CROSS_VALUES) and \
+                where_k == where_v and where_k[0] == 0:
+            found[where_k[1]] = node
+    return found
+
+
+def _cross_spec(node: fx.Node, layer: int) -> KVCacheSpec:
+    key, value = node.args[1].meta["val"], node.args[2].meta["val"]  # [B, S, heads, head_dim]
+    return KVCacheSpec.cross_for_layer(layer, key.shape[2], key.shape[3], value.shape[3], key.dtype)
+
+
+def _insert_cross_caches(graph: fx.Graph, cross: dict[int, fx.Node], metadata: dict[str, fx.Node], last_input: fx.Node,
+                         block_size: int) -> set[fx.Node]:
+    """Each layer's cross-attention → ``cached_cross_attention`` over its cross cache pair (inputs after
+    ``last_input``, with ``cross_lens`` and ``cross_block_tables``); returns the dense ``cross_keys`` /
+    ``cross_values`` inputs, unused now. The caches keep the model's dtype (an fp8 cross cache would need scales
+    of its own)."""
+    n, meta = _EXAMPLE_SEQUENCES, dict(device="meta")
+    examples = {"cross_lens": torch.empty(n, dtype=torch.int32, **meta),
+                "cross_block_tables": torch.empty(n, _EXAMPLE_BLOCKS, dtype=torch.int32, **meta)}
+    for name in CROSS_METADATA:
+        with graph.inserting_after(last_input):
+            metadata[name] = last_input = graph.placeholder(name)
+        last_input.meta["val"] = examples[name]
+    dense = {node.args[i].args[0] for node in cross.values() for i in (1, 2)}
+    for layer, node in sorted(cross.items()):
+        spec = _cross_spec(node, layer)
+        caches = []
+        for name, width in ((spec.key_input, spec.head_dim), (spec.value_input, spec.value_head_dim)):
+            with graph.inserting_after(last_input):
+                last_input = graph.placeholder(name)
+            last_input.meta["val"] = torch.empty(_EXAMPLE_BLOCKS, block_size, spec.kv_heads, width, dtype=spec.dtype, **meta)
+            caches.append(last_input)
+        q, _, _, scale = node.args
+        arguments = (q, *caches, metadata["seq_start"], metadata["cross_lens"], metadata["cross_block_tables"],
+                     metadata["batch_info"], scale)
+        with graph.inserting_before(node):
+            cached = graph.call_function(torch.ops.autodeploy.cached_cross_attention.default, arguments)
+        cached.meta = dict(node.meta)
+        node.replace_all_uses_with(cached)
+        graph.erase_node(node)
+    return dense
 
 
 def _module_classes(gm: GraphModule) -> dict[str, str]:
@@ -178,7 +242,9 @@ class InsertCachedAttention(Transform):
     def apply(self, module: GraphModule, context: TransformContext) -> TransformResult:
         gm, graph = module, module.graph
         attention = [n for n in graph.nodes if n.target == torch.ops.autodeploy.attention.default]
-        bidirectional = [n for n in graph.nodes if n.target == torch.ops.autodeploy.bidirectional_attention.default]
+        cross = cross_attentions(graph)
+        bidirectional = [n for n in graph.nodes if n.target == torch.ops.autodeploy.bidirectional_attention.default
+                         and n not in cross.values()]
         if bidirectional:  # over the step's tokens alone, uncached: not what a decoder computes
             raise UnsupportedModelError(f"the model graph attends bidirectionally ({len(bidirectional)} attention layer(s) "
                                         f"without a causal mask): it is an encoder, and autodeploy serves decoders")
@@ -223,11 +289,18 @@ class InsertCachedAttention(Transform):
             graph.erase_node(node)
             specs.append(spec)
 
+        dense = set()  # an encoder–decoder's dense cross inputs, replaced by its cross caches
+        if cross:
+            context.cross_kv_caches = tuple(_cross_spec(node, layer) for layer, node in sorted(cross.items()))
+            dense = _insert_cross_caches(graph, cross, metadata, last_input, block_size)
         self._gather_logits(graph, metadata["logit_index"])
         # Export's input guards bound one sequence's length (e.g. ≤ max_position_embeddings); a flattened
         # batch of many sequences is longer, and the scheduler checks each sequence's length instead.
         for guard in [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
             graph.erase_node(guard)
+        graph.eliminate_dead_code()  # the slices of the dense cross inputs, before the inputs themselves go
+        for placeholder in dense:
+            graph.erase_node(placeholder)
         # Export's pytree calling convention and its input-spec check (a forward pre-hook) fix the
         # argument count; the new inputs need a plain signature.
         graph._codegen = fx.graph.CodeGen()

@@ -112,6 +112,7 @@ class TransformContext:
     model_factory: Any = None
     graph_inputs: tuple[str, ...] = ()
     kv_caches: tuple[Any, ...] = ()
+    cross_kv_caches: tuple[Any, ...] = ()  # an encoder–decoder's cross-attention caches, declared by the cache stage
     kv_cache_scales: dict[str, tuple[float, float]] = field(default_factory=dict)
     decode_graph_batch_sizes: tuple[int, ...] = ()
     prefill_graph_token_sizes: tuple[int, ...] = ()
@@ -125,7 +126,8 @@ class TransformContext:
 
     def serving_signature(self) -> ServingSignature:
         """How the runtime serves the built graph, as the cache and compile stages declared it."""
-        return ServingSignature(self.graph_inputs, self.kv_caches, self.decode_graph_batch_sizes, self.prefill_graph_token_sizes)
+        return ServingSignature(self.graph_inputs, self.kv_caches, self.decode_graph_batch_sizes, self.prefill_graph_token_sizes,
+                                self.cross_kv_caches)
 
 
 class Transform(ABC):

@@ -9,6 +9,9 @@ and values in; logits out. Each decoder layer's cross-attention takes its keys a
 of projecting the encoder's output again; the decoder's learned positions are looked up at the positions given
 (Hugging Face counts them from the cache it keeps; the served graph's tokens come from many sequences at once).
 
+The cross-attention is the canonical ``bidirectional_attention`` from the start (the wrapper's code, not Hugging
+Face's: nothing to match); the cache stage turns it into attention over each request's cross-KV cache.
+
 Both hold the whole Hugging Face model as ``model``, so every parameter keeps its Hugging Face path and one
 checkpoint fills both graphs. The substitutions are instance ``forward`` methods set only while a wrapper runs
 (``_reading``): the Hugging Face modules are left as they were.
@@ -22,6 +25,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.bidirectional_attention)
 
 from autodeploy.models.encoder_decoder import EncoderDecoderSpec, cross_attentions
 
@@ -78,10 +83,9 @@ def _reading(decoder: nn.Module, attentions: list[nn.Module], position_ids: torc
 
     def cross_attention(attention: nn.Module, layer: int):
         def forward(hidden_states, key_value_states=None, attention_mask=None, past_key_values=None, **kwargs):
-            query = attention.q_proj(hidden_states).unflatten(-1, (-1, attention.head_dim)).transpose(1, 2)
-            keys, values = cross_keys[layer].transpose(1, 2), cross_values[layer].transpose(1, 2)
-            out = F.scaled_dot_product_attention(query, keys, values, scale=attention.scaling)
-            return attention.out_proj(out.transpose(1, 2).flatten(2)), None
+            query = attention.q_proj(hidden_states).unflatten(-1, (-1, attention.head_dim))
+            out = torch.ops.autodeploy.bidirectional_attention(query, cross_keys[layer], cross_values[layer], attention.scaling)
+            return attention.out_proj(out.flatten(2)), None
 
         return forward
 

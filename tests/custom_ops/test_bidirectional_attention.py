@@ -1,5 +1,5 @@
 """``bidirectional_attention``: the reference against plain softmax attention, its ``sdpa`` backend against the
-reference (GQA included), and the match stage turning an encoder's mask-free SDPA into it."""
+reference (GQA included, queries and keys as many or not), and the match stage turning an encoder's mask-free SDPA into it."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ def naive(q, k, v, scale):
     return torch.einsum("bhij,bjhd->bihd", logits.softmax(-1), v.double())
 
 
-@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_the_reference_and_the_sdpa_backend_attend_to_every_key(q_heads, kv_heads):
+@pytest.mark.parametrize("q_heads, kv_heads, keys", [(4, 4, 7), (4, 2, 7), (6, 1, 7), (4, 4, 11), (4, 2, 3)])
+def test_the_reference_and_the_sdpa_backend_attend_to_every_key(q_heads, kv_heads, keys):
+    """Keys as many as the queries (an encoder's self-attention) or not (a decoder's cross-attention)."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 7, q_heads, 8, generator=generator)
-    k = torch.randn(2, 7, kv_heads, 8, generator=generator)
-    v = torch.randn(2, 7, kv_heads, 5, generator=generator)
+    k = torch.randn(2, keys, kv_heads, 8, generator=generator)
+    v = torch.randn(2, keys, kv_heads, 5, generator=generator)
     scale = 1 / math.sqrt(8)
     expected = naive(q, k, v, scale)
     torch.testing.assert_close(bidirectional_attention_reference(q, k, v, scale).double(), expected, atol=1e-5, rtol=1e-5)

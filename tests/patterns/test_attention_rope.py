@@ -145,7 +145,7 @@ MASKS = {  # name: (allowed(query, key), expected sliding window or "unmatched")
     "causal_window_40": (lambda q, k: (k <= q) & (k > q - 40), 40),  # decided by a 42-token probe
     "causal_window_beyond_max_seq": (lambda q, k: (k <= q) & (k > q - 100), None),  # no sequence reaches it
     "is_causal_without_mask": (None, None),
-    "bidirectional": (lambda q, k: k >= 0, "unmatched"),
+    "bidirectional": (lambda q, k: k >= 0, "bidirectional"),  # hides nothing: an encoder's, bidirectional_attention
     "causal_plus_one": (lambda q, k: k <= q + 1, "unmatched"),
     "window_only_from_query_32": (lambda q, k: (k <= q) & ((k > q - 4) | (q < 32)), "unmatched"),
 }
@@ -170,8 +170,11 @@ def test_mask_analysis_decides_causality_and_window(name, additive, enable_gqa):
         assert replaced == 0
         return
     assert replaced == 1
-    (node,) = gm.graph.find_nodes(op="call_function", target=ATTENTION)
-    assert node.args[4] == expected
+    if expected == "bidirectional":
+        (node,) = gm.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.bidirectional_attention.default)
+    else:
+        (node,) = gm.graph.find_nodes(op="call_function", target=ATTENTION)
+        assert node.args[4] == expected
     assert node.args[1].meta["val"].shape[2] == 2  # k keeps its 2 kv heads: repeat_kv is gone
     gm.graph.eliminate_dead_code()
     gm.recompile()
