@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
-from autodeploy.deployment import VISION, Deployment, ImageBoundaries
+from autodeploy.deployment import ENCODER, VISION, Deployment, ImageBoundaries
 from autodeploy.errors import AutoDeployError, ConfigError
 from autodeploy.distributed import (check_no_live_deployment, check_parallelism, hold, init_distributed, should_spawn,
                                     spawn_workers, world_size)
@@ -158,6 +158,11 @@ def _deploy(settings, factory: ModelFactory) -> Deployment:
     records = pipeline.records
     deployment = pipeline.deployment(graph, context, factory.load_tokenizer(settings.tokenizer), _eos_token_ids(factory),
                                      verification, str(factory.source.directory))
+    if factory.encoder_decoder is not None:
+        encoder = TransformContext(settings=settings, model_factory=factory, role=ENCODER)
+        deployment.graphs[ENCODER] = pipeline.run(encoder)
+        deployment.report.records = [*records, *(replace(record, name=f"{record.name} ({ENCODER})") for record in pipeline.records)]
+        deployment.decoder_start_token_id = factory.encoder_decoder.decoder_start_token_id
     if factory.vision_language is not None:
         vision = TransformContext(settings=settings, model_factory=factory, role=VISION)
         deployment.graphs[VISION] = pipeline.run(vision)

@@ -30,7 +30,8 @@ from autodeploy.errors import ConfigError
 
 MODEL = "model"  # the role of the graph that turns token ids into logits; every deployment has one
 VISION = "vision"  # a vision-language model's: preprocessed images in, the feature rows the model graph reads out
-ROLES = (MODEL, VISION)
+ENCODER = "encoder"  # an encoder–decoder's: a request's input ids in, every decoder layer's cross keys and values out
+ROLES = (MODEL, VISION, ENCODER)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Deployment:
     image_processor: Any = None
     image_token_id: int | None = None  # the placeholder token whose embeddings the vision graph's rows replace
     image_boundaries: ImageBoundaries | None = None  # tokens around each image's placeholders, where the model has them
+    # An encoder–decoder's: the decoder's first input token (its "prompt"; the request's prompt is the encoder's input).
+    decoder_start_token_id: int | None = None
     # A draft model for speculative decoding (speculative.method "draft"): a deployment of its own, with its own
     # serving signature, settings and build report, whose runner and KV pool sit beside the model's.
     draft: Deployment | None = None

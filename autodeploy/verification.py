@@ -36,10 +36,10 @@ import warnings
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import fx, nn
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
 from autodeploy.build_report import VerificationReport
-from autodeploy.deployment import MODEL, VISION, Deployment
+from autodeploy.deployment import ENCODER, MODEL, VISION, Deployment
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.export.causal_lm import GRAPH_PREFIX
 from autodeploy.models.factory import ModelFactory
@@ -79,6 +79,18 @@ class _ImageProbe:
     whole_spans: tuple[tuple[int, int], ...] = ()
 
 
+@dataclasses.dataclass
+class _EncoderProbe:
+    """What the encoder pass and ``step_inputs`` read of an encoder–decoder's request: its input, its cross blocks."""
+
+    request_id: str
+    encoder_input_ids: list[int]
+    cross_table: list[int] | None = None
+    cross_len: int = 0
+    side_inputs: dict = dataclasses.field(default_factory=dict)
+    prompt_token_ids: tuple = ()
+
+
 def twin_device_and_dtype(settings: DictConfig) -> tuple[str, str]:
     """Where the twin runs: the deploy's device and dtype; the CPU in float32 for a meta deploy."""
     if settings.device == "meta":
@@ -106,6 +118,8 @@ def _reference_model(config, device: str, dtype: torch.dtype, trust_remote_code:
     torch.manual_seed(_TWIN_SEED)
     # A vision-language model's reference is the whole model: its language model's logits and its image features.
     model_class = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "vision_config", None) is None:
+        model_class = AutoModelForSeq2SeqLM  # an encoder–decoder's reference: the whole model, both stacks
     with torch.device(device):
         model = model_class.from_config(  # a copy: HF records the attention implementation in the config
             copy.deepcopy(config), dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code
@@ -119,8 +133,8 @@ def _reference_model(config, device: str, dtype: torch.dtype, trust_remote_code:
     return model.eval()
 
 
-def _probe_tokens(vocab_size: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(_TWIN_SEED)
+def _probe_tokens(vocab_size: int, seed: int = _TWIN_SEED) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (length + steps,), generator=generator).tolist() for length, steps in PROBES]
 
 
@@ -322,8 +336,12 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         tolerance = max(tolerance, float(settings.verify.quantized_activations_tolerance), 2 * effect)
         note = "; ".join(filter(None, [note, f"quantized {' and '.join(sorted(rounding.kinds))}: tolerance {tolerance:.3g} "
                                               f"(2× their rounding's effect on the reference, {effect:.3g})"]))
+    encoder_graph = None
+    if factory.encoder_decoder is not None:  # the twin's encoder graph too: the decoder's probes read its output
+        twin_encoder = TransformContext(twin_settings, dataclasses.replace(twin_context.model_factory, tensors=tensors), role=ENCODER)
+        encoder_graph = Pipeline(pipeline.transforms).run(twin_encoder)
     report = _compare(factory, twin, reference, twin_graph, twin_context, match_notes, settings, device, dtype, began,
-                      tolerance)
+                      tolerance, encoder_graph)
     report.note = note
     if factory.vision_language is not None:
         twin_vision = TransformContext(twin_settings, dataclasses.replace(twin_context.model_factory, tensors=tensors), role=VISION)
@@ -467,7 +485,7 @@ def _match_notes(records) -> str:
 
 
 def _compare(factory, twin, reference, graph, context, match_notes, settings, device, dtype, began,
-             tolerance: float) -> VerificationReport:
+             tolerance: float, encoder_graph=None) -> VerificationReport:
     """Serve the probe batch on the twin's graph and hold it to Hugging Face's logits."""
     if not context.kv_caches:
         raise UnsupportedModelError(
@@ -475,9 +493,18 @@ def _compare(factory, twin, reference, graph, context, match_notes, settings, de
             "or set verify.enabled=false to deploy an unserved graph unverified"
         )
     vocab = twin.config.get_text_config().vocab_size
-    engine = Engine(Deployment({MODEL: graph}, context.serving_signature(), context.settings), check_logits=False)
+    graphs = {MODEL: graph} if encoder_graph is None else {MODEL: graph, ENCODER: encoder_graph}
+    start = factory.encoder_decoder.decoder_start_token_id if encoder_graph is not None else None
+    engine = Engine(Deployment(graphs, context.serving_signature(), context.settings, decoder_start_token_id=start),
+                    check_logits=False)
     sequences = _probe_tokens(vocab)
     lengths, requests, hf_inputs = [length for length, _ in PROBES], [None] * len(PROBES), [{} for _ in PROBES]
+    if encoder_graph is not None:  # each probe's decoder starts with the start token and reads an input of its own
+        sequences = [[start, *tokens[1:]] for tokens in sequences]
+        requests = [_EncoderProbe(f"verification-{i}", tokens) for i, tokens in enumerate(_probe_tokens(vocab, seed=_TWIN_SEED + 1))]
+        hf_inputs = [{"input_ids": torch.tensor([r.encoder_input_ids], device=device),
+                      "decoder_input_ids": torch.tensor([tokens], device=device)} for r, tokens in zip(requests, sequences)]
+        engine.encoder.encode(requests)
     if factory.vision_language is not None:  # and a prompt with an image: its rows at the placeholders, their mask
         tokens, length, request, inputs = _image_probe(factory.vision_language, reference, vocab, device, dtype)
         sequences, lengths = [*sequences, tokens], [*lengths, length]

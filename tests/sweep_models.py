@@ -62,16 +62,21 @@ TOLERANCE = 1e-4  # verify.tolerance.float32
 # Vision-language families autodeploy serves: swept as tests/tiny_vision_models.py builds them, with images
 # (sweep_vision_language). LLaVA is not in the causal-LM mapping; it joins the sweep here.
 VISION_LANGUAGE = {"gemma3": None, "llava": "clip", "llava (siglip)": "siglip"}
+# Encoder–decoders (``…ForConditionalGeneration``; their causal-LM classes are the decoder alone, refused above): swept
+# as tests/tiny_seq2seq_models.py builds them, greedy against Hugging Face's ``generate``.
+ENCODER_DECODERS = {"bart (seq2seq)": "bart", "mbart (seq2seq)": "mbart", "t5 (seq2seq)": "t5"}
 
 
 def sweep_model_types() -> list[str]:
-    return sorted({*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *VISION_LANGUAGE})
+    return sorted({*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *VISION_LANGUAGE, *ENCODER_DECODERS})
 
 
 def family(model_type: str) -> str:
     """``decoder`` (a decoder-only text LM), ``encoder-decoder``, ``encoder`` or ``multimodal``."""
     if model_type in VISION_LANGUAGE:
         return "multimodal"
+    if model_type in ENCODER_DECODERS:
+        return "encoder-decoder"
     if model_type in BIDIRECTIONAL_ENCODERS:
         return "encoder"
     if model_type in ENCODER_DECODER_DECODERS:
@@ -142,6 +147,20 @@ def relative_logit_error(model, llm) -> float:
     return worst
 
 
+def _deployed(directory: str, entry: dict, **settings):
+    """The checkpoint in ``directory`` deployed on the CPU in float32: (the LLM, ``entry`` with the build's seconds
+    and verification), or (None, ``entry`` refused with the typed error)."""
+    start = time.perf_counter()
+    try:
+        llm = autodeploy(directory, device="cpu", dtype="float32", **settings)
+    except AutoDeployError as error:
+        return None, {**entry, "status": "refused", "detail": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - start}
+    entry["seconds"] = time.perf_counter() - start
+    entry["verify"] = str(llm.verification)
+    entry["verify_seconds"] = llm.verification.seconds
+    return llm, entry
+
+
 def sweep_vision_language(model_type: str, entry: dict, reached_autodeploy) -> dict:
     """A served vision-language family: its tiny checkpoint deployed, text logits against Hugging Face's, and greedy
     tokens with one and two images against Hugging Face's ``generate`` with the same pixels (and Gemma 3's
@@ -153,15 +172,9 @@ def sweep_vision_language(model_type: str, entry: dict, reached_autodeploy) -> d
         gemma3 = model_type == "gemma3"
         model = write_tiny_gemma3(Path(directory)) if gemma3 else write_tiny_llava(Path(directory), VISION_LANGUAGE[model_type])
         reached_autodeploy()
-        start = time.perf_counter()
-        try:
-            llm = autodeploy(directory, device="cpu", dtype="float32", max_seq_len=160)
-        except AutoDeployError as error:
-            return {**entry, "status": "refused", "detail": f"{type(error).__name__}: {error}",
-                    "seconds": time.perf_counter() - start}
-        entry["seconds"] = time.perf_counter() - start
-        entry["verify"] = str(llm.verification)
-        entry["verify_seconds"] = llm.verification.seconds
+        llm, entry = _deployed(directory, entry, max_seq_len=160)
+        if llm is None:
+            return entry
         entry["relative_error"] = relative_logit_error(model, llm)
         marker = GEMMA3_START if gemma3 else IMAGE_TOKEN_ID
         identical = True
@@ -180,13 +193,35 @@ def sweep_vision_language(model_type: str, entry: dict, reached_autodeploy) -> d
     return entry
 
 
+def sweep_encoder_decoder(model_type: str, entry: dict, reached_autodeploy) -> dict:
+    """A served encoder–decoder family: its tiny checkpoint deployed (the build verifies the decoder's logits, its
+    cross-attention reading the encoder's output, against Hugging Face's: the entry's relative error), and greedy
+    tokens for three inputs against Hugging Face's ``generate``."""
+    from tests.tiny_seq2seq_models import hf_generate_greedy, lively
+
+    with tempfile.TemporaryDirectory() as directory:
+        model = lively(ENCODER_DECODERS[model_type])
+        model.save_pretrained(directory)
+        reached_autodeploy()
+        llm, entry = _deployed(directory, entry)
+        if llm is None:
+            return entry
+        entry["relative_error"] = llm.verification.relative_error
+        prompts = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(20, 60))]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True))
+        entry["greedy_identical"] = all(o.outputs[0].token_ids == hf_generate_greedy(model, p, GREEDY_TOKENS)
+                                        for p, o in zip(prompts, outputs))
+    return entry
+
+
 def sweep_one(model_type: str, reached_autodeploy=lambda: None) -> dict:
     """One model type's entry; ``reached_autodeploy`` is called once transformers has run the tiny model."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     entry = {"model_type": model_type, "family": family(model_type)}
-    if model_type in VISION_LANGUAGE:
-        entry = sweep_vision_language(model_type, entry, reached_autodeploy)
+    if model_type in VISION_LANGUAGE or model_type in ENCODER_DECODERS:
+        sweep = sweep_vision_language if model_type in VISION_LANGUAGE else sweep_encoder_decoder
+        entry = sweep(model_type, entry, reached_autodeploy)
         if entry.get("status") == "refused":
             return entry
         return _classified(entry)

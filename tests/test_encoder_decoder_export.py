@@ -6,29 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import BartConfig, BartForConditionalGeneration, GPT2Config, MBartConfig, MBartForConditionalGeneration, T5Config
+from transformers import BartConfig, GPT2Config, T5Config
 
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.export.encoder_decoder import EncoderCrossKV, EncoderDecoderLogits
 from autodeploy.export.export import export_to_graph_module
 from autodeploy.models.encoder_decoder import encoder_decoder_spec
-
-TINY = dict(vocab_size=512, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-            encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-            decoder_start_token_id=2)
-
-
-def tiny(kind: str, seed: int = 0):
-    torch.manual_seed(seed)
-    config, model_class = (BartConfig, BartForConditionalGeneration) if kind == "bart" else (MBartConfig, MBartForConditionalGeneration)
-    model = model_class(config(**TINY)).eval()
-    with torch.no_grad():  # HF starts norms, biases and the logits bias at 1 and 0: perturb them so a misread one shows
-        for parameter in model.parameters():
-            if parameter.dim() == 1:
-                parameter.add_(torch.randn_like(parameter), alpha=0.1)
-        model.final_logits_bias.normal_()
-    return model
-
+from tests.tiny_seq2seq_models import TINY, tiny
 
 @pytest.mark.parametrize("kind", ["bart", "mbart"])
 def test_the_decoder_reading_the_encoders_cross_keys_and_values_gives_hugging_faces_logits(kind):

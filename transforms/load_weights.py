@@ -319,9 +319,14 @@ def float_graph(snapshot: fx.GraphModule, factory: ModelFactory, device: torch.d
     return snapshot
 
 
-def restore_buffers(gm: fx.GraphModule, factory: ModelFactory, device: torch.device) -> None:
+def restore_buffers(gm: fx.GraphModule, factory: ModelFactory, device: torch.device, reader=None) -> None:
+    """Every buffer of the graph its value: a persistent one the checkpoint holds (``reader``; BART's
+    ``final_logits_bias``) from there, the others as the model computes them when built (rotary tables)."""
+    persistent = set(factory.meta_model.state_dict()) if reader is not None and factory.meta_model is not None else set()
+    stored = set(reader.keys()) & persistent if persistent else set()
     for name, _ in list(gm.named_buffers()):
-        value = factory.buffers.get(name.removeprefix(GRAPH_PREFIX))
+        key = name.removeprefix(GRAPH_PREFIX)
+        value = reader.read(key) if key in stored else factory.buffers.get(key)
         if value is not None:
             _set_attribute(gm, name, value.to(device))
     on_meta = [n for n, t in list(gm.named_buffers()) + list(gm.named_parameters()) if t.is_meta]
@@ -389,5 +394,5 @@ class LoadWeights(Transform):
         else:
             count = load_checkpoint(gm, factory, factory.checkpoint_reader(), groups, quantized, statistics, prequantized)
             notes = f"{count} tensors from {factory.source.directory.name}"
-        restore_buffers(gm, factory, device)
+        restore_buffers(gm, factory, device, factory.checkpoint_reader() if settings.weights != "random" else None)
         return TransformResult(matches=count, changed=True, notes=f"{notes} on {device}; {moved} device args retargeted")

@@ -36,7 +36,8 @@ from autodeploy.transforms.registry import Transform, TransformContext, Transfor
 logger = logging.getLogger(__name__)
 
 CANONICAL_OPS: dict[str, tuple[str, ...]] = {
-    "attention": ("attention", "cached_attention", "cached_attention_rope"),
+    # bidirectional_attention in a model graph: an encoder–decoder's cross-attention (cached_cross_attention once cached)
+    "attention": ("attention", "cached_attention", "cached_attention_rope", "bidirectional_attention", "cached_cross_attention"),
     "norm": ("rms_norm", "add_rms_norm", "layer_norm"),  # add_rms_norm: a norm fused with its residual add
     "mlp": ("gated_mlp", "fused_gated_mlp", "mlp"),  # fused_gated_mlp: a gated_mlp after fuse_gate_up
     "moe": ("moe",),
@@ -98,8 +99,12 @@ class MatchReport:
 def expected_counts(hf_config: Any) -> tuple[dict[str, int], bool]:
     """Expected canonical ops per kind for a decoder-only model; and whether the architecture was unknown."""
     config = getattr(hf_config, "text_config", None) or hf_config
-    layers = config.num_hidden_layers
     model_type = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False):  # the model graph is the decoder: self- and cross-attention a layer
+        layers = config.decoder_layers
+        final = 2 if model_type == "mbart" else 1  # the embeddings' norm, and mBART's final one
+        return {"attention": 2 * layers, "norm": 3 * layers + final, "mlp": layers}, False
+    layers = config.num_hidden_layers
     norms_per_layer = _NORMS_PER_LAYER.get(model_type, 2)
     if getattr(config, "qk_layernorm", False):
         if model_type == "stablelm":  # one LayerNorm per query and per key head

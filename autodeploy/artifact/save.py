@@ -52,8 +52,9 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
         raise ConfigError("this graph has no KV cache (insert_cached_attention is disabled), so it cannot serve; enable it to save")
     unsaved = sorted(set(deployment.graphs) - {MODEL, VISION})
     if unsaved:
-        raise ConfigError(f"this deployment has a {' and a '.join(unsaved)} graph beside its model graph, which saved "
-                          f"deployments do not hold; build it from its checkpoint (autodeploy(model)) instead")
+        named = " and ".join(f"{'an' if role[0] in 'aeiou' else 'a'} {role}" for role in unsaved)
+        raise ConfigError(f"this deployment has {named} graph beside its model graph, which saved "
+                          f"deployments do not hold yet; build it from its checkpoint (autodeploy(model)) instead")
     directory = Path(directory)
     check_save_destination(directory)
     staging = directory.with_name(f".{directory.name}.saving-{os.getpid()}")

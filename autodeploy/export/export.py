@@ -18,12 +18,14 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autodeploy.deployment import VISION
+from autodeploy.deployment import ENCODER, VISION
 from autodeploy.errors import AutoDeployError, ExportError, error_summary
 from autodeploy.export import patches
 from autodeploy.export.causal_lm import CAUSAL_LM_INPUTS, CausalLMLogits
+from autodeploy.export.encoder_decoder import ENCODER_DECODER_INPUTS, ENCODER_INPUTS, EncoderCrossKV, EncoderDecoderLogits
 from autodeploy.export.patches import apply_export_patches
 from autodeploy.export.vision_language import VISION_INPUTS, VISION_LANGUAGE_INPUTS, VisionFeatures, VisionLanguageLogits
+from autodeploy.models.encoder_decoder import EncoderDecoderSpec
 from autodeploy.models.vision_language import VisionLanguageSpec
 from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformConfig, TransformResult, register_transform
 
@@ -166,6 +168,26 @@ def export_vision(model: nn.Module, spec: VisionLanguageSpec, max_images: int, p
     return export_to_graph_module(VisionFeatures(model, spec), (pixel_values,), ({0: images},), patches, strict)
 
 
+def export_encoder_decoder(model: nn.Module, spec: EncoderDecoderSpec, role: str, max_num_tokens: int, max_seq_len: int,
+                           patches: list[str] = (), strict: bool = False) -> GraphModule:
+    """Export an encoder–decoder's ``"encoder"`` graph (``EncoderCrossKV``: one request's input ids, ``[1, S]``) or
+    its decoder as the ``"model"`` graph (``EncoderDecoderLogits``), every length dynamic."""
+    device = next(model.parameters()).device
+    batch = torch.export.Dim.DYNAMIC(min=1)
+    source = torch.export.Dim.DYNAMIC(min=1, max=max(spec.max_source_positions, 2))
+    input_ids = torch.zeros((2, 5), dtype=torch.long, device=device)
+    if role == ENCODER:
+        return export_to_graph_module(EncoderCrossKV(model, spec), (input_ids,), ({0: batch, 1: source},), patches, strict)
+    tokens = torch.export.Dim.DYNAMIC(min=1, max=max(max_seq_len, max_num_tokens, 2))
+    parameter = next(model.parameters())
+    shape = (spec.num_layers, 2, 5, spec.num_heads, spec.head_dim)
+    keys, values = (torch.zeros(shape, dtype=parameter.dtype, device=device) for _ in range(2))
+    decoder_ids, positions = torch.zeros((2, 4), dtype=torch.long, device=device), torch.arange(4, device=device).expand(2, 4)
+    return export_to_graph_module(EncoderDecoderLogits(model, spec), (decoder_ids, positions, keys, values),
+                                  ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {1: batch, 2: source}, {1: batch, 2: source}),
+                                  patches, strict)
+
+
 @dataclass
 class ExportConfig(TransformConfig):
     patches: list[str] = field(default_factory=lambda: [
@@ -183,9 +205,14 @@ class ExportToFX(Transform):
     def apply(self, module: nn.Module, context) -> TransformResult:
         settings = context.settings
         vision_language = context.model_factory.vision_language if context.model_factory is not None else None
+        encoder_decoder = context.model_factory.encoder_decoder if context.model_factory is not None else None
         if context.role == VISION:
             gm = export_vision(module, vision_language, settings.vision.max_images_per_batch, self.config.patches, self.config.strict)
             inputs = VISION_INPUTS
+        elif encoder_decoder is not None:
+            gm = export_encoder_decoder(module, encoder_decoder, context.role, settings.scheduler.max_num_tokens,
+                                        settings.max_seq_len, self.config.patches, self.config.strict)
+            inputs = ENCODER_INPUTS if context.role == ENCODER else ENCODER_DECODER_INPUTS
         else:
             gm = export_causal_lm(module, settings.scheduler.max_num_tokens, settings.max_seq_len, self.config.patches,
                                   self.config.strict, vision_language)

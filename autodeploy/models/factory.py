@@ -17,10 +17,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM, PretrainedConfig,
+                          PreTrainedModel)
 
 from autodeploy.errors import ConfigError, UnsupportedModelError, error_summary
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
+from autodeploy.models.encoder_decoder import EncoderDecoderSpec, encoder_decoder_spec
 from autodeploy.models.source import ModelSource
 from autodeploy.models.vision_language import VisionLanguageSpec, load_image_processor, vision_language_spec
 
@@ -153,7 +155,10 @@ class ModelFactory:
         # attend bidirectionally unless is_decoder (GPT-NeoX also carries is_decoder=False, without cross-attention).
         encoder_as_decoder = hasattr(config, "add_cross_attention") and getattr(config, "is_decoder", None) is False
         kind = None
-        if getattr(config, "is_encoder_decoder", False) or _decoder_of_an_encoder_decoder(config):
+        encoder_decoder = self.encoder_decoder  # a family not served raises here, naming it
+        if encoder_decoder is not None:
+            pass  # served: the encoder and the decoder are graphs of one deployment
+        elif getattr(config, "is_encoder_decoder", False) or _decoder_of_an_encoder_decoder(config):
             kind = "an encoder-decoder architecture (its causal-LM class is the decoder alone, made to read an encoder's output)"
         elif encoder_as_decoder:
             kind = "a bidirectional encoder (is_decoder=False)"
@@ -169,7 +174,7 @@ class ModelFactory:
                 f"{self.source.name}: {type(config).__name__} ({config.model_type}) is a multimodal model "
                 f"({', '.join(modalities)}); autodeploy serves text-only decoders, so multimodal models are not supported yet"
             )
-        if vision_language is None and causal_lm_class(config) is None and not self.trust_remote_code:
+        if vision_language is None and encoder_decoder is None and causal_lm_class(config) is None and not self.trust_remote_code:
             raise UnsupportedModelError(
                 f"{self.source.name}: {type(config).__name__} ({config.model_type}) is not a causal language model: "
                 f"transformers has no AutoModelForCausalLM class for it, and autodeploy serves decoder-only causal LMs"
@@ -179,6 +184,9 @@ class ModelFactory:
             with parameters_on_meta():
                 if vision_language is not None:  # the whole model: both graphs are exported from it
                     model = AutoModelForImageTextToText.from_config(
+                        config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=self.trust_remote_code)
+                elif encoder_decoder is not None:  # likewise: the encoder and the decoder graphs
+                    model = AutoModelForSeq2SeqLM.from_config(
                         config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=self.trust_remote_code)
                 else:
                     model = AutoModelForCausalLM.from_config(
@@ -206,6 +214,12 @@ class ModelFactory:
         """What the pipeline and runtime need of a vision-language checkpoint (``models/vision_language.py``);
         None for a text-only model. A multimodal family autodeploy does not serve raises here."""
         return vision_language_spec(self.hf_config, self.source.name)
+
+    @functools.cached_property
+    def encoder_decoder(self) -> EncoderDecoderSpec | None:
+        """What the pipeline and runtime need of an encoder–decoder checkpoint (``models/encoder_decoder.py``); None
+        for any other. An encoder–decoder family autodeploy does not serve raises here."""
+        return encoder_decoder_spec(self.hf_config, self.source.name)
 
     @functools.cached_property
     def prequantized(self):

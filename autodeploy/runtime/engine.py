@@ -102,8 +102,11 @@ class Engine:
         if self.vision is not None and settings.compile.backend == "cuda_graph":
             self.vision.capture()
         self.intake = RequestIntake(tokenizer, vocab_size, deployment.eos_token_ids, settings, self.pool,
-                                    self.runner.side_inputs, self.vision)
+                                    self.runner.side_inputs, self.vision, deployment.decoder_start_token_id)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, self.max_num_tokens, settings.scheduler.chunked_prefill)
+        self.encoder = self.runner.encoder  # an encoder–decoder's encoder pass and cross-KV pool (None for the others)
+        if self.encoder is not None:
+            self.scheduler.preempted = self._release_cross_blocks
         self.requests: dict[str, Request] = {}
         self.speculator = (Speculator(drafter, speculative.num_tokens, self.pool, vocab_size, speculative.method,
                                       self._step_costs(speculative.num_tokens, speculative.tree_width) if speculative.auto else None,
@@ -238,8 +241,17 @@ class Engine:
             if sequence.finish_reason is None:
                 sequence.finish_reason = "abort"
             self.scheduler.remove(sequence)
+        if self.encoder is not None:
+            self.encoder.release(request)
         request.finish_time = self.clock()
         return request
+
+    def _release_cross_blocks(self, sequence) -> None:
+        """A preempted sequence's request gives its cross blocks back when it has no other sequence (it is encoded
+        again when it runs again); a request's sequences that fork (n > 1, beams) share them until it is done."""
+        request = sequence.request
+        if len(request.sequences) == 1 and request.beam_search is None:
+            self.encoder.release(request)
 
     def _deliver(self, request: Request) -> None:
         sink = request.sink
@@ -313,6 +325,14 @@ class Engine:
                     except Exception as error:  # the step's requests get the error; nothing is left waiting
                         self._fail(plan.chunks, error)
                         raise
+            if self.encoder is not None:  # the encoder pass of requests this step starts (or restarts)
+                starting = {id(c.sequence.request): c.sequence.request for c in plan.chunks if c.sequence.request.cross_table is None}
+                if starting:
+                    try:
+                        self.encoder.encode(list(starting.values()))
+                    except Exception as error:
+                        self._fail(plan.chunks, error)
+                        raise
             if self.speculator is not None:
                 self.speculator.extend(plan.chunks, self.max_num_tokens - plan.num_tokens)
             now = self.clock()
@@ -375,6 +395,10 @@ class Engine:
                 if self.speculator is not None:  # drafts left on the device: their tokens, read with the samples
                     self.speculator.resolve(step.chunks)
                 changed = self.tokens.apply(step.chunks, step.sampling, result, step.beam_logprobs, step.run_ahead, self.clock())
+                if self.encoder is not None:  # a finished request's cross blocks go back with its last sequence's
+                    for request in changed:
+                        if request.finished:
+                            self.encoder.release(request)
                 if self.speculator is not None:
                     self.speculator.flush_moves()
             except Exception as error:
@@ -422,6 +446,9 @@ class Engine:
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits ``[len(token_ids), vocab]`` for every position of one token sequence (no prefix cache)."""
+        if self.encoder is not None:
+            raise InvalidRequestError("an encoder-decoder's decoder reads its request's encoder input, which a bare token "
+                                      "sequence does not give; generate with logprobs to score its output instead")
         if len(token_ids) > self.max_seq_len:
             raise InvalidRequestError(
                 f"the sequence has {len(token_ids)} tokens > max_seq_len={self.max_seq_len}; shorten it, or deploy with "

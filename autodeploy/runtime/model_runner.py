@@ -36,11 +36,12 @@ import torch
 import torch.distributed as dist
 
 from autodeploy.custom_ops.parallel_state import Layout
-from autodeploy.deployment import MODEL, VISION, Deployment
+from autodeploy.deployment import ENCODER, MODEL, VISION, Deployment
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.compiled_graph import TORCH_COMPILE_BACKENDS, CompiledGraph
 from autodeploy.runtime.cuda_graphs import DecodeGraphs
+from autodeploy.runtime.encoder_pass import EncoderPass
 from autodeploy.runtime.kv_cache import allocate_kv_caches, move_kv_entries, plan_num_blocks
 from autodeploy.runtime.piecewise_graphs import NotSplittable, PiecewiseGraphs
 from autodeploy.runtime.pipeline_schedule import PipelineSchedule
@@ -51,7 +52,7 @@ from autodeploy.runtime.verify_graphs import VerifyGraphs
 
 logger = logging.getLogger(__name__)
 
-RUN_ROLES = (MODEL, VISION)  # the graph roles an engine runs (the vision graph: its VisionEncoder); others are refused
+RUN_ROLES = (MODEL, VISION, ENCODER)  # the graph roles an engine runs (vision: its VisionEncoder; encoder: EncoderPass)
 StagedStep = tuple[Callable[[], torch.Tensor], list[int]]  # (run, completing)
 
 # Enough tokens for a forward to show whether the model computes finite logits at all.
@@ -91,6 +92,9 @@ class ModelRunner:
         self.block_size = settings.kv_cache.block_size
         self.pool: KVBlockPool | None = None  # set_up makes the pool and its caches
         self.caches: dict[str, torch.Tensor] = {}
+        # An encoder–decoder's encoder graph and cross-KV pool (set_up allocates it before sizing the pool)
+        self.cross_specs = deployment.signature.cross_kv_caches
+        self.encoder: EncoderPass | None = None
         self.staged_width: int | None = None  # how the staged step lays its chunks out: None in turn, w: chunk i at row i·w
 
     @property
@@ -166,6 +170,9 @@ class ModelRunner:
             self._warm_up(min(num_tokens, self.max_num_tokens, self.max_seq_len))
             warmed_up.append(True)
 
+        if self.cross_specs and self.encoder is None:  # before sizing: what it takes is not the pool's
+            self.encoder = EncoderPass(self.graphs[ENCODER], self.cross_specs, settings.max_batch_size, self.max_seq_len,
+                                       self.block_size, self.device)
         num_blocks = plan_num_blocks(self.kv_specs, settings.kv_cache, settings.max_batch_size, self.max_seq_len,
                                      self.device, warm_up, graph_tokens=graph_tokens)
         num_blocks = _agreed_num_blocks(num_blocks, self.device, Layout.requested(settings.distributed).world_size)
@@ -173,6 +180,8 @@ class ModelRunner:
             self._warm_up(min(_LOGITS_CHECK_TOKENS, self.max_num_tokens, self.max_seq_len))
         phases.done("warm-up")
         self.caches = allocate_kv_caches(self.kv_specs, num_blocks + pad_block, self.block_size, self.device)
+        if self.encoder is not None:
+            self.caches.update(self.encoder.caches)
         self.pool = KVBlockPool(num_blocks, self.block_size, settings.kv_cache.prefix_caching)
         phases.done("KV pool")
 
@@ -180,6 +189,7 @@ class ModelRunner:
         """The graph's inputs for one prompt of ``num_tokens`` tokens on a throwaway cache (and that cache)."""
         scratch = KVBlockPool(-(-num_tokens // self.block_size), self.block_size, enable_prefix_caching=False)
         caches = allocate_kv_caches(self.kv_specs, scratch.num_blocks, self.block_size, self.device)
+        caches.update(allocate_kv_caches(self.cross_specs, 1, self.block_size, self.device))  # read by nothing: no cross length
         probe = _Probe([i % self.vocab_size for i in range(num_tokens)])
         scratch.reserve(probe.seq_id, num_tokens)
         inputs, _ = build_step_inputs(self.graph_inputs, [ScheduledChunk(probe, 0, num_tokens)], scratch, caches, self.device,

@@ -205,6 +205,11 @@ class Request:
         # Prompt spans [start, end) whose tokens see one another both ways (Gemma 3's image tokens): a prefill chunk
         # never ends inside one (scheduler.py), and its tokens attend up to its end (step_inputs.chunk_attend_until).
         self.whole_spans: tuple[tuple[int, int], ...] = ()
+        # An encoder–decoder's request: the prompt's ids are the encoder's input (``prompt_token_ids`` holds the
+        # decoder's start token); once encoded, its blocks in the cross-KV pool and their token count (encoder_pass.py).
+        self.encoder_input_ids: list[int] | None = None
+        self.cross_table: list[int] | None = None
+        self.cross_len = 0
 
     @property
     def finished(self) -> bool:
@@ -232,7 +237,8 @@ class Request:
             completions = self.finished_completions
         else:
             completions = [self._completion(s, tokenizer, streaming) for s in sorted(self.sequences, key=lambda s: s.index)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished, self.metrics())
+        prompt_ids = self.encoder_input_ids if self.encoder_input_ids is not None else self.prompt_token_ids
+        return RequestOutput(self.request_id, self.prompt, prompt_ids, completions, self.finished, self.metrics())
 
     def _completion(self, sequence: Sequence, tokenizer, streaming: bool) -> CompletionOutput:
         tokens = list(sequence.output_token_ids)

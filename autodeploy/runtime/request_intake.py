@@ -34,7 +34,8 @@ class RequestIntake:
     """Validates and builds requests for one engine (see the module docstring). Thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: SequenceABC[int], settings, pool: KVBlockPool,
-                 side_inputs: Mapping[str, SideInputSpec], vision: VisionEncoder | None = None):
+                 side_inputs: Mapping[str, SideInputSpec], vision: VisionEncoder | None = None,
+                 decoder_start_token_id: int | None = None):
         """``side_inputs``: the side inputs the engine's graph declares (a request may carry only those);
         ``vision``: a vision-language deployment's image preparation (prompts with images are refused without)."""
         self.tokenizer = tokenizer
@@ -45,6 +46,7 @@ class RequestIntake:
         self.pool = pool
         self.side_inputs = dict(side_inputs)
         self.vision = vision
+        self.decoder_start_token_id = decoder_start_token_id  # an encoder–decoder's: the decoder's first input
         self._request_ids = itertools.count()
         self._seeds = random.Random(settings.seed)
         self._lock = threading.Lock()  # the request ids and the structured-output compiler
@@ -72,6 +74,14 @@ class RequestIntake:
                     f"the prompt's {len(images)} image(s) of {self.vision.tokens_per_image} tokens each make it {len(token_ids)} "
                     f"tokens, and with max_tokens={params.max_tokens} more than max_seq_len={self.max_seq_len}; send fewer "
                     f"images, a shorter prompt or a lower max_tokens")
+        encoder_input_ids = None
+        if self.decoder_start_token_id is not None:  # an encoder–decoder: the prompt is the encoder's input
+            longest = min(self.max_seq_len, self.settings.scheduler.max_num_tokens)  # its encoder pass is one step's work
+            if not token_ids or len(token_ids) > longest:
+                raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; this encoder-decoder model's input takes "
+                                          f"1 to {longest} (max_seq_len={self.max_seq_len}, scheduler.max_num_tokens="
+                                          f"{self.settings.scheduler.max_num_tokens}: its encoder runs in one step)")
+            encoder_input_ids, token_ids = token_ids, [self.decoder_start_token_id]
         self._check_fits(token_ids, params)
         biased_outside = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if biased_outside:
@@ -86,6 +96,7 @@ class RequestIntake:
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, stops, seed, priority,
                           clock(), side_inputs)
         request.grammar = grammar
+        request.encoder_input_ids = encoder_input_ids
         if images:
             request.images, request.image_starts = images, image_starts
             width = self.vision.tokens_per_image

@@ -21,6 +21,7 @@ preempted) report no tokens to compute and are skipped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,14 +69,22 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # prompt chunks first, then single-token decodes
     preempted: list[Schedulable] = field(default_factory=list)
+    encoder_tokens: int = 0  # input tokens of encoder passes the step runs first (an encoder–decoder's new requests)
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
+        return sum(c.length for c in self.chunks) + self.encoder_tokens
 
 
 def _importance(sequence: Schedulable) -> tuple:
     return (sequence.priority, sequence.arrival)
+
+
+def _encoder_tokens(sequence: Schedulable) -> int:
+    """The input tokens of an encoder–decoder request's encoder pass while it has not run (0 for the others)."""
+    request = getattr(sequence, "request", None)
+    encoder_input = getattr(request, "encoder_input_ids", None)
+    return len(encoder_input) if encoder_input is not None and request.cross_table is None else 0
 
 
 class Scheduler:
@@ -87,6 +96,9 @@ class Scheduler:
         self.waiting: list[Schedulable] = []
         self.running: list[Schedulable] = []
         self.num_preemptions = 0
+        # Called with a sequence just preempted (its blocks freed): what else the engine holds for it may go back too
+        # (an encoder–decoder's cross-KV blocks, runtime/encoder_pass.py).
+        self.preempted: Callable[[Schedulable], None] | None = None
 
     def add(self, sequence: Schedulable) -> None:
         self.waiting.append(sequence)
@@ -134,7 +146,10 @@ class Scheduler:
                 continue
             if len(self.running) >= self.max_num_seqs and not self._preempt_for(sequence, plan):
                 break
-            budget = self.max_num_tokens - plan.num_tokens
+            encoding = _encoder_tokens(sequence)  # its encoder pass, when it has not run: part of its prefill
+            budget = self.max_num_tokens - plan.num_tokens - encoding
+            if budget <= 0:
+                break
             if sequence.num_computed == 0 and not self.pool.block_table(sequence.seq_id):
                 sequence.num_computed = self.pool.acquire_prefix(sequence.seq_id, sequence.token_ids, sequence.request.content_spans)
             want = sequence.num_to_compute
@@ -150,6 +165,7 @@ class Scheduler:
             self.waiting.pop(index)
             self.running.append(sequence)
             plan.chunks.append(ScheduledChunk(sequence, sequence.num_computed, length))
+            plan.encoder_tokens += encoding
 
         plan.chunks.sort(key=lambda chunk: chunk.length == 1)  # stable: decodes last, as cached_attention wants
         return plan
@@ -192,6 +208,8 @@ class Scheduler:
         plan.chunks = [c for c in plan.chunks if c.sequence is not sequence]
         self.pool.free(sequence.seq_id)
         sequence.num_computed = 0
+        if self.preempted is not None:
+            self.preempted(sequence)
         self.waiting.append(sequence)
         plan.preempted.append(sequence)
         self.num_preemptions += 1

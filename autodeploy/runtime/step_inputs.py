@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, TREE_MASK
+from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, CROSS_METADATA, TREE_MASK
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.runtime.device_copies import pinned_to_device, to_device
@@ -194,12 +194,26 @@ def build_step_inputs(
         **({ATTEND_UNTIL: to_device(attend_until, torch.long, device)} if blocks else {}),
         **caches,
     }
+    if CROSS_METADATA[0] in input_names:
+        available.update(_cross_inputs(chunks, device))
     for spec in side_inputs:
         available[spec.name], available[spec.index_input] = _gather_side_input(spec, chunks, device)
     missing = [name for name in input_names if name not in available]
     if missing:
         raise RuntimeError(f"the runtime cannot fill graph input(s) {missing}; it fills {sorted(available)}")
     return [available[name] for name in input_names], completing
+
+
+def _cross_inputs(chunks: Sequence[ScheduledChunk], device: torch.device) -> dict[str, torch.Tensor]:
+    """An encoder–decoder's ``cross_lens`` and ``cross_block_tables``: each chunk's request's encoder length and blocks
+    in the cross-KV pool (``encoder_pass.py``); none for the engine's probes (their cross-attention reads nothing)."""
+    requests = [chunk.sequence.request for chunk in chunks]
+    tables = [(r.cross_table or [0]) if r is not None else [0] for r in requests]
+    block_tables = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    lengths = [r.cross_len if r is not None and r.cross_table is not None else 0 for r in requests]
+    return {"cross_lens": to_device(lengths, torch.int32, device), "cross_block_tables": pinned_to_device(block_tables, device)}
 
 
 def chunk_attend_until(chunk: ScheduledChunk) -> list[int]:

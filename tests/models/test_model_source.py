@@ -100,6 +100,8 @@ def test_config_json_that_is_not_json(tmp_path):
     ids=["t5-encoder-decoder", "vit-vision", "bert-bidirectional-encoder"],
 )
 def test_architecture_that_is_not_a_causal_lm(tmp_path, config):
+    """Refused by name: T5 as the encoder-decoder family not served yet (BART's are: tests/test_encoder_decoder.py)."""
     config.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="not a causal language model"):
+    expected = "encoder-decoder model; .* not t5: T5's relative position bias" if config.model_type == "t5" else "not a causal language model"
+    with pytest.raises(UnsupportedModelError, match=expected):
         autodeploy(str(tmp_path), weights="random", device="cpu")

@@ -1,0 +1,65 @@
+"""An encoder–decoder's encoder pass and the cross-KV pool it writes (``models/encoder_decoder.py``).
+
+The decoder of an encoder–decoder attends, in every layer, to the same keys and values of its request's encoder
+output at every step. ``EncoderPass`` runs the ``"encoder"`` graph once a request — when the request is first
+scheduled, before the step that computes its decoder's first token — on the request's input ids ``[1, S]`` (no
+padding: each request its own forward), and writes each layer's keys and values into blocks of a pool of its own
+(``cross_k_cache_i`` / ``cross_v_cache_i``, declared by the cache stage as ``ServingSignature.cross_kv_caches``).
+The decoder graph reads them through ``cross_lens`` and ``cross_block_tables`` (``step_inputs.py``), each sequence's
+row from its request (``Request.cross_table``).
+
+The pool holds ``max_batch_size`` requests of ``max_seq_len`` input tokens, so a scheduled request always finds its
+blocks; they go back when the request finishes or is aborted, and when it is preempted (it is encoded again when it
+runs again: a preempted request's decoder starts over too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from autodeploy.custom_ops.serving_signature import KVCacheSpec
+from autodeploy.runtime.block_pool import KVBlockPool
+from autodeploy.runtime.kv_cache import allocate_kv_caches
+
+
+class EncoderPass:
+    def __init__(self, graph: Callable, specs: Sequence[KVCacheSpec], max_batch_size: int, max_input_len: int,
+                 block_size: int, device: torch.device):
+        self.graph = graph
+        self.specs = tuple(specs)
+        self.block_size = block_size
+        self.device = device
+        self.max_input_len = max_input_len
+        blocks = max_batch_size * -(-max_input_len // block_size)
+        self.pool = KVBlockPool(blocks, block_size, enable_prefix_caching=False)
+        self.caches = allocate_kv_caches(self.specs, blocks, block_size, device)
+        self.encoded = 0  # requests encoded so far (a preempted one counts again)
+
+    def encode(self, requests: Sequence) -> None:
+        """Run the encoder on each of ``requests`` that has no cross cache yet, and write its keys and values."""
+        for request in requests:
+            if request.cross_table is not None:
+                continue
+            length = len(request.encoder_input_ids)
+            if not self.pool.reserve(request.request_id, length):
+                raise RuntimeError(f"the cross-KV pool has no room for request {request.request_id!r}'s {length} tokens "
+                                   f"({self.pool.num_free_blocks} blocks free): more requests hold blocks than it was sized for")
+            ids = torch.tensor([request.encoder_input_ids], dtype=torch.long, device=self.device)
+            keys, values = self.graph(ids)  # [layers, 1, S, heads, head_dim] each
+            table = self.pool.block_table(request.request_id)
+            positions = torch.arange(length)
+            slots = (torch.tensor(table)[positions // self.block_size] * self.block_size + positions % self.block_size).to(self.device)
+            for layer, spec in enumerate(self.specs):
+                for name, rows in ((spec.key_input, keys[layer, 0]), (spec.value_input, values[layer, 0])):
+                    cache = self.caches[name]
+                    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
+            request.cross_table, request.cross_len = table, length
+            self.encoded += 1
+
+    def release(self, request) -> None:
+        """Give ``request``'s cross blocks back (finished, aborted or preempted)."""
+        if request.cross_table is not None:
+            self.pool.free(request.request_id)
+            request.cross_table = None
