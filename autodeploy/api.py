@@ -101,6 +101,13 @@ def autodeploy(
     if factory.vision_language is not None and world_size(settings) > 1:
         raise ConfigError("vision-language models run on one rank so far (their images are encoded on rank 0's engine); "
                           "deploy without tensor, expert or pipeline parallelism")
+    if factory.encoder_decoder is not None:
+        if world_size(settings) > 1:
+            raise ConfigError("encoder-decoder models run on one rank so far (their encoder graph and cross-KV pool are not "
+                              "sharded); deploy without tensor, expert or pipeline parallelism")
+        if settings.speculative.method is not None:
+            raise ConfigError(f"speculative decoding (speculative.method={settings.speculative.method!r}) drafts for decoder-only "
+                              f"models; an encoder-decoder's decoder is not served with it yet: deploy without speculative")
     check_no_live_deployment(settings)
     _check_speculative(settings)
     if should_spawn(settings):

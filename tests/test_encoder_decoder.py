@@ -156,3 +156,13 @@ def test_an_encoder_pass_counts_against_the_steps_token_budget(tmp_path):
     assert [r.output(None).outputs[0].token_ids for r in requests] == [hf_generate_greedy(model, p, 5) for p in prompts]
     with pytest.raises(InvalidRequestError, match=r"takes 1 to 40 .*scheduler.max_num_tokens=40: its encoder runs in one step"):
         llm.generate([list(range(41))], params)
+
+
+def test_parallelism_and_speculation_are_refused_by_name_before_anything_is_built(tmp_path):
+    from autodeploy.errors import ConfigError
+
+    lively("bart").save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="encoder-decoder models run on one rank so far"):
+        autodeploy(str(tmp_path), device="cpu", tensor_parallel=2)
+    with pytest.raises(ConfigError, match=r"speculative.method='ngram'\) drafts for decoder-only models"):
+        autodeploy(str(tmp_path), device="cpu", speculative={"method": "ngram", "num_tokens": 3})
