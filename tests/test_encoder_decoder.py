@@ -166,3 +166,22 @@ def test_parallelism_and_speculation_are_refused_by_name_before_anything_is_buil
         autodeploy(str(tmp_path), device="cpu", tensor_parallel=2)
     with pytest.raises(ConfigError, match=r"speculative.method='ngram'\) drafts for decoder-only models"):
         autodeploy(str(tmp_path), device="cpu", speculative={"method": "ngram", "num_tokens": 3})
+
+
+def test_the_bench_measures_an_encoder_decoder_against_hf_generate(tmp_path):
+    """``autodeploy bench`` on a seq2seq checkpoint: the synthetic prompts are the encoder's inputs, HF's baseline is its
+    seq2seq ``generate``, and both count the same input and output tokens."""
+    from autodeploy.bench.benchmark import BenchmarkConfig, run_benchmark
+
+    lively("bart").save_pretrained(tmp_path)
+    result = run_benchmark(BenchmarkConfig(model=str(tmp_path), set_arguments=["device=cpu", "dtype=float32"], workloads=["synthetic"],
+                                           batch=[2], input_len=[12], output_len=[6], compare=["hf-eager"], repeats=1, progress=False))
+    ours, hf = (result.run(f"synthetic/b2-in12-out6/{engine}") for engine in ("autodeploy", "hf-eager"))
+    for run in (ours, hf):
+        assert (run.metrics["input_tokens"], run.metrics["output_tokens"]) == (24, 12) and run.metrics["output_tokens_per_s"] > 0
+
+
+def test_the_shipped_bart_large_shape_builds_and_verifies_on_meta():
+    llm = autodeploy("bart-large", weights="random", device="meta")
+    assert llm.verification.relative_error <= llm.verification.tolerance
+    assert set(llm.deployment.graphs) == {"model", "encoder"} and len(llm.deployment.signature.cross_kv_caches) == 12

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, CompileConfig, PretrainedConfig, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM, CompileConfig,
+                          PretrainedConfig, PreTrainedModel)
 from transformers.generation.streamers import BaseStreamer
 
 from autodeploy.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnsupportedModelError
@@ -107,8 +108,11 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
 
 
 def _model_class(config: PretrainedConfig) -> type:
-    """A vision-language model's HF class is its image-text-to-text one (its generate takes pixel values)."""
-    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    """A vision-language model's HF class is its image-text-to-text one (its generate takes pixel values); an
+    encoder–decoder's, its seq2seq one (its generate takes the encoder's input and writes the decoder's)."""
+    if getattr(config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
 
 
 def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:

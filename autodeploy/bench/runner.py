@@ -117,7 +117,8 @@ def run_workload(
         if workers is not None:
             workers.shutdown(wait=True, cancel_futures=True)
     queried = stats.queried_tokens - queried_before
-    timings = [RequestTiming(r.arrival_time, list(r.token_times), len(r.prompt_token_ids)) for _, r in submitted]
+    # An encoder–decoder's input is its encoder's (its decoder's prompt is the start token alone).
+    timings = [RequestTiming(r.arrival_time, list(r.token_times), len(r.encoder_input_ids or r.prompt_token_ids)) for _, r in submitted]
     return RunMeasurement(
         timings=timings,
         peak_device_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

@@ -1,0 +1,37 @@
+#!/bin/bash
+# Issue 44 on the device: an encoder–decoder's GPU check, then the BART-large-shape benchmarks (random weights): 512-token
+# inputs, 128 tokens out, batch 1 and 64 against HF eager and compiled `generate` in the same run, and 64 concurrent.
+#   OUT=/tmp/o STAGE=check,bench bash scripts/encdec_gpu.sh; tar czf $OUT/o.tgz -C /tmp o
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site AUTODEPLOY_CONFIG=
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+mkdir -p "$OUT"
+for stage in $(echo ${STAGE:-check,bench} | tr , ' '); do
+case $stage in
+check)  # tiny BART and mBART on the GPU (bf16 and float32): greedy against HF generate, the build verified
+  timeout ${CHECK_S:-120} python3 - <<'PY' 2>&1 | grep -E "^(bart|mbart)|Error" | tee "$OUT/encdec-check.log"
+import tempfile, torch
+from autodeploy import autodeploy, SamplingParams
+from tests.tiny_seq2seq_models import hf_generate_greedy, lively
+for kind in ("bart", "mbart"):
+    model = lively(kind)
+    folder = tempfile.mkdtemp(); model.save_pretrained(folder)
+    llm = autodeploy(folder, device="cuda", dtype="float32", max_batch_size=8)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(20, 60))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    same = [o.outputs[0].token_ids == hf_generate_greedy(model, p, 12) for p, o in zip(prompts, outs)]
+    print(kind, "greedy identical:", same, llm.verification)
+    llm.shutdown()
+PY
+  ;;
+bench)
+  common="--set weights=random --repeats 1 --no-progress"
+  timeout ${BENCH_S:-300} python3 -m autodeploy bench bart-large $common --workload synthetic --batch 1,64 --input-len 512 --output-len 128 \
+    --compare hf-eager,hf-compile --out "$OUT/bart-synthetic.json" > "$OUT/bart-synthetic.log" 2>&1; echo "synthetic rc=$?"
+  grep -E "/autodeploy|/hf-|×" "$OUT/bart-synthetic.log" | head -20
+  timeout ${CONC_S:-200} python3 -m autodeploy bench bart-large $common --workload concurrency --concurrency 1,64 --num-requests 128 \
+    --input-dist fixed:512 --output-dist fixed:128 --out "$OUT/bart-c64.json" > "$OUT/bart-c64.log" 2>&1; echo "concurrency rc=$?"
+  grep -E "/autodeploy" "$OUT/bart-c64.log" | head ;;
+esac
+done
