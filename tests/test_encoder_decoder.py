@@ -185,3 +185,19 @@ def test_the_shipped_bart_large_shape_builds_and_verifies_on_meta():
     llm = autodeploy("bart-large", weights="random", device="meta")
     assert llm.verification.relative_error <= llm.verification.tolerance
     assert set(llm.deployment.graphs) == {"model", "encoder"} and len(llm.deployment.signature.cross_kv_caches) == 12
+
+
+def test_on_a_gpu_the_decoder_stays_eager_and_the_build_says_why(served):
+    """The cross-attention's kernels read lengths on the host: the compile stage declares no CUDA graphs for a GPU
+    deploy and names the cross-attention, not a choice of kernels that would not help."""
+    from omegaconf import OmegaConf
+
+    from autodeploy.transforms.compile_model import CompileModel
+    from autodeploy.transforms.registry import TransformConfig, TransformContext
+
+    _, llm = served
+    settings = OmegaConf.merge(llm.settings, {"device": "cuda", "compile": {"backend": "cuda_graph"}})
+    context = TransformContext(settings=settings)
+    result = CompileModel(TransformConfig()).apply(llm.graph, context)
+    assert result.notes == "no CUDA graphs: kernels that sync with the host" and context.decode_graph_batch_sizes == ()
+    assert "an encoder-decoder's cross-attention has no capturable kernel yet" in result.details[-1]

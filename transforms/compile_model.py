@@ -88,8 +88,11 @@ class CompileModel(Transform):
         blockers = uncapturable_nodes(module)
         if blockers:
             shown = ", ".join(blockers[:3]) + (f" and {len(blockers) - 3} more" if len(blockers) > 3 else "")
+            advice = ("an encoder-decoder's cross-attention has no capturable kernel yet (docs/encoder_decoder.md)"
+                      if any("cached_cross_attention" in blocker for blocker in blockers) else
+                      "choose capturable kernels (backends: {cached_attention: [triton]}) or set compile.backend: none")
             message = (f"decode stays eager: {shown} read device tensors on the host, which CUDA graph capture "
-                       f"forbids; choose capturable kernels (backends: {{cached_attention: [triton]}}) or set compile.backend: none")
+                       f"forbids; {advice}")
             logger.warning(message)
             return TransformResult(notes="no CUDA graphs: kernels that sync with the host", details=[*inductor, message])
         max_batch_size = int(settings.max_batch_size)
