@@ -201,3 +201,19 @@ def test_on_a_gpu_the_decoder_stays_eager_and_the_build_says_why(served):
     result = CompileModel(TransformConfig()).apply(llm.graph, context)
     assert result.notes == "no CUDA graphs: kernels that sync with the host" and context.decode_graph_batch_sizes == ()
     assert "an encoder-decoder's cross-attention has no capturable kernel yet" in result.details[-1]
+
+
+def test_logprobs_are_hf_scores_and_a_stop_token_ends_the_output(served):
+    """Each output token's logprob is Hugging Face's log-softmax of that step's logits (decoder fed the tokens so far,
+    the encoder the prompt), and a stop token ends the output where it is sampled."""
+    model, llm = served
+    prompt = PROMPTS[1]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0))[0].outputs[0]
+    decoder_ids = torch.tensor([[llm.deployment.decoder_start_token_id, *out.token_ids[:-1]]])
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([prompt]), decoder_input_ids=decoder_ids).logits[0].log_softmax(-1)
+    torch.testing.assert_close(torch.tensor(out.logprobs), expected[torch.arange(6), out.token_ids], rtol=1e-4, atol=1e-4)
+    stop = out.token_ids[2]
+    first = out.token_ids.index(stop)
+    cut = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[stop]))[0].outputs[0]
+    assert cut.token_ids == out.token_ids[: first + 1] and cut.finish_reason == "stop"
