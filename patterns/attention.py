@@ -70,7 +70,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.attention)
-from autodeploy.patterns.graph_walk import (DTYPE_CASTS, VIEWS, NoMatch, call_arguments, is_call, node_value, require,
+from autodeploy.patterns.graph_walk import (DTYPE_CASTS, VIEWS, NoMatch, Walk, is_call, node_value, require,
                                            same_size)
 from autodeploy.patterns.registry import register_rewrite
 
@@ -266,19 +266,13 @@ class AttentionMatch:
     output_layout: str = "bhsd"  # "bh_sd": the replaced value is [B·H, S, D] (Bloom's bmm)
 
 
-class _Walk:
+class _Walk(Walk):
     """Steps backwards through one candidate attention, recording every node it steps over."""
 
     def __init__(self, gm: GraphModule, windows: dict[Node, int | None | NoMatch]):
+        super().__init__()
         self.gm = gm
         self.windows = windows  # mask → its sliding window (or why it is not causal), shared by all layers
-        self.nodes: set[Node] = set()
-
-    def step(self, node, targets, what: str) -> dict:
-        """Check ``node`` calls one of ``targets``, record it, return its arguments by name (defaults filled)."""
-        arguments = call_arguments(node, targets, what)
-        self.nodes.add(node)
-        return arguments
 
     def skip_casts(self, node):
         """Step over floating-point casts: the op fixes its own compute (float32) and output dtypes."""

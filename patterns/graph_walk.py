@@ -60,3 +60,17 @@ def call_arguments(node, targets, what: str) -> dict:
     normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
     require(normalized is not None, f"cannot read the arguments of {node}")
     return normalized.kwargs
+
+
+class Walk:
+    """Steps backwards through one candidate subgraph, recording every node it steps over (``nodes``: what a
+    replacement removes). Pattern walks subclass it with the steps their family needs."""
+
+    def __init__(self):
+        self.nodes: set[Node] = set()
+
+    def step(self, node, targets, what: str) -> dict:
+        """Check ``node`` calls one of ``targets``, record it, return its arguments by name (defaults filled)."""
+        arguments = call_arguments(node, targets, what)
+        self.nodes.add(node)
+        return arguments

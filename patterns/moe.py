@@ -51,7 +51,7 @@ from torch.fx import Graph, GraphModule, Node
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.moe)
 from autodeploy.custom_ops.activations import ATEN_ACTIVATIONS
-from autodeploy.patterns.graph_walk import DTYPE_CASTS, VIEWS, NoMatch, call_arguments, is_call, node_value, require
+from autodeploy.patterns.graph_walk import DTYPE_CASTS, VIEWS, NoMatch, Walk, is_call, node_value, require
 from autodeploy.patterns.registry import register_rewrite
 
 logger = logging.getLogger(__name__)
@@ -81,18 +81,12 @@ class MoeBlock:
 
 
 
-class _BlockWalk:
+class _BlockWalk(Walk):
     """Walks one candidate block backwards from its final ``sum``, recording every node it steps over."""
 
     def __init__(self):
-        self.nodes: set[Node] = set()
+        super().__init__()
         self.clamp_max: int | None = None  # the upper bound HF clamps expert ids to, if it does
-
-    def step(self, node, targets, what: str) -> dict:
-        """Check ``node`` calls one of ``targets``, record it, return its arguments by name (defaults filled)."""
-        arguments = call_arguments(node, targets, what)
-        self.nodes.add(node)
-        return arguments
 
     def skip_casts(self, node: Node) -> Node:
         """Step over casts between floating dtypes: the op fixes its own compute and output dtypes."""

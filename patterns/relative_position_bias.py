@@ -49,7 +49,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.relative_position_bias)
-from autodeploy.patterns.graph_walk import DTYPE_CASTS, NoMatch, call_arguments, is_call, node_value, require, same_size
+from autodeploy.patterns.graph_walk import DTYPE_CASTS, NoMatch, Walk, is_call, node_value, require, same_size
 from autodeploy.patterns.registry import register_rewrite
 
 logger = logging.getLogger(__name__)
@@ -78,16 +78,8 @@ class RelativePositionBiasMatch:
     nodes: set[Node] = field(default_factory=set)
 
 
-class _Walk:
+class _Walk(Walk):
     """Steps backwards through one candidate bias, recording every node it steps over."""
-
-    def __init__(self):
-        self.nodes: set[Node] = set()
-
-    def step(self, node, targets, what: str) -> dict:
-        arguments = call_arguments(node, targets, what)
-        self.nodes.add(node)
-        return arguments
 
     def cast(self, node, dtypes: tuple[torch.dtype, ...], what: str) -> Node:
         """Step over a cast to one of ``dtypes``; returns its input."""
