@@ -8,9 +8,9 @@ padding: each request its own forward), and writes each layer's keys and values 
 The decoder graph reads them through ``cross_lens`` and ``cross_block_tables`` (``step_inputs.py``), each sequence's
 row from its request (``Request.cross_table``).
 
-The pool holds ``max_batch_size`` requests of ``max_seq_len`` input tokens, so a scheduled request always finds its
-blocks; they go back when the request finishes or is aborted, and when it is preempted (it is encoded again when it
-runs again: a preempted request's decoder starts over too).
+The pool holds ``max_batch_size`` requests of ``max_seq_len`` input tokens, so a scheduled request finds its blocks;
+they go back when the request finishes or is aborted, and when its only sequence is preempted (it is encoded again
+when it runs again: its decoder starts over too). Sequences a request forks (``n``, beams) share them until it is done.
 """
 
 from __future__ import annotations

@@ -317,22 +317,12 @@ class Engine:
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return None
-            if self.vision is not None:  # the images of requests this step starts, before their prompts are computed
-                starting = {id(c.sequence.request): c.sequence.request for c in plan.chunks if c.sequence.request.images}
-                if starting:
-                    try:
-                        self.vision.encode(list(starting.values()))
-                    except Exception as error:  # the step's requests get the error; nothing is left waiting
-                        self._fail(plan.chunks, error)
-                        raise
-            if self.encoder is not None:  # the encoder pass of requests this step starts (or restarts)
-                starting = {id(c.sequence.request): c.sequence.request for c in plan.chunks if c.sequence.request.cross_table is None}
-                if starting:
-                    try:
-                        self.encoder.encode(list(starting.values()))
-                    except Exception as error:
-                        self._fail(plan.chunks, error)
-                        raise
+            # Before the forward: the images of requests this step starts, and an encoder–decoder's encoder pass of the
+            # requests it starts (or restarts after a preemption).
+            if self.vision is not None:
+                self._encode_first(self.vision, plan.chunks, lambda request: bool(request.images))
+            if self.encoder is not None:
+                self._encode_first(self.encoder, plan.chunks, lambda request: request.cross_table is None)
             if self.speculator is not None:
                 self.speculator.extend(plan.chunks, self.max_num_tokens - plan.num_tokens)
             now = self.clock()
@@ -354,6 +344,18 @@ class Engine:
                 self._fail(plan.chunks, error)
             raise
         return step
+
+    def _encode_first(self, encoder, chunks: list[ScheduledChunk], pending: Callable[[Request], bool]) -> None:
+        """``encoder.encode`` the chunks' requests that are ``pending`` (each once); on an error the step's requests get
+        it, and nothing is left waiting."""
+        starting = {id(c.sequence.request): c.sequence.request for c in chunks if pending(c.sequence.request)}
+        if not starting:
+            return
+        try:
+            encoder.encode(list(starting.values()))
+        except Exception as error:
+            self._fail(chunks, error)
+            raise
 
     def _stage_step(self, chunks: list[ScheduledChunk], previous: _Step | None) -> tuple[_Step, Callable[[], torch.Tensor]]:
         pending = PendingTokens(previous.sample.tokens, previous.token_rows) if previous is not None and previous.sample else None
