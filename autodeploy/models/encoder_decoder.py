@@ -40,7 +40,6 @@ class EncoderDecoderSpec:
     num_heads: int  # cross-attention heads (keys and values: as many; no GQA in these families)
     head_dim: int
     max_source_positions: int  # the encoder's learned position table: the longest input it embeds
-    max_target_positions: int  # the decoder's: the longest output, its start token included
 
 
 def encoder_decoder_spec(config: PretrainedConfig, name: str = "the model") -> EncoderDecoderSpec | None:
@@ -66,7 +65,6 @@ def encoder_decoder_spec(config: PretrainedConfig, name: str = "the model") -> E
         num_heads=heads,
         head_dim=config.d_model // heads,
         max_source_positions=config.max_position_embeddings,
-        max_target_positions=config.max_position_embeddings,
     )
 
 

@@ -31,7 +31,6 @@ class EncoderPass:
         self.specs = tuple(specs)
         self.block_size = block_size
         self.device = device
-        self.max_input_len = max_input_len
         blocks = max_batch_size * -(-max_input_len // block_size)
         self.pool = KVBlockPool(blocks, block_size, enable_prefix_caching=False)
         self.caches = allocate_kv_caches(self.specs, blocks, block_size, device)
