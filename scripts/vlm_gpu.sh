@@ -7,7 +7,8 @@
 # EXTRA='--set scheduler.max_num_tokens=8192' adds settings to the bench and hf stages; PROFILE_SETS='--set k=v' to the profile.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD AUTODEPLOY_CONFIG=
+export PYTHONPATH=/tmp/site AUTODEPLOY_CONFIG=
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 mkdir -p "$OUT"
 MODEL=llava-1.5-7b
 for stage in $(echo ${STAGE:-tests,bench,hf,tower} | tr , ' '); do
