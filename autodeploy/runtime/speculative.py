@@ -259,8 +259,10 @@ class Speculator:
         self.drafting = wanted > 0 and bool(decoding)
         self._revisiting = revisiting
         self._timing = (batch, wanted if self.drafting else 0, per_position) if decoding and batch == len(chunks) else None
+        if not self.drafting or budget <= 0:
+            return
         candidates = [c for c in decoding if self._may_draft(c)]
-        if not self.drafting or not candidates or budget <= 0:
+        if not candidates:
             return
         limits = [min(wanted, self._tokens_left(c.sequence)) for c in candidates]
         sequences = [c.sequence for c in candidates]
