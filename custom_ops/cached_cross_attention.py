@@ -195,11 +195,11 @@ def cached_cross_attention_dense(*args, **kwargs) -> torch.Tensor:
     positions = call.block_tables.shape[1] * k_cache.shape[1]
     visible = torch.arange(positions, device=q.device) < cross_lens[:, None]  # [N, L]
     hidden = ~visible[:, :, None, None]
-    # Past a sequence's length the table names any block (padding, stale entries): masked to 0, as a weight of 0
-    # times a NaN there would be NaN.
+    # Past a sequence's length the table names any block (padding, stale entries): zeroed, as a weight of 0 times an
+    # inf there would be NaN. In place: the gather is a copy of its own, and at a graph's batch and width a large one.
     keys, values = (
         read_back(cache.index_select(0, call.block_tables.flatten()).view(num_sequences, positions, *cache.shape[2:]),
-                  q.dtype, cache_scale).masked_fill(hidden, 0).transpose(1, 2)
+                  q.dtype, cache_scale).masked_fill_(hidden, 0).transpose(1, 2)
         for cache, cache_scale in ((k_cache, call.k_scale), (v_cache, call.v_scale))
     )  # [N, Hkv, L, D]
     decode = tokens == num_sequences

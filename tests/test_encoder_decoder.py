@@ -4,6 +4,8 @@ encoder's cross blocks freed with the request, the build verified against HF (an
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -187,20 +189,99 @@ def test_the_shipped_bart_large_shape_builds_and_verifies_on_meta():
     assert set(llm.deployment.graphs) == {"model", "encoder"} and len(llm.deployment.signature.cross_kv_caches) == 12
 
 
-def test_on_a_gpu_the_decoder_stays_eager_and_the_build_says_why(served):
-    """The cross-attention's kernels read lengths on the host: the compile stage declares no CUDA graphs for a GPU
-    deploy and names the cross-attention, not a choice of kernels that would not help."""
+def gpu_build(llm, **settings):
+    """Select and compile of the served decoder graph (a copy) as a GPU deploy would run them; the context they wrote."""
     from omegaconf import OmegaConf
+    from torch import fx
 
     from autodeploy.transforms.compile_model import CompileModel
     from autodeploy.transforms.registry import TransformConfig, TransformContext
+    from autodeploy.transforms.select_kernels import SelectKernels
 
+    merged = OmegaConf.merge(llm.settings, {"device": "cuda", "compile": {"backend": "cuda_graph"}, "autotuner": {"enabled": False}},
+                             settings)
+    context = TransformContext(settings=merged)
+    graph = fx.GraphModule(llm.graph, copy.deepcopy(llm.graph.graph))
+    selected = SelectKernels(TransformConfig()).apply(graph, context)
+    compiled = CompileModel(TransformConfig()).apply(graph, context)
+    cross = [n.target for n in graph.graph.nodes if "cached_cross_attention" in str(n.target)]
+    return selected, compiled, context, cross
+
+
+def test_on_a_gpu_the_cross_attention_gets_its_capturable_kernel_and_the_decoder_is_captured(served):
+    """Where decode steps replay CUDA graphs, select gives the cross-attention the ``dense`` kernel over ``sdpa`` (which
+    reads lengths on the host) and the compile stage declares the decode graphs; a preference for ``sdpa`` keeps the
+    decoder eager, and the build names the capturable kernel to choose instead."""
     _, llm = served
-    settings = OmegaConf.merge(llm.settings, {"device": "cuda", "compile": {"backend": "cuda_graph"}})
-    context = TransformContext(settings=settings)
-    result = CompileModel(TransformConfig()).apply(llm.graph, context)
-    assert result.notes == "no CUDA graphs: kernels that sync with the host" and context.decode_graph_batch_sizes == ()
-    assert "an encoder-decoder's cross-attention has no capturable kernel yet" in result.details[-1]
+    selected, compiled, context, cross = gpu_build(llm)
+    assert cross == [torch.ops.autodeploy.cached_cross_attention_dense.default] * 2
+    assert any("cached_cross_attention ×2 → cached_cross_attention_dense" in line and "sdpa: reads device tensors on the host"
+               in line for line in selected.details)
+    assert context.decode_graph_batch_sizes and compiled.notes.startswith("decode CUDA graphs at")
+    _, compiled, context, cross = gpu_build(llm, backends={"cached_cross_attention": ["sdpa"]})
+    assert cross == [torch.ops.autodeploy.cached_cross_attention_sdpa.default] * 2 and context.decode_graph_batch_sizes == ()
+    assert compiled.notes == "no CUDA graphs: kernels that sync with the host"
+    assert "choose capturable kernels (backends: {cached_cross_attention: [dense]})" in compiled.details[-1]
+    _, _, context, cross = gpu_build(llm, compile={"backend": "none"})  # eager anyway: the first supported kernel
+    assert cross == [torch.ops.autodeploy.cached_cross_attention_sdpa.default] * 2
+
+
+def record_replays(monkeypatch) -> list[tuple[int, int]]:
+    """``(rows, size)`` of every decode step replayed from the decode graphs from now on."""
+    from autodeploy.runtime.cuda_graphs import DecodeGraphs
+
+    replays = []
+    replay = DecodeGraphs.replay
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, size, rows: replays.append((rows, size)) or replay(self, size, rows))
+    return replays
+
+
+def test_decode_steps_run_the_padded_static_graph_inputs_with_the_dense_cross_attention(tmp_path, monkeypatch):
+    """On the CPU the decode graphs run on the static, padded inputs a GPU replays (nothing is captured): the cross rows
+    refilled at every step, spare rows without encoder positions. Requests arriving one a step and finishing at
+    different steps keep HF's greedy output."""
+    import dataclasses
+
+    from autodeploy.runtime.engine import Engine
+
+    model = lively("bart")
+    model.save_pretrained(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", verify={"enabled": False}, max_batch_size=4,
+                     backends={"cached_cross_attention": ["dense"]})
+    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=())
+    engine = Engine(dataclasses.replace(llm.deployment, signature=signature))
+    replays = record_replays(monkeypatch)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 12)]
+    requests = []
+    for prompt, p in zip(PROMPTS, params):
+        requests.append(engine.add_request(prompt, p))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output(None).outputs[0].token_ids for r in requests] == [hf_generate_greedy(model, p, s.max_tokens)
+                                                                       for p, s in zip(PROMPTS, params)]
+    assert {(3, 4), (2, 2), (1, 1)} <= set(replays)  # padded up to the next size, and each new request's first token
+    assert engine.encoder.pool.num_used_blocks == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_a_gpu_decode_steps_replay_captured_graphs_and_keep_hf_greedy_output(tmp_path, monkeypatch, dtype):
+    model = lively("bart")
+    model.save_pretrained(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cuda", dtype=dtype, max_batch_size=4)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and all(batch.graph is not None for batch in graphs.batches.values())
+    report = llm.pipeline_report()
+    assert "cached_cross_attention_dense" in report and "decode: CUDA graphs at batch sizes 1, 2, 4" in report
+    replays = record_replays(monkeypatch)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 12, 6)]
+    outputs = llm.generate(PROMPTS, params)
+    hf = model.to("cuda", getattr(torch, dtype))
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_generate_greedy(hf, p, s.max_tokens) for p, s in zip(PROMPTS, params)]
+    assert {(4, 4), (3, 4), (1, 1)} <= set(replays)
+    assert llm.engine.encoder.pool.num_used_blocks == 0
+    llm.shutdown()
 
 
 def test_logprobs_are_hf_scores_and_a_stop_token_ends_the_output(served):

@@ -44,7 +44,9 @@ def lively(kind: str, seed: int = 5):
 
 
 def hf_generate_greedy(model, prompt: list[int], tokens: int) -> list[int]:
-    """HF ``generate``'s greedy output tokens for encoder input ``prompt`` (without the decoder's start token)."""
+    """HF ``generate``'s greedy output tokens for encoder input ``prompt`` (without the decoder's start token), on the
+    model's device."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1)
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, num_beams=1)
     return out[0, 1:].tolist()
