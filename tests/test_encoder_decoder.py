@@ -11,7 +11,7 @@ import torch
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
-from tests.tiny_seq2seq_models import hf_generate_greedy, lively
+from tests.tiny_seq2seq_models import greedy_shortfall, hf_generate_greedy, lively
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(20, 60)), [7]]
 
@@ -267,6 +267,10 @@ def test_decode_steps_run_the_padded_static_graph_inputs_with_the_dense_cross_at
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_on_a_gpu_decode_steps_replay_captured_graphs_and_keep_hf_greedy_output(tmp_path, monkeypatch, dtype):
+    """The decoder's decode steps captured and replayed, batches padded up; float32 greedy output is HF ``generate``'s
+    token for token. In bfloat16 each token is HF's greedy choice up to bfloat16's rounding: on these prompts HF's own
+    bfloat16 logits lie up to 0.04 off its float32 ones, and two of its float32 candidates only 0.03 apart (its own
+    bfloat16 ``generate`` leaves float32's there), so the bound is on how far below HF's best logit ours fall."""
     model = lively("bart")
     model.save_pretrained(tmp_path)
     llm = autodeploy(str(tmp_path), device="cuda", dtype=dtype, max_batch_size=4)
@@ -276,9 +280,12 @@ def test_on_a_gpu_decode_steps_replay_captured_graphs_and_keep_hf_greedy_output(
     assert "cached_cross_attention_dense" in report and "decode: CUDA graphs at batch sizes 1, 2, 4" in report
     replays = record_replays(monkeypatch)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 12, 6)]
-    outputs = llm.generate(PROMPTS, params)
-    hf = model.to("cuda", getattr(torch, dtype))
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_generate_greedy(hf, p, s.max_tokens) for p, s in zip(PROMPTS, params)]
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    if dtype == "float32":
+        assert outputs == [hf_generate_greedy(model, p, s.max_tokens) for p, s in zip(PROMPTS, params)]
+    else:
+        assert [len(o) for o in outputs] == [s.max_tokens for s in params]
+        assert max(greedy_shortfall(model, p, o) for p, o in zip(PROMPTS, outputs)) <= 0.15
     assert {(4, 4), (3, 4), (1, 1)} <= set(replays)
     assert llm.engine.encoder.pool.num_used_blocks == 0
     llm.shutdown()
