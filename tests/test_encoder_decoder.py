@@ -236,20 +236,29 @@ def record_replays(monkeypatch) -> list[tuple[int, int]]:
     return replays
 
 
-def test_decode_steps_run_the_padded_static_graph_inputs_with_the_dense_cross_attention(tmp_path, monkeypatch):
-    """On the CPU the decode graphs run on the static, padded inputs a GPU replays (nothing is captured): the cross rows
-    refilled at every step, spare rows without encoder positions. Requests arriving one a step and finishing at
-    different steps keep HF's greedy output."""
+def dense_engine(directory, decode_sizes, prefill_sizes=(), **settings):
+    """An engine of the model in ``directory`` on the CPU with the ``dense`` cross-attention, running decode steps on the
+    static padded inputs of the decode graphs at ``decode_sizes`` (a GPU captures and replays them) and prefill steps
+    through piecewise graphs at ``prefill_sizes``; and its LLM."""
     import dataclasses
 
     from autodeploy.runtime.engine import Engine
 
+    llm = autodeploy(str(directory), device="cpu", dtype="float32", verify={"enabled": False}, max_batch_size=4,
+                     backends={"cached_cross_attention": ["dense"]}, **settings)
+    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=decode_sizes,
+                                    prefill_graph_token_sizes=prefill_sizes)
+    llm._engine = Engine(dataclasses.replace(llm.deployment, signature=signature))
+    return llm._engine, llm
+
+
+def test_decode_steps_run_the_padded_static_graph_inputs_with_the_dense_cross_attention(tmp_path, monkeypatch):
+    """On the CPU the decode graphs run on the static, padded inputs a GPU replays (nothing is captured): the cross rows
+    refilled at every step, spare rows without encoder positions. Requests arriving one a step and finishing at
+    different steps keep HF's greedy output."""
     model = lively("bart")
     model.save_pretrained(tmp_path)
-    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", verify={"enabled": False}, max_batch_size=4,
-                     backends={"cached_cross_attention": ["dense"]})
-    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=())
-    engine = Engine(dataclasses.replace(llm.deployment, signature=signature))
+    engine, _ = dense_engine(tmp_path, (1, 2, 4))
     replays = record_replays(monkeypatch)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 12)]
     requests = []
@@ -262,6 +271,22 @@ def test_decode_steps_run_the_padded_static_graph_inputs_with_the_dense_cross_at
                                                                        for p, s in zip(PROMPTS, params)]
     assert {(3, 4), (2, 2), (1, 1)} <= set(replays)  # padded up to the next size, and each new request's first token
     assert engine.encoder.pool.num_used_blocks == 0
+
+
+def test_preempted_requests_recompute_through_piecewise_prefill_graphs_with_the_dense_cross_attention(tmp_path, monkeypatch):
+    """A pool too small for all: preempted requests come back as several-token decoder prompts, which the piecewise
+    prefill graphs run (the cross-attention eager, ``dense``'s prefill layout); outputs stay HF's."""
+    from autodeploy.runtime.piecewise_graphs import PiecewiseGraphs
+
+    model = lively("bart", seed=6)
+    model.save_pretrained(tmp_path)
+    engine, llm = dense_engine(tmp_path, (1, 2, 4), (16, 32), kv_cache={"num_blocks": 4, "block_size": 4})
+    prefills = []
+    run = PiecewiseGraphs.run
+    monkeypatch.setattr(PiecewiseGraphs, "run", lambda self, inputs, tokens: prefills.append(tokens) or run(self, inputs, tokens))
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert engine.scheduler.num_preemptions > 0 and prefills
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_generate_greedy(model, p, 10) for p in PROMPTS]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
