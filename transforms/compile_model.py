@@ -80,8 +80,9 @@ def _uncapturable(module: GraphModule) -> list[tuple[str, str]]:
 
 
 def _capturable_advice(ops: list[str]) -> str:
-    """What to do about uncapturable kernels of ``ops``: name each op's capturable kernels as a ``backends`` setting."""
-    kernels = {op: [b.name for b in candidates(op) if b.capturable] for op in dict.fromkeys(ops)}
+    """What to do about uncapturable kernels of ``ops``: name each op's capturable kernels (bar the opt-in ones) as a
+    ``backends`` setting."""
+    kernels = {op: [b.name for b in candidates(op) if b.capturable and not b.opt_in] for op in dict.fromkeys(ops)}
     lacking = [op for op, names in kernels.items() if not names]
     if lacking:
         return f"no capturable kernel serves {', '.join(lacking)}; set compile.backend: none to deploy without CUDA graphs"
