@@ -162,7 +162,7 @@ def test_dense_reads_no_device_tensor_on_the_host(batch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 def test_on_a_gpu_dense_is_captured_once_and_replays_each_steps_lengths_and_tables(dtype, tolerance):
     """One capture over static buffers, then replays after new queries, lengths (0 among them) and tables are copied in:
     each replay computes that step's attention, as the decode graphs' replays must."""
