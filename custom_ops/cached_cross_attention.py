@@ -24,6 +24,10 @@ A sequence with no encoder positions (``cross_lens`` 0) gets zeros: the empty we
 Hugging Face's eager attention returns for empty ``key_value_states`` (``softmax`` of no logits times no values).
 Batch padding (a CUDA graph's spare rows) can therefore name such sequences without producing NaN.
 
+Two backends: ``sdpa`` reads ``seq_start`` and ``cross_lens`` on the host (one call per prompt chunk, the decodes
+padded to the longest); ``dense`` reads no device tensor on the host, so decode steps replayed as CUDA graphs hold it
+(``select`` prefers it where they do).
+
 Example (two requests with 3 and 2 encoder tokens, block size 2; the first has two decoder tokens, the second one):
 
 >>> import torch
