@@ -24,6 +24,10 @@ A sequence with no encoder positions (``cross_lens`` 0) gets zeros: the empty we
 Hugging Face's eager attention returns for empty ``key_value_states`` (``softmax`` of no logits times no values).
 Batch padding (a CUDA graph's spare rows) can therefore name such sequences without producing NaN.
 
+Two backends: ``sdpa`` reads ``seq_start`` and ``cross_lens`` on the host (one call per prompt chunk, the decodes
+padded to the longest); ``dense`` reads no device tensor on the host, so decode steps replayed as CUDA graphs hold it
+(``select`` prefers it where they do).
+
 Example (two requests with 3 and 2 encoder tokens, block size 2; the first has two decoder tokens, the second one):
 
 >>> import torch
@@ -176,3 +180,56 @@ def cached_cross_attention_sdpa(*args, **kwargs) -> torch.Tensor:
 
 # It reads seq_start and cross_lens on the host: no CUDA graph can hold it.
 register_backend("cached_cross_attention", "sdpa", cached_cross_attention_sdpa, capturable=False)
+
+
+def cached_cross_attention_dense(*args, **kwargs) -> torch.Tensor:
+    """Same arguments (``CrossAttentionArgs``) and result as ``cached_cross_attention_reference``, with no read of a
+    device tensor on the host, so a CUDA graph can hold it: every sequence's whole ``block_tables`` row is gathered
+    (``[N, max_blocks · block_size, Hkv, D]``), the positions from its ``cross_lens`` on masked on the device, and one
+    batched SDPA call in ``q``'s dtype attends every sequence's queries over them.
+
+    A decode step (one query a sequence: ``T == N``, a shape, not a value) is that call as it stands. Otherwise the
+    queries are laid out ``[N, max_q_len]`` (``batch_info``'s, read on the CPU where it lives) from ``seq_start`` and
+    gathered back per token. The table's whole width is read, not the longest sequence's: a captured graph's tables
+    are as wide as ``max_seq_len`` allows, whatever the batch holds."""
+    call = CrossAttentionArgs(*args, **kwargs)
+    q, k_cache, v_cache, cross_lens = call.q, call.k_cache, call.v_cache, call.cross_lens
+    scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
+    num_sequences, tokens = call.block_tables.shape[0], q.shape[1]
+    positions = call.block_tables.shape[1] * k_cache.shape[1]
+    visible = torch.arange(positions, device=q.device) < cross_lens[:, None]  # [N, L]
+    hidden = ~visible[:, :, None, None]
+    # Past a sequence's length the table names any block (padding, stale entries): zeroed, as a weight of 0 times an
+    # inf there would be NaN. In place: the gather is a copy of its own, and at a graph's batch and width a large one.
+    keys, values = (
+        read_back(cache.index_select(0, call.block_tables.flatten()).view(num_sequences, positions, *cache.shape[2:]),
+                  q.dtype, cache_scale).masked_fill_(hidden, 0).transpose(1, 2)
+        for cache, cache_scale in ((k_cache, call.k_scale), (v_cache, call.v_scale))
+    )  # [N, Hkv, L, D]
+    decode = tokens == num_sequences
+    if decode:
+        queries = q[0, :, :, None]  # [N, Hq, 1, D]
+    else:
+        first = call.seq_start[:-1].long()
+        rows = (first[:, None] + torch.arange(int(call.batch_info[2]), device=q.device)).clamp(max=tokens - 1)
+        queries = q[0][rows].transpose(1, 2)  # [N, Hq, max_q_len, D]; rows past a sequence's end are dropped below
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible[:, None, None, :], scale=scale,
+                                              enable_gqa=True)
+    # A sequence with no key: zeros by the op's contract, whatever a fused kernel makes of a row masked whole.
+    attended = attended.masked_fill((cross_lens == 0)[:, None, None, None], 0).transpose(1, 2)  # [N, q rows, Hq, Dv]
+    if decode:
+        return attended.reshape(1, tokens, *attended.shape[2:])
+    owner = torch.repeat_interleave(torch.arange(num_sequences, device=q.device), call.seq_start.diff(), output_size=tokens)
+    return attended[owner, torch.arange(tokens, device=q.device) - call.seq_start[owner]][None]
+
+
+def _dense_supports(*args, device, **kwargs):
+    call = CrossAttentionArgs(*args, **kwargs)
+    q_heads, kv_heads = call.q.shape[2], call.k_cache.shape[2]
+    if q_heads % kv_heads:
+        return f"query heads Hq={q_heads} must be a multiple of kv heads Hkv={kv_heads}"
+    return True
+
+
+# Reads no device tensor on the host (batch_info lives on the CPU): decode steps replay it in CUDA graphs.
+register_backend("cached_cross_attention", "dense", cached_cross_attention_dense, supports=_dense_supports)

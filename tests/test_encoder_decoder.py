@@ -4,12 +4,14 @@ encoder's cross blocks freed with the request, the build verified against HF (an
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import InvalidRequestError, UnsupportedModelError
-from tests.tiny_seq2seq_models import hf_generate_greedy, lively
+from tests.tiny_seq2seq_models import greedy_shortfall, hf_generate_greedy, lively
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(20, 60)), [7]]
 
@@ -187,20 +189,131 @@ def test_the_shipped_bart_large_shape_builds_and_verifies_on_meta():
     assert set(llm.deployment.graphs) == {"model", "encoder"} and len(llm.deployment.signature.cross_kv_caches) == 12
 
 
-def test_on_a_gpu_the_decoder_stays_eager_and_the_build_says_why(served):
-    """The cross-attention's kernels read lengths on the host: the compile stage declares no CUDA graphs for a GPU
-    deploy and names the cross-attention, not a choice of kernels that would not help."""
+def gpu_build(llm, **settings):
+    """Select and compile of the served decoder graph (a copy) as a GPU deploy would run them; the context they wrote."""
     from omegaconf import OmegaConf
+    from torch import fx
 
     from autodeploy.transforms.compile_model import CompileModel
     from autodeploy.transforms.registry import TransformConfig, TransformContext
+    from autodeploy.transforms.select_kernels import SelectKernels
 
+    merged = OmegaConf.merge(llm.settings, {"device": "cuda", "compile": {"backend": "cuda_graph"}, "autotuner": {"enabled": False}},
+                             settings)
+    context = TransformContext(settings=merged)
+    graph = fx.GraphModule(llm.graph, copy.deepcopy(llm.graph.graph))
+    selected = SelectKernels(TransformConfig()).apply(graph, context)
+    compiled = CompileModel(TransformConfig()).apply(graph, context)
+    cross = [n.target for n in graph.graph.nodes if "cached_cross_attention" in str(n.target)]
+    return selected, compiled, context, cross
+
+
+def test_on_a_gpu_the_cross_attention_gets_its_capturable_kernel_and_the_decoder_is_captured(served):
+    """Where decode steps replay CUDA graphs, select gives the cross-attention the ``dense`` kernel over ``sdpa`` (which
+    reads lengths on the host) and the compile stage declares the decode graphs; a preference for ``sdpa`` keeps the
+    decoder eager, and the build names the capturable kernel to choose instead."""
     _, llm = served
-    settings = OmegaConf.merge(llm.settings, {"device": "cuda", "compile": {"backend": "cuda_graph"}})
-    context = TransformContext(settings=settings)
-    result = CompileModel(TransformConfig()).apply(llm.graph, context)
-    assert result.notes == "no CUDA graphs: kernels that sync with the host" and context.decode_graph_batch_sizes == ()
-    assert "an encoder-decoder's cross-attention has no capturable kernel yet" in result.details[-1]
+    selected, compiled, context, cross = gpu_build(llm)
+    assert cross == [torch.ops.autodeploy.cached_cross_attention_dense.default] * 2
+    assert any("cached_cross_attention ×2 → cached_cross_attention_dense" in line and "sdpa: reads device tensors on the host"
+               in line for line in selected.details)
+    assert context.decode_graph_batch_sizes and compiled.notes.startswith("decode CUDA graphs at")
+    _, compiled, context, cross = gpu_build(llm, backends={"cached_cross_attention": ["sdpa"]})
+    assert cross == [torch.ops.autodeploy.cached_cross_attention_sdpa.default] * 2 and context.decode_graph_batch_sizes == ()
+    assert compiled.notes == "no CUDA graphs: kernels that sync with the host"
+    assert "choose capturable kernels (backends: {cached_cross_attention: [dense]})" in compiled.details[-1]
+    _, _, context, cross = gpu_build(llm, compile={"backend": "none"})  # eager anyway: the first supported kernel
+    assert cross == [torch.ops.autodeploy.cached_cross_attention_sdpa.default] * 2
+
+
+def record_replays(monkeypatch) -> list[tuple[int, int]]:
+    """``(rows, size)`` of every decode step replayed from the decode graphs from now on."""
+    from autodeploy.runtime.cuda_graphs import DecodeGraphs
+
+    replays = []
+    replay = DecodeGraphs.replay
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, size, rows: replays.append((rows, size)) or replay(self, size, rows))
+    return replays
+
+
+def dense_engine(directory, decode_sizes, prefill_sizes=(), **settings):
+    """An engine of the model in ``directory`` on the CPU with the ``dense`` cross-attention, running decode steps on the
+    static padded inputs of the decode graphs at ``decode_sizes`` (a GPU captures and replays them) and prefill steps
+    through piecewise graphs at ``prefill_sizes``; and its LLM."""
+    import dataclasses
+
+    from autodeploy.runtime.engine import Engine
+
+    llm = autodeploy(str(directory), device="cpu", dtype="float32", verify={"enabled": False}, max_batch_size=4,
+                     backends={"cached_cross_attention": ["dense"]}, **settings)
+    signature = dataclasses.replace(llm.deployment.signature, decode_graph_batch_sizes=decode_sizes,
+                                    prefill_graph_token_sizes=prefill_sizes)
+    llm._engine = Engine(dataclasses.replace(llm.deployment, signature=signature))
+    return llm._engine, llm
+
+
+def test_decode_steps_run_the_padded_static_graph_inputs_with_the_dense_cross_attention(tmp_path, monkeypatch):
+    """On the CPU the decode graphs run on the static, padded inputs a GPU replays (nothing is captured): the cross rows
+    refilled at every step, spare rows without encoder positions. Requests arriving one a step and finishing at
+    different steps keep HF's greedy output."""
+    model = lively("bart")
+    model.save_pretrained(tmp_path)
+    engine, _ = dense_engine(tmp_path, (1, 2, 4))
+    replays = record_replays(monkeypatch)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 12)]
+    requests = []
+    for prompt, p in zip(PROMPTS, params):
+        requests.append(engine.add_request(prompt, p))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output(None).outputs[0].token_ids for r in requests] == [hf_generate_greedy(model, p, s.max_tokens)
+                                                                       for p, s in zip(PROMPTS, params)]
+    assert {(3, 4), (2, 2), (1, 1)} <= set(replays)  # padded up to the next size, and each new request's first token
+    assert engine.encoder.pool.num_used_blocks == 0
+
+
+def test_preempted_requests_recompute_through_piecewise_prefill_graphs_with_the_dense_cross_attention(tmp_path, monkeypatch):
+    """A pool too small for all: preempted requests come back as several-token decoder prompts, which the piecewise
+    prefill graphs run (the cross-attention eager, ``dense``'s prefill layout); outputs stay HF's."""
+    from autodeploy.runtime.piecewise_graphs import PiecewiseGraphs
+
+    model = lively("bart", seed=6)
+    model.save_pretrained(tmp_path)
+    engine, llm = dense_engine(tmp_path, (1, 2, 4), (16, 32), kv_cache={"num_blocks": 4, "block_size": 4})
+    prefills = []
+    run = PiecewiseGraphs.run
+    monkeypatch.setattr(PiecewiseGraphs, "run", lambda self, inputs, tokens: prefills.append(tokens) or run(self, inputs, tokens))
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert engine.scheduler.num_preemptions > 0 and prefills
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_generate_greedy(model, p, 10) for p in PROMPTS]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_a_gpu_decode_steps_replay_captured_graphs_and_keep_hf_greedy_output(tmp_path, monkeypatch, dtype):
+    """The decoder's decode steps captured and replayed, batches padded up; float32 greedy output is HF ``generate``'s
+    token for token. In bfloat16 each token is HF's greedy choice up to bfloat16's rounding: on these prompts HF's own
+    bfloat16 logits lie up to 0.04 off its float32 ones, and two of its float32 candidates only 0.03 apart (its own
+    bfloat16 ``generate`` leaves float32's there), so the bound is on how far below HF's best logit ours fall."""
+    model = lively("bart")
+    model.save_pretrained(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cuda", dtype=dtype, max_batch_size=4)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and all(batch.graph is not None for batch in graphs.batches.values())
+    report = llm.pipeline_report()
+    assert "cached_cross_attention_dense" in report and "decode: CUDA graphs at batch sizes 1, 2, 4" in report
+    replays = record_replays(monkeypatch)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 12, 6)]
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    if dtype == "float32":
+        assert outputs == [hf_generate_greedy(model, p, s.max_tokens) for p, s in zip(PROMPTS, params)]
+    else:
+        assert [len(o) for o in outputs] == [s.max_tokens for s in params]
+        assert max(greedy_shortfall(model, p, o) for p, o in zip(PROMPTS, outputs)) <= 0.15
+    assert {(4, 4), (3, 4), (1, 1)} <= set(replays)
+    assert llm.engine.encoder.pool.num_used_blocks == 0
+    llm.shutdown()
 
 
 def test_logprobs_are_hf_scores_and_a_stop_token_ends_the_output(served):

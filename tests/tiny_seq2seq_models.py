@@ -44,7 +44,18 @@ def lively(kind: str, seed: int = 5):
 
 
 def hf_generate_greedy(model, prompt: list[int], tokens: int) -> list[int]:
-    """HF ``generate``'s greedy output tokens for encoder input ``prompt`` (without the decoder's start token)."""
+    """HF ``generate``'s greedy output tokens for encoder input ``prompt`` (without the decoder's start token), on the
+    model's device."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1)
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, num_beams=1)
     return out[0, 1:].tolist()
+
+
+def greedy_shortfall(model, prompt: list[int], token_ids: list[int]) -> float:
+    """How far below HF's best logit the worst of ``token_ids`` falls, HF's decoder fed the tokens before each (teacher
+    forcing): 0 for HF's greedy output, a little more where a near-tie went the other way in lower precision."""
+    decoder_ids = torch.tensor([[model.config.decoder_start_token_id, *token_ids[:-1]]])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt]), decoder_input_ids=decoder_ids).logits[0].float()
+    return float((logits.max(-1).values - logits[torch.arange(len(token_ids)), token_ids]).max())

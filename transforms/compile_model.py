@@ -9,9 +9,11 @@ graph under ``torch.compile`` (``autodeploy/runtime/compiled_graph.py``, any dev
 ``torch_compile_cuda_graph`` captures the compiled graph's decode steps.
 
 A graph can be captured when every kernel it calls runs without reading device tensors on the host
-(``Backend.capturable``): the paged Triton attention can, the SDPA and reference attention cannot (they
-read ``kv_lens`` per sequence). A graph that cannot stays eager, with a warning and a report line naming
-the node and its kernel: the deploy is slower, never wrong. On the CPU there are no CUDA graphs.
+(``Backend.capturable``): the paged Triton attention and an encoder–decoder's ``dense`` cross-attention can, the
+SDPA and reference attention cannot (they read ``kv_lens`` / ``cross_lens`` per sequence); ``select`` prefers the
+capturable ones where decode steps replay graphs (``captures_decode_steps``). A graph that cannot stays eager, with a
+warning and a report line naming the node, its kernel and the capturable kernels of its op: the deploy is slower,
+never wrong. On the CPU there are no CUDA graphs.
 
     # configs: compile: {backend: cuda_graph, batch_sizes: [1, 2, 4, 8, 16, 32]}
     llm = autodeploy("llama-3-8b", weights="random", compile={"backend": "none"})   # always eager
@@ -45,8 +47,20 @@ def default_prefill_token_sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(sizes + [max_tokens])
 
 
+def captures_decode_steps(settings) -> bool:
+    """Whether this deploy's decode steps are meant to replay CUDA graphs: ``compile.backend`` ``cuda_graph`` or
+    ``torch_compile_cuda_graph``, on a GPU, one pipeline stage. ``select`` then prefers capturable kernels."""
+    return (settings.compile.backend in ("cuda_graph", "torch_compile_cuda_graph")
+            and torch.device(str(settings.device)).type == "cuda" and int(settings.distributed.pipeline_parallel) <= 1)
+
+
 def uncapturable_nodes(module: GraphModule) -> list[str]:
     """``"node → kernel"`` for every node whose kernel syncs with the host (see ``Backend.capturable``)."""
+    return [blocker for _, blocker in _uncapturable(module)]
+
+
+def _uncapturable(module: GraphModule) -> list[tuple[str, str]]:
+    """``(canonical op, "node → kernel")`` for every node whose kernel syncs with the host."""
     found = []
     for node in module.graph.nodes:
         if node.op != "call_function":
@@ -60,8 +74,20 @@ def uncapturable_nodes(module: GraphModule) -> list[str]:
             kernels = [b for b in candidates(record.name) if b.name == name]
         for kernel in kernels:
             if not kernel.capturable:
-                found.append(f"{node.name} → {getattr(kernel.op, '__name__', kernel.name).removesuffix('.default')}")
+                op_name = op_by_target(kernel.op)[0].name
+                found.append((op_name, f"{node.name} → {getattr(kernel.op, '__name__', kernel.name).removesuffix('.default')}"))
     return found
+
+
+def _capturable_advice(ops: list[str]) -> str:
+    """What to do about uncapturable kernels of ``ops``: name each op's capturable kernels (bar the opt-in ones) as a
+    ``backends`` setting."""
+    kernels = {op: [b.name for b in candidates(op) if b.capturable and not b.opt_in] for op in dict.fromkeys(ops)}
+    lacking = [op for op, names in kernels.items() if not names]
+    if lacking:
+        return f"no capturable kernel serves {', '.join(lacking)}; set compile.backend: none to deploy without CUDA graphs"
+    listed = ", ".join(f"{op}: [{', '.join(names)}]" for op, names in kernels.items())
+    return f"choose capturable kernels (backends: {{{listed}}}) or set compile.backend: none"
 
 
 @register_transform("compile_model", stage="compile")
@@ -85,14 +111,12 @@ class CompileModel(Transform):
             message = "no CUDA graphs: pipeline_parallel > 1 (each micro-batch's graph call sends to and receives from other stages)"
             logger.info(message)
             return TransformResult(notes="no CUDA graphs: pipeline parallel", details=[*inductor, message])
-        blockers = uncapturable_nodes(module)
-        if blockers:
+        found = _uncapturable(module)
+        if found:
+            blockers = [blocker for _, blocker in found]
             shown = ", ".join(blockers[:3]) + (f" and {len(blockers) - 3} more" if len(blockers) > 3 else "")
-            advice = ("an encoder-decoder's cross-attention has no capturable kernel yet (docs/encoder_decoder.md)"
-                      if any("cached_cross_attention" in blocker for blocker in blockers) else
-                      "choose capturable kernels (backends: {cached_attention: [triton]}) or set compile.backend: none")
             message = (f"decode stays eager: {shown} read device tensors on the host, which CUDA graph capture "
-                       f"forbids; {advice}")
+                       f"forbids; {_capturable_advice([op for op, _ in found])}")
             logger.warning(message)
             return TransformResult(notes="no CUDA graphs: kernels that sync with the host", details=[*inductor, message])
         max_batch_size = int(settings.max_batch_size)

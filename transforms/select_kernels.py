@@ -11,7 +11,10 @@ Per node, among the op's backends whose ``supports`` admits the node's arguments
    (``autotuner/``; per token-count bucket — a node whose buckets disagree gets a dispatch by token count);
 3. else the first supported backend in registration order.
 
-Steps 2 and 3 pass ``opt_in`` backends by. ``batch_invariant: true`` makes every op that has an ``invariant``
+Steps 2 and 3 pass ``opt_in`` backends by, and, where the deploy replays decode steps as CUDA graphs
+(``compile_model.captures_decode_steps``), the backends that read device tensors on the host (``Backend.capturable``)
+whenever one that does not supports the node: one such kernel would keep the whole decode step eager (the
+encoder–decoder's ``cached_cross_attention``: ``dense`` over ``sdpa`` on a GPU). ``batch_invariant: true`` makes every op that has an ``invariant``
 backend prefer it (``custom_ops/batch_invariant.py``) and refuses, before anything is chosen, a device without
 Triton, a graph holding an op with no such backend that is not row-local, and a ``backends`` entry for an op it
 decides.
@@ -37,7 +40,9 @@ from torch.fx import GraphModule
 from autodeploy.autotuner import Autotuner, bucket_runs, token_buckets, token_dispatch
 from autodeploy.custom_ops import REFERENCE, candidates, canonical_ops, op_by_target
 from autodeploy.custom_ops import batch_invariant
+from autodeploy.deployment import MODEL
 from autodeploy.errors import ConfigError
+from autodeploy.transforms.compile_model import captures_decode_steps
 from autodeploy.transforms.registry import ALL_ROLES, Transform, TransformContext, TransformResult, register_transform
 
 logger = logging.getLogger(__name__)
@@ -280,6 +285,7 @@ class SelectKernels(Transform):
         self.tuning_table: list[str] = []
         changed = 0
         invariant = bool(settings.get("batch_invariant", False))
+        self.captured = context.role == MODEL and captures_decode_steps(settings)  # decode steps as CUDA graphs
         self.invariant_ops: set[str] = set()
         if invariant:
             with_invariant = batch_invariant_preferences(module, preferences, device)
@@ -333,6 +339,11 @@ class SelectKernels(Transform):
                 )
             return chosen.op, Choice(chosen.name, "preference")
         supported = [b for b in supported if not b.opt_in]  # only a preference selects those
+        if self.captured and any(b.capturable for b in supported):
+            for b in supported:
+                if not b.capturable:
+                    reasons[b.name] = "reads device tensors on the host, and decode steps replay CUDA graphs"
+            supported = [b for b in supported if b.capturable]
         contenders = [b for b in supported if b.name != REFERENCE]
         if len(contenders) > 1 and tuner is not None:
             problem = _Problem(node, gm, shapes, device)

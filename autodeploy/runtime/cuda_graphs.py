@@ -9,10 +9,11 @@ never hands out (``pad_block``), and whose logits are dropped. Prefill and mixed
 batches, run the graph eagerly.
 
 Each size owns static inputs: ``input_ids``, ``position_ids`` and ``slot_mapping`` in one int64 device
-buffer, ``kv_lens`` and ``block_tables`` in one int32 buffer, each refilled per step from a pinned host
-twin by one copy; ``seq_start`` (0 … b) and ``logit_index`` never change. ``batch_info`` is fixed at
-capture to ``[0, b, 1, max_seq_len]``: the decode kernel sizes its split-K grid for the longest possible
-sequence, and splits past a sequence's length do nothing. All sizes share one memory pool, captured
+buffer, ``kv_lens`` and ``block_tables`` in one int32 buffer (an encoder–decoder's ``cross_lens`` and
+``cross_block_tables`` too, its padding rows of cross length 0: their cross-attention gives zeros), each
+refilled per step from a pinned host twin by one copy; ``seq_start`` (0 … b) and ``logit_index`` never
+change. ``batch_info`` is fixed at capture to ``[0, b, 1, max_seq_len]``: the decode kernel sizes its
+split-K grid for the longest possible sequence, and splits past a sequence's length do nothing. All sizes share one memory pool, captured
 largest first. The caches are captured by address: the engine passes the same tensors to every step.
 
 On the CPU (the tests) nothing is captured: ``replay`` calls the graph on the same padded static inputs,
@@ -28,25 +29,30 @@ from collections.abc import Callable, Sequence
 import torch
 
 from autodeploy.custom_ops.graph_capture import GraphCapture
-from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, TREE_MASK
+from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, CROSS_METADATA, TREE_MASK
 from autodeploy.runtime.scheduler import ScheduledChunk
-from autodeploy.runtime.step_inputs import PendingTokens, SideInputSpec, no_side_rows, slot
+from autodeploy.runtime.step_inputs import PendingTokens, SideInputSpec, cross_rows, no_side_rows, slot
 
 logger = logging.getLogger(__name__)
 
 
 class StaticBatch:
     """The static inputs, output and (on a GPU) the captured graph of one batch size: ``size`` sequences of
-    ``width`` query tokens each (1 for decode steps; ``K + 1`` for verification steps, ``verify_graphs.py``)."""
+    ``width`` query tokens each (1 for decode steps; ``K + 1`` for verification steps, ``verify_graphs.py``);
+    ``cross``: an encoder–decoder's cross rows as well (``max_blocks`` wide: its cross pool holds inputs of
+    ``max_seq_len`` tokens)."""
 
-    def __init__(self, size: int, max_blocks: int, device: torch.device, pin: bool, width: int = 1):
-        self.size, self.width = size, width
+    def __init__(self, size: int, max_blocks: int, device: torch.device, pin: bool, width: int = 1, cross: bool = False):
+        self.size, self.width, self.cross = size, width, cross
         tokens = size * width
         self.host64 = torch.zeros(4, tokens, dtype=torch.long, pin_memory=pin)  # ids, positions, slots, tree mask
         self.host64[3] = -1  # causal rows: a verification step's tree chunks set theirs (verify_graphs.py)
-        self.host32 = torch.zeros(size * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)  # kv_lens, tables
+        rows = size * (1 + max_blocks)  # kv_lens, tables; then cross_lens, cross tables
+        self.host32 = torch.zeros(rows * (1 + cross), dtype=torch.int32, pin_memory=pin)
         self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
-        self.tables_np = self.host32_np[size:].reshape(size, max_blocks)
+        self.tables_np = self.host32_np[size:rows].reshape(size, max_blocks)
+        self.cross_lens_np = self.host32_np[rows : rows + size]
+        self.cross_tables_np = self.host32_np[rows + size :].reshape(-1, max_blocks)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
         self.seq_start = torch.arange(0, tokens + 1, width, dtype=torch.int32, device=device)
@@ -67,6 +73,9 @@ class StaticBatch:
     def named_inputs(self, max_blocks: int, max_kv_len: int) -> dict[str, torch.Tensor]:
         """The graph's inputs; ``batch_info`` fixed: ``size`` decodes, or ``size`` chunks of ``width`` tokens."""
         info = [0, self.size, 1, max_kv_len] if self.width == 1 else [self.size, 0, self.width, max_kv_len]
+        rows = self.size * (1 + max_blocks)
+        cross = {"cross_lens": self.dev32[rows : rows + self.size],
+                 "cross_block_tables": self.dev32[rows + self.size :].view(self.size, max_blocks)} if self.cross else {}
         return {
             "input_ids": self.dev64[0:1],
             "position_ids": self.dev64[1:2],
@@ -74,10 +83,11 @@ class StaticBatch:
             TREE_MASK: self.dev64[3],  # read only by graphs that verify tree drafts
             ATTEND_UNTIL: self.causal,  # read only by graphs of models with bidirectional prompt blocks
             "kv_lens": self.dev32[: self.size],
-            "block_tables": self.dev32[self.size :].view(self.size, max_blocks),
+            "block_tables": self.dev32[self.size : rows].view(self.size, max_blocks),
             "seq_start": self.seq_start,
             "logit_index": self.logit_index,
             "batch_info": torch.tensor(info, dtype=torch.int32),
+            **cross,
         }
 
 
@@ -104,7 +114,8 @@ class DecodeGraphs:
         self.device = device
         self.capture = device.type == "cuda"
         self.sizes = sorted(set(batch_sizes))
-        self.batches = {size: StaticBatch(size, self.max_blocks, device, pin=self.capture) for size in self.sizes}
+        cross = CROSS_METADATA[0] in input_names  # an encoder–decoder's decoder
+        self.batches = {size: StaticBatch(size, self.max_blocks, device, pin=self.capture, cross=cross) for size in self.sizes}
         self._arguments = {}
         for size, batch in self.batches.items():
             named = {**batch.named_inputs(self.max_blocks, max_seq_len), **no_side_rows(side_inputs, device), **caches}
@@ -154,7 +165,7 @@ class DecodeGraphs:
             tables.append(block_table(sequence.seq_id))
         if batch.copied is not None:
             batch.copied.synchronize()  # the last step's copy must have read the pinned buffers before they change
-        self._fill(batch, tokens, positions, tables, [p + 1 for p in positions])
+        self._fill(batch, tokens, positions, tables, [p + 1 for p in positions], chunks)
         batch.dev64.copy_(batch.host64, non_blocking=True)
         batch.dev32.copy_(batch.host32, non_blocking=True)
         if pending_rows:
@@ -170,7 +181,7 @@ class DecodeGraphs:
         return self.batches[size].run(self.graph, self._arguments[size])[:rows].clone()
 
     def _fill(self, batch: StaticBatch, tokens: list[int], positions: list[int], tables: list[list[int]],
-              kv_lens: list[int]) -> None:
+              kv_lens: list[int], chunks: Sequence[ScheduledChunk] = ()) -> None:
         n, bs = len(tokens), self.block_size
         ids = batch.host64_np
         ids[0, :n], ids[1, :n] = tokens, positions
@@ -182,3 +193,10 @@ class DecodeGraphs:
         for row, table in enumerate(tables):
             batch.tables_np[row, : len(table)] = table
         batch.tables_np[n:, 0] = self.pad_block
+        if batch.cross:
+            # Past a row's blocks its cross table keeps older entries: blocks of the cross pool all, read and masked.
+            cross_tables, cross_lens = cross_rows(chunks)
+            batch.cross_lens_np[:n] = cross_lens
+            batch.cross_lens_np[n:] = 0  # padding: no encoder positions, so its cross-attention gives zeros
+            for row, table in enumerate(cross_tables):
+                batch.cross_tables_np[row, : len(table)] = table

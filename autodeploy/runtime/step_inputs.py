@@ -204,15 +204,21 @@ def build_step_inputs(
     return [available[name] for name in input_names], completing
 
 
-def _cross_inputs(chunks: Sequence[ScheduledChunk], device: torch.device) -> dict[str, torch.Tensor]:
-    """An encoder–decoder's ``cross_lens`` and ``cross_block_tables``: each chunk's request's encoder length and blocks
-    in the cross-KV pool (``encoder_pass.py``); none for the engine's probes (their cross-attention reads nothing)."""
+def cross_rows(chunks: Sequence[ScheduledChunk]) -> tuple[list[list[int]], list[int]]:
+    """An encoder–decoder's cross rows of the chunks: each one's request's blocks in the cross-KV pool and its encoder
+    length (``encoder_pass.py``); block 0 and length 0 for the engine's probes (their cross-attention reads nothing)."""
     requests = [chunk.sequence.request for chunk in chunks]
     tables = [(r.cross_table or [0]) if r is not None else [0] for r in requests]
+    lengths = [r.cross_len if r is not None and r.cross_table is not None else 0 for r in requests]
+    return tables, lengths
+
+
+def _cross_inputs(chunks: Sequence[ScheduledChunk], device: torch.device) -> dict[str, torch.Tensor]:
+    """``cross_lens`` and ``cross_block_tables`` (``cross_rows``), the tables as wide as the step's widest."""
+    tables, lengths = cross_rows(chunks)
     block_tables = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
     for row, table in enumerate(tables):
         block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    lengths = [r.cross_len if r is not None and r.cross_table is not None else 0 for r in requests]
     return {"cross_lens": to_device(lengths, torch.int32, device), "cross_block_tables": pinned_to_device(block_tables, device)}
 
 

@@ -1,7 +1,9 @@
 """cached_cross_attention and write_cross_kv: the reference against dense per-sequence attention and against Hugging
 Face's BART and T5 cross-attention, on mixed batches whose cross caches sit in shuffled blocks (every slot that no
 sequence owns holds NaN, so a read past a sequence's encoder keys fails loudly); the SDPA backend against the
-reference; fp8 caches; the fake through FakeTensorMode, opcheck and torch.export."""
+reference; the capturable dense backend against the reference, on the decode batches a CUDA graph replays (tables as
+wide as the graph's, spare rows with no encoder positions) and without reading a device tensor on the host; fp8 caches;
+the fake through FakeTensorMode, opcheck and torch.export."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from transformers.models.t5.modeling_t5 import T5Attention
 from autodeploy.custom_ops import candidates, canonical_ops
 from autodeploy.custom_ops import cached_cross_attention as cross_module
 from autodeploy.custom_ops.cached_attention import read_back
-from autodeploy.custom_ops.cached_cross_attention import (cached_cross_attention, cached_cross_attention_reference,
-                                                          cached_cross_attention_sdpa, write_cross_kv)
+from autodeploy.custom_ops.cached_cross_attention import (cached_cross_attention, cached_cross_attention_dense,
+                                                          cached_cross_attention_reference, cached_cross_attention_sdpa,
+                                                          write_cross_kv)
 
 
 def paged_cross_cache(keys: list[torch.Tensor], values: list[torch.Tensor], block_size: int, seed: int,
@@ -101,17 +104,88 @@ def test_reference_equals_dense_attention_over_each_sequences_encoder_keys(seed,
         torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
 
 
+BACKENDS = pytest.mark.parametrize("backend", [cached_cross_attention_sdpa, cached_cross_attention_dense], ids=["sdpa", "dense"])
+KERNELS = pytest.mark.parametrize("kernel", [cached_cross_attention_reference, cached_cross_attention_sdpa, cached_cross_attention_dense],
+                                  ids=["reference", "sdpa", "dense"])
+
+
+@BACKENDS
 @settings(max_examples=40, deadline=None)
 @given(**batches)
-def test_sdpa_backend_equals_the_reference(seed, prefills, decodes, block_size, kv_heads):
+def test_each_backend_equals_the_reference(backend, seed, prefills, decodes, block_size, kv_heads):
     if not prefills and not decodes:
         return
     args, _, _ = cross_batch(seed, prefills, decodes, block_size, kv_heads=kv_heads)
-    torch.testing.assert_close(cached_cross_attention_sdpa(*args), cached_cross_attention_reference(*args),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(backend(*args), cached_cross_attention_reference(*args), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", [cached_cross_attention_reference, cached_cross_attention_sdpa], ids=["reference", "sdpa"])
+def graph_decode_batch(seed: int, lengths: list[int], size: int, max_blocks: int, block_size: int = 4, kv_heads: int = 2,
+                       num_blocks: int = 0):
+    """A decode step as a captured graph holds it: ``lengths`` real decodes, then spare rows up to ``size`` with no
+    encoder positions whose tables name block 0, every table ``max_blocks`` wide (past a sequence's blocks: blocks
+    it does not own, NaN in every slot); the caches padded to ``num_blocks`` blocks of NaN."""
+    (q, k_cache, v_cache, _, cross_lens, tables, _), _, _ = cross_batch(seed, [], lengths, block_size, kv_heads=kv_heads)
+    k_cache, v_cache = (torch.cat([c, c.new_full((num_blocks - len(c), *c.shape[1:]), float("nan"))]) if num_blocks > len(c)
+                        else c for c in (k_cache, v_cache))
+    unowned = int(k_cache.flatten(1).isnan().all(1).nonzero()[0])
+    wide = torch.full((size, max_blocks), unowned, dtype=torch.int32)
+    wide[: len(lengths), : tables.shape[1]] = tables
+    wide[len(lengths) :] = 0
+    padded_q = torch.cat([q, torch.randn(1, size - len(lengths), *q.shape[2:])], dim=1)
+    lens = torch.cat([cross_lens, torch.zeros(size - len(lengths), dtype=torch.int32)])
+    seq_start = torch.arange(size + 1, dtype=torch.int32)
+    return (padded_q, k_cache, v_cache, seq_start, lens, wide, torch.tensor([0, size, 1, max_blocks * block_size], dtype=torch.int32))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), lengths=st.lists(st.integers(0, 30), min_size=1, max_size=5),
+       spare=st.integers(0, 3), kv_heads=st.sampled_from([1, 2, 4]))
+def test_dense_serves_a_padded_decode_graph_batch_and_its_spare_rows_give_zeros(seed, lengths, spare, kv_heads):
+    args = graph_decode_batch(seed, lengths, len(lengths) + spare, max_blocks=10, kv_heads=kv_heads)
+    out = cached_cross_attention_dense(*args)
+    assert not out.isnan().any()
+    real = len(lengths)
+    trimmed = (args[0][:, :real], *args[1:3], args[3][: real + 1], args[4][:real], args[5][:real],
+               torch.tensor([0, real, 1, max(lengths)], dtype=torch.int32))
+    torch.testing.assert_close(out[:, :real], cached_cross_attention_reference(*trimmed), atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[:, real:], torch.zeros_like(out[:, real:]))
+
+
+@pytest.mark.parametrize("batch", [dict(prefills=[], decodes=[6, 0, 13]), dict(prefills=[(4, 5), (2, 0)], decodes=[9, 3])],
+                         ids=["decodes", "mixed"])
+def test_dense_reads_no_device_tensor_on_the_host(batch):
+    """Every tensor but ``batch_info`` (the CPU's, as the runtime passes it) on the meta device, whose data no host
+    read can reach: what a CUDA graph capture asks of a kernel."""
+    args, _, _ = cross_batch(1, **batch)
+    out = cached_cross_attention_dense(*(a.to("meta") for a in args[:6]), args[6])
+    assert out.shape == args[0].shape[:3] + (6,) and out.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_on_a_gpu_dense_is_captured_once_and_replays_each_steps_lengths_and_tables(dtype, tolerance):
+    """One capture over static buffers, then replays after new queries, lengths (0 among them) and tables are copied in:
+    each replay computes that step's attention, as the decode graphs' replays must."""
+    steps = [graph_decode_batch(seed, lengths, 4, max_blocks=8, num_blocks=12)
+             for seed, lengths in ((0, [5, 17]), (1, [30, 0, 2]), (2, [1, 9, 12, 4]))]
+    steps = [(step[0].to(dtype), *(c.to(dtype) for c in step[1:3]), *step[3:]) for step in steps]
+    # q, caches, seq_start, lengths and tables at fixed addresses, as the engine's; batch_info stays on the CPU
+    static = [a.cuda() for a in steps[0][:6]] + [steps[0][6]]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        cached_cross_attention_dense(*static)  # once eagerly before capture, as the engine does
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cached_cross_attention_dense(*static)
+    for step in steps:
+        for buffer, value in zip(static, step[:6]):
+            buffer.copy_(value)
+        graph.replay()
+        torch.testing.assert_close(out.cpu(), cached_cross_attention_reference(*step), atol=tolerance, rtol=tolerance)
+
+
+@KERNELS
 def test_a_sequence_without_encoder_positions_gets_zeros(kernel):
     args, keys, values = cross_batch(5, [(3, 0), (2, 9)], [0, 7, 0], block_size=4)
     out = per_sequence(kernel(*args), args[3])
@@ -122,7 +196,7 @@ def test_a_sequence_without_encoder_positions_gets_zeros(kernel):
         torch.testing.assert_close(out[s], expected.float(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", [cached_cross_attention_reference, cached_cross_attention_sdpa], ids=["reference", "sdpa"])
+@KERNELS
 def test_decodes_alone_of_one_encoder_length_and_of_several(kernel):
     """Decodes only: the batched SDPA call without a mask (equal lengths, beam search's case) and with one."""
     for decodes in ([6, 6, 6], [6, 1, 13]):
@@ -162,8 +236,6 @@ def hf_cross_attention_inputs(attention: torch.nn.Module, q_proj, k_proj, v_proj
 # the decodes' lengths differ, so the SDPA backend pads and masks them.
 MIXED = dict(prefills=[(4, 5)], decodes=[9, 3])
 DTYPES = pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-KERNELS = pytest.mark.parametrize("kernel", [cached_cross_attention_reference, cached_cross_attention_sdpa],
-                                  ids=["reference", "sdpa"])
 
 
 @DTYPES
@@ -212,7 +284,8 @@ def test_an_fp8_cache_is_read_back_times_its_scales():
         torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
         unquantized = dense_cross_attention(q_rows[s], keys[s], values[s], 8**-0.5).float()
         torch.testing.assert_close(got, unquantized, atol=0.2, rtol=0.1)
-    torch.testing.assert_close(cached_cross_attention_sdpa(*args, None, 0.5, 0.02), out, atol=1e-5, rtol=1e-5)
+    for backend in (cached_cross_attention_sdpa, cached_cross_attention_dense):
+        torch.testing.assert_close(backend(*args, None, 0.5, 0.02), out, atol=1e-5, rtol=1e-5)
 
 
 def test_write_cross_kv_stores_each_encoder_token_at_its_slot_and_nothing_else():
@@ -237,16 +310,26 @@ def test_reference_rejects_an_encoder_length_past_its_block_table():
         cached_cross_attention_reference(*args[:4], too_long, *args[5:])
 
 
-def test_sdpa_is_a_candidate_for_every_call_and_never_captured():
-    (sdpa, reference) = candidates("cached_cross_attention")
-    assert (sdpa.name, reference.name) == ("sdpa", "reference")
+def test_sdpa_and_dense_are_candidates_for_every_call_and_only_dense_is_captured():
+    (sdpa, dense, reference) = candidates("cached_cross_attention")
+    assert (sdpa.name, dense.name, reference.name) == ("sdpa", "dense", "reference")
     assert sdpa.op is torch.ops.autodeploy.cached_cross_attention_sdpa.default
+    assert dense.op is torch.ops.autodeploy.cached_cross_attention_dense.default
     args, _, _ = cross_batch(0, [(2, 3)], [4], cache_dtype=torch.float8_e4m3fn)
     meta = [a.to("meta") if a.is_floating_point() else a for a in args]
-    assert sdpa.check([*meta, 1.0, 0.5, 0.5], torch.device("cuda")) is None
-    assert not sdpa.capturable and not canonical_ops()["cached_cross_attention"].reference_capturable
+    for backend in (sdpa, dense):
+        assert backend.check([*meta, 1.0, 0.5, 0.5], torch.device("cuda")) is None
+    assert dense.capturable and not sdpa.capturable and not canonical_ops()["cached_cross_attention"].reference_capturable
     args, _, _ = cross_batch(0, [(2, 3)], [4])
-    torch.testing.assert_close(sdpa.op(*args), reference.op(*args), atol=1e-5, rtol=1e-5)
+    for backend in (sdpa, dense):
+        torch.testing.assert_close(backend.op(*args), reference.op(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_dense_refuses_query_heads_that_are_no_multiple_of_the_kv_heads():
+    args, _, _ = cross_batch(0, [(2, 3)], [4], kv_heads=3)
+    dense = next(b for b in candidates("cached_cross_attention") if b.name == "dense")
+    assert dense.check([a.to("meta") if a.is_floating_point() else a for a in args], torch.device("cuda")) == (
+        "query heads Hq=4 must be a multiple of kv heads Hkv=3")
 
 
 def test_fake_gives_shape_and_dtype():
@@ -260,6 +343,8 @@ def test_opcheck():
     args, _, _ = cross_batch(0, [(3, 5)], [4, 2])
     torch.library.opcheck(cached_cross_attention, args)
     torch.library.opcheck(cached_cross_attention, (*args, 1.0, 0.5, 2.0))
+    torch.library.opcheck(torch.ops.autodeploy.cached_cross_attention_dense.default, args)
+    torch.library.opcheck(torch.ops.autodeploy.cached_cross_attention_dense.default, graph_decode_batch(0, [3, 0, 9], 4, 5))
     keys, values, caches = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 6), (torch.zeros(2, 2, 2, 8), torch.zeros(2, 2, 2, 6))
     torch.library.opcheck(write_cross_kv, (keys, values, *caches, torch.tensor([3, 0, 1])))
 

@@ -17,7 +17,7 @@ from autodeploy.errors import ConfigError
 from autodeploy.runtime.cuda_graphs import DecodeGraphs
 from autodeploy.runtime.engine import Engine
 from autodeploy.runtime.model_runner import ModelRunner
-from autodeploy.transforms.compile_model import default_batch_sizes, uncapturable_nodes
+from autodeploy.transforms.compile_model import _capturable_advice, default_batch_sizes, uncapturable_nodes
 from tests.runtime.test_engine import GREEDY, hf_greedy, random_prompts
 from tests.tiny_models import tiny_hf_model
 
@@ -74,6 +74,13 @@ def test_the_compile_stage_declares_sizes_only_for_capturable_gpu_graphs(llama_l
     # host: no graph could hold it.
     blockers = uncapturable_nodes(llama_llm.graph)
     assert len(blockers) == 2 and all(b.endswith("cached_attention_rope_sdpa") for b in blockers)
+
+
+def test_the_advice_for_a_graph_kept_eager_names_each_ops_capturable_kernels():
+    assert _capturable_advice(["cached_attention", "cached_cross_attention", "cached_attention"]) == (
+        "choose capturable kernels (backends: {cached_attention: [triton], cached_cross_attention: [dense]}) or set "
+        "compile.backend: none")
+    assert _capturable_advice(["moe", "moe_expert_parallel"]).startswith("no capturable kernel serves moe_expert_parallel; ")
 
 
 @pytest.mark.parametrize("settings, message", [
