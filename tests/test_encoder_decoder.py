@@ -1,7 +1,7 @@
 """Encoder–decoder models served end to end (issue 44), on tiny random BART and mBART: greedy output equal to Hugging
 Face's ``generate`` token for token — requests in one batch, arriving mid-decode, preempted by a small KV pool — the
 encoder's cross blocks freed with the request, the build verified against HF (and a broken encoder refused); saved and
-reloaded with both graphs."""
+reloaded with both graphs; quantized in both graphs."""
 
 from __future__ import annotations
 
@@ -163,6 +163,57 @@ def test_a_damaged_or_older_saved_encoder_decoder_is_a_checkpoint_error(saved, t
     damage(copied)
     with pytest.raises(CheckpointError, match=message):
         autodeploy(str(copied))
+
+
+def quantized_linears(graph, scheme: str) -> int:
+    return sum(1 for node in graph.graph.nodes if node.op == "call_function" and str(node.target).startswith(f"autodeploy.{scheme}_linear"))
+
+
+def test_int8_weight_only_quantizes_the_encoders_linears_too_and_serves_hf_tokens_over_the_same_weights(tmp_path):
+    """Both graphs' projections are int8_wo; the build verifies at float32's tolerance against a reference holding the
+    same quantized weights (encoder's included), greedy output is Hugging Face's over them, and it saves and reloads."""
+    from autodeploy.custom_ops.quantized_linear import QuantScheme
+    from tests.transforms.test_quantize_linear import quantize_hf_weights
+
+    model = lively("bart")
+    model.save_pretrained(tmp_path / "bart")
+    llm = autodeploy(str(tmp_path / "bart"), device="cpu", dtype="float32", quantize={"default": "int8_wo"})
+    graphs = llm.deployment.graphs
+    # An encoder layer: q/k/v (fused), out_proj, fc1, fc2; and every decoder layer's cross k/v, fused into one projection.
+    assert quantized_linears(graphs["encoder"], "int8_wo") == 2 * 4 + 1
+    assert quantized_linears(graphs["model"], "int8_wo") == 2 * 6  # self q/k/v, o; cross q, o; fc1, fc2 (the tied head stays)
+    assert llm.verification.relative_error <= llm.verification.tolerance == 1e-4
+    quantized = quantize_hf_weights(model, QuantScheme("int8_wo"))
+    expected = [hf_generate_greedy(quantized, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    reloaded = autodeploy(str(llm.save(tmp_path / "saved")))
+    assert quantized_linears(reloaded.deployment.graphs["encoder"], "int8_wo") == 9
+    assert [o.outputs[0].token_ids for o in reloaded.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_the_table_the_decoders_head_reads_is_stored_as_the_head_is_in_both_graphs(tmp_path):
+    """``quantize.embedding: int8`` beside an int4_wo head: the shared token table stays in the model's dtype in the
+    encoder graph too (as the decoder's tied head keeps it), the learned positions' tables are int8, and the build
+    verifies against a reference holding the same weights."""
+    lively("mbart").save_pretrained(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32",
+                     quantize={"default": "int4_wo", "int4_group_size": 32, "embedding": "int8"})
+    for graph in llm.deployment.graphs.values():
+        lookups = [str(n.target) for n in graph.graph.nodes if n.op == "call_function" and "embedding" in str(n.target)]
+        assert sorted(lookups) == ["aten.embedding.default", "autodeploy.embedding_int8.default"]
+        assert quantized_linears(graph, "int4_wo") > 0
+    assert llm.verification.relative_error <= 1e-4
+    assert len(llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_schemes_that_calibrate_and_an_fp8_kv_cache_are_refused_by_name(tmp_path):
+    from autodeploy.errors import ConfigError
+
+    lively("bart").save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="int4_awq calibrate on the model graph alone, which an encoder-decoder's decoder is not"):
+        autodeploy(str(tmp_path), device="cpu", quantize={"default": "int4_awq"})
+    with pytest.raises(ConfigError, match="quantize.kv_cache: fp8 calibrates its scales on the model graph alone"):
+        autodeploy(str(tmp_path), device="cpu", quantize={"kv_cache": "fp8"})
 
 
 @pytest.mark.timeout(120)
