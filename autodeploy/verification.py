@@ -320,8 +320,16 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         twin_context = TransformContext(settings=twin_settings, model_factory=twin_factory)
         twin_graph = twin_pipeline.run(twin_context)
         match_notes = _match_notes(twin_pipeline.records)
-    rounding = _quantize_like_the_deploy(reference, twin_context.quantized_weights, twin_graph,
-                                         twin_context.concatenated_parameters, twin_context.folded_smoothing)
+    built = [(twin_context, twin_graph)]
+    encoder_graph = None
+    if factory.encoder_decoder is not None:  # the twin's encoder graph too: the decoder's probes read its output
+        twin_encoder = TransformContext(twin_settings, dataclasses.replace(twin_context.model_factory, tensors=tensors), role=ENCODER)
+        encoder_graph = Pipeline(pipeline.transforms).run(twin_encoder)
+        built.append((twin_encoder, encoder_graph))
+    rounding = None
+    for built_context, built_graph in built:  # each graph's quantized weights, as that graph stores them
+        rounding = _quantize_like_the_deploy(reference, built_context.quantized_weights, built_graph,
+                                             built_context.concatenated_parameters, built_context.folded_smoothing, rounding)
     if settings.quantize.kv_cache == "fp8":
         rounding = rounding or _ActivationRounding()
         if not _round_keys_and_values(reference, rounding, twin_context.kv_cache_scales):
@@ -336,10 +344,6 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
         tolerance = max(tolerance, float(settings.verify.quantized_activations_tolerance), 2 * effect)
         note = "; ".join(filter(None, [note, f"quantized {' and '.join(sorted(rounding.kinds))}: tolerance {tolerance:.3g} "
                                               f"(2× their rounding's effect on the reference, {effect:.3g})"]))
-    encoder_graph = None
-    if factory.encoder_decoder is not None:  # the twin's encoder graph too: the decoder's probes read its output
-        twin_encoder = TransformContext(twin_settings, dataclasses.replace(twin_context.model_factory, tensors=tensors), role=ENCODER)
-        encoder_graph = Pipeline(pipeline.transforms).run(twin_encoder)
     report = _compare(factory, twin, reference, twin_graph, twin_context, match_notes, settings, device, dtype, began,
                       tolerance, encoder_graph)
     report.note = note
@@ -386,18 +390,18 @@ def _stored(graph: fx.GraphModule, target: str, moved: dict[str, tuple[str, int,
 
 
 def _quantize_like_the_deploy(reference: nn.Module, quantized: dict, graph: fx.GraphModule,
-                              moved: dict[str, tuple[str, int, int]], folded: dict[str, torch.Tensor]
-                              ) -> _ActivationRounding | None:
+                              moved: dict[str, tuple[str, int, int]], folded: dict[str, torch.Tensor],
+                              rounding: _ActivationRounding | None = None) -> _ActivationRounding | None:
     """Give the Hugging Face reference the rounding the quantize stage chose: each quantized weight replaced
     by the value the deployed ``graph``'s stored tensors dequantize to, and fp8 and smoothquant layers'
     inputs rounded per token as their ops round them. The comparison then holds the deploy to the quantized model's function
     at the usual tolerance, instead of loosening it by the quantization error. Under expert parallelism a rank stores
     only its share of a layer's experts: the reference's experts are quantized whole with the same scheme, which
     is what the ranks hold between them (every expert has its own scales, so quantizing E/N experts or all E
-    gives each expert the same values)."""
+    gives each expert the same values). ``rounding``: the hooks an earlier graph's layers put on the reference, which
+    this graph's join."""
     from autodeploy.custom_ops.quantized_linear import dequantize_weight, quantize_weight
 
-    rounding = None
     for record in quantized.values():
         name = record.source.removeprefix(GRAPH_PREFIX)
         parameter = reference.get_parameter(name)

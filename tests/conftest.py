@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints written once per session, one deployed tiny Llama, an offline hub.
+"""Shared fixtures: tiny checkpoints written once per session, one deployed tiny Llama, an offline hub, a guard that a
+reload builds nothing.
 
 The tiny checkpoints are deterministic (``tests/tiny_models.py``, seed 0), so a test can rebuild the
 matching HF reference model with ``tiny_hf_model(arch)`` instead of keeping one alive per checkpoint.
@@ -72,6 +73,20 @@ def gpu_llama_llm(llama_dir):
     from autodeploy import autodeploy
 
     return autodeploy(str(llama_dir), device="cuda", dtype="float32", kv_cache={"num_blocks": 64})
+
+
+@pytest.fixture
+def forbid_building(monkeypatch):
+    """Call it, and from then on any export, pipeline run or verification fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a reload must not export, run transforms or verify")
+
+    def forbid():
+        for target in ("torch.export.export", "autodeploy.pipeline.Pipeline.run", "autodeploy.api.build_verified"):
+            monkeypatch.setattr(target, refuse)
+
+    return forbid
 
 
 @pytest.fixture

@@ -1,19 +1,24 @@
 """Encoder–decoder models served end to end (issue 44), on tiny random BART and mBART: greedy output equal to Hugging
 Face's ``generate`` token for token — requests in one batch, arriving mid-decode, preempted by a small KV pool — the
-encoder's cross blocks freed with the request, the build verified against HF (and a broken encoder refused)."""
+encoder's cross blocks freed with the request, the build verified against HF (and a broken encoder refused); saved and
+reloaded with both graphs; quantized in both graphs."""
 
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from autodeploy import SamplingParams, autodeploy
-from autodeploy.errors import InvalidRequestError, UnsupportedModelError
+from autodeploy.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 from tests.tiny_seq2seq_models import greedy_shortfall, hf_generate_greedy, lively
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(20, 60)), [7]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["bart", "mbart"])
@@ -27,8 +32,8 @@ def served(request, tmp_path_factory):
 def test_greedy_output_is_hf_generates_and_the_build_was_verified(served):
     model, llm = served
     assert llm.verification is not None and llm.verification.relative_error <= llm.verification.tolerance
-    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_generate_greedy(model, p, 12) for p in PROMPTS]
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_generate_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
     assert [o.prompt_token_ids for o in outputs] == PROMPTS  # the prompt is the encoder's input
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) > 1
 
@@ -104,12 +109,112 @@ def test_beam_search_is_hf_generates_and_forked_sequences_share_one_cross_cache(
     assert llm.engine.encoder.pool.num_used_blocks == 0 and llm.engine.encoder.encoded >= 2
 
 
-def test_saving_an_encoder_decoder_deployment_is_refused_by_name(served, tmp_path):
+@pytest.fixture(scope="module")
+def saved(served, tmp_path_factory) -> Path:
+    """The served deployment, saved once a model; treat the folder as read-only."""
+    return served[1].save(tmp_path_factory.mktemp("saved") / "deployment")
+
+
+def test_a_saved_deployment_reloads_both_graphs_without_building_and_serves_hf_generates_tokens(served, saved,
+                                                                                                forbid_building):
+    model, llm = served
+    forbid_building()
+    reloaded = autodeploy(str(saved))
+    deployment = reloaded.deployment
+    assert set(deployment.graphs) == {"model", "encoder"} and deployment.signature == llm.deployment.signature
+    assert deployment.decoder_start_token_id == llm.deployment.decoder_start_token_id
+    tokens = [[o.outputs[0].token_ids for o in deployed.generate(PROMPTS, GREEDY)] for deployed in (llm, reloaded)]
+    assert tokens[0] == tokens[1] == [hf_generate_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert reloaded.engine.encoder.pool.num_used_blocks == 0
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _without_the_start_token(folder: Path) -> None:
+    """serving.json without the decoder's start token, its digest in the manifest updated to match."""
+    from autodeploy.artifact.manifest import file_digest
+
+    serving = json.loads((folder / "serving.json").read_text())
+    del serving["decoder_start_token_id"]
+    (folder / "serving.json").write_text(json.dumps(serving))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["serving.json"] = file_digest(folder / "serving.json")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _built_by_an_older_format_from_a_source_gone(folder: Path) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    gone = str(folder.parent / "gone")
+    manifest.update(format_version=1, source={"model": gone, "directory": gone, "weights": "checkpoint"})
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda folder: _flip_a_byte(folder / "encoder.safetensors"), "encoder.safetensors does not match the sha256 digest"),
+    (lambda folder: (folder / "encoder.pt2").unlink(), r"encoder.pt2 is missing: the saved deployment in .* is incomplete"),
+    (_without_the_start_token, "the encoder graph's entries are missing or malformed"),
+    (_built_by_an_older_format_from_a_source_gone, "cannot be served here: it was built with deployment format 1"),
+])
+def test_a_damaged_or_older_saved_encoder_decoder_is_a_checkpoint_error(saved, tmp_path, damage, message):
+    copied = Path(shutil.copytree(saved, tmp_path / "copy"))
+    damage(copied)
+    with pytest.raises(CheckpointError, match=message):
+        autodeploy(str(copied))
+
+
+def quantized_linears(graph, scheme: str) -> int:
+    return sum(1 for node in graph.graph.nodes if node.op == "call_function" and str(node.target).startswith(f"autodeploy.{scheme}_linear"))
+
+
+def test_int8_weight_only_quantizes_the_encoders_linears_too_and_serves_hf_tokens_over_the_same_weights(tmp_path):
+    """Both graphs' projections are int8_wo; the build verifies at float32's tolerance against a reference holding the
+    same quantized weights (encoder's included), greedy output is Hugging Face's over them, and it saves and reloads."""
+    from autodeploy.custom_ops.quantized_linear import QuantScheme
+    from tests.transforms.test_quantize_linear import quantize_hf_weights
+
+    model = lively("bart")
+    model.save_pretrained(tmp_path / "bart")
+    llm = autodeploy(str(tmp_path / "bart"), device="cpu", dtype="float32", quantize={"default": "int8_wo"})
+    graphs = llm.deployment.graphs
+    # An encoder layer: q/k/v (fused), out_proj, fc1, fc2; and every decoder layer's cross k/v, fused into one projection.
+    assert quantized_linears(graphs["encoder"], "int8_wo") == 2 * 4 + 1
+    assert quantized_linears(graphs["model"], "int8_wo") == 2 * 6  # self q/k/v, o; cross q, o; fc1, fc2 (the tied head stays)
+    assert llm.verification.relative_error <= llm.verification.tolerance == 1e-4
+    quantized = quantize_hf_weights(model, QuantScheme("int8_wo"))
+    expected = [hf_generate_greedy(quantized, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    reloaded = autodeploy(str(llm.save(tmp_path / "saved")))
+    assert quantized_linears(reloaded.deployment.graphs["encoder"], "int8_wo") == 9
+    assert [o.outputs[0].token_ids for o in reloaded.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_the_table_the_decoders_head_reads_is_stored_as_the_head_is_in_both_graphs(tmp_path):
+    """``quantize.embedding: int8`` beside an int4_wo head: the shared token table stays in the model's dtype in the
+    encoder graph too (as the decoder's tied head keeps it), the learned positions' tables are int8, and the build
+    verifies against a reference holding the same weights."""
+    lively("mbart").save_pretrained(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32",
+                     quantize={"default": "int4_wo", "int4_group_size": 32, "embedding": "int8"})
+    for graph in llm.deployment.graphs.values():
+        lookups = [str(n.target) for n in graph.graph.nodes if n.op == "call_function" and "embedding" in str(n.target)]
+        assert sorted(lookups) == ["aten.embedding.default", "autodeploy.embedding_int8.default"]
+        assert quantized_linears(graph, "int4_wo") > 0
+    assert llm.verification.relative_error <= 1e-4
+    assert len(llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_schemes_that_calibrate_and_an_fp8_kv_cache_are_refused_by_name(tmp_path):
     from autodeploy.errors import ConfigError
 
-    _, llm = served
-    with pytest.raises(ConfigError, match="has an encoder graph beside its model graph, which saved deployments do not hold yet"):
-        llm.save(tmp_path / "saved")
+    lively("bart").save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="int4_awq calibrate on the model graph alone, which an encoder-decoder's decoder is not"):
+        autodeploy(str(tmp_path), device="cpu", quantize={"default": "int4_awq"})
+    with pytest.raises(ConfigError, match="quantize.kv_cache: fp8 calibrates its scales on the model graph alone"):
+        autodeploy(str(tmp_path), device="cpu", quantize={"kv_cache": "fp8"})
 
 
 @pytest.mark.timeout(120)

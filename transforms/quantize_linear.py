@@ -34,6 +34,11 @@ and its record's ``shape`` that share's (``load_weights`` quantizes the share it
 row) and looks rows up with ``embedding_int8`` (``custom_ops/quantized_embedding.py``). A table tied to
 the LM head is stored once for both when the head's scheme is ``int8_wo`` (the same layout); under any
 other head scheme both stay in the model's dtype.
+
+It rewrites the ``"model"`` graph and an encoder–decoder's ``"encoder"`` graph alike (the encoder's projections, and
+every decoder layer's cross-attention keys and values, which the encoder computes); the encoder's lookup of the table
+its decoder's tied LM head reads follows that head's scheme, so both graphs store the table alike. Calibrated schemes
+and an fp8 KV cache are refused for an encoder–decoder: calibration runs one graph on text windows.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from torch.fx import GraphModule
 
 from autodeploy.custom_ops.activations import ATEN_ACTIVATIONS
 from autodeploy.custom_ops.quantized_linear import QuantScheme, expert_scheme_names, parse_plan, quantize_weight, scheme_names
+from autodeploy.deployment import ENCODER, MODEL
 from autodeploy.errors import ConfigError
 from autodeploy.transforms.cleanup_transposes import permutation
 from autodeploy.transforms.shape_propagation import infer_values
@@ -103,9 +109,13 @@ def _option(settings, key: str, allowed: tuple[str, ...], what_takes: str) -> st
 def uncalibrated_random_weights(calibrated: list[str]) -> ConfigError:
     """The error for calibrated schemes (``calibrated``: their names) under ``weights=random``: calibration runs the
     checkpoint's weights."""
+    return _uncalibrated(calibrated, "calibrate on the checkpoint's weights; with weights=random")
+
+
+def _uncalibrated(calibrated: list[str], why: str) -> ConfigError:
     plain = [name for name in scheme_names() if not QuantScheme(name).calibrated]
-    return ConfigError(f"{', '.join(sorted(set(calibrated))) or 'calibrated schemes'} calibrate on the checkpoint's weights; "
-                       f"with weights=random use a scheme without calibration: {', '.join(plain)}")
+    return ConfigError(f"{', '.join(sorted(set(calibrated))) or 'calibrated schemes'} {why} use a scheme without calibration: "
+                       f"{', '.join(plain)}")
 
 
 def parse_experts(settings) -> QuantScheme | None:
@@ -320,11 +330,26 @@ def _head_smoothing(module: GraphModule, records: list[QuantizedWeight]) -> list
     return found
 
 
+def _head_elsewhere(context: TransformContext, weight) -> str | None:
+    """The module path of the LM head whose weight ``weight`` (a table's get_attr) is too, by the model's ties, or None.
+    Where no other node of the graph reads the table, that head is in another graph: an encoder–decoder's encoder looks
+    up the table its decoder's head reads."""
+    model = context.model_factory.meta_model if context.model_factory is not None else None
+    head = model.get_output_embeddings() if model is not None else None
+    if head is None or not isinstance(weight, fx.Node) or weight.op != "get_attr":
+        return None
+    try:
+        tied = model.get_parameter(weight.target.removeprefix(_WRAPPER)) is head.weight
+    except AttributeError:
+        return None
+    return next(name for name, module in model.named_modules() if module is head) if tied else None
+
+
 def _copy_meta(new: fx.Node, old: fx.Node) -> None:
     new.meta.update({k: v for k, v in old.meta.items() if k != "val"})  # values: infer_values
 
 
-@register_transform("quantize_linear", stage="quantize")
+@register_transform("quantize_linear", stage="quantize", roles=(MODEL, ENCODER))
 class QuantizeLinear(Transform):
     def validate(self, context: TransformContext) -> None:
         default, rules = parse_plan(context.settings.quantize)
@@ -334,10 +359,20 @@ class QuantizeLinear(Transform):
         if found is not None:
             rules = [(None, scheme) for _, scheme in found.rules]
         all_schemes = [scheme for scheme in [default, *(s for _, s in rules)] if scheme is not None]
-        if any(scheme.calibrated for scheme in all_schemes):  # calibration runs in load_weights (transforms/calibration.py)
+        calibrated = [s.name for s in all_schemes if s.calibrated]
+        if context.model_factory is not None and context.model_factory.encoder_decoder is not None:
+            # Calibration runs one graph on text windows; an encoder–decoder's decoder reads its encoder's keys and values.
+            if context.settings.quantize.kv_cache == "fp8":
+                raise ConfigError("quantize.kv_cache: fp8 calibrates its scales on the model graph alone, which an "
+                                  "encoder-decoder's decoder is not (it reads the encoder's keys and values): keep the KV "
+                                  "cache in the model's dtype (quantize.kv_cache: none)")
+            if calibrated:
+                raise _uncalibrated(calibrated, "calibrate on the model graph alone, which an encoder-decoder's decoder is "
+                                                "not (it reads the encoder's keys and values);")
+        if calibrated:  # calibration runs in load_weights (transforms/calibration.py)
             calibration = context.settings.quantize.calibration
             if context.settings.weights == "random":
-                raise uncalibrated_random_weights([s.name for s in all_schemes if s.calibrated])
+                raise uncalibrated_random_weights(calibrated)
             if calibration.dataset != "builtin" and not Path(calibration.dataset).is_file():
                 raise ConfigError(f"quantize.calibration.dataset: {calibration.dataset!r} is neither 'builtin' nor a readable file")
             if calibration.samples < 1 or calibration.seq_len < 1:
@@ -373,7 +408,7 @@ class QuantizeLinear(Transform):
             if node in replaced:
                 continue
             if node.op == "call_function" and node.target is EMBEDDING and embedding is not None:
-                head = self._quantize_embedding(rewriter, node, embedding, planner)
+                head = self._quantize_embedding(rewriter, node, embedding, planner, _head_elsewhere(context, node.args[0]))
                 if head is False:
                     kept.append(node.name)
                     continue
@@ -439,14 +474,21 @@ class QuantizeLinear(Transform):
         )
 
     @staticmethod
-    def _quantize_embedding(rewriter: _Rewriter, node: fx.Node, scheme: QuantScheme, planner) -> fx.Node | None | bool:
+    def _quantize_embedding(rewriter: _Rewriter, node: fx.Node, scheme: QuantScheme, planner,
+                            head_elsewhere: str | None) -> fx.Node | None | bool:
         """Rewrite one embedding lookup over its own table: returns None, or the LM head it rewrote too, or
         False when the table stays as it is. A table tied to the LM head is stored once for both when the
         head's own scheme is ``int8_wo``, whose layout (a scale per row) the lookup shares; under any other
-        head scheme it stays in the model's dtype, as a tied weight does."""
+        head scheme it stays in the model's dtype, as a tied weight does. A table tied to a head in another
+        graph (``head_elsewhere``, its module path) follows that head's scheme alike, so both graphs store it alike."""
         weight, input_ids = node.args[:2]
-        head = None
-        if rewriter.own_weight(weight) is None:
+        head, owned = None, rewriter.own_weight(weight) is not None
+        if owned and head_elsewhere is not None:
+            head_scheme = planner.scheme_for(head_elsewhere)
+            if head_scheme is None or head_scheme.name != scheme.name:
+                return False
+            scheme = head_scheme
+        elif not owned:
             if not isinstance(weight, fx.Node) or weight.op != "get_attr" or weight.target in rewriter.shared:
                 return False
             others = [user for user in weight.users if user is not node]

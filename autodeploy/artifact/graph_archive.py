@@ -127,11 +127,12 @@ def _exportable(graph_module: fx.GraphModule) -> nn.Module:
 
 def export_served_graph(
     graph_module: fx.GraphModule, graph_inputs: Sequence[str], kv_caches: Sequence[KVCacheSpec], block_size: int,
-    device: torch.device,
+    device: torch.device, cross_kv_caches: Sequence[KVCacheSpec] = (),
 ) -> SavedGraph:
     """Export the served graph with its tensors as inputs and save it to bytes (``torch.export`` format)."""
     side_inputs = declared_side_inputs(graph_module, graph_inputs).values()
-    return export_graph(graph_module, *example_step(graph_inputs, kv_caches, block_size, device, side_inputs), "served graph")
+    example = example_step(graph_inputs, kv_caches, block_size, device, side_inputs, cross_kv_caches)
+    return export_graph(graph_module, *example, "served graph")
 
 
 def export_vision_graph(graph_module: fx.GraphModule, device: torch.device) -> SavedGraph:
@@ -139,6 +140,13 @@ def export_vision_graph(graph_module: fx.GraphModule, device: torch.device) -> S
     pixels = next(n for n in graph_module.graph.nodes if n.op == "placeholder").meta["val"]
     example = torch.zeros((3, *(int(size) for size in pixels.shape[1:])), dtype=pixels.dtype, device=device)
     return export_graph(graph_module, [example], [{0: torch.export.Dim("images")}], "vision graph")
+
+
+def export_encoder_graph(graph_module: fx.GraphModule, device: torch.device) -> SavedGraph:
+    """Export an encoder–decoder's encoder graph (``input_ids`` in, the request count and their length dynamic) likewise."""
+    input_ids = torch.zeros((2, 5), dtype=torch.long, device=device)
+    return export_graph(graph_module, [input_ids], [{0: torch.export.Dim("requests"), 1: torch.export.Dim("encoder_tokens")}],
+                        "encoder graph")
 
 
 def export_graph(graph_module: fx.GraphModule, inputs: Sequence[torch.Tensor], dims: Sequence, what: str) -> SavedGraph:

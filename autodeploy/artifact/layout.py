@@ -14,11 +14,18 @@
     vision.pt2           the vision graph (pixels in, feature rows out), a torch.export archive holding no tensor
     vision.safetensors   its tensors
     image_processor/     the checkpoint's image processor (preprocessor_config.json)
+  an encoder–decoder's besides (``serving.json`` then names the decoder's start token and the cross-KV caches):
+    encoder.pt2          the encoder graph (input ids in, every decoder layer's cross keys and values out)
+    encoder.safetensors  its tensors
+A graph beside the model graph is recorded in ``tuning.json`` under its role: its inputs, its tensors' placements,
+kernels and dispatches.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from autodeploy.deployment import ENCODER, VISION
 
 from .manifest import MANIFEST_FILE
 
@@ -32,6 +39,10 @@ TOKENIZER = "tokenizer"
 VISION_GRAPH = "vision.pt2"
 VISION_WEIGHTS = "vision.safetensors"
 IMAGE_PROCESSOR = "image_processor"
+ENCODER_GRAPH = "encoder.pt2"
+ENCODER_WEIGHTS = "encoder.safetensors"
+# The graphs a deployment may hold beside its model graph, by role: (their archive, their tensors).
+SIDE_GRAPHS = {VISION: (VISION_GRAPH, VISION_WEIGHTS), ENCODER: (ENCODER_GRAPH, ENCODER_WEIGHTS)}
 
 
 def is_saved_deployment(path: str | Path) -> bool:

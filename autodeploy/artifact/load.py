@@ -12,6 +12,7 @@ library versions and device kind) is the caller's question (``Manifest.environme
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -24,14 +25,14 @@ import torch
 
 from autodeploy.build_report import BuildReport, TransformRecord, VerificationReport
 from autodeploy.config import load_yaml
-from autodeploy.custom_ops.serving_signature import KVCacheSpec, ServingSignature
-from autodeploy.deployment import MODEL, VISION, Deployment, ImageBoundaries
+from autodeploy.custom_ops.serving_signature import CROSS_METADATA, KVCacheSpec, ServingSignature
+from autodeploy.deployment import ENCODER, MODEL, VISION, Deployment, ImageBoundaries
 from autodeploy.errors import CheckpointError, ConfigError, error_summary
 from autodeploy.models.vision_language import load_image_processor
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS, hidden_state_buffer
 
 from .graph_archive import load_program, served_graph
-from .layout import BUILD_REPORT, GRAPH, IMAGE_PROCESSOR, SERVING, SETTINGS, TOKENIZER, TUNING, VISION_GRAPH, VISION_WEIGHTS, WEIGHTS
+from .layout import BUILD_REPORT, GRAPH, IMAGE_PROCESSOR, SERVING, SETTINGS, SIDE_GRAPHS, TOKENIZER, TUNING, WEIGHTS
 from .manifest import Manifest, incomplete
 from .rebuild import rebuild_command
 from .reload_settings import reload_settings
@@ -142,6 +143,8 @@ def load_deployment(
             deployment = _assemble(directory, manifest, settings, program, tensors_by_key, placements, serving, tuning, timed)
             if "image_token_id" in serving:
                 timed("vision graph", _add_vision, deployment, directory, serving, tuning)
+            if CROSS_METADATA[0] in deployment.signature.inputs:  # the decoder reads an encoder's keys and values
+                timed("encoder graph", _add_encoder, deployment, directory, serving, tuning)
             served = deployment if serve is None else timed("engine", serve, deployment)
             timed("waiting for the weights' digest", lambda: manifest.check_digest(directory, WEIGHTS, reading.digest()))
         except Exception as error:
@@ -157,27 +160,49 @@ def load_deployment(
     return served
 
 
-def _add_vision(deployment: Deployment, directory: Path, serving: Mapping[str, Any], tuning: Mapping[str, Any]) -> None:
-    """A vision-language deployment's vision graph (on its tensors, read whole: the manifest's digest of the file
-    was checked with the others), its image processor and its image token."""
-    for name in (VISION_GRAPH, VISION_WEIGHTS):
+@contextlib.contextmanager
+def _side_graph_entries(directory: Path, role: str):
+    """Turns a missing or malformed entry of the ``role`` graph's (in serving.json or tuning.json) into a ``CheckpointError``."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(f"{directory}: the {role} graph's entries are missing or malformed ({type(error).__name__}: "
+                              f"{error}); save the deployment again") from error
+
+
+def _side_graph(directory: Path, role: str, tuning: Mapping[str, Any]):
+    """The ``role`` graph saved beside the model graph (``layout.SIDE_GRAPHS``), on its tensors, read whole (the
+    manifest's digest of its files was checked with the others)."""
+    archive, weights = SIDE_GRAPHS[role]
+    for name in (archive, weights):
         if not (directory / name).is_file():
             raise incomplete(directory, name)
-    try:
-        vision = tuning[VISION]
-        placements = vision["tensors"]
-        tensors_by_key, _ = load_tensors(directory / VISION_WEIGHTS, {entry["key"]: entry["device"] for entry in placements.values()})
-        program = load_program((directory / VISION_GRAPH).read_bytes(), str(directory / VISION_GRAPH))
+    with _side_graph_entries(directory, role):
+        saved = tuning[role]
+        placements = saved["tensors"]
+        tensors_by_key, _ = load_tensors(directory / weights, {entry["key"]: entry["device"] for entry in placements.values()})
+        program = load_program((directory / archive).read_bytes(), str(directory / archive))
         tensors = {name: tensors_by_key[entry["key"]] for name, entry in placements.items()}
-        deployment.graphs[VISION] = served_graph(program, str(directory / VISION_GRAPH), tensors, vision["graph_inputs"],
-                                                 vision["dispatches"], vision["kernels"])
+        return served_graph(program, str(directory / archive), tensors, saved["graph_inputs"], saved["dispatches"], saved["kernels"])
+
+
+def _add_vision(deployment: Deployment, directory: Path, serving: Mapping[str, Any], tuning: Mapping[str, Any]) -> None:
+    """A vision-language deployment's vision graph, its image processor and its image token."""
+    deployment.graphs[VISION] = _side_graph(directory, VISION, tuning)
+    with _side_graph_entries(directory, VISION):
         deployment.image_token_id = int(serving["image_token_id"])
         if "image_boundaries" in serving:
             deployment.image_boundaries = ImageBoundaries(**serving["image_boundaries"])
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise CheckpointError(f"{directory}: the vision graph's entries are missing or malformed ({type(error).__name__}: "
-                              f"{error}); save the deployment again") from error
     deployment.image_processor = load_image_processor(directory / IMAGE_PROCESSOR, str(directory))
+
+
+def _add_encoder(deployment: Deployment, directory: Path, serving: Mapping[str, Any], tuning: Mapping[str, Any]) -> None:
+    """An encoder–decoder's encoder graph, the decoder's start token and the cross-KV caches the encoder pass writes."""
+    deployment.graphs[ENCODER] = _side_graph(directory, ENCODER, tuning)
+    with _side_graph_entries(directory, ENCODER):
+        deployment.decoder_start_token_id = int(serving["decoder_start_token_id"])
+        cross = tuple(_kv_cache_spec(fields) for fields in serving["cross_kv_caches"])
+    deployment.signature = dataclasses.replace(deployment.signature, cross_kv_caches=cross)
 
 
 def _described(dtype: torch.dtype, shape) -> str:

@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from autodeploy.config import settings_to_yaml
-from autodeploy.deployment import MODEL, VISION, Deployment, as_deployment
+from autodeploy.deployment import ENCODER, MODEL, VISION, Deployment, as_deployment
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS
 
-from .layout import (BUILD_REPORT, GRAPH, IMAGE_PROCESSOR, SERVING, SETTINGS, TOKENIZER, TUNING, VISION_GRAPH, VISION_WEIGHTS,
-                     WEIGHTS, is_whole_saved_deployment)
-from .graph_archive import export_served_graph, export_vision_graph
+from .layout import (BUILD_REPORT, GRAPH, IMAGE_PROCESSOR, SERVING, SETTINGS, SIDE_GRAPHS, TOKENIZER, TUNING, WEIGHTS,
+                     is_whole_saved_deployment)
+from .graph_archive import SavedGraph, export_encoder_graph, export_served_graph, export_vision_graph
 from .manifest import Manifest, device_kind, package_versions, file_digest
 from .weights_file import save_tensors
 
@@ -50,7 +50,7 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
         raise ConfigError("a deploy on the meta device has no weights to save; deploy with device=cpu or cuda, then save")
     if not signature.kv_caches:
         raise ConfigError("this graph has no KV cache (insert_cached_attention is disabled), so it cannot serve; enable it to save")
-    unsaved = sorted(set(deployment.graphs) - {MODEL, VISION})
+    unsaved = sorted(set(deployment.graphs) - {MODEL, *SIDE_GRAPHS})
     if unsaved:
         named = " and ".join(f"{'an' if role[0] in 'aeiou' else 'a'} {role}" for role in unsaved)
         raise ConfigError(f"this deployment has {named} graph beside its model graph, which saved "
@@ -60,15 +60,14 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
     staging = directory.with_name(f".{directory.name}.saving-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    device = torch.device(str(settings.device))
     try:
         saved = export_served_graph(deployment.graph, signature.inputs, signature.kv_caches, int(settings.kv_cache.block_size),
-                                    torch.device(str(settings.device)))
-        (staging / GRAPH).write_bytes(saved.archive)
-        keys = save_tensors(saved.tensors, staging / WEIGHTS)
+                                    device, signature.cross_kv_caches)
         _write_json(staging / SERVING, {
             "graph_inputs": list(signature.inputs),
-            "tensors": {name: {"key": keys[name], "device": str(tensor.device)} for name, tensor in saved.tensors.items()},
-            "kv_caches": [{**dataclasses.asdict(spec), "dtype": str(spec.dtype).removeprefix("torch.")} for spec in signature.kv_caches],
+            "tensors": _write_graph(saved, staging / GRAPH, staging / WEIGHTS),
+            "kv_caches": _cache_specs(signature.kv_caches),
             "decode_graph_batch_sizes": list(signature.decode_graph_batch_sizes),
             "prefill_graph_token_sizes": list(signature.prefill_graph_token_sizes),
             "eos_token_ids": list(deployment.eos_token_ids),
@@ -78,10 +77,16 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
             **({"image_token_id": int(deployment.image_token_id)} if VISION in deployment.graphs else {}),
             **({"image_boundaries": dataclasses.asdict(deployment.image_boundaries)}
                if deployment.image_boundaries else {}),
+            # an encoder–decoder: the decoder's first token, and the cross-KV caches its encoder pass writes
+            **({"decoder_start_token_id": int(deployment.decoder_start_token_id),
+                "cross_kv_caches": _cache_specs(signature.cross_kv_caches)} if ENCODER in deployment.graphs else {}),
         })
         tuning = {"kernels": saved.kernels, "dispatches": saved.dispatches}
         if VISION in deployment.graphs:
-            tuning[VISION] = _save_vision(deployment, staging, torch.device(str(settings.device)))
+            tuning[VISION] = _save_side_graph(deployment, VISION, export_vision_graph(deployment.graphs[VISION], device), staging)
+            deployment.image_processor.save_pretrained(str(staging / IMAGE_PROCESSOR))
+        if ENCODER in deployment.graphs:
+            tuning[ENCODER] = _save_side_graph(deployment, ENCODER, export_encoder_graph(deployment.graphs[ENCODER], device), staging)
         _write_json(staging / TUNING, tuning)
         _write_json(staging / BUILD_REPORT, [dataclasses.asdict(record) for record in deployment.report.records])
         (staging / SETTINGS).write_text(settings_to_yaml(settings))
@@ -108,16 +113,24 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
     return directory
 
 
-def _save_vision(deployment: Deployment, staging: Path, device: torch.device) -> dict:
-    """Write the vision graph, its tensors and the image processor; the vision graph's tuning (its tensors'
-    placements, kernels and dispatches)."""
-    saved = export_vision_graph(deployment.graphs[VISION], device)
-    (staging / VISION_GRAPH).write_bytes(saved.archive)
-    keys = save_tensors(saved.tensors, staging / VISION_WEIGHTS)
-    deployment.image_processor.save_pretrained(str(staging / IMAGE_PROCESSOR))
-    inputs = [node.name for node in deployment.graphs[VISION].graph.nodes if node.op == "placeholder"]
+def _write_graph(saved: SavedGraph, archive: Path, weights: Path) -> dict[str, dict[str, str]]:
+    """Write a graph's archive and its tensors; each tensor input's key in the tensors file and its device."""
+    archive.write_bytes(saved.archive)
+    keys = save_tensors(saved.tensors, weights)
+    return {name: {"key": keys[name], "device": str(tensor.device)} for name, tensor in saved.tensors.items()}
+
+
+def _cache_specs(specs) -> list[dict]:
+    return [{**dataclasses.asdict(spec), "dtype": str(spec.dtype).removeprefix("torch.")} for spec in specs]
+
+
+def _save_side_graph(deployment: Deployment, role: str, saved: SavedGraph, staging: Path) -> dict:
+    """Write the ``role`` graph beside the model graph (``layout.SIDE_GRAPHS``) and its tensors; its tuning (its
+    inputs, its tensors' placements, kernels and dispatches)."""
+    archive, weights = SIDE_GRAPHS[role]
+    inputs = [node.name for node in deployment.graphs[role].graph.nodes if node.op == "placeholder"]
     return {"graph_inputs": inputs, "kernels": saved.kernels, "dispatches": saved.dispatches,
-            "tensors": {name: {"key": keys[name], "device": str(tensor.device)} for name, tensor in saved.tensors.items()}}
+            "tensors": _write_graph(saved, staging / archive, staging / weights)}
 
 
 def _listed(exposed) -> list:

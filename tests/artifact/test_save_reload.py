@@ -29,20 +29,6 @@ PROMPTS = ["def f(x):", [7, 8, 9], "import os"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 
 
-@pytest.fixture
-def forbid_building(monkeypatch):
-    """Call it, and from then on any export, pipeline run or verification fails the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a reload must not export, run transforms or verify")
-
-    def forbid():
-        for target in ("torch.export.export", "autodeploy.pipeline.Pipeline.run", "autodeploy.api.build_verified"):
-            monkeypatch.setattr(target, refuse)
-
-    return forbid
-
-
 def edited_copy(saved: Path, tmp_path: Path, **manifest_changes) -> Path:
     """A copy of the deployment with top-level manifest entries replaced."""
     copied = Path(shutil.copytree(saved, tmp_path / "copy"))
