@@ -102,9 +102,10 @@ def autodeploy(
         raise ConfigError("vision-language models run on one rank so far (their images are encoded on rank 0's engine); "
                           "deploy without tensor, expert or pipeline parallelism")
     if factory.encoder_decoder is not None:
-        if world_size(settings) > 1:
-            raise ConfigError("encoder-decoder models run on one rank so far (their encoder graph and cross-KV pool are not "
-                              "sharded); deploy without tensor, expert or pipeline parallelism")
+        if int(settings.distributed.pipeline_parallel) > 1:
+            raise ConfigError("encoder-decoder models are not cut into pipeline stages yet (the encoder graph is not cut, and "
+                              "each stage would need its own decoder layers' cross keys and values from it); deploy with "
+                              "tensor_parallel alone")
         if settings.speculative.method is not None:
             raise ConfigError(f"speculative decoding (speculative.method={settings.speculative.method!r}) drafts for decoder-only "
                               f"models; an encoder-decoder's decoder is not served with it yet: deploy without speculative")

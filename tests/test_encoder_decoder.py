@@ -265,12 +265,16 @@ def test_an_encoder_pass_counts_against_the_steps_token_budget(tmp_path):
         llm.generate([list(range(41))], params)
 
 
-def test_parallelism_and_speculation_are_refused_by_name_before_anything_is_built(tmp_path):
+def test_pipeline_and_expert_parallelism_and_speculation_are_refused_by_name_before_anything_is_built(tmp_path):
+    """Tensor parallelism is served (tests/distributed/test_encoder_decoder_tensor_parallel.py); pipeline stages are not
+    cut for an encoder–decoder, and BART has no experts to place."""
     from autodeploy.errors import ConfigError
 
     lively("bart").save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="encoder-decoder models run on one rank so far"):
-        autodeploy(str(tmp_path), device="cpu", tensor_parallel=2)
+    with pytest.raises(ConfigError, match="encoder-decoder models are not cut into pipeline stages yet"):
+        autodeploy(str(tmp_path), device="cpu", pipeline_parallel=2)
+    with pytest.raises(ConfigError, match="expert_parallel=2 but BartConfig has no MoE experts"):
+        autodeploy(str(tmp_path), device="cpu", expert_parallel=2)
     with pytest.raises(ConfigError, match=r"speculative.method='ngram'\) drafts for decoder-only models"):
         autodeploy(str(tmp_path), device="cpu", speculative={"method": "ngram", "num_tokens": 3})
 

@@ -100,12 +100,13 @@ def bidirectional_blocks(context: TransformContext) -> bool:
 
 
 def lm_head(logits: fx.Node) -> fx.Node | None:
-    """The ``linear`` producing the logits, through token-wise ops after it (soft-capping, casts)."""
+    """The ``linear`` producing the logits, through token-wise ops after it (soft-capping, casts, a bias of the
+    model's own added: BART's ``final_logits_bias``)."""
     node = logits
     while node.op == "call_function":
         if node.target == torch.ops.autodeploy.linear.default:
             return node
-        inputs = [a for a in node.args if isinstance(a, fx.Node)]
+        inputs = [a for a in node.args if isinstance(a, fx.Node) and a.op != "get_attr"]
         if len(inputs) != 1:
             return None
         node = inputs[0]

@@ -77,7 +77,8 @@ ATTENTION = torch.ops.autodeploy.attention.default
 # Ops that keep a tensor's values and their row-major order (reshapes, copies): with transposes that cancel
 # (HF's pairs, before the cache stage's refold_transposes), a chain between attention and a projection.
 RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-            torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
+            torch.ops.aten.flatten.using_ints, torch.ops.aten.unflatten.int, torch.ops.aten.contiguous.default,
+            torch.ops.aten.clone.default}
 COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
 _WRAPPER = "model."  # the exported graph holds the HF model as attribute ``model``
 # stored tensor → attribute (a role of another scheme keeps its own name)
@@ -304,11 +305,12 @@ def through_views(node, single_reader: bool = True):
     return node if order is None else None
 
 
-def attention_heads(x) -> tuple[fx.Node, int, int, int] | None:
-    """``(attention node, kv_heads, group, head_dim)`` when ``x`` is a canonical ``attention``'s output
-    ``[..., heads, head_dim]`` flattened by reshapes (a projection's input over heads × value dims); else None."""
+def attention_heads(x, kinds: tuple = (ATTENTION,)) -> tuple[fx.Node, int, int, int] | None:
+    """``(attention node, kv_heads, group, head_dim)`` when ``x`` is the output ``[..., heads, head_dim]`` of an
+    attention op of ``kinds`` (canonical ``attention`` by default) flattened by reshapes (a projection's input over
+    heads × value dims); else None."""
     attention = through_views(x, single_reader=False)
-    if not (isinstance(attention, fx.Node) and attention.op == "call_function" and attention.target is ATTENTION):
+    if not (isinstance(attention, fx.Node) and attention.op == "call_function" and attention.target in kinds):
         return None
     out, values, inputs = (n.meta.get("val") for n in (attention, attention.args[2], x))
     if not all(isinstance(t, torch.Tensor) for t in (out, values, inputs)) or out.dim() < 2 or values.dim() < 2:

@@ -17,8 +17,14 @@ keeps:
   bias added after);
 - **the vocabulary**: the token embedding keeps rows ``r/N … (r+1)/N`` (``embedding_rows`` looks up the ids
   that fall in them, zeros for the others, and an ``all_reduce`` sums the ranks'), and so does the LM head,
-  the linear behind the logits through soft-capping and casts (an ``all_gather`` puts the ranks' logits
-  side by side); a tied table is sliced once for both.
+  the linear behind the logits through soft-capping, casts and a bias (an ``all_gather`` puts the ranks' logits
+  side by side); a tied table is sliced once for both. Tables of another length (learned positions) stay whole;
+- **an encoder–decoder** (``export/encoder_decoder.py``; this pass runs on its ``"encoder"`` graph too): the
+  encoder's ``bidirectional_attention`` is sliced as ``attention`` is; the encoder graph's outputs, every decoder
+  layer's cross keys and values, keep the rows of rank ``r``'s key-value heads (no gather), and the decoder
+  graph's ``cross_keys`` / ``cross_values`` inputs are declared with those heads, so its cross-attention (a
+  ``bidirectional_attention`` reading them) slices only its query and output projections, and the cache stage
+  sizes each rank's cross-KV pool for its heads.
 
 Norms stay replicated. ``distributed.rules`` (globs over the linears' module paths, as the checkpoint names
 them: ``model.layers.*.self_attn.o_proj``, ``lm_head``; the first matching glob wins) override the detection
@@ -55,8 +61,9 @@ from torch import fx, nn
 from torch.fx import GraphModule
 
 from autodeploy.custom_ops import parallel_state
+from autodeploy.deployment import ENCODER, MODEL
 from autodeploy.errors import ConfigError, error_summary
-from autodeploy.transforms.insert_cached_attention import lm_head
+from autodeploy.transforms.insert_cached_attention import cross_attentions, lm_head
 from autodeploy.transforms.quantize_linear import ATTENTION, LINEAR, attention_heads, module_path, quantizes_dense_layers, through_views
 from autodeploy.transforms.registry import Transform, TransformContext, TransformResult, register_transform
 from autodeploy.transforms.shape_propagation import propagate_shapes
@@ -65,6 +72,8 @@ logger = logging.getLogger(__name__)
 ops = torch.ops.autodeploy
 SHARDS = "autodeploy_shards"  # gm.meta key: graph parameter → (dim, start, stop) this rank keeps; load_weights reads it
 _PASS_THROUGH = {ops.rope.default, ops.rms_norm.default}  # per-head ops between a projection and attention
+# An encoder's self-attention and an encoder–decoder's cross-attention are bidirectional: sliced by heads alike.
+_ATTENTIONS = (ATTENTION, ops.bidirectional_attention.default)
 
 
 def _producer(node):
@@ -160,11 +169,44 @@ def _head_rows(attention: fx.Node, rank: int, parts: int) -> dict[str, tuple[int
     if extra:
         raise ConfigError(f"tensor parallelism does not yet slice attention's per-head tensors besides q/k/v "
                           f"({', '.join(a.name for a in extra)} of {attention.name}); deploy with tensor_parallel=1")
-    first, count = rank * kv_heads // parts, max(kv_heads // parts, 1)
+    first, count = kv_head_span(rank, parts, kv_heads)
     per_rank = heads // parts
     return {"q": (rank * per_rank * q.shape[-1], (rank + 1) * per_rank * q.shape[-1]),
             "k": (first * k.shape[-1], (first + count) * k.shape[-1]),
             "v": (first * v.shape[-1], (first + count) * v.shape[-1])}
+
+
+def kv_head_span(rank: int, parts: int, kv_heads: int) -> tuple[int, int]:
+    """``(first, count)``: the key-value heads rank ``rank`` of ``parts`` keeps (one, shared, when they are fewer)."""
+    return rank * kv_heads // parts, max(kv_heads // parts, 1)
+
+
+def _cross_inputs(graph: fx.Graph) -> list[fx.Node]:
+    """An encoder–decoder's decoder graph: the ``cross_keys`` / ``cross_values`` inputs its cross-attentions read."""
+    return list(dict.fromkeys(node.args[i].args[0] for node in cross_attentions(graph).values() for i in (1, 2)))
+
+
+def _narrow_heads(placeholder: fx.Node, rank: int, parts: int) -> None:
+    """The decoder graph's cross keys (values) input ``[layers, B, S, heads, head_dim]`` holds this rank's key-value
+    heads: the encoder graph, sliced alike, gives those only (the cache stage sizes the cross-KV pool from it)."""
+    value = placeholder.meta["val"]
+    _, count = kv_head_span(rank, parts, value.shape[3])
+    with value.fake_mode:
+        placeholder.meta["val"] = value.new_empty((*value.shape[:3], count, *value.shape[4:]))
+
+
+def _cross_kv_projections(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """An encoder–decoder's encoder graph (``export/encoder_decoder.py``): its outputs stack every decoder layer's
+    cross keys and values ``[B, S, heads, head_dim]``; each one's ``(projection, its view as heads)``."""
+    found = []
+    for output in graph.output_node().args[0]:
+        for heads in output.args[0] if output.target is torch.ops.aten.stack.default else [output]:
+            projection = _producer(heads)
+            if projection is None:
+                raise ConfigError(f"tensor parallelism found no projection behind the encoder graph's output {heads.name} "
+                                  f"(an encoder-decoder's cross keys and values); deploy this model with tensor_parallel=1")
+            found.append((projection, heads))
+    return found
 
 
 _MLPS = (ops.gated_mlp.default, ops.mlp.default)
@@ -234,7 +276,7 @@ def _apply_rules(sharder: _Sharder, ruled: dict[fx.Node, str]) -> None:
             sharder.row_parallel(linear, what)
 
 
-@register_transform("shard_tensor_parallel", stage="shard")
+@register_transform("shard_tensor_parallel", stage="shard", roles=(MODEL, ENCODER))
 class ShardTensorParallel(Transform):
     """Slice attention and MLP weights over the tensor-parallel ranks, with an all-reduce after each block."""
 
@@ -252,14 +294,18 @@ class ShardTensorParallel(Transform):
         rules = {str(glob): str(kind) for glob, kind in dict(settings.distributed.rules).items()}
         ruled, whole_mlps = _ruled_nodes(module, rules)  # rules first: a table they keep whole stays whole for its other readers
         _apply_rules(sharder, ruled)
-        attentions = list(graph.find_nodes(op="call_function", target=ATTENTION))
+        attentions = [node for node in graph.nodes if node.op == "call_function" and node.target in _ATTENTIONS]
+        cross = set(cross_attentions(graph).values())
         replicated = 0  # attentions whose key-value heads are fewer than the ranks
         for attention in attentions:
-            projections = [_producer(arg) for arg in attention.args[:3]]
+            # A cross-attention's keys and values are inputs, from the encoder graph sliced alike: its query is projected here.
+            projections = [_producer(arg) for arg in attention.args[:1 if attention in cross else 3]]
             for role, projection in zip("qkv", projections):
                 if projection is None:
                     raise ConfigError(f"tensor parallelism found no projection behind {attention.name}'s {role} input; "
                                       f"deploy this model with tensor_parallel=1")
+            if attention in cross and projections[0] in ruled:
+                raise _cross_rule(projections[0])
             if all(projection in ruled for projection in projections):
                 continue
             rows = _head_rows(attention, sharder.rank, parts)
@@ -268,9 +314,19 @@ class ShardTensorParallel(Transform):
                 if projection not in ruled:
                     sharder.slice(projection.args[1], 0, f"the {role} projection's rows", rows[role])
                     sharder.slice(projection.args[2], 0, f"the {role} projection's bias", rows[role])
+        for placeholder in _cross_inputs(graph):
+            _narrow_heads(placeholder, sharder.rank, parts)
+        cross_outputs = _cross_kv_projections(graph) if context.role == ENCODER else []
+        for projection, heads in cross_outputs:  # column-parallel, no gather: each rank's cross-KV pool holds its heads
+            if projection in ruled:
+                raise _cross_rule(projection)
+            first, count = kv_head_span(sharder.rank, parts, heads.meta["val"].shape[-2])
+            width = heads.meta["val"].shape[-1]
+            for tensor in projection.args[1:3]:
+                sharder.slice(tensor, 0, "the cross keys' and values' rows", (first * width, (first + count) * width))
         row_parallel = 0
         for linear in list(graph.find_nodes(op="call_function", target=LINEAR)):
-            heads = attention_heads(linear.args[0])
+            heads = attention_heads(linear.args[0], _ATTENTIONS)
             if heads is None or heads[0] not in attentions or linear in ruled:
                 continue
             sharder.row_parallel(linear, "the output projection's columns")
@@ -300,7 +356,7 @@ class ShardTensorParallel(Transform):
             else:
                 continue
             mlps += 1
-        vocabulary = self._shard_vocabulary(module, sharder, ruled)
+        vocabulary = self._shard_vocabulary(module, sharder, ruled, _vocabulary_size(context), has_head=context.role == MODEL)
         try:
             propagate_shapes(module)
             problem = _width_mismatch(module) if ruled or whole_mlps else None
@@ -316,20 +372,26 @@ class ShardTensorParallel(Transform):
                  f"all-reduced), {mlps} MLPs, {vocabulary}; {len(sharder.shards)} parameters sliced")
         if replicated:
             notes += f"; key-value heads replicated in {replicated} attentions"
+        if cross or cross_outputs:  # the decoder's cross-attentions read them, the encoder's outputs are them
+            notes += f"; {len(cross) or len(cross_outputs) // 2} layers' cross keys and values: this rank's heads"
         if ruled or whole_mlps:
             notes += f"; {len(ruled)} linears and {len(whole_mlps)} MLPs as distributed.rules say"
         return TransformResult(matches=len(attentions) + mlps, changed=True, notes=notes)
 
     @staticmethod
-    def _shard_vocabulary(module: GraphModule, sharder: _Sharder, ruled: dict[fx.Node, str]) -> str:
+    def _shard_vocabulary(module: GraphModule, sharder: _Sharder, ruled: dict[fx.Node, str], vocabulary: int | None,
+                          has_head: bool = True) -> str:
         """Rows of the token embedding (looked up where an id falls in this rank's rows, then summed over
         ranks) and of the LM head (its logits gathered along the vocabulary); a tied table is sliced once, and
-        kept whole for the embedding too when a ``replicate`` rule keeps the LM head whole."""
+        kept whole for the embedding too when a ``replicate`` rule keeps the LM head whole. Other tables (learned
+        positions: rows other than ``vocabulary``, when it is known) stay whole. ``has_head``: the graph has an LM head."""
         graph = module.graph
         embeddings = kept = 0
         for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default)):
             weight, ids = node.args[:2]
             if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+                continue
+            if vocabulary is not None and module.get_parameter(weight.target).shape[0] != vocabulary:
                 continue
             if weight.target in sharder.whole:
                 kept += 1
@@ -344,6 +406,8 @@ class ShardTensorParallel(Transform):
             sharder.reduce_after(lookup)
             embeddings += 1
         tables = f"{embeddings} embeddings" + (f" ({kept} kept whole with the LM head)" if kept else "")
+        if not has_head:
+            return f"{tables} vocabulary-parallel"
         output = graph.output_node().args[0]
         head = lm_head(output[0] if isinstance(output, (tuple, list)) else output)
         if head is None:
@@ -357,3 +421,15 @@ class ShardTensorParallel(Transform):
         gathered.meta.update({k: v for k, v in head.meta.items() if k != "val"})
         head.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
         return f"{tables} and the LM head vocabulary-parallel"
+
+
+def _vocabulary_size(context: TransformContext) -> int | None:
+    """The model's vocabulary (how many rows a token embedding has), when the context has the model's config."""
+    config = getattr(context.model_factory, "hf_config", None)
+    return getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
+
+
+def _cross_rule(projection: fx.Node) -> ConfigError:
+    return ConfigError(f"distributed.rules name {module_path(projection.args[1].target)}, an encoder-decoder's cross-attention "
+                       f"projection: its keys and values are sliced by heads between the encoder and decoder graphs, which "
+                       f"rules do not change; drop that rule")

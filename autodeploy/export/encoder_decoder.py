@@ -45,7 +45,7 @@ class EncoderCrossKV(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         encoded = self.model.get_encoder()(input_ids=input_ids).last_hidden_state
-        heads = (self.spec.num_heads, self.spec.head_dim)
+        heads = (-1, self.spec.head_dim)  # as many heads as the projections give: a tensor-parallel rank's own
         attentions = cross_attentions(self.model, self.spec)
         keys = torch.stack([attention.k_proj(encoded).unflatten(-1, heads) for attention in attentions])
         values = torch.stack([attention.v_proj(encoded).unflatten(-1, heads) for attention in attentions])

@@ -73,4 +73,4 @@ class RankMirror:
 def request_fields(request: Request) -> tuple:
     """What a worker needs to build rank 0's request again (``Request``'s arguments)."""
     return (request.request_id, request.prompt, request.prompt_token_ids, request.params, request.stop_token_ids,
-            request.seed, request.priority, request.arrival_time, request.side_inputs)
+            request.seed, request.priority, request.arrival_time, request.side_inputs, request.encoder_input_ids)

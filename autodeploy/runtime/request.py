@@ -171,6 +171,7 @@ class Request:
         priority: int,
         arrival_time: float,
         side_inputs: dict[str, TokenRows] | None = None,
+        encoder_input_ids: list[int] | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -207,7 +208,7 @@ class Request:
         self.whole_spans: tuple[tuple[int, int], ...] = ()
         # An encoder–decoder's request: the prompt's ids are the encoder's input (``prompt_token_ids`` holds the
         # decoder's start token); once encoded, its blocks in the cross-KV pool and their token count (encoder_pass.py).
-        self.encoder_input_ids: list[int] | None = None
+        self.encoder_input_ids = encoder_input_ids
         self.cross_table: list[int] | None = None
         self.cross_len = 0
 

@@ -94,9 +94,8 @@ class RequestIntake:
         with self._lock:
             request_id = str(next(self._request_ids)) if request_id is None else str(request_id)  # submit checks it is free
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, stops, seed, priority,
-                          clock(), side_inputs)
+                          clock(), side_inputs, encoder_input_ids)
         request.grammar = grammar
-        request.encoder_input_ids = encoder_input_ids
         if images:
             request.images, request.image_starts = images, image_starts
             width = self.vision.tokens_per_image

@@ -35,13 +35,21 @@ def one_kv_head_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def two_ranks(tiny_checkpoint, one_kv_head_checkpoint, tmp_path_factory) -> list[dict]:
     """Each rank's results, by job: "architectures" (test_tensor_parallel's), "layouts" (test_tensor_parallel_layouts')."""
-    from tests.distributed.test_tensor_parallel import ARCHITECTURES, _free_port, deploy_each
+    from tests.distributed.test_tensor_parallel import ARCHITECTURES, deploy_each
     from tests.distributed.test_tensor_parallel_layouts import RULES, deploy_each_spied
 
     jobs = {"architectures": (deploy_each, ([str(tiny_checkpoint(arch)) for arch in ARCHITECTURES],)),
             "layouts": (deploy_each_spied, ([(str(one_kv_head_checkpoint), {}),
                                              (str(tiny_checkpoint("qwen2")), {"rules": RULES})],))}
-    out = str(tmp_path_factory.mktemp("two-ranks") / "rank")
+    return run_two_ranks(jobs, tmp_path_factory.mktemp("two-ranks"))
+
+
+def run_two_ranks(jobs: dict, directory: Path) -> list[dict]:
+    """Run ``jobs`` (name → ``(function, args)``, each called as ``function(rank, world, *args)``) one after another
+    on two spawned gloo ranks; each rank's results by job (JSON, written under ``directory``)."""
+    from tests.distributed.test_tensor_parallel import _free_port
+
+    out = str(directory / "rank")
     mp.start_processes(_rank, args=(2, _free_port(), jobs, out), nprocs=2, start_method="spawn")
     ranks = []
     for rank in range(2):
