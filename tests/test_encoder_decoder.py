@@ -38,6 +38,22 @@ def test_greedy_output_is_hf_generates_and_the_build_was_verified(served):
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) > 1
 
 
+def test_inputs_of_one_length_are_encoded_in_one_forward_and_keep_their_own_output(served):
+    model, llm = served
+    prompts = [[(13 * i + 7 * r) % 200 + 3 for i in range(9)] for r in range(3)] + [PROMPTS[1], [50, 60, 70]]
+    calls = []
+    encoder = llm.engine.encoder
+    graph = encoder.graph
+    encoder.graph = lambda ids: (calls.append(tuple(ids.shape)), graph(ids))[1]
+    try:
+        outputs = llm.generate(prompts, GREEDY)
+    finally:
+        encoder.graph = graph
+    assert sorted(calls) == [(2, 3), (3, 9)]  # one forward a length, each request its own rows
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_generate_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    assert llm.engine.encoder.pool.num_used_blocks == 0
+
+
 def test_requests_arriving_mid_decode_get_their_own_output_and_free_both_caches(served):
     model, llm = served
     engine = llm.engine

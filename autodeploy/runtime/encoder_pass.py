@@ -2,8 +2,8 @@
 
 The decoder of an encoder–decoder attends, in every layer, to the same keys and values of its request's encoder
 output at every step. ``EncoderPass`` runs the ``"encoder"`` graph once a request — when the request is first
-scheduled, before the step that computes its decoder's first token — on the request's input ids ``[1, S]`` (no
-padding: each request its own forward), and writes each layer's keys and values into blocks of a pool of its own
+scheduled, before the step that computes its decoder's first token — on the input ids of the requests a step starts
+(``[R, S]``: those of one length together, no padding), and writes each layer's keys and values into blocks of a pool of its own
 (``cross_k_cache_i`` / ``cross_v_cache_i``, declared by the cache stage as ``ServingSignature.cross_kv_caches``).
 The decoder graph reads them through ``cross_lens`` and ``cross_block_tables`` (``step_inputs.py``), each sequence's
 row from its request (``Request.cross_table``).
@@ -37,25 +37,33 @@ class EncoderPass:
         self.encoded = 0  # requests encoded so far (a preempted one counts again)
 
     def encode(self, requests: Sequence) -> None:
-        """Run the encoder on each of ``requests`` that has no cross cache yet, and write its keys and values."""
+        """Run the encoder on each of ``requests`` that has no cross cache yet, and write its keys and values: requests
+        of the same input length in one forward ``[R, S]`` (no padding, so no mask: the same function as one a
+        request), and every layer's rows of them in one indexed copy a cache."""
+        by_length: dict[int, list] = {}
         for request in requests:
-            if request.cross_table is not None:
-                continue
-            length = len(request.encoder_input_ids)
-            if not self.pool.reserve(request.request_id, length):
-                raise RuntimeError(f"the cross-KV pool has no room for request {request.request_id!r}'s {length} tokens "
-                                   f"({self.pool.num_free_blocks} blocks free): more requests hold blocks than it was sized for")
-            ids = torch.tensor([request.encoder_input_ids], dtype=torch.long, device=self.device)
-            keys, values = self.graph(ids)  # [layers, 1, S, heads, head_dim] each
-            table = self.pool.block_table(request.request_id)
+            if request.cross_table is None:
+                by_length.setdefault(len(request.encoder_input_ids), []).append(request)
+        for length, group in by_length.items():
+            for request in group:
+                if not self.pool.reserve(request.request_id, length):
+                    for reserved in group[: group.index(request)]:
+                        self.pool.free(reserved.request_id)
+                    raise RuntimeError(f"the cross-KV pool has no room for request {request.request_id!r}'s {length} tokens "
+                                       f"({self.pool.num_free_blocks} blocks free): more requests hold blocks than it was sized for")
+            ids = torch.tensor([request.encoder_input_ids for request in group], dtype=torch.long, device=self.device)
+            keys, values = self.graph(ids)  # [layers, R, S, heads, head_dim] each
+            tables = [self.pool.block_table(request.request_id) for request in group]
+            blocks = torch.tensor([table[: -(-length // self.block_size)] for table in tables])  # [R, blocks]
             positions = torch.arange(length)
-            slots = (torch.tensor(table)[positions // self.block_size] * self.block_size + positions % self.block_size).to(self.device)
+            slots = (blocks[:, positions // self.block_size] * self.block_size + positions % self.block_size).reshape(-1).to(self.device)
             for layer, spec in enumerate(self.specs):
-                for name, rows in ((spec.key_input, keys[layer, 0]), (spec.value_input, values[layer, 0])):
+                for name, rows in ((spec.key_input, keys[layer]), (spec.value_input, values[layer])):
                     cache = self.caches[name]
-                    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
-            request.cross_table, request.cross_len = table, length
-            self.encoded += 1
+                    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.reshape(-1, *rows.shape[2:]).to(cache.dtype))
+            for request, table in zip(group, tables):
+                request.cross_table, request.cross_len = table, length
+            self.encoded += len(group)
 
     def release(self, request) -> None:
         """Give ``request``'s cross blocks back (finished, aborted or preempted)."""
