@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 44 on the device: an encoder–decoder's GPU check, then the BART-large-shape benchmarks (random weights): 512-token
 # inputs, 128 tokens out, batch 1 and 64 against HF eager and compiled `generate` in the same run, and 64 concurrent.
-#   OUT=/tmp/o STAGE=check,bench bash scripts/encdec_gpu.sh; tar czf $OUT/o.tgz -C /tmp o
+#   OUT=/tmp/o STAGE=tests,check,bench bash scripts/encdec_gpu.sh; tar czf $OUT/o.tgz -C /tmp o
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site AUTODEPLOY_CONFIG=
@@ -9,6 +9,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 mkdir -p "$OUT"
 for stage in $(echo ${STAGE:-check,bench} | tr , ' '); do
 case $stage in
+tests)  # the GPU tests of the encoder-decoder path: the dense cross-attention captured, tiny BART's decode graphs
+  AUTODEPLOY_CONFIG=tests/gpu.yaml timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -x \
+    tests/custom_ops/test_cached_cross_attention.py tests/test_encoder_decoder.py tests/runtime/test_cuda_graphs.py \
+    -k "gpu or cuda or captured" > "$OUT/encdec-tests.log" 2>&1; echo "tests rc=$?"; tail -5 "$OUT/encdec-tests.log" ;;
 check)  # tiny BART and mBART on the GPU (bf16 and float32): greedy against HF generate, the build verified
   timeout ${CHECK_S:-120} python3 - <<'PY' 2>&1 | grep -E "^(bart|mbart)|Error" | tee "$OUT/encdec-check.log"
 import tempfile, torch
@@ -30,7 +34,7 @@ bench)
   timeout ${BENCH_S:-300} python3 -m autodeploy bench bart-large $common --workload synthetic --batch 1,64 --input-len 512 --output-len 128 \
     --compare hf-eager,hf-compile --out "$OUT/bart-synthetic.json" > "$OUT/bart-synthetic.log" 2>&1; echo "synthetic rc=$?"
   grep -E "/autodeploy|/hf-|×" "$OUT/bart-synthetic.log" | head -20
-  timeout ${CONC_S:-200} python3 -m autodeploy bench bart-large $common --workload concurrency --concurrency 1,64 --num-requests 128 \
+  timeout ${CONC_S:-200} python3 -m autodeploy bench bart-large $common --workload concurrency --concurrency 1,64 --num-requests ${NUM_REQUESTS:-128} \
     --input-dist fixed:512 --output-dist fixed:128 --out "$OUT/bart-c64.json" > "$OUT/bart-c64.log" 2>&1; echo "concurrency rc=$?"
   grep -E "/autodeploy" "$OUT/bart-c64.log" | head ;;
 esac
