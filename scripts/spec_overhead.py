@@ -48,9 +48,17 @@ def run(target: Path, speculative, batch: int, prompts: list[list[int]], device:
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     llm.generate(prompts[:batch], params)  # warm-up
     engine = llm.engine
-    steps = [0]
+    took: list[float] = []
     step = engine.step
-    engine.step = lambda: (steps.__setitem__(0, steps[0] + 1), step())[1]
+
+    def timed():
+        began = time.perf_counter()
+        try:
+            return step()
+        finally:
+            took.append(time.perf_counter() - began)
+
+    engine.step = timed
     prof = cProfile.Profile() if profile else None
     began = time.perf_counter()
     if prof:
@@ -60,7 +68,10 @@ def run(target: Path, speculative, batch: int, prompts: list[list[int]], device:
         prof.disable()
     wall = time.perf_counter() - began
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    line = f"batch {batch} {'eagle3 auto' if speculative else 'no speculation'}: {tokens / wall:.0f} output tok/s, {steps[0]} steps, {1e3 * wall / max(1, steps[0]):.2f} ms a step"
+    took.sort()
+    line = (f"batch {batch} {'eagle3 auto' if speculative else 'no speculation'}{' (profiled)' if prof else ''}: "
+            f"{tokens / wall:.0f} output tok/s, {len(took)} steps, {1e3 * wall / max(1, len(took)):.2f} ms a step; "
+            f"step() p50 {1e3 * took[len(took) // 2]:.2f} ms, p99 {1e3 * took[int(0.99 * len(took))]:.2f}, max {1e3 * took[-1]:.1f}")
     if prof:
         text = io.StringIO()
         stats = pstats.Stats(prof, stream=text)
