@@ -231,5 +231,51 @@ def _dense_supports(*args, device, **kwargs):
     return True
 
 
-# Reads no device tensor on the host (batch_info lives on the CPU): decode steps replay it in CUDA graphs.
+
+
+def cached_cross_attention_triton(*args, **kwargs) -> torch.Tensor:
+    """Same arguments (``CrossAttentionArgs``) and result as ``cached_cross_attention_reference``. A step of decodes
+    alone (``batch_info``: no prefill; what a CUDA graph replays) goes through the paged Triton decode kernel of
+    ``cached_attention`` (``attend_over_cache``), reading each sequence's cross blocks in place: one query token at the
+    end of a row of ``cross_lens`` keys sees every one of them, which is cross-attention. Where ``dense`` reads every
+    sequence's whole table, this reads its own encoder positions only. Sequences with no encoder position (a graph's
+    spare rows) are given one, read from whatever their table names, and their rows are then zeroed, as the op's
+    contract says. Steps with prefill chunks go to ``dense``."""
+    call = CrossAttentionArgs(*args, **kwargs)
+    if int(call.batch_info[0]) > 0:
+        return cached_cross_attention_dense(*args, **kwargs)
+    from .triton.paged_attention import attend_over_cache
+
+    q = call.q
+    scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
+    batch_info = call.batch_info.clone()
+    batch_info[3] = max(int(batch_info[3]), 1)
+    out = attend_over_cache(q[0], call.k_cache, call.v_cache, call.seq_start, call.cross_lens.clamp(min=1),
+                            call.block_tables, batch_info, scale, k_scale=call.k_scale, v_scale=call.v_scale)
+    return out.masked_fill_((call.cross_lens == 0)[None, :, None, None], 0)
+
+
+def _triton_supports(*args, device, **kwargs):
+    from .triton import triton_unavailable
+
+    reason = triton_unavailable(device)
+    if reason:
+        return reason
+    from .triton.paged_attention import check_supported
+
+    call = CrossAttentionArgs(*args, **kwargs)
+    reason = _dense_supports(*args, device=device, **kwargs)  # its prefill steps
+    if reason is not True:
+        return reason
+    try:
+        check_supported(call.q, call.k_cache[:1, :1], call.v_cache[:1, :1], call.k_cache, call.v_cache, call.block_tables, None, None,
+                        None, None, device=device)
+    except ValueError as error:
+        return str(error).removeprefix("cached_attention_triton: ")
+    return True
+
+
+# Both read no device tensor on the host (batch_info lives on the CPU): decode steps replay them in CUDA graphs. Triton
+# first, so that a GPU deploy that captures picks it; dense wherever Triton cannot run.
+register_backend("cached_cross_attention", "triton", cached_cross_attention_triton, supports=_triton_supports)
 register_backend("cached_cross_attention", "dense", cached_cross_attention_dense, supports=_dense_supports)

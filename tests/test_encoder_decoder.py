@@ -334,19 +334,19 @@ def gpu_build(llm, **settings):
 
 
 def test_on_a_gpu_the_cross_attention_gets_its_capturable_kernel_and_the_decoder_is_captured(served):
-    """Where decode steps replay CUDA graphs, select gives the cross-attention the ``dense`` kernel over ``sdpa`` (which
-    reads lengths on the host) and the compile stage declares the decode graphs; a preference for ``sdpa`` keeps the
+    """Where decode steps replay CUDA graphs, select gives the cross-attention the ``triton`` kernel (the paged decode
+    kernel over each sequence's own blocks) over ``sdpa`` (which reads lengths on the host) and the compile stage declares the decode graphs; a preference for ``sdpa`` keeps the
     decoder eager, and the build names the capturable kernel to choose instead."""
     _, llm = served
     selected, compiled, context, cross = gpu_build(llm)
-    assert cross == [torch.ops.autodeploy.cached_cross_attention_dense.default] * 2
-    assert any("cached_cross_attention ×2 → cached_cross_attention_dense" in line and "sdpa: reads device tensors on the host"
+    assert cross == [torch.ops.autodeploy.cached_cross_attention_triton.default] * 2
+    assert any("cached_cross_attention ×2 → cached_cross_attention_triton" in line and "sdpa: reads device tensors on the host"
                in line for line in selected.details)
     assert context.decode_graph_batch_sizes and compiled.notes.startswith("decode CUDA graphs at")
     _, compiled, context, cross = gpu_build(llm, backends={"cached_cross_attention": ["sdpa"]})
     assert cross == [torch.ops.autodeploy.cached_cross_attention_sdpa.default] * 2 and context.decode_graph_batch_sizes == ()
     assert compiled.notes == "no CUDA graphs: kernels that sync with the host"
-    assert "choose capturable kernels (backends: {cached_cross_attention: [dense]})" in compiled.details[-1]
+    assert "choose capturable kernels (backends: {cached_cross_attention: [triton, dense]})" in compiled.details[-1]
     _, _, context, cross = gpu_build(llm, compile={"backend": "none"})  # eager anyway: the first supported kernel
     assert cross == [torch.ops.autodeploy.cached_cross_attention_sdpa.default] * 2
 

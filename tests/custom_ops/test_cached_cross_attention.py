@@ -311,7 +311,7 @@ def test_reference_rejects_an_encoder_length_past_its_block_table():
 
 
 def test_sdpa_and_dense_are_candidates_for_every_call_and_only_dense_is_captured():
-    (sdpa, dense, reference) = candidates("cached_cross_attention")
+    (sdpa, _, dense, reference) = candidates("cached_cross_attention")
     assert (sdpa.name, dense.name, reference.name) == ("sdpa", "dense", "reference")
     assert sdpa.op is torch.ops.autodeploy.cached_cross_attention_sdpa.default
     assert dense.op is torch.ops.autodeploy.cached_cross_attention_dense.default
@@ -402,3 +402,36 @@ def test_export_writes_the_cross_cache_and_reads_it_with_a_dynamic_token_count()
 def test_module_docstring_example():
     results = doctest.testmod(cross_module)
     assert results.attempted > 0 and results.failed == 0
+
+
+from tests.custom_ops.test_paged_attention_triton import interpreter_loops_with_numpy_2_4  # noqa: E402,F401  (autouse)
+
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: Triton's interpreter (tests/conftest.py)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+       spare=st.integers(0, 2), kv_heads=st.sampled_from([1, 2, 4]))
+def test_triton_serves_a_padded_decode_graph_batch_from_the_blocks_in_place(seed, lengths, spare, kv_heads):
+    """The paged decode kernel over each sequence's own encoder positions: equal to the reference, spare rows zeros."""
+    from autodeploy.custom_ops.cached_cross_attention import cached_cross_attention_triton
+
+    args = graph_decode_batch(seed, lengths, len(lengths) + spare, max_blocks=12, kv_heads=kv_heads)
+    out = cached_cross_attention_triton(*(a.to(TRITON_DEVICE) for a in args[:6]), args[6]).cpu()
+    real = len(lengths)
+    trimmed = (args[0][:, :real], *args[1:3], args[3][: real + 1], args[4][:real], args[5][:real],
+               torch.tensor([0, real, 1, max(lengths)], dtype=torch.int32))
+    torch.testing.assert_close(out[:, :real], cached_cross_attention_reference(*trimmed), atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[:, real:], torch.zeros_like(out[:, real:]))
+
+
+def test_triton_hands_steps_with_prefill_chunks_to_dense_and_is_a_capturable_candidate_on_cuda_only():
+    from autodeploy.custom_ops.cached_cross_attention import cached_cross_attention_triton
+
+    args, _, _ = cross_batch(3, [(3, 7), (1, 2)], [9, 4])
+    torch.testing.assert_close(cached_cross_attention_triton(*args), cached_cross_attention_reference(*args), atol=1e-5, rtol=1e-5)
+    triton = next(b for b in candidates("cached_cross_attention") if b.name == "triton")
+    assert triton.capturable
+    assert "CUDA" in triton.check([*args, None, 1.0, 1.0], torch.device("cpu"))
+    meta = [a.to("meta") if a.is_floating_point() else a for a in args]
+    assert triton.check([*meta, None, 1.0, 1.0], torch.device("cuda")) is None
