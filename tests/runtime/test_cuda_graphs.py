@@ -78,7 +78,7 @@ def test_the_compile_stage_declares_sizes_only_for_capturable_gpu_graphs(llama_l
 
 def test_the_advice_for_a_graph_kept_eager_names_each_ops_capturable_kernels():
     assert _capturable_advice(["cached_attention", "cached_cross_attention", "cached_attention"]) == (
-        "choose capturable kernels (backends: {cached_attention: [triton], cached_cross_attention: [dense]}) or set "
+        "choose capturable kernels (backends: {cached_attention: [triton], cached_cross_attention: [triton, dense]}) or set "
         "compile.backend: none")
     assert _capturable_advice(["moe", "moe_expert_parallel"]).startswith("no capturable kernel serves moe_expert_parallel; ")
 
