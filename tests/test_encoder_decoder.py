@@ -427,7 +427,7 @@ def test_on_a_gpu_decode_steps_replay_captured_graphs_and_keep_hf_greedy_output(
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and all(batch.graph is not None for batch in graphs.batches.values())
     report = llm.pipeline_report()
-    assert "cached_cross_attention_dense" in report and "decode: CUDA graphs at batch sizes 1, 2, 4" in report
+    assert "cached_cross_attention_triton" in report and "decode: CUDA graphs at batch sizes 1, 2, 4" in report
     replays = record_replays(monkeypatch)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 12, 6)]
     outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
