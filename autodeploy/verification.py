@@ -299,7 +299,8 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
     if dtype in ("bfloat16", "float16") and routes_tokens(twin.config):
         dtype, note = "float32", f"compared in float32, not {dtype}: half-precision rounding flips near-tied expert choices"
     reference = _reference_model(twin.config, device, getattr(torch, dtype), factory.trust_remote_code)
-    tensors = {name: p.detach().to(getattr(torch, dtype)) for name, p in reference.named_parameters()}
+    # Every name of a tied weight: a deploy's graph may hold it apart (a T5 head its checkpoint stores, models/factory.py).
+    tensors = {name: p.detach().to(getattr(torch, dtype)) for name, p in reference.named_parameters(remove_duplicate=False)}
     twin_settings = _twin_settings(settings, device, dtype, _image_tokens_bound(twin.config))
     twin_pipeline = Pipeline(pipeline.transforms)
     weights_at = pipeline.first_index_of_stage("load_weights")
