@@ -231,6 +231,24 @@ def test_int8_weight_only_quantizes_the_encoders_linears_too_and_serves_hf_token
     assert [o.outputs[0].token_ids for o in reloaded.generate(PROMPTS, GREEDY)] == expected
 
 
+def test_a_t5_head_of_its_own_is_quantized_apart_from_its_embedding(tmp_path):
+    """T5 v1.1's head (its checkpoint stores it apart from the embedding) is an int8_wo linear of its own; the build
+    verifies against a reference whose head is its own too (HF builds the twin tied), and greedy output is Hugging Face's
+    over the same quantized weights."""
+    from autodeploy.custom_ops.quantized_linear import QuantScheme
+    from tests.transforms.test_quantize_linear import quantize_hf_weights
+
+    lively("t5_v1_1").save_pretrained(tmp_path)
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", quantize={"default": "int8_wo"})
+    # A layer: self q/k/v (fused), o; cross q, o; gate and up (fused), down. Then the head.
+    assert quantized_linears(llm.deployment.graphs["model"], "int8_wo") == 2 * 6 + 1
+    assert llm.verification.relative_error <= llm.verification.tolerance == 1e-4
+    quantized = quantize_hf_weights(model, QuantScheme("int8_wo"))
+    expected = [hf_generate_greedy(quantized, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
 def test_the_table_the_decoders_head_reads_is_stored_as_the_head_is_in_both_graphs(tmp_path):
     """``quantize.embedding: int8`` beside an int4_wo head: the shared token table stays in the model's dtype in the
     encoder graph too (as the decoder's tied head keeps it), the learned positions' tables are int8, and the build
@@ -305,8 +323,9 @@ def test_an_encoder_pass_counts_against_the_steps_token_budget(tmp_path):
 
 
 def test_pipeline_and_expert_parallelism_and_speculation_are_refused_by_name_before_anything_is_built(tmp_path):
-    """Tensor parallelism is served (tests/distributed/test_encoder_decoder_tensor_parallel.py); pipeline stages are not
-    cut for an encoder–decoder, and BART has no experts to place."""
+    """Tensor parallelism is served (tests/distributed/test_encoder_decoder_tensor_parallel.py), but not for T5 (its
+    position bias is not sliced by heads); pipeline stages are not cut for an encoder–decoder, and BART has no experts to
+    place."""
     from autodeploy.errors import ConfigError
 
     lively("bart").save_pretrained(tmp_path)
@@ -316,6 +335,9 @@ def test_pipeline_and_expert_parallelism_and_speculation_are_refused_by_name_bef
         autodeploy(str(tmp_path), device="cpu", expert_parallel=2)
     with pytest.raises(ConfigError, match=r"speculative.method='ngram'\) drafts for decoder-only models"):
         autodeploy(str(tmp_path), device="cpu", speculative={"method": "ngram", "num_tokens": 3})
+    lively("t5").save_pretrained(tmp_path / "t5")
+    with pytest.raises(ConfigError, match="t5 over tensor-parallel ranks: its relative position bias .* not sliced by heads yet"):
+        autodeploy(str(tmp_path / "t5"), device="cpu", tensor_parallel=2)
 
 
 def test_the_bench_measures_an_encoder_decoder_against_hf_generate(tmp_path):
