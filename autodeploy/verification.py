@@ -110,11 +110,13 @@ def _twin_settings(settings: DictConfig, device: str, dtype: str, image_tokens: 
     return OmegaConf.create(twin)
 
 
-def _reference_model(config, device: str, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+def _reference_model(config, device: str, dtype: torch.dtype, trust_remote_code: bool, head_apart: bool = False) -> nn.Module:
     """The twin in Hugging Face (eager attention, float32) with random weights rounded to ``dtype``.
 
     HF's own initialisation, then every 1-D parameter (norm scales, biases) is perturbed: HF starts
-    those at exactly 1 or 0, which would hide a dropped bias or a mis-read norm offset."""
+    those at exactly 1 or 0, which would hide a dropped bias or a mis-read norm offset. ``head_apart``: the deploy
+    holds its LM head apart from the token embedding (a T5 checkpoint storing it, ``models/factory.py``) where HF builds
+    the twin tied; the reference's head is then drawn afresh, so a head read from the embedding would differ."""
     torch.manual_seed(_TWIN_SEED)
     # A vision-language model's reference is the whole model: its language model's logits and its image features.
     model_class = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
@@ -125,7 +127,11 @@ def _reference_model(config, device: str, dtype: torch.dtype, trust_remote_code:
             copy.deepcopy(config), dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code
         )
     generator = torch.Generator(device=device).manual_seed(_TWIN_SEED)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     with torch.no_grad():
+        if head_apart and head is not None and head.weight is embedding.weight:
+            drawn = torch.randn(head.weight.shape, generator=generator, device=device) * embedding.weight.std()
+            head.weight = nn.Parameter(drawn)
         for parameter in model.parameters():
             if parameter.dim() == 1:
                 parameter.add_(torch.randn(parameter.shape, generator=generator, device=device), alpha=0.1)
@@ -293,12 +299,14 @@ def build_verified(pipeline: Pipeline, context: TransformContext, dump_dir=None)
     settings, factory = context.settings, context.model_factory
     began = time.perf_counter()
     device, dtype = twin_device_and_dtype(settings)
-    twin = twin_config(factory.hf_config, factory.build_meta_model(getattr(torch, settings.dtype)),
-                       layers_multiple_of=int(settings.distributed.pipeline_parallel))
+    meta_model = factory.build_meta_model(getattr(torch, settings.dtype))
+    twin = twin_config(factory.hf_config, meta_model, layers_multiple_of=int(settings.distributed.pipeline_parallel))
     note = ""
     if dtype in ("bfloat16", "float16") and routes_tokens(twin.config):
         dtype, note = "float32", f"compared in float32, not {dtype}: half-precision rounding flips near-tied expert choices"
-    reference = _reference_model(twin.config, device, getattr(torch, dtype), factory.trust_remote_code)
+    head = meta_model.get_output_embeddings()
+    head_apart = head is not None and head.weight is not meta_model.get_input_embeddings().weight
+    reference = _reference_model(twin.config, device, getattr(torch, dtype), factory.trust_remote_code, head_apart)
     tensors = {name: p.detach().to(getattr(torch, dtype)) for name, p in reference.named_parameters()}
     twin_settings = _twin_settings(settings, device, dtype, _image_tokens_bound(twin.config))
     twin_pipeline = Pipeline(pipeline.transforms)

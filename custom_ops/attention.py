@@ -1,4 +1,5 @@
-"""``torch.ops.autodeploy.attention``: causal self-attention with GQA, sliding window, soft-capping, sinks and ALiBi."""
+"""``torch.ops.autodeploy.attention``: causal self-attention with GQA, sliding window, soft-capping, sinks, ALiBi and an
+additive bias (T5's relative position bias)."""
 
 from typing import List, Optional
 
@@ -17,12 +18,14 @@ def attention_reference(
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[List[float]] = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of ``q[B, S, Hq, D]`` over ``k[B, S, Hkv, D]``, ``v[B, S, Hkv, Dv]`` → ``[B, S, Hq, Dv]``.
 
     - logits: ``scale · q_i · k_j`` per head, in float32 (float64 for float64 inputs), plus with ALiBi
       (``alibi_slopes``, one per query head) ``slope_h · (j - i)``: Bloom's ``slope · j`` and MPT's
-      ``slope · (j - S + 1)`` differ from it by a constant per query, which softmax does not see.
+      ``slope · (j - S + 1)`` differ from it by a constant per query, which softmax does not see; plus ``bias``
+      (``[1 or B, 1 or Hq, S, S]``, added as given: T5's relative position bias, ``relative_position_bias``).
     - GQA: ``Hq`` must be a multiple of ``Hkv``; query head ``h`` uses kv head ``h // (Hq // Hkv)``.
     - soft-capping (``logit_cap``, > 0): ``logits = cap · tanh(logits / cap)``, applied before masking.
     - mask: query ``i`` sees key ``j`` iff ``j ≤ i`` and, with ``sliding_window = W`` (≥ 1), ``i - W < j``.
@@ -48,14 +51,23 @@ def attention_reference(
     if sinks is not None and sinks.shape != (q_heads,):
         raise ValueError(f"attention: sinks must be [Hq={q_heads}]; got {tuple(sinks.shape)}.")
     check_alibi_slopes("attention", alibi_slopes, q_heads)
+    check_bias("attention", bias, batch, q_heads, seq, seq)
 
     positions = torch.arange(seq, device=q.device)
-    return attend(q, k, v, positions, positions, scale, sliding_window, logit_cap, sinks, alibi_slopes)
+    return attend(q, k, v, positions, positions, scale, sliding_window, logit_cap, sinks, alibi_slopes, bias=bias)
 
 
 def check_alibi_slopes(op: str, alibi_slopes: Optional[List[float]], q_heads: int) -> None:
     if alibi_slopes is not None and len(alibi_slopes) != q_heads:
         raise ValueError(f"{op}: alibi_slopes must have one slope per query head (Hq={q_heads}); got {len(alibi_slopes)}.")
+
+
+def check_bias(op: str, bias: Optional[torch.Tensor], batch: int, heads: int, queries: int, keys: int) -> None:
+    """An additive bias must broadcast to the logits ``[B, H, Sq, Sk]`` over its batch and head dims only."""
+    if bias is None:
+        return
+    if bias.dim() != 4 or bias.shape[0] not in (1, batch) or bias.shape[1] not in (1, heads) or tuple(bias.shape[2:]) != (queries, keys):
+        raise ValueError(f"{op}: bias must be [1 or B={batch}, 1 or H={heads}, Sq={queries}, Sk={keys}]; got {tuple(bias.shape)}.")
 
 
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: Optional[int] = None,
@@ -82,13 +94,15 @@ def attend(
     alibi_slopes: Optional[List[float]] = None,
     visible_also: Optional[torch.Tensor] = None,
     last_keys: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The attention arithmetic shared by the un-cached and cached references: ``q[B, Sq, Hq, D]`` at
     ``query_positions[Sq]`` over ``k[B, Sk, Hkv, D]``/``v`` at ``key_positions[Sk]``, masked causally
     (and by the window) on those absolute positions, and by ``visible_also[Sq, Sk]`` where given (a tree
     verification's: ``cached_attention``'s ``tree_mask``). ``last_keys[Sq]``: the last key position each query
     sees, where past its own (a bidirectional block's: ``cached_attention``'s ``attend_until``); the window
-    still counts back from the query's own position. Every query must see at least one key."""
+    still counts back from the query's own position. ``bias`` (broadcast to ``[B, Hq, Sq, Sk]``) is added to the
+    logits with ALiBi's, before soft-capping. Every query must see at least one key."""
     batch, _, q_heads, _ = q.shape
     kv_heads = k.shape[2]
     dtype = compute_dtype(q.dtype)
@@ -99,6 +113,8 @@ def attend(
     if alibi_slopes is not None:
         slopes = torch.tensor(alibi_slopes, dtype=dtype, device=q.device).view(1, q_heads, 1, 1)
         logits = logits + slopes * (key_positions[None, :] - query_positions[:, None]).to(dtype)
+    if bias is not None:
+        logits = logits + bias.to(dtype)
     if logit_cap is not None:
         logits = logit_cap * torch.tanh(logits / logit_cap)
 
@@ -116,7 +132,7 @@ def attend(
     return out.to(q.dtype).contiguous()
 
 
-def attention_fake(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None):
+def attention_fake(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, bias=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

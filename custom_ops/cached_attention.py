@@ -30,6 +30,10 @@ Layout and metadata (N sequences, T new tokens in all):
   (causal). A block's tokens all name the block's last position, so they see one another; a prompt chunk always
   holds the rest of a block it starts (``runtime/scheduler.py``), so the keys a token sees are cached or new in
   its chunk. A sliding window still counts back from the token's own position.
+- ``distance_bias[Hq, L]`` (optional: only graphs of models with a relative position bias have it, T5's decoder):
+  added to the logit of query position ``i`` and key position ``j`` (``j ≤ i``) as ``distance_bias[h, i - j]``;
+  ``L`` must exceed every sequence's last position. The cache stage computes it from the model's bias table
+  (``relative_position_bias_by_distance``), once a forward for all layers. Not with ``attend_until``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from .registry import arguments_tuple, register_backend, register_op
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
 FP8_CACHE_MAX = 448.0  # float8_e4m3fn's largest finite value: a cache stores values (over its scale) saturated to it
+# Why a kernel without a relative position bias refuses a layer that has one (select then gives it the next candidate).
+DISTANCE_BIAS_REFUSAL = "no relative position bias (distance_bias, T5's) in this kernel"
 
 
 def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -105,13 +111,16 @@ def cached_attention_reference(
     v_scale: float = 1.0,
     tree_mask: Optional[torch.Tensor] = None,
     attend_until: Optional[torch.Tensor] = None,
+    distance_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write this step's ``k``/``v`` into the caches, then attend each new token over its sequence's
     cached tokens with the ``attention`` op's semantics (causal on absolute positions, GQA, window,
-    soft-cap, sinks, ALiBi; a tree chunk's ``tree_mask``; bidirectional blocks' ``attend_until``).
+    soft-cap, sinks, ALiBi; a tree chunk's ``tree_mask``; bidirectional blocks' ``attend_until``; a relative
+    position bias by distance, ``distance_bias``).
     ``k_scale`` / ``v_scale``: the layer's fp8 cache scales (a stored value times its scale is the value).
     Returns ``[1, T, Hq, Dv]`` in ``q``'s dtype. The oracle: one sequence at a time."""
     check_alibi_slopes("cached_attention", alibi_slopes, q.shape[2])
+    check_distance_bias("cached_attention", distance_bias, q.shape[2], kv_lens, attend_until)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     starts = seq_start.tolist()
@@ -122,11 +131,33 @@ def cached_attention_reference(
         keys, values = read_back(keys, dtype, k_scale)[None], read_back(values, dtype, v_scale)[None]
         key_positions = torch.arange(kv_len, device=q.device)
         query_positions = key_positions[kv_len - (last - first) :]
+        bias = None if distance_bias is None else bias_by_distance(distance_bias, query_positions, key_positions)[None]
         out[:, first:last] = attend(
             q[:, first:last], keys, values, query_positions, key_positions, scale, sliding_window, logit_cap, sinks,
-            alibi_slopes, tree_visibility(tree_mask, first, last, kv_len), last_keys(attend_until, first, last),
+            alibi_slopes, tree_visibility(tree_mask, first, last, kv_len), last_keys(attend_until, first, last), bias,
         )
     return out
+
+
+def check_distance_bias(op: str, distance_bias: Optional[torch.Tensor], q_heads: int, kv_lens: torch.Tensor,
+                        attend_until: Optional[torch.Tensor]) -> None:
+    """``distance_bias`` must be ``[Hq, L]`` with ``L`` past every sequence's last position, and not meet keys after a
+    query (``attend_until``), whose distances it has no column for."""
+    if distance_bias is None:
+        return
+    longest = int(kv_lens.max()) if kv_lens.numel() else 0
+    if distance_bias.dim() != 2 or distance_bias.shape[0] != q_heads or distance_bias.shape[1] < longest:
+        raise ValueError(f"{op}: distance_bias must be [Hq={q_heads}, L ≥ {longest} (the longest sequence)]; got "
+                         f"{tuple(distance_bias.shape)}.")
+    if attend_until is not None:
+        raise ValueError(f"{op}: distance_bias is by distance back from the query; it cannot bias keys after it (attend_until).")
+
+
+def bias_by_distance(distance_bias: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """``[Hq, Sq, Sk]``: ``distance_bias[h, i - j]`` for query position ``i`` and key position ``j``; keys after the query
+    (hidden by the causal mask) read column 0."""
+    distance = (query_positions[:, None] - key_positions[None, :]).clamp(min=0)
+    return distance_bias[:, distance]
 
 
 def last_keys(attend_until: Optional[torch.Tensor], first: int, last: int) -> Optional[torch.Tensor]:
@@ -200,6 +231,8 @@ def _triton_backend(*args, **kwargs):
 def _triton_supports(*args, device, **kwargs):
     from .triton import triton_unavailable
 
+    if CachedAttentionArgs(*args, **kwargs).distance_bias is not None:
+        return DISTANCE_BIAS_REFUSAL
     reason = triton_unavailable(device)
     if reason:
         return reason

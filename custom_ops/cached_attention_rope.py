@@ -34,7 +34,7 @@ import inspect
 
 import torch
 
-from .cached_attention import SIGNATURE, CachedAttentionArgs, cached_attention_reference
+from .cached_attention import DISTANCE_BIAS_REFUSAL, SIGNATURE, CachedAttentionArgs, cached_attention_reference
 from .cached_attention_sdpa import cached_attention_sdpa
 from .registry import arguments_tuple, register_backend, register_op
 from .rope import rope_reference, rope_torch
@@ -107,6 +107,8 @@ def _triton_backend(*args, **kwargs):
 def _triton_supports(*args, device, **kwargs):
     from .triton import triton_unavailable
 
+    if CachedAttentionRopeArgs(*args, **kwargs).distance_bias is not None:
+        return DISTANCE_BIAS_REFUSAL
     reason = triton_unavailable(device)
     if reason:
         return reason

@@ -6,8 +6,9 @@ but each chunk's attention is one
 ``scaled_dot_product_attention`` call with ``enable_gqa`` (no copy of the KV heads per query head, no
 float32 logits tensor), which halves attention time on CPUs (8 decodes × 200 tokens, 6/2 heads ×
 64: 1.32 → 0.70 ms per layer, measured). SDPA has no soft-capping or sinks: its ``supports`` refuses
-layers with either, so ``select`` gives them the next candidate. ALiBi joins the boolean mask as a float
-bias (``slope_h · (j - i)`` where visible, -inf elsewhere). The decodes (one token each, the last
+layers with either, so ``select`` gives them the next candidate. ALiBi and a relative position bias
+(``distance_bias``, T5's) join the boolean mask as a float bias (``slope_h · (j - i)`` and ``distance_bias[h, i - j]``
+where visible, -inf elsewhere). The decodes (one token each, the last
 ``batch_info[1]`` sequences) are one batched call over their keys padded to the longest: at batch 8 the
 per-sequence loop was half of a CPU decode step.
 """
@@ -18,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention import check_alibi_slopes, visible_keys
-from .cached_attention import (CachedAttentionArgs, gather_sequence_kv, last_keys, read_back, tree_visibility,
-                              write_kv_cache)
+from .cached_attention import (CachedAttentionArgs, bias_by_distance, check_distance_bias, gather_sequence_kv, last_keys,
+                              read_back, tree_visibility, write_kv_cache)
 from .registry import register_backend
 
 
@@ -33,18 +34,21 @@ def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
         raise ValueError("cached_attention_sdpa: SDPA has no soft-capping or sinks; use the reference or triton backend.")
     check_alibi_slopes("cached_attention_sdpa", call.alibi_slopes, q.shape[2])
     slopes = None if call.alibi_slopes is None else torch.tensor(call.alibi_slopes, dtype=torch.float32, device=q.device)[:, None, None]
+    distance_bias = call.distance_bias
+    check_distance_bias("cached_attention_sdpa", distance_bias, q.shape[2], call.kv_lens, call.attend_until)
     write_kv_cache(k, v, k_cache, v_cache, call.slot_mapping, call.k_scale, call.v_scale)
     num_prefill, num_decode = call.batch_info.tolist()[:2]
     if num_prefill == 0 and q.shape[1] == num_decode:  # decodes only: their batch is the whole output (a CPU step counts its ops)
         attended = _decode_batch(q[0], k_cache, v_cache, call.block_tables, call.kv_lens.tolist(), scale, sliding_window,
-                                 slopes, call.k_scale, call.v_scale)
+                                 slopes, call.k_scale, call.v_scale, distance_bias)
         return attended[None]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     starts, lengths = call.seq_start.tolist(), call.kv_lens.tolist()
     # A prompt with nothing cached before it attends over its own new keys, causally: no gather from the
     # cache and no mask to build (SDPA's own causal kernel). It reads k and v as given, so only when the
-    # cache holds them unconverted, and only without a window or ALiBi, which need the explicit mask.
-    plain = sliding_window is None and slopes is None and k_cache.dtype == k.dtype and v_cache.dtype == v.dtype
+    # cache holds them unconverted, and only without a window, ALiBi or a bias, which need the explicit mask.
+    plain = (sliding_window is None and slopes is None and distance_bias is None and k_cache.dtype == k.dtype
+             and v_cache.dtype == v.dtype)
     fresh = [plain and lengths[s] == starts[s + 1] - starts[s]
              and tree_visibility(call.tree_mask, starts[s], starts[s + 1], lengths[s]) is None
              and last_keys(call.attend_until, starts[s], starts[s + 1]) is None
@@ -66,7 +70,7 @@ def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
         keys, values = gather_sequence_kv(k_cache, v_cache, call.block_tables[s], kv_len)
         keys, values = read_back(keys, q.dtype, call.k_scale).transpose(0, 1), read_back(values, q.dtype, call.v_scale).transpose(0, 1)  # [Hkv, kv_len, D]
         mask = None
-        if last - first > 1 or sliding_window is not None or slopes is not None:
+        if last - first > 1 or sliding_window is not None or slopes is not None or distance_bias is not None:
             query_pos = torch.arange(kv_len - (last - first), kv_len, device=q.device)
             key_pos = torch.arange(kv_len, device=q.device)
             # a bidirectional block's tokens see past themselves (last_keys)
@@ -74,8 +78,9 @@ def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
             tree = tree_visibility(call.tree_mask, first, last, kv_len)  # a tree verification chunk's
             if tree is not None:
                 mask &= tree
-            if slopes is not None:  # [Hq, q_len, kv_len] float bias; SDPA adds it to the scaled logits
-                mask = (slopes * (key_pos[None, :] - query_pos[:, None])).masked_fill(~mask, float("-inf")).to(q.dtype)
+            bias = _float_bias(slopes, distance_bias, query_pos, key_pos)
+            if bias is not None:  # [Hq, q_len, kv_len] float bias; SDPA adds it to the scaled logits
+                mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
         attended = F.scaled_dot_product_attention(
             q[0, first:last].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -84,9 +89,22 @@ def cached_attention_sdpa(*args, **kwargs) -> torch.Tensor:
         first = starts[num_prefill]
         out[0, first : first + num_decode] = _decode_batch(
             q[0, first : first + num_decode], k_cache, v_cache, call.block_tables[num_prefill:], lengths[num_prefill:],
-            scale, sliding_window, slopes, call.k_scale, call.v_scale,
+            scale, sliding_window, slopes, call.k_scale, call.v_scale, distance_bias,
         )
     return out
+
+
+def _float_bias(slopes, distance_bias, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor | None:
+    """``[Hq, Sq, Sk]`` (or None without either): ALiBi's ``slope_h · (j - i)`` plus ``distance_bias[h, i - j]``, in
+    float32 (``distance_bias``'s dtype where wider) for query positions ``query_pos`` and key positions ``key_pos``."""
+    bias = None
+    if slopes is not None:
+        bias = slopes * (key_pos[None, :] - query_pos[:, None])
+    if distance_bias is not None:
+        by_distance = bias_by_distance(distance_bias, query_pos, key_pos)
+        by_distance = by_distance.to(torch.promote_types(by_distance.dtype, torch.float32))
+        bias = by_distance if bias is None else bias + by_distance
+    return bias
 
 
 def _same_length_prompts(q, k, v, out, first, count, length, scale) -> None:
@@ -98,8 +116,8 @@ def _same_length_prompts(q, k, v, out, first, count, length, scale) -> None:
     out[0, span] = attended.transpose(1, 2).flatten(0, 1)
 
 
-def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_window, slopes, k_scale=1.0, v_scale=1.0
-                  ) -> torch.Tensor:
+def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_window, slopes, k_scale=1.0, v_scale=1.0,
+                  distance_bias=None) -> torch.Tensor:
     """The decodes' attention as one SDPA call over their keys padded to the longest (masked past each
     one's length): one gather and one kernel instead of a loop of small ones. ``q[B, Hq, D]`` → ``[B, Hq, Dv]``."""
     longest = max(lengths)
@@ -109,7 +127,8 @@ def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_win
         read_back(cache.index_select(0, blocks).view(len(lengths), -1, *cache.shape[2:])[:, :longest], q.dtype, cache_scale)
         .transpose(1, 2) for cache, cache_scale in ((k_cache, k_scale), (v_cache, v_scale))
     )  # [B, Hkv, L, D], read back from an fp8 cache into q's dtype
-    if min(lengths) == longest and slopes is None and (sliding_window is None or longest <= sliding_window):
+    unbiased = slopes is None and distance_bias is None
+    if min(lengths) == longest and unbiased and (sliding_window is None or longest <= sliding_window):
         # Every decode sees all of its keys (one sequence, or a batch of prompts of one length): no padding, no mask.
         return F.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
     query_pos = torch.tensor(lengths, device=q.device) - 1  # each decode's one query sits at its last position
@@ -119,8 +138,9 @@ def _decode_batch(q, k_cache, v_cache, block_tables, lengths, scale, sliding_win
     hidden = ~visible[:, None, :, None]
     keys, values = keys.masked_fill(hidden, 0), values.masked_fill(hidden, 0)
     mask = visible[:, None, None, :]  # [B, 1, 1, L]
-    if slopes is not None:  # [B, Hq, 1, L] float bias
-        mask = (slopes[None] * (key_pos[None, :] - query_pos[:, None])[:, None, None, :]).masked_fill(~mask, float("-inf")).to(q.dtype)
+    if not unbiased:  # [B, Hq, 1, L] float bias: each decode's one query row
+        bias = _float_bias(slopes, distance_bias, query_pos, key_pos)  # [Hq or 1, B, L]
+        mask = bias.transpose(0, 1)[:, :, None, :].masked_fill(~mask, float("-inf")).to(q.dtype)
     attended = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return attended[:, :, 0]
 

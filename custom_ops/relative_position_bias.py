@@ -1,10 +1,13 @@
-"""``torch.ops.autodeploy.relative_position_bias``: T5's bucketed relative position bias, ``[1, H, Sq, Sk]``.
+"""``torch.ops.autodeploy.relative_position_bias``: T5's bucketed relative position bias, ``[1, H, Sq, Sk]``; and
+``relative_position_bias_by_distance``: the same bias as a table by distance, ``[H, L]``.
 
 T5 has no position embeddings: the first layer of each stack looks a learned ``table[num_buckets, H]`` up at the
 bucket of every (query, key) distance, and every layer adds the result to its attention logits. The match stage
-turns HF's ``T5Attention.compute_bias`` subgraph into this op; the cache stage then hands its table and bucket
-parameters to the attention kernels, which compute the bucket per (query, key) pair from the positions they
-already hold, since a ``[B, H, Sq, Sk]`` tensor cannot be paged (notes/encoder_decoder.md, section 3).
+turns HF's ``T5Attention.compute_bias`` subgraph into ``relative_position_bias``, which the attention patterns take
+as the ``bias`` of ``attention`` / ``bidirectional_attention``. A ``[B, H, Sq, Sk]`` tensor cannot be paged, but a
+causal attention's bias depends only on how far back a key is: the cache stage turns the decoder's bias into
+``relative_position_bias_by_distance`` (one row per head, one column per distance up to ``max_seq_len``), which
+``cached_attention`` reads as its ``distance_bias``.
 """
 
 import math
@@ -91,4 +94,30 @@ relative_position_bias = register_op(
     relative_position_bias_reference,
     relative_position_bias_fake,
     example_inputs=(torch.ones(8, 2, dtype=torch.bfloat16), torch.arange(3), torch.arange(4), True, 16),
+)
+
+
+def relative_position_bias_by_distance_reference(
+    table: torch.Tensor, length: int, bidirectional: bool, max_distance: int
+) -> torch.Tensor:
+    """``out[h, d] = table[bucket(-d), h]`` for distances ``d = query_position - key_position`` in ``0 … length - 1``
+    → ``[H, length]``: ``relative_position_bias``'s value for every key at or before its query, which is all a causal
+    attention sees (``cached_attention``'s ``distance_bias``). A gather, exact in ``table``'s dtype."""
+    if table.dim() != 2 or length < 1:
+        raise ValueError(f"relative_position_bias_by_distance: table must be [num_buckets, H] and length ≥ 1; got "
+                         f"{tuple(table.shape)} and {length}.")
+    distances = torch.arange(length, device=table.device)
+    bucket = relative_position_bucket(-distances, bidirectional, table.shape[0], max_distance)
+    return F.embedding(bucket, table).t().contiguous()
+
+
+def relative_position_bias_by_distance_fake(table, length, bidirectional, max_distance):
+    return table.new_empty((table.shape[1], length))
+
+
+relative_position_bias_by_distance = register_op(
+    "relative_position_bias_by_distance",
+    relative_position_bias_by_distance_reference,
+    relative_position_bias_by_distance_fake,
+    example_inputs=(torch.ones(8, 2, dtype=torch.bfloat16), 5, False, 16),
 )

@@ -24,6 +24,12 @@ An SDPA with neither a mask nor ``is_causal`` (an encoder's: a vision tower's), 
 nothing for every length (a text encoder's over its unpadded input: evaluated as below), becomes
 ``bidirectional_attention(q, k, v, scale)`` likewise, which the cache stage leaves alone.
 
+**T5's relative position bias.** HF's SDPA path folds it into the mask: ``where(visible, bias, finfo.min)``. Once
+the ``relative_position_bias`` rewrite (registered first in this family) has made ``bias`` its canonical op, such a
+mask is read as ``visible`` (evaluated as below) and ``bias`` becomes the op's ``bias`` argument: of
+``bidirectional_attention`` in T5's encoder, of the causal ``attention`` in its decoder (scale 1.0, as given).
+Another bias folded into a mask is left as exported.
+
 Each becomes ``transpose(attention(transpose(q, 1, 2), transpose(k, 1, 2), transpose(v, 1, 2), scale,
 sliding_window, logit_cap, sinks), 1, 2)``: the op takes and returns ``[B, S, H, D]`` and does GQA
 itself, so ``repeat_kv`` goes; ``cleanup_transposes`` later folds the transposes into HF's own.
@@ -70,6 +76,8 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 
 import autodeploy.custom_ops  # noqa: F401  (registers torch.ops.autodeploy.attention)
+# Registers its rewrite in this family before the attention walks below, which read the op it leaves.
+from autodeploy.patterns import relative_position_bias  # noqa: F401
 from autodeploy.patterns.graph_walk import (DTYPE_CASTS, VIEWS, NoMatch, Walk, is_call, node_value, require,
                                            same_size)
 from autodeploy.patterns.registry import register_rewrite
@@ -79,6 +87,7 @@ logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
+_POSITION_BIASES = {torch.ops.autodeploy.relative_position_bias.default}
 _PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack")
 _HIDING_FILL = -1e4
 # Longest mask probe evaluated: a [1, 1, N, N] mask and its intermediates, ~10 × N² bytes.
@@ -264,6 +273,7 @@ class AttentionMatch:
     k_layout: str = "bhsd"  # "bshd": ``k`` is already [B, S, Hkv, D] (its kᵀ was one permute)
     bidirectional: bool = False  # no mask at all: an encoder's attention (``bidirectional_attention``)
     output_layout: str = "bhsd"  # "bh_sd": the replaced value is [B·H, S, D] (Bloom's bmm)
+    bias: Node | None = None  # a relative_position_bias added to the logits (T5)
 
 
 class _Walk(Walk):
@@ -345,6 +355,7 @@ def _match_sdpa(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     arguments = walk.step(node, {aten.scaled_dot_product_attention.default}, "scaled_dot_product_attention")
     require(arguments["dropout_p"] == 0.0, f"{node} has dropout")
     mask, is_causal = arguments["attn_mask"], arguments["is_causal"]
+    mask, bias = _position_bias(walk, mask)
     bidirectional = mask is None and is_causal is False  # an encoder's (a vision tower's): every key
     if mask is None:
         window = None
@@ -359,7 +370,20 @@ def _match_sdpa(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
     if scale is None:
         scale = node_value(q).shape[-1] ** -0.5
     return walk.finish(q, k, v, node, scale=float(scale), sliding_window=window, logit_cap=None, sinks=None,
-                       bidirectional=bidirectional)
+                       bidirectional=bidirectional, bias=bias)
+
+
+def _position_bias(walk: _Walk, mask) -> tuple:
+    """``where(visible, bias, min)`` of a boolean mask and a ``relative_position_bias`` (HF's SDPA path for T5) →
+    ``(visible, bias)``; any other mask → ``(mask, None)``."""
+    if not (is_call(mask, {aten.where.ScalarOther}) and is_call(mask.args[1], _POSITION_BIASES)):
+        return mask, None
+    chosen = walk.step(mask, {aten.where.ScalarOther}, "where(visible, bias, min)")
+    fill, visible, bias = _number(chosen["other"]), chosen["condition"], chosen["input"]
+    require(fill is not None and fill <= _HIDING_FILL, f"{mask} fills hidden logits with {chosen['other']}")
+    require(node_value(visible).dtype == torch.bool and node_value(bias).dim() == 4,
+            f"{mask} is not a boolean mask choosing a [1, H, Sq, Sk] bias")
+    return visible, bias
 
 
 def _number(argument) -> float | None:
@@ -572,11 +596,14 @@ def _replace(graph: Graph, match: AttentionMatch) -> None:
         q, v = (_call(graph, aten.transpose.int, (x, 1, 2)) for x in (match.q, match.v))
         k = match.k if match.k_layout == "bshd" else _call(graph, aten.transpose.int, (match.k, 1, 2))
         if match.bidirectional:
-            out = _call(graph, torch.ops.autodeploy.bidirectional_attention.default, (q, k, v, match.scale))
+            bias = () if match.bias is None else (match.bias,)
+            out = _call(graph, torch.ops.autodeploy.bidirectional_attention.default, (q, k, v, match.scale, *bias))
         else:
             options = (match.scale, match.sliding_window, match.logit_cap, match.sinks)
-            if match.alibi_slopes is not None:
+            if match.alibi_slopes is not None or match.bias is not None:
                 options += (match.alibi_slopes,)
+            if match.bias is not None:
+                options += (match.bias,)
             out = _call(graph, torch.ops.autodeploy.attention.default, (q, k, v, *options))
         result = _call(graph, aten.transpose.int, (out, 1, 2))
         added = [n for n in (q, k, v) if n not in (match.q, match.k, match.v)] + [out, result]

@@ -5,6 +5,8 @@ in bfloat16/float16 models (in float32 they are no-ops and cleanup removes them)
 
     Llama, Mistral, Qwen2, Qwen3 (also its per-head q/k norms on [B, S, H, D]), Mixtral, Phi-3:
         h = to(x, f32)?;  h = h * rsqrt(mean(pow(h, 2), [-1], True) + eps);  out = weight * to(h, x.dtype)?
+    T5 (T5LayerNorm: x itself times the float32 rsqrt, which promotes it):
+        h = x * rsqrt(mean(pow(to(x, f32)?, 2), [-1], True) + eps);  out = weight * to(h, weight.dtype)?
     Gemma, Gemma-2 (the weight is stored as w - 1):
         h = to(x, f32)?;  h = h * rsqrt(mean(pow(h, 2), [-1], True) + eps);  out = type_as(h * (to(weight, f32)? + 1.0), x)
     nn.LayerNorm (GPT-NeoX, ...):   layer_norm(x, [H], weight?, bias?, eps, False)   (one pattern per None)
@@ -58,6 +60,11 @@ def rms_norm_replacement(x, weight, eps):
     return torch.ops.autodeploy.rms_norm(x, weight, eps)
 
 
+def rms_norm_t5(x, weight, eps):
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps)).to(weight.dtype)
+
+
 def layer_norm(x, weight, bias, eps, hidden_size):
     return F.layer_norm(x, [hidden_size], weight, bias, eps)
 
@@ -92,6 +99,9 @@ _x, _vector = torch.empty(2, 3, 8), torch.empty(8)  # 8: the example hidden size
 register_pattern("rms_norm_gemma", rms_norm_gemma, rms_norm_gemma_replacement, [_x, _vector],
                  family="norm", scalar_workaround=_EPS, extra_check=_weight_fits)
 register_pattern("rms_norm_llama", rms_norm_llama, rms_norm_replacement, [_x, _vector],
+                 family="norm", scalar_workaround=_EPS, extra_check=_weight_fits)
+# In float32 T5's spelling is Llama's (no casts), which matches it first.
+register_pattern("rms_norm_t5", rms_norm_t5, rms_norm_replacement, [_x, _vector],
                  family="norm", scalar_workaround=_EPS, extra_check=_weight_fits)
 register_pattern("layer_norm", layer_norm, layer_norm_replacement, [_x, _vector, _vector],
                  family="norm", scalar_workaround=_EPS_AND_WIDTH)

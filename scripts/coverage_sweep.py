@@ -155,7 +155,7 @@ neighbour, docs/trust.md). Every model type in transformers' `MODEL_FOR_CAUSAL_L
 checkpoint (`tests/sweep_models.py`), deployed with the default pipeline (build-time verification on) on the CPU in
 float32, compared with HF eager attention; the served vision-language families (Gemma 3, LLaVA with CLIP and with
 SigLIP towers) as `tests/tiny_vision_models.py` builds them, their greedy tokens compared with one and with two images;
-the encoder–decoders (`… (seq2seq)`: BART, mBART served, T5 refused) as `tests/tiny_seq2seq_models.py` builds them, their
+the encoder–decoders (`… (seq2seq)`: BART, mBART, T5 v1.0 and v1.1) as `tests/tiny_seq2seq_models.py` builds them, their
 logit error the build's verification's, their greedy tokens compared with Hugging Face's `generate` for three inputs.
 *exact*: relative logit error ≤ 1e-4 and 8 greedy tokens identical;
 *refused*: a typed error; *wrong*: served differently or a raw exception; *n/a*: transformers cannot run the tiny config.

@@ -64,7 +64,7 @@ TOLERANCE = 1e-4  # verify.tolerance.float32
 VISION_LANGUAGE = {"gemma3": None, "llava": "clip", "llava (siglip)": "siglip"}
 # Encoder–decoders (``…ForConditionalGeneration``; their causal-LM classes are the decoder alone, refused above): swept
 # as tests/tiny_seq2seq_models.py builds them, greedy against Hugging Face's ``generate``.
-ENCODER_DECODERS = {"bart (seq2seq)": "bart", "mbart (seq2seq)": "mbart", "t5 (seq2seq)": "t5"}
+ENCODER_DECODERS = {"bart (seq2seq)": "bart", "mbart (seq2seq)": "mbart", "t5 (seq2seq)": "t5", "t5_v1_1 (seq2seq)": "t5_v1_1"}
 
 
 def sweep_model_types() -> list[str]:
@@ -196,12 +196,14 @@ def sweep_vision_language(model_type: str, entry: dict, reached_autodeploy) -> d
 def sweep_encoder_decoder(model_type: str, entry: dict, reached_autodeploy) -> dict:
     """A served encoder–decoder family: its tiny checkpoint deployed (the build verifies the decoder's logits, its
     cross-attention reading the encoder's output, against Hugging Face's: the entry's relative error), and greedy
-    tokens for three inputs against Hugging Face's ``generate``."""
+    tokens for three inputs against Hugging Face's ``generate`` of the checkpoint as Hugging Face loads it."""
+    from transformers import AutoModelForSeq2SeqLM
+
     from tests.tiny_seq2seq_models import hf_generate_greedy, lively
 
     with tempfile.TemporaryDirectory() as directory:
-        model = lively(ENCODER_DECODERS[model_type])
-        model.save_pretrained(directory)
+        lively(ENCODER_DECODERS[model_type]).save_pretrained(directory)
+        model = AutoModelForSeq2SeqLM.from_pretrained(directory).eval()
         reached_autodeploy()
         llm, entry = _deployed(directory, entry)
         if llm is None:

@@ -1,20 +1,24 @@
 """The two functions an encoder–decoder checkpoint is exported as (``export/encoder_decoder.py``), on tiny random
-BART and mBART: the encoder's cross keys and values fed to the decoder give Hugging Face's logits, positions are
-the ones given, both export with their dims dynamic, and other encoder–decoders are refused by name."""
+BART, mBART and T5 (v1.0 and v1.1): the encoder's cross keys and values fed to the decoder give Hugging Face's logits,
+positions are the ones given, both export with their dims dynamic, the match and cache stages keep HF's logits (T5's
+relative position bias an input of the attention ops), and other encoder–decoders are refused by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import BartConfig, GPT2Config, T5Config
+from transformers import BartConfig, GPT2Config, LongT5Config, T5Config, UMT5Config
 
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.export.encoder_decoder import EncoderCrossKV, EncoderDecoderLogits
 from autodeploy.export.export import export_to_graph_module
-from autodeploy.models.encoder_decoder import encoder_decoder_spec
-from tests.tiny_seq2seq_models import TINY, tiny
+from autodeploy.models.encoder_decoder import cross_attentions, encoder_decoder_spec
+from tests.tiny_seq2seq_models import TINY, TINY_T5, TINY_T5_V1_1, tiny
 
-@pytest.mark.parametrize("kind", ["bart", "mbart"])
+KINDS = ["bart", "mbart", "t5", "t5_v1_1"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_decoder_reading_the_encoders_cross_keys_and_values_gives_hugging_faces_logits(kind):
     model = tiny(kind)
     spec = encoder_decoder_spec(model.config)
@@ -26,7 +30,8 @@ def test_the_decoder_reading_the_encoders_cross_keys_and_values_gives_hugging_fa
         assert keys.shape == values.shape == (2, 2, 11, 4, 8)  # [layers, B, S, heads, head_dim]
         logits = EncoderDecoderLogits(model, spec)(target, torch.arange(7).expand(2, 7), keys, values)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    assert "forward" not in vars(model.get_decoder().embed_positions)  # the Hugging Face modules are left as they were
+    patched = [*cross_attentions(model, spec), getattr(model.get_decoder(), "embed_positions", None)]
+    assert not any("forward" in vars(module) for module in patched if module is not None)  # HF's modules are as they were
 
 
 def test_the_decoders_positions_are_the_ones_given():
@@ -47,7 +52,7 @@ def test_the_decoders_positions_are_the_ones_given():
     assert not torch.allclose(at_five, at_start)
 
 
-@pytest.mark.parametrize("kind", ["bart", "mbart"])
+@pytest.mark.parametrize("kind", ["bart", "t5"])
 def test_both_functions_export_with_their_dims_dynamic(kind):
     model = tiny(kind)
     spec = encoder_decoder_spec(model.config)
@@ -69,20 +74,25 @@ def test_which_configs_are_encoder_decoders_autodeploy_exports():
     spec = encoder_decoder_spec(BartConfig(**TINY))
     assert (spec.model_type, spec.decoder_start_token_id, spec.num_layers, spec.num_heads, spec.head_dim) == ("bart", 2, 2, 4, 8)
     assert encoder_decoder_spec(GPT2Config()) is None
-    with pytest.raises(UnsupportedModelError, match=r"T5Config \(t5\) is an encoder-decoder model; .*relative position bias"):
-        encoder_decoder_spec(T5Config(), "t5-small")
+    t5 = encoder_decoder_spec(T5Config(**TINY_T5))
+    assert (t5.decoder_start_token_id, t5.num_layers, t5.num_heads, t5.head_dim, t5.output_scale) == (0, 2, 4, 8, 32**-0.5)
+    assert encoder_decoder_spec(T5Config(**TINY_T5_V1_1)).output_scale is None  # v1.1: an untied head, no scaling
+    with pytest.raises(UnsupportedModelError, match=r"UMT5Config \(umt5\) is an encoder-decoder model; .*a table in every layer"):
+        encoder_decoder_spec(UMT5Config(decoder_start_token_id=0), "umt5-small")
+    with pytest.raises(UnsupportedModelError, match=r"LongT5Config \(longt5\) .*local and transient-global attention"):
+        encoder_decoder_spec(LongT5Config(decoder_start_token_id=0))
     with pytest.raises(UnsupportedModelError, match="no decoder_start_token_id"):
         encoder_decoder_spec(BartConfig(**{**TINY, "decoder_start_token_id": None}))
 
 
-@pytest.mark.parametrize("kind", ["bart", "mbart"])
-def test_the_match_stage_finds_every_attention_of_both_graphs_and_they_still_compute_hf_logits(kind):
-    """The encoder's self-attention (HF hands SDPA a mask that hides nothing) becomes ``bidirectional_attention``; the
-    decoder's becomes the causal ``attention``; its cross-attention is ``bidirectional_attention`` from export on."""
-    from autodeploy.export.export import ExportConfig
-    from autodeploy.patterns.registry import FAMILIES, apply_patterns, select_patterns
+CLEANUP = ("cleanup_noop", "cleanup_transposes", "cleanup_dead_code")
 
-    model = tiny(kind, seed=2)
+
+def exported(kind: str, seed: int):
+    """The tiny model, its spec, and its encoder and decoder graphs as the export stage makes them (dims dynamic)."""
+    from autodeploy.export.export import ExportConfig
+
+    model = tiny(kind, seed=seed)
     spec = encoder_decoder_spec(model.config)
     patches = ExportConfig().patches
     batch, length, tokens = (torch.export.Dim.DYNAMIC(min=1, max=64) for _ in range(3))
@@ -90,50 +100,68 @@ def test_the_match_stage_finds_every_attention_of_both_graphs_and_they_still_com
     keys, values = EncoderCrossKV(model, spec)(torch.randint(3, 512, (2, 5)))
     decoder = export_to_graph_module(EncoderDecoderLogits(model, spec), (torch.randint(3, 512, (2, 4)), torch.arange(4).expand(2, 4), keys, values),
                                      ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {1: batch, 2: length}, {1: batch, 2: length}), patches)
+    return model, spec, encoder, decoder
+
+
+def through(gm, names: tuple[str, ...], context=None):
+    """``gm`` after the transforms ``names`` (their default configs), and the build context they ran in."""
+    from autodeploy import pipeline
+    from autodeploy.config import load_settings
+    from autodeploy.transforms.registry import TransformContext, get_transform_class
+
+    context = context or TransformContext(settings=load_settings(set_arguments=["device=cpu", "dtype=float32", "max_seq_len=64"]))
+    for name in names:
+        transform_class = get_transform_class(name)
+        gm = pipeline.run_transform(transform_class(transform_class.config_class()), gm, context).module or gm
+    return gm, context
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_match_stage_finds_every_attention_of_both_graphs_and_they_still_compute_hf_logits(kind):
+    """The encoder's self-attention (HF hands SDPA a mask that hides nothing) becomes ``bidirectional_attention``; the
+    decoder's becomes the causal ``attention``; its cross-attention is ``bidirectional_attention`` from export on. T5's
+    relative position bias (one a stack, HF folds it into the SDPA mask) is one ``relative_position_bias`` that every
+    self-attention of its stack takes as its ``bias``; its norms and MLPs (ReLU, gated ``gelu_new``) match too."""
+    model, _, encoder, decoder = exported(kind, seed=2)
     ops = torch.ops.autodeploy
-    for graph, expected in ((encoder, {ops.bidirectional_attention.default: 2}),
-                            (decoder, {ops.bidirectional_attention.default: 2, ops.attention.default: 2})):
-        apply_patterns(graph, select_patterns(list(FAMILIES), []))
-        graph.graph.eliminate_dead_code()
-        graph.recompile()
+    biases = 1 if kind.startswith("t5") else 0
+    mlps = {ops.gated_mlp.default if kind == "t5_v1_1" else ops.mlp.default: 2} if biases else {}
+    graphs = []
+    for graph, expected in ((encoder, {ops.bidirectional_attention.default: 2, ops.relative_position_bias.default: biases, **mlps}),
+                            (decoder, {ops.bidirectional_attention.default: 2, ops.attention.default: 2,
+                                       ops.relative_position_bias.default: biases, **mlps})):
+        self_attention = ops.bidirectional_attention.default if graph is encoder else ops.attention.default
+        graph, _ = through(graph, (*CLEANUP, "match_patterns"))
         targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
         assert {target: targets.count(target) for target in expected} == expected
         assert torch.ops.aten.scaled_dot_product_attention.default not in targets
+        for node in graph.graph.find_nodes(op="call_function", target=self_attention):
+            bias = dict(zip((a.name for a in self_attention._schema.arguments), node.args)).get("bias")
+            assert getattr(bias, "target", None) == (ops.relative_position_bias.default if biases else None)
+        graphs.append(graph)
     source, target = torch.randint(3, 512, (1, 10)), torch.randint(3, 512, (1, 4))
     with torch.no_grad():
         expected_logits = model(input_ids=source, decoder_input_ids=target).logits
-        logits = decoder(target, torch.arange(4)[None], *encoder(source))
+        logits = graphs[1](target, torch.arange(4)[None], *graphs[0](source))
     torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
 
 
 def served_decoder(kind: str, seed: int):
     """The tiny model's decoder graph through cleanup, match and the cache stage, and its build context."""
-    from autodeploy import pipeline
-    from autodeploy.config import load_settings
-    from autodeploy.export.export import ExportConfig
-    from autodeploy.transforms.registry import TransformContext, get_transform_class
-
-    model = tiny(kind, seed=seed)
-    spec = encoder_decoder_spec(model.config)
-    batch, length, tokens = (torch.export.Dim.DYNAMIC(min=1, max=64) for _ in range(3))
-    keys, values = EncoderCrossKV(model, spec)(torch.randint(3, 512, (2, 5)))
-    gm = export_to_graph_module(EncoderDecoderLogits(model, spec), (torch.randint(3, 512, (2, 4)), torch.arange(4).expand(2, 4), keys, values),
-                                ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {1: batch, 2: length}, {1: batch, 2: length}),
-                                ExportConfig().patches)
-    context = TransformContext(settings=load_settings(set_arguments=["device=cpu", "dtype=float32"]))
-    for name in ("cleanup_noop", "cleanup_transposes", "cleanup_dead_code", "match_patterns", "match_linear", "insert_cached_attention"):
-        transform_class = get_transform_class(name)
-        gm = pipeline.run_transform(transform_class(transform_class.config_class()), gm, context).module or gm
+    model, spec, _, decoder = exported(kind, seed)
+    gm, context = through(decoder, (*CLEANUP, "match_patterns", "match_linear", "insert_cached_attention"))
     return model, spec, gm, context
 
 
-def test_the_cache_stage_gives_the_decoder_a_cross_cache_per_layer_and_its_steps_give_hf_logits():
+@pytest.mark.parametrize("kind", ["bart", "t5", "t5_v1_1"])
+def test_the_cache_stage_gives_the_decoder_a_cross_cache_per_layer_and_its_steps_give_hf_logits(kind):
     """Two requests (encoder inputs of 9 and 4 tokens) prefill 4 and 3 decoder tokens in one flattened step, then
     decode one token each: every row's logits are HF's for that request at that position. The dense cross inputs
-    are gone; each layer reads its cross cache through ``cached_cross_attention``."""
+    are gone; each layer reads its cross cache through ``cached_cross_attention``. T5's self-attentions read its
+    relative position bias by distance (``[heads, max_seq_len]``, one for both layers) instead of the dense bias."""
     from autodeploy.custom_ops.cached_attention import write_kv_cache
 
-    model, spec, gm, context = served_decoder("bart", seed=3)
+    model, spec, gm, context = served_decoder(kind, seed=3)
     names = context.graph_inputs
     assert "cross_keys" not in names and {"cross_lens", "cross_block_tables", "cross_k_cache_1", "cross_v_cache_1"} <= set(names)
     assert [c.key_input for c in context.cross_kv_caches] == ["cross_k_cache_0", "cross_k_cache_1"]
@@ -141,6 +169,9 @@ def test_the_cache_stage_gives_the_decoder_a_cross_cache_per_layer_and_its_steps
     assert targets.count(torch.ops.autodeploy.cached_cross_attention.default) == 2
     assert targets.count(torch.ops.autodeploy.cached_attention.default) == 2
     assert torch.ops.autodeploy.bidirectional_attention.default not in targets
+    assert torch.ops.autodeploy.relative_position_bias.default not in targets
+    by_distance = [n for n in gm.graph.nodes if n.target == torch.ops.autodeploy.relative_position_bias_by_distance.default]
+    assert len(by_distance) == (1 if kind.startswith("t5") else 0) and all(n.args[1:3] == (64, False) for n in by_distance)
 
     block, blocks = 4, 16
     sources = [torch.randint(3, 512, (1, 9)), torch.randint(3, 512, (1, 4))]

@@ -1,8 +1,10 @@
-"""Tiny random encoder–decoder models (BART, mBART, T5) for the encoder–decoder tests and the coverage sweep."""
+"""Tiny random encoder–decoder models (BART, mBART, T5 v1.0 and v1.1) for the encoder–decoder tests and the coverage
+sweep."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import (BartConfig, BartForConditionalGeneration, MBartConfig, MBartForConditionalGeneration, T5Config,
                           T5ForConditionalGeneration)
 
@@ -11,8 +13,12 @@ TINY = dict(vocab_size=512, d_model=32, encoder_layers=2, decoder_layers=2, enco
             decoder_start_token_id=2)
 TINY_T5 = dict(vocab_size=512, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
                relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0)
+# T5 v1.1 (Flan-T5): gated GELU, no output scaling, a head of its own (transformers 5 builds it tied; ``tiny`` unties it,
+# and its checkpoint then stores both, as Google's do).
+TINY_T5_V1_1 = {**TINY_T5, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}
 KINDS = {"bart": (BartConfig, BartForConditionalGeneration, TINY), "mbart": (MBartConfig, MBartForConditionalGeneration, TINY),
-         "t5": (T5Config, T5ForConditionalGeneration, TINY_T5)}
+         "t5": (T5Config, T5ForConditionalGeneration, TINY_T5), "t5_v1_1": (T5Config, T5ForConditionalGeneration, TINY_T5_V1_1)}
+UNTIED_HEADS = {"t5_v1_1"}
 
 
 def tiny(kind: str, seed: int = 0):
@@ -20,6 +26,8 @@ def tiny(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     config_class, model_class, sizes = KINDS[kind]
     model = model_class(config_class(**sizes)).eval()
+    if kind in UNTIED_HEADS:
+        model.lm_head.weight = nn.Parameter(torch.randn_like(model.lm_head.weight))
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 1:

@@ -24,6 +24,11 @@ becomes ``cached_cross_attention`` over a cross cache pair of its own (``cross_k
 ``TransformContext.cross_kv_caches``), which the runtime fills once a request from the encoder graph's output, read
 through ``cross_lens`` and ``cross_block_tables``. Any other ``bidirectional_attention`` is an encoder's: refused here.
 
+An attention with a ``bias`` (T5's decoder: a ``relative_position_bias`` over the graph's own positions, ``0 … T - 1``
+for queries and keys alike) depends only on how far back each key is: its ``cached_attention`` reads the bias by
+distance, ``relative_position_bias_by_distance(table, max_seq_len, …)`` (``[H, max_seq_len]``), computed once a forward
+for every layer that shares the bias. Any other bias cannot be paged: refused.
+
 Every attention of the model must have been matched: a layer left as aten ops would attend only
 within the tokens of the current step, which is wrong, so that is an ``UnsupportedModelError``.
 
@@ -117,9 +122,35 @@ def _expected_attention_layers(context: TransformContext) -> int | None:
     factory = context.model_factory
     config = getattr(factory, "hf_config", None)
     config = getattr(config, "text_config", None) or config
-    if getattr(config, "is_encoder_decoder", False):  # the model graph is the decoder
-        return getattr(config, "decoder_layers", None)
+    if getattr(config, "is_encoder_decoder", False):  # the model graph is the decoder (BART's layers, T5's)
+        return getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None)
     return getattr(config, "num_hidden_layers", None)
+
+
+def _by_distance(graph: fx.Graph, attention: fx.Node, bias: fx.Node, length: int | None, made: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The ``relative_position_bias_by_distance`` standing for ``attention``'s ``bias`` (one per bias, in ``made``);
+    an ``UnsupportedModelError`` for a bias that is not a relative position bias over the graph's own positions."""
+    if bias in made:
+        return made[bias]
+    relative = torch.ops.autodeploy.relative_position_bias.default
+    if bias.target != relative or not _same_arange(*bias.args[1:3]):
+        raise UnsupportedModelError(
+            f"{attention.name} adds a bias to its logits ({bias.name}) other than a relative position bias over the "
+            f"sequence's own positions (T5's); the paged KV cache cannot hold a [B, H, Sq, Sk] bias")
+    if length is None:
+        raise ConfigError("max_seq_len must be set to serve a relative position bias: its table has one column a position")
+    table, _, _, bidirectional, max_distance = bias.args
+    with graph.inserting_after(bias):
+        made[bias] = graph.call_function(torch.ops.autodeploy.relative_position_bias_by_distance.default,
+                                         (table, length, bidirectional, max_distance))
+    made[bias].meta = {**bias.meta, "val": table.meta["val"].new_empty((table.meta["val"].shape[1], length))}
+    return made[bias]
+
+
+def _same_arange(query_positions, key_positions) -> bool:
+    """Both are ``arange(n)`` of one ``n`` (the graph's tokens, counted from 0)."""
+    aranges = [p for p in (query_positions, key_positions) if isinstance(p, fx.Node) and p.target == torch.ops.aten.arange.default]
+    return len(aranges) == 2 and len(aranges[0].args) == len(aranges[1].args) == 1 and aranges[0].args[0] == aranges[1].args[0]
 
 
 def cross_attentions(graph: fx.Graph) -> dict[int, fx.Node]:
@@ -265,12 +296,14 @@ class InsertCachedAttention(Transform):
         block_size = context.settings.kv_cache.block_size
         specs = []
         last_input = metadata[(*SEQUENCE_METADATA, *masks)[-1]]
+        by_distance: dict[fx.Node, fx.Node] = {}  # a bias → its table by distance, shared by the layers adding it
         for layer, node in enumerate(attention):
             given = _arguments(node)
+            bias = given.pop("bias", None)
             key, value = given["k"].meta["val"], given["v"].meta["val"]
-            if trees and (given.get("sliding_window") is not None or given.get("alibi_slopes") is not None):
-                raise ConfigError(f"speculative.tree_width > 1: {node.name} attends with a sliding window or ALiBi, whose "
-                                  f"distances a tree's layout would change; draft chains here (speculative.tree_width=1)")
+            if trees and (given.get("sliding_window") is not None or given.get("alibi_slopes") is not None or bias is not None):
+                raise ConfigError(f"speculative.tree_width > 1: {node.name} attends with a sliding window, ALiBi or a position "
+                                  f"bias, whose distances a tree's layout would change; draft chains here (speculative.tree_width=1)")
             spec = KVCacheSpec.for_layer(first_layer + layer, key.shape[2], key.shape[3], value.shape[3], kv_cache_dtype(context.settings) or key.dtype)
             with graph.inserting_after(last_input):
                 k_cache = graph.placeholder(spec.key_input)
@@ -283,6 +316,8 @@ class InsertCachedAttention(Transform):
             call = CachedAttentionArgs(**given, k_cache=k_cache, v_cache=v_cache,
                                        **{name: metadata[name] for name in ATTENTION_METADATA})
             options = {**_cache_scales(node, spec, context.kv_cache_scales), **{name: metadata[name] for name in masks}}
+            if bias is not None:
+                options["distance_bias"] = _by_distance(graph, node, bias, context.settings.max_seq_len, by_distance)
             with graph.inserting_before(node):
                 cached = graph.call_function(torch.ops.autodeploy.cached_attention.default, positional(call), options)
             cached.meta = dict(node.meta)

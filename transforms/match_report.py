@@ -101,8 +101,8 @@ def expected_counts(hf_config: Any) -> tuple[dict[str, int], bool]:
     config = getattr(hf_config, "text_config", None) or hf_config
     model_type = getattr(config, "model_type", "")
     if getattr(config, "is_encoder_decoder", False):  # the model graph is the decoder: self- and cross-attention a layer
-        layers = config.decoder_layers
-        final = 2 if model_type == "mbart" else 1  # the embeddings' norm, and mBART's final one
+        layers = getattr(config, "decoder_layers", None) or config.num_decoder_layers  # BART's count, T5's
+        final = 2 if model_type == "mbart" else 1  # the embeddings' norm (T5: its final norm), and mBART's final one
         return {"attention": 2 * layers, "norm": 3 * layers + final, "mlp": layers}, False
     layers = config.num_hidden_layers
     norms_per_layer = _NORMS_PER_LAYER.get(model_type, 2)
@@ -132,6 +132,13 @@ def _owning_module(node: torch.fx.Node, kind: str) -> str | None:
     return None
 
 
+def _wraps(module: str, matched: set[str]) -> bool:
+    """Whether ``module`` holds a matched module of its kind (T5's ``T5LayerSelfAttention`` around its ``T5Attention``:
+    the residual add is the wrapper's own node)."""
+    path = module.rsplit(" (", 1)[0]
+    return any(inner.startswith(path + ".") for inner in matched)
+
+
 def _layer_order(module: str) -> list:
     """Sort key putting ``layers.2`` before ``layers.10``."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", module)]
@@ -157,7 +164,8 @@ def match_report(gm: GraphModule, hf_config: Any | None = None) -> MatchReport:
     expected, assumed = expected_counts(hf_config) if hf_config is not None else ({}, False)
     kinds = [kind for kind in CANONICAL_OPS if expected.get(kind) or found[kind]]
     counts = [KindCount(kind, expected.get(kind), found[kind]) for kind in kinds]
-    unmatched = sorted((m for kind in CANONICAL_OPS for m in seen[kind] - matched[kind]), key=_layer_order)
+    unmatched = sorted((m for kind in CANONICAL_OPS for m in seen[kind] - matched[kind] if not _wraps(m, matched[kind])),
+                       key=_layer_order)
     return MatchReport(counts, unmatched, assumed)
 
 

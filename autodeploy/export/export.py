@@ -174,7 +174,8 @@ def export_encoder_decoder(model: nn.Module, spec: EncoderDecoderSpec, role: str
     its decoder as the ``"model"`` graph (``EncoderDecoderLogits``), every length dynamic."""
     device = next(model.parameters()).device
     batch = torch.export.Dim.DYNAMIC(min=1)
-    source = torch.export.Dim.DYNAMIC(min=1, max=max(spec.max_source_positions, 2))
+    longest_input = spec.max_source_positions or max_seq_len  # T5 embeds no positions: the intake's bound
+    source = torch.export.Dim.DYNAMIC(min=1, max=max(longest_input, 2))
     input_ids = torch.zeros((2, 5), dtype=torch.long, device=device)
     if role == ENCODER:
         return export_to_graph_module(EncoderCrossKV(model, spec), (input_ids,), ({0: batch, 1: source},), patches, strict)

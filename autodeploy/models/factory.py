@@ -20,7 +20,7 @@ from torch import nn
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM, PretrainedConfig,
                           PreTrainedModel)
 
-from autodeploy.errors import ConfigError, UnsupportedModelError, error_summary
+from autodeploy.errors import CheckpointError, ConfigError, UnsupportedModelError, error_summary
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
 from autodeploy.models.encoder_decoder import EncoderDecoderSpec, encoder_decoder_spec
 from autodeploy.models.source import ModelSource
@@ -199,6 +199,8 @@ class ModelFactory:
                 f"as a causal language model: {error_summary(error)}"
             ) from error
         _refuse_recurrent_layers(self.source.name, model)
+        if encoder_decoder is not None:
+            self._untie_a_stored_head(model)
         model.eval()
         self.buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
         # Parameters are already on meta; move only the buffers (``model.to`` would untie tied weights).
@@ -208,6 +210,27 @@ class ModelFactory:
                     submodule._buffers[name] = buffer.to("meta")
         self.meta_model = model
         return model
+
+    def _untie_a_stored_head(self, model: nn.Module) -> None:
+        """transformers 5 builds T5 with its head tied to the embedding whatever the checkpoint is (its config forces
+        ``tie_word_embeddings``; ``scale_decoder_outputs`` tells v1.0 from v1.1), and unties the two when it loads a
+        checkpoint that stores the head apart with other values (v1.1, Flan-T5). A head the checkpoint stores gets a
+        parameter of its own here: the checkpoint's head where the two differ, the same output where they do not."""
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is None or head.weight is not embedding.weight:
+            return
+        name = next(path for path, module in model.named_modules() if module is head) + ".weight"
+        if name in self._stored_keys():
+            head.weight = nn.Parameter(torch.empty_like(head.weight), requires_grad=False)  # on meta, as the rest
+
+    def _stored_keys(self) -> set[str]:
+        """The names of the tensors the weights come from; none for a config without a checkpoint (random weights)."""
+        if self.tensors is not None:
+            return set(self.tensors)
+        try:
+            return set(CheckpointReader(self.source.directory).keys())
+        except CheckpointError:
+            return set()
 
     @functools.cached_property
     def vision_language(self) -> VisionLanguageSpec | None:

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cached_attention import CachedAttentionArgs
+from ..cached_attention import DISTANCE_BIAS_REFUSAL, CachedAttentionArgs
 from .norms import NormConfig
 from .paged_attention import _logits_base2, _online_softmax_step, cache_arguments, write_kv
 
@@ -212,5 +212,7 @@ def unsupported_attention(call: CachedAttentionArgs) -> Optional[str]:
                 "reads keys by position (use speculative.tree_width 1)")
     if call.attend_until is not None:
         return "the batch-invariant attention is causal only; this model's prompts hold bidirectional blocks (attend_until)"
+    if call.distance_bias is not None:
+        return DISTANCE_BIAS_REFUSAL
     return None
 

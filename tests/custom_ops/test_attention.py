@@ -1,4 +1,5 @@
-"""autodeploy::attention against per-query float64 loops, SDPA, and HF's Gemma-2 (soft-cap) and gpt-oss (sinks)."""
+"""autodeploy::attention against per-query float64 loops (its additive bias included), SDPA, and HF's Gemma-2 (soft-cap)
+and gpt-oss (sinks)."""
 
 import math
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 attention = torch.ops.autodeploy.attention
 
 
-def attention_by_query(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None):
+def attention_by_query(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, bias=None):
     """One query at a time: list the keys it may see, then a hand-written softmax over them (plus the sink)."""
     batch, seq, q_heads, _ = q.shape
     kv_heads = k.shape[2]
@@ -29,6 +30,8 @@ def attention_by_query(q, k, v, scale, sliding_window=None, logit_cap=None, sink
                 logits = (k[b, first : i + 1, kv_head] @ q[b, i, h]) * scale
                 if alibi_slopes is not None:  # key j of query i: slope · (j - i)
                     logits = logits + alibi_slopes[h] * torch.arange(first - i, 1, dtype=logits.dtype)
+                if bias is not None:  # [1 or B, 1 or H, S, S]
+                    logits = logits + bias[b % bias.shape[0], h % bias.shape[1], i, first : i + 1]
                 if logit_cap is not None:
                     logits = logit_cap * torch.tanh(logits / logit_cap)
                 exps = torch.exp(logits)
@@ -49,10 +52,11 @@ def attention_by_query(q, k, v, scale, sliding_window=None, logit_cap=None, sink
     logit_cap=st.one_of(st.none(), st.floats(0.5, 30.0)),
     with_sinks=st.booleans(),
     with_alibi=st.booleans(),
+    bias_shape=st.sampled_from([None, (1, 0), (0, 0), (1, 1)]),  # its batch and head dims: 1, or 0 for as many as q's
     seed=st.integers(0, 2**31 - 1),
 )
 def test_attention_matches_per_query_loops(
-    batch, seq, kv_heads, group, head_dim, value_dim, sliding_window, logit_cap, with_sinks, with_alibi, seed
+    batch, seq, kv_heads, group, head_dim, value_dim, sliding_window, logit_cap, with_sinks, with_alibi, bias_shape, seed
 ):
     gen = torch.Generator().manual_seed(seed)
     q_heads = kv_heads * group
@@ -61,10 +65,13 @@ def test_attention_matches_per_query_loops(
     v = torch.randn(batch, seq, kv_heads, value_dim, generator=gen, dtype=torch.float64)
     sinks = torch.randn(q_heads, generator=gen, dtype=torch.float64) if with_sinks else None
     alibi_slopes = torch.rand(q_heads, generator=gen, dtype=torch.float64).tolist() if with_alibi else None
+    bias = None
+    if bias_shape is not None:
+        bias = torch.randn(bias_shape[0] or batch, bias_shape[1] or q_heads, seq, seq, generator=gen, dtype=torch.float64)
     scale = head_dim**-0.5
 
-    out = attention(q, k, v, scale, sliding_window, logit_cap, sinks, alibi_slopes)
-    expected = attention_by_query(q, k, v, scale, sliding_window, logit_cap, sinks, alibi_slopes)
+    out = attention(q, k, v, scale, sliding_window, logit_cap, sinks, alibi_slopes, bias)
+    expected = attention_by_query(q, k, v, scale, sliding_window, logit_cap, sinks, alibi_slopes, bias)
     assert out.shape == (batch, seq, q_heads, value_dim)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
 
@@ -163,6 +170,8 @@ def test_attention_computes_in_float32_and_returns_the_input_dtype(dtype):
         ({"sliding_window": 0}, "sliding_window must be ≥ 1"),
         ({"logit_cap": 0.0}, "logit_cap must be > 0"),
         ({"sinks": torch.zeros(2)}, r"sinks must be \[Hq=4\]"),
+        ({"bias": torch.zeros(1, 4, 3, 2)}, r"bias must be \[1 or B=1, 1 or H=4, Sq=3, Sk=3\]; got \(1, 4, 3, 2\)"),
+        ({"bias": torch.zeros(1, 2, 3, 3)}, r"bias must be \[1 or B=1, 1 or H=4"),
     ],
 )
 def test_attention_rejects_inconsistent_arguments(kwargs, message):

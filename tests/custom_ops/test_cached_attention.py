@@ -1,6 +1,7 @@
 """cached_attention's reference against un-cached attention over each sequence's whole history, on
-random mixed batches (prompt chunks after cached prefixes, then decodes, blocks in shuffled places);
-the SDPA backend against the reference."""
+random mixed batches (prompt chunks after cached prefixes, then decodes, blocks in shuffled places), T5's
+bias by distance against its dense relative position bias; the SDPA backend against the reference, and the kernels
+without a position bias refusing it."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ def run(kernel, inputs, *options):
     return out, copied[3], copied[4]
 
 
+def t5_bias(seed: int, length: int, num_buckets: int = 8, max_distance: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder's relative position bias table ``[num_buckets, 4]`` and its rows by distance ``[4, length]``."""
+    table = torch.randn(num_buckets, 4, generator=torch.Generator().manual_seed(seed)) * 2
+    return table, torch.ops.autodeploy.relative_position_bias_by_distance(table, length, False, max_distance)
+
+
 def test_reference_prefill_equals_uncached_attention():
     inputs = mixed_batch(0, [(0, 11)], [], block_size=4)
     out, _, _ = run(cached_attention_reference, inputs, 5)
@@ -73,14 +80,19 @@ def test_reference_prefill_equals_uncached_attention():
     cap=st.sampled_from([None, 5.0]),
     with_sinks=st.booleans(),
     with_alibi=st.booleans(),
+    bias_spare=st.one_of(st.none(), st.integers(0, 30)),  # a distance bias, its columns past the longest sequence
 )
-def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block_size, window, cap, with_sinks, with_alibi):
+def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block_size, window, cap, with_sinks, with_alibi,
+                                                     bias_spare):
+    """Against un-cached attention over the sequence's whole history; a ``distance_bias`` (T5's decoder) against the
+    dense ``relative_position_bias`` over those positions, whatever is cached."""
     if not chunks and not decodes:
         return
     inputs = mixed_batch(seed, chunks, decodes, block_size)
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(seed)) if with_sinks else None
     alibi = [0.5, 0.25, 0.125, 0.0625] if with_alibi else None
-    out, k_cache, v_cache = run(cached_attention_reference, inputs, window, cap, sinks, alibi)
+    table, by_distance = t5_bias(seed, int(inputs[6].max()) + bias_spare) if bias_spare is not None else (None, None)
+    out, k_cache, v_cache = run(cached_attention_reference, inputs, window, cap, sinks, alibi, 1.0, 1.0, None, None, by_distance)
     q, k, v, k_before, v_before, starts, lens, tables = inputs[:8]
     for s, (first, last) in enumerate(zip(starts.tolist(), starts.tolist()[1:])):
         total, new = int(lens[s]), last - first
@@ -90,7 +102,9 @@ def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block
         full_k = torch.cat((keys, k[0, first:last]))[None]
         full_v = torch.cat((values, v[0, first:last]))[None]
         full_q = torch.cat((torch.zeros(total - new, *q.shape[2:]), q[0, first:last]))[None]
-        expected = attention_reference(full_q, full_k, full_v, 0.3, window, cap, sinks, alibi)[:, total - new :]
+        positions = torch.arange(total)
+        dense = None if table is None else torch.ops.autodeploy.relative_position_bias(table, positions, positions, False, 12)
+        expected = attention_reference(full_q, full_k, full_v, 0.3, window, cap, sinks, alibi, dense)[:, total - new :]
         torch.testing.assert_close(out[:, first:last], expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(k_cache.flatten(0, 1)[slots[total - new :]], k[0, first:last])
 
@@ -103,11 +117,15 @@ def test_each_sequence_sees_exactly_its_own_history(seed, chunks, decodes, block
     block_size=st.sampled_from([1, 4, 8]),
     window=st.sampled_from([None, 3, 16]),
     alibi=st.sampled_from([None, [0.5, 0.25, 0.125, 0.0625]]),
+    with_bias=st.booleans(),
 )
-def test_sdpa_backend_equals_the_reference(seed, chunks, decodes, block_size, window, alibi):
+def test_sdpa_backend_equals_the_reference(seed, chunks, decodes, block_size, window, alibi, with_bias):
+    """Prompts, the batched decodes (the decode-only fast path when there are no chunks), window, ALiBi and T5's
+    ``distance_bias``, alone or together."""
     inputs = mixed_batch(seed, chunks, decodes, block_size)
-    expected, k_ref, v_ref = run(cached_attention_reference, inputs, window, None, None, alibi)
-    got, k_new, v_new = run(cached_attention_sdpa, inputs, window, None, None, alibi)
+    options = (window, None, None, alibi, 1.0, 1.0, None, None, t5_bias(seed, 64)[1] if with_bias else None)
+    expected, k_ref, v_ref = run(cached_attention_reference, inputs, *options)
+    got, k_new, v_new = run(cached_attention_sdpa, inputs, *options)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)
 
@@ -208,3 +226,32 @@ def test_bidirectional_blocks_see_one_another_as_hugging_faces_token_type_mask_s
     assert not torch.allclose(out[0, first - cached : end - cached - 1], causal[0, first - cached : end - cached - 1])
     got, _, _ = run(cached_attention_sdpa, inputs, window, None, None, None, 1.0, 1.0, None, until)
     torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
+
+
+def test_a_distance_bias_shorter_than_a_sequence_or_beside_attend_until_is_refused():
+    inputs = mixed_batch(2, [(5, 6)], [9], block_size=4)  # sequences of 11 and 10 tokens
+    _, too_short = t5_bias(0, 10)
+    for kernel in (cached_attention_reference, cached_attention_sdpa):
+        with pytest.raises(ValueError, match=r"distance_bias must be \[Hq=4, L ≥ 11 \(the longest sequence\)\]; got \(4, 10\)"):
+            run(kernel, inputs, None, None, None, None, 1.0, 1.0, None, None, too_short)
+    until = torch.full((7,), -1)
+    with pytest.raises(ValueError, match="cannot bias keys after it"):
+        run(cached_attention_reference, inputs, None, None, None, None, 1.0, 1.0, None, until, t5_bias(0, 11)[1])
+
+
+def test_kernels_without_a_position_bias_refuse_it_so_select_gives_the_layer_sdpa():
+    """The Triton kernels (and the batch-invariant ones) take no ``distance_bias``: their ``supports`` says so whatever
+    the device, and the first candidate that supports the node is SDPA's."""
+    from autodeploy.custom_ops.cached_attention import DISTANCE_BIAS_REFUSAL, CachedAttentionArgs
+    from autodeploy.custom_ops.registry import candidates
+    from autodeploy.custom_ops.triton.batch_invariant import unsupported_attention
+
+    inputs = [t.to("meta") for t in mixed_batch(3, [(5, 6)], [9], block_size=4)]
+    biased = [*inputs, 0.3, None, None, None, None, 1.0, 1.0, None, None, torch.empty(4, 16, device="meta")]
+    angles = (torch.ones(1, 7, 8, device="meta"), torch.ones(1, 7, 8, device="meta"), False)
+    for device in ("cuda", "cpu"):
+        verdicts = {b.name: b.check(biased, torch.device(device)) for b in candidates("cached_attention")}
+        assert verdicts["triton"] == DISTANCE_BIAS_REFUSAL and verdicts["sdpa"] is None
+        rope = {b.name: b.check([*biased[:3], *angles, *biased[3:]], torch.device(device)) for b in candidates("cached_attention_rope")}
+        assert rope["triton"] == DISTANCE_BIAS_REFUSAL and rope["sdpa"] is None
+    assert unsupported_attention(CachedAttentionArgs(*biased)) == DISTANCE_BIAS_REFUSAL

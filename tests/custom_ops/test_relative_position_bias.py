@@ -1,4 +1,5 @@
-"""autodeploy::relative_position_bias and its bucket function against HF's T5Attention."""
+"""autodeploy::relative_position_bias and its bucket function against HF's T5Attention; relative_position_bias_by_distance
+against it."""
 
 import doctest
 
@@ -144,3 +145,35 @@ def test_exports_with_dynamic_query_and_key_lengths():
     query_positions, key_positions = torch.arange(3) + 17, torch.arange(20)
     torch.testing.assert_close(exported.module()(query_positions, key_positions),
                                module(query_positions, key_positions), rtol=0, atol=0)
+
+
+by_distance = torch.ops.autodeploy.relative_position_bias_by_distance
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bidirectional=st.booleans(),
+    num_buckets=st.integers(4, 40),
+    extra_distance=st.integers(1, 200),
+    length=st.integers(1, 300),
+    query=st.integers(0, 299),
+)
+def test_by_distance_is_the_bias_of_every_key_at_or_before_its_query(bidirectional, num_buckets, extra_distance, length, query):
+    """Row ``h``, column ``d``: what ``relative_position_bias`` gives a query at any position and the key ``d`` before it,
+    exactly (T5's decoder sees only those keys)."""
+    max_distance = (num_buckets // 2 if bidirectional else num_buckets) // 2 + extra_distance
+    table = torch.randn(num_buckets, 3, generator=torch.Generator().manual_seed(length))
+    rows = by_distance(table, length, bidirectional, max_distance)
+    query = query % length
+    dense = relative_position_bias(table, torch.tensor([query]), torch.arange(query + 1), bidirectional, max_distance)
+    assert rows.shape == (3, length)
+    torch.testing.assert_close(rows[:, : query + 1].flip(-1), dense[0, :, 0], rtol=0, atol=0)
+
+
+def test_by_distance_fake_opcheck_and_refusals():
+    with FakeTensorMode() as mode:
+        out = by_distance(mode.from_tensor(torch.randn(32, 6).half()), 50, False, 128)
+    assert (out.shape, out.dtype) == ((6, 50), torch.float16)
+    torch.library.opcheck(by_distance, (torch.randn(32, 3), 20, False, 128))
+    with pytest.raises(ValueError, match=r"table must be \[num_buckets, H\] and length ≥ 1; got \(32, 3\) and 0"):
+        by_distance(torch.randn(32, 3), 0, False, 128)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import BertConfig, T5Config, ViTConfig
+from transformers import BertConfig, UMT5Config, ViTConfig
 
 from autodeploy import autodeploy, deployment_settings
 from autodeploy.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
@@ -93,15 +93,15 @@ def test_config_json_that_is_not_json(tmp_path):
 @pytest.mark.parametrize(
     "config",
     [
-        T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=100),
+        UMT5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=100),
         ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
         BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100),
     ],
-    ids=["t5-encoder-decoder", "vit-vision", "bert-bidirectional-encoder"],
+    ids=["umt5-encoder-decoder", "vit-vision", "bert-bidirectional-encoder"],
 )
 def test_architecture_that_is_not_a_causal_lm(tmp_path, config):
-    """Refused by name: T5 as the encoder-decoder family not served yet (BART's are: tests/test_encoder_decoder.py)."""
+    """Refused by name: UMT5 as an encoder-decoder family not served yet (BART's and T5's are: tests/test_encoder_decoder.py)."""
     config.save_pretrained(tmp_path)
-    expected = "encoder-decoder model; .* not t5: T5's relative position bias" if config.model_type == "t5" else "not a causal language model"
+    expected = "encoder-decoder model; .* not umt5: UMT5's relative position bias" if config.model_type == "umt5" else "not a causal language model"
     with pytest.raises(UnsupportedModelError, match=expected):
         autodeploy(str(tmp_path), weights="random", device="cpu")

@@ -72,3 +72,23 @@ def test_mlp_that_changes_the_width_is_not_matched():
     """The ops return x's shape; a down projection to another width stays as exported."""
     _, counts = _export_and_match(BiaslessMLP("silu", out_features=HIDDEN + 8))
     assert counts == {}
+
+
+@pytest.mark.parametrize(("feed_forward_proj", "pattern", "canonical"),
+                         [("relu", "mlp_relu", "mlp"), ("gated-gelu", "gated_mlp_gelu_new", "gated_mlp")])
+def test_t5s_mlps_become_canonical_ops(feed_forward_proj, pattern, canonical):
+    """T5 v1.0's ReLU MLP, and v1.1's gated ``gelu_new`` (transformers spells its formula out in ops: the canonical
+    ``gelu_tanh``, equal to float32 rounding)."""
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5LayerFF
+
+    torch.manual_seed(0)
+    config = T5Config(d_model=HIDDEN, d_ff=INNER, feed_forward_proj=feed_forward_proj)
+    module = T5LayerFF(config).DenseReluDense
+    gm, counts = _export_and_match(module)
+    assert counts == {pattern: 1}
+    (op,) = gm.graph.find_nodes(op="call_function", target=getattr(torch.ops.autodeploy, canonical).default)
+    assert op.args[-1] == ("relu" if canonical == "mlp" else "gelu_tanh")
+    x = torch.randn(4, 9, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), module(x), rtol=1e-6, atol=1e-6)

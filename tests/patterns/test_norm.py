@@ -5,6 +5,7 @@ import torch
 from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from autodeploy.patterns import apply_patterns, select_patterns
 from autodeploy.patterns import norm  # noqa: F401  (registers the norm patterns)
@@ -57,6 +58,8 @@ def _export_and_match(module: nn.Module, x: torch.Tensor):
 CASES = {
     "llama": (lambda: LlamaRMSNorm(HIDDEN, eps=1e-5), "rms_norm_llama", (1e-5,)),
     "gemma": (lambda: GemmaRMSNorm(HIDDEN, eps=1e-6), "rms_norm_gemma", (1e-6, 1.0)),
+    # T5's spelling has no cast of x before its multiply: without casts (float32) it is Llama's.
+    "t5": (lambda: T5LayerNorm(HIDDEN, eps=1e-6), {torch.float32: "rms_norm_llama", torch.bfloat16: "rms_norm_t5"}, (1e-6,)),
     "layer_norm": (lambda: nn.LayerNorm(HIDDEN, eps=1e-5), "layer_norm", (1e-5,)),
     "layer_norm_no_bias": (lambda: nn.LayerNorm(HIDDEN, eps=1e-4, bias=False), "layer_norm_no_bias", (None, 1e-4)),
     "layer_norm_no_affine": (lambda: nn.LayerNorm(HIDDEN, elementwise_affine=False), "layer_norm_no_affine", (None, None, 1e-5)),
@@ -68,6 +71,7 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_module_becomes_one_canonical_op(case, dtype):
     make, pattern, trailing_args = CASES[case]
+    pattern = pattern[dtype] if isinstance(pattern, dict) else pattern
     module = _randomized(make()).to(dtype)
     gm, counts = _export_and_match(module, torch.randn(3, 5, HIDDEN, dtype=dtype))
 

@@ -109,3 +109,33 @@ def test_a_random_weight_config_without_a_tokenizer_serves_an_fp8_cache_at_scale
     assert attention and not any("k_scale" in n.kwargs for n in attention)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     assert all(len(out.token_ids) == 4 for out in llm.generate(PROMPTS, params))
+
+
+class _Biased(torch.nn.Module):
+    """One causal attention whose logits get ``bias``: the input itself, or a relative position bias over positions
+    shifted by ``shift`` (a T5 decoder's are the graph's own, 0 … T - 1)."""
+
+    def __init__(self, shift: int | None):
+        super().__init__()
+        self.shift = shift
+        self.table = torch.nn.Parameter(torch.randn(8, 2))
+
+    def forward(self, q, k, v, bias):
+        if self.shift is not None:
+            positions = torch.arange(q.shape[1])
+            bias = torch.ops.autodeploy.relative_position_bias(self.table, positions + self.shift, positions, False, 20)
+        return torch.ops.autodeploy.attention(q, k, v, 1.0, None, None, None, None, bias)
+
+
+@pytest.mark.parametrize("shift", [None, 1], ids=["any tensor", "other positions"])
+def test_a_bias_the_cache_cannot_read_by_distance_is_refused(shift):
+    from autodeploy.config import load_settings
+    from autodeploy.errors import UnsupportedModelError
+    from autodeploy.transforms.insert_cached_attention import InsertCachedAttention
+    from autodeploy.transforms.registry import TransformConfig, TransformContext
+
+    inputs = (*(torch.randn(1, 5, 2, 4) for _ in range(3)), torch.randn(1, 2, 5, 5))
+    gm = torch.export.export(_Biased(shift), inputs).module()
+    context = TransformContext(settings=load_settings(set_arguments=["device=cpu", "max_seq_len=16"]))
+    with pytest.raises(UnsupportedModelError, match=r"adds a bias to its logits \(\w+\) other than a relative position bias"):
+        InsertCachedAttention(TransformConfig()).apply(gm, context)
