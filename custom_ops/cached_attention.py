@@ -231,8 +231,6 @@ def _triton_backend(*args, **kwargs):
 def _triton_supports(*args, device, **kwargs):
     from .triton import triton_unavailable
 
-    if CachedAttentionArgs(*args, **kwargs).distance_bias is not None:
-        return DISTANCE_BIAS_REFUSAL
     reason = triton_unavailable(device)
     if reason:
         return reason
@@ -242,7 +240,8 @@ def _triton_supports(*args, device, **kwargs):
     try:
         check_supported(
             call.q, call.k, call.v, call.k_cache, call.v_cache, call.block_tables, call.sliding_window, call.logit_cap,
-            call.sinks, call.alibi_slopes, tree_mask=call.tree_mask, attend_until=call.attend_until, device=device,
+            call.sinks, call.alibi_slopes, tree_mask=call.tree_mask, attend_until=call.attend_until,
+            distance_bias=call.distance_bias, device=device,
         )
     except ValueError as error:
         return str(error).removeprefix("cached_attention_triton: ")

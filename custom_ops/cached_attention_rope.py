@@ -34,7 +34,7 @@ import inspect
 
 import torch
 
-from .cached_attention import DISTANCE_BIAS_REFUSAL, SIGNATURE, CachedAttentionArgs, cached_attention_reference
+from .cached_attention import SIGNATURE, CachedAttentionArgs, cached_attention_reference
 from .cached_attention_sdpa import cached_attention_sdpa
 from .registry import arguments_tuple, register_backend, register_op
 from .rope import rope_reference, rope_torch
@@ -107,8 +107,6 @@ def _triton_backend(*args, **kwargs):
 def _triton_supports(*args, device, **kwargs):
     from .triton import triton_unavailable
 
-    if CachedAttentionRopeArgs(*args, **kwargs).distance_bias is not None:
-        return DISTANCE_BIAS_REFUSAL
     reason = triton_unavailable(device)
     if reason:
         return reason
@@ -119,7 +117,7 @@ def _triton_supports(*args, device, **kwargs):
         check_rope_supported(
             call.q, call.k, call.v, call.cos, call.sin, call.k_cache, call.v_cache, call.block_tables,
             call.sliding_window, call.logit_cap, call.sinks, call.alibi_slopes, tree_mask=call.tree_mask,
-            attend_until=call.attend_until, device=device,
+            attend_until=call.attend_until, distance_bias=call.distance_bias, device=device,
         )
     except ValueError as error:
         return str(error).split(": ", 1)[-1]  # without the kernel's name, which the report shows already

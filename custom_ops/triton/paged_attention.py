@@ -31,6 +31,11 @@ float32, base 2 (``exp2``):
   needs no write kernel: the decode kernel rotates q and the new key and writes the caches itself
   (``HAS_ROPE``).
 
+Both kernels add a relative position bias by distance (``distance_bias``, ``HAS_DISTANCE_BIAS``: T5's decoder), this
+head's ``distance_bias[h, q_pos - k_pos]``, to each tile's scaled logits before the soft-cap and the running max, as
+the reference does; a split's partial results carry it, so the merge needs nothing more. Graphs without the bias
+compile none of it.
+
 Example (a 3-token prompt, then a one-token decode at position 2; on a CPU, Triton's interpreter runs
 it too, as ``tests/custom_ops/test_paged_attention_triton.py`` does)::
 
@@ -125,14 +130,28 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _logits_base2(q, k, scale, logit_cap, HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``scale · q kᵀ``, soft-capped if asked, in base-2 units (× log2 e) for ``exp2``."""
+def _logits_base2(q, k, scale, logit_cap, HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, bias=None,
+                  HAS_BIAS: tl.constexpr = False):
+    """``scale · q kᵀ`` plus ``bias`` (with ``HAS_BIAS``), soft-capped if asked, in base-2 units (× log2 e) for
+    ``exp2``."""
     logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    if HAS_BIAS:  # before the cap, as the reference adds it
+        logits += bias
     if HAS_CAP:
         # cap · tanh(x / cap) through exp2: Triton has no tanh that both the GPU and the interpreter run.
         doubled = tl.exp2(logits * (2.0 * _LOG2E / logit_cap))
         logits = logit_cap * (1.0 - 2.0 / (doubled + 1.0))
     return logits * _LOG2E
+
+
+@triton.jit
+def _distance_bias(bias_rows, query_positions, keys, valid):
+    """``distance_bias[h, i - j]`` (``[ROWS, BLOCK_N]``, float32) for query positions ``query_positions [ROWS]`` and key
+    positions ``keys [BLOCK_N]``, ``bias_rows`` pointing at each row's head's table row (a scalar or ``[ROWS, 1]``); 0
+    for keys after their query and where ``valid`` is false (keys past the sequence, rows past the chunk), whose
+    distances may lie outside the table."""
+    distance = query_positions[:, None] - keys[None, :]
+    return tl.load(bias_rows + distance, mask=valid & (distance >= 0), other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -185,16 +204,17 @@ def _online_softmax_step(acc, row_sum, row_max, logits, v, DOT_PRECISION: tl.con
 def _prefill_tiles(
     acc, row_sum, row_max, q, query_positions, row_last_keys,
     k_base, v_base, block_table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-    first_tile, end_tile, kv_len, scale, logit_cap, window, slope, tree_rows, chunk_start,
+    first_tile, end_tile, kv_len, scale, logit_cap, window, slope, tree_rows, chunk_start, bias_row,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_TREE: tl.constexpr, HAS_DISTANCE_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Attend over key tiles ``first_tile … end_tile - 1``; ``MASKED`` tiles apply the causal/window mask (row
     ``i`` sees keys up to ``row_last_keys[i]``: its own position, or its bidirectional block's end; the window
     counts back from ``query_positions``), and with ``HAS_TREE`` the rows' ``tree_mask`` bits (``tree_rows
-    [BLOCK_M]``) over the chunk's keys (from position ``chunk_start``). ALiBi (``slope``, this head's) biases
-    every tile, masked or not."""
+    [BLOCK_M]``) over the chunk's keys (from position ``chunk_start``). ALiBi (``slope``, this head's) and the
+    relative position bias (``bias_row``: this head's row of ``distance_bias``) bias every tile, masked or not."""
     for tile in range(first_tile, end_tile):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k, v = _gather_kv(
@@ -202,7 +222,10 @@ def _prefill_tiles(
             HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE,
         )
         k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache's values, read back
-        logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION)
+        bias = None
+        if HAS_DISTANCE_BIAS:  # rows past the chunk's end sit at kv_len and beyond
+            bias = _distance_bias(bias_row, query_positions, keys, query_positions[:, None] < kv_len)
+        logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION, bias, HAS_DISTANCE_BIAS)
         if HAS_ALIBI:
             logits += slope * (keys[None, :] - query_positions[:, None]).to(tl.float32) * _LOG2E
         if MASKED:
@@ -223,16 +246,16 @@ def _prefill_tiles(
 @triton.jit(do_not_specialize=["num_query_blocks", "stride_bt"])  # batch-dependent: see the note on integer arguments above
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
-    tree_mask_ptr, attend_until_ptr,
+    tree_mask_ptr, attend_until_ptr, distance_bias_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_bias_h,
     scale, logit_cap, window, num_query_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_TREE: tl.constexpr, HAS_ATTEND_UNTIL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8_IN_F16: tl.constexpr,
+    HAS_TREE: tl.constexpr, HAS_ATTEND_UNTIL: tl.constexpr, HAS_DISTANCE_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_IN_F16: tl.constexpr,
 ):
     head = tl.program_id(0)
     # A chunk's last query blocks see the most keys; launching them first shortens the tail.
@@ -302,24 +325,27 @@ def _prefill_kernel(
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + head)
+    bias_row = distance_bias_ptr
+    if HAS_DISTANCE_BIAS:
+        bias_row += head * stride_bias_h
 
     acc, row_sum, row_max = _prefill_tiles(
         acc, row_sum, row_max, q, query_positions, row_last_keys, k_base, v_base, block_table_row,
         stride_kb, stride_kt, stride_vb, stride_vt, first_tile, free_first, kv_len, scale, logit_cap, window, slope,
-        tree_rows, chunk_start, True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
-        PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+        tree_rows, chunk_start, bias_row, True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HAS_DISTANCE_BIAS,
+        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
     acc, row_sum, row_max = _prefill_tiles(
         acc, row_sum, row_max, q, query_positions, row_last_keys, k_base, v_base, block_table_row,
         stride_kb, stride_kt, stride_vb, stride_vt, free_first, free_end, kv_len, scale, logit_cap, window, slope,
-        tree_rows, chunk_start, False, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
-        PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+        tree_rows, chunk_start, bias_row, False, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HAS_DISTANCE_BIAS,
+        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
     acc, row_sum, row_max = _prefill_tiles(
         acc, row_sum, row_max, q, query_positions, row_last_keys, k_base, v_base, block_table_row,
         stride_kb, stride_kt, stride_vb, stride_vt, free_end, end_tile, kv_len, scale, logit_cap, window, slope,
-        tree_rows, chunk_start, True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
-        PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+        tree_rows, chunk_start, bias_row, True, HAS_WINDOW, HAS_CAP, HAS_ALIBI, HAS_TREE, HAS_DISTANCE_BIAS,
+        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
     )
 
     # Rows past the chunk's end may see no key at all (under a window); they are not stored.
@@ -354,16 +380,16 @@ def _split_keys(kv_len, window, num_splits, spread_splits, HAS_WINDOW: tl.conste
 @triton.jit(do_not_specialize=["first_decode", "stride_bt", "spread_splits"])  # batch-dependent: see the note on integer arguments above
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partials_ptr, arrivals_ptr,
-    seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr,
+    seq_start_ptr, kv_lens_ptr, block_tables_ptr, sinks_ptr, alibi_ptr, distance_bias_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_bias_h,
     scale, logit_cap, window, first_decode, q_heads, spread_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_GROUP_PAD: tl.constexpr,
     MERGE_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_IN_F16: tl.constexpr,
-    MAX_KEYS_PER_SPLIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DISTANCE_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_IN_F16: tl.constexpr, MAX_KEYS_PER_SPLIT: tl.constexpr,
     EMPTY_SPLITS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
     # The new tokens, unrotated, and their angles, for cached_attention_rope's decode-only batches (HAS_ROPE;
     # the rope/write kernel's arguments of the same names). Without HAS_ROPE they stay None: not compiled in.
@@ -454,6 +480,9 @@ def _decode_kernel(
     slopes = tl.zeros([GROUP_PAD], tl.float32)
     if HAS_ALIBI:
         slopes = tl.load(alibi_ptr + heads, mask=head_valid, other=0.0)
+    bias_rows = distance_bias_ptr
+    if HAS_DISTANCE_BIAS:
+        bias_rows += heads[:, None] * stride_bias_h
 
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
@@ -466,7 +495,11 @@ def _decode_kernel(
             HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, PAGE_SIZE,
         )
         k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache's values, read back
-        logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION)
+        bias = None
+        if HAS_DISTANCE_BIAS:  # the query sits at kv_len - 1
+            query_positions = tl.zeros([GROUP_PAD], tl.int32) + kv_len - 1
+            bias = _distance_bias(bias_rows, query_positions, keys, head_valid[:, None] & key_valid[None, :])
+        logits = _logits_base2(q, k, scale, logit_cap, HAS_CAP, DOT_PRECISION, bias, HAS_DISTANCE_BIAS)
         if HAS_ALIBI:  # the query sits at kv_len - 1
             logits += slopes[:, None] * (keys - (kv_len - 1))[None, :].to(tl.float32) * _LOG2E
         logits = tl.where(key_valid[None, :], logits, float("-inf"))
@@ -568,6 +601,7 @@ def cached_attention_triton(
     v_scale: float = 1.0,
     tree_mask: Optional[torch.Tensor] = None,
     attend_until: Optional[torch.Tensor] = None,
+    distance_bias: Optional[torch.Tensor] = None,
     *,
     num_decode_splits: Optional[int] = None,
     check: bool = True,
@@ -577,7 +611,8 @@ def cached_attention_triton(
     Writes ``k``/``v`` into the caches, then runs the prefill kernel over the first ``num_prefill``
     sequences (a tree chunk's rows masked by their ``tree_mask`` bits, a bidirectional block's rows seeing
     on to their ``attend_until``) and the split-K decode kernel over the last ``num_decode`` (``batch_info``,
-    read on the host; decode rows are causal, so it reads neither ``tree_mask`` nor ``attend_until``).
+    read on the host; decode rows are causal, so it reads neither ``tree_mask`` nor ``attend_until``). Both
+    add ``distance_bias`` (T5's relative position bias) to their logits.
     ``num_decode_splits`` overrides the split count chosen from the batch and context sizes.
     Raises ``ValueError`` for inputs these kernels do not support (see :func:`check_supported`);
     ``check=False`` skips those checks, for a caller that ran them once already (the backend op, whose
@@ -586,19 +621,26 @@ def cached_attention_triton(
     if check:
         check_supported(
             q, k, v, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes,
-            num_decode_splits, tree_mask, attend_until, device=q.device,
+            num_decode_splits, tree_mask, attend_until, distance_bias, device=q.device,
         )
-        if batch_info.device.type != "cpu":
-            raise ValueError(
-                f"cached_attention_triton: batch_info must be a CPU tensor (read without a device sync); "
-                f"it is on {batch_info.device}."
-            )
+        check_batch_info("cached_attention_triton", batch_info, distance_bias)
     write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     q_tokens = q[0] if q.stride(-1) == 1 else q[0].contiguous()
     return attend_over_cache(
         q_tokens, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window, logit_cap,
-        sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask, attend_until,
+        sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask, attend_until, distance_bias,
     )
+
+
+def check_batch_info(op: str, batch_info: torch.Tensor, distance_bias: Optional[torch.Tensor]) -> None:
+    """``batch_info`` must be on the CPU (the launch reads it without a device sync), and ``distance_bias`` reach past
+    its longest sequence's last position (the kernels read the table unchecked)."""
+    if batch_info.device.type != "cpu":
+        raise ValueError(f"{op}: batch_info must be a CPU tensor (read without a device sync); it is on {batch_info.device}.")
+    longest = int(batch_info[3])
+    if distance_bias is not None and distance_bias.shape[1] < longest:
+        raise ValueError(f"{op}: distance_bias must be [Hq, L ≥ {longest} (the longest sequence)]; got "
+                         f"{tuple(distance_bias.shape)}.")
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -646,13 +688,15 @@ def attend_over_cache(
     v_scale: float = 1.0,
     tree_mask: Optional[torch.Tensor] = None,
     attend_until: Optional[torch.Tensor] = None,
+    distance_bias: Optional[torch.Tensor] = None,
     rope: Optional[dict] = None,
 ) -> torch.Tensor:
     """The attention half of :func:`cached_attention_triton`, once this step's keys and values are in the
     caches: the prefill and decode kernels over ``q_tokens [T, Hq, D]`` (last dim contiguous). Returns
     ``[1, T, Hq, Dv]``. An fp8 cache's scales act outside the kernels: ``k_scale`` scales the logits (it
-    joins ``scale``), ``v_scale`` the output (attention is linear in the values). ``tree_mask``, ``attend_until``:
-    the op's, read by the prefill kernel only (None compiles its test out).
+    joins ``scale``, so ``distance_bias`` is added after it, as the reference adds it), ``v_scale`` the output
+    (attention is linear in the values). ``tree_mask``, ``attend_until``: the op's, read by the prefill kernel only
+    (None compiles its test out); ``distance_bias``: the op's, read by both (None compiles it out).
 
     ``rope`` (a batch without prefills only): the decode kernel's arguments for the new tokens, unrotated
     (``paged_attention_rope``'s fused decode path). The decode kernel then rotates them itself, writing q
@@ -670,11 +714,12 @@ def attend_over_cache(
         **cache_arguments(k_cache, v_cache), q_ptr=q_tokens, out_ptr=out[0],
         seq_start_ptr=seq_start, kv_lens_ptr=kv_lens, block_tables_ptr=block_tables, sinks_ptr=sinks,
         alibi_ptr=None if alibi_slopes is None else _slopes_tensor(tuple(alibi_slopes), q_tokens.device),
+        distance_bias_ptr=distance_bias,
         stride_qt=q_tokens.stride(0), stride_qh=q_tokens.stride(1), stride_ot=out.stride(1), stride_oh=out.stride(2),
-        stride_bt=block_tables.stride(0),
+        stride_bt=block_tables.stride(0), stride_bias_h=0 if distance_bias is None else distance_bias.stride(0),
         scale=scale, logit_cap=logit_cap or 0.0, window=sliding_window or 0, GROUP=q_heads // kv_heads,
         HAS_WINDOW=sliding_window is not None, HAS_CAP=logit_cap is not None, HAS_SINKS=sinks is not None,
-        HAS_ALIBI=alibi_slopes is not None,
+        HAS_ALIBI=alibi_slopes is not None, HAS_DISTANCE_BIAS=distance_bias is not None,
         # fp32 dots would otherwise run in TF32 on the GPU, ~1e-3 off the float32 reference.
         DOT_PRECISION="ieee" if q_tokens.dtype == torch.float32 else "tf32",
         FP8_IN_F16=FP8_IN_F16 and q_tokens.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn,
@@ -813,6 +858,7 @@ def check_supported(
     num_decode_splits: Optional[int] = None,
     tree_mask: Optional[torch.Tensor] = None,
     attend_until: Optional[torch.Tensor] = None,
+    distance_bias: Optional[torch.Tensor] = None,
     *,
     device: torch.device,
 ) -> None:
@@ -883,4 +929,19 @@ def check_supported(
             raise ValueError(
                 f"cached_attention_triton: {name} must be a contiguous int64 [T={tokens}]; got {rows.dtype} "
                 f"{tuple(rows.shape)}."
+            )
+    if distance_bias is not None:
+        if distance_bias.dim() != 2 or distance_bias.shape[0] != q_heads or distance_bias.stride(-1) != 1:
+            raise ValueError(
+                f"cached_attention_triton: distance_bias must be [Hq={q_heads}, L] with contiguous rows; got "
+                f"{tuple(distance_bias.shape)} with strides {distance_bias.stride()}."
+            )
+        if distance_bias.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"cached_attention_triton: distance_bias must be one of {SUPPORTED_DTYPES}; got {distance_bias.dtype}."
+            )
+        if attend_until is not None:
+            raise ValueError(
+                "cached_attention_triton: distance_bias is by distance back from the query; it cannot bias keys after "
+                "it (attend_until)."
             )

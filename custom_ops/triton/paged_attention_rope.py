@@ -41,7 +41,7 @@ import triton.language as tl
 from . import SUPPORTED_DTYPES
 from .cache_store import stored_as
 from .launch import dependent_launch, wait_for_previous_kernel
-from .paged_attention import attend_over_cache, cache_arguments, check_supported
+from .paged_attention import attend_over_cache, cache_arguments, check_batch_info, check_supported
 from .rope import load_angles, rotate_rows
 
 
@@ -114,6 +114,7 @@ def cached_attention_rope_triton(
     v_scale: float = 1.0,
     tree_mask: Optional[torch.Tensor] = None,
     attend_until: Optional[torch.Tensor] = None,
+    distance_bias: Optional[torch.Tensor] = None,
     *,
     num_decode_splits: Optional[int] = None,
     check: bool = True,
@@ -129,13 +130,9 @@ def cached_attention_rope_triton(
     if check:
         check_rope_supported(
             q, k, v, cos, sin, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes,
-            num_decode_splits, tree_mask, attend_until, device=q.device,
+            num_decode_splits, tree_mask, attend_until, distance_bias, device=q.device,
         )
-        if batch_info.device.type != "cpu":
-            raise ValueError(
-                f"cached_attention_rope_triton: batch_info must be a CPU tensor (read without a device sync); "
-                f"it is on {batch_info.device}."
-            )
+        check_batch_info("cached_attention_rope_triton", batch_info, distance_bias)
     tokens, q_heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
     kv_heads, rotary_dim = k_cache.shape[2], cos.shape[-1]
     q_tokens, k_tokens, v_tokens = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (q, k, v))
@@ -165,7 +162,7 @@ def cached_attention_rope_triton(
         )
     return attend_over_cache(
         rotated_q, k_cache, v_cache, seq_start, kv_lens, block_tables, batch_info, scale, sliding_window,
-        logit_cap, sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask, attend_until,
+        logit_cap, sinks, alibi_slopes, num_decode_splits, k_scale, v_scale, tree_mask, attend_until, distance_bias,
         rope=new_tokens if decodes_alone else None,
     )
 
@@ -186,6 +183,7 @@ def check_rope_supported(
     num_decode_splits: Optional[int] = None,
     tree_mask: Optional[torch.Tensor] = None,
     attend_until: Optional[torch.Tensor] = None,
+    distance_bias: Optional[torch.Tensor] = None,
     *,
     device: torch.device,
 ) -> None:
@@ -194,7 +192,7 @@ def check_rope_supported(
     and strides, so ``supports`` runs it on a node's meta tensors at build."""
     check_supported(
         q, k, v, k_cache, v_cache, block_tables, sliding_window, logit_cap, sinks, alibi_slopes, num_decode_splits,
-        tree_mask, attend_until, device=device,
+        tree_mask, attend_until, distance_bias, device=device,
     )
     if cos.dtype not in SUPPORTED_DTYPES or sin.dtype != cos.dtype:
         raise ValueError(

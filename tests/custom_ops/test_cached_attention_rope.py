@@ -18,6 +18,7 @@ from autodeploy.custom_ops.triton.paged_attention import attend_over_cache
 from autodeploy.custom_ops.triton.paged_attention_rope import cached_attention_rope_triton
 from tests.custom_ops.test_paged_attention_triton import (  # noqa: F401  (the fixture applies to these tests too)
     DEVICE,
+    distance_bias_for,
     gpu_only,
     interpreter_loops_with_numpy_2_4,
     paged_batch,
@@ -133,6 +134,25 @@ def test_triton_bidirectional_blocks_after_a_cached_prefix(rope_write_launches):
     node, cuda = [*as_meta(args), None, None, None, None, 1.0, 1.0, None], torch.device("cuda")
     assert "attend_until must be" in backend("triton").check([*node, attend_until.to("meta", torch.int32)], cuda)
     assert backend("triton").check([*node, attend_until.to("meta")], cuda) is None
+
+
+@pytest.mark.parametrize("num_decode_splits", [1, 3])
+def test_triton_distance_bias_with_and_without_the_rope_write_kernel(num_decode_splits, rope_write_launches):
+    # A relative position bias (cached_attention's distance_bias) in a mixed batch (the rope/write kernel, then the
+    # prefill and decode kernels) and in decodes alone (the decode kernel rotates), through the backend op as a graph
+    # calls it (distance_bias by name).
+    batch = paged_batch([(9, 9), (4, 40)], [33, 5, 70], q_heads=4, kv_heads=2)
+    args, launch = with_angles(batch), dict(num_decode_splits=num_decode_splits)
+    assert_matches_reference(cached_attention_rope_triton, args, launch=launch, distance_bias=distance_bias_for(batch))
+    decodes = paged_batch(decodes=[1, 9, 70, 150], q_heads=4, kv_heads=2)
+    bias = distance_bias_for(decodes)
+    assert_matches_reference(cached_attention_rope_triton, with_angles(decodes), launch=launch, distance_bias=bias)
+    assert rope_write_launches == [(16, 2)]
+    expected, _ = run(cached_attention_rope_reference, with_angles(decodes), distance_bias=bias)
+    got, _ = run(backend("triton").op, with_angles(decodes), distance_bias=bias)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    node = [*as_meta(with_angles(decodes)), None, None, None, None, 1.0, 1.0, None, None, bias.to("meta")]
+    assert backend("triton").check(node, torch.device("cuda")) is None
 
 
 def first_decode_as_a_prefill(args: tuple) -> tuple:

@@ -7,6 +7,8 @@ Cache slots that no sequence owns hold NaN: a kernel that reads past a sequence'
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -211,6 +213,78 @@ def test_window_cap_sinks_and_gqa_together():
     batch = paged_batch([(13, 13), (9, 100)], [150, 2], q_heads=8, kv_heads=2, block_size=16)
     sinks = torch.linspace(-2, 2, 8, device=DEVICE)
     assert_matches_reference(batch, sliding_window=24, logit_cap=3.0, sinks=sinks, num_decode_splits=2)
+
+
+def distance_bias_for(batch: tuple, spare: int = 5, seed: int = 3) -> torch.Tensor:
+    """A ``distance_bias [Hq, L]`` for ``batch`` (T5's decoder), ``L`` ``spare`` past its longest sequence, of the
+    order of the logits: random by distance (T5's buckets repeat one value over runs of distances, which would hide an
+    off-by-one), in q's dtype, its rows strided past ``L`` (a view of a wider table)."""
+    q, batch_info = batch[0], batch[9]
+    longest = int(batch_info[3])
+    table = torch.randn(q.shape[2], longest + spare + 7, generator=torch.Generator().manual_seed(seed)) * 2
+    return table.to(q.dtype).to(DEVICE)[:, : longest + spare]
+
+
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("num_decode_splits", [None, 1, 3])
+def test_distance_bias_in_prefill_chunks_after_cached_prefixes_and_split_decodes(group, num_decode_splits):
+    # Prompt chunks fresh (70 tokens: tiles every row sees, unmasked) and after cached prefixes, and decodes up to 200
+    # keys, cut into three splits that the merge combines; GQA or not.
+    batch = paged_batch([(70, 70), (6, 150), (1, 9)], [200, 7, 1], q_heads=2 * group, kv_heads=2)
+    bias = distance_bias_for(batch)
+    assert_matches_reference(batch, distance_bias=bias, num_decode_splits=num_decode_splits)
+    q, k, v, k_cache, v_cache, *metadata = batch
+    unbiased = cached_attention_reference(q, k, v, k_cache.clone(), v_cache.clone(), *metadata)
+    biased = cached_attention_reference(q, k, v, k_cache.clone(), v_cache.clone(), *metadata, distance_bias=bias)
+    moved = (biased - unbiased).abs().amax(dim=(0, 2, 3))
+    assert moved[1:-1].min() > 1e-2 and moved[[0, -1]].max() == 0  # all but the tokens that see one key alone
+
+
+def test_distance_bias_joins_the_logits_before_the_cap_beside_a_window_sinks_alibi_and_a_tree():
+    batch = paged_batch([(13, 13), (9, 100)], [150, 2], q_heads=8, kv_heads=2, block_size=16)
+    q, *rest = batch
+    batch = (q * 4, *rest)  # larger logits, so the cap bites
+    bias = distance_bias_for(batch)
+    sinks = torch.linspace(-2, 2, 8, device=DEVICE)
+    assert_matches_reference(batch, distance_bias=bias, sliding_window=24, logit_cap=3.0, sinks=sinks, num_decode_splits=2)
+    assert_matches_reference(batch, distance_bias=bias, alibi_slopes=[0.5 ** (i + 1) for i in range(8)], num_decode_splits=2)
+    tree = paged_batch([(5, 12)], [9], q_heads=4)
+    rows = tree_rows([-1, 0, 0, 2, 1]) + [-1]
+    assert_matches_reference(tree, distance_bias=distance_bias_for(tree), tree_mask=with_tree_mask(tree, rows))
+
+
+def test_distance_bias_in_half_precision():
+    batch = paged_batch([(20, 20), (5, 40)], [150, 3], q_heads=4, kv_heads=2, dtype=torch.float16)
+    assert_matches_reference(batch, atol=2e-2, distance_bias=distance_bias_for(batch), num_decode_splits=2)
+
+
+def test_distance_bias_is_added_to_logits_an_fp8_caches_k_scale_has_scaled(interpreter_rounds_to_fp8_correctly):
+    q, k, v, k_cache, v_cache, *metadata = batch = paged_batch([(20, 20), (5, 40)], [150, 3], q_heads=4, kv_heads=2)
+    fp8 = (k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn))
+    options = dict(k_scale=0.25, v_scale=3.0, distance_bias=distance_bias_for(batch))
+    expected = cached_attention_reference(q, k, v, *(c.clone() for c in fp8), *metadata, **options)
+    got = cached_attention_triton(q, k, v, *(c.clone() for c in fp8), *metadata, **options, num_decode_splits=2)
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change, message, at_build", [
+    (lambda bias, until: dict(distance_bias=bias[:3]), r"distance_bias must be \[Hq=4, L\] with contiguous rows", True),
+    (lambda bias, until: dict(distance_bias=bias.t().contiguous().t()), "with contiguous rows", True),
+    (lambda bias, until: dict(distance_bias=bias.double()), "distance_bias must be one of", True),
+    (lambda bias, until: dict(distance_bias=bias, attend_until=until), r"cannot bias keys after it \(attend_until\)", True),
+    # only batch_info knows the longest sequence: the launch checks it, supports() cannot
+    (lambda bias, until: dict(distance_bias=bias[:, :11]), r"distance_bias must be \[Hq, L ≥ 12 \(the longest sequence\)\]", False),
+])
+def test_a_distance_bias_the_kernels_cannot_read_is_refused(change, message, at_build):
+    batch = paged_batch([(3, 12)], [9], q_heads=4)
+    options = change(distance_bias_for(batch), torch.full((4,), -1, device=DEVICE))
+    with pytest.raises(ValueError, match=message):
+        cached_attention_triton(*batch, **options)
+    backend = next(b for b in canonical_ops()["cached_attention"].backends if b.name == "triton")
+    node = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in batch]
+    until, bias = (options.get(name) for name in ("attend_until", "distance_bias"))
+    verdict = backend.check([*node, None, None, None, None, 1.0, 1.0, None, until, bias.to("meta")], torch.device("cuda"))
+    assert (verdict is not None and re.search(message, verdict) is not None) if at_build else verdict is None
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_gpu_for_bfloat16), torch.float16])
@@ -537,6 +611,16 @@ def test_a_one_wave_decode_batch_at_production_shapes(monkeypatch):
     batch = paged_batch([], lengths, q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
     assert_matches_reference(batch, atol=2e-2)
     assert chosen == [(128, 4, 2)]
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_distance_bias_at_production_shapes(dtype):
+    # T5-base's decoder (12 heads of 64): a long prompt chunk after a cached prefix, and decodes up to 3000 keys beside
+    # enough short ones to fill the card, the splits as the launch picks them.
+    batch = paged_batch([(513, 700), (1, 40)], [3000, 37, 1] + [150] * 40, q_heads=12, kv_heads=12, head_dim=64,
+                        block_size=16, dtype=dtype)
+    assert_matches_reference(batch, atol=1e-4 if dtype == torch.float32 else 2e-2, distance_bias=distance_bias_for(batch))
 
 
 @gpu_only
