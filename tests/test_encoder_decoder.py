@@ -382,19 +382,14 @@ def test_on_a_gpu_the_cross_attention_gets_its_capturable_kernel_and_the_decoder
     """Where decode steps replay CUDA graphs, select gives the cross-attention the ``triton`` kernel (the paged decode
     kernel over each sequence's own blocks) over ``sdpa`` (which reads lengths on the host) and the compile stage declares
     the decode graphs; a preference for ``sdpa`` keeps the decoder eager, and the build names the capturable kernel to
-    choose instead. T5's self-attention, whose relative position bias no capturable kernel takes, keeps its decoder
-    eager, and the build says so."""
+    choose instead. T5's self-attention, with its relative position bias (``distance_bias``), gets the Triton kernels
+    too."""
     _, llm = served
     selected, compiled, context, cross = gpu_build(llm)
     assert cross == [torch.ops.autodeploy.cached_cross_attention_triton.default] * 2
     assert any("cached_cross_attention ×2 → cached_cross_attention_triton" in line and "sdpa: reads device tensors on the host"
                in line for line in selected.details)
-    if llm.graph.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.relative_position_bias_by_distance.default):
-        assert any("cached_attention ×2 → cached_attention_sdpa" in line and "triton: no relative position bias" in line
-                   for line in selected.details)
-        assert compiled.notes == "no CUDA graphs: kernels that sync with the host" and context.decode_graph_batch_sizes == ()
-        assert "no capturable cached_attention kernel takes a relative position bias" in compiled.details[-1]
-        return
+    assert any(line.startswith("cached_attention ×2 → cached_attention_triton") for line in selected.details)
     assert context.decode_graph_batch_sizes and compiled.notes.startswith("decode CUDA graphs at")
     _, compiled, context, cross = gpu_build(llm, backends={"cached_cross_attention": ["sdpa"]})
     assert cross == [torch.ops.autodeploy.cached_cross_attention_sdpa.default] * 2 and context.decode_graph_batch_sizes == ()
@@ -489,6 +484,32 @@ def test_on_a_gpu_decode_steps_replay_captured_graphs_and_keep_hf_greedy_output(
     else:
         assert [len(o) for o in outputs] == [s.max_tokens for s in params]
         assert max(greedy_shortfall(model, p, o) for p, o in zip(PROMPTS, outputs)) <= 0.15
+    assert {(4, 4), (3, 4), (1, 1)} <= set(replays)
+    assert llm.engine.encoder.pool.num_used_blocks == 0
+    llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["t5", "t5_v1_1"])
+def test_on_a_gpu_t5s_position_biased_decode_steps_replay_captured_graphs_and_keep_hf_greedy_output(tmp_path, monkeypatch,
+                                                                                                     kind):
+    """T5's decoder self-attention, with its relative position bias (``distance_bias``), runs the Triton paged kernels:
+    its decode steps are captured and replayed like BART's, and float32 greedy output is HF ``generate``'s token for
+    token."""
+    model = lively(kind, SEEDS.get(kind, 5))
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():  # the checkpoint as Hugging Face loads it (T5 v1.1's head untied again)
+        model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    llm = autodeploy(str(tmp_path), device="cuda", dtype="float32", max_batch_size=4)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and all(batch.graph is not None for batch in graphs.batches.values())
+    report = llm.pipeline_report()
+    assert "cached_attention_triton" in report and "cached_attention_sdpa" not in report
+    assert "decode: CUDA graphs at batch sizes 1, 2, 4" in report
+    replays = record_replays(monkeypatch)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 12, 6)]
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert outputs == [hf_generate_greedy(model, p, s.max_tokens) for p, s in zip(PROMPTS, params)]
     assert {(4, 4), (3, 4), (1, 1)} <= set(replays)
     assert llm.engine.encoder.pool.num_used_blocks == 0
     llm.shutdown()

@@ -79,18 +79,9 @@ def _uncapturable(module: GraphModule) -> list[tuple[str, str]]:
     return found
 
 
-def _position_biased(module: GraphModule) -> bool:
-    """Whether a ``cached_attention`` of ``module`` reads a relative position bias (T5's decoder), which no capturable
-    kernel takes (the Triton ones refuse it)."""
-    return any(n.kwargs.get("distance_bias") is not None for n in module.graph.nodes if n.op == "call_function")
-
-
-def _capturable_advice(ops: list[str], position_biased: bool = False) -> str:
+def _capturable_advice(ops: list[str]) -> str:
     """What to do about uncapturable kernels of ``ops``: name each op's capturable kernels (bar the opt-in ones) as a
-    ``backends`` setting; with ``position_biased``, that none of ``cached_attention``'s takes the bias."""
-    if position_biased:
-        return ("no capturable cached_attention kernel takes a relative position bias (T5's distance_bias: the Triton "
-                "kernels refuse it); set compile.backend: none to deploy without CUDA graphs")
+    ``backends`` setting."""
     kernels = {op: [b.name for b in candidates(op) if b.capturable and not b.opt_in] for op in dict.fromkeys(ops)}
     lacking = [op for op, names in kernels.items() if not names]
     if lacking:
@@ -125,7 +116,7 @@ class CompileModel(Transform):
             blockers = [blocker for _, blocker in found]
             shown = ", ".join(blockers[:3]) + (f" and {len(blockers) - 3} more" if len(blockers) > 3 else "")
             message = (f"decode stays eager: {shown} read device tensors on the host, which CUDA graph capture "
-                       f"forbids; {_capturable_advice([op for op, _ in found], _position_biased(module))}")
+                       f"forbids; {_capturable_advice([op for op, _ in found])}")
             logger.warning(message)
             return TransformResult(notes="no CUDA graphs: kernels that sync with the host", details=[*inductor, message])
         max_batch_size = int(settings.max_batch_size)
