@@ -9,10 +9,12 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 mkdir -p "$OUT"
 for stage in $(echo ${STAGE:-check,bench} | tr , ' '); do
 case $stage in
-tests)  # the GPU tests of the encoder-decoder path: the dense cross-attention captured, tiny BART's decode graphs
+tests)  # the GPU tests of the encoder-decoder path: the dense cross-attention captured, tiny BART's and T5's decode
+  # graphs, the Triton paged kernels with T5's distance_bias
   AUTODEPLOY_CONFIG=tests/gpu.yaml timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -x \
     tests/custom_ops/test_cached_cross_attention.py tests/test_encoder_decoder.py tests/runtime/test_cuda_graphs.py \
-    -k "gpu or cuda or captured" > "$OUT/encdec-tests.log" 2>&1; echo "tests rc=$?"; tail -5 "$OUT/encdec-tests.log" ;;
+    tests/custom_ops/test_paged_attention_triton.py tests/custom_ops/test_cached_attention_rope.py \
+    -k "gpu or cuda or captured or distance_bias" > "$OUT/encdec-tests.log" 2>&1; echo "tests rc=$?"; tail -5 "$OUT/encdec-tests.log" ;;
 check)  # tiny BART and mBART on the GPU (bf16 and float32): greedy against HF generate, the build verified
   timeout ${CHECK_S:-120} python3 - <<'PY' 2>&1 | grep -E "^(bart|mbart)|Error" | tee "$OUT/encdec-check.log"
 import tempfile, torch

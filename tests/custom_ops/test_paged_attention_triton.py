@@ -274,7 +274,7 @@ def test_distance_bias_is_added_to_logits_an_fp8_caches_k_scale_has_scaled(inter
     (lambda bias, until: dict(distance_bias=bias, attend_until=until), r"cannot bias keys after it \(attend_until\)", True),
     # only batch_info knows the longest sequence: the launch checks it, supports() cannot
     (lambda bias, until: dict(distance_bias=bias[:, :11]), r"distance_bias must be \[Hq, L ≥ 12 \(the longest sequence\)\]", False),
-])
+], ids=["three heads of four", "strided distances", "float64", "beside attend_until", "shorter than a sequence"])
 def test_a_distance_bias_the_kernels_cannot_read_is_refused(change, message, at_build):
     batch = paged_batch([(3, 12)], [9], q_heads=4)
     options = change(distance_bias_for(batch), torch.full((4,), -1, device=DEVICE))
