@@ -917,6 +917,10 @@ def check_supported(
         raise ValueError(f"cached_attention_triton: sliding_window must be ≥ 1 (or None); got {sliding_window}.")
     if logit_cap is not None and not logit_cap > 0:
         raise ValueError(f"cached_attention_triton: logit_cap must be > 0 (or None); got {logit_cap}.")
+    if logit_cap is not None and alibi_slopes is not None:
+        # The kernels add ALiBi's slope · distance after the cap; the reference before it. No served model has both.
+        raise ValueError("cached_attention_triton: ALiBi slopes with a logit_cap are not supported together (the kernels "
+                         "would add the slopes after the cap); use the torch backend.")
     if sinks is not None and sinks.shape != (q_heads,):
         raise ValueError(f"cached_attention_triton: sinks must be [Hq={q_heads}]; got {tuple(sinks.shape)}.")
     if num_decode_splits is not None and num_decode_splits < 1:

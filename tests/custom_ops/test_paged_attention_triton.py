@@ -15,7 +15,7 @@ import torch
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops import canonical_ops
 from autodeploy.custom_ops.cached_attention import cached_attention_reference
-from autodeploy.custom_ops.triton.paged_attention import attend_over_cache, cached_attention_triton
+from autodeploy.custom_ops.triton.paged_attention import attend_over_cache, cached_attention_triton, check_supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-sized shapes; the interpreter is too slow")
@@ -676,3 +676,10 @@ def test_bfloat16_queries_past_float16s_range_saturate_instead_of_turning_the_ou
         interpreter_rounds_to_fp8_correctly):
     _, attend = _bfloat16_queries_over_fp8_caches([], [40, 9], q_multiplier=1e6)  # |q| ~ 1e6: infinite in float16
     assert attend().isfinite().all()
+
+
+def test_alibi_with_a_logit_cap_is_refused_where_the_kernels_would_differ_from_the_reference():
+    q, k, v, k_cache, v_cache, *_ = paged_batch(decodes=[5])
+    with pytest.raises(ValueError, match="ALiBi slopes with a logit_cap"):
+        check_supported(q, k, v, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32), None, 30.0, None, [0.5, 0.25],
+                        device=q.device)
