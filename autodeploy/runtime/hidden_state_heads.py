@@ -625,13 +625,8 @@ class HeadDrafter:
             else:  # a tree's rows are not in position order: the newest token's now, the kept path's once known
                 state.keep(chunk.start, step, first, 1, self.context)
                 self._tree_rows[sequence.seq_id] = (step, first)
-            if storing:  # a chain's drafted rows tentatively (the next chunk's start says how many were kept)
-                count = chunk.length if chunk.draft_parents is None else 1
-                self._place(sequence, chunk.start, count, chunk.start + chunk.length - len(chunk.draft), step,
-                            range(first, first + count))
-                ready = self.store.ready(sequence.seq_id, len(sequence.token_ids))
-                if ready:
-                    self.store.register(sequence.seq_id, self._block_keys(sequence, ready))
+            if storing:
+                self._store(chunk, step, first)
         if storing:
             self._copy_to_store()
         if step % 32 == 0:
@@ -647,6 +642,24 @@ class HeadDrafter:
             state.keep(start + 1 + depth, step, first + 1 + node, 1, self.context)
         if self.pool is not None and path:  # copied with the next step's rows
             self._place(sequence, start + 1, len(path), None, step, [first + 1 + node for node in path])
+
+    def _store(self, chunk: ScheduledChunk, step: int, first: int) -> None:
+        """Queue the copy of ``chunk``'s rows (from row ``first`` of ``step``) into the store, and hand the store its
+        sequence's blocks that are done."""
+        sequence, store = chunk.sequence, self.store
+        if chunk.length == 1 or chunk.draft_parents is not None:  # one final row, the newest token's: kept cheap
+            destination = store.place_row(sequence.seq_id, chunk.start)
+            if destination >= 0:
+                destinations, steps, rows = self._writes
+                destinations.append(destination)
+                steps.append(step)
+                rows.append(first)
+        else:  # a chain's drafted rows tentatively (the next chunk's start says how many were kept)
+            self._place(sequence, chunk.start, chunk.length, chunk.start + chunk.length - len(chunk.draft), step,
+                        range(first, first + chunk.length))
+        ready = store.ready(sequence.seq_id, len(sequence.token_ids))
+        if ready:
+            store.register(sequence.seq_id, self._block_keys(sequence, ready))
 
     def _place(self, sequence, start: int, count: int, final: int | None, step: int, rows) -> None:
         """Queue the copy of ``rows`` of ``step`` (positions ``start …`` of ``sequence``) into the store."""

@@ -86,7 +86,7 @@ class HiddenStateStore:
             filling.done = filling.written = filling.final = -(-start // size) * size
         first, end = max(start, filling.done), start + count
         filling.written = first
-        filling.final = max(filling.final, start, start + count if final is None else final)
+        filling.final = max(start, start + count if final is None else final)
         needed = -(-end // size) - filling.done // size
         while len(filling.blocks) < needed:
             block = self._take_block()
@@ -102,6 +102,17 @@ class HiddenStateStore:
             position = stop
         filling.written = max(end, first)
         return runs
+
+    def place_row(self, seq_id: int, position: int) -> int:
+        """``place`` of one final row (a decode's, the common case, kept cheap): its row in ``rows``, or -1."""
+        filling = self._filling.get(seq_id)
+        if filling is not None and filling.done <= position == filling.written:
+            offset = position - filling.done
+            if offset // self.block_size < len(filling.blocks):
+                filling.written = filling.final = position + 1
+                return filling.blocks[offset // self.block_size] * self.block_size + offset % self.block_size
+        runs = self.place(seq_id, position, 1)
+        return runs[0][1] if runs else -1
 
     def ready(self, seq_id: int, known_tokens: int) -> int:
         """How many of ``seq_id``'s first blocks ``register`` takes now that the host knows ``known_tokens`` of its
