@@ -191,6 +191,19 @@ def test_under_preemption_and_an_abort_the_store_holds_the_models_own_rows_under
     assert checked >= 6
 
 
+def test_the_store_is_off_at_zero_megabytes_or_without_prefix_caching_and_a_bad_size_is_refused(llama_dir, head_dir):
+    def drafter(options: dict, **settings):
+        return autodeploy(str(llama_dir), device="cpu", verify={"enabled": False}, **settings,
+                          speculative={"method": "eagle3", "model": str(head_dir), "auto": False,
+                                       "options": options}).engine.speculator.drafter
+
+    assert drafter({"hidden_state_cache_mb": 0}).store is None
+    assert drafter({}, kv_cache={"prefix_caching": False}).store is None
+    assert drafter({}).store.capacity == 512 * 2**20 // (16 * len(LAYERS) * 64 * 4)  # the default, 512 MiB
+    with pytest.raises(ConfigError, match="hidden_state_cache_mb must be a number of MiB ≥ 0"):
+        drafter({"hidden_state_cache_mb": "lots"})
+
+
 def test_the_store_hands_back_final_rows_of_full_blocks_by_key_least_recently_used_out_first():
     from autodeploy.runtime.hidden_state_store import HiddenStateStore
 
