@@ -670,9 +670,13 @@ class HeadDrafter:
             sources.extend(rows[position - start : position - start + length])
 
     def _copy_to_store(self) -> None:
-        """The queued copies into the store: one indexed copy per step they come from."""
+        """The queued copies into the store: one indexed copy per step they come from. A block handed back in the
+        same step (its key already held, or evicted) may be taken and written again by another sequence: of the
+        copies to one row only the last is made (an indexed copy with a row twice would leave either)."""
         if self._writes[0]:
-            gather_rows(self.store.rows, *(np.array(queued, dtype=np.int64) for queued in self._writes), self._tensors)
+            destinations, steps, rows = (np.array(queued, dtype=np.int64) for queued in self._writes)
+            last = len(destinations) - 1 - np.unique(destinations[::-1], return_index=True)[1]
+            gather_rows(self.store.rows, destinations[last], steps[last], rows[last], self._tensors)
             for queued in self._writes:
                 del queued[:]
 

@@ -83,7 +83,7 @@ class HiddenStateStore:
         size = self.block_size
         if start > filling.written:  # positions between never written here: start again at the next block
             self._free_blocks(filling)
-            filling.done = filling.written = filling.final = -(-start // size) * size
+            filling.done = filling.written = -(-start // size) * size
         first, end = max(start, filling.done), start + count
         filling.written = first
         filling.final = max(start, start + count if final is None else final)

@@ -204,6 +204,40 @@ def test_the_store_is_off_at_zero_megabytes_or_without_prefix_caching_and_a_bad_
         drafter({"hidden_state_cache_mb": "lots"})
 
 
+def test_a_block_handed_back_and_taken_again_in_one_step_holds_the_last_writers_rows(monkeypatch):
+    """Two sequences compute the same block in one step (the second's copy goes back: its key is held) and a third
+    takes that block at once: the copy into the store writes each row once, the third's."""
+    from types import SimpleNamespace
+
+    from autodeploy.runtime import hidden_state_heads
+    from autodeploy.runtime.block_pool import KVBlockPool
+    from autodeploy.runtime.hidden_state_heads import HeadDrafter
+    from autodeploy.runtime.hidden_state_store import HiddenStateStore
+    from autodeploy.runtime.scheduler import ScheduledChunk
+
+    hf = tiny_hf_model("llama")
+    head = make_head(hf.config)
+    drafter = HeadDrafter(head, name="test head", graphs=False,
+                          store=HiddenStateStore(2, 16, head.model_width, torch.device("cpu"), torch.float32))
+    pool = KVBlockPool(8, 16)
+    drafter.use_prefix_cache(pool)
+    same, other = list(range(16)), list(range(100, 116))
+    sequences = [SimpleNamespace(seq_id=i, finish_reason=None, request=None, token_ids=tokens)
+                 for i, tokens in enumerate((same, same, other))]
+    hidden = torch.randn(48, head.model_width)
+    copies, gather = [], hidden_state_heads.gather_rows
+
+    def spy(out, destinations, *rest):
+        copies.append(destinations)
+        return gather(out, destinations, *rest)
+
+    monkeypatch.setattr(hidden_state_heads, "gather_rows", spy)
+    drafter.observe([ScheduledChunk(s, 0, 16) for s in sequences], [0, 16, 32], hidden)
+    assert len(copies[0]) == len(set(copies[0].tolist())) == 32
+    first_block, rows = drafter.store.recall(pool.block_keys(2, other, 1), limit=4)
+    assert first_block == 0 and torch.equal(rows, hidden[32:])
+
+
 def test_the_store_hands_back_final_rows_of_full_blocks_by_key_least_recently_used_out_first():
     from autodeploy.runtime.hidden_state_store import HiddenStateStore
 
