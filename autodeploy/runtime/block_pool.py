@@ -83,7 +83,7 @@ class KVBlockPool:
         reusable_blocks = (len(token_ids) - 1) // self.block_size
         self.stats.queried_tokens += len(token_ids)
         table = self._tables[seq_id]
-        for block_hash in self._hashes(seq_id, token_ids, reusable_blocks, content_spans):
+        for block_hash in self.block_keys(seq_id, token_ids, reusable_blocks, content_spans):
             block = self._block_of_hash.get(block_hash)
             if block is None:
                 break
@@ -142,7 +142,7 @@ class KVBlockPool:
         published = self._published.get(seq_id, 0)
         if full <= published:
             return
-        hashes = self._hashes(seq_id, token_ids, full, content_spans)
+        hashes = self.block_keys(seq_id, token_ids, full, content_spans)
         for block, block_hash in zip(table[published:full], hashes[published:full]):
             if block not in self._hash_of_block and block_hash not in self._block_of_hash:
                 # (the same prefix computed twice concurrently keeps the first copy)
@@ -170,6 +170,24 @@ class KVBlockPool:
             self._never_used.append(block)
         self._parked.clear()
 
+    # ---- keys ----------------------------------------------------------------------------------
+    def block_keys(self, seq_id: Hashable, token_ids: Sequence[int], num_blocks: int,
+                   content_spans: Sequence[tuple[int, int, str]] = ()) -> list[bytes]:
+        """The prefix cache's key of each of ``seq_id``'s first ``num_blocks`` blocks: a hash chained so that it
+        names the whole prefix, computed once per block while the sequence holds blocks (what else is kept per
+        block of a prefix, ``HiddenStateStore``'s rows, goes by the same keys). BLAKE2 rather than Python's
+        ``hash``: a collision would silently serve another prompt's cache. ``content_spans``: positions
+        ``[start, end)`` whose K/V depend on more than their token ids (an image's placeholders), with that content's
+        key, hashed into every block they touch."""
+        hashes = self._prefix_hash_cache.setdefault(seq_id, [])
+        size = self.block_size
+        for index in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else b""
+            block_tokens = array("q", token_ids[index * size : (index + 1) * size]).tobytes()
+            content = "".join(key for start, end, key in content_spans if start < (index + 1) * size and end > index * size)
+            hashes.append(hashlib.blake2b(parent + block_tokens + content.encode(), digest_size=16).digest())
+        return hashes[:num_blocks]
+
     # ---- internals -----------------------------------------------------------------------------
     def _take(self, block: int) -> None:
         if self._ref_counts[block] == 0:
@@ -184,18 +202,3 @@ class KVBlockPool:
             del self._block_of_hash[self._hash_of_block.pop(block)]
         self._ref_counts[block] = 1
         return block
-
-    def _hashes(self, seq_id: Hashable, token_ids: Sequence[int], num_blocks: int,
-                content_spans: Sequence[tuple[int, int, str]] = ()) -> list[bytes]:
-        """Hash of each of ``seq_id``'s first ``num_blocks`` blocks, chained so a hash names the whole
-        prefix; computed once per block. BLAKE2 rather than Python's ``hash``: a collision would silently
-        serve another prompt's cache. ``content_spans``: positions ``[start, end)`` whose K/V depend on more than
-        their token ids (an image's placeholders), with that content's key, hashed into every block they touch."""
-        hashes = self._prefix_hash_cache.setdefault(seq_id, [])
-        size = self.block_size
-        for index in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else b""
-            block_tokens = array("q", token_ids[index * size : (index + 1) * size]).tobytes()
-            content = "".join(key for start, end, key in content_spans if start < (index + 1) * size and end > index * size)
-            hashes.append(hashlib.blake2b(parent + block_tokens + content.encode(), digest_size=16).digest())
-        return hashes[:num_blocks]

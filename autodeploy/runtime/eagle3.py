@@ -14,7 +14,8 @@ post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``norm``, ``lm_head``, ``d
 vocabulary) and ``embed_tokens`` (optional: the model's embedding otherwise). The layers it reads come from
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` in its config, else ``(2, L // 2, L − 3)`` of an
 ``L``-layer model. ``transforms/expose_hidden_states.py`` makes the model's graph copy those hidden states out
-each step; ``HeadDrafter.observe`` keeps the rows of each sequence's new positions until its next draft.
+each step; ``HeadDrafter.observe`` keeps the rows of each sequence's new positions until its next draft (and of a
+prefix-cache hit's cached positions, from its ``HiddenStateStore``).
 
 The layer, its cache and the drafter that feeds it are shared with ``mtp`` (``runtime/hidden_state_heads.py``).
 

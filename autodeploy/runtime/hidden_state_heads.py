@@ -10,10 +10,14 @@ produced (``observe``: one copy of the step's rows) until the sequence drafts, t
 position it has not seen (all sequences in one padded step) and runs a greedy chain of ``k`` tokens, the head's
 own output standing in for the model's hidden state.
 
+A prefix-cache hit never computes the cached positions: the rows of full blocks are kept past their sequence in a
+``HiddenStateStore`` under the prefix cache's block keys, and a sequence whose computation starts at a hit is fed
+the stored rows of the blocks before it, as if computed.
+
 Drafts only ever propose: whatever the head says, the model's own tokens are what a sequence keeps
-(``runtime/speculative.py``). So a sequence whose early positions the head never saw (a prefix-cache hit, a
-context longer than ``speculative.options.context`` positions) is drafted from what the head has: fewer
-accepted tokens, never other output.
+(``runtime/speculative.py``). So a sequence whose early positions the head never saw (a hit on blocks evicted from
+the store, a context longer than ``speculative.options.context`` positions) is drafted from what the head has:
+fewer accepted tokens, never other output.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autodeploy.errors import ConfigError
 from autodeploy.runtime.device_copies import pinned_to_device
 from autodeploy.runtime.draft_trees import DraftTree
+from autodeploy.runtime.hidden_state_store import HIDDEN_STATE_CACHE_MB, HiddenStateStore
 from autodeploy.runtime.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -526,7 +532,7 @@ def gather_rows(out: torch.Tensor, destinations: np.ndarray, steps: np.ndarray, 
         pick = steps == step
         source = tensors[int(step)]
         out.index_copy_(0, pinned_to_device(torch.from_numpy(destinations[pick]), device),
-                        source.index_select(0, pinned_to_device(torch.from_numpy(rows[pick]), device)))
+                        source.index_select(0, pinned_to_device(torch.from_numpy(rows[pick]), device)).to(out.dtype))
 
 
 class HeadDrafter:
@@ -536,8 +542,13 @@ class HeadDrafter:
     CUDA graph captured per batch size (1, 2, 4, … ``slots``): the feed and all ``chain`` rounds in one launch."""
 
     def __init__(self, head: HiddenStateHead, context: int = CONTEXT, name: str = "head", tree_width: int = 1,
-                 slots: int = 64, chain: int = 4, graphs: bool | None = None, max_positions: int | None = None):
+                 slots: int = 64, chain: int = 4, graphs: bool | None = None, max_positions: int | None = None,
+                 store: HiddenStateStore | None = None):
         self.head = head
+        # The rows of full blocks kept for prefix-cache hits, keyed by the KV pool's block keys (use_prefix_cache).
+        self.store = store
+        self.pool = None
+        self._writes = (array("q"), array("q"), array("q"))  # copies into the store queued: its rows, steps, their rows
         self.context = context
         self.name = name
         self.tree_width = tree_width  # > 1: beside each chain token, the head's next likeliest as leaves (a DraftTree)
@@ -563,18 +574,45 @@ class HeadDrafter:
 
     @classmethod
     def for_deployment(cls, head: HiddenStateHead, name: str, deployment, settings) -> HeadDrafter:
-        """The drafter ``settings`` (the ``speculative`` section) ask for, sized for ``deployment``'s batches."""
-        return cls(head, int((settings.options or {}).get("context", CONTEXT)), name, settings.tree_width,
-                   deployment.settings.max_batch_size, settings.num_tokens, max_positions=deployment.settings.max_seq_len)
+        """The drafter ``settings`` (the ``speculative`` section) ask for, sized for ``deployment``'s batches; with
+        prefix caching, a ``HiddenStateStore`` of ``options.hidden_state_cache_mb`` (allocated now, before the KV
+        pool takes the memory left)."""
+        options = settings.options or {}
+        megabytes = options.get("hidden_state_cache_mb", HIDDEN_STATE_CACHE_MB)
+        if not isinstance(megabytes, (int, float)) or isinstance(megabytes, bool) or megabytes < 0:
+            raise ConfigError(f"speculative.options.hidden_state_cache_mb must be a number of MiB ≥ 0 (0: no store), "
+                              f"got {megabytes!r}")
+        kv = deployment.settings.kv_cache
+        weight = head.embed_tokens.weight
+        store = (HiddenStateStore.of_budget(megabytes, kv.block_size, head.model_width, weight.device, weight.dtype)
+                 if kv.prefix_caching else None)
+        return cls(head, int(options.get("context", CONTEXT)), name, settings.tree_width,
+                   deployment.settings.max_batch_size, settings.num_tokens, max_positions=deployment.settings.max_seq_len,
+                   store=store)
+
+    def use_prefix_cache(self, pool) -> None:
+        """Key the store by ``pool``'s block keys (the engine's KV pool): its prefix-cache hits feed the head the
+        cached positions' rows. A pool without prefix caching, or of another block size, has no hits to serve."""
+        if not pool.enable_prefix_caching or self.store is None or self.store.block_size != pool.block_size:
+            self.store = None
+        self.pool = pool if self.store is not None else None
 
     def describe(self) -> str:
         graphs = f"; drafting steps replay CUDA graphs at batch sizes {self.graphs.sizes}" if self.graphs and self.graphs.captured else ""
-        return f"  {self.name}: {self.check}; {self.attention}{graphs}"
+        store = self.store
+        kept = (f"; hidden states of {store.capacity} blocks kept for prefix-cache hits ({store.num_registered} held, "
+                f"{store.recalled} positions fed from them)" if self.pool is not None else "")
+        return f"  {self.name}: {self.check}; {self.attention}{graphs}{kept}"
 
     def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor) -> None:
         self._forget_finished()
         if not chunks:
             return
+        storing = self.pool is not None
+        if storing:
+            self._copy_to_store()  # the kept paths of trees verified since the last step
+            for chunk in chunks:
+                self._recall(chunk)
         step = self._step = self._step + 1
         self._tensors[step] = hidden[: max(first + chunk.length for chunk, first in zip(chunks, rows))].clone()
         for chunk, first in zip(chunks, rows):
@@ -587,6 +625,10 @@ class HeadDrafter:
             else:  # a tree's rows are not in position order: the newest token's now, the kept path's once known
                 state.keep(chunk.start, step, first, 1, self.context)
                 self._tree_rows[sequence.seq_id] = (step, first)
+            if storing:
+                self._store(chunk, step, first)
+        if storing:
+            self._copy_to_store()
         if step % 32 == 0:
             self._drop_unheld_steps()
 
@@ -598,6 +640,70 @@ class HeadDrafter:
             return
         for depth, node in enumerate(path):
             state.keep(start + 1 + depth, step, first + 1 + node, 1, self.context)
+        if self.pool is not None and path:  # copied with the next step's rows
+            self._place(sequence, start + 1, len(path), None, step, [first + 1 + node for node in path])
+
+    def _store(self, chunk: ScheduledChunk, step: int, first: int) -> None:
+        """Queue the copy of ``chunk``'s rows (from row ``first`` of ``step``) into the store, and hand the store its
+        sequence's blocks that are done."""
+        sequence, store = chunk.sequence, self.store
+        if chunk.length == 1 or chunk.draft_parents is not None:  # one final row, the newest token's: kept cheap
+            destination = store.place_row(sequence.seq_id, chunk.start)
+            if destination >= 0:
+                destinations, steps, rows = self._writes
+                destinations.append(destination)
+                steps.append(step)
+                rows.append(first)
+        else:  # a chain's drafted rows tentatively (the next chunk's start says how many were kept)
+            self._place(sequence, chunk.start, chunk.length, chunk.start + chunk.length - len(chunk.draft), step,
+                        range(first, first + chunk.length))
+        ready = store.ready(sequence.seq_id, len(sequence.token_ids))
+        if ready:
+            store.register(sequence.seq_id, self._block_keys(sequence, ready))
+
+    def _place(self, sequence, start: int, count: int, final: int | None, step: int, rows) -> None:
+        """Queue the copy of ``rows`` of ``step`` (positions ``start …`` of ``sequence``) into the store."""
+        destinations, steps, sources = self._writes
+        for position, destination, length in self.store.place(sequence.seq_id, start, count, final):
+            destinations.extend(range(destination, destination + length))
+            steps.extend([step] * length)
+            sources.extend(rows[position - start : position - start + length])
+
+    def _copy_to_store(self) -> None:
+        """The queued copies into the store: one indexed copy per step they come from. A block handed back in the
+        same step (its key already held, or evicted) may be taken and written again by another sequence: of the
+        copies to one row only the last is made (an indexed copy with a row twice would leave either)."""
+        if self._writes[0]:
+            destinations, steps, rows = (np.array(queued, dtype=np.int64) for queued in self._writes)
+            last = len(destinations) - 1 - np.unique(destinations[::-1], return_index=True)[1]
+            gather_rows(self.store.rows, destinations[last], steps[last], rows[last], self._tensors)
+            for queued in self._writes:
+                del queued[:]
+
+    def _block_keys(self, sequence, count: int) -> list[bytes]:
+        """The prefix cache's keys of ``sequence``'s first ``count`` blocks."""
+        spans = getattr(sequence.request, "content_spans", ())
+        return self.pool.block_keys(sequence.seq_id, sequence.token_ids, count, spans)
+
+    def _recall(self, chunk: ScheduledChunk) -> None:
+        """A chunk that starts at a block boundary past every position the head holds of its sequence (a prefix-cache
+        hit): the stored rows of the blocks before it, as if computed (the longest stored run ending there, at most
+        ``context`` positions), in a step of their own."""
+        sequence, start, size = chunk.sequence, chunk.start, self.store.block_size
+        if start == 0 or start % size or chunk.draft_parents is not None:
+            return
+        state = self._sequences.get(sequence.seq_id)
+        if state is not None and (state.first + state.held if state.held else state.next_position) >= start:
+            return
+        found = self.store.recall(self._block_keys(sequence, start // size), -(-self.context // size))
+        if found is None:
+            return
+        first_block, held = found
+        step = self._step = self._step + 1  # before the chunk's own step: a sequence's steps rise with its positions
+        self._tensors[step] = held
+        if state is None:
+            state = self._sequences[sequence.seq_id] = HeadSequence(sequence)
+        state.keep(first_block * size, step, 0, len(held), self.context)
 
     def _drop_unheld_steps(self) -> None:
         """Forget the steps' rows that no sequence holds a position in any more."""
@@ -728,6 +834,8 @@ class HeadDrafter:
             if sequence.finish_reason is not None or (sequence.request is not None and sequence.request.aborted):
                 del self._sequences[seq_id]
                 self.cache.release(seq_id)
+                if self.store is not None:
+                    self.store.release(seq_id)
 
 
 class HeadGraphs:

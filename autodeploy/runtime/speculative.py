@@ -224,6 +224,10 @@ class Speculator:
         # How many draft tokens a verification keeps: the prefix the model's own samples confirm. Only the replay
         # benchmark (``bench/replay.py``) overrides it, to set the acceptance length of random weights.
         self.accept = getattr(drafter, "benchmark_acceptance", None) or accepted_prefix
+        # A drafter that keeps something per block of a prefix (a hidden-state head's rows) keys it by the pool's.
+        use_prefix_cache = getattr(drafter, "use_prefix_cache", None)
+        if use_prefix_cache is not None:
+            use_prefix_cache(pool)
 
     def extend(self, chunks: list[ScheduledChunk], budget: int) -> None:
         """Give the decode chunks of a planned step their drafts, within ``budget`` more tokens and the blocks

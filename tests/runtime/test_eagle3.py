@@ -1,6 +1,7 @@
 """The ``eagle3`` drafter on the tiny random Llama: the graph exposes exactly the hidden states Hugging Face
-computes, the head is fed each position once with the right token, its cached steps equal one full forward,
-output is the output without speculation, and a head that does not fit the model is refused at build."""
+computes, the head is fed each position once with the right token (a prefix-cache hit's cached positions from the
+store of hidden states), its cached steps equal one full forward, output is the output without speculation, and a
+head that does not fit the model is refused at build."""
 
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ def eagle_llm(llama_dir, head_dir):
                       speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "auto": False})
 
 
-def check_what_the_head_is_fed(llm, expected_rows, seed: int) -> None:
-    """Generate one prompt, recording what the head is fed from the model; each position must come once, in
-    order, with token ``p + 1`` and the rows ``expected_rows(sequence)`` says the model computes there."""
+def check_what_the_head_is_fed(llm, expected_rows, seed: int = 0, prompt: list[int] | None = None,
+                               first: int = 0) -> list[int]:
+    """Generate one prompt (``prompt``, else a random one), recording what the head is fed from the model; each
+    position from ``first`` on must come once, in order, with token ``p + 1`` and the rows ``expected_rows(sequence)``
+    says the model computes there. The output's tokens."""
     drafter = llm.engine.speculator.drafter
     fed = []  # (positions, tokens, rows) of every catch-up step
     step = drafter.head.step
@@ -59,7 +62,7 @@ def check_what_the_head_is_fed(llm, expected_rows, seed: int) -> None:
 
     drafter.head.step = spy
     try:
-        prompt = random_prompts(1, seed=seed, lengths=(30, 30))[0]
+        prompt = prompt or random_prompts(1, seed=seed, lengths=(30, 30))[0]
         output = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     finally:
         del drafter.head.step
@@ -67,19 +70,21 @@ def check_what_the_head_is_fed(llm, expected_rows, seed: int) -> None:
     with torch.no_grad():
         expected = expected_rows(sequence)
     positions = [p for ps, _, _ in fed for p in ps]
-    assert positions == list(range(len(positions))) and len(positions) >= len(prompt)  # each position once, in order
+    assert positions == list(range(first, first + len(positions)))  # each position once, in order
+    assert first + len(positions) >= len(prompt)
     for ps, tokens, rows in fed:
         assert tokens == [sequence[p + 1] for p in ps]
         torch.testing.assert_close(rows, expected[ps], atol=1e-4, rtol=1e-4)
+    return output.token_ids
+
+
+def entering_the_layers(sequence) -> torch.Tensor:
+    """Hugging Face's hidden states entering the head's ``LAYERS`` at each position of ``sequence``, side by side."""
+    states = tiny_hf_model("llama")(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+    return torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
 
 
 def test_the_graph_exposes_the_hidden_states_hugging_face_computes_and_the_head_gets_each_position_once(eagle_llm):
-    hf = tiny_hf_model("llama")
-
-    def entering_the_layers(sequence):
-        states = hf(torch.tensor([sequence]), output_hidden_states=True).hidden_states
-        return torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
-
     check_what_the_head_is_fed(eagle_llm, entering_the_layers, seed=5)
 
 
@@ -103,13 +108,166 @@ def test_tree_drafts_give_the_output_without_speculation_and_feed_the_head_each_
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in tree_llm.generate(prompts, params)] == \
         [o.token_ids for o in llama_llm.generate(prompts, params)]
-    hf = tiny_hf_model("llama")
-
-    def entering_the_layers(sequence):
-        states = hf(torch.tensor([sequence]), output_hidden_states=True).hidden_states
-        return torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
-
     check_what_the_head_is_fed(tree_llm, entering_the_layers, seed=6)  # the kept nodes' rows, not the slots'
+
+
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_a_prefix_cache_hit_feeds_the_head_the_cached_positions_from_the_store(llama_dir, head_dir, llama_llm,
+                                                                                tree_width):
+    """A request whose prompt starts with an earlier one's never computes the cached positions: the head gets
+    their rows from the store (the rows the earlier request computed), so it is fed every position, as without
+    the hit."""
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "tree_width": tree_width,
+                                  "auto": False})
+    drafter, pool = llm.engine.speculator.drafter, llm.engine.pool
+    prompt = random_prompts(1, seed=21, lengths=(40, 40))[0]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm.generate([prompt[:36]], params)  # computes positions 0 … 31 (two blocks), which the store keeps
+    hits = pool.stats.hit_tokens
+    output = check_what_the_head_is_fed(llm, entering_the_layers, prompt=prompt)  # every position, from 0
+    assert pool.stats.hit_tokens - hits == 32 and drafter.store.recalled == 32
+    assert output == llama_llm.generate([prompt], params)[0].token_ids
+    assert "hidden states of" in drafter.describe()
+
+
+def test_the_store_keeps_the_latest_blocks_within_its_budget_and_a_hit_on_an_evicted_one_feeds_fewer_positions(
+        llama_dir, head_dir, llama_llm):
+    block_bytes = 16 * len(LAYERS) * 64 * 4  # 16 positions of the tiny Llama's three hidden states, float32
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False},
+                     speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "auto": False,
+                                  "options": {"hidden_state_cache_mb": 4 * block_bytes / 2**20}})
+    store = llm.engine.speculator.drafter.store
+    assert store.capacity == 4
+    first, other = random_prompts(2, seed=22, lengths=(40, 40))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm.generate([first], params)  # stores the first prompt's blocks 0, 1 and 2 (positions 0 … 47)
+    llm.generate([other[:20]], params)  # writes two blocks of its own: the free one, and the first prompt's block 0
+    output = check_what_the_head_is_fed(llm, entering_the_layers, prompt=first, first=16)
+    assert store.recalled == 16  # block 1 of the hit's two, at positions 16 … 31
+    assert output == llama_llm.generate([first], params)[0].token_ids
+    assert store.num_registered <= store.capacity
+
+
+def test_under_preemption_and_an_abort_the_store_holds_the_models_own_rows_under_each_key(llama_dir, head_dir,
+                                                                                          llama_llm):
+    """Prompts sharing prefixes in a pool small enough to preempt, one request aborted mid-way: output is the output
+    without speculation, hits are fed from the store, and every block the store holds has the rows Hugging Face
+    computes for the prefix its key names."""
+    from autodeploy.runtime.block_pool import KVBlockPool
+
+    llm = autodeploy(str(llama_dir), device="cpu", verify={"enabled": False}, kv_cache={"num_blocks": 12},
+                     speculative={"method": "eagle3", "model": str(head_dir), "num_tokens": 3, "auto": False})
+    bases = random_prompts(3, seed=23, lengths=(60, 60))
+    tails = random_prompts(9, seed=24, lengths=(1, 9))
+    prompts = [bases[i % 3][: 17 + 5 * i] + tail for i, tail in enumerate(tails)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    requests = [engine.add_request(prompt, params) for prompt in prompts[:4]]
+    engine.step()
+    aborted = engine.add_request(bases[0] + tails[0], params)
+    engine.step()
+    engine.step()
+    engine.abort(aborted.request_id)
+    requests += [engine.add_request(prompt, params) for prompt in prompts[4:]]
+    while engine.has_unfinished():
+        engine.step()
+    outputs = [request.output(None).outputs[0].token_ids for request in requests]
+    assert outputs == [o.token_ids for o in llama_llm.generate(prompts, params)]
+    drafter = engine.speculator.drafter
+    store = drafter.store
+    assert engine.scheduler.num_preemptions > 0 and store.recalled > 0
+    # Blocks being written belong to sequences the drafter still knows (it forgets finished ones at its next step).
+    assert set(store._filling) <= set(drafter._sequences) and aborted.sequences[0].seq_id not in store._filling
+    keys, checked = KVBlockPool(1, 16), 0
+    for index, sequence in enumerate([prompt + output for prompt, output in zip(prompts, outputs)] + [bases[0]]):
+        rows = entering_the_layers(sequence)
+        for block_index, key in enumerate(keys.block_keys(index, sequence, len(sequence) // 16)):
+            if key in store._registered:
+                block = store._registered[key]
+                torch.testing.assert_close(store.rows[block * 16 : (block + 1) * 16],
+                                           rows[block_index * 16 : (block_index + 1) * 16], atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert checked >= 6
+
+
+def test_the_store_is_off_at_zero_megabytes_or_without_prefix_caching_and_a_bad_size_is_refused(llama_dir, head_dir):
+    def drafter(options: dict, **settings):
+        return autodeploy(str(llama_dir), device="cpu", verify={"enabled": False}, **settings,
+                          speculative={"method": "eagle3", "model": str(head_dir), "auto": False,
+                                       "options": options}).engine.speculator.drafter
+
+    assert drafter({"hidden_state_cache_mb": 0}).store is None
+    assert drafter({}, kv_cache={"prefix_caching": False}).store is None
+    assert drafter({}).store.capacity == 512 * 2**20 // (16 * len(LAYERS) * 64 * 4)  # the default, 512 MiB
+    with pytest.raises(ConfigError, match="hidden_state_cache_mb must be a number of MiB ≥ 0"):
+        drafter({"hidden_state_cache_mb": "lots"})
+
+
+def test_a_block_handed_back_and_taken_again_in_one_step_holds_the_last_writers_rows(monkeypatch):
+    """Two sequences compute the same block in one step (the second's copy goes back: its key is held) and a third
+    takes that block at once: the copy into the store writes each row once, the third's."""
+    from types import SimpleNamespace
+
+    from autodeploy.runtime import hidden_state_heads
+    from autodeploy.runtime.block_pool import KVBlockPool
+    from autodeploy.runtime.hidden_state_heads import HeadDrafter
+    from autodeploy.runtime.hidden_state_store import HiddenStateStore
+    from autodeploy.runtime.scheduler import ScheduledChunk
+
+    hf = tiny_hf_model("llama")
+    head = make_head(hf.config)
+    drafter = HeadDrafter(head, name="test head", graphs=False,
+                          store=HiddenStateStore(2, 16, head.model_width, torch.device("cpu"), torch.float32))
+    pool = KVBlockPool(8, 16)
+    drafter.use_prefix_cache(pool)
+    same, other = list(range(16)), list(range(100, 116))
+    sequences = [SimpleNamespace(seq_id=i, finish_reason=None, request=None, token_ids=tokens)
+                 for i, tokens in enumerate((same, same, other))]
+    hidden = torch.randn(48, head.model_width)
+    copies, gather = [], hidden_state_heads.gather_rows
+
+    def spy(out, destinations, *rest):
+        copies.append(destinations)
+        return gather(out, destinations, *rest)
+
+    monkeypatch.setattr(hidden_state_heads, "gather_rows", spy)
+    drafter.observe([ScheduledChunk(s, 0, 16) for s in sequences], [0, 16, 32], hidden)
+    assert len(copies[0]) == len(set(copies[0].tolist())) == 32
+    first_block, rows = drafter.store.recall(pool.block_keys(2, other, 1), limit=4)
+    assert first_block == 0 and torch.equal(rows, hidden[32:])
+
+
+def test_the_store_hands_back_final_rows_of_full_blocks_by_key_least_recently_used_out_first():
+    from autodeploy.runtime.hidden_state_store import HiddenStateStore
+
+    store = HiddenStateStore(capacity=3, block_size=4, width=1, device=torch.device("cpu"), dtype=torch.float32)
+    keys = {seq: [bytes([seq, block]) for block in range(8)] for seq in (1, 2, 3)}
+
+    def write(seq: int, start: int, count: int, values, final=None, known=100):
+        runs = store.place(seq, start, count, final)
+        for position, row, length in runs:
+            store.rows[row : row + length, 0] = torch.tensor(values[position - start : position - start + length])
+        if ready := store.ready(seq, known):
+            store.register(seq, keys[seq][:ready])
+        return runs[0][0] if runs else None
+
+    write(1, 0, 6, [0, 1, 2, 3, 4, 5])
+    write(1, 6, 1, [6], known=6)  # block 1 is full, but its last token is not on the host yet
+    assert store.num_registered == 1
+    write(1, 7, 4, [7, 8, 90, 100], final=8)  # a draft of three at 8 … 10, not verified
+    assert store.num_registered == 2  # block 1 (4 … 7); block 2 waits for the draft's verdict
+    write(1, 9, 1, [9])  # the next chunk starts at 9: 8 was kept, 9 … 10 were refused
+    write(1, 10, 2, [10, 11])
+    assert store.num_registered == 3
+    first_block, rows = store.recall(keys[1][:3], limit=8)
+    assert first_block == 0 and rows[:, 0].tolist() == list(range(12))
+    assert store.recall(keys[1][:3], limit=1)[0] == 2  # at most ``limit`` blocks, the latest
+    store.release(1)
+    assert write(2, 0, 4, [0, 0, 0, 0]) == 0  # a full store: the least recently used block (1's block 0) goes
+    assert store.recall(keys[1][:2], limit=8)[0] == 1  # a run that ends at block 1 starts after the evicted block 0
+    assert store.recall(keys[1][:1], limit=8) is None
+    assert write(3, 5, 4, [5, 6, 7, 8]) == 8  # positions 5 … 7 follow nothing written: only block 2 (8 …) is kept
 
 
 def test_cached_steps_equal_one_full_forward_and_drafts_map_to_the_models_vocabulary(llama_dir):

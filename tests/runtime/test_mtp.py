@@ -1,6 +1,6 @@
 """The ``mtp`` drafter on the tiny random Llama given an MTP layer: the layer reads the final hidden state Hugging
-Face computes, output is the output without speculation, and a checkpoint without a layer it can run is refused
-at build, naming why."""
+Face computes (a prefix-cache hit's cached positions from the store), output is the output without speculation,
+and a checkpoint without a layer it can run is refused at build, naming why."""
 
 from __future__ import annotations
 
@@ -47,6 +47,22 @@ def test_the_layer_reads_the_final_hidden_state_and_output_is_unchanged(mtp_llm,
     assert [o.token_ids for o in mtp_llm.generate(prompts, params)] == \
         [o.token_ids for o in llama_llm.generate(prompts, params)]
     assert mtp_llm.engine.speculator.stats.drafted > 0
+
+
+def test_a_prefix_cache_hit_feeds_the_layer_the_stored_rows_of_the_cached_positions(mtp_llm, llama_llm):
+    hf = tiny_hf_model("llama")
+
+    def final_norm(sequence):
+        return hf.model(torch.tensor([sequence])).last_hidden_state[0]
+
+    prompt = random_prompts(1, seed=8, lengths=(40, 40))[0]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    mtp_llm.generate([prompt[:20]], params)  # computes positions 0 … 15 (one block), which the store keeps
+    store = mtp_llm.engine.speculator.drafter.store
+    recalled = store.recalled
+    output = check_what_the_head_is_fed(mtp_llm, final_norm, prompt=prompt)  # fed from position 0 all the same
+    assert store.recalled - recalled == 16
+    assert output == llama_llm.generate([prompt], params)[0].token_ids
 
 
 def test_a_checkpoint_without_a_layer_the_drafter_runs_is_refused_at_build(llama_dir, mtp_dir, tmp_path):
