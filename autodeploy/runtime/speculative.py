@@ -91,6 +91,11 @@ _FIRST_ACCEPTANCE, EXPLORED = 0.8, 100
 # the trained pair at batch 1, REVISIT 64 up to 1024): 31 revisits and the drafting steps they led to cost 2.5 % of a
 # run where drafting lost; from 256 up to 4096 that is under 1 %.
 REVISIT, _REVISIT_STEPS, _REVISIT_MAX = 256, 2, 4096
+# A step of decodes alone that drafts nothing still hands the drafter its hidden states unless, at its batch size, not
+# even this per-token acceptance would make a draft pay (re-read every _HOPELESS_EVERY such steps). Skipping them
+# where drafting could pay left the head a gap at every revisit: it drafted from one position, was refused, and auto
+# concluded that drafting lost (H100, 512 requests: 17 rows drafted at batch 1, 1 token accepted).
+HOPELESS, _HOPELESS_EVERY = 0.9, 64
 
 DrafterFactory = Callable[[Any, Any], Drafter]  # (deployment, speculative settings) -> Drafter
 _DRAFTERS: dict[str, DrafterFactory] = {}
@@ -220,6 +225,8 @@ class Speculator:
         self._drafted = None  # the planned step's drafts left on the device: (tokens, their HostCopy); resolve
         self.drafting = False  # whether the last planned step chose to draft (its step then does not run ahead)
         self.stats = SpeculationStats()
+        self._hopeless_at: dict[int, tuple[int, bool]] = {}  # batch → (step, whether no draft could pay there)
+        self._observed_steps = 0  # steps of decodes alone that drafted nothing (``_hopeless`` counts them)
         self._warned_low_acceptance = False
         # How many draft tokens a verification keeps: the prefix the model's own samples confirm. Only the replay
         # benchmark (``bench/replay.py``) overrides it, to set the acceptance length of random weights.
@@ -373,12 +380,26 @@ class Speculator:
     def observe(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor) -> None:
         """A forward over ``chunks`` was queued; chunk ``i``'s tokens are rows ``rows[i]…`` of ``hidden`` (the
         hidden states the drafter asked for). The drafter takes its copy now, before the next forward overwrites
-        them. With ``auto``, a step of decodes alone that drafts nothing is not handed over: at large batches keeping
-        every sequence's row costs what speculation is off to save. A sequence that drafts again later starts from
-        the positions seen since (fewer accepted tokens, never other output)."""
-        if self.costs is not None and not self.drafting and all(chunk.length == 1 for chunk in chunks):
+        them. With ``auto``, a step of decodes alone that drafts nothing is still handed over wherever drafting could
+        pay at its batch size: a head that missed those positions would draft the next time from a gap, be refused,
+        and ``auto`` would read that as drafting losing — and never draft again. Only where not even an acceptance of
+        ``HOPELESS`` would pay (large batches) is the step skipped: keeping every sequence's row costs there what
+        speculation is off to save, and a sequence that drafts again later starts from the positions seen since."""
+        if (self.costs is not None and not self.drafting and all(chunk.length == 1 for chunk in chunks)
+                and self._hopeless(len(chunks))):
             return
         self.drafter.observe(chunks, rows, hidden)
+
+    def _hopeless(self, batch: int) -> bool:
+        """Whether no draft could pay at ``batch`` (``threshold_as_run`` above ``HOPELESS``), as of the last
+        ``_HOPELESS_EVERY`` steps (the estimates it reads move slowly)."""
+        self._observed_steps += 1
+        step, hopeless = self._hopeless_at.get(batch, (-_HOPELESS_EVERY, False))
+        if self._observed_steps - step >= _HOPELESS_EVERY:
+            threshold = self.threshold_as_run(batch)
+            hopeless = threshold is None or threshold > HOPELESS
+            self._hopeless_at[batch] = (self._observed_steps, hopeless)
+        return hopeless
 
     def record(self, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted)

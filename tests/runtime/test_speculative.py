@@ -573,3 +573,35 @@ def test_verification_steps_run_on_static_padded_rows_like_captured_graphs(llama
     with torch.inference_mode():
         engine.runner._check_verify_graphs(engine.runner.verify_graphs)
     assert engine.pool.num_used_blocks == 0
+
+
+def test_auto_hands_the_drafter_non_drafting_steps_wherever_a_draft_could_pay():
+    """A step of decodes alone that drafts nothing is observed at a batch size where a draft can pay (a head that
+    missed it would draft the next time from a gap, fail, and teach auto that drafting loses), and skipped where not
+    even HOPELESS acceptance would pay."""
+    from types import SimpleNamespace
+
+    from autodeploy.runtime.scheduler import ScheduledChunk
+    from autodeploy.runtime.speculation_costs import StepCosts
+    from autodeploy.runtime.speculative import Speculator
+
+    seen = []
+
+    class Drafter:
+        def __call__(self, sequences, limits):
+            return [[] for _ in sequences]
+
+        def observe(self, chunks, rows, hidden):
+            seen.append(len(chunks))
+
+    # batch 1: whole drafts pay from ~0.37 a token; batch 64: a draft of 4 tokens costs what 6 decoding steps do
+    costs = StepCosts((1, 64), (1.0, 1.0), (1.5, 6.0), 4)
+    speculator = Speculator(Drafter(), 4, None, 10, costs=costs)
+    decodes = [ScheduledChunk(SimpleNamespace(seq_id=i), 5, 1) for i in range(64)]
+    speculator.drafting = False
+    speculator.observe(decodes[:1], [0], torch.zeros(1, 4))
+    speculator.observe(decodes, list(range(64)), torch.zeros(64, 4))
+    assert seen == [1]
+    speculator.drafting = True  # a drafting step is always observed
+    speculator.observe(decodes, list(range(64)), torch.zeros(64, 4))
+    assert seen == [1, 64]
