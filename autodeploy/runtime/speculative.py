@@ -95,7 +95,7 @@ REVISIT, _REVISIT_STEPS, _REVISIT_MAX = 256, 2, 4096
 # even this per-token acceptance would make a draft pay (re-read every _HOPELESS_EVERY such steps). Skipping them
 # where drafting could pay left the head a gap at every revisit: it drafted from one position, was refused, and auto
 # concluded that drafting lost (H100, 512 requests: 17 rows drafted at batch 1, 1 token accepted).
-HOPELESS, _HOPELESS_EVERY = 0.9, 64
+HOPELESS, _HOPELESS_EVERY = 0.8, 64
 
 DrafterFactory = Callable[[Any, Any], Drafter]  # (deployment, speculative settings) -> Drafter
 _DRAFTERS: dict[str, DrafterFactory] = {}
