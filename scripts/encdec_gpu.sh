@@ -1,6 +1,7 @@
 #!/bin/bash
-# Issue 44 on the device: an encoder–decoder's GPU check, then the BART-large-shape benchmarks (random weights): 512-token
-# inputs, 128 tokens out, batch 1 and 64 against HF eager and compiled `generate` in the same run, and 64 concurrent.
+# Issue 44 on the device: an encoder–decoder's GPU tests and check, then the BART-large- and T5-large-shape benchmarks
+# (random weights; MODELS picks): 512-token inputs, 128 tokens out, batch 1 and 64 against HF eager and compiled
+# `generate` in the same run, and 64 concurrent; STAGE=profile profiles a batch-64 decode step.
 #   OUT=/tmp/o STAGE=tests,check,bench bash scripts/encdec_gpu.sh; tar czf $OUT/o.tgz -C /tmp o
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -33,11 +34,16 @@ PY
   ;;
 bench)
   common="--set weights=random --repeats 1 --no-progress"
-  timeout ${BENCH_S:-300} python3 -m autodeploy bench bart-large $common --workload synthetic --batch 1,64 --input-len 512 --output-len 128 \
-    --compare hf-eager,hf-compile --out "$OUT/bart-synthetic.json" > "$OUT/bart-synthetic.log" 2>&1; echo "synthetic rc=$?"
-  grep -E "/autodeploy|/hf-|×" "$OUT/bart-synthetic.log" | head -20
-  timeout ${CONC_S:-200} python3 -m autodeploy bench bart-large $common --workload concurrency --concurrency 1,64 --num-requests ${NUM_REQUESTS:-128} \
-    --input-dist fixed:512 --output-dist fixed:128 --out "$OUT/bart-c64.json" > "$OUT/bart-c64.log" 2>&1; echo "concurrency rc=$?"
-  grep -E "/autodeploy" "$OUT/bart-c64.log" | head ;;
+  for MODEL in ${MODELS:-bart-large t5-large}; do
+  timeout ${BENCH_S:-300} python3 -m autodeploy bench $MODEL $common --workload synthetic --batch 1,64 --input-len 512 --output-len 128 \
+    --compare hf-eager,hf-compile --out "$OUT/$MODEL-synthetic.json" > "$OUT/$MODEL-synthetic.log" 2>&1; echo "synthetic rc=$?"
+  grep -E "/autodeploy|/hf-|×" "$OUT/$MODEL-synthetic.log" | head -20
+  timeout ${CONC_S:-200} python3 -m autodeploy bench $MODEL $common --workload concurrency --concurrency 1,64 --num-requests ${NUM_REQUESTS:-128} \
+    --input-dist fixed:512 --output-dist fixed:128 --out "$OUT/$MODEL-c64.json" > "$OUT/$MODEL-c64.log" 2>&1; echo "concurrency rc=$?"
+  grep -E "/autodeploy" "$OUT/$MODEL-c64.log" | head
+  done ;;
+profile)  # where a batch-64 decode step's time goes (host against kernels; which cross kernel ran)
+  timeout ${PROFILE_S:-200} python3 scripts/profile_encdec_decode.py ${PROFILE_MODEL:-bart-large} 64 > "$OUT/encdec-profile.log" 2>&1
+  echo "profile rc=$?"; grep -E "^steps|decode steps at batch|cross_attention" "$OUT/encdec-profile.log" | head -8 ;;
 esac
 done

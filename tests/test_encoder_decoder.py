@@ -353,10 +353,12 @@ def test_the_bench_measures_an_encoder_decoder_against_hf_generate(tmp_path):
         assert (run.metrics["input_tokens"], run.metrics["output_tokens"]) == (24, 12) and run.metrics["output_tokens_per_s"] > 0
 
 
-def test_the_shipped_bart_large_shape_builds_and_verifies_on_meta():
-    llm = autodeploy("bart-large", weights="random", device="meta")
+@pytest.mark.parametrize("name, decoder_layers", [("bart-large", 12), ("t5-large", 24)])
+def test_the_shipped_encoder_decoder_shapes_build_and_verify_on_meta(name, decoder_layers):
+    llm = autodeploy(name, weights="random", device="meta")
     assert llm.verification.relative_error <= llm.verification.tolerance
-    assert set(llm.deployment.graphs) == {"model", "encoder"} and len(llm.deployment.signature.cross_kv_caches) == 12
+    assert set(llm.deployment.graphs) == {"model", "encoder"}
+    assert len(llm.deployment.signature.cross_kv_caches) == decoder_layers
 
 
 def gpu_build(llm, **settings):
