@@ -106,9 +106,6 @@ def autodeploy(
             raise ConfigError("encoder-decoder models are not cut into pipeline stages yet (the encoder graph is not cut, and "
                               "each stage would need its own decoder layers' cross keys and values from it); deploy with "
                               "tensor_parallel alone")
-        if int(settings.distributed.tensor_parallel) > 1 and factory.encoder_decoder.relative_position_bias:
-            raise ConfigError(f"{factory.encoder_decoder.model_type} over tensor-parallel ranks: its relative position bias "
-                              f"(a table over every head) is not sliced by heads yet; deploy with tensor_parallel=1")
         if settings.speculative.method is not None:
             raise ConfigError(f"speculative decoding (speculative.method={settings.speculative.method!r}) drafts for decoder-only "
                               f"models; an encoder-decoder's decoder is not served with it yet: deploy without speculative")

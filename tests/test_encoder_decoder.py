@@ -323,9 +323,8 @@ def test_an_encoder_pass_counts_against_the_steps_token_budget(tmp_path):
 
 
 def test_pipeline_and_expert_parallelism_and_speculation_are_refused_by_name_before_anything_is_built(tmp_path):
-    """Tensor parallelism is served (tests/distributed/test_encoder_decoder_tensor_parallel.py), but not for T5 (its
-    position bias is not sliced by heads); pipeline stages are not cut for an encoder–decoder, and BART has no experts to
-    place."""
+    """Tensor parallelism is served, T5's included (tests/distributed/test_encoder_decoder_tensor_parallel.py); pipeline
+    stages are not cut for an encoder–decoder, and BART has no experts to place."""
     from autodeploy.errors import ConfigError
 
     lively("bart").save_pretrained(tmp_path)
@@ -335,9 +334,6 @@ def test_pipeline_and_expert_parallelism_and_speculation_are_refused_by_name_bef
         autodeploy(str(tmp_path), device="cpu", expert_parallel=2)
     with pytest.raises(ConfigError, match=r"speculative.method='ngram'\) drafts for decoder-only models"):
         autodeploy(str(tmp_path), device="cpu", speculative={"method": "ngram", "num_tokens": 3})
-    lively("t5").save_pretrained(tmp_path / "t5")
-    with pytest.raises(ConfigError, match="t5 over tensor-parallel ranks: its relative position bias .* not sliced by heads yet"):
-        autodeploy(str(tmp_path / "t5"), device="cpu", tensor_parallel=2)
 
 
 def test_the_bench_measures_an_encoder_decoder_against_hf_generate(tmp_path):

@@ -24,7 +24,10 @@ keeps:
   layer's cross keys and values, keep the rows of rank ``r``'s key-value heads (no gather), and the decoder
   graph's ``cross_keys`` / ``cross_values`` inputs are declared with those heads, so its cross-attention (a
   ``bidirectional_attention`` reading them) slices only its query and output projections, and the cache stage
-  sizes each rank's cross-KV pool for its heads.
+  sizes each rank's cross-KV pool for its heads;
+- **T5's relative position bias**: an attention's ``bias`` computed by ``relative_position_bias`` (one a stack, shared
+  by its layers) comes from a ``table[num_buckets, heads]``; rank ``r`` keeps the table's columns of its query heads,
+  so the bias it adds is its heads' (and the cache stage's ``relative_position_bias_by_distance`` is ``[its heads, L]``).
 
 Norms stay replicated. ``distributed.rules`` (globs over the linears' module paths, as the checkpoint names
 them: ``model.layers.*.self_attn.o_proj``, ``lm_head``; the first matching glob wins) override the detection
@@ -74,6 +77,7 @@ SHARDS = "autodeploy_shards"  # gm.meta key: graph parameter → (dim, start, st
 _PASS_THROUGH = {ops.rope.default, ops.rms_norm.default}  # per-head ops between a projection and attention
 # An encoder's self-attention and an encoder–decoder's cross-attention are bidirectional: sliced by heads alike.
 _ATTENTIONS = (ATTENTION, ops.bidirectional_attention.default)
+_POSITION_BIAS = ops.relative_position_bias.default  # T5's: a [num_buckets, heads] table looked up by distance
 
 
 def _producer(node):
@@ -155,9 +159,10 @@ class _Sharder:
 
 
 def _head_rows(attention: fx.Node, rank: int, parts: int) -> dict[str, tuple[int, int]]:
-    """The rows of the q, k and v projections rank ``rank`` keeps: its ``1/parts`` of the query heads and of the
-    key-value heads, or, with fewer key-value heads than ranks, the one key-value head its query heads read
-    (head ``rank · kv_heads // parts``, replicated on the ``parts / kv_heads`` ranks that share it)."""
+    """The query heads (``"heads"``) and the rows of the q, k and v projections rank ``rank`` keeps: its ``1/parts``
+    of the query heads and of the key-value heads, or, with fewer key-value heads than ranks, the one key-value head
+    its query heads read (head ``rank · kv_heads // parts``, replicated on the ``parts / kv_heads`` ranks that share
+    it)."""
     q, k, v = (a.meta.get("val") for a in attention.args[:3])
     heads, kv_heads = q.shape[-2], v.shape[-2]
     if heads % parts or (kv_heads % parts and parts % kv_heads):
@@ -165,13 +170,15 @@ def _head_rows(attention: fx.Node, rank: int, parts: int) -> dict[str, tuple[int
             f"tensor_parallel={parts} must divide the attention heads ({heads}) and key-value heads ({kv_heads}) "
             f"of {attention.name}, or, for the key-value heads, be a multiple of them (each then replicated); "
             f"choose a tensor_parallel that divides {heads} and divides or is a multiple of {kv_heads}")
-    extra = [a for a in attention.args[3:] if isinstance(a, fx.Node)]
+    extra = [a for a in attention.args[3:] if isinstance(a, fx.Node) and a.target is not _POSITION_BIAS]
     if extra:
-        raise ConfigError(f"tensor parallelism does not yet slice attention's per-head tensors besides q/k/v "
-                          f"({', '.join(a.name for a in extra)} of {attention.name}); deploy with tensor_parallel=1")
+        raise ConfigError(f"tensor parallelism does not yet slice attention's per-head tensors besides q/k/v and T5's "
+                          f"relative position bias ({', '.join(a.name for a in extra)} of {attention.name}); deploy "
+                          f"with tensor_parallel=1")
     first, count = kv_head_span(rank, parts, kv_heads)
     per_rank = heads // parts
-    return {"q": (rank * per_rank * q.shape[-1], (rank + 1) * per_rank * q.shape[-1]),
+    return {"heads": (rank * per_rank, (rank + 1) * per_rank),
+            "q": (rank * per_rank * q.shape[-1], (rank + 1) * per_rank * q.shape[-1]),
             "k": (first * k.shape[-1], (first + count) * k.shape[-1]),
             "v": (first * v.shape[-1], (first + count) * v.shape[-1])}
 
@@ -297,6 +304,7 @@ class ShardTensorParallel(Transform):
         attentions = [node for node in graph.nodes if node.op == "call_function" and node.target in _ATTENTIONS]
         cross = set(cross_attentions(graph).values())
         replicated = 0  # attentions whose key-value heads are fewer than the ranks
+        biased = False  # attentions adding a relative position bias (T5)
         for attention in attentions:
             # A cross-attention's keys and values are inputs, from the encoder graph sliced alike: its query is projected here.
             projections = [_producer(arg) for arg in attention.args[:1 if attention in cross else 3]]
@@ -314,6 +322,10 @@ class ShardTensorParallel(Transform):
                 if projection not in ruled:
                     sharder.slice(projection.args[1], 0, f"the {role} projection's rows", rows[role])
                     sharder.slice(projection.args[2], 0, f"the {role} projection's bias", rows[role])
+            for bias in attention.args[3:]:  # a stack's layers share the table: sliced once, the same heads
+                if isinstance(bias, fx.Node) and bias.target is _POSITION_BIAS:
+                    sharder.slice(bias.args[0], 1, "the relative position bias's heads", rows["heads"])
+                    biased = True
         for placeholder in _cross_inputs(graph):
             _narrow_heads(placeholder, sharder.rank, parts)
         cross_outputs = _cross_kv_projections(graph) if context.role == ENCODER else []
@@ -374,6 +386,8 @@ class ShardTensorParallel(Transform):
             notes += f"; key-value heads replicated in {replicated} attentions"
         if cross or cross_outputs:  # the decoder's cross-attentions read them, the encoder's outputs are them
             notes += f"; {len(cross) or len(cross_outputs) // 2} layers' cross keys and values: this rank's heads"
+        if biased:
+            notes += "; the relative position bias: this rank's heads"
         if ruled or whole_mlps:
             notes += f"; {len(ruled)} linears and {len(whole_mlps)} MLPs as distributed.rules say"
         return TransformResult(matches=len(attentions) + mlps, changed=True, notes=notes)

@@ -61,7 +61,6 @@ class EncoderDecoderSpec:
     max_source_positions: int | None  # the encoder's learned position table (BART): the longest input; None: any (T5)
     layout: CrossAttentionLayout
     output_scale: float | None = None  # what the decoder's last hidden state is multiplied by before the head (T5 v1.0)
-    relative_position_bias: bool = False  # T5's: a [buckets, heads] table the attentions add, not sliced over TP ranks yet
 
 
 def encoder_decoder_spec(config: PretrainedConfig, name: str = "the model") -> EncoderDecoderSpec | None:
@@ -83,7 +82,7 @@ def encoder_decoder_spec(config: PretrainedConfig, name: str = "the model") -> E
         return EncoderDecoderSpec(
             model_type=model_type, decoder_start_token_id=int(start), num_layers=config.num_decoder_layers,
             num_heads=config.num_heads, head_dim=config.d_kv, max_source_positions=None, layout=SERVED[model_type],
-            output_scale=config.d_model**-0.5 if config.scale_decoder_outputs else None, relative_position_bias=True,
+            output_scale=config.d_model**-0.5 if config.scale_decoder_outputs else None,
         )
     heads = config.decoder_attention_heads
     return EncoderDecoderSpec(

@@ -1,8 +1,9 @@
-"""Encoder–decoders (tiny BART and mBART) over two tensor-parallel ranks on the CPU: both graphs sliced by heads, each
-rank's cross-KV pool holding its own heads; greedy output equal to Hugging Face's ``generate`` and to one process's
-deployment, with requests of different lengths in one batch and arriving mid-decode; an abort during decode frees
-both caches on every rank. Ranks as ``torchrun --nproc-per-node 2`` starts them (each rank's state observed), and
-spawned by ``autodeploy()`` (the worker replays rank 0's steps, encoder passes included)."""
+"""Encoder–decoders (tiny BART, mBART, T5 v1.0 and v1.1) over two tensor-parallel ranks on the CPU: both graphs sliced by
+heads, each rank's cross-KV pool holding its own heads and T5's relative position bias table their columns; greedy
+output equal to Hugging Face's ``generate`` and to one process's deployment, with requests of different lengths in
+one batch and arriving mid-decode; an abort during decode frees both caches on every rank. Ranks as ``torchrun
+--nproc-per-node 2`` starts them (each rank's state observed), and spawned by ``autodeploy()`` (the worker replays
+rank 0's steps, encoder passes included)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from autodeploy import SamplingParams, autodeploy
 from autodeploy.errors import ConfigError
 from tests.distributed.conftest import run_two_ranks
 from tests.tiny_seq2seq_models import hf_generate_greedy, lively
 
-KINDS = ["bart", "mbart"]
+KINDS = ["bart", "mbart", "t5", "t5_v1_1"]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(20, 60)), [7]]
 MAX_TOKENS = (9, 4, 12, 6)
 
@@ -42,6 +44,21 @@ def _batch_and_arrivals(llm) -> tuple[list[list[int]], list[list[int]]]:
     return batch, [list(r.output(None).outputs[0].token_ids) for r in requests]
 
 
+def _position_biases(llm) -> dict[str, dict]:
+    """Each graph's T5 relative position bias: its table as this rank holds it and how many heads the op gives (the
+    encoder's ``relative_position_bias`` ``[1, H, Sq, Sk]``, the decoder's ``relative_position_bias_by_distance``
+    ``[H, L]``)."""
+    ops = torch.ops.autodeploy
+    heads_dim = {ops.relative_position_bias.default: 1, ops.relative_position_bias_by_distance.default: 0}
+    found = {}
+    for role, graph in llm.deployment.graphs.items():
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and node.target in heads_dim:
+                found[role] = {"table": graph.get_parameter(node.args[0].target).tolist(),
+                               "heads": int(node.meta["val"].shape[heads_dim[node.target]])}
+    return found
+
+
 def serve_each(rank: int, world: int, directories: list[str]) -> list[dict]:
     """One rank's results of each tiny encoder–decoder deployed over ``world`` ranks (a job of the spawn below)."""
     results = []
@@ -57,7 +74,8 @@ def serve_each(rank: int, world: int, directories: list[str]) -> list[dict]:
         engine.abort(request.request_id)
         results.append({"batch": batch, "arrivals": arrivals, "after_arrivals": after_arrivals, "decoding": decoding,
                         "aborted": _used_blocks(engine), "cross_heads": [s.kv_heads for s in engine.encoder.specs],
-                        "cross_blocks": engine.encoder.pool.num_blocks, "report": llm.pipeline_report()})
+                        "cross_blocks": engine.encoder.pool.num_blocks, "report": llm.pipeline_report(),
+                        "position_biases": _position_biases(llm)})
     return results
 
 
@@ -105,6 +123,14 @@ def test_two_ranks_give_hf_greedy_output_and_one_process_output(checkpoints, two
                 f"vocabulary-parallel") in decoder and "2 layers' cross keys and values: this rank's heads" in decoder
         assert (f"rank {rank} of 2: 2 attentions (2 output projections all-reduced), 2 MLPs, 1 embeddings vocabulary-parallel"
                 in encoder) and "2 layers' cross keys and values: this rank's heads" in encoder
+        if kind.startswith("t5"):  # each stack's bias table (layer 0's) keeps the columns of this rank's 2 of the 4 heads
+            tables = {role: stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+                      for role, stack in (("encoder", model.encoder), ("model", model.decoder))}
+            assert result["position_biases"] == {role: {"table": table[:, 2 * rank:2 * rank + 2].tolist(), "heads": 2}
+                                                 for role, table in tables.items()}
+            assert all("the relative position bias: this rank's heads" in line for line in (decoder, encoder))
+        else:
+            assert result["position_biases"] == {}
 
 
 @pytest.mark.parametrize("kind", KINDS)
