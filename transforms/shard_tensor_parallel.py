@@ -170,6 +170,9 @@ def _head_rows(attention: fx.Node, rank: int, parts: int) -> dict[str, tuple[int
             f"tensor_parallel={parts} must divide the attention heads ({heads}) and key-value heads ({kv_heads}) "
             f"of {attention.name}, or, for the key-value heads, be a multiple of them (each then replicated); "
             f"choose a tensor_parallel that divides {heads} and divides or is a multiple of {kv_heads}")
+    if attention.target is torch.ops.autodeploy.attention.default and len(attention.args) > 7 and attention.args[7]:
+        raise ConfigError(f"tensor parallelism does not yet slice ALiBi's per-head slopes ({attention.name}: "
+                          f"{len(attention.args[7])} slopes); deploy this model with tensor_parallel=1")
     extra = [a for a in attention.args[3:] if isinstance(a, fx.Node) and a.target is not _POSITION_BIAS]
     if extra:
         raise ConfigError(f"tensor parallelism does not yet slice attention's per-head tensors besides q/k/v and T5's "

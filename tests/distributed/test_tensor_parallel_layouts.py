@@ -143,12 +143,12 @@ def test_rules_of_an_unknown_kind_or_that_do_not_fit_together_are_config_errors(
             "tensor_parallel": 2, "rules": {"model.layers.0.self_attn.q_proj": "replicate"}})
 
 
-def _attention(heads: int, kv_heads: int, head_dim: int = 16) -> fx.Node:
+def _attention(heads: int, kv_heads: int, head_dim: int = 16, options: tuple = ()) -> fx.Node:
     graph = fx.Graph()
     q, k, v = (graph.placeholder(name) for name in "qkv")
     for node, count in zip((q, k, v), (heads, kv_heads, kv_heads)):
         node.meta["val"] = torch.empty(1, 3, count, head_dim)
-    return graph.call_function(ATTENTION, (q, k, v))
+    return graph.call_function(ATTENTION, (q, k, v, *options))
 
 
 def test_head_rows_split_query_heads_and_replicate_fewer_kv_heads_than_ranks():
@@ -162,6 +162,9 @@ def test_head_rows_split_query_heads_and_replicate_fewer_kv_heads_than_ranks():
         _head_rows(_attention(6, 2), 0, 3)
     with pytest.raises(ConfigError, match=r"tensor_parallel=4 must divide the attention heads \(6\)"):
         _head_rows(_attention(6, 1), 0, 4)
+    alibi = (0.25, None, None, None, [0.5, 0.25, 0.125, 0.0625])  # scale, window, cap, sinks, slopes
+    with pytest.raises(ConfigError, match="does not yet slice ALiBi's per-head slopes"):
+        _head_rows(_attention(4, 4, options=alibi), 0, 2)
 
 
 def test_checkpoint_reader_reads_a_slice_of_a_safetensors_tensor(tmp_path):
