@@ -64,7 +64,8 @@ TOLERANCE = 1e-4  # verify.tolerance.float32
 VISION_LANGUAGE = {"gemma3": None, "llava": "clip", "llava (siglip)": "siglip"}
 # Encoder–decoders (``…ForConditionalGeneration``; their causal-LM classes are the decoder alone, refused above): swept
 # as tests/tiny_seq2seq_models.py builds them, greedy against Hugging Face's ``generate``.
-ENCODER_DECODERS = {"bart (seq2seq)": "bart", "mbart (seq2seq)": "mbart", "t5 (seq2seq)": "t5", "t5_v1_1 (seq2seq)": "t5_v1_1"}
+ENCODER_DECODERS = {"bart (seq2seq)": "bart", "mbart (seq2seq)": "mbart", "t5 (seq2seq)": "t5", "t5_v1_1 (seq2seq)": "t5_v1_1",
+                    "mt5 (seq2seq)": "mt5"}
 
 
 def sweep_model_types() -> list[str]:

@@ -26,7 +26,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDS = {"t5": 9}  # tiny T5 v1.0's greedy output repeats one token for seed 5; 9's changes often
 
 
-@pytest.fixture(scope="module", params=["bart", "mbart", "t5", "t5_v1_1"])
+@pytest.fixture(scope="module", params=["bart", "mbart", "t5", "t5_v1_1", "mt5"])
 def served(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     lively(request.param, SEEDS.get(request.param, 5)).save_pretrained(directory)

@@ -1,12 +1,12 @@
-"""Tiny random encoder–decoder models (BART, mBART, T5 v1.0 and v1.1) for the encoder–decoder tests and the coverage
+"""Tiny random encoder–decoder models (BART, mBART, T5 v1.0 and v1.1, mT5) for the encoder–decoder tests and the coverage
 sweep."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import (BartConfig, BartForConditionalGeneration, MBartConfig, MBartForConditionalGeneration, T5Config,
-                          T5ForConditionalGeneration)
+from transformers import (BartConfig, BartForConditionalGeneration, MBartConfig, MBartForConditionalGeneration, MT5Config,
+                          MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration)
 
 TINY = dict(vocab_size=512, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
@@ -17,8 +17,9 @@ TINY_T5 = dict(vocab_size=512, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_de
 # and its checkpoint then stores both, as Google's do).
 TINY_T5_V1_1 = {**TINY_T5, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}
 KINDS = {"bart": (BartConfig, BartForConditionalGeneration, TINY), "mbart": (MBartConfig, MBartForConditionalGeneration, TINY),
-         "t5": (T5Config, T5ForConditionalGeneration, TINY_T5), "t5_v1_1": (T5Config, T5ForConditionalGeneration, TINY_T5_V1_1)}
-UNTIED_HEADS = {"t5_v1_1"}
+         "t5": (T5Config, T5ForConditionalGeneration, TINY_T5), "t5_v1_1": (T5Config, T5ForConditionalGeneration, TINY_T5_V1_1),
+         "mt5": (MT5Config, MT5ForConditionalGeneration, TINY_T5_V1_1)}  # mT5: v1.1's shape under its own model type
+UNTIED_HEADS = {"t5_v1_1", "mt5"}
 
 
 def tiny(kind: str, seed: int = 0):

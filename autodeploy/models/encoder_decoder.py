@@ -12,7 +12,7 @@ tokens and positions. Everything model-specific about that split lives here; the
     >>> spec = encoder_decoder_spec(config)   # None for a model that is not an encoder–decoder
     >>> spec.decoder_start_token_id, spec.num_layers
 
-T5 (v1.0 and v1.1 / Flan-T5) has no position embeddings: its relative position bias is matched into the attention
+T5 (v1.0 and v1.1 / Flan-T5, and mT5) has no position embeddings: its relative position bias is matched into the attention
 ops (``patterns/relative_position_bias.py``), its decoder output is scaled by ``d_model ** -0.5`` before a tied head
 (``scale_decoder_outputs``). T5-shaped variants with other position schemes (UMT5's bias in every layer, LongT5's
 local attention) are other model types, refused by name.
@@ -39,13 +39,13 @@ class CrossAttentionLayout:
 
 
 _BART = CrossAttentionLayout("layers", "encoder_attn", ("q_proj", "k_proj", "v_proj", "out_proj"), outputs=2)
-# The families served: model type → the layout of its decoder's cross-attention.
-SERVED = {"bart": _BART, "mbart": _BART,
-          "t5": CrossAttentionLayout("block", "layer.1.EncDecAttention", ("q", "k", "v", "o"), outputs=3)}
+_T5 = CrossAttentionLayout("block", "layer.1.EncDecAttention", ("q", "k", "v", "o"), outputs=3)
+# The families served: model type → the layout of its decoder's cross-attention. mT5 is T5 v1.1 under its own model
+# type (gated GELU, a head of its own, and in transformers 5 no output scaling whatever its ties).
+SERVED = {"bart": _BART, "mbart": _BART, "t5": _T5, "mt5": _T5}
 NEXT = {
     "umt5": "UMT5's relative position bias (a table in every layer, not one shared by the stack)",
     "longt5": "LongT5's local and transient-global attention",
-    "mt5": "mT5 (T5 v1.1's architecture under another model type: not verified yet)",
 }
 
 
@@ -78,11 +78,11 @@ def encoder_decoder_spec(config: PretrainedConfig, name: str = "the model") -> E
     start = getattr(config, "decoder_start_token_id", None)  # T5's config class has no default for it
     if start is None:
         raise UnsupportedModelError(f"{name}: its config has no decoder_start_token_id: the decoder's first input is unknown")
-    if model_type == "t5":
+    if SERVED[model_type] is _T5:
         return EncoderDecoderSpec(
             model_type=model_type, decoder_start_token_id=int(start), num_layers=config.num_decoder_layers,
             num_heads=config.num_heads, head_dim=config.d_kv, max_source_positions=None, layout=SERVED[model_type],
-            output_scale=config.d_model**-0.5 if config.scale_decoder_outputs else None,
+            output_scale=config.d_model**-0.5 if getattr(config, "scale_decoder_outputs", False) else None,
         )
     heads = config.decoder_attention_heads
     return EncoderDecoderSpec(
