@@ -14,7 +14,7 @@ Per node, among the op's backends whose ``supports`` admits the node's arguments
 Steps 2 and 3 pass ``opt_in`` backends by, and, where the deploy replays decode steps as CUDA graphs
 (``compile_model.captures_decode_steps``), the backends that read device tensors on the host (``Backend.capturable``)
 whenever one that does not supports the node: one such kernel would keep the whole decode step eager (the
-encoder–decoder's ``cached_cross_attention``: ``dense`` over ``sdpa`` on a GPU). ``batch_invariant: true`` makes every op that has an ``invariant``
+encoder–decoder's ``cached_cross_attention``: ``triton``, or ``dense`` where Triton cannot run, over ``sdpa`` on a GPU). ``batch_invariant: true`` makes every op that has an ``invariant``
 backend prefer it (``custom_ops/batch_invariant.py``) and refuses, before anything is chosen, a device without
 Triton, a graph holding an op with no such backend that is not row-local, and a ``backends`` entry for an op it
 decides.

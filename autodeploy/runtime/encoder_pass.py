@@ -45,9 +45,9 @@ class EncoderPass:
             if request.cross_table is None:
                 by_length.setdefault(len(request.encoder_input_ids), []).append(request)
         for length, group in by_length.items():
-            for request in group:
+            for taken, request in enumerate(group):
                 if not self.pool.reserve(request.request_id, length):
-                    for reserved in group[: group.index(request)]:
+                    for reserved in group[:taken]:  # nothing of the group is left holding blocks
                         self.pool.free(reserved.request_id)
                     raise RuntimeError(f"the cross-KV pool has no room for request {request.request_id!r}'s {length} tokens "
                                        f"({self.pool.num_free_blocks} blocks free): more requests hold blocks than it was sized for")
