@@ -49,16 +49,26 @@ def run(target: Path, speculative, batch: int, prompts: list[list[int]], device:
     llm.generate(prompts[:batch], params)  # warm-up
     engine = llm.engine
     took: list[float] = []
-    step = engine.step
+    kinds: dict[str, list[float]] = {}  # "decode" (decodes alone) or "mixed" (a prefill chunk in the step): wall times
+    step, schedule = engine.step, engine.scheduler.schedule
+    planned: list = []
+
+    def scheduled():
+        plan = schedule()
+        planned.append(plan)
+        return plan
 
     def timed():
+        planned.clear()
         began = time.perf_counter()
         try:
             return step()
         finally:
             took.append(time.perf_counter() - began)
+            mixed = any(chunk.length > 1 + len(getattr(chunk, "draft", ())) for plan in planned for chunk in plan.chunks)
+            kinds.setdefault("mixed" if mixed else "decode", []).append(took[-1])
 
-    engine.step = timed
+    engine.step, engine.scheduler.schedule = timed, scheduled
     prof = cProfile.Profile() if profile else None
     began = time.perf_counter()
     if prof:
@@ -71,13 +81,14 @@ def run(target: Path, speculative, batch: int, prompts: list[list[int]], device:
     took.sort()
     line = (f"batch {batch} {'eagle3 auto' if speculative else 'no speculation'}{' (profiled)' if prof else ''}: "
             f"{tokens / wall:.0f} output tok/s, {len(took)} steps, {1e3 * wall / max(1, len(took)):.2f} ms a step; "
-            f"step() p50 {1e3 * took[len(took) // 2]:.2f} ms, p99 {1e3 * took[int(0.99 * len(took))]:.2f}, max {1e3 * took[-1]:.1f}")
+            f"step() p50 {1e3 * took[len(took) // 2]:.2f} ms, p99 {1e3 * took[int(0.99 * len(took))]:.2f}, max {1e3 * took[-1]:.1f}; "
+            + ", ".join(f"{kind} {len(t)} steps {1e3 * sum(t):.0f} ms (mean {1e3 * sum(t) / len(t):.2f})" for kind, t in sorted(kinds.items())))
     if prof:
         text = io.StringIO()
         stats = pstats.Stats(prof, stream=text)
         stats.sort_stats("cumulative").print_stats(r"speculative|hidden_state_heads|engine|model_runner|scheduler|sampled_tokens", 30)
         line += "\n" + "\n".join(l for l in text.getvalue().splitlines() if "/" in l or "ncalls" in l)
-    del engine.step
+    del engine.step, engine.scheduler.schedule
     llm.shutdown()
     return line
 
