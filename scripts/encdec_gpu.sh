@@ -44,7 +44,7 @@ bench)
   grep -E "/autodeploy" "$OUT/$MODEL-c64.log" | head
   done ;;
 profile)  # where a batch-64 decode step's time goes (host against kernels; which cross kernel ran)
-  timeout ${PROFILE_S:-200} python3 scripts/profile_encdec_decode.py ${PROFILE_MODEL:-bart-large} 64 --set dtype=${DTYPE:-bfloat16} > "$OUT/encdec-profile.log" 2>&1
-  echo "profile rc=$?"; grep -E "^steps|decode steps at batch|cross_attention" "$OUT/encdec-profile.log" | head -8 ;;
+  timeout ${PROFILE_S:-200} python3 scripts/profile_encdec_decode.py ${PROFILE_MODEL:-bart-large} 64 --set dtype=${DTYPE:-bfloat16} ${PROFILE_ARGS:-} > "$OUT/encdec-profile.log" 2>&1
+  echo "profile rc=$?"; grep -E "^steps|steps at batch|steps encoding|cross_attention" "$OUT/encdec-profile.log" | head -8 ;;
 esac
 done
