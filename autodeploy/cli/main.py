@@ -1,4 +1,4 @@
-"""The ``autodeploy`` command line: run, serve, build, triton-repo, quantize, config show, inspect, tune, bench.
+"""The ``autodeploy`` command line: run, serve, batch, build, triton-repo, quantize, config show, inspect, tune, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
 ``bench --baseline`` exits with code 3 when a metric regressed. ``--debug`` and ``--version`` go
@@ -138,6 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="a stream's chunks after the first carry N new tokens each (default 1): fewer events, longer gaps")
     _add_settings_arguments(serve)
+
+    batch = commands.add_parser("batch", help="run a file of requests in the OpenAI Batch API's format through a model, "
+                                               "resumably (docs/batch.md)")
+    batch.add_argument("model", nargs="?", default=None, help="as for run (default: the embedded demo model)")
+    batch.add_argument("--input", required=True, metavar="FILE",
+                       help="JSONL, one request a line: {custom_id, method: POST, url: /v1/completions | /v1/chat/completions, body}")
+    batch.add_argument("--output", required=True, metavar="FILE",
+                       help="JSONL results, appended as they finish; run the command again to finish a job that stopped")
+    batch.add_argument("--concurrency", type=int, default=None, metavar="N",
+                       help="requests in flight at once (default: twice the engine's max_batch_size)")
+    batch.add_argument("--served-model-name", default=None, help="the model a line's body may name (default: MODEL as given)")
+    batch.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the tokenizer's")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_settings_arguments(batch)
 
     build = commands.add_parser("build", help="deploy a model and save the deployment to a folder that `autodeploy run DIR` "
                                                "serves without export or transforms")
@@ -413,6 +427,34 @@ def _serve(args) -> None:
     run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info", sock=sock)
 
 
+def _batch(args) -> None:
+    from pathlib import Path
+
+    try:  # before a build that may take minutes
+        from autodeploy.serve.batch_file import run_batch_file
+        import httpx  # noqa: F401  (the routes are called in process through it)
+        import fastapi  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(f"autodeploy batch needs the serve extra ({error.name} is missing): pip install 'autodeploy[serve]'") from None
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ConfigError(f"--concurrency must be ≥ 1, got {args.concurrency}")
+    if not Path(args.input).is_file():
+        raise ConfigError(f"--input {args.input}: no such file")
+    options = {}
+    if args.chat_template is not None:
+        try:
+            options["chat_template"] = Path(args.chat_template).read_text()
+        except OSError as error:
+            raise ConfigError(f"--chat-template: cannot read {args.chat_template}: {error.strerror}") from None
+    from autodeploy import autodeploy
+
+    llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
+    name = args.served_model_name or args.model or "autodeploy-demo"
+    summary = run_batch_file(llm, args.input, args.output, served_model_name=name, concurrency=args.concurrency,
+                             progress=not args.no_progress, server_options=options)
+    print(summary.line())
+
+
 def _build(args) -> None:
     from pathlib import Path
 
@@ -499,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _with_speculative_flags(args)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"run": _run, "serve": _serve, "build": _build, "triton-repo": _triton_repo, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
+    handlers = {"run": _run, "serve": _serve, "batch": _batch, "build": _build, "triton-repo": _triton_repo, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
                 "bench": _bench}
     try:
         code = handlers[args.command](args)

@@ -1,0 +1,291 @@
+"""Offline batch jobs in the OpenAI Batch API's file format: ``autodeploy batch MODEL --input F --output F``.
+
+Each input line is one request, ``{"custom_id": …, "method": "POST", "url": "/v1/chat/completions", "body": {…}}``,
+and each output line the result for one ``custom_id``, as OpenAI writes it::
+
+    {"id": "batch_req_…", "custom_id": "q1", "response": {"status_code": 200, "request_id": "req_…", "body": {…}},
+     "error": null}
+
+The body of a response is exactly what the server's route returns for that request body: every line goes through
+the routes of ``build_app`` in this process (``httpx.ASGITransport``: no socket), so validation, error bodies and
+formats are the server's. A request the route refuses (a bad parameter, a prompt too long) is a result with its
+status code and the route's error body. A line that is not a request at all (not JSON, no ``custom_id``, a second
+line with a ``custom_id`` already seen, a ``url`` the server has no route for, ``"stream": true``) is a result with
+``response: null`` and ``error: {"code", "message"}``; one with no usable ``custom_id`` also carries ``"line"``, its
+1-based line number. Nothing in the input stops the job.
+
+**Resumable.** Results are appended as they finish, each line with one ``write`` to a file opened for appending, so
+a job killed at any point leaves whole lines (at most a last partial one, which the next run cuts off). Run the same
+command again and it skips every line whose result is in the output, keyed by ``custom_id`` (or ``"line"``), and
+runs the rest: nothing lost, nothing twice.
+
+**Throughput first.** The whole file is known, so the pending lines are submitted in the order of their prompts'
+text (requests sharing a prefix arrive together and hit the prefix cache) and up to ``concurrency`` at once, so the
+engine's batches stay full. A tqdm bar shows lines, output tokens/s and the ETA.
+
+    summary = run_batch_file(llm, "requests.jsonl", "results.jsonl", served_model_name="my-model")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autodeploy.errors import ConfigError
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+
+
+@dataclass
+class BatchLine:
+    """One input line: a request to run, or (``error`` set) a line that becomes an error record as it is."""
+
+    number: int  # 1-based
+    custom_id: str | None = None
+    url: str = ""
+    body: dict | None = None
+    error: tuple[str, str] | None = None  # (code, message)
+    keyed_by_line: bool = False  # its result carries "line": no custom_id of its own to find it by
+
+    @property
+    def key(self) -> str:
+        """What finds this line's result in an output file: its custom_id, or ``#N`` for line N."""
+        return f"#{self.number}" if self.keyed_by_line else str(self.custom_id)
+
+
+@dataclass
+class BatchSummary:
+    lines: int = 0
+    already_done: int = 0
+    succeeded: int = 0
+    failed: int = 0  # error records and non-200 responses written this run
+    output_tokens: int = 0
+    seconds: float = 0.0
+    failures: dict[str, int] = field(default_factory=dict)  # code → count, this run
+
+    def line(self) -> str:
+        rate = f", {self.output_tokens / self.seconds:.1f} output tok/s" if self.seconds > 0 and self.output_tokens else ""
+        why = f" ({', '.join(f'{code} ×{count}' for code, count in sorted(self.failures.items()))})" if self.failures else ""
+        return (f"{self.lines} lines: {self.already_done} already done, {self.succeeded} succeeded, {self.failed} failed{why}"
+                f" in {self.seconds:.1f}s{rate}")
+
+
+def parse_batch_lines(lines: Iterable[str]) -> list[BatchLine]:
+    """The input file's lines, each a request or an error to record. Blank lines are skipped (not requests)."""
+    parsed: list[BatchLine] = []
+    seen: set[str] = set()
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        parsed.append(_parse_line(number, text, seen))
+    return parsed
+
+
+def _parse_line(number: int, text: str, seen: set[str]) -> BatchLine:
+    try:
+        request = json.loads(text)
+    except ValueError as error:
+        return BatchLine(number, error=("invalid_json", f"line {number} is not JSON: {error}"), keyed_by_line=True)
+    if not isinstance(request, dict):
+        return BatchLine(number, error=("invalid_request", f"line {number} is a JSON {type(request).__name__}, not an object "
+                                        f"with custom_id, method, url and body"), keyed_by_line=True)
+    custom_id = request.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return BatchLine(number, error=("missing_custom_id", f"line {number} has no custom_id (a non-empty string that names "
+                                        f"its result)"), keyed_by_line=True)
+    if custom_id in seen:
+        return BatchLine(number, custom_id, error=("duplicate_custom_id", f"line {number}: custom_id {custom_id!r} was used by "
+                                               f"an earlier line; each line needs its own"), keyed_by_line=True)
+    seen.add(custom_id)
+    method, url, body = request.get("method", "POST"), request.get("url"), request.get("body")
+    if method != "POST":
+        return BatchLine(number, custom_id, error=("invalid_method", f"method must be POST, got {method!r}"))
+    if url not in ROUTES:
+        return BatchLine(number, custom_id, error=("invalid_url", f"url must be one of {', '.join(ROUTES)}, got {url!r}"))
+    if not isinstance(body, dict):
+        return BatchLine(number, custom_id, error=("invalid_body", f"body must be a JSON object, got {type(body).__name__}"))
+    if body.get("stream"):
+        return BatchLine(number, custom_id, error=("invalid_body", "a batch line cannot stream (\"stream\": true); drop it"))
+    return BatchLine(number, custom_id, url, body)
+
+
+def finished_keys(output: Path) -> set[str]:
+    """The keys (``BatchLine.key``) of the results already in ``output``. A last line without its newline (the write
+    a kill cut short) is cut off the file, so that its request runs again and its result is written whole."""
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(output, "r+b") as handle:
+            handle.truncate(end)
+    keys = set()
+    for number, text in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+            keys.add(f"#{record['line']}" if "line" in record else str(record["custom_id"]))
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{output} line {number} is not a result this command wrote; give another --output "
+                              f"(or remove the file to start over)") from None
+    return keys
+
+
+def _prompt_text(line: BatchLine) -> str:
+    """The text the line's request starts with, for ordering: lines sharing a prefix run together."""
+    body = line.body or {}
+    prompt = body.get("prompt", body.get("input", ""))
+    if "messages" in body:
+        prompt = body["messages"]
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+
+
+class _ResultWriter:
+    """Appends result lines, each with one write (whole lines survive a kill), and syncs them to disk every second."""
+
+    def __init__(self, output: Path):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._synced = time.monotonic()
+
+    def write(self, record: dict) -> None:
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        written = os.write(self._fd, data)
+        if written != len(data):  # a regular file takes a whole write unless the disk is full
+            raise OSError(f"wrote {written} of {len(data)} bytes of a result line (disk full?)")
+        if time.monotonic() - self._synced > 1.0:
+            os.fsync(self._fd)
+            self._synced = time.monotonic()
+
+    def close(self) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)
+
+
+def _record(line: BatchLine, status: int | None, body: dict | None, error: tuple[str, str] | None) -> dict:
+    record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
+              "response": None if status is None else {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}",
+                                                        "body": body},
+              "error": None if error is None else {"code": error[0], "message": error[1]}}
+    if line.keyed_by_line:
+        record["line"] = line.number
+    return record
+
+
+def run_batch_file(llm, input_path: str | Path, output_path: str | Path, *, served_model_name: str,
+                   concurrency: int | None = None, progress: bool = True, server_options: dict | None = None,
+                   on_result: Callable[[dict], None] | None = None) -> BatchSummary:
+    """Run every line of ``input_path`` not yet answered in ``output_path`` through ``llm``'s server routes and append
+    the results (module docstring). ``concurrency``: requests in flight at once (default: twice the engine's
+    ``max_batch_size``). ``server_options``: more ``ServerOptions`` fields (a chat template, a tool-call format).
+    A line's body without ``model`` is given ``served_model_name``. ``on_result`` sees each record as it is written."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    if input_path.resolve() == output_path.resolve():
+        raise ConfigError(f"--input and --output are the same file ({input_path}); results need a file of their own")
+    try:
+        with open(input_path, encoding="utf-8", errors="replace") as handle:
+            lines = parse_batch_lines(handle)
+    except OSError as error:
+        raise ConfigError(f"cannot read the batch input {input_path}: {error.strerror}") from None
+    concurrency = concurrency or 2 * llm.settings.max_batch_size
+    if concurrency < 1:
+        raise ConfigError(f"concurrency must be ≥ 1, got {concurrency}")
+    done = finished_keys(output_path)
+    summary = BatchSummary(lines=len(lines))
+    pending = [line for line in lines if line.key not in done]
+    summary.already_done = len(lines) - len(pending)
+    began = time.perf_counter()
+    writer = _ResultWriter(output_path)
+    try:
+        asyncio.run(_run(llm, pending, writer, summary, served_model_name, concurrency, progress, server_options or {}, on_result))
+    finally:
+        writer.close()
+        summary.seconds = time.perf_counter() - began
+    return summary
+
+
+async def _run(llm, pending: list[BatchLine], writer: _ResultWriter, summary: BatchSummary, served_model_name: str,
+               concurrency: int, progress: bool, server_options: dict, on_result) -> None:
+    import httpx
+    from tqdm import tqdm
+
+    from autodeploy.serve.app import ServerOptions, build_app
+
+    # The server's queue holds every request this job has in flight, and never refuses one for waiting.
+    options = ServerOptions(served_model_name=served_model_name, max_queued_requests=concurrency,
+                            queue_timeout_s=1e9, **server_options)
+    app = build_app(llm, options)
+    bar = tqdm(total=len(pending), unit="line", disable=not progress, dynamic_ncols=True)
+    began = time.perf_counter()
+
+    def finish(line: BatchLine, status: int | None, body: dict | None, error: tuple[str, str] | None) -> None:
+        record = _record(line, status, body, error)
+        writer.write(record)
+        if status == 200:
+            summary.succeeded += 1
+            summary.output_tokens += int(((body or {}).get("usage") or {}).get("completion_tokens") or 0)
+        else:
+            summary.failed += 1
+            code = error[0] if error else str(status)
+            summary.failures[code] = summary.failures.get(code, 0) + 1
+        if on_result is not None:
+            on_result(record)
+        bar.update(1)
+        elapsed = time.perf_counter() - began
+        if summary.output_tokens and elapsed > 0:
+            bar.set_postfix_str(f"{summary.output_tokens / elapsed:.0f} tok/s", refresh=False)
+
+    routes = {getattr(route, "path", None) for route in app.routes}
+    requests = []
+    for line in pending:
+        if line.error is None and line.url not in routes:
+            line.error = ("unsupported_url", f"this deployment ({served_model_name}) serves no {line.url}; it answers "
+                          f"{', '.join(r for r in ROUTES if r in routes)}")
+        if line.error is not None:
+            finish(line, None, None, line.error)
+        else:
+            requests.append(line)
+    requests.sort(key=_prompt_text)
+    queue = iter(requests)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        for line in queue:  # each worker takes the next line as it finishes one: `concurrency` in flight
+            response = await client.post(line.url, json={"model": served_model_name, **line.body})
+            try:
+                payload = response.json()
+            except ValueError:
+                payload = {"error": {"message": response.text, "type": "server_error"}}
+            finish(line, response.status_code, payload, None)
+
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
+                await _all_or_none([worker(client) for _ in range(min(concurrency, len(requests)))])
+    finally:
+        bar.close()
+
+
+async def _all_or_none(coroutines: list) -> None:
+    """Run ``coroutines`` as tasks until all end; when one fails, cancel the others and wait for them before raising
+    its error, so none is still waiting for a response when the server shuts down (a request the shutdown aborts must
+    not be written as a result: it runs again next time)."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    if not tasks:
+        return
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
