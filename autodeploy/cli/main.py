@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSONL, one request a line: {custom_id, method: POST, url: /v1/completions | /v1/chat/completions, body}")
     batch.add_argument("--output", required=True, metavar="FILE",
                        help="JSONL results, appended as they finish; run the command again to finish a job that stopped")
+    batch.add_argument("--columns", default=None, metavar="FIELD=COLUMN,…",
+                       help="a Parquet, Arrow or datasets input: prompt=COLUMN (completions) or messages=COLUMN (chat), and "
+                            "optionally custom_id=COLUMN (default prompt=prompt; ids row-0, row-1, …)")
+    batch.add_argument("--url", default=None, choices=("/v1/completions", "/v1/chat/completions"),
+                       help="a table's route (default: the one its prompt or messages column implies)")
+    batch.add_argument("--body", default=None, metavar="JSON",
+                       help='a table\'s parameters for every row, e.g. \'{"max_tokens": 128, "temperature": 0}\'')
     batch.add_argument("--concurrency", type=int, default=None, metavar="N",
                        help="requests in flight at once (default: twice the engine's max_batch_size)")
     batch.add_argument("--served-model-name", default=None, help="the model a line's body may name (default: MODEL as given)")
@@ -438,20 +445,36 @@ def _batch(args) -> None:
         raise ConfigError(f"autodeploy batch needs the serve extra ({error.name} is missing): pip install 'autodeploy[serve]'") from None
     if args.concurrency is not None and args.concurrency < 1:
         raise ConfigError(f"--concurrency must be ≥ 1, got {args.concurrency}")
-    if not Path(args.input).is_file():
-        raise ConfigError(f"--input {args.input}: no such file")
+    if not Path(args.input).exists():
+        raise ConfigError(f"--input {args.input}: no such file or folder")
     options = {}
     if args.chat_template is not None:
         try:
             options["chat_template"] = Path(args.chat_template).read_text()
         except OSError as error:
             raise ConfigError(f"--chat-template: cannot read {args.chat_template}: {error.strerror}") from None
+    columns = None
+    if args.columns is not None:
+        pairs = [pair.partition("=") for pair in args.columns.split(",") if pair]
+        if not pairs or any(not field or not sep or not column for field, sep, column in pairs):
+            raise ConfigError(f"--columns takes FIELD=COLUMN pairs separated by commas, got {args.columns!r}")
+        columns = {field.strip(): column.strip() for field, _, column in pairs}
+    body = None
+    if args.body is not None:
+        import json
+
+        try:
+            body = json.loads(args.body)
+        except ValueError as error:
+            raise ConfigError(f"--body is not JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise ConfigError(f"--body must be a JSON object of request parameters, got {args.body!r}")
     from autodeploy import autodeploy
 
     llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)
     name = args.served_model_name or args.model or "autodeploy-demo"
     summary = run_batch_file(llm, args.input, args.output, served_model_name=name, concurrency=args.concurrency,
-                             progress=not args.no_progress, server_options=options)
+                             progress=not args.no_progress, server_options=options, columns=columns, url=args.url, body=body)
     print(summary.line())
 
 

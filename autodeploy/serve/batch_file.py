@@ -23,6 +23,9 @@ runs the rest: nothing lost, nothing twice.
 text (requests sharing a prefix arrive together and hit the prefix cache) and up to ``concurrency`` at once, so the
 engine's batches stay full. A tqdm bar shows lines, output tokens/s and the ETA.
 
+**Tables.** A Parquet file, an Arrow file or a ``datasets`` folder is read as one request a row (``table_lines``):
+a column mapping names the prompt (or chat messages) column and, optionally, the ``custom_id`` column.
+
     summary = run_batch_file(llm, "requests.jsonl", "results.jsonl", served_model_name="my-model")
 """
 
@@ -115,6 +118,62 @@ def _parse_line(number: int, text: str, seen: set[str]) -> BatchLine:
     return BatchLine(number, custom_id, url, body)
 
 
+TABLE_SUFFIXES = (".parquet", ".arrow")
+
+
+def table_lines(path: Path, columns: dict[str, str], url: str | None = None, body: dict | None = None) -> list[str]:
+    """A Parquet file, an Arrow file (IPC file or stream) or a folder ``datasets.Dataset.save_to_disk`` wrote, as batch
+    input lines: one request a row. ``columns`` maps request fields to the table's columns: ``prompt`` (completions)
+    or ``messages`` (chat: a list of ``{role, content}``), and optionally ``custom_id`` (default: ``row-N``, N from 0).
+    ``url`` defaults to the route the prompt field implies; ``body`` holds the parameters every request shares
+    (``max_tokens``, ``temperature``, …), a row's own fields taking precedence."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("reading Parquet, Arrow or datasets input needs pyarrow: pip install 'autodeploy[data]'") from None
+    unknown = set(columns) - {"prompt", "messages", "custom_id"}
+    if unknown or ("prompt" in columns) == ("messages" in columns):
+        raise ConfigError(f"--columns maps prompt=COLUMN (completions) or messages=COLUMN (chat), and optionally "
+                          f"custom_id=COLUMN; got {', '.join(f'{k}={v}' for k, v in columns.items()) or 'nothing'}")
+    url = url or ("/v1/completions" if "prompt" in columns else "/v1/chat/completions")
+    try:
+        table = _read_table(path, pa, pq)
+    except (OSError, pa.ArrowException) as error:
+        raise ConfigError(f"cannot read {path} as Parquet, Arrow or a datasets folder: {error}") from None
+    missing = [column for column in columns.values() if column not in table.column_names]
+    if missing:
+        raise ConfigError(f"{path} has no column {', '.join(map(repr, missing))}; its columns: {', '.join(table.column_names)}")
+    data = {field: table.column(column).to_pylist() for field, column in columns.items()}
+    lines = []
+    for row in range(table.num_rows):
+        custom_id = data["custom_id"][row] if "custom_id" in data else f"row-{row}"
+        fields = {field: values[row] for field, values in data.items() if field != "custom_id"}
+        lines.append(json.dumps({"custom_id": None if custom_id is None else str(custom_id), "method": "POST", "url": url,
+                                 "body": {**(body or {}), **fields}}, ensure_ascii=False, default=str))
+    return lines
+
+
+def _read_table(path: Path, pa, pq):
+    if path.is_dir():  # datasets' save_to_disk: data-00000-of-0000N.arrow, Arrow IPC streams
+        shards = sorted(path.glob("data-*.arrow")) or sorted(path.glob("*.arrow"))
+        if not shards:
+            raise OSError(f"no data-*.arrow files in the folder {path}")
+        return pa.concat_tables([_read_arrow(shard, pa) for shard in shards])
+    if path.suffix == ".parquet":
+        return pq.read_table(path)
+    return _read_arrow(path, pa)
+
+
+def _read_arrow(path: Path, pa):
+    with pa.memory_map(str(path)) as source:
+        try:
+            return pa.ipc.open_file(source).read_all()
+        except pa.ArrowInvalid:  # not the file format: the stream format (what datasets writes)
+            source.seek(0)
+            return pa.ipc.open_stream(source).read_all()
+
+
 def finished_keys(output: Path) -> set[str]:
     """The keys (``BatchLine.key``) of the results already in ``output``. A last line without its newline (the write
     a kill cut short) is cut off the file, so that its request runs again and its result is written whole."""
@@ -181,19 +240,27 @@ def _record(line: BatchLine, status: int | None, body: dict | None, error: tuple
 
 def run_batch_file(llm, input_path: str | Path, output_path: str | Path, *, served_model_name: str,
                    concurrency: int | None = None, progress: bool = True, server_options: dict | None = None,
-                   on_result: Callable[[dict], None] | None = None) -> BatchSummary:
+                   on_result: Callable[[dict], None] | None = None, columns: dict[str, str] | None = None,
+                   url: str | None = None, body: dict | None = None) -> BatchSummary:
     """Run every line of ``input_path`` not yet answered in ``output_path`` through ``llm``'s server routes and append
     the results (module docstring). ``concurrency``: requests in flight at once (default: twice the engine's
     ``max_batch_size``). ``server_options``: more ``ServerOptions`` fields (a chat template, a tool-call format).
-    A line's body without ``model`` is given ``served_model_name``. ``on_result`` sees each record as it is written."""
+    A line's body without ``model`` is given ``served_model_name``. ``on_result`` sees each record as it is written.
+    A ``.parquet`` or ``.arrow`` file or a folder is a table instead (``table_lines``: ``columns``, ``url``, ``body``)."""
     input_path, output_path = Path(input_path), Path(output_path)
     if input_path.resolve() == output_path.resolve():
         raise ConfigError(f"--input and --output are the same file ({input_path}); results need a file of their own")
-    try:
-        with open(input_path, encoding="utf-8", errors="replace") as handle:
-            lines = parse_batch_lines(handle)
-    except OSError as error:
-        raise ConfigError(f"cannot read the batch input {input_path}: {error.strerror}") from None
+    if input_path.is_dir() or input_path.suffix in TABLE_SUFFIXES:
+        lines = parse_batch_lines(table_lines(input_path, columns or {"prompt": "prompt"}, url, body))
+    else:
+        if columns or url or body:
+            raise ConfigError(f"--columns, --url and --body apply to a Parquet, Arrow or datasets input; {input_path} "
+                              f"is read as JSONL batch lines, which carry their own")
+        try:
+            with open(input_path, encoding="utf-8", errors="replace") as handle:
+                lines = parse_batch_lines(handle)
+        except OSError as error:
+            raise ConfigError(f"cannot read the batch input {input_path}: {error.strerror}") from None
     concurrency = concurrency or 2 * llm.settings.max_batch_size
     if concurrency < 1:
         raise ConfigError(f"concurrency must be ≥ 1, got {concurrency}")

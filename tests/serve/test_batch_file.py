@@ -14,7 +14,7 @@ import pytest
 
 from autodeploy import SamplingParams
 from autodeploy.errors import ConfigError
-from autodeploy.serve.batch_file import finished_keys, parse_batch_lines, run_batch_file
+from autodeploy.serve.batch_file import finished_keys, parse_batch_lines, run_batch_file, table_lines
 
 MODEL = "tiny-llama"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -169,3 +169,60 @@ def results_whole(path: Path) -> list[dict]:
     """The whole lines of a file a kill may have cut short."""
     text = path.read_text()
     return [json.loads(part) for part in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def test_a_parquet_table_runs_a_request_a_row_with_the_shared_parameters(llama_llm, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompts = ["def add(a, b):", "import os", None]
+    pq.write_table(pa.table({"id": ["x", "y", "z"], "text": prompts}), tmp_path / "rows.parquet")
+    output = tmp_path / "out.jsonl"
+    summary = run(llama_llm, tmp_path / "rows.parquet", output, columns={"prompt": "text", "custom_id": "id"},
+                  body={"max_tokens": 5, "temperature": 0})
+    by_id = {r["custom_id"]: r for r in results(output)}
+    expected = llama_llm.generate(prompts[:2], SamplingParams(max_tokens=5, temperature=0))
+    assert [by_id[k]["response"]["body"]["choices"][0]["text"] for k in "xy"] == [o.outputs[0].text for o in expected]
+    assert by_id["z"]["response"]["status_code"] == 400  # a null prompt: the route's refusal, as a result
+    assert (summary.succeeded, summary.failed) == (2, 1)
+
+
+def test_a_datasets_folder_of_arrow_streams_runs_as_chat_with_row_ids(llama_llm, tmp_path):
+    import pyarrow as pa
+
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    messages = [[{"role": "user", "content": f"hello {i}"}] for i in range(3)]
+    for shard, rows in enumerate((messages[:2], messages[2:])):  # what datasets' save_to_disk writes: IPC streams
+        table = pa.table({"conversation": rows, "n": list(range(len(rows)))})
+        with pa.OSFile(str(folder / f"data-0000{shard}-of-00002.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    (folder / "dataset_info.json").write_text("{}")
+    lines = table_lines(folder, {"messages": "conversation"}, body={"max_tokens": 3})
+    assert [json.loads(text)["custom_id"] for text in lines] == ["row-0", "row-1", "row-2"]
+    assert json.loads(lines[2])["url"] == "/v1/chat/completions"
+    output = tmp_path / "out.jsonl"
+    summary = run(llama_llm, folder, output, columns={"messages": "conversation"}, body={"max_tokens": 3})
+    assert summary.succeeded == 3
+    assert {r["response"]["body"]["object"] for r in results(output)} == {"chat.completion"}
+
+
+def test_a_table_input_names_a_missing_column_and_a_bad_mapping(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "rows.parquet")
+    with pytest.raises(ConfigError, match="no column 'prompt'; its columns: text"):
+        table_lines(tmp_path / "rows.parquet", {"prompt": "prompt"})
+    with pytest.raises(ConfigError, match="prompt=COLUMN"):
+        table_lines(tmp_path / "rows.parquet", {"prompt": "text", "messages": "text"})
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(ConfigError, match="cannot read"):
+        table_lines(tmp_path / "bad.parquet", {"prompt": "text"})
+
+
+def test_table_options_on_a_jsonl_input_are_refused(llama_llm, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(line("a", "x") + "\n")
+    with pytest.raises(ConfigError, match="apply to a Parquet"):
+        run(llama_llm, source, tmp_path / "out.jsonl", columns={"prompt": "text"})
