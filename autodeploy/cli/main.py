@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="refuse request bodies larger than this (413) before reading them (default 16 MiB)")
     serve.add_argument("--reasoning-parser", default="none", choices=("none", "think"),
                        help="think: a chat answer's <think>…</think> block goes to message.reasoning_content (Qwen3, DeepSeek-R1, …)")
+    serve.add_argument("--batch-dir", default=None, metavar="DIR",
+                       help="turn on /v1/files and /v1/batches (OpenAI's Batch API), kept in DIR: a server started again on "
+                            "DIR carries on with the batch that was running (docs/batch.md)")
     serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="a stream's chunks after the first carry N new tokens each (default 1): fewer events, longer gaps")
     _add_settings_arguments(serve)
@@ -430,7 +433,8 @@ def _serve(args) -> None:
                             max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout,
                             max_request_bytes=args.max_request_bytes,
                             tool_call_format=args.tool_call_format,
-                            stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser)
+                            stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser,
+                            batch_dir=args.batch_dir)
     run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info", sock=sock)
 
 

@@ -68,7 +68,8 @@ class ServerOptions:
     the first carry this many new tokens each (the last fewer): fewer events to encode and send, at longer
     gaps between them (``AsyncLLM.stream``). ``reasoning_parser``: ``"think"`` splits a chat answer's
     ``<think>…</think>`` block into ``reasoning_content`` (``frontend/reasoning.py``); ``"none"`` leaves it in
-    the content."""
+    the content. ``batch_dir``: where the Files and Batch APIs keep their files and batches (``batches_api.py``);
+    None: those routes answer 404."""
 
     served_model_name: str
     api_key: str | None = None
@@ -81,6 +82,7 @@ class ServerOptions:
     tool_call_format: str = "auto"
     stream_interval: int = 1
     reasoning_parser: str = "none"
+    batch_dir: str | None = None
 
 
 REASONING_PARSERS = ("none", "think")
@@ -105,13 +107,25 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
                           f"{options.max_queued_requests}, {options.max_request_bytes} and {options.queue_timeout_s}")
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
+    batches = None
+    if options.batch_dir is not None:
+        from autodeploy.serve.batches_api import BatchStore
+
+        try:
+            batches = BatchStore(options.batch_dir, options.served_model_name, 2 * llm.settings.max_batch_size)
+        except OSError as error:
+            raise ConfigError(f"--batch-dir {options.batch_dir}: {error.strerror}") from None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_llm = AsyncLLM(llm)
+        if batches is not None:
+            batches.start(app)  # a batch the last server left running goes on
         try:
             yield
         finally:
+            if batches is not None:
+                await batches.stop()  # before the engine stops: its batch's requests are not written as aborted
             server.async_llm.shutdown()  # in-flight requests end with "abort", their blocks freed
 
     app = FastAPI(title="autodeploy", lifespan=lifespan)
@@ -180,6 +194,13 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
                                                                                             thinking)
             return await server.respond(request, writer, [prompt], params, body.stream,
                                         body.stream_options is not None and body.stream_options.include_usage, place)
+
+    from autodeploy.serve.batches_api import add_batch_routes, add_disabled_batch_routes
+
+    if batches is not None:
+        add_batch_routes(app, batches, authorized)
+    else:
+        add_disabled_batch_routes(app)
 
     @app.post("/tokenize", dependencies=authorized)
     async def tokenize(body: TokenizeRequest) -> dict:

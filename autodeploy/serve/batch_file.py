@@ -206,7 +206,7 @@ def _prompt_text(line: BatchLine) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
 
 
-class _ResultWriter:
+class ResultWriter:
     """Appends result lines, each with one write (whole lines survive a kill), and syncs them to disk every second."""
 
     def __init__(self, output: Path):
@@ -228,7 +228,7 @@ class _ResultWriter:
         os.close(self._fd)
 
 
-def _record(line: BatchLine, status: int | None, body: dict | None, error: tuple[str, str] | None) -> dict:
+def result_record(line: BatchLine, status: int | None, body: dict | None, error: tuple[str, str] | None) -> dict:
     record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
               "response": None if status is None else {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}",
                                                         "body": body},
@@ -269,7 +269,7 @@ def run_batch_file(llm, input_path: str | Path, output_path: str | Path, *, serv
     pending = [line for line in lines if line.key not in done]
     summary.already_done = len(lines) - len(pending)
     began = time.perf_counter()
-    writer = _ResultWriter(output_path)
+    writer = ResultWriter(output_path)
     try:
         asyncio.run(_run(llm, pending, writer, summary, served_model_name, concurrency, progress, server_options or {}, on_result))
     finally:
@@ -278,9 +278,8 @@ def run_batch_file(llm, input_path: str | Path, output_path: str | Path, *, serv
     return summary
 
 
-async def _run(llm, pending: list[BatchLine], writer: _ResultWriter, summary: BatchSummary, served_model_name: str,
+async def _run(llm, pending: list[BatchLine], writer: ResultWriter, summary: BatchSummary, served_model_name: str,
                concurrency: int, progress: bool, server_options: dict, on_result) -> None:
-    import httpx
     from tqdm import tqdm
 
     from autodeploy.serve.app import ServerOptions, build_app
@@ -293,7 +292,7 @@ async def _run(llm, pending: list[BatchLine], writer: _ResultWriter, summary: Ba
     began = time.perf_counter()
 
     def finish(line: BatchLine, status: int | None, body: dict | None, error: tuple[str, str] | None) -> None:
-        record = _record(line, status, body, error)
+        record = result_record(line, status, body, error)
         writer.write(record)
         if status == 200:
             summary.succeeded += 1
@@ -319,25 +318,41 @@ async def _run(llm, pending: list[BatchLine], writer: _ResultWriter, summary: Ba
             finish(line, None, None, line.error)
         else:
             requests.append(line)
-    requests.sort(key=_prompt_text)
-    queue = iter(requests)
+    try:
+        async with app.router.lifespan_context(app):
+            await send_lines(app, requests, served_model_name, concurrency,
+                             lambda line, status, payload: finish(line, status, payload, None))
+    finally:
+        bar.close()
+
+
+async def send_lines(app, requests: list[BatchLine], served_model_name: str, concurrency: int,
+                     finish: Callable[[BatchLine, int, dict], None]) -> None:
+    """POST each request line to ``app``'s route in process (its lifespan already running), ``concurrency`` at once, in
+    the order of their prompts (shared prefixes together); ``finish(line, status, body)`` as each answers. When one
+    fails, or this is cancelled, the requests in flight are cancelled (aborted in the engine) and none is finished."""
+    import httpx
+
+    queue = iter(sorted(requests, key=_prompt_text))
 
     async def worker(client: httpx.AsyncClient) -> None:
         for line in queue:  # each worker takes the next line as it finishes one: `concurrency` in flight
-            response = await client.post(line.url, json={"model": served_model_name, **line.body})
-            try:
-                payload = response.json()
-            except ValueError:
-                payload = {"error": {"message": response.text, "type": "server_error"}}
-            finish(line, response.status_code, payload, None)
+            while True:
+                response = await client.post(line.url, json={"model": served_model_name, **line.body})
+                try:
+                    payload = response.json()
+                except ValueError:
+                    payload = {"error": {"message": response.text, "type": "server_error"}}
+                if response.status_code != 503:
+                    break
+                # The server's queue is full of online requests (admission.py): a batch line waits its turn rather than
+                # failing for it.
+                await asyncio.sleep(float(response.headers.get("retry-after", 1)))
+            finish(line, response.status_code, payload)
 
-    try:
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
-                await _all_or_none([worker(client) for _ in range(min(concurrency, len(requests)))])
-    finally:
-        bar.close()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
+        await _all_or_none([worker(client) for _ in range(min(concurrency, len(requests)))])
 
 
 async def _all_or_none(coroutines: list) -> None:
