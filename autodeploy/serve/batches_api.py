@@ -201,10 +201,7 @@ class BatchStore:
                 raise
             except Exception as error:  # the batch fails; the server and the next batches go on
                 logger.exception("batch %s failed", batch["id"])
-                batch = self.batch(batch["id"])
-                batch.update(status="failed", failed_at=int(time.time()),
-                             errors={"object": "list", "data": [{"code": "server_error", "message": str(error), "param": None, "line": None}]})
-                self._save(batch)
+                self._fail(self.batch(batch["id"]), "server_error", str(error), None)  # with the results it has
 
     async def _run_batch(self, app, batch: dict) -> None:
         batch_id = batch["id"]
@@ -215,18 +212,14 @@ class BatchStore:
         try:
             text = self.file_content(batch["input_file_id"]).read_text(encoding="utf-8", errors="replace")
         except APIError:
-            batch.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [
-                {"code": "file_not_found", "message": f"the input file {batch['input_file_id']} was deleted", "param": "input_file_id", "line": None}]})
-            return self._save(batch)
+            return self._fail(batch, "file_not_found", f"the input file {batch['input_file_id']} was deleted", "input_file_id")
         lines = parse_batch_lines(text.splitlines())
         for line in lines:
             if line.error is None and line.url != batch["endpoint"]:
                 line.error = ("mismatched_url", f"line {line.number}'s url {line.url} is not the batch's endpoint {batch['endpoint']}")
         if batch["status"] == "validating":
             if not lines:
-                batch.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [
-                    {"code": "empty_file", "message": "the input file has no request lines", "param": "input_file_id", "line": None}]})
-                return self._save(batch)
+                return self._fail(batch, "empty_file", "the input file has no request lines", "input_file_id")
             batch.update(status="in_progress", in_progress_at=int(time.time()))
             batch["request_counts"]["total"] = len(lines)
             self._save(batch)
@@ -294,6 +287,10 @@ class BatchStore:
         batch.update(status=status, **{f"{status}_at": now})
         self._save(batch)
         self._adopt_results(batch)
+
+    def _fail(self, batch: dict, code: str, message: str, param: str | None) -> None:
+        batch["errors"] = {"object": "list", "data": [{"code": code, "message": message, "param": param, "line": None}]}
+        self._finish(batch, "failed")
 
     def _adopt_results(self, batch: dict) -> None:
         for kind, field in (("output", "output_file_id"), ("errors", "error_file_id")):

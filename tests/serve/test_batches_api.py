@@ -163,3 +163,12 @@ def test_the_batch_routes_need_the_api_key(llama_llm, tmp_path):
         assert httpx.get(f"{url}/v1/batches").status_code == 401
         assert httpx.post(f"{url}/v1/files", files={"file": ("a", b"x")}, data={"purpose": "batch"}).status_code == 401
         assert httpx.get(f"{url}/v1/batches", headers={"Authorization": "Bearer sk-test"}).json()["data"] == []
+
+
+def test_a_batch_whose_input_has_no_request_fails_saying_so(llama_llm, tmp_path):
+    with serving(llama_llm, tmp_path) as url:
+        api = client(url)
+        batch = api.batches.create(input_file_id=api.files.create(file=("in.jsonl", b"\n\n"), purpose="batch").id,
+                                   endpoint="/v1/completions", completion_window="24h")
+        batch = wait_for(api, batch.id, lambda b: b.status == "failed")
+        assert batch.errors.data[0].code == "empty_file" and batch.failed_at is not None
