@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from autodeploy import SamplingParams, autodeploy
-from autodeploy.serve.batch_file import run_batch_file
+from autodeploy.serve.batch_job import run_batch_file
 
 
 def main() -> None:

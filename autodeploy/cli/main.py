@@ -442,7 +442,7 @@ def _batch(args) -> None:
     from pathlib import Path
 
     try:  # before a build that may take minutes
-        from autodeploy.serve.batch_file import run_batch_file
+        from autodeploy.serve.batch_job import run_batch_file
         import httpx  # noqa: F401  (the routes are called in process through it)
         import fastapi  # noqa: F401
     except ImportError as error:

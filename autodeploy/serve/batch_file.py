@@ -26,7 +26,8 @@ engine's batches stay full. A tqdm bar shows lines, output tokens/s and the ETA.
 **Tables.** A Parquet file, an Arrow file or a ``datasets`` folder is read as one request a row (``table_lines``):
 a column mapping names the prompt (or chat messages) column and, optionally, the ``custom_id`` column.
 
-    summary = run_batch_file(llm, "requests.jsonl", "results.jsonl", served_model_name="my-model")
+``autodeploy batch`` runs a file with ``batch_job.run_batch_file``; the server's Batch API (``batches_api.py``)
+runs its batches with ``send_lines``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from autodeploy.errors import ConfigError
@@ -60,23 +61,6 @@ class BatchLine:
     def key(self) -> str:
         """What finds this line's result in an output file: its custom_id, or ``#N`` for line N."""
         return f"#{self.number}" if self.keyed_by_line else str(self.custom_id)
-
-
-@dataclass
-class BatchSummary:
-    lines: int = 0
-    already_done: int = 0
-    succeeded: int = 0
-    failed: int = 0  # error records and non-200 responses written this run
-    output_tokens: int = 0
-    seconds: float = 0.0
-    failures: dict[str, int] = field(default_factory=dict)  # code → count, this run
-
-    def line(self) -> str:
-        rate = f", {self.output_tokens / self.seconds:.1f} output tok/s" if self.seconds > 0 and self.output_tokens else ""
-        why = f" ({', '.join(f'{code} ×{count}' for code, count in sorted(self.failures.items()))})" if self.failures else ""
-        return (f"{self.lines} lines: {self.already_done} already done, {self.succeeded} succeeded, {self.failed} failed{why}"
-                f" in {self.seconds:.1f}s{rate}")
 
 
 def parse_batch_lines(lines: Iterable[str]) -> list[BatchLine]:
@@ -236,94 +220,6 @@ def result_record(line: BatchLine, status: int | None, body: dict | None, error:
     if line.keyed_by_line:
         record["line"] = line.number
     return record
-
-
-def run_batch_file(llm, input_path: str | Path, output_path: str | Path, *, served_model_name: str,
-                   concurrency: int | None = None, progress: bool = True, server_options: dict | None = None,
-                   on_result: Callable[[dict], None] | None = None, columns: dict[str, str] | None = None,
-                   url: str | None = None, body: dict | None = None) -> BatchSummary:
-    """Run every line of ``input_path`` not yet answered in ``output_path`` through ``llm``'s server routes and append
-    the results (module docstring). ``concurrency``: requests in flight at once (default: twice the engine's
-    ``max_batch_size``). ``server_options``: more ``ServerOptions`` fields (a chat template, a tool-call format).
-    A line's body without ``model`` is given ``served_model_name``. ``on_result`` sees each record as it is written.
-    A ``.parquet`` or ``.arrow`` file or a folder is a table instead (``table_lines``: ``columns``, ``url``, ``body``)."""
-    input_path, output_path = Path(input_path), Path(output_path)
-    if input_path.resolve() == output_path.resolve():
-        raise ConfigError(f"--input and --output are the same file ({input_path}); results need a file of their own")
-    if input_path.is_dir() or input_path.suffix in TABLE_SUFFIXES:
-        lines = parse_batch_lines(table_lines(input_path, columns or {"prompt": "prompt"}, url, body))
-    else:
-        if columns or url or body:
-            raise ConfigError(f"--columns, --url and --body apply to a Parquet, Arrow or datasets input; {input_path} "
-                              f"is read as JSONL batch lines, which carry their own")
-        try:
-            with open(input_path, encoding="utf-8", errors="replace") as handle:
-                lines = parse_batch_lines(handle)
-        except OSError as error:
-            raise ConfigError(f"cannot read the batch input {input_path}: {error.strerror}") from None
-    concurrency = concurrency or 2 * llm.settings.max_batch_size
-    if concurrency < 1:
-        raise ConfigError(f"concurrency must be ≥ 1, got {concurrency}")
-    done = finished_keys(output_path)
-    summary = BatchSummary(lines=len(lines))
-    pending = [line for line in lines if line.key not in done]
-    summary.already_done = len(lines) - len(pending)
-    began = time.perf_counter()
-    writer = ResultWriter(output_path)
-    try:
-        asyncio.run(_run(llm, pending, writer, summary, served_model_name, concurrency, progress, server_options or {}, on_result))
-    finally:
-        writer.close()
-        summary.seconds = time.perf_counter() - began
-    return summary
-
-
-async def _run(llm, pending: list[BatchLine], writer: ResultWriter, summary: BatchSummary, served_model_name: str,
-               concurrency: int, progress: bool, server_options: dict, on_result) -> None:
-    from tqdm import tqdm
-
-    from autodeploy.serve.app import ServerOptions, build_app
-
-    # The server's queue holds every request this job has in flight, and never refuses one for waiting.
-    options = ServerOptions(served_model_name=served_model_name, max_queued_requests=concurrency,
-                            queue_timeout_s=1e9, **server_options)
-    app = build_app(llm, options)
-    bar = tqdm(total=len(pending), unit="line", disable=not progress, dynamic_ncols=True)
-    began = time.perf_counter()
-
-    def finish(line: BatchLine, status: int | None, body: dict | None, error: tuple[str, str] | None) -> None:
-        record = result_record(line, status, body, error)
-        writer.write(record)
-        if status == 200:
-            summary.succeeded += 1
-            summary.output_tokens += int(((body or {}).get("usage") or {}).get("completion_tokens") or 0)
-        else:
-            summary.failed += 1
-            code = error[0] if error else str(status)
-            summary.failures[code] = summary.failures.get(code, 0) + 1
-        if on_result is not None:
-            on_result(record)
-        bar.update(1)
-        elapsed = time.perf_counter() - began
-        if summary.output_tokens and elapsed > 0:
-            bar.set_postfix_str(f"{summary.output_tokens / elapsed:.0f} tok/s", refresh=False)
-
-    routes = {getattr(route, "path", None) for route in app.routes}
-    requests = []
-    for line in pending:
-        if line.error is None and line.url not in routes:
-            line.error = ("unsupported_url", f"this deployment ({served_model_name}) serves no {line.url}; it answers "
-                          f"{', '.join(r for r in ROUTES if r in routes)}")
-        if line.error is not None:
-            finish(line, None, None, line.error)
-        else:
-            requests.append(line)
-    try:
-        async with app.router.lifespan_context(app):
-            await send_lines(app, requests, served_model_name, concurrency,
-                             lambda line, status, payload: finish(line, status, payload, None))
-    finally:
-        bar.close()
 
 
 async def send_lines(app, requests: list[BatchLine], served_model_name: str, concurrency: int,

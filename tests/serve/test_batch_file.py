@@ -14,7 +14,8 @@ import pytest
 
 from autodeploy import SamplingParams
 from autodeploy.errors import ConfigError
-from autodeploy.serve.batch_file import finished_keys, parse_batch_lines, run_batch_file, table_lines
+from autodeploy.serve.batch_file import finished_keys, parse_batch_lines, table_lines
+from autodeploy.serve.batch_job import run_batch_file
 
 MODEL = "tiny-llama"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
