@@ -56,7 +56,7 @@ def run_batch_file(llm, input_path: str | Path, output_path: str | Path, *, serv
             raise ConfigError(f"--columns, --url and --body apply to a Parquet, Arrow or datasets input; {input_path} "
                               f"is read as JSONL batch lines, which carry their own")
         try:
-            with open(input_path, encoding="utf-8", errors="replace") as handle:
+            with open(input_path, encoding="utf-8-sig", errors="replace") as handle:  # a BOM (Windows editors) is not JSON
                 lines = parse_batch_lines(handle)
         except OSError as error:
             raise ConfigError(f"cannot read the batch input {input_path}: {error.strerror}") from None

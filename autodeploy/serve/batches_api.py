@@ -210,7 +210,7 @@ class BatchStore:
         if time.time() > batch["expires_at"]:
             return self._finish(batch, "expired")
         try:
-            text = self.file_content(batch["input_file_id"]).read_text(encoding="utf-8", errors="replace")
+            text = self.file_content(batch["input_file_id"]).read_text(encoding="utf-8-sig", errors="replace")  # a BOM is not JSON
         except APIError:
             return self._fail(batch, "file_not_found", f"the input file {batch['input_file_id']} was deleted", "input_file_id")
         lines = parse_batch_lines(text.splitlines())

@@ -129,6 +129,13 @@ def test_a_job_stopped_part_way_finishes_on_the_next_run_with_each_line_once(lla
     assert sorted(r["custom_id"] for r in results(output)) == sorted(f"r{i}" for i in range(12))
 
 
+def test_an_input_saved_with_a_byte_order_mark_and_crlf_line_ends_reads_as_any_other(llama_llm, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(("\ufeff" + line("a", "x") + "\r\n" + line("b", "y") + "\r\n").encode())
+    summary = run(llama_llm, source, tmp_path / "out.jsonl")
+    assert (summary.succeeded, summary.failed) == (2, 0)
+
+
 def test_the_same_input_and_output_file_is_refused(llama_llm, tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text(line("a", "x") + "\n")
