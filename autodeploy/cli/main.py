@@ -442,7 +442,7 @@ def _batch(args) -> None:
     from pathlib import Path
 
     try:  # before a build that may take minutes
-        from autodeploy.serve.batch_job import run_batch_file
+        from autodeploy.serve.batch_job import read_batch_input, run_batch_file
         import httpx  # noqa: F401  (the routes are called in process through it)
         import fastapi  # noqa: F401
     except ImportError as error:
@@ -473,6 +473,7 @@ def _batch(args) -> None:
             raise ConfigError(f"--body is not JSON: {error}") from None
         if not isinstance(body, dict):
             raise ConfigError(f"--body must be a JSON object of request parameters, got {args.body!r}")
+    read_batch_input(args.input, args.output, columns, args.url, body)  # the files' errors before the build
     from autodeploy import autodeploy
 
     llm = autodeploy(args.model, config=args.config, set_arguments=args.set_arguments)

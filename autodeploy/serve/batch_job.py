@@ -37,15 +37,11 @@ class BatchSummary:
                 f" in {self.seconds:.1f}s{rate}")
 
 
-def run_batch_file(llm, input_path: str | Path, output_path: str | Path, *, served_model_name: str,
-                   concurrency: int | None = None, progress: bool = True, server_options: dict | None = None,
-                   on_result: Callable[[dict], None] | None = None, columns: dict[str, str] | None = None,
-                   url: str | None = None, body: dict | None = None) -> BatchSummary:
-    """Run every line of ``input_path`` not yet answered in ``output_path`` through ``llm``'s server routes and append
-    the results (module docstring). ``concurrency``: requests in flight at once (default: twice the engine's
-    ``max_batch_size``). ``server_options``: more ``ServerOptions`` fields (a chat template, a tool-call format).
-    A line's body without ``model`` is given ``served_model_name``. ``on_result`` sees each record as it is written.
-    A ``.parquet`` or ``.arrow`` file or a folder is a table instead (``table_lines``: ``columns``, ``url``, ``body``)."""
+def read_batch_input(input_path: str | Path, output_path: str | Path, columns: dict[str, str] | None = None,
+                     url: str | None = None, body: dict | None = None) -> tuple[list[BatchLine], set[str]]:
+    """The input's lines and the keys of the results already in ``output_path``: every check of the two files, so the
+    CLI makes it before a build that may take minutes. A ``.parquet`` or ``.arrow`` file or a folder is a table
+    (``table_lines``: ``columns``, ``url``, ``body``); anything else JSONL batch lines."""
     input_path, output_path = Path(input_path), Path(output_path)
     if input_path.resolve() == output_path.resolve():
         raise ConfigError(f"--input and --output are the same file ({input_path}); results need a file of their own")
@@ -60,15 +56,27 @@ def run_batch_file(llm, input_path: str | Path, output_path: str | Path, *, serv
                 lines = parse_batch_lines(handle)
         except OSError as error:
             raise ConfigError(f"cannot read the batch input {input_path}: {error.strerror}") from None
+    return lines, finished_keys(output_path)
+
+
+def run_batch_file(llm, input_path: str | Path, output_path: str | Path, *, served_model_name: str,
+                   concurrency: int | None = None, progress: bool = True, server_options: dict | None = None,
+                   on_result: Callable[[dict], None] | None = None, columns: dict[str, str] | None = None,
+                   url: str | None = None, body: dict | None = None) -> BatchSummary:
+    """Run every line of ``input_path`` not yet answered in ``output_path`` through ``llm``'s server routes and append
+    the results (module docstring). ``concurrency``: requests in flight at once (default: twice the engine's
+    ``max_batch_size``). ``server_options``: more ``ServerOptions`` fields (a chat template, a tool-call format).
+    A line's body without ``model`` is given ``served_model_name``. ``on_result`` sees each record as it is written.
+    ``columns``, ``url``, ``body``: a table input's (``read_batch_input``)."""
+    lines, done = read_batch_input(input_path, output_path, columns, url, body)
     concurrency = concurrency or 2 * llm.settings.max_batch_size
     if concurrency < 1:
         raise ConfigError(f"concurrency must be ≥ 1, got {concurrency}")
-    done = finished_keys(output_path)
     summary = BatchSummary(lines=len(lines))
     pending = [line for line in lines if line.key not in done]
     summary.already_done = len(lines) - len(pending)
     began = time.perf_counter()
-    writer = ResultWriter(output_path)
+    writer = ResultWriter(Path(output_path))
     try:
         asyncio.run(_run(llm, pending, writer, summary, served_model_name, concurrency, progress, server_options or {}, on_result))
     finally:

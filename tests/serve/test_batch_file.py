@@ -234,3 +234,16 @@ def test_table_options_on_a_jsonl_input_are_refused(llama_llm, tmp_path):
     source.write_text(line("a", "x") + "\n")
     with pytest.raises(ConfigError, match="apply to a Parquet"):
         run(llama_llm, source, tmp_path / "out.jsonl", columns={"prompt": "text"})
+
+
+def test_the_command_refuses_bad_files_before_it_builds_the_model(tmp_path, forbid_building, capsys):
+    from autodeploy.cli.main import main
+
+    forbid_building()
+    source, foreign = tmp_path / "in.jsonl", tmp_path / "notes.txt"
+    source.write_text(line("a", "x") + "\n")
+    foreign.write_text("my notes\n")
+    assert main(["batch", "--input", str(source), "--output", str(foreign)]) == 1
+    assert "line 1 is not a result this command wrote" in capsys.readouterr().err
+    assert main(["batch", "--input", str(source), "--output", str(tmp_path / "o.jsonl"), "--columns", "prompt=text"]) == 1
+    assert "apply to a Parquet" in capsys.readouterr().err
