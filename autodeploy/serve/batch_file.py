@@ -41,9 +41,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from autodeploy.errors import ConfigError
+from autodeploy.errors import AutoDeployError, ConfigError
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+
+
+class EngineStopped(AutoDeployError):
+    """A batch line's request was aborted by the engine stopping: the job stops with nothing written for it."""
 
 
 @dataclass
@@ -239,7 +243,11 @@ async def send_lines(app, requests: list[BatchLine], served_model_name: str, con
                     payload = response.json()
                 except ValueError:
                     payload = {"error": {"message": response.text, "type": "server_error"}}
-                if response.status_code != 503:
+                code = (payload.get("error") or {}).get("code") if isinstance(payload, dict) else None
+                if code == "aborted":  # the engine is stopping: no result, the line runs again next time
+                    raise EngineStopped(f"the engine stopped while custom_id {line.custom_id!r} ran; run the job again to "
+                                        f"finish it (the results written are kept)")
+                if code != "queue_full":
                     break
                 # The server's queue is full of online requests (admission.py): a batch line waits its turn rather than
                 # failing for it.

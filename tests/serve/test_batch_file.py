@@ -247,3 +247,30 @@ def test_the_command_refuses_bad_files_before_it_builds_the_model(tmp_path, forb
     assert "line 1 is not a result this command wrote" in capsys.readouterr().err
     assert main(["batch", "--input", str(source), "--output", str(tmp_path / "o.jsonl"), "--columns", "prompt=text"]) == 1
     assert "apply to a Parquet" in capsys.readouterr().err
+
+
+def test_a_full_queue_is_waited_out_and_an_engine_stopping_writes_nothing():
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from autodeploy.serve.batch_file import EngineStopped, send_lines
+
+    answers = {"/v1/completions": [(503, "queue_full"), (200, None)], "/v1/chat/completions": [(503, "aborted")]}
+    app = FastAPI()
+
+    @app.post("/v1/{route:path}")
+    async def route(route: str):
+        status, code = answers[f"/v1/{route}"].pop(0)
+        body = {"error": {"message": "m", "code": code}} if code else {"ok": True}
+        return JSONResponse(body, status_code=status, headers={"Retry-After": "0"})
+
+    finished = []
+    (waits,) = parse_batch_lines([line("a", "x")])
+    asyncio.run(send_lines(app, [waits], MODEL, 2, lambda line, status, body: finished.append((line.custom_id, status, body))))
+    assert finished == [("a", 200, {"ok": True})]
+    (stops,) = parse_batch_lines([line("b", "y", url="/v1/chat/completions")])
+    with pytest.raises(EngineStopped, match="run the job again"):
+        asyncio.run(send_lines(app, [stops], MODEL, 2, lambda *args: finished.append(args)))
+    assert len(finished) == 1
