@@ -32,7 +32,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
 from autodeploy.serve.batch_file import (
-    BatchLine, ResultWriter, finished_keys, parse_batch_lines, result_record, send_lines,
+    BatchLine, EngineStopped, ResultWriter, finished_keys, parse_batch_lines, result_record, send_lines,
 )
 from autodeploy.serve.openai_errors import APIError
 
@@ -199,6 +199,9 @@ class BatchStore:
                 await self._run_batch(app, batch)
             except asyncio.CancelledError:
                 raise
+            except EngineStopped:  # the engine is going away: the batch stays in progress, for the next start
+                logger.warning("batch %s stopped with the engine; it goes on when the server starts again", batch["id"])
+                return
             except Exception as error:  # the batch fails; the server and the next batches go on
                 logger.exception("batch %s failed", batch["id"])
                 self._fail(self.batch(batch["id"]), "server_error", str(error), None)  # with the results it has
