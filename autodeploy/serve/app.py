@@ -43,6 +43,7 @@ from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.frontend.tool_calls import ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
 from autodeploy.serve.api_key import API_KEY_SCOPES, KeyOnEveryRoute, bearer_key_matches, missing_key_error
 from autodeploy.serve.admission import Admission, Place
+from autodeploy.serve.batches_api import BatchStore, add_batch_routes, add_disabled_batch_routes
 from autodeploy.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from autodeploy.serve.metrics import ServerMetrics
 from autodeploy.serve.model_info import add_model_info_routes
@@ -109,8 +110,6 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     server = _Server(llm, options, metrics)
     batches = None
     if options.batch_dir is not None:
-        from autodeploy.serve.batches_api import BatchStore
-
         try:
             batches = BatchStore(options.batch_dir, options.served_model_name, 2 * llm.settings.max_batch_size)
         except OSError as error:
@@ -194,8 +193,6 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
                                                                                             thinking)
             return await server.respond(request, writer, [prompt], params, body.stream,
                                         body.stream_options is not None and body.stream_options.include_usage, place)
-
-    from autodeploy.serve.batches_api import add_batch_routes, add_disabled_batch_routes
 
     if batches is not None:
         add_batch_routes(app, batches, authorized)
