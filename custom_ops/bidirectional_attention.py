@@ -4,8 +4,18 @@ more or fewer than its queries), with GQA and an optional additive bias (T5's re
 
 It is its own op rather than an option of the causal ``attention``: the cache stage turns ``attention`` into
 paged, cached attention over the KV pool, and this one never is (an encoder's sequence is whole in one forward).
+
+Packed sequences (``seq_start``): an embedding model (BERT, XLM-R) runs many texts of different lengths in one
+forward with no padding, as one row ``q[1, T, Hq, D]``. ``seq_start[N + 1]`` (int32, or int64) holds the
+cumulative starts: sequence ``s`` owns tokens ``seq_start[s] : seq_start[s + 1]`` (a repeated start is an empty
+sequence), and each query sees exactly the keys of its own sequence (self-attention, block-diagonal).
+Backends: ``sdpa`` (any device; one call with a block-diagonal mask) and ``varlen`` (CUDA; flash attention over the
+packed row, only the keys of each sequence computed).
 """
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -15,14 +25,23 @@ from .attention import check_bias
 from .compute_dtype import compute_dtype
 from .registry import register_backend, register_op
 
+SEQ_START_DTYPES = (torch.int32, torch.int64)
+FLASH_MAX_HEAD_DIM = 256  # flash attention's largest head dim
+
 
 def bidirectional_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                      bias: Optional[torch.Tensor] = None,
+                                      seq_start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``q[B, S, Hq, D]`` over ``k[B, Sk, Hkv, D]``, ``v[B, Sk, Hkv, Dv]`` → ``[B, S, Hq, Dv]``, no mask.
 
     ``softmax(scale · q_i · k_j + bias_ij) · v_j`` per head in float32 (float64 for float64 inputs), cast back to
     ``q``'s dtype; query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``bias`` (optional) is ``[1 or B, 1 or Hq,
     S, Sk]``: T5's relative position bias (``relative_position_bias``).
+
+    ``seq_start`` (optional, ``[N + 1]`` int32 or int64, non-decreasing from 0 to ``S``): ``N`` sequences packed along
+    dim 1 of a batch of one (``B == 1``, ``Sk == S``); each attends over its own tokens only, computed sequence by
+    sequence as above. It is read on the host (validated, then sliced by): the call syncs with the device. Not
+    with a ``bias``.
     """
     batch, _, q_heads, head_dim = q.shape
     keys, kv_heads = k.shape[1], k.shape[2]
@@ -32,6 +51,16 @@ def bidirectional_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch
     if q_heads % kv_heads != 0:
         raise ValueError(f"bidirectional_attention: query heads Hq={q_heads} must be a multiple of kv heads Hkv={kv_heads}.")
     check_bias("bidirectional_attention", bias, batch, q_heads, q.shape[1], keys)
+    if seq_start is None:
+        return _attend_every_key(q, k, v, scale, bias)
+    starts = _packed_starts(q, k, bias, seq_start)
+    return torch.cat([_attend_every_key(q[:, start:end], k[:, start:end], v[:, start:end], scale)
+                      for start, end in zip(starts, starts[1:])], dim=1)
+
+
+def _attend_every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    q_heads, kv_heads = q.shape[2], k.shape[2]
     dtype = compute_dtype(q.dtype)
     kv_head_of = torch.arange(q_heads, device=q.device) // (q_heads // kv_heads)
     logits = torch.einsum("bihd,bjhd->bhij", q.to(dtype), k.to(dtype)[:, :, kv_head_of]) * scale
@@ -41,7 +70,33 @@ def bidirectional_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch
     return out.to(q.dtype).contiguous()
 
 
-def bidirectional_attention_fake(q, k, v, scale, bias=None):
+def _packed_starts(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], seq_start: torch.Tensor) -> list[int]:
+    """``seq_start`` as a list, once it is checked to pack sequences into ``q``'s row; a ``ValueError`` otherwise."""
+    op = "bidirectional_attention"
+    if bias is not None:
+        raise ValueError(f"{op}: a bias together with seq_start (packed sequences) is not supported; pass one or the other.")
+    if q.shape[0] != 1:
+        raise ValueError(f"{op}: seq_start packs sequences along dim 1 of a batch of one; q has B={q.shape[0]}.")
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"{op}: packed sequences attend over themselves, so with seq_start the keys Sk={k.shape[1]} "
+                         f"must be the queries S={q.shape[1]}.")
+    if seq_start.dtype not in SEQ_START_DTYPES:
+        raise ValueError(f"{op}: seq_start must be int32 (or int64); got {seq_start.dtype}.")
+    if seq_start.dim() != 1 or seq_start.numel() < 2:
+        raise ValueError(f"{op}: seq_start must be [N + 1] for N ≥ 1 sequences; got shape {tuple(seq_start.shape)}.")
+    starts = seq_start.tolist()
+    if starts[0] != 0:
+        raise ValueError(f"{op}: seq_start must start at 0; got seq_start[0] = {starts[0]}.")
+    if starts[-1] != q.shape[1]:
+        raise ValueError(f"{op}: seq_start must end at the packed length S={q.shape[1]}; got seq_start[-1] = {starts[-1]}.")
+    for index, (start, end) in enumerate(zip(starts, starts[1:])):
+        if end < start:
+            raise ValueError(f"{op}: seq_start must be non-decreasing; got seq_start[{index}] = {start} > "
+                             f"seq_start[{index + 1}] = {end}.")
+    return starts
+
+
+def bidirectional_attention_fake(q, k, v, scale, bias=None, seq_start=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -55,20 +110,101 @@ bidirectional_attention = register_op(
 
 
 def bidirectional_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                 bias: Optional[torch.Tensor] = None,
+                                 seq_start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """PyTorch's ``scaled_dot_product_attention`` (flash or memory-efficient kernels on a GPU) on ``[B, H, S, D]`` views;
-    a ``bias`` is its float ``attn_mask`` (which SDPA adds to the scaled logits)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
+    a ``bias`` is its float ``attn_mask`` (which SDPA adds to the scaled logits).
+
+    Packed sequences (``seq_start``) are one call with a boolean block-diagonal ``attn_mask`` (``[S, S]``, built on
+    the device from ``seq_start``): no host sync, so a CUDA graph can capture it. It costs ``S²`` logits where the
+    sequences need ``Σ len²`` and an ``S × S`` mask, and a mask rules out SDPA's flash kernel; on a GPU the
+    ``varlen`` backend computes only each sequence's own keys.
+    """
+    mask = bias if seq_start is None else same_sequence_mask(seq_start, q.shape[1], q.device)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2).contiguous()
 
 
-def _sdpa_supports(q, k, v, scale, bias=None, *, device):
+def same_sequence_mask(seq_start: torch.Tensor, tokens: int, device: torch.device) -> torch.Tensor:
+    """``[tokens, tokens]`` booleans: whether tokens ``i`` and ``j`` of the packed row are in one sequence.
+
+    A token's sequence is identified by how many starts are ≤ its index, which skips empty sequences.
+
+    >>> same_sequence_mask(torch.tensor([0, 2, 2, 3]), 3, torch.device("cpu")).int().tolist()
+    [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
+    """
+    seq_start = seq_start.to(device)
+    sequence = torch.searchsorted(seq_start, torch.arange(tokens, device=device, dtype=seq_start.dtype), right=True)
+    return sequence[:, None] == sequence[None, :]
+
+
+def _sdpa_supports(q, k, v, scale, bias=None, seq_start=None, *, device):
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k and v differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})"
     if bias is not None and bias.dtype != q.dtype:  # SDPA takes a float mask in the queries' dtype only
         return f"the bias is {bias.dtype}, q {q.dtype}"
+    if bias is not None and seq_start is not None:
+        return "a bias together with packed sequences (seq_start) is not supported"
     return True
 
 
 register_backend("bidirectional_attention", "sdpa", bidirectional_attention_sdpa, supports=_sdpa_supports)
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_attn() -> Optional[Callable[..., torch.Tensor]]:
+    """PyTorch's ``torch.nn.attention.varlen.varlen_attn``, or ``None`` where this torch lacks it or its ``scale=`` and
+    ``enable_gqa=`` keywords. Imported on first use: the module imports ``torch._dynamo`` (most of a second), which
+    importing the canonical ops otherwise does not."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if {"scale", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+
+
+def bidirectional_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                   bias: Optional[torch.Tensor] = None,
+                                   seq_start: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Packed sequences through PyTorch's ``varlen_attn`` (flash attention's variable-length kernel) on the
+    ``[T, H, D]`` row, ``seq_start`` as both sequences' starts: each query block reads its own sequence's keys only.
+
+    The longest sequence is passed as ``S`` (at least 2), an upper bound the kernel accepts (it sizes its grid by it,
+    and blocks past a sequence's end exit at once), rather than ``max(len)``, which would read ``seq_start`` on the
+    host: no sync, so a CUDA graph can capture it. At 1 the kernel takes a path that assumes every sequence has one
+    query, which empty sequences break; 2 keeps it off. Needs ``seq_start`` and no ``bias`` (see its ``supports``).
+    """
+    cu_seqlens = seq_start.to(device=q.device, dtype=torch.int32).contiguous()
+    longest = max(q.shape[1], 2)
+    out = _varlen_attn()(q[0], k[0], v[0], cu_seqlens, cu_seqlens, longest, longest, scale=scale,
+                         enable_gqa=q.shape[2] != k.shape[2])
+    return out.unsqueeze(0)
+
+
+def _varlen_supports(q, k, v, scale, bias=None, seq_start=None, *, device):
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"varlen_attn (flash attention) runs on CUDA GPUs only (the deploy runs on {device.type})"
+    if seq_start is None:
+        return "varlen_attn serves packed sequences (seq_start) only"
+    if bias is not None:
+        return "flash attention's varlen kernel adds no bias"
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return f"flash attention takes float16 or bfloat16 q, k and v (got {q.dtype}, {k.dtype}, {v.dtype})"
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    if value_dim != head_dim or head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM:
+        return (f"flash attention needs one head dim for q, k and v, a multiple of 8 up to {FLASH_MAX_HEAD_DIM} "
+                f"(got D={head_dim}, Dv={value_dim})")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        return "flash attention needs q, k and v with a contiguous last dim"
+    if _varlen_attn() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn taking scale= and enable_gqa="
+    if not torch.backends.cuda.is_flash_attention_available():
+        return f"this PyTorch build (torch {torch.__version__}) has no flash attention"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "flash attention needs an Ampere or later GPU (sm80+)"
+    return True
+
+
+register_backend("bidirectional_attention", "varlen", bidirectional_attention_varlen, supports=_varlen_supports)
