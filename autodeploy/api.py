@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
 from autodeploy.config import load_settings
-from autodeploy.deployment import ENCODER, VISION, Deployment, ImageBoundaries
+from autodeploy.build_report import BuildReport
+from autodeploy.deployment import EMBED, ENCODER, VISION, Deployment, EmbeddingHead, ImageBoundaries
 from autodeploy.errors import AutoDeployError, ConfigError
 from autodeploy.distributed import (check_no_live_deployment, check_parallelism, hold, init_distributed, should_spawn,
                                     spawn_workers, world_size)
@@ -27,7 +28,8 @@ from autodeploy.frontend.llm import LLM
 from autodeploy.runtime import draft_model, eagle3, mtp  # noqa: F401  (register the "draft", "eagle3" and "mtp" drafters)
 from autodeploy.runtime.speculative import hidden_state_layers, registered_drafters
 from autodeploy.transforms.registry import TransformContext
-from autodeploy.verification import build_verified
+from autodeploy.export.encoder_only import max_text_tokens
+from autodeploy.verification import build_verified, build_verified_embedder
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,13 @@ def autodeploy(
         if settings.speculative.method is not None:
             raise ConfigError(f"speculative decoding (speculative.method={settings.speculative.method!r}) drafts for decoder-only "
                               f"models; an encoder-decoder's decoder is not served with it yet: deploy without speculative")
+    if factory.embedding is not None:
+        if world_size(settings) > 1:
+            raise ConfigError("embedding models and cross-encoders run on one rank (an encoder of their size fits one GPU); "
+                              "deploy without tensor, expert or pipeline parallelism")
+        if settings.speculative.method is not None:
+            raise ConfigError(f"speculative decoding (speculative.method={settings.speculative.method!r}) drafts tokens to "
+                              f"generate; an embedding model generates none: deploy without speculative")
     check_no_live_deployment(settings)
     _check_speculative(settings)
     if should_spawn(settings):
@@ -156,6 +165,8 @@ def _deploy(settings, factory: ModelFactory) -> Deployment:
     if settings.weights == "checkpoint" and settings.device != "meta":
         CheckpointReader(factory.source.directory)  # fail on a folder without weights before exporting
     pipeline = Pipeline.from_settings(settings)
+    if factory.embedding is not None:
+        return _deploy_encoder_only(settings, factory, pipeline)
     context = TransformContext(settings=settings, model_factory=factory)
     pipeline.validate(context)
     check_deployment(settings, factory.hf_config, factory.build_meta_model(getattr(torch, settings.dtype)))
@@ -181,6 +192,24 @@ def _deploy(settings, factory: ModelFactory) -> Deployment:
         if spec.boundary_token_ids is not None:
             deployment.image_boundaries = ImageBoundaries(*spec.boundary_token_ids, spec.separator)
     return deployment
+
+
+def _deploy_encoder_only(settings, factory: ModelFactory, pipeline: Pipeline) -> Deployment:
+    """An encoder-only checkpoint (an embedder or a cross-encoder, ``models/embedding.py``) as one ``"embed"`` graph
+    through the pipeline, verified on a twin when ``verify.enabled``."""
+    context = TransformContext(settings=settings, model_factory=factory, role=EMBED)
+    pipeline.validate(context)
+    meta_model = factory.build_meta_model(getattr(torch, settings.dtype))
+    if settings.verify.enabled:
+        graph, verification = build_verified_embedder(pipeline, context, settings.dump_graphs)
+    else:
+        graph, verification = pipeline.run(context, dump_dir=settings.dump_graphs), None
+    spec = factory.embedding
+    head = EmbeddingHead(spec.task, spec.pooling, spec.normalize, min(max_text_tokens(meta_model), int(settings.max_seq_len)),
+                         int(factory.hf_config.vocab_size), int(factory.hf_config.hidden_size))
+    logger.info("%s: %s (%s)", factory.source.name, "a cross-encoder" if spec.task == "score" else "an embedding model", spec.source)
+    return Deployment({EMBED: graph}, context.serving_signature(), settings, factory.load_tokenizer(settings.tokenizer), (),
+                      BuildReport(pipeline.records, verification), str(factory.source.directory), embedding=head)
 
 
 # What a draft model takes from the model's settings: where and how it runs, never what it is.
@@ -230,6 +259,8 @@ def _check_draft_fits(model: Deployment, draft: Deployment, name: str) -> None:
 def _with_engine(llm: LLM) -> LLM:
     if llm.can_serve:
         llm.engine  # noqa: B018  (sizes the KV cache and runs the warm-up forward)
+    elif llm.deployment.embedding is not None and llm.device.type != "meta":
+        llm.embedder  # noqa: B018  (checks the graph serves packed texts)
     return llm
 
 

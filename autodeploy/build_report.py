@@ -39,13 +39,14 @@ class VerificationReport:
     seconds: float
     note: str = ""  # why the twin's dtype differs from the deploy's, when it does
     vision_relative_error: float | None = None  # a vision-language model's image features against Hugging Face's
+    compared: str = "logit"  # what was compared: the logits, an embedder's hidden states, a cross-encoder's scores
 
     def __str__(self) -> str:
         note = f"; {self.note}" if self.note else ""
         if self.vision_relative_error is not None:
             note += f"; image features relative error {self.vision_relative_error:.2g}"
         return (
-            f"verified on a twin ({self.twin}; {self.device} {self.dtype}): max |Δlogit| {self.max_abs_error:.2g} "
+            f"verified on a twin ({self.twin}; {self.device} {self.dtype}): max |Δ{self.compared}| {self.max_abs_error:.2g} "
             f"(relative {self.relative_error:.2g} ≤ {self.tolerance:.3g}) in {self.seconds:.1f}s{note}"
         )
 

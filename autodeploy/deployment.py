@@ -28,10 +28,13 @@ from autodeploy.build_report import BuildReport, TransformRecord, VerificationRe
 from autodeploy.custom_ops.serving_signature import KVCacheSpec, ServingSignature
 from autodeploy.errors import ConfigError
 
-MODEL = "model"  # the role of the graph that turns token ids into logits; every deployment has one
+MODEL = "model"  # the role of the graph that turns token ids into logits; every generating deployment has one
 VISION = "vision"  # a vision-language model's: preprocessed images in, the feature rows the model graph reads out
 ENCODER = "encoder"  # an encoder–decoder's: a request's input ids in, every decoder layer's cross keys and values out
-ROLES = (MODEL, VISION, ENCODER)
+EMBED = "embed"  # an encoder-only model's: texts packed into one row in, hidden states (or a reranker's scores) out
+ROLES = (MODEL, VISION, ENCODER, EMBED)
+# An "embed" graph's meta key: its attention keeps the texts packed in its row apart (transforms/pack_bidirectional_attention.py)
+PACKED_TEXTS = "autodeploy_packed_texts"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,24 @@ class ImageBoundaries:
     start_token_id: int
     end_token_id: int
     separator: str = ""
+
+
+POOLINGS = ("cls", "mean", "last")  # an embedder's rows a text pooled into its vector: the first, their mean, the last
+
+
+@dataclass(frozen=True)
+class EmbeddingHead:
+    """How an encoder-only deployment's ``"embed"`` graph is served (``models/embedding.py`` decides): ``task``
+    ``"embed"`` pools its hidden states into one vector a text (``pooling``, then L2 ``normalize``), ``"score"``
+    reads its logit of a (query, document) pair; texts of at most ``max_text_tokens`` tokens, ids below
+    ``vocab_size``; an embedder's vectors have ``width`` components."""
+
+    task: str
+    pooling: str
+    normalize: bool
+    max_text_tokens: int
+    vocab_size: int
+    width: int
 
 
 @dataclass
@@ -64,10 +85,14 @@ class Deployment:
     # A draft model for speculative decoding (speculative.method "draft"): a deployment of its own, with its own
     # serving signature, settings and build report, whose runner and KV pool sit beside the model's.
     draft: Deployment | None = None
+    # An encoder-only model's (its graph is the "embed" role, and it has no "model" graph): how it is served.
+    embedding: EmbeddingHead | None = None
 
     def __post_init__(self) -> None:
-        if MODEL not in self.graphs:
-            raise ConfigError(f"a Deployment needs a {MODEL!r} graph (token ids in, logits out); it has {sorted(self.graphs)}")
+        if (MODEL in self.graphs) == (EMBED in self.graphs) or (EMBED in self.graphs) != (self.embedding is not None):
+            raise ConfigError(f"a Deployment needs a {MODEL!r} graph (token ids in, logits out) or an {EMBED!r} graph and its "
+                              f"EmbeddingHead; it has {sorted(self.graphs)}"
+                              f"{' and an EmbeddingHead' if self.embedding is not None else ''}")
         self.graphs = dict(self.graphs)
         self.eos_token_ids = tuple(int(token) for token in self.eos_token_ids)
 
@@ -78,7 +103,9 @@ class Deployment:
 
     @property
     def vocab_size(self) -> int:
-        """The width of the model graph's logits, as the graph's output declares it."""
+        """The width of the model graph's logits, as the graph's output declares it (an embedding model's vocabulary)."""
+        if self.embedding is not None:
+            return self.embedding.vocab_size
         output = next(n for n in self.graph.graph.nodes if n.op == "output")
         value = fx.node.map_aggregate(output.args, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
         logits = value[0][0] if isinstance(value[0], (list, tuple)) else value[0]

@@ -150,7 +150,8 @@ class Pipeline:
             logger.info("%-20s %-12s %7.3fs matches=%d nodes %s→%s", record.name, record.stage, seconds,
                         record.matches, before, record.nodes_after)
             if dump_dir is not None and isinstance(module, fx.GraphModule):
-                path = Path(dump_dir) / f"{index:02d}_{record.stage}_{record.name}.txt"
+                # numbered by the record's place: a transform skipped for this graph's role leaves no gap
+                path = Path(dump_dir) / f"{len(self.records) - 1:02d}_{record.stage}_{record.name}.txt"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(str(module.graph))
         return module

@@ -36,10 +36,11 @@ import warnings
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import fx, nn
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM,
+                          AutoModelForSequenceClassification)
 
 from autodeploy.build_report import VerificationReport
-from autodeploy.deployment import ENCODER, MODEL, VISION, Deployment
+from autodeploy.deployment import EMBED, ENCODER, MODEL, VISION, Deployment
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.export.causal_lm import GRAPH_PREFIX
 from autodeploy.models.factory import ModelFactory
@@ -110,18 +111,21 @@ def _twin_settings(settings: DictConfig, device: str, dtype: str, image_tokens: 
     return OmegaConf.create(twin)
 
 
-def _reference_model(config, device: str, dtype: torch.dtype, trust_remote_code: bool, head_apart: bool = False) -> nn.Module:
+def _reference_model(config, device: str, dtype: torch.dtype, trust_remote_code: bool, head_apart: bool = False,
+                     model_class=None) -> nn.Module:
     """The twin in Hugging Face (eager attention, float32) with random weights rounded to ``dtype``.
 
     HF's own initialisation, then every 1-D parameter (norm scales, biases) is perturbed: HF starts
     those at exactly 1 or 0, which would hide a dropped bias or a mis-read norm offset. ``head_apart``: the deploy
     holds its LM head apart from the token embedding (a T5 checkpoint storing it, ``models/factory.py``) where HF builds
-    the twin tied; the reference's head is then drawn afresh, so a head read from the embedding would differ."""
+    the twin tied; the reference's head is then drawn afresh, so a head read from the embedding would differ.
+    ``model_class``: the transformers auto class to build (by default the one the config's kind calls for)."""
     torch.manual_seed(_TWIN_SEED)
-    # A vision-language model's reference is the whole model: its language model's logits and its image features.
-    model_class = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-    if getattr(config, "is_encoder_decoder", False) and getattr(config, "vision_config", None) is None:
-        model_class = AutoModelForSeq2SeqLM  # an encoder–decoder's reference: the whole model, both stacks
+    if model_class is None:
+        # A vision-language model's reference is the whole model: its language model's logits and its image features.
+        model_class = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+        if getattr(config, "is_encoder_decoder", False) and getattr(config, "vision_config", None) is None:
+            model_class = AutoModelForSeq2SeqLM  # an encoder–decoder's reference: the whole model, both stacks
     with torch.device(device):
         model = model_class.from_config(  # a copy: HF records the attention implementation in the config
             copy.deepcopy(config), dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code
@@ -537,6 +541,73 @@ def _compare(factory, twin, reference, graph, context, match_notes, settings, de
         raise UnsupportedModelError(_mismatch_message(factory, twin.summary, device, dtype, error, relative, tolerance,
                                                       module, match_notes))
     return VerificationReport(twin.summary, device, dtype, error, relative, tolerance, time.perf_counter() - began)
+
+
+def build_verified_embedder(pipeline: Pipeline, context: TransformContext, dump_dir=None) -> tuple[nn.Module, VerificationReport]:
+    """Build an encoder-only model's ``"embed"`` graph with ``pipeline``, verifying its twin first; returns (graph, report).
+
+    The twin's probe texts (the decoders' probe lengths, 1 to 29 tokens; a cross-encoder's with a second segment of
+    token type 1 where the model reads token types) run packed into one row through the twin's graph, and every
+    text's rows are held to Hugging Face's for that text alone: the last hidden state of an embedder (what every
+    pooling reads), the classifier's logit of a cross-encoder."""
+    settings, factory = context.settings, context.model_factory
+    began = time.perf_counter()
+    device, dtype = twin_device_and_dtype(settings)
+    task = factory.embedding.task
+    meta_model = factory.build_meta_model(getattr(torch, settings.dtype))
+    twin = twin_config(factory.hf_config, meta_model)
+    model_class = AutoModelForSequenceClassification if task == "score" else AutoModel
+    reference = _reference_model(twin.config, device, getattr(torch, dtype), factory.trust_remote_code, model_class=model_class)
+    tensors = {name: p.detach().to(getattr(torch, dtype)) for name, p in reference.named_parameters()}
+    twin_settings = _twin_settings(settings, device, dtype)
+    twin_factory = ModelFactory(factory.source, twin.config, factory.trust_remote_code, tensors=tensors)
+    twin_context = TransformContext(settings=twin_settings, model_factory=twin_factory, role=EMBED)
+    twin_graph = Pipeline(pipeline.transforms).run(twin_context)
+    texts = _embedding_probes(twin.config)
+    types = [[0] * len(tokens) if task == "embed" or getattr(twin.config, "type_vocab_size", 1) < 2
+             else [0] * (len(tokens) // 2) + [1] * (len(tokens) - len(tokens) // 2) for tokens in texts]
+    ours = _packed_rows(twin_graph, texts, types, device)
+    worst = (0.0, 0.0)
+    with torch.no_grad():
+        for index, tokens in enumerate(texts):
+            out = reference(input_ids=torch.tensor([tokens], device=device), token_type_ids=torch.tensor([types[index]], device=device))
+            expected = out.logits[0] if task == "score" else out.last_hidden_state[0]
+            error, relative = _relative_error(ours[index], expected)
+            if not relative <= worst[1]:
+                worst = (error, relative)
+    error, relative = worst
+    tolerance = float(settings.verify.tolerance[dtype])
+    compared = "score logit" if task == "score" else "hidden state"
+    if not relative <= tolerance:
+        raise UnsupportedModelError(_mismatch_message(factory, twin.summary, device, dtype, error, relative, tolerance, None,
+                                                      _match_notes(pipeline.records)).replace("logit", compared))
+    report = VerificationReport(twin.summary, device, dtype, error, relative, tolerance, time.perf_counter() - began,
+                                compared=compared)
+    return pipeline.run(context, dump_dir=dump_dir), report
+
+
+def _embedding_probes(config) -> list[list[int]]:
+    """The probe texts: the decoders' probe lengths, with token ids that are not the padding id (RoBERTa-style
+    embeddings number a padding token's position apart)."""
+    padding = getattr(config, "pad_token_id", None)
+    texts = _probe_tokens(config.vocab_size)
+    return [[token if token != padding else (token + 1) % config.vocab_size for token in tokens] for tokens in texts]
+
+
+@torch.inference_mode()
+def _packed_rows(graph: fx.GraphModule, texts: list[list[int]], types: list[list[int]], device: str) -> list[torch.Tensor]:
+    """Each text's rows of ``graph`` run over all ``texts`` packed into one row: its hidden states ``[len, H]`` (an
+    embedder) or its logits ``[1]`` (a cross-encoder)."""
+    lengths = [len(tokens) for tokens in texts]
+    starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    positions = torch.cat([torch.arange(length) for length in lengths])
+    inputs = [torch.tensor([[t for tokens in texts for t in tokens]]), positions[None],
+              torch.tensor([[t for row in types for t in row]]), starts]
+    out = graph(*[tensor.to(device) for tensor in inputs])
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    if out.dim() == 2:  # [N, 1]: a cross-encoder's logits
+        return list(out)
+    return [out[0, int(starts[i]):int(starts[i + 1])] for i in range(len(texts))]
 
 
 def _image_tokens_bound(config) -> int:

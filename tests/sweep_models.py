@@ -6,7 +6,9 @@ Every config is the model type's default with the usual size settings shrunk (4 
 query / 2 key-value heads, vocab 512, short sliding windows, 4 experts) wherever the config has them,
 plus a few per-type fixes where the default sizes do not fit together. ``family(model_type)`` says
 whether a type is a decoder-only text LM (what the sweep's coverage goal counts) or something else
-(encoder-decoder, bidirectional encoder, multimodal): those must be refused with a typed error.
+(encoder-decoder, bidirectional encoder, multimodal). The served encoder–decoders and vision-language models are
+compared by generating; a bidirectional encoder is served as an embedding model and compared by its hidden states
+(``sweep_encoder_only``); every other one must be refused with a typed error.
 """
 
 from __future__ import annotations
@@ -217,15 +219,46 @@ def sweep_encoder_decoder(model_type: str, entry: dict, reached_autodeploy) -> d
     return entry
 
 
+def sweep_encoder_only(model_type: str, entry: dict, reached_autodeploy) -> dict:
+    """A bidirectional encoder, served as an embedding model: its base model (``AutoModel``) saved and deployed (the build
+    verifies every hidden state of packed texts against Hugging Face's), then three texts embedded in one call, their
+    mean-, [CLS]- and last-row vectors against Hugging Face's hidden states of each text alone (the entry's relative
+    error; nothing is generated, so ``greedy_identical`` is None)."""
+    from transformers import AutoModel
+
+    try:
+        torch.manual_seed(0)
+        model = AutoModel.from_config(tiny_config(model_type), dtype=torch.float32, attn_implementation="eager").eval()
+        texts = [torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(length)).tolist() for length in (1, 9, 17)]
+        with torch.no_grad():
+            rows = [model(input_ids=torch.tensor([text])).last_hidden_state[0] for text in texts]
+    except Exception as error:
+        return {**entry, "status": "n/a", "detail": f"transformers: {type(error).__name__}: {' '.join(str(error).split())[:200]}"}
+    reached_autodeploy()
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        llm, entry = _deployed(directory, entry)
+        if llm is None:
+            return entry
+        worst = 0.0
+        for pooling, pick in (("mean", lambda r: r.mean(0)), ("cls", lambda r: r[0]), ("last", lambda r: r[-1])):
+            expected = torch.stack([pick(r) for r in rows])
+            ours = llm.embed(texts, pooling=pooling, normalize=False).vectors
+            worst = max(worst, ((ours - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item())
+        entry["relative_error"], entry["greedy_identical"] = worst, None
+    return entry
+
+
 def sweep_one(model_type: str, reached_autodeploy=lambda: None) -> dict:
     """One model type's entry; ``reached_autodeploy`` is called once transformers has run the tiny model."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     entry = {"model_type": model_type, "family": family(model_type)}
-    if model_type in VISION_LANGUAGE or model_type in ENCODER_DECODERS:
-        sweep = sweep_vision_language if model_type in VISION_LANGUAGE else sweep_encoder_decoder
+    if model_type in VISION_LANGUAGE or model_type in ENCODER_DECODERS or entry["family"] == "encoder":
+        sweep = (sweep_vision_language if model_type in VISION_LANGUAGE else sweep_encoder_decoder if model_type in ENCODER_DECODERS
+                 else sweep_encoder_only)
         entry = sweep(model_type, entry, reached_autodeploy)
-        if entry.get("status") == "refused":
+        if entry.get("status") in ("refused", "n/a"):
             return entry
         return _classified(entry)
     try:
@@ -261,7 +294,7 @@ def sweep_one(model_type: str, reached_autodeploy=lambda: None) -> dict:
 
 
 def _classified(entry: dict) -> dict:
-    exact = entry["relative_error"] <= TOLERANCE and entry["greedy_identical"]
+    exact = entry["relative_error"] <= TOLERANCE and entry["greedy_identical"] in (True, None)  # None: an encoder generates nothing
     entry["status"] = "exact" if exact else "wrong"
     if not exact:
         entry["detail"] = f"relative logit error {entry['relative_error']:.2g}, greedy identical: {entry['greedy_identical']}"

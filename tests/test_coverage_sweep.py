@@ -10,12 +10,12 @@ from tests.sweep_models import FIXES, sweep_one, tiny_model
 
 EXACT = [
     "gpt2", "bloom", "mpt", "phi", "olmo2", "granite", "cohere2", "gpt_bigcode", "falcon", "codegen", "deepseek_v3",
-    "granite_swa", "mimo_v2_flash", "bart (seq2seq)", "mbart (seq2seq)", "t5 (seq2seq)",
+    "granite_swa", "mimo_v2_flash", "bart (seq2seq)", "mbart (seq2seq)", "t5 (seq2seq)", "bert", "xlm-roberta",
 ]
 REFUSED = {
     "mamba": "recurrent or state-space layers",
     "bart": "encoder-decoder architecture",  # BartForCausalLM: the decoder alone (the whole model is served: "bart (seq2seq)")
-    "bert": "bidirectional encoder",
+    "roformer": "not all canonical bidirectional_attention",  # an encoder served as an embedder whose attention cannot be packed
     "diffllama": "more than one attention per layer",
 }
 

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autodeploy.deployment import ENCODER, VISION
+from autodeploy.deployment import EMBED, ENCODER, VISION
 from autodeploy.errors import AutoDeployError, ExportError, error_summary
 from autodeploy.export import patches
 from autodeploy.export.causal_lm import CAUSAL_LM_INPUTS, CausalLMLogits
+from autodeploy.export.encoder_only import EMBED_INPUTS, EncoderHiddenStates, SequenceScores
 from autodeploy.export.encoder_decoder import ENCODER_DECODER_INPUTS, ENCODER_INPUTS, EncoderCrossKV, EncoderDecoderLogits
 from autodeploy.export.patches import apply_export_patches
 from autodeploy.export.vision_language import VISION_INPUTS, VISION_LANGUAGE_INPUTS, VisionFeatures, VisionLanguageLogits
@@ -189,6 +190,23 @@ def export_encoder_decoder(model: nn.Module, spec: EncoderDecoderSpec, role: str
                                   patches, strict)
 
 
+def export_encoder_only(model: nn.Module, task: str, max_num_tokens: int, patches: list[str] = (),
+                        strict: bool = False) -> GraphModule:
+    """Export an encoder-only model as the ``"embed"`` graph (``export/encoder_only.py``): ``EncoderHiddenStates``
+    for an embedder, ``SequenceScores`` for a cross-encoder; texts packed into one row ``[1, T]``, T and the number of
+    texts dynamic."""
+    device = next(model.parameters()).device
+    tokens = torch.export.Dim.DYNAMIC(min=2, max=max(max_num_tokens, 3))
+    starts = torch.export.Dim.DYNAMIC(min=2)
+    input_ids = torch.zeros((1, 5), dtype=torch.long, device=device)
+    position_ids = torch.tensor([[0, 1, 0, 1, 2]], device=device)
+    token_type_ids = torch.zeros((1, 5), dtype=torch.long, device=device)
+    seq_start = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    wrapper = SequenceScores(model) if task == "score" else EncoderHiddenStates(model)
+    return export_to_graph_module(wrapper, (input_ids, position_ids, token_type_ids, seq_start),
+                                  ({1: tokens}, {1: tokens}, {1: tokens}, {0: starts}), patches, strict)
+
+
 @dataclass
 class ExportConfig(TransformConfig):
     patches: list[str] = field(default_factory=lambda: [
@@ -207,7 +225,11 @@ class ExportToFX(Transform):
         settings = context.settings
         vision_language = context.model_factory.vision_language if context.model_factory is not None else None
         encoder_decoder = context.model_factory.encoder_decoder if context.model_factory is not None else None
-        if context.role == VISION:
+        if context.role == EMBED:
+            gm = export_encoder_only(module, context.model_factory.embedding.task, settings.scheduler.max_num_tokens,
+                                     self.config.patches, self.config.strict)
+            inputs = EMBED_INPUTS
+        elif context.role == VISION:
             gm = export_vision(module, vision_language, settings.vision.max_images_per_batch, self.config.patches, self.config.strict)
             inputs = VISION_INPUTS
         elif encoder_decoder is not None:

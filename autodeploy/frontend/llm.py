@@ -20,9 +20,10 @@ from torch import fx
 from tqdm import tqdm
 
 from autodeploy.build_report import TransformRecord, VerificationReport
-from autodeploy.deployment import Deployment, as_deployment
-from autodeploy.errors import ConfigError, InvalidRequestError
+from autodeploy.deployment import MODEL, POOLINGS, Deployment, as_deployment
+from autodeploy.errors import ConfigError, InvalidRequestError, UnsupportedModelError
 from autodeploy.frontend.chat import ChatResult, run_chat
+from autodeploy.runtime.embedder import Embedder, Embeddings, Scores, finish_vectors
 from autodeploy.runtime.engine import Engine, Prompt
 from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class LLM:
         self.device = torch.device(deployment.settings.device)
         self.vocab_size = deployment.vocab_size
         self._engine: Engine | None = None
+        self._embedder: Embedder | None = None
         self._shut_down = False
         self.workers = None  # the worker processes autodeploy() spawned for the other ranks (autodeploy/distributed.py)
 
@@ -104,6 +106,20 @@ class LLM:
         self.deployment = dataclasses.replace(self.deployment, model_directory=directory)
 
     @property
+    def tasks(self) -> frozenset[str]:
+        """What this deployment serves: ``"generate"`` (a language model: ``generate``, ``stream``, ``chat``),
+        ``"embed"`` (an embedding model: ``embed``) or ``"score"`` (a cross-encoder: ``score``)."""
+        if MODEL in self.deployment.graphs:
+            return frozenset({"generate"})
+        return frozenset({self.deployment.embedding.task})
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence it reads: a prompt and its completion, or a text to embed or score."""
+        embedding = self.deployment.embedding
+        return embedding.max_text_tokens if embedding is not None else int(self.settings.max_seq_len)
+
+    @property
     def can_serve(self) -> bool:
         """Whether this deploy can generate: it has weights (not the meta device) and a KV cache."""
         return self.device.type != "meta" and bool(self.deployment.signature.kv_caches)
@@ -114,6 +130,8 @@ class LLM:
         if self._engine is None:
             if self._shut_down:
                 raise InvalidRequestError("this LLM was shut down (LLM.shutdown); deploy the model again to generate")
+            if "generate" not in self.tasks:
+                raise UnsupportedModelError(self._task_message("generate text"))
             if self.device.type == "meta":
                 raise InvalidRequestError(
                     "this model was deployed on the meta device (no weights); deploy with device='cpu' or 'cuda' to generate"
@@ -127,6 +145,96 @@ class LLM:
             self._engine = Engine(self.deployment, peers=self.workers)
         return self._engine
 
+    @property
+    def embedder(self) -> Embedder:
+        """An encoder-only deployment's runner (``runtime/embedder.py``), built on first use."""
+        if self._embedder is None:
+            if self._shut_down:
+                raise InvalidRequestError("this LLM was shut down (LLM.shutdown); deploy the model again")
+            if self.deployment.embedding is None:
+                raise UnsupportedModelError(self._task_message("embed or score texts"))
+            if self.device.type == "meta":
+                raise InvalidRequestError("this model was deployed on the meta device (no weights); deploy with device='cpu' or 'cuda'")
+            self._embedder = Embedder(self.deployment)
+        return self._embedder
+
+    def _task_message(self, wanted: str) -> str:
+        served = {"generate": "generates text (generate, stream, chat)", "embed": "embeds texts (llm.embed, /v1/embeddings)",
+                  "score": "scores query–document pairs (llm.score, /v1/rerank, /v1/score)"}
+        return (f"this model cannot {wanted}: it {' and '.join(served[task] for task in sorted(self.tasks))}. "
+                f"Deploy an embedding model (BERT, XLM-R) to embed, a …ForSequenceClassification cross-encoder to score, "
+                f"a causal LM to generate")
+
+    def embed(self, inputs: str | list[int] | list[str | list[int]], *, pooling: str | None = None, normalize: bool | None = None,
+              dimensions: int | None = None) -> Embeddings:
+        """One vector a text (a string, or token ids as the model reads them), packed into as few forwards as the token
+        budget allows. ``pooling``: ``"cls"``, ``"mean"`` or ``"last"`` (default: the model's own, from its
+        sentence-transformers modules or ``"cls"``); ``dimensions``: keep the first components only (Matryoshka models);
+        ``normalize``: L2-normalize (default: the model's own, normally yes). Every input is checked before any runs.
+
+        >>> llm = autodeploy("BAAI/bge-small-en-v1.5")                                  # doctest: +SKIP
+        >>> out = llm.embed(["what is paged attention?", "a KV cache in blocks"])  # doctest: +SKIP
+        >>> out.vectors @ out.vectors.T                                               # doctest: +SKIP
+        """
+        embedder = self.embedder
+        if embedder.head.task != "embed":
+            raise UnsupportedModelError(self._task_message("embed texts"))
+        if pooling is not None and pooling not in POOLINGS:
+            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
+        texts = self._texts(inputs)
+        if dimensions is not None and not 1 <= dimensions <= embedder.head.width:
+            raise InvalidRequestError(f"dimensions must be between 1 and the model's {embedder.head.width}; got {dimensions}")
+        pooled = embedder.run(texts, pooling=pooling)
+        vectors = finish_vectors(pooled, dimensions, embedder.head.normalize if normalize is None else normalize)
+        return Embeddings(vectors, [len(tokens) for tokens in texts])
+
+    def score(self, query: str, documents: str | list[str]) -> Scores:
+        """Each document's relevance to ``query`` from a cross-encoder (a ``…ForSequenceClassification`` checkpoint
+        with one label): the sigmoid of its logit for the pair, as sentence-transformers' ``CrossEncoder`` reports it.
+
+        >>> llm = autodeploy("cross-encoder/ms-marco-MiniLM-L6-v2")                      # doctest: +SKIP
+        >>> llm.score("how do I page a KV cache?", ["blocks of 16 tokens", "a recipe"]).scores  # doctest: +SKIP
+        """
+        embedder = self.embedder
+        if embedder.head.task != "score":
+            raise UnsupportedModelError(self._task_message("score query–document pairs"))
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer files, so a query and a document cannot be paired")
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        if not isinstance(query, str) or not documents or not all(isinstance(d, str) for d in documents):
+            raise InvalidRequestError("score() takes a query string and a non-empty list of document strings")
+        encoded = self.tokenizer([query] * len(documents), documents, add_special_tokens=True)
+        texts = encoded["input_ids"]
+        types = encoded.get("token_type_ids") or [[0] * len(ids) for ids in texts]
+        logits = embedder.run(texts, types)
+        return Scores(torch.sigmoid(logits).tolist(), [len(ids) for ids in texts])
+
+    def _texts(self, inputs) -> list[list[int]]:
+        """Token ids of each input: strings through the tokenizer (in one batch call: the fast tokenizers encode a
+        batch on a pool of threads), token id lists as given."""
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        if not isinstance(inputs, (list, tuple)) or len(inputs) == 0:
+            raise InvalidRequestError("no input: pass a string, a list of token ids, or a non-empty list of either")
+        strings = [index for index, item in enumerate(inputs) if isinstance(item, str)]
+        texts: list = [None] * len(inputs)
+        for index, item in enumerate(inputs):
+            if isinstance(item, str):
+                continue
+            if not isinstance(item, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                raise InvalidRequestError(f"input {index} is neither a string nor a list of token ids")
+            texts[index] = list(item)
+        if strings:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer files: pass token ids, not strings")
+            empty = [index for index in strings if inputs[index] == ""]
+            if empty:
+                raise InvalidRequestError(f"input {empty[0]} is an empty string: there is nothing to embed")
+            encoded = self.tokenizer([inputs[index] for index in strings], add_special_tokens=True)["input_ids"]
+            for index, ids in zip(strings, encoded):
+                texts[index] = ids
+        return texts
+
     def save(self, directory: str | Path) -> Path:
         """Write this deployment to ``directory`` (a new or empty folder, or an earlier save, which is replaced):
         the graph in ``torch.export``'s format, its tensors as safetensors, the settings, the kernel choices,
@@ -138,6 +246,10 @@ class LLM:
         """
         from autodeploy.artifact import save_deployment
 
+        if self.deployment.embedding is not None:
+            raise ConfigError("saving an embedding model or cross-encoder is not available yet (the artifact format holds a "
+                              "generating model's graph and caches); deploy it from its checkpoint, which takes seconds for "
+                              "an encoder of this size")
         distributed = self.settings.distributed
         if max(int(distributed[name]) for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel")) > 1:
             raise ConfigError("saving a deployment over several ranks is not available yet (each rank holds its own "
@@ -171,6 +283,7 @@ class LLM:
         if self.workers is not None:
             self.workers.stop()
         self._engine = None
+        self._embedder = None
         gc.collect()
 
     def pipeline_report(self) -> str:

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM, PretrainedConfig,
-                          PreTrainedModel)
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM,
+                          AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel)
 
 from autodeploy.errors import CheckpointError, ConfigError, UnsupportedModelError, error_summary
 from autodeploy.models.checkpoint import CheckpointReader, StateDictReader
+from autodeploy.models.embedding import EmbeddingSpec, embedding_spec
 from autodeploy.models.encoder_decoder import EncoderDecoderSpec, encoder_decoder_spec
 from autodeploy.models.source import ModelSource
 from autodeploy.models.vision_language import VisionLanguageSpec, load_image_processor, vision_language_spec
@@ -130,6 +131,18 @@ def attention_implementation(config: PretrainedConfig) -> str:
     return "sdpa"
 
 
+def _encoder_attention(auto, config: PretrainedConfig) -> str:
+    """SDPA where the encoder class has it (its attention then matches the canonical ``bidirectional_attention``);
+    eager otherwise, which the cache stage refuses by name unless a pattern matches it."""
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    try:
+        model_class = _get_model_class(config, auto._model_mapping)
+    except (KeyError, ValueError):
+        return "sdpa"
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
 @dataclass
 class ModelFactory:
     """Everything model-specific the pipeline needs: config, meta model, real buffers, checkpoint, tokenizer."""
@@ -151,17 +164,15 @@ class ModelFactory:
         if self.meta_model is not None and next(self.meta_model.parameters()).dtype == dtype:
             return self.meta_model
         config = self.hf_config
-        # BERT-style encoders (the configs that can add cross-attention) are in the causal-LM mapping but
-        # attend bidirectionally unless is_decoder (GPT-NeoX also carries is_decoder=False, without cross-attention).
-        encoder_as_decoder = hasattr(config, "add_cross_attention") and getattr(config, "is_decoder", None) is False
         kind = None
         encoder_decoder = self.encoder_decoder  # a family not served raises here, naming it
-        if encoder_decoder is not None:
-            pass  # served: the encoder and the decoder are graphs of one deployment
+        # BERT-style encoders (is_decoder=False) are in the causal-LM mapping but attend bidirectionally: served as
+        # embedding models and cross-encoders (models/embedding.py), their whole model one graph.
+        embedding = self.embedding
+        if encoder_decoder is not None or embedding is not None:
+            pass  # served: the encoder and the decoder are graphs of one deployment; an encoder-only model is one
         elif getattr(config, "is_encoder_decoder", False) or _decoder_of_an_encoder_decoder(config):
             kind = "an encoder-decoder architecture (its causal-LM class is the decoder alone, made to read an encoder's output)"
-        elif encoder_as_decoder:
-            kind = "a bidirectional encoder (is_decoder=False)"
         if kind is not None:
             raise UnsupportedModelError(
                 f"{self.source.name}: {type(config).__name__} ({config.model_type}) is {kind}; "
@@ -174,7 +185,8 @@ class ModelFactory:
                 f"{self.source.name}: {type(config).__name__} ({config.model_type}) is a multimodal model "
                 f"({', '.join(modalities)}); autodeploy serves text-only decoders, so multimodal models are not supported yet"
             )
-        if vision_language is None and encoder_decoder is None and causal_lm_class(config) is None and not self.trust_remote_code:
+        if vision_language is None and encoder_decoder is None and embedding is None and causal_lm_class(config) is None \
+                and not self.trust_remote_code:
             raise UnsupportedModelError(
                 f"{self.source.name}: {type(config).__name__} ({config.model_type}) is not a causal language model: "
                 f"transformers has no AutoModelForCausalLM class for it, and autodeploy serves decoder-only causal LMs"
@@ -188,15 +200,20 @@ class ModelFactory:
                 elif encoder_decoder is not None:  # likewise: the encoder and the decoder graphs
                     model = AutoModelForSeq2SeqLM.from_config(
                         config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=self.trust_remote_code)
+                elif embedding is not None:  # the base model (an embedder) or the model with its classifier (a reranker)
+                    auto = AutoModelForSequenceClassification if embedding.task == "score" else AutoModel
+                    model = auto.from_config(config, dtype=dtype, attn_implementation=_encoder_attention(auto, config),
+                                             trust_remote_code=self.trust_remote_code)
                 else:
                     model = AutoModelForCausalLM.from_config(
                         config, dtype=dtype, attn_implementation=attention_implementation(config),
                         trust_remote_code=self.trust_remote_code,
                     )
         except (ValueError, ImportError) as error:
+            built_as = "an encoder" if embedding is not None else "a causal language model"
             raise UnsupportedModelError(
                 f"{self.source.name}: transformers could not build {type(config).__name__} ({config.model_type}) "
-                f"as a causal language model: {error_summary(error)}"
+                f"as {built_as}: {error_summary(error)}"
             ) from error
         _refuse_recurrent_layers(self.source.name, model)
         if encoder_decoder is not None:
@@ -243,6 +260,12 @@ class ModelFactory:
         """What the pipeline and runtime need of an encoder–decoder checkpoint (``models/encoder_decoder.py``); None
         for any other. An encoder–decoder family autodeploy does not serve raises here."""
         return encoder_decoder_spec(self.hf_config, self.source.name)
+
+    @functools.cached_property
+    def embedding(self) -> EmbeddingSpec | None:
+        """What the pipeline and runtime need of an encoder-only checkpoint (``models/embedding.py``): an embedder or a
+        cross-encoder; None for any other model."""
+        return embedding_spec(self.hf_config, self.source.directory, self.source.name)
 
     @functools.cached_property
     def prequantized(self):

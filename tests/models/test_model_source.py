@@ -95,13 +95,16 @@ def test_config_json_that_is_not_json(tmp_path):
     [
         UMT5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=100),
         ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
-        BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100),
+        BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+                   architectures=["BertForQuestionAnswering"]),
     ],
-    ids=["umt5-encoder-decoder", "vit-vision", "bert-bidirectional-encoder"],
+    ids=["umt5-encoder-decoder", "vit-vision", "bert-question-answering"],
 )
 def test_architecture_that_is_not_a_causal_lm(tmp_path, config):
-    """Refused by name: UMT5 as an encoder-decoder family not served yet (BART's and T5's are: tests/test_encoder_decoder.py)."""
+    """Refused by name: UMT5 as an encoder-decoder family not served yet (BART's and T5's are: tests/test_encoder_decoder.py),
+    a BERT task head autodeploy does not serve (BERT itself is served as an embedder: tests/test_embeddings.py)."""
     config.save_pretrained(tmp_path)
-    expected = "encoder-decoder model; .* not umt5: UMT5's relative position bias" if config.model_type == "umt5" else "not a causal language model"
+    expected = {"umt5": "encoder-decoder model; .* not umt5: UMT5's relative position bias",
+                "bert": "BertForQuestionAnswering is a task head autodeploy does not serve"}.get(config.model_type, "not a causal language model")
     with pytest.raises(UnsupportedModelError, match=expected):
         autodeploy(str(tmp_path), weights="random", device="cpu")

@@ -1,0 +1,171 @@
+"""Encoder-only models served as embedders and cross-encoders (issue 45): packed texts against Hugging Face run on each
+text alone, sentence-transformers' ``encode`` and ``CrossEncoder.predict``, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autodeploy import autodeploy
+from autodeploy.errors import ConfigError, InvalidRequestError, UnsupportedModelError
+from tests.tiny_encoders import write_sentence_transformer, write_tiny_encoder
+from tests.tiny_models import write_tiny_checkpoint
+
+TEXTS = ["the quick brown fox", "paged attention keeps keys and values in blocks of tokens", "a", "an embedding model reads"]
+
+
+def _hf_rows(model, tokenizer, texts):
+    rows = []
+    with torch.no_grad():
+        for text in texts:
+            ids = tokenizer(text, return_tensors="pt")
+            rows.append(model(**ids).last_hidden_state[0])
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_packed_texts_pool_as_hugging_face_computes_each_alone(tmp_path, kind):
+    model = write_tiny_encoder(tmp_path, kind)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32")
+    assert llm.tasks == {"embed"} and "hidden state" in str(llm.verification)
+    rows = _hf_rows(model, llm.tokenizer, TEXTS)
+    expected = {"cls": torch.stack([r[0] for r in rows]), "mean": torch.stack([r.mean(0) for r in rows]),
+                "last": torch.stack([r[-1] for r in rows])}
+    for pooling, want in expected.items():
+        got = llm.embed(TEXTS, pooling=pooling, normalize=False)
+        torch.testing.assert_close(got.vectors, want, atol=2e-5, rtol=1e-4)
+    default = llm.embed(TEXTS)  # the model's own: [CLS], normalized
+    torch.testing.assert_close(default.vectors, F.normalize(expected["cls"], dim=-1), atol=2e-5, rtol=1e-4)
+    assert default.num_tokens == [len(r) for r in rows]
+    short = llm.embed(TEXTS, dimensions=16)  # Matryoshka: the leading components, then normalized
+    torch.testing.assert_close(short.vectors, F.normalize(expected["cls"][:, :16], dim=-1), atol=2e-5, rtol=1e-4)
+    ids = llm.tokenizer(TEXTS[1])["input_ids"]
+    torch.testing.assert_close(llm.embed(ids).vectors[0], default.vectors[1])  # token ids as given
+
+
+def test_a_token_budget_splits_texts_over_forwards_with_the_same_vectors(tmp_path):
+    write_tiny_encoder(tmp_path)
+    whole = autodeploy(str(tmp_path), device="cpu", dtype="float32").embed(TEXTS * 5)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", scheduler={"max_num_tokens": 24}, verify={"enabled": False})
+    split = llm.embed(TEXTS * 5)
+    assert llm.embedder.forwards > 3
+    torch.testing.assert_close(split.vectors, whole.vectors, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pooling,normalize", [("mean", True), ("cls", False), ("lasttoken", True)])
+def test_sentence_transformers_folders_embed_as_encode_does(tmp_path, pooling, normalize):
+    from sentence_transformers import SentenceTransformer
+
+    folder = write_sentence_transformer(tmp_path, pooling, normalize)
+    want = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    llm = autodeploy(str(folder), device="cpu", dtype="float32")
+    torch.testing.assert_close(llm.embed(TEXTS).vectors, want.float(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_cross_encoders_score_pairs_as_hugging_face(tmp_path, kind):
+    model = write_tiny_encoder(tmp_path, kind, task="score")
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32")
+    assert llm.tasks == {"score"} and "score logit" in str(llm.verification)
+    query, documents = "what keeps keys and values", ["paged attention", "the lazy dog", "blocks of tokens keep values"]
+    with torch.no_grad():
+        pairs = llm.tokenizer([query] * 3, documents, return_tensors="pt", padding=True)
+        want = torch.sigmoid(model(**pairs).logits[:, 0])
+    got = llm.score(query, documents)
+    torch.testing.assert_close(torch.tensor(got.scores), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(llm.score(query, documents[1]).scores), want[1:2], atol=2e-5, rtol=1e-4)  # one pair
+    assert got.num_tokens == [int(n) for n in pairs["attention_mask"].sum(1)]
+
+
+def test_cross_encoder_scores_equal_sentence_transformers_cross_encoder(tmp_path):
+    from sentence_transformers import CrossEncoder
+
+    write_tiny_encoder(tmp_path, task="score")
+    pairs = [("what keeps keys", "paged attention"), ("what keeps keys", "the quick brown fox")]
+    want = CrossEncoder(str(tmp_path), device="cpu").predict(pairs)
+    got = autodeploy(str(tmp_path), device="cpu", dtype="float32").score(pairs[0][0], [d for _, d in pairs]).scores
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want).float(), atol=2e-5, rtol=1e-4)
+
+
+def test_bad_inputs_are_refused_before_anything_runs(tmp_path):
+    write_tiny_encoder(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32")
+    cases = {"is 65 tokens; this model reads at most 64": [[5] * 65], "is an empty string": ["fine", ""],
+             "outside the vocabulary": [[5, 999]], "no input": [], "is empty": [[]],
+             "neither a string nor a list of token ids": [3.5]}
+    for message, inputs in cases.items():
+        with pytest.raises(InvalidRequestError, match=message):
+            llm.embed(inputs)
+    with pytest.raises(InvalidRequestError, match="dimensions must be between 1 and the model's 64"):
+        llm.embed("a", dimensions=65)
+    with pytest.raises(InvalidRequestError, match="pooling must be one of"):
+        llm.embed("a", pooling="max")
+    assert llm.embedder.forwards == 0
+    for call in (lambda: llm.generate("a"), lambda: llm.score("a", ["b"])):
+        with pytest.raises(UnsupportedModelError, match="embeds texts"):
+            call()
+    with pytest.raises(ConfigError, match="saving an embedding model"):
+        llm.save(tmp_path / "saved")
+
+
+def test_a_language_model_refuses_to_embed(tmp_path):
+    write_tiny_checkpoint("llama", tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32")
+    assert llm.tasks == {"generate"}
+    with pytest.raises(UnsupportedModelError, match="generates text"):
+        llm.embed("def f(x):")
+
+
+def test_encoders_that_cannot_be_served_are_refused_by_name(tmp_path):
+    write_tiny_encoder(tmp_path / "two", task="score", num_labels=2)
+    with pytest.raises(UnsupportedModelError, match="2 labels"):
+        autodeploy(str(tmp_path / "two"), device="cpu")
+    folder = write_sentence_transformer(tmp_path / "st")
+    modules = json.loads((folder / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(UnsupportedModelError, match="Dense module"):
+        autodeploy(str(folder), device="cpu")
+    (folder / "modules.json").write_text(json.dumps(modules[:3]))
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "max"}))
+    with pytest.raises(UnsupportedModelError, match="max pooling"):
+        autodeploy(str(folder), device="cpu")
+
+
+def test_an_encoder_without_packed_attention_is_refused(tmp_path):
+    write_tiny_encoder(tmp_path)
+    with pytest.raises(ConfigError, match="pack_bidirectional_attention"):
+        autodeploy(str(tmp_path), device="cpu", verify={"enabled": False},
+                   transforms={"pack_bidirectional_attention": {"enabled": False}}).embed("a")
+
+
+def test_the_server_serves_a_real_embedder_and_reranker_through_their_clients(tmp_path):
+    """The tiny BERT embedder behind /v1/embeddings, through the official openai client (base64, its default), and the
+    tiny cross-encoder behind /v1/rerank, against the same LLM called directly."""
+    import httpx
+    import openai
+
+    from autodeploy.serve.app import ServerOptions, build_app
+    from autodeploy.serve.server import serving_in_thread
+
+    write_tiny_encoder(tmp_path / "embed")
+    write_tiny_encoder(tmp_path / "score", task="score")
+    embedder = autodeploy(str(tmp_path / "embed"), device="cpu", dtype="float32")
+    with serving_in_thread(build_app(embedder, ServerOptions(served_model_name="tiny-bert"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        answer = client.embeddings.create(model="tiny-bert", input=TEXTS)
+        served = torch.tensor([item.embedding for item in answer.data])
+        assert answer.usage.prompt_tokens == sum(embedder.embed(TEXTS).num_tokens)
+    torch.testing.assert_close(served, embedder.embed(TEXTS).vectors, atol=1e-6, rtol=1e-6)
+    reranker = autodeploy(str(tmp_path / "score"), device="cpu", dtype="float32")
+    documents = ["the lazy dog", "paged attention keeps keys", "blocks of tokens"]
+    with serving_in_thread(build_app(reranker, ServerOptions(served_model_name="tiny-reranker"))) as url:
+        results = httpx.post(f"{url}/v1/rerank", json={"query": "what keeps keys", "documents": documents, "top_n": 2},
+                             timeout=60).json()["results"]
+    scores = reranker.score("what keeps keys", documents).scores
+    ranked = sorted(range(3), key=lambda i: -scores[i])[:2]
+    assert [r["index"] for r in results] == ranked
+    assert [r["relevance_score"] for r in results] == pytest.approx([scores[i] for i in ranked], abs=1e-6)
