@@ -7,7 +7,10 @@ their KV blocks at once; a request that finds ``max_queued_requests`` requests a
 for a seat waits in a lobby, before its prompt is even tokenized, and gets a 503 with ``Retry-After`` if no room
 comes within ``queue_timeout_s`` (``admission.py``). Tokenizing, rendering chat
 templates and validating run in worker threads, so a large prompt never stalls the event loop, and a body
-over ``max_request_bytes`` is a 413 before it is read (``body_limit.py``).
+over ``max_request_bytes`` is a 413 before it is read (``body_limit.py``). A model that does not generate (``llm.tasks``
+without "generate": an embedding model, a reranker) gets an app without an engine: the embedding routes
+(``embeddings_api.py``), its card and ``/tokenize``; on either app, a route of a task the model lacks answers a 400
+saying what it serves.
 
     app = build_app(autodeploy("path/to/checkpoint"), ServerOptions(served_model_name="tiny"))
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -45,6 +48,7 @@ from autodeploy.serve.api_key import API_KEY_SCOPES, KeyOnEveryRoute, bearer_key
 from autodeploy.serve.admission import Admission, Place
 from autodeploy.serve.batches_api import BatchStore, add_batch_routes, add_disabled_batch_routes
 from autodeploy.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from autodeploy.serve.embeddings_api import EmbeddingService, add_embedding_routes
 from autodeploy.serve.metrics import ServerMetrics
 from autodeploy.serve.model_info import add_model_info_routes
 from autodeploy.serve.openai_errors import APIError, error_body, install_error_handlers, invalid_request
@@ -90,24 +94,20 @@ REASONING_PARSERS = ("none", "think")
 
 
 def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
-    """A FastAPI app serving ``llm``; the engine (and its KV pool) is built here, before the first request."""
+    """A FastAPI app serving ``llm``; the engine (and its KV pool) is built here, before the first request. A model
+    that does not generate gets the embedding app instead, and no engine (``_build_embedding_app``)."""
+    _check_options(options)
+    if "generate" not in llm.tasks:
+        return _build_embedding_app(llm, options)
     engine = llm.engine
     try:
         call_format = tool_call_format(llm.tokenizer, options.chat_template, options.tool_call_format)
         check_stream_interval(options.stream_interval)
     except InvalidRequestError as error:  # a bad option fails here, before the server starts
         raise ConfigError(str(error)) from None
-    if options.reasoning_parser not in REASONING_PARSERS:
-        raise ConfigError(f"the reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {options.reasoning_parser!r}")
-    if options.api_key_scope not in API_KEY_SCOPES:
-        raise ConfigError(f"api_key_scope must be one of {', '.join(API_KEY_SCOPES)}, got {options.api_key_scope!r}")
-    if options.api_key_scope == "all" and options.api_key is None:
-        raise ConfigError("api_key_scope all needs an api_key (--api-key)")
-    if options.max_queued_requests < 1 or options.max_request_bytes < 1 or not options.queue_timeout_s >= 0:
-        raise ConfigError(f"max_queued_requests and max_request_bytes must be ≥ 1 and queue_timeout_s ≥ 0, got "
-                          f"{options.max_queued_requests}, {options.max_request_bytes} and {options.queue_timeout_s}")
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
+    embedding = EmbeddingService(llm, options)  # a model that also embeds or scores: those routes answer too
     batches = None
     if options.batch_dir is not None:
         try:
@@ -118,6 +118,7 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_llm = AsyncLLM(llm)
+        embedding.start()
         if batches is not None:
             batches.start(app)  # a batch the last server left running goes on
         try:
@@ -125,18 +126,11 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
         finally:
             if batches is not None:
                 await batches.stop()  # before the engine stops: its batch's requests are not written as aborted
+            embedding.stop()
             server.async_llm.shutdown()  # in-flight requests end with "abort", their blocks freed
 
-    app = FastAPI(title="autodeploy", lifespan=lifespan)
-    install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
-    if options.api_key_scope == "all":
-        app.add_middleware(KeyOnEveryRoute, api_key=options.api_key)
+    app = _api_app(options, lifespan)
     authorized = [Depends(server.check_api_key)]
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -144,9 +138,7 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict:
-        card = {"id": options.served_model_name, "object": "model", "created": server.started, "owned_by": "autodeploy",
-                "max_model_len": engine.max_seq_len}
-        return {"object": "list", "data": [card]}
+        return server.model_list()
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -226,6 +218,86 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
 
     add_model_info_routes(app, server, list_models=models)
     add_responses_routes(app, server, chat=chat_completions)  # a response is the chat path's answer, rewritten
+    add_embedding_routes(app, server, embedding)
+    return app
+
+
+def _check_options(options: ServerOptions) -> None:
+    """The options every app reads, checked before anything is built."""
+    if options.reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"the reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {options.reasoning_parser!r}")
+    if options.api_key_scope not in API_KEY_SCOPES:
+        raise ConfigError(f"api_key_scope must be one of {', '.join(API_KEY_SCOPES)}, got {options.api_key_scope!r}")
+    if options.api_key_scope == "all" and options.api_key is None:
+        raise ConfigError("api_key_scope all needs an api_key (--api-key)")
+    if options.max_queued_requests < 1 or options.max_request_bytes < 1 or not options.queue_timeout_s >= 0:
+        raise ConfigError(f"max_queued_requests and max_request_bytes must be ≥ 1 and queue_timeout_s ≥ 0, got "
+                          f"{options.max_queued_requests}, {options.max_request_bytes} and {options.queue_timeout_s}")
+
+
+def _api_app(options: ServerOptions, lifespan) -> FastAPI:
+    """The app every deployment's routes go on: errors in OpenAI's shape, the body size limit, the API key on every
+    route with ``api_key_scope`` "all", and ``/health``."""
+    app = FastAPI(title="autodeploy", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
+    if options.api_key_scope == "all":
+        app.add_middleware(KeyOnEveryRoute, api_key=options.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    return app
+
+
+def _build_embedding_app(llm: LLM, options: ServerOptions) -> FastAPI:
+    """The app of a model that does not generate (an embedding model, a cross-encoder reranker): the embedding
+    routes over an ``AsyncEmbedder`` its lifespan starts, ``/v1/models`` and ``/tokenize``; the generation routes
+    answer the 400 saying what the model serves. The Files and Batch APIs run generation requests, so they are off."""
+    if options.batch_dir is not None:
+        raise ConfigError(f"--batch-dir: the Batch API runs completion and chat requests, and this model does not generate "
+                          f"({', '.join(sorted(llm.tasks))}); run a batch file of /v1/embeddings lines with autodeploy batch")
+    server = _ModelServer(llm, options, llm.max_seq_len)
+    embedding = EmbeddingService(llm, options)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        embedding.start()
+        try:
+            yield
+        finally:
+            embedding.stop()  # requests still queued answer 503 "aborted"
+
+    app = _api_app(options, lifespan)
+    authorized = [Depends(server.check_api_key)]
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models() -> dict:
+        return server.model_list()
+
+    # model_info.py's route would do, but its /tokenizer_info beside it reads the generation engine
+    @app.get("/v1/models/{model_id:path}", dependencies=authorized)
+    async def retrieve_model(model_id: str) -> dict:
+        if model_id != options.served_model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist here; this server serves {options.served_model_name!r}",
+                           param="model", code="model_not_found")
+        return server.model_list()["data"][0]
+
+    @app.post("/tokenize", dependencies=authorized)
+    async def tokenize(body: TokenizeRequest) -> dict:  # the token ids the model reads, special tokens included
+        if body.model is not None:
+            server.check_model(body.model)
+        body.check_supported()
+        if body.messages is not None:
+            raise APIError(400, "this model renders no chats (it does not generate); send prompt", param="messages")
+        if llm.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer files, so text cannot be tokenized", param="prompt")
+        tokens = (await asyncio.to_thread(llm.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)).input_ids
+        return {"count": len(tokens), "max_model_len": llm.max_seq_len, "tokens": tokens}
+
+    add_embedding_routes(app, server, embedding)
+    add_disabled_batch_routes(app)
     return app
 
 
@@ -240,17 +312,20 @@ def _indexed(tokenize, prompts: list) -> list[list[int]]:
     return token_ids
 
 
-class _Server:
-    def __init__(self, llm: LLM, options: ServerOptions, metrics: ServerMetrics):
+class _ModelServer:
+    """What every app's routes read: the model, the options, and the checks of a request's key and model."""
+
+    def __init__(self, llm: LLM, options: ServerOptions, max_seq_len: int):
         self.llm = llm
-        self.engine = llm.engine
         self.options = options
-        self.metrics = metrics
+        self.max_seq_len = max_seq_len
         self.started = int(time.time())
-        self.async_llm: AsyncLLM | None = None
-        self.admission = Admission(self.engine.scheduler, options.max_queued_requests, options.queue_timeout_s,
-                                   options.retry_after_s, on_refusal=metrics.rejected.inc)
-        metrics.waiting_for_room.set_function(lambda: self.admission.lobby_size)
+
+    def model_list(self) -> dict:
+        """``GET /v1/models``: the served model's card."""
+        card = {"id": self.options.served_model_name, "object": "model", "created": self.started, "owned_by": "autodeploy",
+                "max_model_len": self.max_seq_len}
+        return {"object": "list", "data": [card]}
 
     async def check_api_key(self, request: Request) -> None:
         if self.options.api_key is not None and not bearer_key_matches(request.headers.get("authorization", ""), self.options.api_key):
@@ -260,6 +335,19 @@ class _Server:
         if model != self.options.served_model_name:
             raise APIError(400, f"model {model!r} is not served here; this server serves {self.options.served_model_name!r} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
+
+
+class _Server(_ModelServer):
+    """A generating model's: its engine, admission and metrics."""
+
+    def __init__(self, llm: LLM, options: ServerOptions, metrics: ServerMetrics):
+        self.engine = llm.engine
+        super().__init__(llm, options, self.engine.max_seq_len)
+        self.metrics = metrics
+        self.async_llm: AsyncLLM | None = None
+        self.admission = Admission(self.engine.scheduler, options.max_queued_requests, options.queue_timeout_s,
+                                   options.retry_after_s, on_refusal=metrics.rejected.inc)
+        metrics.waiting_for_room.set_function(lambda: self.admission.lobby_size)
 
     def render_chat(self, messages: list[dict], tools: list[ToolSpec] | None) -> list[int] | dict:
         """The chat's prompt token ids (its text checked for length before it is tokenized); with image parts,

@@ -10,7 +10,8 @@ The body of a response is exactly what the server's route returns for that reque
 the routes of ``build_app`` in this process (``httpx.ASGITransport``: no socket), so validation, error bodies and
 formats are the server's. A request the route refuses (a bad parameter, a prompt too long) is a result with its
 status code and the route's error body. A line that is not a request at all (not JSON, no ``custom_id``, a second
-line with a ``custom_id`` already seen, a ``url`` the server has no route for, ``"stream": true``) is a result with
+line with a ``custom_id`` already seen, a ``url`` the server has no route for, ``"stream": true``) or one the model
+cannot serve (``/v1/embeddings`` on a model that only generates, chat on an embedding model) is a result with
 ``response: null`` and ``error: {"code", "message"}``; one with no usable ``custom_id`` also carries ``"line"``, its
 1-based line number. Nothing in the input stops the job.
 

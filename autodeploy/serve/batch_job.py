@@ -15,9 +15,10 @@ from pathlib import Path
 from autodeploy.errors import ConfigError
 from autodeploy.serve.app import ServerOptions, build_app
 from autodeploy.serve.batch_file import (
-    ROUTES, TABLE_SUFFIXES, BatchLine, ResultWriter, finished_keys, parse_batch_lines, result_record, send_lines,
+    TABLE_SUFFIXES, BatchLine, ResultWriter, finished_keys, parse_batch_lines, result_record, send_lines,
     table_lines,
 )
+from autodeploy.serve.embeddings_api import TASK_OF_ROUTE, unserved_task
 
 
 @dataclass
@@ -113,12 +114,11 @@ async def _run(llm, pending: list[BatchLine], writer: ResultWriter, summary: Bat
         if summary.output_tokens and elapsed > 0:
             bar.set_postfix_str(f"{summary.output_tokens / elapsed:.0f} tok/s", refresh=False)
 
-    routes = {getattr(route, "path", None) for route in app.routes}
     requests = []
     for line in pending:
-        if line.error is None and line.url not in routes:
-            line.error = ("unsupported_url", f"this deployment ({served_model_name}) serves no {line.url}; it answers "
-                          f"{', '.join(r for r in ROUTES if r in routes)}")
+        if line.error is None and TASK_OF_ROUTE[line.url] not in llm.tasks:
+            line.error = ("unsupported_url", f"this deployment ({served_model_name}) serves no {line.url}: "
+                          f"{unserved_task(llm.tasks, TASK_OF_ROUTE[line.url])}")
         if line.error is not None:
             finish(line, None, None, line.error)
         else:
