@@ -169,3 +169,15 @@ def test_the_server_serves_a_real_embedder_and_reranker_through_their_clients(tm
     ranked = sorted(range(3), key=lambda i: -scores[i])[:2]
     assert [r["index"] for r in results] == ranked
     assert [r["relevance_score"] for r in results] == pytest.approx([scores[i] for i in ranked], abs=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_packed_texts_in_bfloat16_take_the_varlen_kernel_and_match_hugging_face(tmp_path):
+    model = write_tiny_encoder(tmp_path).to("cuda", torch.bfloat16)
+    llm = autodeploy(str(tmp_path), device="cuda", dtype="bfloat16")  # the twin is verified on the GPU in bfloat16
+    chosen = [line for line in llm.pipeline_report().splitlines() if "bidirectional_attention ×" in line]
+    rows = _hf_rows(model, llm.tokenizer, TEXTS)
+    for pooling, pick in (("mean", lambda r: r.float().mean(0)), ("cls", lambda r: r[0].float())):
+        want = torch.stack([pick(r) for r in rows]).cpu()
+        torch.testing.assert_close(llm.embed(TEXTS * 8, pooling=pooling, normalize=False).vectors[:4], want, atol=0.05, rtol=0.05)
+    assert chosen and ("varlen" in chosen[0] or "varlen_attn" not in chosen[0]), chosen  # varlen where this torch has it
