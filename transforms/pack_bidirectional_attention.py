@@ -47,13 +47,11 @@ class PackBidirectionalAttention(Transform):
                 f"would attend to one another. autodeploy packs encoders whose attention is unmasked softmax attention "
                 f"(BERT, RoBERTa, XLM-R); register a pattern for this one (autodeploy.register_pattern)")
         for node in attentions:
-            q, k, v, scale, *rest = node.args
-            bias = rest[0] if rest else node.kwargs.get("bias")
+            bias = node.args[4] if len(node.args) > 4 else node.kwargs.get("bias")
             if bias is not None:
                 raise UnsupportedModelError("an encoder attention with an additive bias (relative positions) cannot be "
                                             "packed yet: its bias spans the whole row, not each text")
-            node.args = (q, k, v, scale)
-            node.kwargs = {"seq_start": seq_start}
+            node.kwargs = {**node.kwargs, "seq_start": seq_start}  # its other options (a window) stay as matched
         gm.meta[PACKED_TEXTS] = True
         return TransformResult(changed=True, matches=len(attentions),
                                notes=f"{len(attentions)} bidirectional_attention read {SEQ_START}")
