@@ -43,6 +43,7 @@ from autodeploy.build_report import VerificationReport
 from autodeploy.deployment import EMBED, ENCODER, MODEL, VISION, Deployment
 from autodeploy.errors import UnsupportedModelError
 from autodeploy.export.causal_lm import GRAPH_PREFIX
+from autodeploy.export.encoder_only import takes_token_types
 from autodeploy.models.factory import ModelFactory
 from autodeploy.models.twin import routes_tokens, twin_config
 from autodeploy.pipeline import Pipeline
@@ -570,7 +571,8 @@ def build_verified_embedder(pipeline: Pipeline, context: TransformContext, dump_
     worst = (0.0, 0.0)
     with torch.no_grad():
         for index, tokens in enumerate(texts):
-            out = reference(input_ids=torch.tensor([tokens], device=device), token_type_ids=torch.tensor([types[index]], device=device))
+            typed = {"token_type_ids": torch.tensor([types[index]], device=device)} if takes_token_types(reference) else {}
+            out = reference(input_ids=torch.tensor([tokens], device=device), **typed)
             expected = out.logits[0] if task == "score" else out.last_hidden_state[0]
             error, relative = _relative_error(ours[index], expected)
             if not relative <= worst[1]:

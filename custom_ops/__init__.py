@@ -8,6 +8,7 @@ Importing this package registers every built-in op (one module each) and its bac
 from . import (  # noqa: F401  (registers the ops and their backends)
     add_rms_norm,
     attention,
+    attention_varlen,
     bidirectional_attention,
     cached_attention,
     cached_attention_rope,

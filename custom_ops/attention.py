@@ -19,6 +19,7 @@ def attention_reference(
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[List[float]] = None,
     bias: Optional[torch.Tensor] = None,
+    seq_start: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of ``q[B, S, Hq, D]`` over ``k[B, S, Hkv, D]``, ``v[B, S, Hkv, Dv]`` → ``[B, S, Hq, Dv]``.
 
@@ -32,6 +33,10 @@ def attention_reference(
     - sinks (``sinks[Hq]``): one logit per head that joins the softmax denominator only:
       ``p_ij = exp(l_ij) / (exp(sink_h) + Σ_j' exp(l_ij'))``; it has no value, so the weights sum to < 1.
     - ``out_i = Σ_j p_ij · v_j``, returned in ``q``'s dtype.
+
+    - packed (``seq_start``, int ``[N + 1]``, the cumulative starts of N texts along ``S``, with ``B`` 1): each query
+      also sees only the keys of its own text (a decoder embedding model's texts in one row; the cache stage never
+      sees this form). Positions are the row's, so a window or ALiBi counts the same distances as within the text.
 
     q, k and v share ``B`` and ``S``: this is the un-cached form; the cache stage replaces it.
     """
@@ -52,9 +57,18 @@ def attention_reference(
         raise ValueError(f"attention: sinks must be [Hq={q_heads}]; got {tuple(sinks.shape)}.")
     check_alibi_slopes("attention", alibi_slopes, q_heads)
     check_bias("attention", bias, batch, q_heads, seq, seq)
+    same_text = None
+    if seq_start is not None:
+        if batch != 1 or seq_start.dim() != 1 or seq_start.numel() < 2 or int(seq_start[0]) != 0 or int(seq_start[-1]) != seq \
+                or bool((seq_start[1:] < seq_start[:-1]).any()):
+            raise ValueError(f"attention: seq_start must be the non-decreasing starts 0 … S={seq} of texts packed in a batch "
+                             f"of one; got {seq_start.tolist()} for batch {batch}.")
+        text = torch.searchsorted(seq_start.to(q.device), torch.arange(seq, device=q.device, dtype=seq_start.dtype), right=True)
+        same_text = text[:, None] == text[None, :]
 
     positions = torch.arange(seq, device=q.device)
-    return attend(q, k, v, positions, positions, scale, sliding_window, logit_cap, sinks, alibi_slopes, bias=bias)
+    return attend(q, k, v, positions, positions, scale, sliding_window, logit_cap, sinks, alibi_slopes, visible_also=same_text,
+                  bias=bias)
 
 
 def check_alibi_slopes(op: str, alibi_slopes: Optional[List[float]], q_heads: int) -> None:
@@ -132,7 +146,7 @@ def attend(
     return out.to(q.dtype).contiguous()
 
 
-def attention_fake(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, bias=None):
+def attention_fake(q, k, v, scale, sliding_window=None, logit_cap=None, sinks=None, alibi_slopes=None, bias=None, seq_start=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

@@ -181,3 +181,23 @@ def test_gpu_packed_texts_in_bfloat16_take_the_varlen_kernel_and_match_hugging_f
         want = torch.stack([pick(r) for r in rows]).cpu()
         torch.testing.assert_close(llm.embed(TEXTS * 8, pooling=pooling, normalize=False).vectors[:4], want, atol=0.05, rtol=0.05)
     assert chosen and ("varlen" in chosen[0] or "varlen_attn" not in chosen[0]), chosen  # varlen where this torch has it
+
+
+CODE = ["def fibonacci(n):", "import os\nprint(os.path.join('a', 'b'))", "for i in range(10):\n    print(i * i)", "x"]
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_a_decoder_embedding_model_embeds_as_sentence_transformers_encode(tmp_path, pooling):
+    """Qwen3-Embedding's layout: a causal LM's base model in a sentence-transformers folder, each text read causally
+    within itself though packed with others."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.tiny_encoders import write_decoder_embedder
+
+    folder = write_decoder_embedder(tmp_path, pooling)
+    want = SentenceTransformer(str(folder), device="cpu").encode(CODE, convert_to_tensor=True)
+    llm = autodeploy(str(folder), device="cpu", dtype="float32")
+    assert llm.tasks == {"embed"} and "hidden state" in str(llm.verification)
+    torch.testing.assert_close(llm.embed(CODE).vectors, want.float(), atol=2e-5, rtol=1e-4)
+    attention = [line for line in llm.pipeline_report().splitlines() if line.startswith("pack_bidirectional_attention")]
+    assert attention and "attentions read seq_start" in attention[0]

@@ -77,3 +77,24 @@ def write_sentence_transformer(directory: Path, pooling: str = "mean", normalize
         modules = [Transformer(str(encoder)), Pooling(64, pooling)] + ([Normalize()] if normalize else [])
         SentenceTransformer(modules=modules, device="cpu").save(str(directory / "st"))
     return directory / "st"
+
+
+def write_decoder_embedder(directory: Path, pooling: str = "lasttoken") -> Path:
+    """A sentence-transformers folder around a tiny random Qwen3 base model (Qwen3-Embedding's layout: last-token
+    pooling, normalized) with the tiny byte-level BPE tokenizer; the folder's path."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import Qwen3Config
+
+    from tests.tiny_models import TINY_COMMON, train_tiny_tokenizer
+
+    decoder = directory / "decoder"
+    torch.manual_seed(0)
+    AutoModel.from_config(Qwen3Config(**TINY_COMMON, head_dim=16), attn_implementation="eager").eval().save_pretrained(decoder)
+    train_tiny_tokenizer(decoder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+        modules = [Transformer(str(decoder)), Pooling(TINY_COMMON["hidden_size"], pooling), Normalize()]
+        SentenceTransformer(modules=modules, device="cpu").save(str(directory / "st"))
+    return directory / "st"

@@ -44,7 +44,8 @@ def _base(model: nn.Module) -> nn.Module:
     return getattr(model, model.base_model_prefix, model) if hasattr(model, "base_model_prefix") else model
 
 
-def _takes_token_types(module: nn.Module) -> bool:
+def takes_token_types(module: nn.Module) -> bool:
+    """Whether ``module``'s forward reads token types (BERT's segments; a decoder's does not)."""
     return "token_type_ids" in inspect.signature(module.forward).parameters
 
 
@@ -55,7 +56,7 @@ class EncoderHiddenStates(nn.Module):
         super().__init__()
         self.model = model
         self.offset = position_offset(model)
-        self.token_types = _takes_token_types(model)
+        self.token_types = takes_token_types(model)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor,
                 seq_start: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ class SequenceScores(nn.Module):
         self.model = model
         base = _base(model)
         self.offset = position_offset(model)
-        self.token_types = _takes_token_types(base)
+        self.token_types = takes_token_types(base)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor,
                 seq_start: torch.Tensor) -> torch.Tensor:

@@ -199,7 +199,9 @@ def export_encoder_only(model: nn.Module, task: str, max_num_tokens: int, patche
     tokens = torch.export.Dim.DYNAMIC(min=2, max=max(max_num_tokens, 3))
     starts = torch.export.Dim.DYNAMIC(min=2)
     input_ids = torch.zeros((1, 5), dtype=torch.long, device=device)
-    position_ids = torch.tensor([[0, 1, 0, 1, 2]], device=device)
+    # Positions as one text's: Hugging Face's causal masks read packed texts from positions that restart (a decoder
+    # embedding model's mask would then depend on them); the packing is the cache stage's (pack_bidirectional_attention).
+    position_ids = torch.arange(5, device=device)[None]
     token_type_ids = torch.zeros((1, 5), dtype=torch.long, device=device)
     seq_start = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
     wrapper = SequenceScores(model) if task == "score" else EncoderHiddenStates(model)

@@ -1,5 +1,5 @@
-"""Encoder-only checkpoints (BERT, RoBERTa, XLM-R and their kin): which ones autodeploy serves as embedding models or
-cross-encoder rerankers, and what it needs to know of them.
+"""Encoder-only checkpoints (BERT, RoBERTa, XLM-R and their kin) and decoder embedding models: which ones autodeploy serves
+as embedding models or cross-encoder rerankers, and what it needs to know of them.
 
 An encoder-only model reads a whole text at once with bidirectional self-attention and has nothing to generate:
 it is served for its last hidden state, pooled into one vector a text (``task="embed"``: retrieval embeddings), or
@@ -15,6 +15,10 @@ them (``modules.json``, ``1_Pooling/config.json``, a ``Normalize`` module), as `
 computes them; without them: the ``[CLS]`` row, normalized (what retrieval models without those files, and OpenAI's
 embeddings, give). A sentence-transformers module autodeploy does not compute (a ``Dense`` projection, max or
 weighted-mean pooling) is refused by name rather than left out.
+
+A decoder (a causal LM's config) is an embedding model when its folder is a sentence-transformers model (Qwen3-Embedding,
+gte-Qwen2: ``modules.json`` with last-token pooling): its base model's last hidden state (after the final norm),
+each text read causally, pooled as the modules say. Without those files a decoder is a language model.
 """
 
 from __future__ import annotations
@@ -61,9 +65,14 @@ def embedding_spec(config: PretrainedConfig, directory: Path | None, name: str) 
     """The embedding spec of ``config`` (its checkpoint folder ``directory``, for sentence-transformers' files), or
     None for a model that is not encoder-only. Raises ``UnsupportedModelError`` for an encoder-only checkpoint whose
     head or sentence-transformers modules autodeploy does not compute."""
-    if not is_encoder_only(config):
-        return None
     model_type = config.model_type
+    if not is_encoder_only(config):
+        # A decoder embedding model (Qwen3-Embedding, gte-Qwen2): a causal LM whose folder is a sentence-transformers model,
+        # its last hidden state pooled (the last token, as their Pooling modules say).
+        if directory is None or not (Path(directory) / "modules.json").is_file():
+            return None
+        pooling, normalize, source = _sentence_transformers_modules(directory, name, default_pooling="last")
+        return EmbeddingSpec(model_type, "embed", pooling, normalize, f"a decoder embedding model; {source}")
     architectures = list(getattr(config, "architectures", None) or [])
     if any(arch.endswith("ForSequenceClassification") for arch in architectures):
         labels = int(getattr(config, "num_labels", 1))
@@ -82,7 +91,7 @@ def embedding_spec(config: PretrainedConfig, directory: Path | None, name: str) 
     return EmbeddingSpec(model_type, "embed", pooling, normalize, source)
 
 
-def _sentence_transformers_modules(directory: Path | None, name: str) -> tuple[str, bool, str]:
+def _sentence_transformers_modules(directory: Path | None, name: str, default_pooling: str = "cls") -> tuple[str, bool, str]:
     """Pooling and normalization from the folder's sentence-transformers modules; ``("cls", True, …)`` without them."""
     modules_file = None if directory is None else Path(directory) / "modules.json"
     if modules_file is None or not modules_file.is_file():
@@ -98,7 +107,7 @@ def _sentence_transformers_modules(directory: Path | None, name: str) -> tuple[s
         raise UnsupportedModelError(f"{name}: its sentence-transformers pipeline has {', '.join(unserved)} module(s), which "
                                     f"autodeploy does not compute (it computes {', '.join(_ST_MODULES_SERVED)}); its "
                                     f"vectors would differ from SentenceTransformer.encode's")
-    pooling = "cls"
+    pooling = default_pooling
     if "Pooling" in kinds:
         try:
             modes = json.loads((Path(directory) / kinds["Pooling"] / "config.json").read_text())

@@ -21,7 +21,7 @@ SPEC_SCHEMAS = {
     "rope": "autodeploy::rope(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",
     "attention": (
         "autodeploy::attention(Tensor q, Tensor k, Tensor v, float scale, SymInt? sliding_window=None, "
-        "float? logit_cap=None, Tensor? sinks=None, float[]? alibi_slopes=None, Tensor? bias=None) -> Tensor"
+        "float? logit_cap=None, Tensor? sinks=None, float[]? alibi_slopes=None, Tensor? bias=None, Tensor? seq_start=None) -> Tensor"
     ),
     "gated_mlp": (
         "autodeploy::gated_mlp(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, str activation) "
