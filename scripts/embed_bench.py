@@ -1,7 +1,7 @@
 """Embedding throughput: ``llm.embed`` against sentence-transformers' ``encode`` on the same texts (issue 45's target:
-BERT-base ≥ 3× sentence-transformers).
+BERT-base ≥ 3× sentence-transformers; and a Qwen3-Embedding-0.6B-shape figure, ``--shape qwen3-embedding-0.6b``).
 
-A BERT-base-shaped encoder (12 layers, 768 wide, vocab 30,522) with random weights and a WordPiece tokenizer trained
+A BERT-base-shaped encoder (12 layers, 768 wide, vocab 30,522; or the Qwen3-Embedding-0.6B decoder) with random weights and a WordPiece tokenizer trained
 on Python's library source (the kind of text the demo model learnt), saved as a sentence-transformers folder (mean pooling, normalized); ``--texts`` texts of
 ``--min-words`` … ``--max-words`` words drawn from that corpus. Both sides start from strings, so both include
 tokenization; each is run once to warm up, then timed. sentence-transformers runs at each ``--st-batch-size`` (its
@@ -59,9 +59,22 @@ def _corpus_words() -> list[str]:
     return re.findall(r"[A-Za-z_]+", " ".join(path.read_text(errors="ignore") for path in sources))
 
 
-def write_model(folder: Path, words: list[str], seed: int) -> Path:
+# The shapes measured: BERT-base (mean pooling) and Qwen3-Embedding-0.6B (a decoder: last-token pooling).
+SHAPES = {"bert-base": ("mean", 768), "qwen3-embedding-0.6b": ("lasttoken", 1024)}
+
+
+def _config(shape: str):
+    from transformers import BertConfig, Qwen3Config
+
+    if shape == "bert-base":
+        return BertConfig()  # bert-base-uncased's
+    return Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True)
+
+
+def write_model(folder: Path, words: list[str], seed: int, shape: str = "bert-base") -> Path:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+    from transformers import AutoModel, PreTrainedTokenizerFast
 
     encoder = folder / "encoder"
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -77,11 +90,12 @@ def write_model(folder: Path, words: list[str], seed: int) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
                             mask_token="[MASK]", model_max_length=512).save_pretrained(encoder)
     torch.manual_seed(seed)
-    BertModel(BertConfig()).save_pretrained(encoder)  # bert-base-uncased's shape
+    AutoModel.from_config(_config(shape)).save_pretrained(encoder)
     sentence_transformers, _ = _sentence_transformers()
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
-    modules = [Transformer(str(encoder), max_seq_length=512), Pooling(768, "mean"), Normalize()]
+    pooling, width = SHAPES[shape]
+    modules = [Transformer(str(encoder), max_seq_length=512), Pooling(width, pooling), Normalize()]
     sentence_transformers.SentenceTransformer(modules=modules, device="cpu").save(str(folder / "st"))
     return folder / "st"
 
@@ -104,6 +118,7 @@ def main() -> None:
     parser.add_argument("--st-batch-size", default="32,128")
     parser.add_argument("--max-num-tokens", type=int, default=None, help="autodeploy's token budget a forward")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bert-base")
     args = parser.parse_args()
     sentence_transformers, stubbed = _sentence_transformers()
     from autodeploy import autodeploy
@@ -111,7 +126,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     words = _corpus_words()
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(args.min_words, args.max_words))) for _ in range(args.texts)]
-    folder = write_model(Path(tempfile.mkdtemp(prefix="embed-bench-")), words, args.seed)
+    folder = write_model(Path(tempfile.mkdtemp(prefix="embed-bench-")), words, args.seed, args.shape)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     dtype = getattr(torch, args.dtype)
 

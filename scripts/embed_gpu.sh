@@ -14,10 +14,10 @@ tests)
   timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_bidirectional_attention_varlen.py \
     tests/test_embeddings.py -k "gpu or cuda" > "$OUT/embed-tests.log" 2>&1; echo "tests rc=$?"; tail -4 "$OUT/embed-tests.log" ;;
 bench)
-  for budget in ${BUDGETS:-16384}; do
-    timeout ${BENCH_S:-240} python3 scripts/embed_bench.py --device cuda --dtype ${DTYPE:-bfloat16} --texts ${TEXTS:-8192} \
-      --max-num-tokens $budget > "$OUT/embed-bench-$budget.log" 2>&1; echo "bench rc=$?"
-    grep -vE "Writing|Loading|DEBUG" "$OUT/embed-bench-$budget.log" | tail -9
+  for shape in ${SHAPES:-bert-base qwen3-embedding-0.6b}; do
+    timeout ${BENCH_S:-240} python3 scripts/embed_bench.py --shape $shape --device cuda --dtype ${DTYPE:-bfloat16} \
+      --texts ${TEXTS:-8192} --max-num-tokens ${BUDGET:-16384} > "$OUT/embed-bench-$shape.log" 2>&1; echo "$shape rc=$?"
+    grep -vE "Writing|Loading|DEBUG" "$OUT/embed-bench-$shape.log" | tail -9
   done ;;
 batch)
   timeout ${BATCH_S:-300} python3 scripts/batch_vs_online.py ${BATCH_MODEL:-llama-3-8b} --set weights=random --set dtype=bfloat16 \
