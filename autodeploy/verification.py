@@ -183,9 +183,12 @@ def served_logits(engine: Engine, sequences: list[list[int]], prompt_lengths: li
 
 
 def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
-    """(max |Δ|, max |Δ| / max |reference|); non-finite values count as infinitely wrong."""
-    if not torch.isfinite(ours).all():
+    """(max |Δ|, max |Δ| / max |reference|); non-finite values and a shape other than the reference's count as infinitely
+    wrong; two empty tensors agree."""
+    if ours.shape != reference.shape or not torch.isfinite(ours).all():
         return float("inf"), float("inf")
+    if ours.numel() == 0:
+        return 0.0, 0.0
     error = (ours.float() - reference.float()).abs().max().item()
     scale = reference.float().abs().max().item()
     return error, error / scale if scale > 0 else (0.0 if error == 0 else float("inf"))

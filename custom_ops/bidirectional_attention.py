@@ -11,6 +11,10 @@ cumulative starts: sequence ``s`` owns tokens ``seq_start[s] : seq_start[s + 1]`
 sequence), and each query sees exactly the keys of its own sequence (self-attention, block-diagonal).
 Backends: ``sdpa`` (any device; one call with a block-diagonal mask) and ``varlen`` (CUDA; flash attention over the
 packed row, only the keys of each sequence computed).
+
+A bidirectional sliding window (``window = W``: ModernBERT's local layers) shows query ``i`` the keys ``j`` with
+``|i - j| ≤ W`` only, within its own sequence when packed (a distance is the same in the row and in the text): the
+``sdpa`` backend adds the band to its mask, ``varlen`` passes flash attention's ``window_size=(W, W)``.
 """
 
 import functools
@@ -31,8 +35,9 @@ FLASH_MAX_HEAD_DIM = 256  # flash attention's largest head dim
 
 def bidirectional_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                       bias: Optional[torch.Tensor] = None,
-                                      seq_start: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``q[B, S, Hq, D]`` over ``k[B, Sk, Hkv, D]``, ``v[B, Sk, Hkv, Dv]`` → ``[B, S, Hq, Dv]``, no mask.
+                                      seq_start: Optional[torch.Tensor] = None,
+                                      window: Optional[int] = None) -> torch.Tensor:
+    """``q[B, S, Hq, D]`` over ``k[B, Sk, Hkv, D]``, ``v[B, Sk, Hkv, Dv]`` → ``[B, S, Hq, Dv]``, no mask (or a window).
 
     ``softmax(scale · q_i · k_j + bias_ij) · v_j`` per head in float32 (float64 for float64 inputs), cast back to
     ``q``'s dtype; query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``bias`` (optional) is ``[1 or B, 1 or Hq,
@@ -42,6 +47,9 @@ def bidirectional_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch
     dim 1 of a batch of one (``B == 1``, ``Sk == S``); each attends over its own tokens only, computed sequence by
     sequence as above. It is read on the host (validated, then sliced by): the call syncs with the device. Not
     with a ``bias``.
+
+    ``window`` (optional, ≥ 0; self-attention only, ``Sk == S``): query ``i`` sees key ``j`` iff ``|i - j| ≤ window``
+    (0: itself only), the indices counted within its sequence when packed.
     """
     batch, _, q_heads, head_dim = q.shape
     keys, kv_heads = k.shape[1], k.shape[2]
@@ -51,21 +59,26 @@ def bidirectional_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch
     if q_heads % kv_heads != 0:
         raise ValueError(f"bidirectional_attention: query heads Hq={q_heads} must be a multiple of kv heads Hkv={kv_heads}.")
     check_bias("bidirectional_attention", bias, batch, q_heads, q.shape[1], keys)
+    if window is not None and (window < 0 or keys != q.shape[1]):
+        raise ValueError(f"bidirectional_attention: a window is a distance ≥ 0 within a sequence attending to itself "
+                         f"(keys Sk = queries S); got window={window} with S={q.shape[1]}, Sk={keys}.")
     if seq_start is None:
-        return _attend_every_key(q, k, v, scale, bias)
+        return _attend_every_key(q, k, v, scale, bias, window)
     starts = _packed_starts(q, k, bias, seq_start)
-    return torch.cat([_attend_every_key(q[:, start:end], k[:, start:end], v[:, start:end], scale)
+    return torch.cat([_attend_every_key(q[:, start:end], k[:, start:end], v[:, start:end], scale, window=window)
                       for start, end in zip(starts, starts[1:])], dim=1)
 
 
 def _attend_every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      bias: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     q_heads, kv_heads = q.shape[2], k.shape[2]
     dtype = compute_dtype(q.dtype)
     kv_head_of = torch.arange(q_heads, device=q.device) // (q_heads // kv_heads)
     logits = torch.einsum("bihd,bjhd->bhij", q.to(dtype), k.to(dtype)[:, :, kv_head_of]) * scale
     if bias is not None:
         logits = logits + bias.to(dtype)
+    if window is not None:
+        logits = logits.masked_fill(~within_window(q.shape[1], window, q.device), float("-inf"))
     out = torch.einsum("bhij,bjhd->bihd", torch.softmax(logits, dim=-1), v.to(dtype)[:, :, kv_head_of])
     return out.to(q.dtype).contiguous()
 
@@ -96,7 +109,7 @@ def _packed_starts(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor
     return starts
 
 
-def bidirectional_attention_fake(q, k, v, scale, bias=None, seq_start=None):
+def bidirectional_attention_fake(q, k, v, scale, bias=None, seq_start=None, window=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -111,9 +124,11 @@ bidirectional_attention = register_op(
 
 def bidirectional_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                  bias: Optional[torch.Tensor] = None,
-                                 seq_start: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                 seq_start: Optional[torch.Tensor] = None,
+                                 window: Optional[int] = None) -> torch.Tensor:
     """PyTorch's ``scaled_dot_product_attention`` (flash or memory-efficient kernels on a GPU) on ``[B, H, S, D]`` views;
-    a ``bias`` is its float ``attn_mask`` (which SDPA adds to the scaled logits).
+    a ``bias`` is its float ``attn_mask`` (which SDPA adds to the scaled logits), a ``window`` a boolean band
+    ``|i - j| ≤ window`` in it (``-inf`` outside the band where there is a bias).
 
     Packed sequences (``seq_start``) are one call with a boolean block-diagonal ``attn_mask`` (``[S, S]``, built on
     the device from ``seq_start``): no host sync, so a CUDA graph can capture it. It costs ``S²`` logits where the
@@ -121,6 +136,14 @@ def bidirectional_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     ``varlen`` backend computes only each sequence's own keys.
     """
     mask = bias if seq_start is None else same_sequence_mask(seq_start, q.shape[1], q.device)
+    if window is not None:
+        band = within_window(q.shape[1], window, q.device)
+        if mask is None:
+            mask = band
+        elif mask.dtype == torch.bool:
+            mask = mask & band
+        else:
+            mask = mask.masked_fill(~band, float("-inf"))
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2).contiguous()
@@ -139,13 +162,25 @@ def same_sequence_mask(seq_start: torch.Tensor, tokens: int, device: torch.devic
     return sequence[:, None] == sequence[None, :]
 
 
-def _sdpa_supports(q, k, v, scale, bias=None, seq_start=None, *, device):
+def within_window(tokens: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[tokens, tokens]`` booleans: whether tokens ``i`` and ``j`` are at most ``window`` apart.
+
+    >>> within_window(3, 1, torch.device("cpu")).int().tolist()
+    [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
+    """
+    index = torch.arange(tokens, device=device)
+    return (index[:, None] - index[None, :]).abs() <= window
+
+
+def _sdpa_supports(q, k, v, scale, bias=None, seq_start=None, window=None, *, device):
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k and v differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})"
     if bias is not None and bias.dtype != q.dtype:  # SDPA takes a float mask in the queries' dtype only
         return f"the bias is {bias.dtype}, q {q.dtype}"
     if bias is not None and seq_start is not None:
         return "a bias together with packed sequences (seq_start) is not supported"
+    if window is not None and k.shape[1] != q.shape[1]:
+        return "a window needs self-attention (as many keys as queries)"
     return True
 
 
@@ -166,9 +201,11 @@ def _varlen_attn() -> Optional[Callable[..., torch.Tensor]]:
 
 def bidirectional_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                    bias: Optional[torch.Tensor] = None,
-                                   seq_start: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                   seq_start: Optional[torch.Tensor] = None,
+                                   window: Optional[int] = None) -> torch.Tensor:
     """Packed sequences through PyTorch's ``varlen_attn`` (flash attention's variable-length kernel) on the
     ``[T, H, D]`` row, ``seq_start`` as both sequences' starts: each query block reads its own sequence's keys only.
+    A ``window`` is the kernel's ``window_size=(window, window)``: keys ``i - window … i + window`` of the sequence.
 
     The longest sequence is passed as ``S`` (at least 2), an upper bound the kernel accepts (it sizes its grid by it,
     and blocks past a sequence's end exit at once), rather than ``max(len)``, which would read ``seq_start`` on the
@@ -177,12 +214,13 @@ def bidirectional_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """
     cu_seqlens = seq_start.to(device=q.device, dtype=torch.int32).contiguous()
     longest = max(q.shape[1], 2)
+    windowed = {} if window is None else {"window_size": (window, window)}  # a torch without window_size runs the rest
     out = _varlen_attn()(q[0], k[0], v[0], cu_seqlens, cu_seqlens, longest, longest, scale=scale,
-                         enable_gqa=q.shape[2] != k.shape[2])
+                         enable_gqa=q.shape[2] != k.shape[2], **windowed)
     return out.unsqueeze(0)
 
 
-def _varlen_supports(q, k, v, scale, bias=None, seq_start=None, *, device):
+def _varlen_supports(q, k, v, scale, bias=None, seq_start=None, window=None, *, device):
     device = torch.device(device)
     if device.type != "cuda":
         return f"varlen_attn (flash attention) runs on CUDA GPUs only (the deploy runs on {device.type})"
@@ -200,6 +238,8 @@ def _varlen_supports(q, k, v, scale, bias=None, seq_start=None, *, device):
         return "flash attention needs q, k and v with a contiguous last dim"
     if _varlen_attn() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn taking scale= and enable_gqa="
+    if window is not None and "window_size" not in inspect.signature(_varlen_attn()).parameters:
+        return f"torch {torch.__version__}'s varlen_attn takes no window_size= (a sliding window)"
     if not torch.backends.cuda.is_flash_attention_available():
         return f"this PyTorch build (torch {torch.__version__}) has no flash attention"
     if torch.cuda.get_device_capability(device)[0] < 8:

@@ -22,7 +22,9 @@ for grouped-query attention unless SDPA gets ``enable_gqa=True``; ``?`` marks op
 
 An SDPA with neither a mask nor ``is_causal`` (an encoder's: a vision tower's), or with a mask that hides
 nothing for every length (a text encoder's over its unpadded input: evaluated as below), becomes
-``bidirectional_attention(q, k, v, scale)`` likewise, which the cache stage leaves alone.
+``bidirectional_attention(q, k, v, scale)`` likewise, which the cache stage leaves alone. One whose mask is a
+symmetric band, query ``i`` seeing key ``j`` iff ``|i - j| ≤ W`` (ModernBERT's local layers: HF's
+``create_bidirectional_sliding_window_mask``), becomes ``bidirectional_attention(q, k, v, scale, window=W)``.
 
 **T5's relative position bias.** HF's SDPA path folds it into the mask: ``where(visible, bias, finfo.min)``. Once
 the ``relative_position_bias`` rewrite (registered first in this family) has made ``bias`` its canonical op, such a
@@ -193,8 +195,8 @@ def _evaluate_mask(gm: GraphModule, mask: Node) -> tuple[torch.Tensor, int]:
     return value, probe
 
 
-def causal_sliding_window(gm: GraphModule, mask: Node, hides: bool = False) -> int | None:
-    """The sliding window of a causal mask (None when it has none); raises ``NoMatch`` when not causal.
+def _visible_keys(gm: GraphModule, mask: Node, hides: bool = False) -> tuple[torch.Tensor, int]:
+    """``[probe, probe]`` booleans, True where query ``i`` sees key ``j``, and the probe length (``_evaluate_mask``).
 
     The mask is boolean (True: attend; with ``hides``, True: hidden, as ``masked_fill`` takes it) or additive (0: attend; -inf or at most half the dtype's lowest
     value, HF's ``finfo.min``: masked, which softmax turns into exact zeros), broadcast to ``[B, H, S, S]``;
@@ -211,12 +213,34 @@ def causal_sliding_window(gm: GraphModule, mask: Node, hides: bool = False) -> i
         visible = rows == 0
         lowest = torch.finfo(rows.dtype).min / 2
         require(bool((rows[~visible] <= lowest).all()), f"additive mask {mask} has values other than 0 and -inf")
+    return visible, probe
+
+
+def causal_sliding_window(gm: GraphModule, mask: Node, hides: bool = False) -> int | None:
+    """The sliding window of a causal mask (None when it has none); raises ``NoMatch`` when not causal. The mask is
+    read as ``_visible_keys`` says."""
+    visible, probe = _visible_keys(gm, mask, hides)
     window = int(visible[-1].sum())
     require(window >= 1, f"mask {mask} hides every key from the last query")
     query, key = torch.arange(probe)[:, None], torch.arange(probe)[None, :]
     expected = (key <= query) & (key > query - window)
     require(bool((visible == expected).all()), f"mask {mask} is not causal (with or without a sliding window)")
     return window if window < probe else None
+
+
+def bidirectional_sliding_window(gm: GraphModule, mask: Node) -> int:
+    """The half-width ``W`` of a bidirectional sliding-window mask, where query ``i`` sees key ``j`` iff ``|i - j| ≤ W``
+    (ModernBERT's local layers); raises ``NoMatch`` when ``mask`` (read as ``_visible_keys`` says) is not one.
+
+    ``W`` is at least 1: the diagonal alone is also the causal window of 1, which ``causal_sliding_window`` reads. A
+    band as wide as the probe is wider than every literal, so it hides nothing at any length (``hides_nothing``).
+    """
+    visible, probe = _visible_keys(gm, mask)
+    window = int(visible[0].sum()) - 1
+    require(1 <= window < probe - 1, f"mask {mask} shows its first query {window + 1} keys: no band 1 ≤ W < {probe - 1}")
+    query, key = torch.arange(probe)[:, None], torch.arange(probe)[None, :]
+    require(bool((visible == ((query - key).abs() <= window)).all()), f"mask {mask} is not a bidirectional sliding window")
+    return window
 
 
 def hides_nothing(gm: GraphModule, mask: Node, hides: bool = False) -> bool:
@@ -264,14 +288,14 @@ class AttentionMatch:
     k: Node
     v: Node
     scale: float
-    sliding_window: int | None
+    sliding_window: int | None  # causal: keys i - W < j ≤ i; bidirectional: keys |i - j| ≤ W (the ops' own meanings)
     logit_cap: float | None
     sinks: Node | None
     output: Node
     nodes: set[Node] = field(default_factory=set)
     alibi_slopes: list[float] | None = None
     k_layout: str = "bhsd"  # "bshd": ``k`` is already [B, S, Hkv, D] (its kᵀ was one permute)
-    bidirectional: bool = False  # no mask at all: an encoder's attention (``bidirectional_attention``)
+    bidirectional: bool = False  # no causal mask: an encoder's attention (``bidirectional_attention``), windowed or not
     output_layout: str = "bhsd"  # "bh_sd": the replaced value is [B·H, S, D] (Bloom's bmm)
     bias: Node | None = None  # a relative_position_bias added to the logits (T5)
 
@@ -334,6 +358,16 @@ class _Walk(Walk):
             self.windows[key] = hides_nothing(self.gm, mask)
         return self.windows[key]
 
+    def band_of(self, mask: Node) -> int | None:
+        """The half-width of ``mask`` as a bidirectional sliding window; None when it is not one."""
+        key = ("band", mask)
+        if key not in self.windows:
+            try:
+                self.windows[key] = bidirectional_sliding_window(self.gm, mask)
+            except NoMatch:
+                self.windows[key] = None
+        return self.windows[key]
+
     def finish(self, q: Node, k: Node, v: Node, output: Node, k_layout: str = "bhsd", **options) -> AttentionMatch:
         query, key, value = node_value(q).shape, node_value(k).shape, node_value(v).shape
         if k_layout == "bshd":
@@ -361,9 +395,11 @@ def _match_sdpa(gm: GraphModule, node: Node, windows: dict) -> AttentionMatch:
         window = None
     else:
         require(is_causal is False, f"{node} combines a mask with is_causal")
-        # A mask that hides nothing (a text encoder's over its unpadded input) is no mask at all.
-        bidirectional = walk.hides_nothing(mask)
-        window = None if bidirectional else walk.window_of(mask)
+        # A mask that hides nothing (a text encoder's over its unpadded input) is no mask at all; a band around the
+        # diagonal (ModernBERT's local layers) is a bidirectional window; anything else must be causal.
+        band = None if walk.hides_nothing(mask) else walk.band_of(mask)
+        bidirectional = walk.hides_nothing(mask) or band is not None
+        window = band if bidirectional else walk.window_of(mask)
     q = arguments["query"]
     k, v = walk.kv_source(arguments["key"]), walk.kv_source(arguments["value"])
     scale = arguments["scale"]
@@ -581,13 +617,13 @@ def _unflattened_heads(walk: _Walk, node: Node) -> Node:
 # ------------------------------------------------------------------------------------ the rewrite
 
 
-def _call(graph: Graph, target, args: tuple) -> Node:
-    """Add ``target(*args)`` with its ``meta["val"]``, so later patterns can read shapes before propagation."""
-    node = graph.call_function(target, args)
+def _call(graph: Graph, target, args: tuple, kwargs: dict | None = None) -> Node:
+    """Add ``target(*args, **kwargs)`` with its ``meta["val"]``, so later patterns can read shapes before propagation."""
+    node = graph.call_function(target, args, kwargs)
     values = [a.meta["val"] if isinstance(a, Node) else a for a in args]
     fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     with fake_mode:
-        node.meta["val"] = target(*values)
+        node.meta["val"] = target(*values, **(kwargs or {}))
     return node
 
 
@@ -597,7 +633,9 @@ def _replace(graph: Graph, match: AttentionMatch) -> None:
         k = match.k if match.k_layout == "bshd" else _call(graph, aten.transpose.int, (match.k, 1, 2))
         if match.bidirectional:
             bias = () if match.bias is None else (match.bias,)
-            out = _call(graph, torch.ops.autodeploy.bidirectional_attention.default, (q, k, v, match.scale, *bias))
+            # A keyword: the cache stage may add seq_start, which comes before it in the op's schema.
+            window = {} if match.sliding_window is None else {"window": match.sliding_window}
+            out = _call(graph, torch.ops.autodeploy.bidirectional_attention.default, (q, k, v, match.scale, *bias), window)
         else:
             options = (match.scale, match.sliding_window, match.logit_cap, match.sinks)
             if match.alibi_slopes is not None or match.bias is not None:
@@ -642,7 +680,7 @@ def _replace_all(gm: GraphModule, anchors: list[Node], match_at) -> int:
 
 def replace_sdpa_attention(gm: GraphModule) -> int:
     """Replace every causal ``scaled_dot_product_attention`` (with its ``repeat_kv``), and every one without a mask
-    that is not causal by ``bidirectional_attention``; returns how many."""
+    that is not causal, or with a bidirectional window, by ``bidirectional_attention``; returns how many."""
     sdpa = gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default)
     return _replace_all(gm, sdpa, _match_sdpa)
 

@@ -55,6 +55,57 @@ def test_a_token_budget_splits_texts_over_forwards_with_the_same_vectors(tmp_pat
     torch.testing.assert_close(split.vectors, whole.vectors, atol=1e-5, rtol=1e-5)
 
 
+def _write_tiny_modernbert(directory, **overrides) -> torch.nn.Module:
+    """A tiny random ModernBERT (RoPE, no token types) saved without a tokenizer; the float32 eval-mode model, eager
+    attention (its additive masks, not the SDPA path the deployment is matched from)."""
+    from transformers import AutoModel, ModernBertConfig
+
+    config = ModernBertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
+                              max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=3,
+                              sep_token_id=4, **overrides)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # norms away from 1, so a dropped one shows
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.add_(torch.randn_like(parameter), alpha=0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("local_attention,global_every", [(16, 2), (10, 3)])
+def test_modernbert_local_layers_keep_their_window_within_each_packed_text(tmp_path, local_attention, global_every):
+    """ModernBERT: every ``global_every``-th layer sees the whole text, the others the keys within ``local_attention // 2``
+    of each query (a bidirectional sliding window). Texts of 5 to 40 tokens, most longer than the window, packed into
+    one forward: each text's vectors are Hugging Face's for that text alone."""
+    model = _write_tiny_modernbert(tmp_path, local_attention=local_attention, global_attn_every_n_layers=global_every)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32")
+    assert llm.tasks == {"embed"} and "hidden state" in str(llm.verification)
+    windows = [node.kwargs.get("window") for node in llm.embedder.graph.graph.nodes
+               if str(node.target).startswith("autodeploy.bidirectional_attention")]
+    assert windows == [None if layer % global_every == 0 else local_attention // 2 for layer in range(3)]
+    generator = torch.Generator().manual_seed(1)
+    texts = [[3, *torch.randint(5, 300, (length - 2,), generator=generator).tolist(), 4] for length in (5, 40, 17, 9, 33, 12)]
+    with torch.no_grad():
+        rows = [model(input_ids=torch.tensor([text])).last_hidden_state[0] for text in texts]
+    for pooling, pick in (("cls", lambda r: r[0]), ("mean", lambda r: r.mean(0))):
+        got = llm.embed(texts, pooling=pooling, normalize=False)
+        torch.testing.assert_close(got.vectors, torch.stack([pick(r) for r in rows]), atol=2e-5, rtol=1e-4)
+    assert llm.embedder.forwards == 2 and got.num_tokens == [len(text) for text in texts]  # one forward a call
+
+
+def test_a_modernbert_reranker_is_refused_by_name(tmp_path):
+    """Its classification head (a prediction head, then the classifier over the [CLS] row or the mean) is not the score
+    graph's BERT or RoBERTa head."""
+    from transformers import AutoModelForSequenceClassification, ModernBertConfig
+
+    config = ModernBertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                              max_position_embeddings=128, pad_token_id=0, num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="ModernBertForSequenceClassification's classification head"):
+        autodeploy(str(tmp_path), device="cpu")
+
+
 @pytest.mark.parametrize("pooling,normalize", [("mean", True), ("cls", False), ("lasttoken", True)])
 def test_sentence_transformers_folders_embed_as_encode_does(tmp_path, pooling, normalize):
     from sentence_transformers import SentenceTransformer

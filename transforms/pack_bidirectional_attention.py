@@ -10,8 +10,9 @@ A decoder embedding model's graph (Qwen3-Embedding: a causal LM's last hidden st
 ``attention`` instead, in its un-cached form; it takes ``seq_start`` the same way (each text causal within itself; flash
 attention's varlen kernel on a GPU, ``custom_ops/attention_varlen.py``).
 
-Every attention of the encoder must have been matched: one left as aten ops (a mask it could not read, ModernBERT's
-sliding windows, eager attention without SDPA) would mix the texts, so that is an ``UnsupportedModelError``
+Every attention of the encoder must have been matched (ModernBERT's local layers are, as ``bidirectional_attention``
+with a ``window``): one left as aten ops (a mask the match stage could not read, eager attention without SDPA) would mix
+the texts, so that is an ``UnsupportedModelError``
 naming the layers. The graph's ``meta[PACKED_TEXTS]`` records that the pass ran; the runtime serves no other.
 """
 

@@ -37,6 +37,9 @@ _ST_UNSERVED = {"pooling_mode_max_tokens": "max pooling", "pooling_mode_mean_sqr
                 "pooling_mode_weightedmean_tokens": "weighted-mean pooling"}
 # Encoder-only model types whose config says nothing of decoding (no add_cross_attention / is_decoder)
 ENCODER_TYPES = ("modernbert",)
+# Encoder types served as embedders only: the score graph computes BERT's pooler and RoBERTa's classification head, not
+# ModernBERT's (a prediction head before its classifier, over the [CLS] row or the mean by classifier_pooling)
+EMBED_ONLY_TYPES = ("modernbert",)
 # sentence-transformers ≥ 6 names a mode by a word: the earlier boolean key it stands for
 _ST_WORDS = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken",
              "max": "pooling_mode_max_tokens", "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
@@ -75,6 +78,9 @@ def embedding_spec(config: PretrainedConfig, directory: Path | None, name: str) 
         return EmbeddingSpec(model_type, "embed", pooling, normalize, f"a decoder embedding model; {source}")
     architectures = list(getattr(config, "architectures", None) or [])
     if any(arch.endswith("ForSequenceClassification") for arch in architectures):
+        if model_type in EMBED_ONLY_TYPES:
+            raise UnsupportedModelError(f"{name}: autodeploy does not compute {architectures[0]}'s classification head yet; "
+                                        f"it serves {model_type} checkpoints as embedding models (the base model)")
         labels = int(getattr(config, "num_labels", 1))
         if labels != 1:
             raise UnsupportedModelError(

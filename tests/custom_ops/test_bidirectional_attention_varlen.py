@@ -2,7 +2,8 @@
 padding): the reference against each sequence attended alone (empty and one-token sequences, GQA, float32 and
 bfloat16), the ``sdpa`` backend against the reference, the refusals of a malformed ``seq_start`` and of a bias
 beside it, each backend's ``supports``, the fake through opcheck and torch.export with a dynamic token count, and on
-a GPU the ``varlen`` and ``sdpa`` backends against the reference (``varlen`` under CUDA graph capture too)."""
+a GPU the ``varlen`` and ``sdpa`` backends against the reference (``varlen`` under CUDA graph capture too). The same
+with a bidirectional sliding ``window`` (ModernBERT's local layers), packed and not."""
 
 from __future__ import annotations
 
@@ -45,14 +46,20 @@ def each_alone(q, k, v, scale, seq_start) -> torch.Tensor:
                       for a, b in zip(starts, starts[1:])], dim=1)
 
 
-def naive(q, k, v, scale, seq_start) -> torch.Tensor:
-    """Float64 softmax attention of each sequence over its own keys, outside the code under test."""
+def naive(q, k, v, scale, seq_start, window=None) -> torch.Tensor:
+    """Float64 softmax attention of each sequence over its own keys (those at most ``window`` from the query, with a
+    window), outside the code under test."""
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2).double(), v.repeat_interleave(group, dim=2).double()
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float64)
     starts = seq_start.tolist()
     for a, b in zip(starts, starts[1:]):
         logits = torch.einsum("ihd,jhd->hij", q[0, a:b].double(), k[0, a:b]) * scale
+        if window is not None:
+            for i in range(b - a):
+                for j in range(b - a):
+                    if abs(i - j) > window:
+                        logits[:, i, j] = -math.inf
         out[0, a:b] = torch.einsum("hij,jhd->ihd", logits.softmax(-1), v[0, a:b])
     return out
 
@@ -94,14 +101,59 @@ def test_the_sdpa_backend_matches_the_reference(q_heads, kv_heads, dtype, atol):
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), heads=st.sampled_from([(4, 4), (4, 2), (3, 1)]),
-       lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6).filter(lambda lengths: sum(lengths) > 0))
-def test_any_packing_gives_the_sdpa_backend_and_the_reference_each_sequences_own_attention(seed, heads, lengths):
+       lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6).filter(lambda lengths: sum(lengths) > 0),
+       window=st.none() | st.integers(0, 7))
+def test_any_packing_gives_the_sdpa_backend_and_the_reference_each_sequences_own_attention(seed, heads, lengths, window):
     args = packed(lengths, *heads, seed=seed)
-    expected = naive(*args)
-    torch.testing.assert_close(bidirectional_attention_reference(*args[:4], seq_start=args[4]).double(), expected,
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(bidirectional_attention_sdpa(*args[:4], seq_start=args[4]).double(), expected,
-                               atol=1e-5, rtol=1e-5)
+    expected = naive(*args, window)
+    torch.testing.assert_close(bidirectional_attention_reference(*args[:4], seq_start=args[4], window=window).double(),
+                               expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bidirectional_attention_sdpa(*args[:4], seq_start=args[4], window=window).double(),
+                               expected, atol=1e-5, rtol=1e-5)
+
+
+WINDOWS = pytest.mark.parametrize("window", [0, 1, 3])
+
+
+@HEADS
+@WINDOWS
+def test_a_window_shows_each_query_the_keys_within_it_of_its_own_sequence(q_heads, kv_heads, window):
+    """Query ``i`` sees key ``j`` iff ``|i - j| ≤ window``: counted within the sequence when packed (the row's distance
+    is the sequence's), over the whole row when not."""
+    lengths = [9, 0, 1, 6, 12]
+    args = packed(lengths, q_heads, kv_heads)
+    out = op(*args[:4], None, args[4], window)
+    torch.testing.assert_close(out.double(), naive(*args, window), atol=1e-5, rtol=1e-5)
+    starts = args[4].tolist()
+    alone = torch.cat([op(args[0][:, a:b], args[1][:, a:b], args[2][:, a:b], args[3], window=window)
+                       for a, b in zip(starts, starts[1:])], dim=1)
+    assert torch.equal(out, alone)
+    whole = torch.tensor([0, sum(lengths)], dtype=torch.int32)  # unpacked: the row is one sequence
+    torch.testing.assert_close(op(*args[:4], window=window).double(), naive(*args[:4], whole, window), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, op(*args[:4], None, args[4]))  # the window hides keys the sequence would show
+
+
+@HEADS
+@WINDOWS
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_the_sdpa_backend_matches_the_reference_with_a_window(q_heads, kv_heads, window, dtype, atol):
+    args = packed(LENGTHS + [11], q_heads, kv_heads, dtype, value_dim=5)
+    sdpa = torch.ops.autodeploy.bidirectional_attention_sdpa
+    torch.testing.assert_close(sdpa(*args[:4], None, args[4], window), op(*args[:4], None, args[4], window),
+                               atol=atol, rtol=atol)
+    torch.testing.assert_close(sdpa(*args[:4], window=window), op(*args[:4], window=window), atol=atol, rtol=atol)
+    q, k, v, scale = (a[:, :6] if isinstance(a, torch.Tensor) else a for a in args[:4])
+    bias = torch.randn(1, q_heads, 6, 6, generator=torch.Generator().manual_seed(3)).to(dtype)  # a bias and a window
+    torch.testing.assert_close(sdpa(q, k, v, scale, bias, None, window), op(q, k, v, scale, bias, None, window),
+                               atol=atol, rtol=atol)
+
+
+def test_a_window_below_0_or_over_other_keys_is_refused():
+    q, k, v, scale, seq_start = packed([3, 4], 4, 2)
+    with pytest.raises(ValueError, match=r"a window is a distance ≥ 0 .* got window=-1 with S=7, Sk=7"):
+        op(q, k, v, scale, None, seq_start, -1)
+    with pytest.raises(ValueError, match=r"keys Sk = queries S\); got window=2 with S=7, Sk=5"):
+        op(q, k[:, :5], v[:, :5], scale, window=2)
 
 
 def test_module_docstring_examples():
@@ -168,10 +220,29 @@ def test_the_backends_say_what_they_do_not_take():
     assert varlen.capturable and sdpa.capturable  # neither reads seq_start on the host
 
 
+def test_the_backends_say_which_windows_they_do_not_take(monkeypatch):
+    q, k, v, scale, seq_start = (a.to("meta") if isinstance(a, torch.Tensor) else a
+                                 for a in packed([3, 4], 4, 2, torch.bfloat16, head_dim=64, value_dim=64))
+    sdpa, varlen, cuda = _backend("sdpa"), _backend("varlen"), torch.device("cuda")
+    assert sdpa.check([q, k, v, scale, None, seq_start, 3], torch.device("cpu")) is None
+    assert sdpa.check([q, k[:, :5], v[:, :5], scale, None, None, 3], cuda) == (
+        "a window needs self-attention (as many keys as queries)")
+
+    def varlen_attn_without_windows(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, enable_gqa=False):
+        raise AssertionError("supports only reads its signature")
+
+    monkeypatch.setattr(module, "_varlen_attn", lambda: varlen_attn_without_windows)
+    assert varlen.check([q, k, v, scale, None, seq_start, 3], cuda) == (
+        f"torch {torch.__version__}'s varlen_attn takes no window_size= (a sliding window)")
+    assert "window_size" not in (varlen.check([q, k, v, scale, None, seq_start], cuda) or "")  # no window: asks none
+
+
 def test_opcheck():
     args = packed([3, 0, 1, 4], 4, 2, value_dim=6)
     torch.library.opcheck(op, (*args[:4], None, args[4]))
     torch.library.opcheck(torch.ops.autodeploy.bidirectional_attention_sdpa.default, (*args[:4], None, args[4]))
+    torch.library.opcheck(op, (*args[:4], None, args[4], 2))
+    torch.library.opcheck(torch.ops.autodeploy.bidirectional_attention_sdpa.default, (*args[:4], None, args[4], 2))
 
 
 class PackedEncoderAttention(torch.nn.Module):
@@ -244,3 +315,21 @@ def test_on_a_gpu_varlen_is_captured_once_and_replays_other_packings_of_the_row(
         graph.replay()
         expected = bidirectional_attention_reference(*step[:4], seq_start=step[4])
         assert relative_error(out, expected) <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("window", [0, 1, 64])
+@pytest.mark.parametrize("backend_name", ["varlen", "sdpa"])
+@HEADS
+def test_on_a_gpu_the_backends_match_the_reference_with_a_window_in_bfloat16(q_heads, kv_heads, backend_name, window):
+    """ModernBERT's local layers on a GPU: texts longer and shorter than the window, packed."""
+    args = packed([0, 128, 1, 0, 300, 77, 2], q_heads, kv_heads, torch.bfloat16, "cuda", head_dim=64, value_dim=64)
+    call = [*args[:4], None, args[4], window]
+    backend = _backend(backend_name)
+    reason = backend.check([a.to("meta") if isinstance(a, torch.Tensor) else a for a in call], torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"{backend_name}: {reason}")
+    expected = bidirectional_attention_reference(*call)
+    got = backend.op(*call)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16 and got.device.type == "cuda"
+    assert relative_error(got, expected) <= tolerance(torch.bfloat16)
