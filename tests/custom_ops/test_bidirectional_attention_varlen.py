@@ -272,12 +272,15 @@ def test_export_keeps_the_token_and_sequence_counts_dynamic():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("lengths", [[5, 1, 0, 7, 3], [1], [0, 128, 1, 0, 300, 77, 2]], ids=["small", "one-token", "long"])
+@pytest.mark.parametrize("lengths,window", [([5, 1, 0, 7, 3], None), ([1], None), ([0, 128, 1, 0, 300, 77, 2], None),
+                                            *(([0, 128, 1, 0, 300, 77, 2], w) for w in (0, 1, 64))],
+                         ids=["small", "one-token", "long", "window-0", "window-1", "window-64"])
 @pytest.mark.parametrize("backend_name", ["varlen", "sdpa"])
 @HEADS
-def test_on_a_gpu_the_backends_match_the_reference_in_bfloat16(q_heads, kv_heads, backend_name, lengths):
+def test_on_a_gpu_the_backends_match_the_reference_in_bfloat16(q_heads, kv_heads, backend_name, lengths, window):
+    """Packed texts on a GPU; with a window, ModernBERT's local layers (texts longer and shorter than it)."""
     args = packed(lengths, q_heads, kv_heads, torch.bfloat16, "cuda", head_dim=64, value_dim=64)
-    call = [*args[:4], None, args[4]]
+    call = [*args[:4], None, args[4], *([window] if window is not None else [])]
     backend = _backend(backend_name)
     reason = backend.check([a.to("meta") if isinstance(a, torch.Tensor) else a for a in call], torch.device("cuda"))
     if reason is not None:
@@ -315,21 +318,3 @@ def test_on_a_gpu_varlen_is_captured_once_and_replays_other_packings_of_the_row(
         graph.replay()
         expected = bidirectional_attention_reference(*step[:4], seq_start=step[4])
         assert relative_error(out, expected) <= tolerance(torch.bfloat16)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("window", [0, 1, 64])
-@pytest.mark.parametrize("backend_name", ["varlen", "sdpa"])
-@HEADS
-def test_on_a_gpu_the_backends_match_the_reference_with_a_window_in_bfloat16(q_heads, kv_heads, backend_name, window):
-    """ModernBERT's local layers on a GPU: texts longer and shorter than the window, packed."""
-    args = packed([0, 128, 1, 0, 300, 77, 2], q_heads, kv_heads, torch.bfloat16, "cuda", head_dim=64, value_dim=64)
-    call = [*args[:4], None, args[4], window]
-    backend = _backend(backend_name)
-    reason = backend.check([a.to("meta") if isinstance(a, torch.Tensor) else a for a in call], torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(f"{backend_name}: {reason}")
-    expected = bidirectional_attention_reference(*call)
-    got = backend.op(*call)
-    assert got.shape == expected.shape and got.dtype == torch.bfloat16 and got.device.type == "cuda"
-    assert relative_error(got, expected) <= tolerance(torch.bfloat16)
