@@ -252,3 +252,43 @@ def test_a_decoder_embedding_model_embeds_as_sentence_transformers_encode(tmp_pa
     torch.testing.assert_close(llm.embed(CODE).vectors, want.float(), atol=2e-5, rtol=1e-4)
     attention = [line for line in llm.pipeline_report().splitlines() if line.startswith("pack_bidirectional_attention")]
     assert attention and "attentions read seq_start" in attention[0]
+
+
+@pytest.mark.timeout(300)
+def test_embedding_batches_through_the_batch_api_and_from_a_table(tmp_path):
+    """An embedding server with --batch-dir runs a /v1/embeddings batch through the openai client's files and batches
+    APIs (a completions batch is refused: the model does not generate); `autodeploy batch` reads a Parquet table's
+    input column. Every vector equals llm.embed's."""
+    import openai
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from autodeploy.serve.app import ServerOptions, build_app
+    from autodeploy.serve.batch_job import run_batch_file
+    from autodeploy.serve.server import serving_in_thread
+    from tests.serve.test_batches_api import records, wait_for
+
+    write_tiny_encoder(tmp_path / "embed")
+    llm = autodeploy(str(tmp_path / "embed"), device="cpu", dtype="float32")
+    want = llm.embed(TEXTS).vectors
+    lines = [json.dumps({"custom_id": f"t{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": text}})
+             for i, text in enumerate(TEXTS)]
+    options = ServerOptions(served_model_name="tiny-bert", batch_dir=str(tmp_path / "batches"))
+    with serving_in_thread(build_app(llm, options)) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        uploaded = api.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+        with pytest.raises(openai.BadRequestError, match="endpoint must be one of /v1/embeddings"):
+            api.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        batch = api.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        batch = wait_for(api, batch.id, lambda b: b.status == "completed")
+        results = {r["custom_id"]: r for r in records(api, batch.output_file_id)}
+    assert sorted(results) == [f"t{i}" for i in range(len(TEXTS))]
+    served = torch.tensor([results[f"t{i}"]["response"]["body"]["data"][0]["embedding"] for i in range(len(TEXTS))])
+    torch.testing.assert_close(served, want, atol=1e-6, rtol=1e-6)
+
+    pq.write_table(pa.table({"text": TEXTS, "doc": [f"d{i}" for i in range(len(TEXTS))]}), tmp_path / "texts.parquet")
+    run_batch_file(llm, tmp_path / "texts.parquet", tmp_path / "out.jsonl", served_model_name="tiny-bert", progress=False,
+                   columns={"input": "text", "custom_id": "doc"})
+    table = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    served = torch.tensor([table[f"d{i}"]["response"]["body"]["data"][0]["embedding"] for i in range(len(TEXTS))])
+    torch.testing.assert_close(served, want, atol=1e-6, rtol=1e-6)

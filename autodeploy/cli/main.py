@@ -150,10 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--output", required=True, metavar="FILE",
                        help="JSONL results, appended as they finish; run the command again to finish a job that stopped")
     batch.add_argument("--columns", default=None, metavar="FIELD=COLUMN,…",
-                       help="a Parquet, Arrow or datasets input: prompt=COLUMN (completions) or messages=COLUMN (chat), and "
-                            "optionally custom_id=COLUMN (default prompt=prompt; ids row-0, row-1, …)")
-    batch.add_argument("--url", default=None, choices=("/v1/completions", "/v1/chat/completions"),
-                       help="a table's route (default: the one its prompt or messages column implies)")
+                       help="a Parquet, Arrow or datasets input: prompt=COLUMN (completions), messages=COLUMN (chat) or "
+                            "input=COLUMN (embeddings), and optionally custom_id=COLUMN (default prompt=prompt; ids row-0, row-1, …)")
+    batch.add_argument("--url", default=None, choices=("/v1/completions", "/v1/chat/completions", "/v1/embeddings"),
+                       help="a table's route (default: the one its prompt, messages or input column implies)")
     batch.add_argument("--body", default=None, metavar="JSON",
                        help='a table\'s parameters for every row, e.g. \'{"max_tokens": 128, "temperature": 0}\'')
     batch.add_argument("--concurrency", type=int, default=None, metavar="N",

@@ -46,9 +46,9 @@ from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.frontend.tool_calls import ToolCallParser, ToolSpec, parse_tool_calls, tool_call_grammar
 from autodeploy.serve.api_key import API_KEY_SCOPES, KeyOnEveryRoute, bearer_key_matches, missing_key_error
 from autodeploy.serve.admission import Admission, Place
-from autodeploy.serve.batches_api import BatchStore, add_batch_routes, add_disabled_batch_routes
+from autodeploy.serve.batches_api import ENDPOINTS, BatchStore, add_batch_routes, add_disabled_batch_routes
 from autodeploy.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
-from autodeploy.serve.embeddings_api import EmbeddingService, add_embedding_routes
+from autodeploy.serve.embeddings_api import TASK_OF_ROUTE, EmbeddingService, add_embedding_routes
 from autodeploy.serve.metrics import ServerMetrics
 from autodeploy.serve.model_info import add_model_info_routes
 from autodeploy.serve.openai_errors import APIError, error_body, install_error_handlers, invalid_request
@@ -108,12 +108,7 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     metrics = ServerMetrics(engine)
     server = _Server(llm, options, metrics)
     embedding = EmbeddingService(llm, options)  # a model that also embeds or scores: those routes answer too
-    batches = None
-    if options.batch_dir is not None:
-        try:
-            batches = BatchStore(options.batch_dir, options.served_model_name, 2 * llm.settings.max_batch_size)
-        except OSError as error:
-            raise ConfigError(f"--batch-dir {options.batch_dir}: {error.strerror}") from None
+    batches = _batch_store(llm, options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -222,6 +217,17 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     return app
 
 
+def _batch_store(llm: LLM, options: ServerOptions) -> BatchStore | None:
+    """The Files and Batch APIs' store in ``options.batch_dir`` (None without one)."""
+    if options.batch_dir is None:
+        return None
+    try:
+        endpoints = tuple(route for route in ENDPOINTS if TASK_OF_ROUTE[route] in llm.tasks)
+        return BatchStore(options.batch_dir, options.served_model_name, 2 * llm.settings.max_batch_size, endpoints)
+    except OSError as error:
+        raise ConfigError(f"--batch-dir {options.batch_dir}: {error.strerror}") from None
+
+
 def _check_options(options: ServerOptions) -> None:
     """The options every app reads, checked before anything is built."""
     if options.reasoning_parser not in REASONING_PARSERS:
@@ -254,19 +260,21 @@ def _api_app(options: ServerOptions, lifespan) -> FastAPI:
 def _build_embedding_app(llm: LLM, options: ServerOptions) -> FastAPI:
     """The app of a model that does not generate (an embedding model, a cross-encoder reranker): the embedding
     routes over an ``AsyncEmbedder`` its lifespan starts, ``/v1/models`` and ``/tokenize``; the generation routes
-    answer the 400 saying what the model serves. The Files and Batch APIs run generation requests, so they are off."""
-    if options.batch_dir is not None:
-        raise ConfigError(f"--batch-dir: the Batch API runs completion and chat requests, and this model does not generate "
-                          f"({', '.join(sorted(llm.tasks))}); run a batch file of /v1/embeddings lines with autodeploy batch")
+    answer the 400 saying what the model serves. With ``batch_dir``, the Files and Batch APIs run /v1/embeddings batches."""
     server = _ModelServer(llm, options, llm.max_seq_len)
     embedding = EmbeddingService(llm, options)
+    batches = _batch_store(llm, options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         embedding.start()
+        if batches is not None:
+            batches.start(app)  # a batch the last server left running goes on
         try:
             yield
         finally:
+            if batches is not None:
+                await batches.stop()  # before the embedder stops: its batch's requests are not written as aborted
             embedding.stop()  # requests still queued answer 503 "aborted"
 
     app = _api_app(options, lifespan)
@@ -297,7 +305,10 @@ def _build_embedding_app(llm: LLM, options: ServerOptions) -> FastAPI:
         return {"count": len(tokens), "max_model_len": llm.max_seq_len, "tokens": tokens}
 
     add_embedding_routes(app, server, embedding)
-    add_disabled_batch_routes(app)
+    if batches is not None:
+        add_batch_routes(app, batches, authorized)
+    else:
+        add_disabled_batch_routes(app)
     return app
 
 

@@ -108,12 +108,14 @@ def _parse_line(number: int, text: str, seen: set[str]) -> BatchLine:
 
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
+_ROUTE_OF_FIELD = {"prompt": "/v1/completions", "messages": "/v1/chat/completions", "input": "/v1/embeddings"}
 
 
 def table_lines(path: Path, columns: dict[str, str], url: str | None = None, body: dict | None = None) -> list[str]:
     """A Parquet file, an Arrow file (IPC file or stream) or a folder ``datasets.Dataset.save_to_disk`` wrote, as batch
-    input lines: one request a row. ``columns`` maps request fields to the table's columns: ``prompt`` (completions)
-    or ``messages`` (chat: a list of ``{role, content}``), and optionally ``custom_id`` (default: ``row-N``, N from 0).
+    input lines: one request a row. ``columns`` maps request fields to the table's columns: ``prompt`` (completions),
+    ``messages`` (chat: a list of ``{role, content}``) or ``input`` (embeddings: a text, or token ids), and optionally
+    ``custom_id`` (default: ``row-N``, N from 0).
     ``url`` defaults to the route the prompt field implies; ``body`` holds the parameters every request shares
     (``max_tokens``, ``temperature``, …), a row's own fields taking precedence."""
     try:
@@ -121,11 +123,13 @@ def table_lines(path: Path, columns: dict[str, str], url: str | None = None, bod
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError("reading Parquet, Arrow or datasets input needs pyarrow: pip install 'autodeploy[data]'") from None
-    unknown = set(columns) - {"prompt", "messages", "custom_id"}
-    if unknown or ("prompt" in columns) == ("messages" in columns):
-        raise ConfigError(f"--columns maps prompt=COLUMN (completions) or messages=COLUMN (chat), and optionally "
-                          f"custom_id=COLUMN; got {', '.join(f'{k}={v}' for k, v in columns.items()) or 'nothing'}")
-    url = url or ("/v1/completions" if "prompt" in columns else "/v1/chat/completions")
+    unknown = set(columns) - {*_ROUTE_OF_FIELD, "custom_id"}
+    fields = [field for field in _ROUTE_OF_FIELD if field in columns]
+    if unknown or len(fields) != 1:
+        raise ConfigError(f"--columns maps one of prompt=COLUMN (completions), messages=COLUMN (chat) or input=COLUMN "
+                          f"(embeddings), and optionally custom_id=COLUMN; got "
+                          f"{', '.join(f'{k}={v}' for k, v in columns.items()) or 'nothing'}")
+    url = url or _ROUTE_OF_FIELD[fields[0]]
     try:
         table = _read_table(path, pa, pq)
     except (OSError, pa.ArrowException) as error:

@@ -39,7 +39,7 @@ from autodeploy.serve.openai_errors import APIError
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 24 * 3600
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 _ID = re.compile(r"^(file|batch)-[0-9a-f]{24}$")
 DONE = ("completed", "failed", "cancelled", "expired")
 
@@ -59,10 +59,11 @@ class BatchStore:
     """Files and batches under ``folder`` (``files/ID.json`` + ``files/ID.data``, ``batches/ID.json``), and the task that
     runs the batches."""
 
-    def __init__(self, folder: str | Path, served_model_name: str, concurrency: int):
+    def __init__(self, folder: str | Path, served_model_name: str, concurrency: int, endpoints: tuple[str, ...] = ENDPOINTS[:2]):
         self.folder = Path(folder)
         self.served_model_name = served_model_name
         self.concurrency = concurrency
+        self.endpoints = endpoints  # the routes a batch may name: those of what this deployment serves
         for kind in ("files", "batches"):
             (self.folder / kind).mkdir(parents=True, exist_ok=True)
         self._wake: asyncio.Event | None = None  # made in the server's loop (start)
@@ -135,8 +136,9 @@ class BatchStore:
         return sorted(cards, key=lambda c: (c["created_at"], c["id"]), reverse=True)  # newest first, as OpenAI lists
 
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None) -> dict:
-        if endpoint not in ENDPOINTS:
-            raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+        if endpoint not in self.endpoints:
+            raise APIError(400, f"endpoint must be one of {', '.join(self.endpoints)} (what this model serves), got {endpoint!r}",
+                           param="endpoint")
         if completion_window != "24h":
             raise APIError(400, f"completion_window must be '24h', got {completion_window!r}", param="completion_window")
         card = self.file(input_file_id)

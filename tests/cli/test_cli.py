@@ -18,6 +18,7 @@ from autodeploy.cli.main import main
 from autodeploy.config import load_settings, transform_configs
 from autodeploy.errors import ConfigError, ModelNotFoundError
 from autodeploy.runtime.outputs import RequestMetrics
+from autodeploy.transforms import registered_transforms
 
 MISSING_MODEL = "/nonexistent/autodeploy-test-model"
 
@@ -74,7 +75,8 @@ def test_config_show_with_a_model_resolves_auto_settings(capsys, monkeypatch, ll
 def test_inspect_prints_every_transform_and_node_counts(capsys, llama_dir):
     code, out, _ = run_cli(capsys, "inspect", llama_dir)
     assert code == 0
-    enabled = [name for name, config in transform_configs(load_settings()).items() if config.enabled]
+    registry = registered_transforms()  # a decoder's graph: the transforms of its role (not the embedders' packing)
+    enabled = [name for name, config in transform_configs(load_settings()).items() if config.enabled and "model" in registry[name].roles]
     report_names = [line.split()[0] for line in out.splitlines()[1 : len(enabled) + 1]]
     assert report_names == enabled
     assert "nodes" in out and "device meta" in out
