@@ -158,8 +158,6 @@ def test_bad_inputs_are_refused_before_anything_runs(tmp_path):
     for call in (lambda: llm.generate("a"), lambda: llm.score("a", ["b"])):
         with pytest.raises(UnsupportedModelError, match="embeds texts"):
             call()
-    with pytest.raises(ConfigError, match="saving an embedding model"):
-        llm.save(tmp_path / "saved")
 
 
 def test_a_language_model_refuses_to_embed(tmp_path):
@@ -292,3 +290,24 @@ def test_embedding_batches_through_the_batch_api_and_from_a_table(tmp_path):
     table = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     served = torch.tensor([table[f"d{i}"]["response"]["body"]["data"][0]["embedding"] for i in range(len(TEXTS))])
     torch.testing.assert_close(served, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("task", ["embed", "score", "decoder"])
+def test_a_saved_embedder_or_reranker_serves_the_same_after_a_reload(tmp_path, task):
+    from tests.tiny_encoders import write_decoder_embedder
+
+    if task == "decoder":
+        folder, task = write_decoder_embedder(tmp_path), "embed"
+    else:
+        folder = tmp_path / "model"
+        write_tiny_encoder(folder, task=task)
+    llm = autodeploy(str(folder), device="cpu", dtype="float32")
+    llm.save(tmp_path / "saved")
+    reloaded = autodeploy(str(tmp_path / "saved"))
+    assert reloaded.tasks == {task} and reloaded.deployment.embedding == llm.deployment.embedding
+    if task == "embed":
+        torch.testing.assert_close(reloaded.embed(TEXTS).vectors, llm.embed(TEXTS).vectors, atol=0, rtol=0)
+    else:
+        assert reloaded.score("what keeps keys", ["paged attention", "a dog"]).scores == \
+            llm.score("what keeps keys", ["paged attention", "a dog"]).scores
+        assert len(reloaded.score("what keeps keys", "one document").scores) == 1

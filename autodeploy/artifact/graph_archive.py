@@ -149,6 +149,17 @@ def export_encoder_graph(graph_module: fx.GraphModule, device: torch.device) -> 
                         "encoder graph")
 
 
+def export_embed_graph(graph_module: fx.GraphModule, device: torch.device) -> SavedGraph:
+    """Export an embedding model's ``"embed"`` graph (packed texts: ``input_ids``, ``position_ids``, ``token_type_ids``
+    ``[1, T]`` and ``seq_start`` ``[N + 1]``, T and N dynamic) likewise."""
+    tokens, starts = torch.export.Dim.DYNAMIC, torch.export.Dim.DYNAMIC
+    # Three tensors, not one three times: export would take one input as the other where they are the same object.
+    input_ids, token_type_ids = (torch.zeros((1, 5), dtype=torch.long, device=device) for _ in range(2))
+    seq_start = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    return export_graph(graph_module, [input_ids, torch.arange(5, device=device)[None], token_type_ids, seq_start],
+                        [{1: tokens}, {1: tokens}, {1: tokens}, {0: starts}], "embed graph")
+
+
 def export_graph(graph_module: fx.GraphModule, inputs: Sequence[torch.Tensor], dims: Sequence, what: str) -> SavedGraph:
     """Export ``graph_module`` over example ``inputs`` with their dynamic ``dims``, its tensors as leading inputs, and
     save it to bytes (``torch.export`` format)."""

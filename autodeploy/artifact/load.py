@@ -26,7 +26,7 @@ import torch
 from autodeploy.build_report import BuildReport, TransformRecord, VerificationReport
 from autodeploy.config import load_yaml
 from autodeploy.custom_ops.serving_signature import CROSS_METADATA, KVCacheSpec, ServingSignature
-from autodeploy.deployment import ENCODER, MODEL, VISION, Deployment, ImageBoundaries
+from autodeploy.deployment import EMBED, ENCODER, MODEL, PACKED_TEXTS, VISION, Deployment, EmbeddingHead, ImageBoundaries
 from autodeploy.errors import CheckpointError, ConfigError, error_summary
 from autodeploy.models.vision_language import load_image_processor
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS, hidden_state_buffer
@@ -250,5 +250,14 @@ def _assemble(directory: Path, manifest: Manifest, settings, program, tensors_by
             raise ConfigError(f"this deployment copies out the hidden states of at most {rows} tokens a step; "
                               f"scheduler.max_num_tokens {max_tokens} is more: keep it at most {rows}, or build again")
     signature = ServingSignature(graph_inputs, kv_caches, tuple(decode_sizes), tuple(token_sizes))
+    if "embedding" in serving:  # an embedding model: its "embed" graph, saved only with its attention packing texts
+        try:
+            embedding = EmbeddingHead(**serving["embedding"])
+        except TypeError as error:
+            raise CheckpointError(f"{directory}: the embedding entry of {SERVING} is malformed ({error}); save the deployment "
+                                  f"again") from error
+        graph.meta[PACKED_TEXTS] = True
+        return Deployment({EMBED: graph}, signature, settings, _load_tokenizer(directory, settings), (),
+                          BuildReport(records, verification), manifest.source.get("directory"), embedding=embedding)
     return Deployment({MODEL: graph}, signature, settings, _load_tokenizer(directory, settings), eos_token_ids,
                       BuildReport(records, verification), manifest.source.get("directory"))

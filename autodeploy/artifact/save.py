@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from autodeploy.config import settings_to_yaml
-from autodeploy.deployment import ENCODER, MODEL, VISION, Deployment, as_deployment
+from autodeploy.deployment import EMBED, ENCODER, MODEL, PACKED_TEXTS, VISION, Deployment, as_deployment
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.speculative import HIDDEN_STATE_LAYERS
 
 from .layout import (BUILD_REPORT, GRAPH, IMAGE_PROCESSOR, SERVING, SETTINGS, SIDE_GRAPHS, TOKENIZER, TUNING, WEIGHTS,
                      is_whole_saved_deployment)
-from .graph_archive import SavedGraph, export_encoder_graph, export_served_graph, export_vision_graph
+from .graph_archive import SavedGraph, export_embed_graph, export_encoder_graph, export_served_graph, export_vision_graph
 from .manifest import Manifest, device_kind, package_versions, file_digest
 from .weights_file import save_tensors
 
@@ -48,9 +48,13 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
     settings, signature, verification = deployment.settings, deployment.signature, deployment.report.verification
     if str(settings.device) == "meta":
         raise ConfigError("a deploy on the meta device has no weights to save; deploy with device=cpu or cuda, then save")
-    if not signature.kv_caches:
+    embedding = deployment.embedding  # an embedding model's "embed" graph stands where a language model's "model" graph does
+    if embedding is None and not signature.kv_caches:
         raise ConfigError("this graph has no KV cache (insert_cached_attention is disabled), so it cannot serve; enable it to save")
-    unsaved = sorted(set(deployment.graphs) - {MODEL, *SIDE_GRAPHS})
+    if embedding is not None and not deployment.graphs[EMBED].meta.get(PACKED_TEXTS, False):
+        raise ConfigError("this embed graph's attention does not keep packed texts apart (pack_bidirectional_attention is "
+                          "disabled), so it cannot serve; enable it to save")
+    unsaved = sorted(set(deployment.graphs) - {MODEL, EMBED, *SIDE_GRAPHS})
     if unsaved:
         named = " and ".join(f"{'an' if role[0] in 'aeiou' else 'a'} {role}" for role in unsaved)
         raise ConfigError(f"this deployment has {named} graph beside its model graph, which saved "
@@ -62,8 +66,11 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
     staging.mkdir(parents=True)
     device = torch.device(str(settings.device))
     try:
-        saved = export_served_graph(deployment.graph, signature.inputs, signature.kv_caches, int(settings.kv_cache.block_size),
-                                    device, signature.cross_kv_caches)
+        if embedding is not None:
+            saved = export_embed_graph(deployment.graphs[EMBED], device)
+        else:
+            saved = export_served_graph(deployment.graph, signature.inputs, signature.kv_caches, int(settings.kv_cache.block_size),
+                                        device, signature.cross_kv_caches)
         _write_json(staging / SERVING, {
             "graph_inputs": list(signature.inputs),
             "tensors": _write_graph(saved, staging / GRAPH, staging / WEIGHTS),
@@ -73,7 +80,8 @@ def save_deployment(directory: str | Path, deployment: Deployment, *legacy_argum
             "eos_token_ids": list(deployment.eos_token_ids),
             # eagle3 / mtp: which hidden states the graph copies out (transforms/expose_hidden_states.py)
             **({"hidden_state_layers": _listed(deployment.graph.meta[HIDDEN_STATE_LAYERS])}
-               if HIDDEN_STATE_LAYERS in getattr(deployment.graph, "meta", {}) else {}),
+               if embedding is None and HIDDEN_STATE_LAYERS in getattr(deployment.graph, "meta", {}) else {}),
+            **({"embedding": dataclasses.asdict(embedding)} if embedding is not None else {}),
             **({"image_token_id": int(deployment.image_token_id)} if VISION in deployment.graphs else {}),
             **({"image_boundaries": dataclasses.asdict(deployment.image_boundaries)}
                if deployment.image_boundaries else {}),

@@ -246,10 +246,6 @@ class LLM:
         """
         from autodeploy.artifact import save_deployment
 
-        if self.deployment.embedding is not None:
-            raise ConfigError("saving an embedding model or cross-encoder is not available yet (the artifact format holds a "
-                              "generating model's graph and caches); deploy it from its checkpoint, which takes seconds for "
-                              "an encoder of this size")
         distributed = self.settings.distributed
         if max(int(distributed[name]) for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel")) > 1:
             raise ConfigError("saving a deployment over several ranks is not available yet (each rank holds its own "
