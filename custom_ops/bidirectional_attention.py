@@ -18,8 +18,6 @@ A bidirectional sliding window (``window = W``: ModernBERT's local layers) shows
 """
 
 import functools
-import inspect
-from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -188,46 +186,40 @@ register_backend("bidirectional_attention", "sdpa", bidirectional_attention_sdpa
 
 
 @functools.lru_cache(maxsize=None)
-def _varlen_attn() -> Optional[Callable[..., torch.Tensor]]:
-    """PyTorch's ``torch.nn.attention.varlen.varlen_attn``, or ``None`` where this torch lacks it or its ``scale=`` and
-    ``enable_gqa=`` keywords. Imported on first use: the module imports ``torch._dynamo`` (most of a second), which
-    importing the canonical ops otherwise does not."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn if {"scale", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+def _flash_forward_keywords() -> frozenset[str]:
+    """The arguments this torch's ``aten::_flash_attention_forward`` takes (``scale``, ``window_size_left``, …); none
+    where it has no such op."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return frozenset(argument.name for argument in op.default._schema.arguments) if op is not None else frozenset()
 
 
-def bidirectional_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                                   bias: Optional[torch.Tensor] = None,
-                                   seq_start: Optional[torch.Tensor] = None,
-                                   window: Optional[int] = None) -> torch.Tensor:
-    """Packed sequences through PyTorch's ``varlen_attn`` (flash attention's variable-length kernel) on the
-    ``[T, H, D]`` row, ``seq_start`` as both sequences' starts: each query block reads its own sequence's keys only.
-    A ``window`` is the kernel's ``window_size=(window, window)``: keys ``i - window … i + window`` of the sequence.
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor, scale: float,
+                 window: tuple[int, int] = (-1, -1), causal: bool = False) -> torch.Tensor:
+    """Packed sequences ``[1, T, H, D]`` through flash attention's variable-length kernel, ``seq_start`` as both the
+    queries' and the keys' starts: each query block reads its own sequence's keys only. ``window``: keys ``i - left …
+    i + right`` (-1: unbounded); ``causal``: none after the query.
 
-    The longest sequence is passed as ``S`` (at least 2), an upper bound the kernel accepts (it sizes its grid by it,
-    and blocks past a sequence's end exit at once), rather than ``max(len)``, which would read ``seq_start`` on the
-    host: no sync, so a CUDA graph can capture it. At 1 the kernel takes a path that assumes every sequence has one
-    query, which empty sequences break; 2 keeps it off. Needs ``seq_start`` and no ``bias`` (see its ``supports``).
-    """
+    It calls ``aten::_flash_attention_forward`` itself, the op ``torch.nn.attention.varlen.varlen_attn`` wraps: torch
+    2.11's ``varlen_attn`` takes no ``scale=`` (2.13's does), the op does in both; fewer key/value heads than query
+    heads (GQA) are the kernel's own. The longest sequence is passed as ``T`` (at least 2), an upper bound the kernel
+    accepts (it sizes its grid by it, and blocks past a sequence's end exit at once), rather than ``max(len)``, which
+    would read ``seq_start`` on the host: no sync, so a CUDA graph can capture it. At 1 the kernel takes a path that
+    assumes every sequence has one query, which empty sequences break; 2 keeps it off."""
     cu_seqlens = seq_start.to(device=q.device, dtype=torch.int32).contiguous()
     longest = max(q.shape[1], 2)
-    windowed = {} if window is None else {"window_size": (window, window)}  # a torch without window_size runs the rest
-    out = _varlen_attn()(q[0], k[0], v[0], cu_seqlens, cu_seqlens, longest, longest, scale=scale,
-                         enable_gqa=q.shape[2] != k.shape[2], **windowed)
+    windowed = {} if window == (-1, -1) else {"window_size_left": window[0], "window_size_right": window[1]}
+    out = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], cu_seqlens, cu_seqlens, longest, longest, 0.0, causal,
+                                                  False, scale=scale, **windowed)[0]
     return out.unsqueeze(0)
 
 
-def _varlen_supports(q, k, v, scale, bias=None, seq_start=None, window=None, *, device):
+def flash_varlen_refusal(q, k, v, seq_start, device, windowed: bool) -> Optional[str]:
+    """Why ``flash_varlen`` cannot run these packed ``q``, ``k``, ``v`` (None: it can)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return f"varlen_attn (flash attention) runs on CUDA GPUs only (the deploy runs on {device.type})"
+        return f"flash attention's varlen kernel runs on CUDA GPUs only (the deploy runs on {device.type})"
     if seq_start is None:
-        return "varlen_attn serves packed sequences (seq_start) only"
-    if bias is not None:
-        return "flash attention's varlen kernel adds no bias"
+        return "the varlen kernel serves packed sequences (seq_start) only"
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return f"flash attention takes float16 or bfloat16 q, k and v (got {q.dtype}, {k.dtype}, {v.dtype})"
     head_dim, value_dim = q.shape[-1], v.shape[-1]
@@ -236,15 +228,31 @@ def _varlen_supports(q, k, v, scale, bias=None, seq_start=None, window=None, *, 
                 f"(got D={head_dim}, Dv={value_dim})")
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         return "flash attention needs q, k and v with a contiguous last dim"
-    if _varlen_attn() is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn taking scale= and enable_gqa="
-    if window is not None and "window_size" not in inspect.signature(_varlen_attn()).parameters:
-        return f"torch {torch.__version__}'s varlen_attn takes no window_size= (a sliding window)"
+    keywords = _flash_forward_keywords()
+    if "scale" not in keywords:
+        return f"torch {torch.__version__} has no aten::_flash_attention_forward taking scale="
+    if windowed and not {"window_size_left", "window_size_right"} <= keywords:
+        return f"torch {torch.__version__}'s flash attention forward takes no window_size_left= / window_size_right= (a sliding window)"
     if not torch.backends.cuda.is_flash_attention_available():
         return f"this PyTorch build (torch {torch.__version__}) has no flash attention"
     if torch.cuda.get_device_capability(device)[0] < 8:
         return "flash attention needs an Ampere or later GPU (sm80+)"
-    return True
+    return None
+
+
+def bidirectional_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                   bias: Optional[torch.Tensor] = None,
+                                   seq_start: Optional[torch.Tensor] = None,
+                                   window: Optional[int] = None) -> torch.Tensor:
+    """Packed sequences through flash attention's varlen kernel (``flash_varlen``); a ``window`` is its window
+    ``(window, window)``: keys ``i - window … i + window`` of the sequence. Needs ``seq_start`` and no ``bias``."""
+    return flash_varlen(q, k, v, seq_start, scale, (-1, -1) if window is None else (window, window))
+
+
+def _varlen_supports(q, k, v, scale, bias=None, seq_start=None, window=None, *, device):
+    if bias is not None:
+        return "flash attention's varlen kernel adds no bias"
+    return flash_varlen_refusal(q, k, v, seq_start, device, window is not None) or True
 
 
 register_backend("bidirectional_attention", "varlen", bidirectional_attention_varlen, supports=_varlen_supports)

@@ -208,8 +208,8 @@ def test_the_backends_say_what_they_do_not_take():
         "a bias together with packed sequences (seq_start) is not supported")
 
     assert varlen.check([q, k, v, scale, None, seq_start], torch.device("cpu")) == (
-        "varlen_attn (flash attention) runs on CUDA GPUs only (the deploy runs on cpu)")
-    assert varlen.check([q, k, v, scale], cuda) == "varlen_attn serves packed sequences (seq_start) only"
+        "flash attention's varlen kernel runs on CUDA GPUs only (the deploy runs on cpu)")
+    assert varlen.check([q, k, v, scale], cuda) == "the varlen kernel serves packed sequences (seq_start) only"
     assert varlen.check([q, k, v, scale, bias, seq_start], cuda) == "flash attention's varlen kernel adds no bias"
     assert varlen.check([q.float(), k.float(), v.float(), scale, None, seq_start], cuda) == (
         "flash attention takes float16 or bfloat16 q, k and v (got torch.float32, torch.float32, torch.float32)")
@@ -228,12 +228,10 @@ def test_the_backends_say_which_windows_they_do_not_take(monkeypatch):
     assert sdpa.check([q, k[:, :5], v[:, :5], scale, None, None, 3], cuda) == (
         "a window needs self-attention (as many keys as queries)")
 
-    def varlen_attn_without_windows(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, enable_gqa=False):
-        raise AssertionError("supports only reads its signature")
-
-    monkeypatch.setattr(module, "_varlen_attn", lambda: varlen_attn_without_windows)
+    # A torch whose flash forward takes scale= but no window (supports reads the op's schema only)
+    monkeypatch.setattr(module, "_flash_forward_keywords", lambda: frozenset({"scale"}))
     assert varlen.check([q, k, v, scale, None, seq_start, 3], cuda) == (
-        f"torch {torch.__version__}'s varlen_attn takes no window_size= (a sliding window)")
+        f"torch {torch.__version__}'s flash attention forward takes no window_size_left= / window_size_right= (a sliding window)")
     assert "window_size" not in (varlen.check([q, k, v, scale, None, seq_start], cuda) or "")  # no window: asks none
 
 
