@@ -311,3 +311,20 @@ def test_a_saved_embedder_or_reranker_serves_the_same_after_a_reload(tmp_path, t
         assert reloaded.score("what keeps keys", ["paged attention", "a dog"]).scores == \
             llm.score("what keeps keys", ["paged attention", "a dog"]).scores
         assert len(reloaded.score("what keeps keys", "one document").scores) == 1
+
+
+def test_many_texts_are_tokenized_a_chunk_at_a_time_with_the_same_vectors_and_errors(tmp_path, monkeypatch):
+    """Above EMBED_CHUNK texts, the next chunk is tokenized while this one runs: the vectors are those of one chunk, and
+    a bad text in a later chunk is named by its index in the call."""
+    import autodeploy.frontend.llm as llm_module
+
+    write_tiny_encoder(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32")
+    texts = [f"{TEXTS[i % 4]} {i}" for i in range(11)]
+    whole = llm.embed(texts)
+    monkeypatch.setattr(llm_module, "EMBED_CHUNK", 3)
+    chunked = llm.embed(texts)
+    torch.testing.assert_close(chunked.vectors, whole.vectors)
+    assert chunked.num_tokens == whole.num_tokens
+    with pytest.raises(InvalidRequestError, match="input 9 is 65 tokens"):
+        llm.embed([*texts[:9], [5] * 65, "x"])

@@ -13,6 +13,7 @@ import gc
 import logging
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ from autodeploy.runtime.outputs import RequestOutput
 from autodeploy.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+EMBED_CHUNK = 1024  # texts LLM.embed tokenizes at a time, the next chunk on a thread while this one's forwards queue
 
 
 class LLM:
@@ -170,7 +173,8 @@ class LLM:
         """One vector a text (a string, or token ids as the model reads them), packed into as few forwards as the token
         budget allows. ``pooling``: ``"cls"``, ``"mean"`` or ``"last"`` (default: the model's own, from its
         sentence-transformers modules or ``"cls"``); ``dimensions``: keep the first components only (Matryoshka models);
-        ``normalize``: L2-normalize (default: the model's own, normally yes). Every input is checked before any runs.
+        ``normalize``: L2-normalize (default: the model's own, normally yes). A bad input (empty, too long, ids outside
+        the vocabulary) raises ``InvalidRequestError`` naming its index, and nothing is returned.
 
         >>> llm = autodeploy("BAAI/bge-small-en-v1.5")                                  # doctest: +SKIP
         >>> out = llm.embed(["what is paged attention?", "a KV cache in blocks"])  # doctest: +SKIP
@@ -181,12 +185,15 @@ class LLM:
             raise UnsupportedModelError(self._task_message("embed texts"))
         if pooling is not None and pooling not in POOLINGS:
             raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
-        texts = self._texts(inputs)
+        items = self._inputs(inputs)
         if dimensions is not None and not 1 <= dimensions <= embedder.head.width:
             raise InvalidRequestError(f"dimensions must be between 1 and the model's {embedder.head.width}; got {dimensions}")
-        pooled = embedder.run(texts, pooling=pooling)
-        vectors = finish_vectors(pooled, dimensions, embedder.head.normalize if normalize is None else normalize)
-        return Embeddings(vectors, [len(tokens) for tokens in texts])
+        pooled, num_tokens = [], []
+        for first, texts in self._tokenized_chunks(items):  # a bad text raises before its chunk runs; nothing is returned
+            pooled.append(embedder.run(texts, pooling=pooling, on_device=True, first_index=first, alone=len(items) == 1))
+            num_tokens += [len(tokens) for tokens in texts]
+        vectors = finish_vectors(torch.cat(pooled).cpu(), dimensions, embedder.head.normalize if normalize is None else normalize)
+        return Embeddings(vectors, num_tokens)
 
     def score(self, query: str, documents: str | list[str]) -> Scores:
         """Each document's relevance to ``query`` from a cross-encoder (a ``…ForSequenceClassification`` checkpoint
@@ -209,31 +216,47 @@ class LLM:
         logits = embedder.run(texts, types)
         return Scores(torch.sigmoid(logits).tolist(), [len(ids) for ids in texts])
 
-    def _texts(self, inputs) -> list[list[int]]:
-        """Token ids of each input: strings through the tokenizer (in one batch call: the fast tokenizers encode a
-        batch on a pool of threads), token id lists as given."""
+    def _inputs(self, inputs) -> list:
+        """``inputs`` as a list of strings and token id lists, each checked for its kind (not yet tokenized)."""
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
         if not isinstance(inputs, (list, tuple)) or len(inputs) == 0:
             raise InvalidRequestError("no input: pass a string, a list of token ids, or a non-empty list of either")
-        strings = [index for index, item in enumerate(inputs) if isinstance(item, str)]
-        texts: list = [None] * len(inputs)
         for index, item in enumerate(inputs):
             if isinstance(item, str):
-                continue
-            if not isinstance(item, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                if item == "":
+                    raise InvalidRequestError(f"input {index} is an empty string: there is nothing to embed")
+                if self.tokenizer is None:
+                    raise InvalidRequestError("this model has no tokenizer files: pass token ids, not strings")
+            elif not isinstance(item, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
                 raise InvalidRequestError(f"input {index} is neither a string nor a list of token ids")
-            texts[index] = list(item)
+        return list(inputs)
+
+    def _tokenized(self, items: list) -> list[list[int]]:
+        """Token ids of each item: strings through the tokenizer in one batch call (the fast tokenizers encode a batch on
+        a pool of threads, without the GIL), token id lists as given."""
+        strings = [index for index, item in enumerate(items) if isinstance(item, str)]
+        texts = [None if isinstance(item, str) else list(item) for item in items]
         if strings:
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer files: pass token ids, not strings")
-            empty = [index for index in strings if inputs[index] == ""]
-            if empty:
-                raise InvalidRequestError(f"input {empty[0]} is an empty string: there is nothing to embed")
-            encoded = self.tokenizer([inputs[index] for index in strings], add_special_tokens=True)["input_ids"]
+            encoded = self.tokenizer([items[index] for index in strings], add_special_tokens=True)["input_ids"]
             for index, ids in zip(strings, encoded):
                 texts[index] = ids
         return texts
+
+    def _tokenized_chunks(self, items: list) -> Iterator[tuple[int, list[list[int]]]]:
+        """``(first index, token ids)`` of ``EMBED_CHUNK`` items at a time, the next chunk tokenized on a thread while the
+        caller queues this one's forwards: tokenizing overlaps the device's work instead of preceding all of it."""
+        chunks = [(first, items[first:first + EMBED_CHUNK]) for first in range(0, len(items), EMBED_CHUNK)]
+        if len(chunks) == 1:
+            yield 0, self._tokenized(items)
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as tokenizing:
+            pending = tokenizing.submit(self._tokenized, chunks[0][1])
+            for index, (first, _) in enumerate(chunks):
+                texts = pending.result()
+                if index + 1 < len(chunks):
+                    pending = tokenizing.submit(self._tokenized, chunks[index + 1][1])
+                yield first, texts
 
     def save(self, directory: str | Path) -> Path:
         """Write this deployment to ``directory`` (a new or empty folder, or an earlier save, which is replaced):

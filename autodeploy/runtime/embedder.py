@@ -60,12 +60,14 @@ class Embedder:
         self.max_num_tokens = int(deployment.settings.scheduler.max_num_tokens)
         self.forwards = 0  # forwards run so far (for tests and metrics: how well texts were packed)
 
-    def check(self, texts: Sequence[Sequence[int]]) -> None:
-        """Refuse, before anything runs, a text that is empty, too long or holds ids outside the vocabulary."""
+    def check(self, texts: Sequence[Sequence[int]], first_index: int = 0, alone: bool | None = None) -> None:
+        """Refuse, before anything runs, a text that is empty, too long or holds ids outside the vocabulary. The texts are
+        inputs ``first_index`` … of a call (``alone``: the call's only input; by default when ``texts`` is one)."""
         if len(texts) == 0:
             raise InvalidRequestError("no input: pass at least one text (a string or a list of token ids)")
-        for index, tokens in enumerate(texts):
-            where = f"input {index}" if len(texts) > 1 else "the input"
+        alone = len(texts) == 1 and first_index == 0 if alone is None else alone
+        for index, tokens in enumerate(texts, first_index):
+            where = "the input" if alone else f"input {index}"
             if len(tokens) == 0:
                 raise InvalidRequestError(f"{where} is empty: an embedding needs at least one token")
             if len(tokens) > self.head.max_text_tokens:
@@ -76,10 +78,12 @@ class Embedder:
                 raise InvalidRequestError(f"{where} has token ids outside the vocabulary [0, {self.head.vocab_size}): {outside[:4]}")
 
     def run(self, texts: Sequence[Sequence[int]], token_types: Sequence[Sequence[int]] | None = None,
-            pooling: str | None = None) -> torch.Tensor:
+            pooling: str | None = None, on_device: bool = False, first_index: int = 0, alone: bool | None = None) -> torch.Tensor:
         """The graph's rows for each text: pooled ``[N, H]`` (an embedder, by ``pooling``, default the model's; before
-        truncation and normalization) or the logits ``[N]`` (a cross-encoder), float32 on the CPU, in the order given."""
-        self.check(texts)
+        truncation and normalization) or the logits ``[N]`` (a cross-encoder), float32, in the order given: on the CPU,
+        or (``on_device``) where the graph ran, so a caller can queue more before the one wait for the device.
+        ``first_index`` / ``alone``: where these texts are in the caller's inputs, for the errors (``check``)."""
+        self.check(texts, first_index, alone)
         pooling = pooling or self.head.pooling
         if pooling not in POOLINGS:
             raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
@@ -87,7 +91,8 @@ class Embedder:
         for first, last in self._forwards([len(tokens) for tokens in texts]):
             types = token_types[first:last] if token_types is not None else None
             outputs.append(self._forward(texts[first:last], types, pooling))
-        return torch.cat(outputs)
+        rows = torch.cat(outputs)
+        return rows if on_device else rows.cpu()
 
     def _forwards(self, lengths: list[int]) -> Iterator[tuple[int, int]]:
         """Consecutive runs of texts, each within the token budget (a longer text alone)."""
@@ -114,13 +119,13 @@ class Embedder:
         # runs after an empty one (its start, 0, is a row of the graph), whose logit is dropped.
         alone = self.head.task == "score" and len(texts) == 1
         graph_starts = torch.cat([starts[:1], starts]) if alone else starts
-        inputs = [tensor.to(self.device) for tensor in (ids[None], positions[None], types[None], graph_starts)]
+        inputs = [tensor.to(self.device, non_blocking=True) for tensor in (ids[None], positions[None], types[None], graph_starts)]
         out = self.graph(*inputs)
         out = out[0] if isinstance(out, (tuple, list)) else out
         self.forwards += 1
         if self.head.task == "score":
-            return out.reshape(-1)[-len(texts):].float().cpu()
-        return pool(out[0].float(), starts.to(out.device), pooling).cpu()
+            return out.reshape(-1)[-len(texts):].float()
+        return pool(out[0].float(), starts.to(out.device), pooling)  # no wait for the device: the next forward queues behind
 
 
 def pool(rows: torch.Tensor, seq_start: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -132,7 +137,8 @@ def pool(rows: torch.Tensor, seq_start: torch.Tensor, pooling: str) -> torch.Ten
         return rows[ends - 1]
     if pooling == "mean":
         lengths = ends - starts
-        text_of = torch.repeat_interleave(torch.arange(len(lengths), device=rows.device), lengths)
+        # output_size: the rows, known on the host, so the device is not waited for to size the result
+        text_of = torch.repeat_interleave(torch.arange(len(lengths), device=rows.device), lengths, output_size=rows.shape[0])
         sums = torch.zeros(len(lengths), rows.shape[1], dtype=rows.dtype, device=rows.device).index_add_(0, text_of, rows)
         return sums / lengths[:, None].to(rows.dtype)
     raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
