@@ -2,7 +2,8 @@
 # Issue 44 on the device: an encoder–decoder's GPU tests and check, then the BART-large- and T5-large-shape benchmarks
 # (random weights; MODELS picks): 512-token inputs, 128 tokens out, batch 1 and 64 against HF eager and compiled
 # `generate` in the same run, and 64 concurrent; STAGE=profile profiles a batch-64 decode step. DTYPE (default bfloat16:
-# the checkpoints' config says float32, which nobody serves on a GPU) sets the dtype of every run, HF's included.
+# the checkpoints' config says float32, which nobody serves on a GPU) sets the dtype of every run, HF's included;
+# EXTRA='--set scheduler.max_num_tokens=8192' adds settings to the bench stage's autodeploy runs.
 #   OUT=/tmp/o STAGE=tests,check,bench bash scripts/encdec_gpu.sh; tar czf $OUT/o.tgz -C /tmp o
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -34,7 +35,7 @@ for kind in ("bart", "mbart"):
 PY
   ;;
 bench)
-  common="--set weights=random --set dtype=${DTYPE:-bfloat16} --repeats 1 --no-progress"
+  common="--set weights=random --set dtype=${DTYPE:-bfloat16} --repeats 1 --no-progress ${EXTRA:-}"
   for MODEL in ${MODELS:-bart-large t5-large}; do
   timeout ${BENCH_S:-300} python3 -m autodeploy bench $MODEL $common --workload synthetic --batch 1,64 --input-len 512 --output-len 128 \
     --compare hf-eager,hf-compile --out "$OUT/$MODEL-synthetic.json" > "$OUT/$MODEL-synthetic.log" 2>&1; echo "synthetic rc=$?"
