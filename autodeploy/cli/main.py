@@ -496,7 +496,8 @@ def _build(args) -> None:
     directory = llm.save(args.out)
     size_mb = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file()) / 1e6
     print(f"saved {directory} ({size_mb:.1f} MB; built in {built:.1f}s, saved in {time.perf_counter() - start - built:.1f}s "
-          f"on {llm.settings.device} {llm.settings.dtype}); serve it with: autodeploy run {directory}")
+          f"on {llm.settings.device} {llm.settings.dtype}); serve it with: autodeploy "
+          f"{'run' if 'generate' in llm.tasks else 'serve'} {directory}")
 
 
 def _triton_repo(args) -> None:
