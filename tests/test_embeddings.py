@@ -47,10 +47,12 @@ def test_packed_texts_pool_as_hugging_face_computes_each_alone(tmp_path, kind):
 
 
 def test_a_token_budget_splits_texts_over_forwards_with_the_same_vectors(tmp_path):
+    """A forward holds at most the budget's tokens; a text longer than the budget (not than the model) runs alone."""
     write_tiny_encoder(tmp_path)
-    whole = autodeploy(str(tmp_path), device="cpu", dtype="float32").embed(TEXTS * 5)
+    texts = [*TEXTS * 5, [7] * 40, [9]]
+    whole = autodeploy(str(tmp_path), device="cpu", dtype="float32").embed(texts)
     llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", scheduler={"max_num_tokens": 24}, verify={"enabled": False})
-    split = llm.embed(TEXTS * 5)
+    split = llm.embed(texts)
     assert llm.embedder.forwards > 3
     torch.testing.assert_close(split.vectors, whole.vectors, atol=1e-5, rtol=1e-5)
 

@@ -190,13 +190,13 @@ def export_encoder_decoder(model: nn.Module, spec: EncoderDecoderSpec, role: str
                                   patches, strict)
 
 
-def export_encoder_only(model: nn.Module, task: str, max_num_tokens: int, patches: list[str] = (),
+def export_encoder_only(model: nn.Module, task: str, max_num_tokens: int, max_seq_len: int, patches: list[str] = (),
                         strict: bool = False) -> GraphModule:
     """Export an encoder-only model as the ``"embed"`` graph (``export/encoder_only.py``): ``EncoderHiddenStates``
     for an embedder, ``SequenceScores`` for a cross-encoder; texts packed into one row ``[1, T]``, T and the number of
-    texts dynamic."""
+    texts dynamic. T reaches the token budget, or one text of ``max_seq_len`` (a longer text runs alone)."""
     device = next(model.parameters()).device
-    tokens = torch.export.Dim.DYNAMIC(min=2, max=max(max_num_tokens, 3))
+    tokens = torch.export.Dim.DYNAMIC(min=1, max=max(max_num_tokens, max_seq_len, 3))
     starts = torch.export.Dim.DYNAMIC(min=2)
     input_ids = torch.zeros((1, 5), dtype=torch.long, device=device)
     # Positions as one text's: Hugging Face's causal masks read packed texts from positions that restart (a decoder
@@ -229,7 +229,7 @@ class ExportToFX(Transform):
         encoder_decoder = context.model_factory.encoder_decoder if context.model_factory is not None else None
         if context.role == EMBED:
             gm = export_encoder_only(module, context.model_factory.embedding.task, settings.scheduler.max_num_tokens,
-                                     self.config.patches, self.config.strict)
+                                     settings.max_seq_len, self.config.patches, self.config.strict)
             inputs = EMBED_INPUTS
         elif context.role == VISION:
             gm = export_vision(module, vision_language, settings.vision.max_images_per_batch, self.config.patches, self.config.strict)
