@@ -206,7 +206,8 @@ def _deploy_encoder_only(settings, factory: ModelFactory, pipeline: Pipeline) ->
         graph, verification = pipeline.run(context, dump_dir=settings.dump_graphs), None
     spec = factory.embedding
     head = EmbeddingHead(spec.task, spec.pooling, spec.normalize, min(max_text_tokens(meta_model), int(settings.max_seq_len)),
-                         int(factory.hf_config.vocab_size), int(factory.hf_config.hidden_size))
+                         int(factory.hf_config.vocab_size), int(factory.hf_config.hidden_size), dict(spec.prompts),
+                         spec.default_prompt_name, spec.include_prompt)
     logger.info("%s: %s (%s)", factory.source.name, "a cross-encoder" if spec.task == "score" else "an embedding model", spec.source)
     return Deployment({EMBED: graph}, context.serving_signature(), settings, factory.load_tokenizer(settings.tokenizer), (),
                       BuildReport(pipeline.records, verification), str(factory.source.directory), embedding=head)

@@ -55,7 +55,9 @@ class EmbeddingHead:
     """How an encoder-only deployment's ``"embed"`` graph is served (``models/embedding.py`` decides): ``task``
     ``"embed"`` pools its hidden states into one vector a text (``pooling``, then L2 ``normalize``), ``"score"``
     reads its logit of a (query, document) pair; texts of at most ``max_text_tokens`` tokens, ids below
-    ``vocab_size``; an embedder's vectors have ``width`` components."""
+    ``vocab_size``; an embedder's vectors have ``width`` components. ``prompts``: sentence-transformers' texts put before
+    a string input by name (``default_prompt_name``'s unless another is named); ``include_prompt``: whether pooling reads
+    a prompt's rows."""
 
     task: str
     pooling: str
@@ -63,6 +65,9 @@ class EmbeddingHead:
     max_text_tokens: int
     vocab_size: int
     width: int
+    prompts: Mapping[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    include_prompt: bool = True
 
 
 @dataclass

@@ -330,3 +330,33 @@ def test_many_texts_are_tokenized_a_chunk_at_a_time_with_the_same_vectors_and_er
     assert chunked.num_tokens == whole.num_tokens
     with pytest.raises(InvalidRequestError, match="input 9 is 65 tokens"):
         llm.embed([*texts[:9], [5] * 65, "x"])
+
+
+def test_sentence_transformers_prompts_are_put_before_string_inputs_as_encode_does(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    folder = write_sentence_transformer(tmp_path)
+    config_file = folder / "config_sentence_transformers.json"
+    config = json.loads(config_file.read_text())
+    config["prompts"] = {"query": "a reranker scores ", "document": ""}
+    config_file.write_text(json.dumps(config))
+    reference = SentenceTransformer(str(folder), device="cpu")
+    llm = autodeploy(str(folder), device="cpu", dtype="float32")
+    for name in ("query", "document"):
+        want = reference.encode(TEXTS, prompt_name=name, convert_to_tensor=True)
+        torch.testing.assert_close(llm.embed(TEXTS, prompt_name=name).vectors, want.float(), atol=2e-5, rtol=1e-4)
+    want = reference.encode(TEXTS, prompt="the lazy ", convert_to_tensor=True)
+    torch.testing.assert_close(llm.embed(TEXTS, prompt="the lazy ").vectors, want.float(), atol=2e-5, rtol=1e-4)
+    with pytest.raises(InvalidRequestError, match="'passage' is not one of this model's prompts \\('query', 'document'\\)"):
+        llm.embed(TEXTS, prompt_name="passage")
+
+    config["default_prompt_name"] = "query"  # every input gets it unless another is named
+    config_file.write_text(json.dumps(config))
+    reference = SentenceTransformer(str(folder), device="cpu")
+    llm = autodeploy(str(folder), device="cpu", dtype="float32")
+    torch.testing.assert_close(llm.embed(TEXTS).vectors, reference.encode(TEXTS, convert_to_tensor=True).float(),
+                               atol=2e-5, rtol=1e-4)
+    pooling_file = folder / "1_Pooling" / "config.json"
+    pooling_file.write_text(json.dumps({**json.loads(pooling_file.read_text()), "include_prompt": False}))
+    with pytest.raises(UnsupportedModelError, match="leaves the prompt's rows out"):
+        autodeploy(str(folder), device="cpu", dtype="float32")

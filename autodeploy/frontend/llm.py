@@ -169,12 +169,15 @@ class LLM:
                 f"a causal LM to generate")
 
     def embed(self, inputs: str | list[int] | list[str | list[int]], *, pooling: str | None = None, normalize: bool | None = None,
-              dimensions: int | None = None) -> Embeddings:
+              dimensions: int | None = None, prompt_name: str | None = None, prompt: str | None = None) -> Embeddings:
         """One vector a text (a string, or token ids as the model reads them), packed into as few forwards as the token
         budget allows. ``pooling``: ``"cls"``, ``"mean"`` or ``"last"`` (default: the model's own, from its
         sentence-transformers modules or ``"cls"``); ``dimensions``: keep the first components only (Matryoshka models);
-        ``normalize``: L2-normalize (default: the model's own, normally yes). A bad input (empty, too long, ids outside
-        the vocabulary) raises ``InvalidRequestError`` naming its index, and nothing is returned.
+        ``normalize``: L2-normalize (default: the model's own, normally yes). ``prompt_name`` / ``prompt``: text put
+        before each string input, as ``SentenceTransformer.encode`` takes them (a name from the model's
+        sentence-transformers prompts, e.g. ``"query"``; its ``default_prompt_name``'s when neither is given); token id
+        inputs are read as given. A bad input (empty, too long, ids outside the vocabulary) raises
+        ``InvalidRequestError`` naming its index, and nothing is returned.
 
         >>> llm = autodeploy("BAAI/bge-small-en-v1.5")                                  # doctest: +SKIP
         >>> out = llm.embed(["what is paged attention?", "a KV cache in blocks"])  # doctest: +SKIP
@@ -186,6 +189,9 @@ class LLM:
         if pooling is not None and pooling not in POOLINGS:
             raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
         items = self._inputs(inputs)
+        prefix = self._prompt(embedder.head, prompt_name, prompt)
+        if prefix:
+            items = [prefix + item if isinstance(item, str) else item for item in items]
         if dimensions is not None and not 1 <= dimensions <= embedder.head.width:
             raise InvalidRequestError(f"dimensions must be between 1 and the model's {embedder.head.width}; got {dimensions}")
         pooled, num_tokens = [], []
@@ -215,6 +221,22 @@ class LLM:
         types = encoded.get("token_type_ids") or [[0] * len(ids) for ids in texts]
         logits = embedder.run(texts, types)
         return Scores(torch.sigmoid(logits).tolist(), [len(ids) for ids in texts])
+
+    @staticmethod
+    def _prompt(head, prompt_name: str | None, prompt: str | None) -> str:
+        """The text put before each string input (sentence-transformers' rule: an explicit ``prompt``, else the named
+        one, else the model's default; "" for none)."""
+        if prompt is None and prompt_name is not None:
+            if prompt_name not in head.prompts:
+                named = ", ".join(map(repr, head.prompts)) or "none"
+                raise InvalidRequestError(f"prompt_name {prompt_name!r} is not one of this model's prompts ({named})")
+            prompt = head.prompts[prompt_name]
+        elif prompt is None and head.default_prompt_name is not None:
+            prompt = head.prompts[head.default_prompt_name]
+        if prompt and not head.include_prompt:
+            raise InvalidRequestError("this model's pooling leaves a prompt's rows out (sentence-transformers' include_prompt "
+                                      "false), which autodeploy does not do yet: embed without a prompt, or put it in the text")
+        return prompt or ""
 
     def _inputs(self, inputs) -> list:
         """``inputs`` as a list of strings and token id lists, each checked for its kind (not yet tokenized)."""

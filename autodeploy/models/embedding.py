@@ -24,7 +24,7 @@ each text read causally, pooled as the modules say. Without those files a decode
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from transformers import PretrainedConfig
@@ -56,6 +56,11 @@ class EmbeddingSpec:
     pooling: str  # the rows a text's vector is made of: "cls" (its first), "mean" (all), "last"
     normalize: bool  # L2-normalized vectors (the folder's sentence-transformers Normalize module, or the default)
     source: str  # where pooling and normalize came from, for the build report
+    # sentence-transformers' prompts (config_sentence_transformers.json): text put before an input by name ("query"),
+    # the one every input gets unless another is named, and whether pooling reads the prompt's rows (Pooling's include_prompt)
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    include_prompt: bool = True
 
 
 def is_encoder_only(config: PretrainedConfig) -> bool:
@@ -75,7 +80,8 @@ def embedding_spec(config: PretrainedConfig, directory: Path | None, name: str) 
         if directory is None or not (Path(directory) / "modules.json").is_file():
             return None
         pooling, normalize, source = _sentence_transformers_modules(directory, name, default_pooling="last")
-        return EmbeddingSpec(model_type, "embed", pooling, normalize, f"a decoder embedding model; {source}")
+        spec = EmbeddingSpec(model_type, "embed", pooling, normalize, f"a decoder embedding model; {source}")
+        return _with_prompts(spec, Path(directory), name)
     architectures = list(getattr(config, "architectures", None) or [])
     if any(arch.endswith("ForSequenceClassification") for arch in architectures):
         if model_type in EMBED_ONLY_TYPES:
@@ -94,7 +100,33 @@ def embedding_spec(config: PretrainedConfig, directory: Path | None, name: str) 
                                     f"encoder-only models as embedders (their hidden states pooled) and one-label "
                                     f"cross-encoders (…ForSequenceClassification)")
     pooling, normalize, source = _sentence_transformers_modules(directory, name)
-    return EmbeddingSpec(model_type, "embed", pooling, normalize, source)
+    spec = EmbeddingSpec(model_type, "embed", pooling, normalize, source)
+    return spec if directory is None else _with_prompts(spec, Path(directory), name)
+
+
+def _with_prompts(spec: EmbeddingSpec, directory: Path, name: str) -> EmbeddingSpec:
+    """``spec`` with the folder's sentence-transformers prompts (``config_sentence_transformers.json``) and whether its
+    pooling reads a prompt's rows (``1_Pooling/config.json``'s ``include_prompt``)."""
+    config_file = directory / "config_sentence_transformers.json"
+    if not config_file.is_file():
+        return spec
+    try:
+        config = json.loads(config_file.read_text())
+        prompts = {str(key): str(value) for key, value in (config.get("prompts") or {}).items()}
+        default = config.get("default_prompt_name")
+        modules = json.loads((directory / "modules.json").read_text()) if (directory / "modules.json").is_file() else []
+        pooling_path = next((m.get("path", "") for m in modules if m["type"].rsplit(".", 1)[-1] == "Pooling"), None)
+        pooling_config = json.loads((directory / pooling_path / "config.json").read_text()) if pooling_path else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UnsupportedModelError(f"{name}: cannot read its sentence-transformers prompts ({error}); fix or remove "
+                                    f"{config_file.name}") from None
+    if default is not None and default not in prompts:
+        raise UnsupportedModelError(f"{name}: its default_prompt_name {default!r} is not one of its prompts ({', '.join(prompts)})")
+    include = bool(pooling_config.get("include_prompt", True))
+    if default is not None and prompts[default] and not include:
+        raise UnsupportedModelError(f"{name}: every input gets its {default!r} prompt, and its pooling leaves the prompt's rows "
+                                    f"out (include_prompt false), which autodeploy does not do yet")
+    return replace(spec, prompts=prompts, default_prompt_name=default, include_prompt=include)
 
 
 def _sentence_transformers_modules(directory: Path | None, name: str, default_pooling: str = "cls") -> tuple[str, bool, str]:
