@@ -113,15 +113,10 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_llm = AsyncLLM(llm)
-        embedding.start()
-        if batches is not None:
-            batches.start(app)  # a batch the last server left running goes on
         try:
-            yield
+            async with _serving(app, embedding, batches):
+                yield
         finally:
-            if batches is not None:
-                await batches.stop()  # before the engine stops: its batch's requests are not written as aborted
-            embedding.stop()
             server.async_llm.shutdown()  # in-flight requests end with "abort", their blocks freed
 
     app = _api_app(options, lifespan)
@@ -217,6 +212,22 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     return app
 
 
+@contextlib.asynccontextmanager
+async def _serving(app: FastAPI, embedding: EmbeddingService, batches: BatchStore | None):
+    """What every app runs while it serves: the embedder's worker and the batches in ``batch_dir`` (a batch the last
+    server left running goes on). They stop before whatever runs their requests (the engine, the embedder's own calls),
+    so a batch's requests in flight are not written as aborted; requests still queued for the embedder answer 503."""
+    embedding.start()
+    if batches is not None:
+        batches.start(app)
+    try:
+        yield
+    finally:
+        if batches is not None:
+            await batches.stop()
+        embedding.stop()
+
+
 def _batch_store(llm: LLM, options: ServerOptions) -> BatchStore | None:
     """The Files and Batch APIs' store in ``options.batch_dir`` (None without one)."""
     if options.batch_dir is None:
@@ -265,19 +276,7 @@ def _build_embedding_app(llm: LLM, options: ServerOptions) -> FastAPI:
     embedding = EmbeddingService(llm, options)
     batches = _batch_store(llm, options)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        embedding.start()
-        if batches is not None:
-            batches.start(app)  # a batch the last server left running goes on
-        try:
-            yield
-        finally:
-            if batches is not None:
-                await batches.stop()  # before the embedder stops: its batch's requests are not written as aborted
-            embedding.stop()  # requests still queued answer 503 "aborted"
-
-    app = _api_app(options, lifespan)
+    app = _api_app(options, lambda app: _serving(app, embedding, batches))
     authorized = [Depends(server.check_api_key)]
 
     @app.get("/v1/models", dependencies=authorized)
