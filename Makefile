@@ -1,12 +1,13 @@
 # make run   — create .venv (once), install, and generate with the embedded demo model
 # make test  — create .venv and .venv-triton (once), install, and run the test suite
+# make proto — regenerate the KV transfer's message file after an edit of kv_transfer.proto
 # make bench — the CPU tiny-model benchmark suite against the committed baseline (exit 3 on a regression);
 #              make bench-baseline re-records that baseline on this machine
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-baseline clean
+.PHONY: run test bench bench-baseline proto clean
 
 BENCH_SUITE := --workload synthetic,concurrency --batch 1,8 --input-len 64 --output-len 32 \
 	--concurrency 4 --num-requests 16 --input-dist uniform:16:128 --output-dist uniform:8:32 \
@@ -48,6 +49,10 @@ bench: $(STAMP)
 
 bench-baseline: $(STAMP)
 	$(VENV)/bin/autodeploy bench $(BENCH_SUITE) --out $(BENCH_BASELINE)
+
+# the KV transfer's protobuf messages (autodeploy/serve/disagg/kv_transfer.proto → kv_transfer_pb2.py, committed)
+proto: $(STAMP)
+	cd autodeploy/serve/disagg && ../../../$(PYTHON) -m grpc_tools.protoc -I. --python_out=. kv_transfer.proto
 
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) build *.egg-info

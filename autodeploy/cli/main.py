@@ -1,4 +1,4 @@
-"""The ``autodeploy`` command line: run, serve, batch, build, triton-repo, quantize, config show, inspect, tune, bench.
+"""The ``autodeploy`` command line: run, serve, router, batch, build, triton-repo, quantize, config show, inspect, tune, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
 ``bench --baseline`` exits with code 3 when a metric regressed. ``--debug`` and ``--version`` go
@@ -138,9 +138,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-dir", default=None, metavar="DIR",
                        help="turn on /v1/files and /v1/batches (OpenAI's Batch API), kept in DIR: a server started again on "
                             "DIR carries on with the batch that was running (docs/batch.md)")
+    serve.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+                       help="disaggregated serving (docs/disaggregated.md): a prefill worker computes prompts and hands their KV "
+                            "cache to decode workers, which generate; `autodeploy router` sends requests through both. "
+                            "both (default): a plain server")
+    serve.add_argument("--kv-port", type=int, default=0, help="--role prefill: the KV transfer's gRPC port (default: any free one)")
+    serve.add_argument("--etcd", default=None, metavar="URL", help="register this worker in etcd at URL (e.g. "
+                       "http://127.0.0.1:2379), where routers find it; without it, give the router this worker's URL")
+    serve.add_argument("--advertise-url", default=None, metavar="URL",
+                       help="the URL routers reach this worker at (default: http://HOST:PORT)")
+    serve.add_argument("--kv-hold-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="--role prefill: how long a prompt's KV blocks wait for a decode worker to pull them")
     serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="a stream's chunks after the first carry N new tokens each (default 1): fewer events, longer gaps")
     _add_settings_arguments(serve)
+
+    router = commands.add_parser("router", help="the OpenAI-compatible front end of disaggregated serving: sends each request "
+                                                 "to a prefill worker, then a decode worker (docs/disaggregated.md)")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--etcd", default=None, metavar="URL", help="find workers in etcd at URL (they register with serve --etcd)")
+    router.add_argument("--namespace", default="autodeploy", help="the etcd key prefix the workers registered under")
+    router.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill worker's URL (static; repeat)")
+    router.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker's URL (static; repeat)")
+    router.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS", help="a request's deadline at a worker")
 
     batch = commands.add_parser("batch", help="run a file of requests in the OpenAI Batch API's format through a model, "
                                                "resumably (docs/batch.md)")
@@ -246,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch (fewer threads measure more steadily on a shared machine)")
     bench.add_argument("--no-progress", action="store_true")
     _add_settings_arguments(bench)
-    for subcommand in (run, serve, build, triton_repo, quantize, config, show, inspect, tune, bench):
+    for subcommand in (run, serve, router, build, triton_repo, quantize, config, show, inspect, tune, bench):
         _add_global_flags(subcommand, version_line, top_level=False)
     return parser
 
@@ -435,7 +456,26 @@ def _serve(args) -> None:
                             tool_call_format=args.tool_call_format,
                             stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser,
                             batch_dir=args.batch_dir)
+    if args.role != "both" or args.etcd:
+        from autodeploy.serve.disagg.worker import WorkerOptions
+
+        options.disagg = WorkerOptions(role=args.role, url=args.advertise_url or f"http://{args.host}:{sock.getsockname()[1]}",
+                                       kv_host=args.host, kv_port=args.kv_port, etcd=args.etcd, hold_ttl_s=args.kv_hold_timeout)
     run_server(build_app(llm, options), host=args.host, port=args.port, log_level="debug" if args.debug else "info", sock=sock)
+
+
+def _router(args) -> None:
+    try:
+        from autodeploy.serve.disagg.router import RouterOptions, build_router_app
+        from autodeploy.serve import run_server
+    except ImportError as error:
+        raise ConfigError(f"autodeploy router needs the serve and disagg extras ({error.name} is missing): "
+                          f"pip install 'autodeploy[serve,disagg]'") from None
+    options = RouterOptions(prefill=args.prefill, decode=args.decode, etcd=args.etcd, namespace=args.namespace,
+                            timeout_s=args.request_timeout)
+    app = build_router_app(options)
+    run_server(app, host=args.host, port=args.port, log_level="debug" if args.debug else "info",
+               sock=_bound_socket(args.host, args.port))
 
 
 def _batch(args) -> None:
@@ -570,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _with_speculative_flags(args)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"run": _run, "serve": _serve, "batch": _batch, "build": _build, "triton-repo": _triton_repo, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
+    handlers = {"run": _run, "serve": _serve, "router": _router, "batch": _batch, "build": _build, "triton-repo": _triton_repo, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
                 "bench": _bench}
     try:
         code = handlers[args.command](args)

@@ -71,17 +71,20 @@ class KVBlockPool:
         return max(0, -(-num_tokens // self.block_size) - len(self.block_table(seq_id)))
 
     # ---- allocation ----------------------------------------------------------------------------
-    def acquire_prefix(self, seq_id: Hashable, token_ids: Sequence[int], content_spans: Sequence[tuple[int, int, str]] = ()) -> int:
+    def acquire_prefix(self, seq_id: Hashable, token_ids: Sequence[int], content_spans: Sequence[tuple[int, int, str]] = (),
+                       count: bool = True) -> int:
         """Start ``seq_id``'s table with the cached blocks of its longest cached prefix; returns how many
         tokens that covers. At least one token is always left to compute (its logits are needed), and a
-        block being shared is never written again."""
+        block being shared is never written again. ``count``: whether the lookup counts in the hit-rate
+        ``stats`` (a KV hand-off's hold, ``kv_handoff.py``, is not a request's lookup)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it first")
         self._tables[seq_id] = []
         if not self.enable_prefix_caching:
             return 0
         reusable_blocks = (len(token_ids) - 1) // self.block_size
-        self.stats.queried_tokens += len(token_ids)
+        if count:
+            self.stats.queried_tokens += len(token_ids)
         table = self._tables[seq_id]
         for block_hash in self.block_keys(seq_id, token_ids, reusable_blocks, content_spans):
             block = self._block_of_hash.get(block_hash)
@@ -91,7 +94,8 @@ class KVBlockPool:
             table.append(block)
         self._published[seq_id] = len(table)
         cached = len(table) * self.block_size
-        self.stats.hit_tokens += cached
+        if count:
+            self.stats.hit_tokens += cached
         return cached
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> bool:
@@ -161,6 +165,43 @@ class KVBlockPool:
                     self._parked[block] = None  # most recently used last
                 else:
                     self._never_used.append(block)
+
+    # ---- blocks from another pool (disaggregated serving, kv_handoff.py) -------------------------
+    def cached_keys(self, block_keys: Sequence[bytes]) -> set[bytes]:
+        """Which of ``block_keys`` (``block_keys``' prefix hashes) this pool's prefix cache holds."""
+        return {key for key in block_keys if key in self._block_of_hash}
+
+    def adopt_prefix(self, holder: Hashable, block_keys: Sequence[bytes]) -> list[tuple[int, int]] | None:
+        """Give ``holder`` a table for the prefix whose blocks have ``block_keys``: the blocks this prefix cache holds
+        already (shared), a new block for each other. Returns ``(index, block)`` of the new blocks, whose contents the
+        caller writes and then ``publish_adopted``; None (and nothing taken) when the pool has too few free blocks."""
+        if holder in self._tables:
+            raise ValueError(f"holder {holder!r} already holds blocks; free it first")
+        cached = [self._block_of_hash.get(key) for key in block_keys]
+        if sum(block is None for block in cached) > self.num_free_blocks - sum(
+                block is not None and self._ref_counts[block] == 0 for block in cached):
+            return None
+        table, new = [], []
+        for block in cached:  # the shared blocks first, so no new block evicts one of them
+            if block is not None:
+                self._take(block)
+        for index, block in enumerate(cached):
+            if block is None:
+                block = self._pop_free_block()
+                new.append((index, block))
+            table.append(block)
+        self._tables[holder] = table
+        return new
+
+    def publish_adopted(self, holder: Hashable, block_keys: Sequence[bytes], num_blocks: int) -> None:
+        """Put ``holder``'s first ``num_blocks`` blocks in the prefix cache under ``block_keys`` (their contents are
+        written and checked); a later request with that prefix shares them. Its other new blocks stay out of it."""
+        if not self.enable_prefix_caching:
+            return
+        for block, key in zip(self._tables.get(holder, [])[:num_blocks], block_keys[:num_blocks]):
+            if block not in self._hash_of_block and key not in self._block_of_hash:
+                self._block_of_hash[key] = block
+                self._hash_of_block[block] = key
 
     def reset_prefix_cache(self) -> None:
         """Forget every parked prefix (benchmarks measure each repeat from a cold cache); blocks in use

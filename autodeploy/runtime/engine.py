@@ -36,6 +36,7 @@ from autodeploy.deployment import VISION, Deployment
 from autodeploy.custom_ops.serving_signature import ATTEND_UNTIL, TREE_MASK
 from autodeploy.errors import ConfigError, InvalidRequestError
 from autodeploy.runtime import draft_model, eagle3, mtp  # noqa: F401  (register the "draft", "eagle3" and "mtp" drafters)
+from autodeploy.runtime.kv_handoff import KVHandoff
 from autodeploy.runtime.model_runner import make_model_runner
 from autodeploy.runtime.rank_mirror import Command, Peers, RankMirror
 from autodeploy.runtime.request import Request, TokenRows
@@ -118,6 +119,8 @@ class Engine:
                                    *((self.speculator.record, self.speculator.accept, self.speculator.relocate)
                                      if self.speculator is not None else ()))
         self._lock = threading.RLock()  # requests, scheduler and pool
+        # A prompt's KV blocks out of this engine or into it (disaggregated serving's prefill and decode workers).
+        self.handoff = KVHandoff(self.pool, self.runner.caches, self._lock)
         self._step_lock = threading.Lock()  # one step at a time
         self._turn = threading.Condition()  # who steps next among front ends (step_or_wait)
         self._stepping = False
@@ -261,6 +264,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self.requests) or bool(self.mirror is not None and self.mirror.queued_submits())
+
+    def load(self) -> dict:
+        """How busy the engine is now: prompt tokens waiting to be computed, sequences waiting and running, the share of
+        KV blocks in use (what a router balances workers by)."""
+        with self._lock:
+            waiting, running = self.scheduler.waiting, self.scheduler.running
+            return {"queued_prompt_tokens": sum(s.num_to_compute for s in waiting), "waiting": len(waiting),
+                    "running": len(running), "kv_usage": round(self.pool.num_used_blocks / self.pool.num_blocks, 4)}
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids (text through the tokenizer; ids checked against the vocabulary)."""

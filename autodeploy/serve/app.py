@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from autodeploy.errors import ConfigError, InvalidRequestError, error_summary
+from autodeploy.errors import AutoDeployError, ConfigError, InvalidRequestError, error_summary
 from autodeploy.frontend.async_llm import AsyncLLM, check_stream_interval
 from autodeploy.frontend.llm import LLM
 from autodeploy.runtime.images import load_image
@@ -47,6 +47,9 @@ from autodeploy.frontend.tool_calls import ToolCallParser, ToolSpec, parse_tool_
 from autodeploy.serve.api_key import API_KEY_SCOPES, KeyOnEveryRoute, bearer_key_matches, missing_key_error
 from autodeploy.serve.admission import Admission, Place
 from autodeploy.serve.batches_api import ENDPOINTS, BatchStore, add_batch_routes, add_disabled_batch_routes
+from autodeploy.serve.disagg.worker import (
+    KV_HEADER, PHASE_HEADER, RESUME_HEADER, TOKENS_HEADER, DisaggWorker, WorkerOptions, resume_requests,
+)
 from autodeploy.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from autodeploy.serve.embeddings_api import TASK_OF_ROUTE, EmbeddingService, add_embedding_routes
 from autodeploy.serve.metrics import ServerMetrics
@@ -88,6 +91,7 @@ class ServerOptions:
     stream_interval: int = 1
     reasoning_parser: str = "none"
     batch_dir: str | None = None
+    disagg: WorkerOptions | None = None  # a disaggregated worker's role (serve/disagg/worker.py); None: a plain server
 
 
 REASONING_PARSERS = ("none", "think")
@@ -109,6 +113,7 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     server = _Server(llm, options, metrics)
     embedding = EmbeddingService(llm, options)  # a model that also embeds or scores: those routes answer too
     batches = _batch_store(llm, options)
+    server.disagg = DisaggWorker(llm, options.disagg) if options.disagg is not None and options.disagg.role != "both" else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -118,6 +123,8 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
                 yield
         finally:
             server.async_llm.shutdown()  # in-flight requests end with "abort", their blocks freed
+            if server.disagg is not None:
+                server.disagg.close()  # leaves the registry at once
 
     app = _api_app(options, lifespan)
     authorized = [Depends(server.check_api_key)]
@@ -129,6 +136,12 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict:
         return server.model_list()
+
+    @app.get("/disagg/load", dependencies=authorized)
+    async def disagg_load() -> dict:  # what a router balances by (serve/disagg/router.py)
+        if server.disagg is None:
+            return {"role": "both", "load": engine.load()}
+        return server.disagg.info()
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -355,6 +368,7 @@ class _Server(_ModelServer):
         super().__init__(llm, options, self.engine.max_seq_len)
         self.metrics = metrics
         self.async_llm: AsyncLLM | None = None
+        self.disagg: DisaggWorker | None = None  # a disaggregated worker's role (build_app sets it)
         self.admission = Admission(self.engine.scheduler, options.max_queued_requests, options.queue_timeout_s,
                                    options.retry_after_s, on_refusal=metrics.rejected.inc)
         metrics.waiting_for_room.set_function(lambda: self.admission.lobby_size)
@@ -411,16 +425,45 @@ class _Server(_ModelServer):
 
     async def respond(self, request: Request, writer: _ResponseFormat, prompts: list[list[int]], params: SamplingParams,
                       stream: bool, include_usage: bool, place: Place) -> Response:
-        """Queue the requests in their ``place`` (``queue_place``) and answer them."""
-        queued = await asyncio.to_thread(self.make_requests, prompts, params)
+        """Queue the requests in their ``place`` (``queue_place``) and answer them. On a disaggregated worker, the router's
+        headers (``serve/disagg/worker.py``) make it the prefill phase (compute the prompts, hold their KV blocks, say
+        where they are), pull the prompts' blocks first, or resume a stream another worker began."""
+        headers = request.headers
+        if {PHASE_HEADER, KV_HEADER, RESUME_HEADER} & set(headers) and self.disagg is None:
+            raise APIError(400, "this server is not a disaggregated worker (start it with --role prefill or --role decode)")
+        if RESUME_HEADER in headers and headers.get(PHASE_HEADER) == "prefill":  # the KV of the tokens streamed so far too
+            tokens, _ = resume_requests(headers[RESUME_HEADER], await asyncio.to_thread(self.make_requests, prompts, params))
+            prompts = [_extended(prompts[0], tokens)]
+        if headers.get(PHASE_HEADER) == "prefill":
+            return await self._prefill(prompts, place)
+        holders = []
+        if KV_HEADER in headers:
+            if self.disagg.role == "prefill":
+                raise APIError(400, "a prefill worker does not decode; send the request to a decode worker")
+            try:
+                holders = await asyncio.to_thread(self.disagg.receive, headers[KV_HEADER], len(prompts))
+            except InvalidRequestError:
+                raise
+            except AutoDeployError as error:  # TransferError: the workers serve different models or KV layouts
+                raise APIError(409, str(error), code="kv_mismatch") from None
+        try:
+            queued = await asyncio.to_thread(self.make_requests, prompts, params)
+            resumed = resume_requests(headers[RESUME_HEADER], queued) if RESUME_HEADER in headers else None
+        except BaseException:
+            if holders:
+                self.disagg.release(holders)
+            raise
         self.admission.enter(queued, place)
         if stream:
-            return StreamingResponse(self._events(writer, queued, params, include_usage), media_type="text/event-stream",
+            events = self._events(writer, queued, params, include_usage, resumed, annotate=TOKENS_HEADER in headers)
+            return StreamingResponse(self._releasing(events, holders), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
             finals = await _unless_disconnected(request, self._finals(queued))
         finally:
             self.admission.leave(queued)
+            if holders:
+                self.disagg.release(holders)
         if finals is None:  # the client left; its requests were aborted
             for _ in queued:
                 self.metrics.observe_abandoned()
@@ -431,6 +474,28 @@ class _Server(_ModelServer):
         choices = [writer.choice(p * len(k) + i, c, p) for p, k in enumerate(kept) for i, c in enumerate(k)]
         return JSONResponse(writer.envelope(choices, usage=_usage(finals)))
 
+    async def _prefill(self, prompts: list, place: Place) -> Response:
+        """A prefill worker's phase: compute the prompts (one greedy token each, not returned: the decode worker samples
+        every token), then hold their blocks for the decode worker to pull."""
+        queued = await asyncio.to_thread(self.make_requests, prompts, SamplingParams(max_tokens=1, temperature=0))
+        self.admission.enter(queued, place)
+        try:
+            finals = await asyncio.gather(*(self.async_llm.generate(engine_request) for engine_request in queued))
+        finally:
+            self.admission.leave(queued)
+        if any(o.finish_reason == "abort" for o in finals):
+            raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+        return JSONResponse({"kv_transfer": self.disagg.hold(queued)})
+
+    async def _releasing(self, events: AsyncIterator[str], holders: list[str]) -> AsyncIterator[str]:
+        """``events``, then the decode phase's received blocks go back (the request has long found its prefix)."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            if holders:
+                self.disagg.release(holders)
+
     async def _finals(self, queued: list[EngineRequest]) -> list[RequestOutput]:
         finals = await asyncio.gather(*(self.async_llm.generate(engine_request) for engine_request in queued))
         for output in finals:
@@ -438,11 +503,18 @@ class _Server(_ModelServer):
         return finals
 
     async def _events(self, writer: _ResponseFormat, queued: list[EngineRequest], params: SamplingParams,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per new piece of a choice, its finish, then usage (if asked) and [DONE]."""
+                      include_usage: bool, resumed: tuple[list[int], str] | None = None, annotate: bool = False) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per new piece of a choice, its finish, then usage (if asked) and [DONE].
+        ``resumed``: the tokens and text another worker streamed, which the writer reads (its parsers' state) but does
+        not send. ``annotate``: each choice also carries ``autodeploy: {token_ids, text}``, its new tokens and raw text,
+        and a choice the writer holds back is sent with only those (a router strips them; ``serve/disagg/router.py``)."""
         streams = [self.async_llm.stream(engine_request, stream_interval=self.options.stream_interval) for engine_request in queued]
         finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
+        if resumed is not None:
+            tokens, text = resumed
+            writer.delta(0, CompletionOutput(0, text, tokens, None, new_token_ids=tokens, new_text=text), 0, first=True)
+            started.add(0)
         try:
             async with contextlib.aclosing(_merged(streams)) as merged:  # closed at once when the client leaves
                 async for prompt_index, output in merged:
@@ -451,8 +523,11 @@ class _Server(_ModelServer):
                         index = prompt_index * params.n + completion.index
                         if completion.finish_reason == "abort":
                             raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-                        if index not in started or completion.new_text or completion.finish_reason is not None:
+                        if index not in started or completion.new_text or completion.finish_reason is not None or annotate:
                             delta = writer.delta(index, completion, prompt_index, first=index not in started)
+                            if annotate:
+                                delta = delta or {"index": index, "autodeploy_only": True}
+                                delta["autodeploy"] = {"token_ids": completion.new_token_ids, "text": completion.new_text}
                             if delta is not None:
                                 chunk_choices.append(delta)
                             started.add(index)
@@ -473,6 +548,13 @@ class _Server(_ModelServer):
             for _ in range(len(queued) - len(finals)):
                 self.metrics.observe_abandoned()
         yield "data: [DONE]\n\n"
+
+
+def _extended(prompt: list[int] | dict, tokens: list[int]) -> list[int] | dict:
+    """A prompt with ``tokens`` after it (a dict prompt's ids, its images kept)."""
+    if isinstance(prompt, dict):
+        return {**prompt, "prompt": list(prompt["prompt"]) + tokens}
+    return list(prompt) + tokens
 
 
 async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -32,15 +32,17 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
 
 
 @contextlib.contextmanager
-def serving_in_thread(app: FastAPI, startup_timeout_s: float = 30.0) -> Iterator[str]:
-    """Serve ``app`` under uvicorn in a daemon thread on a free loopback port; yields its base URL and stops
+def serving_in_thread(app: FastAPI, startup_timeout_s: float = 30.0, sock: socket.socket | None = None) -> Iterator[str]:
+    """Serve ``app`` under uvicorn in a daemon thread on a free loopback port (or on ``sock``, bound already: an app that
+    must know its URL before it serves, a disaggregated worker's, is built after it); yields its base URL and stops
     the server (and with it the app's ``AsyncLLM``) on exit.
 
         with serving_in_thread(build_app(llm, ServerOptions(served_model_name="tiny"))) as url:
             httpx.get(f"{url}/health")
     """
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound before the thread starts, so the port is known and cannot be taken
+    if sock is None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))  # bound before the thread starts, so the port is known and cannot be taken
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()

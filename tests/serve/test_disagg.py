@@ -1,0 +1,314 @@
+"""Disaggregated serving on loopback: prefill and decode workers, the KV transfer between them, and the router.
+
+Every answer through the router is held to the same request's answer from one plain server over the same tiny
+Llama (greedy and seeded, streamed and not); then the faults: corrupted payloads, a hold that is gone, a worker
+of another model, and (``test_killed_workers``) decode and prefill worker processes killed by PID mid-run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from autodeploy import autodeploy
+from autodeploy.errors import ConfigError
+from autodeploy.serve import ServerOptions, build_app
+from autodeploy.serve.disagg.router import RouterOptions, build_router_app
+from autodeploy.serve.disagg.transfer import CORRUPT_ENV, TransferError, receive
+from autodeploy.serve.disagg.worker import KV_HEADER, WorkerOptions, check_role
+from autodeploy.serve.server import serving_in_thread
+from autodeploy.runtime.sampling_params import SamplingParams
+from tests.serve.test_openai_server import CHAT_TEMPLATE
+
+PROMPT = "def fibonacci(n): return fibonacci(n - 1) + fibonacci(n - 2) if n > 1 else n  # the classic, slow and exact"
+REQUESTS = [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}),
+    ("/v1/completions", {"prompt": PROMPT + " again", "max_tokens": 10, "temperature": 1.0, "seed": 7}),
+    ("/v1/completions", {"prompt": [PROMPT, "import os"], "max_tokens": 6, "temperature": 0.8, "seed": 3, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 9, "temperature": 0.7, "seed": 11,
+                              "logprobs": True, "top_logprobs": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def saved(llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama saved (workers load it in a blink, in process or as processes)."""
+    directory = tmp_path_factory.mktemp("disagg-llama")
+    autodeploy(str(llama_dir), device="cpu").save(directory)
+    return directory
+
+
+def _app(saved: Path, role: str | None = None, **worker) -> tuple:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    disagg = WorkerOptions(role=role, url=url, **worker) if role else None
+    return build_app(autodeploy(str(saved)), ServerOptions("tiny", chat_template=CHAT_TEMPLATE, disagg=disagg)), sock
+
+
+@pytest.fixture(scope="module")
+def cluster(saved):
+    """A plain server (the reference), two prefill and two decode workers in this process, and a router over them."""
+    with contextlib.ExitStack() as stack:
+        def serve(role=None, **worker):
+            app, sock = _app(saved, role, **worker)
+            return stack.enter_context(serving_in_thread(app, sock=sock))
+
+        reference = serve()
+        prefill = [serve("prefill") for _ in range(2)]
+        decode = [serve("decode") for _ in range(2)]
+        router = stack.enter_context(serving_in_thread(build_router_app(RouterOptions(prefill=prefill, decode=decode, poll_s=0.2))))
+        yield {"reference": reference, "prefill": prefill, "decode": decode, "router": router}
+
+
+def _answer(url: str, path: str, body: dict, timeout: float = 60) -> dict:
+    response = httpx.post(f"{url}{path}", json={"model": "tiny", **body}, timeout=timeout)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _streamed(url: str, path: str, body: dict, timeout: float = 60) -> dict[int, str]:
+    """Each choice's streamed text, in order."""
+    texts: dict[int, str] = {}
+    with httpx.stream("POST", f"{url}{path}", json={"model": "tiny", **body, "stream": True}, timeout=timeout) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                assert "autodeploy" not in choice
+                piece = choice.get("text") if "text" in choice else (choice["delta"].get("content") or "")
+                texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts
+
+
+def _without_ids(answer: dict) -> dict:
+    return {key: value for key, value in answer.items() if key not in ("id", "created")}
+
+
+def _transfers(urls: list[str]) -> dict:
+    totals: dict[str, int] = {}
+    for url in urls:
+        for key, value in httpx.get(f"{url}/disagg/load").json()["transfers"].items():
+            totals[key] = totals.get(key, 0) + value
+    return totals
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("path,body", REQUESTS, ids=["greedy", "seeded", "two-prompts-n2", "chat-logprobs"])
+def test_router_answers_as_one_server(cluster, path, body):
+    before = _transfers(cluster["decode"])
+    assert _without_ids(_answer(cluster["router"], path, body)) == _without_ids(_answer(cluster["reference"], path, body))
+    assert _streamed(cluster["router"], path, body) == _streamed(cluster["reference"], path, body)
+    after = _transfers(cluster["decode"])
+    assert after["received_blocks"] + after["cached_blocks"] > before["received_blocks"] + before["cached_blocks"]
+    assert after["failed"] == before["failed"]
+
+
+@pytest.mark.timeout(120)
+def test_router_health_metrics_and_other_routes(cluster):
+    health = httpx.get(f"{cluster['router']}/health").json()
+    assert health["workers"] == {"prefill": 2, "decode": 2} and health["status"] == "ok"
+    assert httpx.get(f"{cluster['router']}/v1/models").json()["data"][0]["id"] == "tiny"
+    bad = httpx.post(f"{cluster['router']}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": -1})
+    assert bad.status_code == 400 and "max_tokens" in bad.text
+    metrics = httpx.get(f"{cluster['router']}/metrics").text
+    assert 'autodeploy_router_live_workers{role="decode"} 2.0' in metrics
+
+
+@pytest.mark.timeout(120)
+def test_worker_headers_on_a_plain_server_and_a_prefill_worker(cluster):
+    plain = httpx.post(f"{cluster['reference']}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={KV_HEADER: "[]"})
+    assert plain.status_code == 400 and "--role" in plain.text
+    prefill = httpx.post(f"{cluster['prefill'][0]}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={KV_HEADER: "[]"})
+    assert prefill.status_code == 400 and "decode worker" in prefill.text
+    garbled = httpx.post(f"{cluster['decode'][0]}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={KV_HEADER: "{"})
+    assert garbled.status_code == 400 and KV_HEADER in garbled.text
+
+
+def _held_prompt(engine, prompt: list[int]) -> list[bytes]:
+    engine.pool.reset_prefix_cache()
+    list(_generate(engine, prompt, SamplingParams(max_tokens=1)))
+    return engine.handoff.hold("t", prompt)
+
+
+def _generate(engine, prompt, params):
+    request = engine.add_request(prompt, params)
+    while not request.finished:
+        engine.step()
+    return request.sequences[0].output_token_ids
+
+
+@pytest.mark.timeout(120)
+def test_handoff_moves_exactly_the_blocks_the_receiver_lacks(saved):
+    sender, receiver = autodeploy(str(saved)).engine, autodeploy(str(saved)).engine
+    prompt = list(range(3, 3 + 5 * sender.pool.block_size + 3))
+    expected = _generate(sender, prompt, SamplingParams(max_tokens=6))
+    keys = _held_prompt(sender, prompt)
+    assert len(keys) == 5
+    payloads = dict(sender.handoff.payloads("t"))
+    first = receiver.handoff.adopt("r1", keys[:2])  # the receiver has the first two blocks already
+    assert receiver.handoff.write("r1", keys[:2], {i: payloads[i] for i in first}) == 2
+    new = receiver.handoff.adopt("r2", keys)
+    assert new == [2, 3, 4] and dict(sender.handoff.payloads("t", skip=set(keys[:2]))).keys() == {2, 3, 4}
+    assert receiver.handoff.write("r2", keys, {2: payloads[2], 4: payloads[4]}) == 3  # block 3 lost: the run ends before it
+    hits = receiver.pool.stats.hit_tokens
+    assert _generate(receiver, prompt, SamplingParams(max_tokens=6)) == expected
+    assert receiver.pool.stats.hit_tokens - hits == 3 * receiver.pool.block_size
+    with pytest.raises(ValueError, match="bytes"):
+        receiver.handoff.adopt("r3", keys[:1] + [b"x" * 16])
+        receiver.handoff.write("r3", keys[:1] + [b"x" * 16], {1: b"short"})
+    assert sender.handoff.release("t") and not sender.handoff.release("t")
+    sender.handoff.hold("late", prompt, ttl_s=0)
+    assert sender.handoff.expire() == ["late"] and sender.handoff.held == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("corrupted,written", [(1, 5), (1000, 0)], ids=["retried", "given-up"])
+def test_corrupted_payloads_are_never_used(saved, monkeypatch, corrupted, written):
+    """A payload that fails its checksum is asked for again; one that keeps failing is computed by the receiver."""
+    from autodeploy.serve.disagg.transfer import KVTransferService, start_transfer_server
+
+    monkeypatch.setenv(CORRUPT_ENV, str(corrupted))
+    sender, receiver = autodeploy(str(saved)).engine, autodeploy(str(saved)).engine
+    prompt = list(range(3, 3 + 5 * sender.pool.block_size + 3))
+    expected = _generate(receiver, prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=5))
+    receiver.pool.reset_prefix_cache()
+    keys = _held_prompt(sender, prompt)
+    server, port = start_transfer_server(KVTransferService(sender.handoff, "same"), "127.0.0.1", 0)
+    try:
+        with pytest.raises(TransferError, match="same model"):
+            receive(receiver.handoff, "other", f"127.0.0.1:{port}", "t", keys, "another-model")
+        result = receive(receiver.handoff, "r", f"127.0.0.1:{port}", "t", keys, "same", timeout_s=5)
+    finally:
+        server.stop(grace=0)
+    assert result.written == written and result.usable == written and result.attempts == (2 if corrupted == 1 else 3)
+    assert (result.error is None) == (written == 5) and not sender.handoff.held  # released once received
+    assert _generate(receiver, prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=5)) == expected
+
+
+@pytest.mark.timeout(120)
+def test_a_released_hold_and_a_dead_source_leave_the_prompt_to_the_receiver(saved):
+    receiver = autodeploy(str(saved)).engine
+    keys = [bytes([i]) * 16 for i in range(3)]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    result = receive(receiver.handoff, "r", dead, "gone", keys, "same", timeout_s=2, retries=1)
+    assert result.usable == 0 and "UNAVAILABLE" in result.error and receiver.pool.cached_keys(keys) == set()
+
+
+def test_roles_refuse_what_they_cannot_hand_over(saved):
+    llm = autodeploy(str(saved))
+    check_role(llm, "decode")
+    with pytest.raises(ConfigError, match="--role"):
+        check_role(llm, "middle")
+    no_prefix = autodeploy(str(saved), kv_cache={"prefix_caching": False})
+    with pytest.raises(ConfigError, match="prefix_caching"):
+        check_role(no_prefix, "prefill")
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_of_another_model_is_refused(saved, tiny_checkpoint, tmp_path):
+    other_dir = tmp_path / "other"
+    autodeploy(str(tiny_checkpoint("qwen2")), device="cpu").save(other_dir)
+    with contextlib.ExitStack() as stack:
+        def serve(directory, role):
+            app, sock = _app(directory, role)
+            return stack.enter_context(serving_in_thread(app, sock=sock))
+
+        prefill, decode, other = serve(saved, "prefill"), serve(saved, "decode"), serve(other_dir, "decode")
+        router = stack.enter_context(serving_in_thread(build_router_app(RouterOptions(prefill=[prefill], decode=[decode, other]))))
+        health = httpx.get(f"{router}/health").json()
+        assert health["workers"] == {"prefill": 1, "decode": 1} and other in health["refused"]
+        transfers = httpx.post(f"{prefill}/v1/completions", json={"model": "tiny", "prompt": PROMPT},
+                               headers={"x-autodeploy-disagg": "prefill"}).json()["kv_transfer"]
+        refused = httpx.post(f"{other}/v1/completions", json={"model": "tiny", "prompt": PROMPT},
+                             headers={KV_HEADER: json.dumps(transfers)})
+        assert refused.status_code == 409 and "same model" in refused.text
+
+
+# ---- worker processes killed by PID ------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _worker_process(saved: Path, role: str, log: Path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "autodeploy", "serve", str(saved), "--role", role, "--port", str(port),
+                                    "--served-model-name", "tiny"], stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+@pytest.mark.timeout(400)
+def test_killed_workers(saved, tmp_path):
+    """Two prefill and two decode worker processes; a decode worker is killed (SIGKILL, by its PID) while it streams,
+    then a prefill worker: every request completes once, each exactly as one server answers it."""
+    bodies = [{"prompt": f"{PROMPT} #{i}", "max_tokens": 40, "temperature": 0.0 if i % 2 else 0.9, "seed": i, "ignore_eos": True}
+              for i in range(12)]
+    with contextlib.ExitStack() as stack:
+        app, sock = _app(saved)
+        reference = stack.enter_context(serving_in_thread(app, sock=sock))
+        expected = [_streamed(reference, "/v1/completions", body) for body in bodies]
+        workers = {name: stack.enter_context(_worker_process(saved, name.rstrip("12"), tmp_path / f"{name}.log"))
+                   for name in ("prefill1", "prefill2", "decode1", "decode2")}
+        options = RouterOptions(prefill=[workers["prefill1"][1], workers["prefill2"][1]],
+                                decode=[workers["decode1"][1], workers["decode2"][1]], poll_s=0.2, down_s=30)
+        router = stack.enter_context(serving_in_thread(build_router_app(options)))
+        results: dict[int, object] = {}
+
+        def run(index: int) -> None:
+            try:
+                results[index] = _streamed(router, "/v1/completions", bodies[index], timeout=120)
+            except Exception as error:  # noqa: BLE001  (reported by the assertion below)
+                results[index] = error
+
+        first = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for thread in first:
+            thread.start()
+        decode1 = workers["decode1"]
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{decode1[1]}/disagg/load").json()["load"]["running"] == 0:
+            assert time.monotonic() < deadline, "decode1 never ran a request"
+            time.sleep(0.02)
+        os.kill(decode1[0].pid, signal.SIGKILL)
+        second = [threading.Thread(target=run, args=(i,)) for i in range(8, 12)]
+        for thread in second:
+            thread.start()
+        os.kill(workers["prefill1"][0].pid, signal.SIGKILL)
+        for thread in first + second:
+            thread.join(timeout=180)
+        metrics = httpx.get(f"{router}/metrics").text
+    assert all(results.get(i) == expected[i] for i in range(12)), {i: results.get(i) for i in range(12) if results.get(i) != expected[i]}
+    assert "autodeploy_router_resumed_streams_total 0.0" not in metrics  # decode1's streams went on elsewhere
