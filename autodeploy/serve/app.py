@@ -113,7 +113,7 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     server = _Server(llm, options, metrics)
     embedding = EmbeddingService(llm, options)  # a model that also embeds or scores: those routes answer too
     batches = _batch_store(llm, options)
-    server.disagg = DisaggWorker(llm, options.disagg) if options.disagg is not None and options.disagg.role != "both" else None
+    server.disagg = DisaggWorker(llm, options.disagg) if options.disagg is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

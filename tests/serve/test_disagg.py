@@ -29,6 +29,8 @@ from autodeploy.serve.disagg.transfer import CORRUPT_ENV, TransferError, receive
 from autodeploy.serve.disagg.worker import KV_HEADER, WorkerOptions, check_role
 from autodeploy.serve.server import serving_in_thread
 from autodeploy.runtime.sampling_params import SamplingParams
+from autodeploy.serve.disagg.registry import RegistryError
+from tests.etcd_server import EtcdServer, etcd_or_skip
 from tests.serve.test_openai_server import CHAT_TEMPLATE
 
 PROMPT = "def fibonacci(n): return fibonacci(n - 1) + fibonacci(n - 2) if n > 1 else n  # the classic, slow and exact"
@@ -239,6 +241,53 @@ def test_a_worker_of_another_model_is_refused(saved, tiny_checkpoint, tmp_path):
         refused = httpx.post(f"{other}/v1/completions", json={"model": "tiny", "prompt": PROMPT},
                              headers={KV_HEADER: json.dumps(transfers)})
         assert refused.status_code == 409 and "same model" in refused.text
+
+
+@pytest.mark.timeout(240)
+def test_workers_found_in_etcd_through_its_restart(saved, tmp_path, cluster):
+    """Workers register in a real etcd and the router finds them there; with etcd stopped the router serves the workers
+    it knows, and once etcd is back the workers are in it again; a worker that stops leaves it."""
+    etcd = EtcdServer(tmp_path, etcd_or_skip())
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.5, "seed": 1}
+    expected = _without_ids(_answer(cluster["reference"], "/v1/completions", body))
+    try:
+        with contextlib.ExitStack() as stack:
+            def serve(role):
+                app, sock = _app(saved, role, etcd=etcd.endpoint, heartbeat_ttl_s=2)
+                return stack.enter_context(serving_in_thread(app, sock=sock))
+
+            serve("prefill")
+            decode = contextlib.ExitStack()
+            app, sock = _app(saved, "decode", etcd=etcd.endpoint, heartbeat_ttl_s=2)
+            decode.enter_context(serving_in_thread(app, sock=sock))
+            router = stack.enter_context(serving_in_thread(build_router_app(RouterOptions(etcd=etcd.endpoint)), startup_timeout_s=30))
+            _until(lambda: httpx.get(f"{router}/health").json()["workers"] == {"prefill": 1, "decode": 1})
+            assert _without_ids(_answer(router, "/v1/completions", body)) == expected
+            etcd.stop()
+            _until(lambda: "unreachable" in httpx.get(f"{router}/health").json()["registry"])
+            assert _without_ids(_answer(router, "/v1/completions", body)) == expected
+            etcd.start()
+            _until(lambda: httpx.get(f"{router}/health").json()["registry"] == "ok")
+            assert httpx.get(f"{router}/health").json()["workers"] == {"prefill": 1, "decode": 1}
+            decode.close()  # the worker leaves the registry as it shuts down
+            _until(lambda: httpx.get(f"{router}/health").json()["workers"] == {"prefill": 1, "decode": 0})
+            assert httpx.get(f"{router}/health").status_code == 503
+    finally:
+        etcd.stop()
+
+
+def test_a_router_without_etcd_says_how_to_start_it():
+    with pytest.raises(RegistryError, match="Start etcd"):
+        build_router_app(RouterOptions(etcd=f"http://127.0.0.1:{_free_port()}"))
+    with pytest.raises(ConfigError, match="--etcd URL"):
+        build_router_app(RouterOptions())
+
+
+def _until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.1)
 
 
 # ---- worker processes killed by PID ------------------------------------------------------------

@@ -165,6 +165,12 @@ class Router:
             raise ConfigError("the router needs workers: --etcd URL (workers register there), or static --decode URL "
                               "(and --prefill URL) lists")
         self.options = options
+        self._registry = None
+        if options.etcd:  # before the server starts: no etcd fails `autodeploy router` at once, saying how to start it
+            from autodeploy.serve.disagg.registry import EtcdRegistry
+
+            self._registry = EtcdRegistry(options.etcd, options.namespace)
+            self._registry.check()
         self.pool = WorkerPool(options.affinity_slack)
         self.registry_healthy: bool | None = None
         self._client: httpx.AsyncClient | None = None
@@ -186,12 +192,8 @@ class Router:
     async def start(self) -> None:
         timeout = httpx.Timeout(self.options.timeout_s, connect=self.options.connect_timeout_s)
         self._client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        if self.options.etcd:
-            from autodeploy.serve.disagg.registry import EtcdRegistry
-
-            registry = EtcdRegistry(self.options.etcd, self.options.namespace)
-            registry.check()
-            self._watcher = registry.watch(self._registered)
+        if self._registry is not None:
+            self._watcher = self._registry.watch(self._registered)
         else:
             await self._poll_once()
             self._poller = asyncio.create_task(self._poll())
