@@ -24,7 +24,7 @@ import pytest
 from autodeploy import autodeploy
 from autodeploy.errors import ConfigError
 from autodeploy.serve import ServerOptions, build_app
-from autodeploy.serve.disagg.router import RouterOptions, build_router_app
+from autodeploy.serve.disagg.router import RouterOptions, WorkerPool, build_router_app
 from autodeploy.serve.disagg.transfer import CORRUPT_ENV, TransferError, receive
 from autodeploy.serve.disagg.worker import KV_HEADER, WorkerOptions, check_role
 from autodeploy.serve.server import serving_in_thread
@@ -80,8 +80,8 @@ def _answer(url: str, path: str, body: dict, timeout: float = 60) -> dict:
     return response.json()
 
 
-def _streamed(url: str, path: str, body: dict, timeout: float = 60) -> dict[int, str]:
-    """Each choice's streamed text, in order."""
+def _streamed(url: str, path: str, body: dict, timeout: float = 60, began: threading.Event | None = None) -> dict[int, str]:
+    """Each choice's streamed text, in order (``began`` is set at its first event)."""
     texts: dict[int, str] = {}
     with httpx.stream("POST", f"{url}{path}", json={"model": "tiny", **body, "stream": True}, timeout=timeout) as response:
         assert response.status_code == 200
@@ -90,6 +90,8 @@ def _streamed(url: str, path: str, body: dict, timeout: float = 60) -> dict[int,
                 continue
             event = json.loads(line[len("data: "):])
             assert "error" not in event, event
+            if began is not None:
+                began.set()
             for choice in event["choices"]:
                 assert "autodeploy" not in choice
                 piece = choice.get("text") if "text" in choice else (choice["delta"].get("content") or "")
@@ -139,6 +141,30 @@ def test_worker_headers_on_a_plain_server_and_a_prefill_worker(cluster):
     assert prefill.status_code == 400 and "decode worker" in prefill.text
     garbled = httpx.post(f"{cluster['decode'][0]}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={KV_HEADER: "{"})
     assert garbled.status_code == 400 and KV_HEADER in garbled.text
+
+
+def test_the_pool_balances_by_load_keeps_prefixes_together_and_skips_the_down():
+    pool = WorkerPool(affinity_slack=1.5)
+    pool.update("p1", "prefill", "fp", {"queued_prompt_tokens": 900})
+    pool.update("p2", "prefill", "fp", {"queued_prompt_tokens": 100})
+    pool.update("d1", "decode", "fp", {"kv_usage": 0.5, "running": 3})
+    pool.update("d2", "decode", "fp", {"kv_usage": 0.1, "running": 1})
+    pool.update("x", "decode", "another", {})
+    assert "x" in pool.refused and pool.counts() == {"prefill": 2, "decode": 2}
+    assert pool.choose("prefill", "a", set(), cost=500).url == "p2"  # 100 waiting tokens against 900
+    assert pool.choose("prefill", "b", set(), cost=500).url == "p2"  # 600 now, still less than 900
+    assert pool.choose("prefill", "c", set(), cost=500).url == "p1"  # 1,100 against 900
+    assert pool.choose("prefill", "c", set(), cost=10).url == "p1"  # c's prefix is on p1: 1,400 ≤ 1.5 × 1,100 + 1
+    pool.update("p1", "prefill", "fp", {"queued_prompt_tokens": 5000})
+    assert pool.choose("prefill", "c", set(), cost=10).url == "p2"  # too busy now: 5,000 > 1.5 × 1,100 + 1
+    assert pool.choose("decode", "a", set(), cost=1).url == "d2"
+    assert pool.choose("decode", "a", {"d2"}, cost=1).url == "d1"  # tried already
+    pool.down("d2", 60)
+    assert pool.choose("decode", "z", set(), cost=1).url == "d1" and pool.counts()["decode"] == 1
+    pool.update("d2", "decode", "fp", {})  # seen alive again
+    assert pool.counts()["decode"] == 2
+    pool.keep_only({"p1", "d1"})
+    assert pool.counts() == {"prefill": 1, "decode": 1}
 
 
 def _held_prompt(engine, prompt: list[int]) -> list[bytes]:
@@ -283,10 +309,10 @@ def test_a_router_without_etcd_says_how_to_start_it():
         build_router_app(RouterOptions())
 
 
-def _until(condition, timeout_s: float = 30.0) -> None:
+def _until(condition, timeout_s: float = 30.0, why=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
+        assert time.monotonic() < deadline, f"the condition never held {why()}"
         time.sleep(0.1)
 
 
@@ -298,21 +324,16 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _worker_process(saved: Path, role: str, log: Path):
-    port = _free_port()
+def _process(arguments: list[str], log: Path, port: int | None = None, ready: str = "/health"):
+    """``autodeploy ARGUMENTS --port PORT`` as a process, once ``ready`` answers 200; yields it and its URL."""
+    port = port or _free_port()
     url = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "autodeploy", "serve", str(saved), "--role", role, "--port", str(port),
-                                    "--served-model-name", "tiny"], stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})
+    with open(log, "ab") as out:
+        process = subprocess.Popen([sys.executable, "-m", "autodeploy", *arguments, "--port", str(port)], stdout=out,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.2)
+        _until(lambda: _answers(f"{url}{ready}") or process.poll() is not None, timeout_s=90)
+        assert process.poll() is None, log.read_text()[-2000:]
         yield process, url
     finally:
         if process.poll() is None:
@@ -320,38 +341,49 @@ def _worker_process(saved: Path, role: str, log: Path):
         process.wait(timeout=30)
 
 
+def _answers(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=1).status_code == 200
+    return False
+
+
+def _worker(saved: Path, role: str, log: Path, port: int | None = None):
+    return _process(["serve", str(saved), "--role", role, "--served-model-name", "tiny", "--kv-hold-timeout", "3"], log, port)
+
+
 @pytest.mark.timeout(400)
-def test_killed_workers(saved, tmp_path):
-    """Two prefill and two decode worker processes; a decode worker is killed (SIGKILL, by its PID) while it streams,
-    then a prefill worker: every request completes once, each exactly as one server answers it."""
-    bodies = [{"prompt": f"{PROMPT} #{i}", "max_tokens": 40, "temperature": 0.0 if i % 2 else 0.9, "seed": i, "ignore_eos": True}
+def test_killed_workers_and_router(saved, tmp_path):
+    """Two prefill and two decode worker processes behind a router process. A decode worker is killed (SIGKILL, by its
+    PID) while it streams, then a prefill worker: every request completes once, each exactly as one server answers it.
+    The decode worker started again on its port rejoins. The router killed mid-stream leaves nothing held in the
+    workers, and a new router on its port serves at once."""
+    bodies = [{"prompt": f"{PROMPT} #{i}", "max_tokens": 120, "temperature": 0.0 if i % 2 else 0.9, "seed": i, "ignore_eos": True}
               for i in range(12)]
     with contextlib.ExitStack() as stack:
         app, sock = _app(saved)
         reference = stack.enter_context(serving_in_thread(app, sock=sock))
         expected = [_streamed(reference, "/v1/completions", body) for body in bodies]
-        workers = {name: stack.enter_context(_worker_process(saved, name.rstrip("12"), tmp_path / f"{name}.log"))
+        workers = {name: stack.enter_context(_worker(saved, name.rstrip("12"), tmp_path / f"{name}.log"))
                    for name in ("prefill1", "prefill2", "decode1", "decode2")}
-        options = RouterOptions(prefill=[workers["prefill1"][1], workers["prefill2"][1]],
-                                decode=[workers["decode1"][1], workers["decode2"][1]], poll_s=0.2, down_s=30)
-        router = stack.enter_context(serving_in_thread(build_router_app(options)))
+        urls = {name: url for name, (_, url) in workers.items()}
+        router_arguments = ["router", "--prefill", urls["prefill1"], "--prefill", urls["prefill2"],
+                            "--decode", urls["decode1"], "--decode", urls["decode2"]]
+        router_process, router = stack.enter_context(_process(router_arguments, tmp_path / "router.log"))
+        _until(lambda: httpx.get(f"{router}/health").json()["workers"] == {"prefill": 2, "decode": 2})
         results: dict[int, object] = {}
+        began = {i: threading.Event() for i in range(12)}
 
         def run(index: int) -> None:
             try:
-                results[index] = _streamed(router, "/v1/completions", bodies[index], timeout=120)
+                results[index] = _streamed(router, "/v1/completions", bodies[index], timeout=120, began=began[index])
             except Exception as error:  # noqa: BLE001  (reported by the assertion below)
                 results[index] = error
 
         first = [threading.Thread(target=run, args=(i,)) for i in range(8)]
         for thread in first:
             thread.start()
-        decode1 = workers["decode1"]
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{decode1[1]}/disagg/load").json()["load"]["running"] == 0:
-            assert time.monotonic() < deadline, "decode1 never ran a request"
-            time.sleep(0.02)
-        os.kill(decode1[0].pid, signal.SIGKILL)
+        _until(lambda: sum(began[i].is_set() for i in range(8)) >= 4, timeout_s=60)  # streaming, on both decode workers
+        os.kill(workers["decode1"][0].pid, signal.SIGKILL)
         second = [threading.Thread(target=run, args=(i,)) for i in range(8, 12)]
         for thread in second:
             thread.start()
@@ -359,5 +391,24 @@ def test_killed_workers(saved, tmp_path):
         for thread in first + second:
             thread.join(timeout=180)
         metrics = httpx.get(f"{router}/metrics").text
-    assert all(results.get(i) == expected[i] for i in range(12)), {i: results.get(i) for i in range(12) if results.get(i) != expected[i]}
-    assert "autodeploy_router_resumed_streams_total 0.0" not in metrics  # decode1's streams went on elsewhere
+        assert all(results.get(i) == expected[i] for i in range(12)), {i: results.get(i) for i in range(12) if results.get(i) != expected[i]}
+        assert "autodeploy_router_resumed_streams_total 0.0" not in metrics  # decode1's streams went on elsewhere
+
+        port = int(urls["decode1"].rsplit(":", 1)[1])
+        stack.enter_context(_worker(saved, "decode", tmp_path / "decode1-again.log", port))
+        _until(lambda: httpx.get(f"{router}/health").json()["workers"] == {"prefill": 1, "decode": 2})
+
+        streaming = threading.Thread(target=run, args=(0,))
+        results.pop(0)
+        began[0].clear()
+        streaming.start()
+        _until(began[0].is_set)
+        router_process.kill()
+        streaming.join(timeout=60)
+        assert isinstance(results[0], Exception)  # its client saw the router die
+        for url in (urls["prefill2"], urls["decode1"], urls["decode2"]):  # nothing left running or held
+            _until(lambda: (lambda load: load["running"] == load["waiting"] == load["held_transfers"] == 0)(
+                httpx.get(f"{url}/disagg/load").json()["load"]))
+        router_port = int(router.rsplit(":", 1)[1])
+        stack.enter_context(_process(router_arguments, tmp_path / "router-again.log", router_port))
+        assert _streamed(router, "/v1/completions", bodies[1]) == expected[1]

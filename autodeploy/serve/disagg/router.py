@@ -250,8 +250,12 @@ class Router:
         transfers = await self._prefill(path, body, headers, key, len(body) // 4)
         if isinstance(transfers, Response):  # the request's own fault (a 4xx), as one server would answer it
             return transfers
-        if payload.get("stream"):
-            return StreamingResponse(self._stream(path, payload, headers, key, transfers), media_type="text/event-stream",
+        if payload.get("stream"):  # begun before the answer's status is sent, so a 4xx or 503 is the client's status too
+            tried: set[str] = set()
+            opened = await self._open(path, body, headers, key, transfers, None, tried)
+            if isinstance(opened, Response):
+                return opened
+            return StreamingResponse(self._stream(path, payload, headers, key, tried, opened), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await self._decode(path, body, headers, key, transfers)
 
@@ -261,6 +265,7 @@ class Router:
         worker computes the prompt itself); a prefill worker's 4xx (the request's own fault) as it came."""
         tried: set[str] = set()
         extra = {PHASE_HEADER: "prefill", **({RESUME_HEADER: resume} if resume else {})}
+        busy = None  # the last "queue full" answer: with every worker full, the client gets it (and its Retry-After)
         for _ in range(self.options.attempts):
             worker = self.pool.choose("prefill", key, tried, cost)
             if worker is None:
@@ -273,15 +278,20 @@ class Router:
                 continue
             if response.status_code == 200:
                 return json.dumps(response.json()["kv_transfer"])
+            if _busy(response):
+                busy = response
+                continue
             if response.status_code < 500:  # resuming, the decode worker computes the prompt instead
-                return None if resume else Response(response.content, response.status_code,
-                                                    media_type=response.headers.get("content-type"))
+                return None if resume else _passed_on(response)
             self._failed("prefill", worker.url, f"HTTP {response.status_code}")
+        if busy is not None and not resume:
+            return _passed_on(busy)
         self.local_prefills.inc()
         return None
 
     async def _decode(self, path: str, body: bytes, headers: dict, key: str, transfers: str | None) -> Response:
         tried: set[str] = set()
+        busy = None
         for _ in range(self.options.attempts):
             worker = self.pool.choose("decode", key, tried, 1)
             if worker is None:
@@ -293,60 +303,87 @@ class Router:
             except httpx.HTTPError as error:
                 self._failed("decode", worker.url, error)
                 continue
-            if response.status_code >= 500 and response.status_code != 503 or _aborted(response):
+            if _busy(response):
+                busy = response
+                continue
+            if response.status_code >= 500:  # aborted (shutting down) or failed: another worker answers
                 self._failed("decode", worker.url, f"HTTP {response.status_code}")
                 continue
-            return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
-        return _no_worker("decode")
+            return _passed_on(response)
+        return _passed_on(busy) if busy is not None else _no_worker("decode")
 
-    async def _stream(self, path: str, payload: dict, headers: dict, key: str, transfers: str | None) -> AsyncIterator[str]:
-        """The decode worker's events, its annotations stripped; a stream broken part way resumes on another worker."""
-        streamed: dict[int, tuple[list[int], list[str]]] = {}  # choice index → (token ids, text pieces) sent
-        tried: set[str] = set()
-        body = json.dumps(payload).encode()
-        resume = None
-        for _ in range(self.options.attempts + 1):
+    async def _open(self, path: str, body: bytes, headers: dict, key: str, transfers: str | None, resume: str | None,
+                    tried: set[str]) -> tuple[str, httpx.Response] | Response:
+        """A decode worker's stream that began (200), with the worker's URL; or the answer the client gets instead: a
+        4xx as it came, the last "queue full" 503 when every worker tried was full, or a 503 when none was left."""
+        extra = {TOKENS_HEADER: "1", **({KV_HEADER: transfers} if transfers else {}), **({RESUME_HEADER: resume} if resume else {})}
+        busy = None
+        while len(tried) < self.options.attempts + 1:
             worker = self.pool.choose("decode", key, tried, 1)
             if worker is None:
                 break
             tried.add(worker.url)
-            extra = {TOKENS_HEADER: "1", **({KV_HEADER: transfers} if transfers else {}), **({RESUME_HEADER: resume} if resume else {})}
+            request = self._client.build_request("POST", f"{worker.url}{path}", content=body, headers={**headers, **extra})
             try:
-                async with self._client.stream("POST", f"{worker.url}{path}", content=body, headers={**headers, **extra}) as response:
-                    if response.status_code != 200:
-                        content = await response.aread()
-                        if response.status_code >= 500 and response.status_code != 503:
-                            raise httpx.HTTPStatusError("", request=response.request, response=response)
-                        yield _event_of(content, response.status_code)
-                        yield "data: [DONE]\n\n"
-                        return
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        data = line[len("data: "):]
-                        if data == "[DONE]":
-                            yield "data: [DONE]\n\n"
-                            return
-                        event = json.loads(data)
-                        if _aborted_event(event):
-                            raise httpx.ReadError("the worker aborted the stream (it is shutting down)")
-                        forwarded = _stripped(event, streamed)
-                        if forwarded is not None:
-                            yield f"data: {json.dumps(forwarded)}\n\n"
+                response = await self._client.send(request, stream=True)
             except httpx.HTTPError as error:
                 self._failed("decode", worker.url, error)
-            if not streamed:  # nothing sent yet: the request starts over on another worker, its KV pulled again
                 continue
-            if len(streamed) > 1 or payload.get("n", 1) != 1 or not _one_prompt(payload):
-                break
-            tokens, pieces = streamed[next(iter(streamed))]
-            resume = json.dumps({"token_ids": tokens, "text": "".join(pieces)})
-            transfers = await self._prefill(path, body, headers, key, len(body) // 4, resume)
-            transfers = transfers if isinstance(transfers, str) else None
-            self.resumed.inc()
-        error = {"error": {"message": "the decode workers failed and this stream could not be resumed on another (a stream of "
-                                      "several prompts or samples resumes on none); send the request again",
-                           "type": "service_unavailable", "code": "no_worker"}}
+            if response.status_code == 200:
+                return worker.url, response
+            await response.aread()
+            await response.aclose()
+            if _busy(response):
+                busy = response
+            elif response.status_code >= 500:
+                self._failed("decode", worker.url, f"HTTP {response.status_code}")
+            else:
+                return _passed_on(response)
+        return _passed_on(busy) if busy is not None else _no_worker("decode")
+
+    async def _stream(self, path: str, payload: dict, headers: dict, key: str, tried: set[str],
+                      opened: tuple[str, httpx.Response]) -> AsyncIterator[str]:
+        """The decode worker's events, its annotations stripped; a stream broken part way resumes on another worker."""
+        streamed: dict[int, tuple[list[int], list[str]]] = {}  # choice index → (token ids, text pieces) sent
+        body = json.dumps(payload).encode()
+        while True:
+            url, response = opened
+            try:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        yield "data: [DONE]\n\n"
+                        return
+                    event = json.loads(data)
+                    if _aborted_event(event):
+                        raise httpx.ReadError("the worker aborted the stream (it is shutting down)")
+                    forwarded = _stripped(event, streamed)
+                    if forwarded is not None:
+                        yield f"data: {json.dumps(forwarded)}\n\n"
+                raise httpx.ReadError("the stream ended before [DONE]")
+            except httpx.HTTPError as error:
+                self._failed("decode", url, error)
+            finally:
+                await response.aclose()
+            resume = transfers = None
+            if streamed:
+                if len(streamed) > 1 or payload.get("n", 1) != 1 or not _one_prompt(payload):
+                    break
+                tokens, pieces = streamed[next(iter(streamed))]
+                resume = json.dumps({"token_ids": tokens, "text": "".join(pieces)})
+                self.resumed.inc()
+            prefilled = await self._prefill(path, body, headers, key, len(body) // 4, resume)  # its KV again, elsewhere
+            transfers = prefilled if isinstance(prefilled, str) else None
+            opened = await self._open(path, body, headers, key, transfers, resume, tried)
+            if isinstance(opened, Response):
+                yield f"data: {opened.body.decode()}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        error = {"error": {"message": "the decode worker failed mid-stream, and a stream of several prompts or samples cannot "
+                                      "be resumed on another; send the request again",
+                           "type": "service_unavailable", "code": "not_resumable"}}
         yield f"data: {json.dumps(error)}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -357,7 +394,7 @@ class Router:
             except httpx.HTTPError as error:
                 self._failed("decode", worker.url, error)
                 continue
-            return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
+            return _passed_on(response)
         return _no_worker("decode")
 
     def _failed(self, phase: str, url: str, error) -> None:
@@ -443,21 +480,19 @@ def _stripped(event: dict, streamed: dict[int, tuple[list[int], list[str]]]) -> 
     return event
 
 
-def _aborted(response: httpx.Response) -> bool:
-    return response.status_code == 503 and b'"aborted"' in response.content
+def _busy(response: httpx.Response) -> bool:
+    """A worker's "queue full" (503, not a shutdown's "aborted"): a load signal, not a failure."""
+    return response.status_code == 503 and b'"aborted"' not in response.content
+
+
+def _passed_on(response: httpx.Response) -> Response:
+    headers = {name: response.headers[name] for name in ("retry-after",) if name in response.headers}
+    return Response(response.content, response.status_code, headers=headers, media_type=response.headers.get("content-type"))
 
 
 def _aborted_event(event: dict) -> bool:
     error = event.get("error")
     return isinstance(error, dict) and error.get("code") == "aborted"
-
-
-def _event_of(content: bytes, status: int) -> str:
-    try:
-        body = json.loads(content)
-    except ValueError:
-        body = {"error": {"message": content.decode(errors="replace")[:400], "type": "server_error", "code": status}}
-    return f"data: {json.dumps(body)}\n\n"
 
 
 def _no_worker(phase: str) -> Response:
