@@ -92,9 +92,10 @@ class KVHandoff:
             if not wanted:
                 return
             ids = torch.tensor([table[i] for i in wanted], device=next(iter(self.caches.values())).device)
-            gathered = [_bytes_view(self.caches[name].index_select(0, ids)).cpu() for name in self._names]
-        for row, index in enumerate(wanted):
-            yield index, b"".join(part[row].numpy().tobytes() for part in gathered)
+            # one row of bytes per block, every cache's part side by side: one copy to the host for all of them
+            rows = torch.cat([_bytes_view(self.caches[name]).index_select(0, ids) for name in self._names], dim=1).cpu()
+        for row, index in zip(rows.numpy(), wanted):
+            yield index, row.tobytes()
 
     def keys(self, holder: str) -> list[bytes]:
         """The keys of the blocks ``holder`` holds (computed when it took them: no tokens needed now)."""
@@ -160,15 +161,15 @@ class KVHandoff:
             return complete
 
     def _write_blocks(self, writes: list[tuple[int, bytes]]) -> None:
-        ids = torch.tensor([block for block, _ in writes])
-        rows = torch.frombuffer(bytearray(b"".join(payload for _, payload in writes)), dtype=torch.uint8).view(len(writes), -1)
+        device = next(iter(self.caches.values())).device
+        ids = torch.tensor([block for block, _ in writes], device=device)
+        host = torch.frombuffer(bytearray(b"".join(payload for _, payload in writes)), dtype=torch.uint8)
+        rows = host.to(device).view(len(writes), -1)  # one copy to the device for all of them
         offset = 0
         for name in self._names:
-            cache = self.caches[name]
-            width = cache[0].numel() * cache.element_size()
-            part = rows[:, offset: offset + width].to(cache.device)
-            _bytes_view(cache).index_copy_(0, ids.to(cache.device), part.view(len(writes), *_bytes_view(cache).shape[1:]))
-            offset += width
+            cache = _bytes_view(self.caches[name])
+            cache.index_copy_(0, ids, rows[:, offset: offset + cache.shape[1]])
+            offset += cache.shape[1]
 
 
 def _key(holder: str) -> Hashable:

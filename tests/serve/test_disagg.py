@@ -204,13 +204,45 @@ def test_handoff_moves_exactly_the_blocks_the_receiver_lacks(saved):
     assert sender.handoff.expire() == ["late"] and sender.handoff.held == 0
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_handoff_on_the_gpu(llama_dir, monkeypatch, dtype):
+    """The blocks of a prompt computed on the GPU, pulled over gRPC through shared memory into another engine on the GPU:
+    that engine generates what it would have from its own prefill."""
+    import torch
+    from autodeploy.serve.disagg import transfer
+    from autodeploy.serve.disagg.transfer import KVTransferService, start_transfer_server
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setattr(transfer, "SHARED_MEMORY_MIN_BYTES", 0)
+    sender, receiver = (autodeploy(str(llama_dir), device="cuda", dtype=dtype, kv_cache={"num_blocks": 64}).engine for _ in range(2))
+    prompt = list(range(3, 3 + 5 * sender.pool.block_size + 3))
+    expected = _generate(receiver, prompt, SamplingParams(max_tokens=8))
+    receiver.pool.reset_prefix_cache()
+    keys = _held_prompt(sender, prompt)
+    server, port = start_transfer_server(KVTransferService(sender.handoff, "same"), "127.0.0.1", 0)
+    try:
+        result = receive(receiver.handoff, "r", f"127.0.0.1:{port}", "t", keys, "same", timeout_s=10, same_node=True)
+    finally:
+        server.stop(grace=0).wait()
+    assert result.usable == 5 and result.shared_memory and result.error is None
+    hits = receiver.pool.stats.hit_tokens
+    assert _generate(receiver, prompt, SamplingParams(max_tokens=8)) == expected
+    assert receiver.pool.stats.hit_tokens - hits == 5 * receiver.pool.block_size
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("corrupted,written", [(1, 5), (1000, 0)], ids=["retried", "given-up"])
-def test_corrupted_payloads_are_never_used(saved, monkeypatch, corrupted, written):
-    """A payload that fails its checksum is asked for again; one that keeps failing is computed by the receiver."""
+@pytest.mark.parametrize("corrupted,written,shared", [(1, 5, False), (1, 5, True), (1000, 0, True)],
+                         ids=["retried", "retried-shared-memory", "given-up"])
+def test_corrupted_payloads_are_never_used(saved, monkeypatch, corrupted, written, shared):
+    """A payload that fails its checksum is asked for again; one that keeps failing is computed by the receiver. Through
+    the socket and through shared memory (on one node, for payloads of any size here)."""
+    from autodeploy.serve.disagg import transfer
     from autodeploy.serve.disagg.transfer import KVTransferService, start_transfer_server
 
     monkeypatch.setenv(CORRUPT_ENV, str(corrupted))
+    monkeypatch.setattr(transfer, "SHARED_MEMORY_MIN_BYTES", 0)
     sender, receiver = autodeploy(str(saved)).engine, autodeploy(str(saved)).engine
     prompt = list(range(3, 3 + 5 * sender.pool.block_size + 3))
     expected = _generate(receiver, prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=5))
@@ -220,11 +252,12 @@ def test_corrupted_payloads_are_never_used(saved, monkeypatch, corrupted, writte
     try:
         with pytest.raises(TransferError, match="same model"):
             receive(receiver.handoff, "other", f"127.0.0.1:{port}", "t", keys, "another-model")
-        result = receive(receiver.handoff, "r", f"127.0.0.1:{port}", "t", keys, "same", timeout_s=5)
+        result = receive(receiver.handoff, "r", f"127.0.0.1:{port}", "t", keys, "same", timeout_s=5, same_node=shared)
+        _until(lambda: not sender.handoff.held, timeout_s=5)  # released once received
     finally:
-        server.stop(grace=0)
+        server.stop(grace=0).wait()
     assert result.written == written and result.usable == written and result.attempts == (2 if corrupted == 1 else 3)
-    assert (result.error is None) == (written == 5) and not sender.handoff.held  # released once received
+    assert (result.error is None) == (written == 5) and result.shared_memory == shared
     assert _generate(receiver, prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=5)) == expected
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
+import time
 import zlib
 from collections.abc import Sequence
 from concurrent import futures
@@ -34,6 +36,9 @@ from autodeploy.serve.disagg import kv_transfer_pb2 as pb
 logger = logging.getLogger(__name__)
 
 _SERVICE = "autodeploy.disagg.KVTransfer"
+# Below this, a segment's making and unlinking cost more than the socket's copies (measured on a CPU: 3 blocks of 8 KiB
+# took 4.2 ms through shared memory, 1.7 ms inline; notes/disaggregated.md).
+SHARED_MEMORY_MIN_BYTES = 1 << 20
 # A test hook: the sender corrupts the first N payloads it sends (tests/serve/test_disagg.py), as a bad link would.
 CORRUPT_ENV = "AUTODEPLOY_FAULT_CORRUPT_KV_BLOCKS"
 
@@ -53,6 +58,7 @@ class Received:
     usable: int = 0
     attempts: int = 0
     bytes: int = 0
+    seconds: float = 0.0  # from asking for blocks to having written them
     shared_memory: bool = False
     error: str | None = None
 
@@ -110,10 +116,14 @@ class KVTransferService:
 
 def start_transfer_server(service: KVTransferService, host: str, port: int) -> tuple[grpc.Server, int]:
     """The gRPC server of ``service`` on ``host:port`` (0: a free port); returns it and its port."""
+    # so_reuseport off: a second worker given the same --kv-port fails to start, instead of sharing the port's connections
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-transfer"),
-                         options=_MESSAGE_OPTIONS)
+                         options=[*_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((service.handler(),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
         raise TransferError(f"the KV transfer server cannot listen on {host}:{port} (in use?); pick another --kv-port")
     server.start()
@@ -128,38 +138,41 @@ def receive(handoff: KVHandoff, holder: str, source: str, transfer_id: str, keys
     (``Received.error`` says what failed; the request computes what is missing) — only ``TransferError`` when the
     source refuses this worker's fingerprint, which no retry mends."""
     result = Received(num_blocks=len(keys))
+    started = time.perf_counter()
     new = handoff.adopt(holder, keys)
     if new is None:
         result.error = "no free KV blocks to receive into"
         return result
     result.cached = len(keys) - len(new)
     payloads: dict[int, bytes] = {}
-    with grpc.insecure_channel(source, options=_MESSAGE_OPTIONS) as channel:
-        pull = channel.unary_stream(f"/{_SERVICE}/Pull", pb.PullRequest.SerializeToString, pb.PullReply.FromString)
-        release = channel.unary_unary(f"/{_SERVICE}/Release", pb.ReleaseRequest.SerializeToString, pb.ReleaseReply.FromString)
-        wanted = set(new)
-        while wanted and result.attempts <= retries:
-            result.attempts += 1
-            try:
-                got = _pull(pull, transfer_id, fingerprint, keys, wanted, handoff.layout.block_bytes, timeout_s, same_node, result)
-            except grpc.RpcError as error:
-                if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    handoff.release(holder)
-                    raise TransferError(error.details()) from None
-                result.error = f"{error.code().name}: {error.details()}"
-                if error.code() == grpc.StatusCode.NOT_FOUND:
-                    break
-                continue
-            payloads.update(got)
-            wanted -= set(got)
-            if wanted:
-                result.error = f"{len(wanted)} block(s) failed their checksum or did not arrive"
+    channel = _channel(source)
+    pull = channel.unary_stream(f"/{_SERVICE}/Pull", pb.PullRequest.SerializeToString, pb.PullReply.FromString)
+    release = channel.unary_unary(f"/{_SERVICE}/Release", pb.ReleaseRequest.SerializeToString, pb.ReleaseReply.FromString)
+    wanted = set(new)
+    while wanted and result.attempts <= retries:
+        result.attempts += 1
         try:
-            release(pb.ReleaseRequest(transfer_id=transfer_id), timeout=timeout_s)
-        except grpc.RpcError as error:  # its hold expires by itself
-            logger.warning("could not release transfer %s at %s: %s", transfer_id, source, error.details())
+            shared = same_node and len(wanted) * handoff.layout.block_bytes >= SHARED_MEMORY_MIN_BYTES
+            got = _pull(pull, transfer_id, fingerprint, keys, wanted, handoff.layout.block_bytes, timeout_s, shared, result)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                handoff.release(holder)
+                raise TransferError(error.details()) from None
+            result.error = f"{error.code().name}: {error.details()}"
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                break
+            continue
+        payloads.update(got)
+        wanted -= set(got)
+        if wanted:
+            result.error = f"{len(wanted)} block(s) failed their checksum or did not arrive"
+    # Not waited for (a round trip off the request's path); one that fails leaves a hold that expires by itself.
+    release.future(pb.ReleaseRequest(transfer_id=transfer_id), timeout=timeout_s).add_done_callback(
+        lambda call: call.exception() is not None and logger.warning("could not release transfer %s at %s: %s", transfer_id,
+                                                                     source, call.exception()))
     result.written = len(payloads)
     result.usable = handoff.write(holder, keys, payloads)
+    result.seconds = time.perf_counter() - started
     if not wanted:
         result.error = None
     return result
@@ -209,3 +222,16 @@ def _open_segment(name: str) -> mmap.mmap | None:
 
 
 _MESSAGE_OPTIONS = [("grpc.max_send_message_length", 256 * 2**20), ("grpc.max_receive_message_length", 256 * 2**20)]
+# A prefill worker that restarts at its address is reached again within a second (gRPC's default backoff grows to 2 min).
+_CHANNEL_OPTIONS = [*_MESSAGE_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+_channels: dict[str, grpc.Channel] = {}
+_channels_lock = threading.Lock()
+
+
+def _channel(source: str) -> grpc.Channel:
+    """One channel per prefill worker, kept: a connection a transfer, a TCP handshake and HTTP/2 setup each, would cost
+    more than a short prompt's blocks."""
+    with _channels_lock:
+        if source not in _channels:
+            _channels[source] = grpc.insecure_channel(source, options=_CHANNEL_OPTIONS)
+        return _channels[source]

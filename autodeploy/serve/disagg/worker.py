@@ -136,7 +136,7 @@ class DisaggWorker:
             registry = EtcdRegistry(options.etcd, options.namespace, ttl_s=options.heartbeat_ttl_s)
             registry.check()
             self._registration = registry.register(WorkerInfo(self.worker_id, self.role, options.url, self.fingerprint), self.load)
-        self.transfers = {"received_blocks": 0, "cached_blocks": 0, "failed": 0, "bytes": 0}
+        self.transfers = {"received_blocks": 0, "cached_blocks": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "url": self.options.url, "fingerprint": self.fingerprint,
@@ -176,6 +176,7 @@ class DisaggWorker:
             self.transfers["received_blocks"] += received.written
             self.transfers["cached_blocks"] += received.cached
             self.transfers["bytes"] += received.bytes
+            self.transfers["seconds"] += received.seconds
             if received.error is not None:
                 self.transfers["failed"] += 1
                 logger.warning("KV transfer %s from %s: %s; %d of %d blocks usable, the rest is computed here",
