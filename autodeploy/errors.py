@@ -42,6 +42,15 @@ class WorkerError(AutoDeployError):
     cannot serve any more (deploy it again)."""
 
 
+class RegistryError(AutoDeployError):
+    """etcd, the disaggregated workers' registry, cannot be reached or answered with an error, or a worker's record in it
+    is invalid."""
+
+
+class TransferError(AutoDeployError):
+    """A KV-cache transfer between disaggregated workers was refused (another model or KV layout) or cannot start."""
+
+
 def error_summary(error: BaseException, limit: int = 400) -> str:
     """A wrapped library error's message on one line: its lines joined (libraries wrap long messages),
     cut at a sentence or word boundary when longer than ``limit`` — never mid-word."""

@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from autodeploy.errors import AutoDeployError
+from autodeploy.errors import RegistryError
 
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client
@@ -43,10 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
-
-
-class RegistryError(AutoDeployError):
-    """etcd cannot be reached or answered with an error, or a worker record is invalid."""
 
 
 @dataclass

@@ -29,7 +29,7 @@ from multiprocessing import shared_memory
 
 import grpc
 
-from autodeploy.errors import AutoDeployError
+from autodeploy.errors import TransferError
 from autodeploy.runtime.kv_handoff import KVHandoff
 from autodeploy.serve.disagg import kv_transfer_pb2 as pb
 
@@ -41,10 +41,6 @@ _SERVICE = "autodeploy.disagg.KVTransfer"
 SHARED_MEMORY_MIN_BYTES = 1 << 20
 # A test hook: the sender corrupts the first N payloads it sends (tests/serve/test_disagg.py), as a bad link would.
 CORRUPT_ENV = "AUTODEPLOY_FAULT_CORRUPT_KV_BLOCKS"
-
-
-class TransferError(AutoDeployError):
-    """A KV transfer was refused (another model or KV layout) or its source is gone."""
 
 
 @dataclass
