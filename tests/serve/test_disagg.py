@@ -99,6 +99,12 @@ def _streamed(url: str, path: str, body: dict, timeout: float = 60, began: threa
     return texts
 
 
+def _response_text(events: str) -> str:
+    """The text of a streamed Responses API answer (its output_text deltas)."""
+    deltas = [json.loads(line[len("data: "):]) for line in events.splitlines() if line.startswith("data: {")]
+    return "".join(event.get("delta", "") for event in deltas if event.get("type") == "response.output_text.delta")
+
+
 def _without_ids(answer: dict) -> dict:
     return {key: value for key, value in answer.items() if key not in ("id", "created")}
 
@@ -127,6 +133,10 @@ def test_router_health_metrics_and_other_routes(cluster):
     health = httpx.get(f"{cluster['router']}/health").json()
     assert health["workers"] == {"prefill": 2, "decode": 2} and health["status"] == "ok"
     assert httpx.get(f"{cluster['router']}/v1/models").json()["data"][0]["id"] == "tiny"
+    response = {"model": "tiny", "input": PROMPT, "max_output_tokens": 6, "temperature": 0, "stream": True}
+    streamed = [httpx.post(f"{url}/v1/responses", json=response, timeout=60) for url in (cluster["router"], cluster["reference"])]
+    assert [r.headers["content-type"].split(";")[0] for r in streamed] == ["text/event-stream"] * 2
+    assert _response_text(streamed[0].text) == _response_text(streamed[1].text) != ""
     bad = httpx.post(f"{cluster['router']}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": -1})
     assert bad.status_code == 400 and "max_tokens" in bad.text
     metrics = httpx.get(f"{cluster['router']}/metrics").text

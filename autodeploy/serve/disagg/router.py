@@ -388,13 +388,21 @@ class Router:
         yield "data: [DONE]\n\n"
 
     async def _proxy(self, method: str, path: str, body: bytes, headers: dict) -> Response:
-        for worker in self.pool.live("decode")[: self.options.attempts]:
+        """Any other route, on a decode worker, as it answers (a stream passed on as it comes). The workers in URL order,
+        so routes with state (``/v1/files``, ``/v1/batches``) find it on the same worker while it lives."""
+        for worker in sorted(self.pool.live("decode"), key=lambda w: w.url)[: self.options.attempts]:
+            request = self._client.build_request(method, f"{worker.url}{path}", content=body, headers=headers)
             try:
-                response = await self._client.request(method, f"{worker.url}{path}", content=body, headers=headers)
+                response = await self._client.send(request, stream=True)
             except httpx.HTTPError as error:
                 self._failed("decode", worker.url, error)
                 continue
-            return _passed_on(response)
+            if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                await response.aread()
+                await response.aclose()
+                return _passed_on(response)
+            return StreamingResponse(_relayed(response), response.status_code, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         return _no_worker("decode")
 
     def _failed(self, phase: str, url: str, error) -> None:
@@ -440,6 +448,14 @@ def build_router_app(options: RouterOptions) -> FastAPI:
         return await router.route(request, "/" + path)
 
     return app
+
+
+async def _relayed(response: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        await response.aclose()
 
 
 def _forwarded(headers) -> dict:
