@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from autodeploy.artifact import SETTINGS, Manifest, is_saved_deployment, load_deployment, rebuild_source
 from autodeploy.auto_settings import resolve_auto_settings
+from autodeploy.planning.check import model_shape
 from autodeploy.config import load_settings
 from autodeploy.build_report import BuildReport
 from autodeploy.deployment import EMBED, ENCODER, VISION, Deployment, EmbeddingHead, ImageBoundaries
@@ -48,7 +49,7 @@ def deployment_settings(
     settings = load_settings(config_files, overrides, set_arguments)
     source = resolve_model_source(settings.model, settings.weights)
     factory = ModelFactory.from_source(source, settings.trust_remote_code)
-    return resolve_auto_settings(settings, factory.hf_config), factory
+    return resolve_auto_settings(settings, factory.hf_config, lambda: model_shape(factory)), factory
 
 
 def _eos_token_ids(factory: ModelFactory) -> list[int]:

@@ -128,6 +128,15 @@ def _trace_patterns_in_parent() -> None:
         autodeploy(directory, device="cpu")
 
 
+def packaged_table(results: list[dict]) -> str:
+    """The sweep's verdicts as ``autodeploy check`` reads them (``autodeploy/assets/coverage.json``): by model type, its
+    family, status and, when not exact, the first 300 characters of why."""
+    table = {r["model_type"]: {"family": r["family"], "status": r["status"],
+                               **({"detail": " ".join((r.get("detail") or "").split())[:300]} if r["status"] != "exact" else {})}
+             for r in results}
+    return json.dumps(table, indent=0, sort_keys=True) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_types", nargs="*", help="model types to sweep (default: all)")
@@ -143,6 +152,7 @@ def main() -> None:
         results = sorted([*kept, *results], key=lambda r: r["model_type"])
     if not args.model_types or args.merge:
         (ROOT / "notes" / "coverage.json").write_text(json.dumps(results, indent=1) + "\n")
+        (ROOT / "autodeploy" / "assets" / "coverage.json").write_text(packaged_table(results))
         (ROOT / "notes" / "coverage.md").write_text(HEADER + markdown(results))
     else:
         print(markdown(results))

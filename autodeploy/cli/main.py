@@ -1,4 +1,5 @@
-"""The ``autodeploy`` command line: run, serve, router, batch, build, triton-repo, quantize, config show, inspect, tune, bench.
+"""The ``autodeploy`` command line: run, serve, router, batch, build, triton-repo, quantize, config show, check, models, plan,
+inspect, tune, bench.
 
 Errors print as one line (``error: …``) with exit code 1; ``--debug`` shows the traceback.
 ``bench --baseline`` exits with code 3 when a metric regressed. ``--debug`` and ``--version`` go
@@ -217,7 +218,30 @@ def build_parser() -> argparse.ArgumentParser:
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", help="print the merged settings (with auto values resolved when a model is given)")
     show.add_argument("model", nargs="?", default=None)
+    show.add_argument("--explain", action="store_true", help="with MODEL: each setting that sizes the deployment with its reason "
+                      "and the numbers behind it, the KV pool among them (docs/planning.md)")
     _add_settings_arguments(show)
+
+    check = commands.add_parser("check", help="whether and how a model deploys, from its config.json alone (no weights "
+                                              "are read or downloaded); exit code 3 when it does not deploy")
+    check.add_argument("model", help="checkpoint folder, config.json, hub id or shipped config name")
+    check.add_argument("--device", action="append", default=None, metavar="PROFILE",
+                       help="device profiles to plan for (default: H200, H100, 8×H200 and the Jetson Orin profiles; "
+                            "`autodeploy plan --list-devices` lists them)")
+    check.add_argument("--trust-remote-code", action="store_true")
+
+    models = commands.add_parser("models", help="the shipped model configs (`autodeploy run NAME --set weights=random` deploys one)")
+
+    plan = commands.add_parser("plan", help="the settings for a model on a device profile, each with its reason, the memory "
+                                            "they leave and the predicted decode speed; and the YAML to deploy it with")
+    plan.add_argument("model", nargs="?", default=None)
+    plan.add_argument("--device", default="h200", metavar="PROFILE", help="a device profile, NxPROFILE for N of them (default h200)")
+    plan.add_argument("--context", type=int, default=None, help="tokens a sequence (default: the model's maximum, at most 8,192)")
+    plan.add_argument("--concurrency", type=int, default=32, help="sequences at once the KV pool should hold (default 32)")
+    plan.add_argument("--quantize", default="auto", help="auto (default), none, or a scheme (fp8, int8_wo, int4_awq, …)")
+    plan.add_argument("--weights", default="checkpoint", choices=("checkpoint", "random"))
+    plan.add_argument("--out", default=None, metavar="FILE", help="write the settings as YAML (for --config FILE)")
+    plan.add_argument("--list-devices", action="store_true", help="list the device profiles and exit")
 
     inspect = commands.add_parser("inspect", help="op histogram and node count after every stage, time per transform")
     inspect.add_argument("model", nargs="?", default=None)
@@ -267,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch (fewer threads measure more steadily on a shared machine)")
     bench.add_argument("--no-progress", action="store_true")
     _add_settings_arguments(bench)
-    for subcommand in (run, serve, router, build, triton_repo, quantize, config, show, inspect, tune, bench):
+    for subcommand in (run, serve, router, check, models, plan, build, triton_repo, quantize, config, show, inspect, tune, bench):
         _add_global_flags(subcommand, version_line, top_level=False)
     return parser
 
@@ -575,8 +599,72 @@ def _config_show(args) -> None:
     if args.model is None and not any(a.startswith("model=") for a in args.set_arguments):
         print(settings_to_yaml(load_settings(args.config, None, args.set_arguments)), end="")
         return
-    settings, _ = deployment_settings(args.model, args.config, args.set_arguments)
+    settings, factory = deployment_settings(args.model, args.config, args.set_arguments)
     print(settings_to_yaml(settings), end="")
+    if args.explain:
+        import torch
+
+        from autodeploy.planning import current_profile
+        from autodeploy.planning.check import model_shape
+        from omegaconf import OmegaConf
+
+        from autodeploy.planning.explain import explain_settings
+
+        device = torch.device(settings.device)
+        profile, how = current_profile(device) if device.type != "meta" else (None, "")
+        if profile is None:
+            print("# --explain: device is meta (nothing is allocated); give device=cpu or cuda")
+            return
+        raw = OmegaConf.to_container(load_settings(args.config, None, args.set_arguments))
+        print("\n# why:")
+        for line in explain_settings(settings, raw, model_shape(factory), profile, how):
+            print(f"#   {line}")
+
+
+def _check(args) -> int:
+    from autodeploy.planning.check import SUMMARY_DEVICES, check_model
+
+    report = check_model(args.model, tuple(args.device or SUMMARY_DEVICES), args.trust_remote_code)
+    print(report.text())
+    return 0 if report.deploys else 3
+
+
+def _models(args) -> None:
+    from autodeploy.models.source import shipped_model_configs
+    from autodeploy.planning.check import check_model
+
+    print(f"{'name':<16} {'architecture':<38} {'parameters':>11}  coverage")
+    for name in shipped_model_configs():
+        report = check_model(name, devices=())
+        parameters = f"{report.shape.parameters / 1e9:.2f} B" if report.shape is not None else "-"
+        print(f"{name:<16} {report.architecture:<38} {parameters:>11}  {report.verdict.split(':')[0]}")
+    print("deploy one with random weights: autodeploy run NAME --set weights=random (or autodeploy plan NAME --device …)")
+
+
+def _plan(args) -> None:
+    from pathlib import Path
+
+    from autodeploy.models.factory import ModelFactory
+    from autodeploy.models.source import resolve_model_source
+    from autodeploy.planning import PROFILES, PlanRequest, plan, profile
+    from autodeploy.planning.check import model_shape
+
+    if args.list_devices:
+        for name, known in PROFILES.items():
+            print(f"{name:<14} {known.description}: {known.usable_bytes / 2**30:.1f} GiB usable, {known.bandwidth / 1e9:,.0f} GB/s, "
+                  f"compute capability {'.'.join(map(str, known.compute_capability))}{', FP8' if known.fp8 else ''}")
+        return
+    device = profile(args.device)
+    if args.context is not None and args.context < 1 or args.concurrency < 1:
+        raise ConfigError(f"--context and --concurrency must be ≥ 1; got {args.context} and {args.concurrency}")
+    factory = ModelFactory.from_source(resolve_model_source(args.model, "random"))
+    request = PlanRequest(context=args.context, concurrency=args.concurrency, quantize=args.quantize, weights=args.weights)
+    result = plan(model_shape(factory), device, request, model=args.model or "autodeploy-demo")
+    print(result.explain())
+    print("\n# settings (autodeploy run|serve MODEL --config FILE):")
+    print(result.to_yaml(), end="")
+    if args.out:
+        Path(args.out).write_text(result.to_yaml())
 
 
 def _inspect(args) -> None:
@@ -610,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _with_speculative_flags(args)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"run": _run, "serve": _serve, "router": _router, "batch": _batch, "build": _build, "triton-repo": _triton_repo, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
+    handlers = {"run": _run, "serve": _serve, "router": _router, "check": _check, "models": _models, "plan": _plan, "batch": _batch, "build": _build, "triton-repo": _triton_repo, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
                 "bench": _bench}
     try:
         code = handlers[args.command](args)
