@@ -11,7 +11,8 @@ what one token's KV cache costs. From it:
 - **speed** (``SpeedModel.decode_step_s``): a decode step reads every weight it uses once (a MoE layer: the experts
   its batch routes to) and each sequence's KV cache, and computes 2 FLOPs a parameter a token; it takes the longer
   of the two at the device's rates scaled by measured efficiencies, plus a per-step and a per-sequence overhead
-  (sampling, scheduling, attention's launch). The defaults are fitted to H200 figures (Llama-3-8B shape, bf16: 243
+  (sampling, scheduling, attention's launch) and, under tensor parallelism, two all-reduces a layer (an assumed 10 µs
+  each over NVLink; not yet measured here, only single-GPU machines are lent). The defaults are fitted to H200 figures (Llama-3-8B shape, bf16: 243
   tok/s at batch 1, ~6,000 at 32); ``scripts/plan_vs_measured.py`` checks them and fits new ones on the device.
 """
 
@@ -202,6 +203,7 @@ class SpeedModel:
     compute_efficiency: float = 0.55
     step_overhead_s: float = 1.0e-4
     sequence_overhead_s: float = 3.5e-5
+    allreduce_s: float = 1.0e-5  # one all-reduce of a decode step's rows over NVLink (two a layer under tensor parallelism)
     source: str = "defaults fitted to H200 figures (Llama-3-8B shape: bf16 243 tok/s at 1, ~6,000 at 32; fp8 348 at 1)"
 
     def decode_step_s(self, shape: ModelShape, device: DeviceProfile, batch: int, context: int, *, dtype_bytes: int,
@@ -214,7 +216,8 @@ class SpeedModel:
         memory_s = (weights + kv) / (device.bandwidth * min(1.0, efficiency))
         rate = device.fp8_flops if quantization.default == "fp8" and device.fp8_flops else device.bf16_flops
         compute_s = 2 * (active - shape.embedding) * batch / tensor_parallel / (rate * self.compute_efficiency)
-        return max(memory_s, compute_s) + self.step_overhead_s + self.sequence_overhead_s * batch
+        communication_s = 2 * shape.num_layers * self.allreduce_s if tensor_parallel > 1 else 0.0
+        return max(memory_s, compute_s) + communication_s + self.step_overhead_s + self.sequence_overhead_s * batch
 
     def decode_tokens_per_s(self, shape: ModelShape, device: DeviceProfile, batch: int, context: int, **kwargs) -> float:
         return batch / self.decode_step_s(shape, device, batch, context, **kwargs)
@@ -234,5 +237,5 @@ def fit_speed_model(points: list[tuple[int, float, float]], base: SpeedModel = S
         memory = (predicted - base.step_overhead_s - base.sequence_overhead_s * batch) * base.bandwidth_efficiency / scale
         sequence = max(0.0, (measured - memory - base.step_overhead_s) / batch)
     return SpeedModel(bandwidth_efficiency=round(scale, 4), compute_efficiency=base.compute_efficiency,
-                      step_overhead_s=base.step_overhead_s, sequence_overhead_s=sequence,
+                      step_overhead_s=base.step_overhead_s, sequence_overhead_s=sequence, allreduce_s=base.allreduce_s,
                       source=f"fitted to {len(points)} measured decode steps")

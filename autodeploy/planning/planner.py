@@ -5,8 +5,8 @@ quantization) in; a ``Plan`` out — choices, the memory they leave, predicted d
 it. Its rules, in order:
 
 1. **dtype**: float32 on a CPU; else the checkpoint's, but bfloat16 only from compute capability 8.0 (older GPUs: float16).
-2. **tensor parallelism × quantization**: the smallest tensor-parallel size, and at it the first scheme, whose KV pool
-   holds ``concurrency`` sequences of ``context`` tokens. ``quantize="auto"`` tries the fastest that keeps accuracy
+2. **quantization × tensor parallelism**: the first scheme, at the smallest tensor-parallel size, whose KV pool holds
+   ``concurrency`` sequences of ``context`` tokens (a model goes over more devices before its weights lose bits). ``quantize="auto"`` tries the fastest that keeps accuracy
    first — FP8 where the GPU has FP8 tensor cores (compute capability ≥ 8.9), else none — then int8 weights, then
    INT4-AWQ (``int4_wo`` with random weights: AWQ calibrates on the checkpoint's). When nothing holds that many, the
    plan takes what holds the most, and when not even one sequence fits, a shorter context.
@@ -152,7 +152,9 @@ def plan(shape: ModelShape, device: DeviceProfile, request: PlanRequest = PlanRe
 
     sizes = [tp for tp in (1, 2, 4, 8) if tp <= device.count]
     schemes = scheme_candidates(device, request)
-    tried: list[tuple[int, str, MemoryUse]] = [(tp, scheme, use(tp, scheme, context, concurrency)) for tp in sizes for scheme in schemes]
+    # Schemes outermost: a model goes over more devices before its weights lose bits (FP8 on two GPUs before INT4 on one).
+    tried: list[tuple[int, Quantization, MemoryUse]] = [(tp, scheme, use(tp, scheme, context, concurrency))
+                                                        for scheme in schemes for tp in sizes]
     holding = [(tp, scheme, m) for tp, scheme, m in tried if m.kv_tokens >= concurrency * context]
     notes = []
     if holding:
@@ -184,7 +186,8 @@ def plan(shape: ModelShape, device: DeviceProfile, request: PlanRequest = PlanRe
           if shape.experts else []),
         *([Choice("quantize.embedding", "int8", "see quantize.default")] if scheme.embedding == "int8" else []),
         Choice("distributed.tensor_parallel", tp,
-               "one device holds it" if tp == 1 else f"the smallest of {sizes} whose KV pool holds {concurrency} × {context:,} tokens"),
+               "one device holds it" if tp == 1 else f"the smallest of {sizes} whose KV pool holds {concurrency} × {context:,} tokens "
+                                                     f"with {scheme.default} weights"),
         Choice("max_seq_len", context, "as asked" if request.context and context == request.context else
                f"the model's maximum ({model_max:,})" if context == model_max else
                "cut to fit (see the notes)" if context < min(model_max, 8192) else
