@@ -8,7 +8,7 @@ The layers, lowest first (``LAYERS`` below is the rule; this is what it says):
 3. records — ``deployment`` (the built model handed to the runtime, save and load) and ``build_report``.
 4. ``runtime`` — engine, scheduler, KV pool, graphs and sampler. It sees only a ``Deployment``: it imports no
    transform, pattern, pipeline, front end or server.
-5. models — the model factory, checkpoints and their formats, random weights, auto settings, preflight.
+5. models — the model factory, checkpoints and their formats, random weights, auto settings, preflight, planning.
 6. ``autotuner``, 7. ``patterns``, 8. ``transforms`` — the passes (export, weight loading and calibration
    among them) and what they rewrite with.
 9. pipeline — settings (``config``) and the pipeline that runs the passes.
@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("custom_ops", ("autodeploy.custom_ops",)),
     ("records", ("autodeploy.deployment", "autodeploy.build_report")),
     ("runtime", ("autodeploy.runtime",)),
-    ("models", ("autodeploy.models", "autodeploy.auto_settings", "autodeploy.preflight")),
+    ("models", ("autodeploy.models", "autodeploy.auto_settings", "autodeploy.preflight", "autodeploy.planning")),
     ("autotuner", ("autodeploy.autotuner",)),
     ("patterns", ("autodeploy.patterns",)),
     ("transforms", ("autodeploy.transforms", "autodeploy.export")),
