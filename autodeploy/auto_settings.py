@@ -7,6 +7,8 @@ with the reasons, ``planning/explain.py``).
 - ``max_seq_len`` unset: the model's ``max_position_embeddings``.
 - ``quantize.default: auto`` (opt-in): the planner's choice for this model on this device (``planning/planner.py``):
   FP8 where the GPU has FP8 tensor cores, else none, then int8 and INT4 as memory demands.
+- ``auto.batch`` / ``auto.token_budget`` / ``auto.tensor_parallel`` (opt-in): the planner's ``max_batch_size``,
+  ``scheduler.max_num_tokens`` and tensor-parallel size for ``auto.concurrency`` sequences of ``max_seq_len`` tokens.
 """
 
 from __future__ import annotations
@@ -47,27 +49,49 @@ def resolve_auto_settings(settings: DictConfig, hf_config: PretrainedConfig, sha
         resolved["max_seq_len"] = int(model_max)
     elif resolved["max_seq_len"] > model_max:
         logger.warning("max_seq_len %d exceeds the model's max_position_embeddings %d", resolved["max_seq_len"], model_max)
-    if resolved["quantize"]["default"] == "auto":
-        _resolve_quantize(resolved, shape)
+    auto = resolved["auto"]
+    if resolved["quantize"]["default"] == "auto" or auto["batch"] or auto["token_budget"] or auto["tensor_parallel"]:
+        _planned(resolved, shape)
     return OmegaConf.create(resolved)
 
 
-def _resolve_quantize(resolved: dict, shape: Callable[[], object] | None) -> None:
+def _planned(resolved: dict, shape: Callable[[], object] | None) -> None:
+    """The planner's choices for what is ``auto`` (``quantize.default``, the ``auto`` switches), each logged with its
+    reason (``config show --explain`` prints them)."""
     from autodeploy.planning import PlanRequest, current_profile, plan
 
-    if shape is None:
-        raise ConfigError("quantize.default: auto needs the model's shape; set a scheme (fp8, int8_wo, int4_awq, …) or none")
+    asked = [name for name, on in (("quantize.default: auto", resolved["quantize"]["default"] == "auto"),
+                                   *((f"auto.{key}", resolved["auto"][key]) for key in ("batch", "token_budget", "tensor_parallel")))
+             if on]
     device = torch.device(resolved["device"])
-    if device.type == "meta":
-        raise ConfigError("quantize.default: auto picks a scheme for the device it deploys on; on meta, name a scheme or none")
+    if shape is None or device.type == "meta":
+        raise ConfigError(f"{', '.join(asked)}: the planner picks for the device a model deploys on; on meta (or without the "
+                          f"model) give the values instead")
     profile, _ = current_profile(device)
-    request = PlanRequest(context=resolved["max_seq_len"], concurrency=resolved["max_batch_size"], quantize="auto",
-                          weights=resolved["weights"], dtype=resolved["dtype"])
-    chosen = plan(shape(), profile, request)
+    auto = resolved["auto"]
+    if auto["tensor_parallel"] and device.type == "cuda":
+        profile = profile.with_count(torch.cuda.device_count())
     quantize = resolved["quantize"]
-    quantize["default"] = chosen.value("quantize.default")
-    for key in ("experts", "embedding"):
-        if any(c.setting == f"quantize.{key}" for c in chosen.choices) and quantize[key] == "none":
-            quantize[key] = chosen.value(f"quantize.{key}")
-    reason = next(c.reason for c in chosen.choices if c.setting == "quantize.default")
-    logger.info("quantize.default auto: %s (%s)", quantize["default"], reason)
+    request = PlanRequest(context=resolved["max_seq_len"], concurrency=auto["concurrency"], quantize=quantize["default"],
+                          weights=resolved["weights"], dtype=resolved["dtype"],
+                          memory_fraction=resolved["kv_cache"]["memory_fraction"], cpu_bytes=resolved["kv_cache"]["cpu_bytes"])
+    chosen = plan(shape(), profile, request)
+    picks = []
+    if quantize["default"] == "auto":
+        quantize["default"] = chosen.value("quantize.default")
+        for key in ("experts", "embedding"):
+            if any(c.setting == f"quantize.{key}" for c in chosen.choices) and quantize[key] == "none":
+                quantize[key] = chosen.value(f"quantize.{key}")
+        picks.append("quantize.default")
+    for key, setting in (("batch", "max_batch_size"), ("token_budget", "scheduler.max_num_tokens"),
+                         ("tensor_parallel", "distributed.tensor_parallel")):
+        if auto[key]:
+            *path, name = setting.split(".")
+            node = resolved
+            for part in path:
+                node = node[part]
+            node[name] = chosen.value(setting)
+            picks.append(setting)
+    for choice in chosen.choices:
+        if choice.setting in picks:
+            logger.info("%s auto: %s (%s)", choice.setting, choice.value, choice.reason)

@@ -222,6 +222,19 @@ MAX_TREE_NODES = 62  # drafted tokens of a tree: with the newest token, the bits
 
 
 @dataclass
+class AutoSettings:
+    """Bolder automatic choices, each opt-in (``docs/planning.md``): the planner (``planning/planner.py``) sets
+    ``max_batch_size`` (``batch``), ``scheduler.max_num_tokens`` (``token_budget``) and
+    ``distributed.tensor_parallel`` (``tensor_parallel``: at most the GPUs this process sees) for ``concurrency``
+    sequences of ``max_seq_len`` tokens on this device. (``quantize.default: auto`` is the quantization's switch.)"""
+
+    batch: bool = False
+    token_budget: bool = False
+    tensor_parallel: bool = False
+    concurrency: int = 32
+
+
+@dataclass
 class DeploySettings:
     """Top-level settings. ``auto`` values are resolved from the model and hardware (see auto_settings)."""
 
@@ -252,6 +265,7 @@ class DeploySettings:
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     vision: VisionSettings = field(default_factory=VisionSettings)
+    auto: AutoSettings = field(default_factory=AutoSettings)
     transforms: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -272,8 +272,16 @@ def test_auto_settings_on_a_cpu_machine(monkeypatch):
 
 def test_auto_settings_on_a_gpu_machine_keeps_the_checkpoint_dtype(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     resolved = resolve_auto_settings(load_settings(), LlamaConfig(dtype="bfloat16"))
     assert (resolved.device, resolved.dtype) == ("cuda", "bfloat16")
+
+
+def test_auto_dtype_on_a_gpu_without_bfloat16_tensor_cores_is_float16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    assert resolve_auto_settings(load_settings(), LlamaConfig(dtype="bfloat16")).dtype == "float16"
+    assert resolve_auto_settings(load_settings(), LlamaConfig(dtype="float32")).dtype == "float32"
 
 
 def test_explicit_settings_are_not_replaced(monkeypatch):

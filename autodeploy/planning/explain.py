@@ -36,7 +36,9 @@ def explain_settings(settings, raw, shape: ModelShape, device: DeviceProfile, ho
              f"dtype = {settings.dtype}: {origin('dtype', choose_dtype(shape, device)[1])}",
              f"quantize.default = {quantize.default}: {origin('quantize.default', _quantize_reason(quantize.default, device))}",
              f"max_seq_len = {settings.max_seq_len}: {origin('max_seq_len', f'the model’s max_position_embeddings ({shape.max_position_embeddings})')}",
-             f"max_batch_size = {settings.max_batch_size}; scheduler.max_num_tokens = {settings.scheduler.max_num_tokens}",
+             f"max_batch_size = {settings.max_batch_size}: {_switch(raw, 'batch')}; scheduler.max_num_tokens = "
+             f"{settings.scheduler.max_num_tokens}: {_switch(raw, 'token_budget')}; distributed.tensor_parallel = "
+             f"{settings.distributed.tensor_parallel}: {_switch(raw, 'tensor_parallel')}",
              f"weights: {shape.parameters / 1e9:.3f} B parameters → {memory.weights / 2**30:.3f} GiB a device"]
     if device.name == "cpu":
         full = settings.max_batch_size * -(-settings.max_seq_len // settings.kv_cache.block_size)
@@ -52,6 +54,11 @@ def kv_pool_blocks(lines: list[str]) -> int:
     """The block count an explanation states (what the tests hold against the engine's pool)."""
     line = next(line for line in lines if line.startswith("KV pool"))
     return int(line.split(" blocks of ")[0].rsplit("= ", 1)[1].replace(",", ""))
+
+
+def _switch(raw, key: str) -> str:
+    on = (raw.get("auto") or {}).get(key)
+    return f"the planner's (auto.{key}; its reason is in the log)" if on else "given (or the default)"
 
 
 def _quantize_reason(scheme: str, device: DeviceProfile) -> str:

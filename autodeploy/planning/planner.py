@@ -37,13 +37,15 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class PlanRequest:
     """What the deployment is for: ``context`` tokens a sequence (None: the model's maximum, at most 8,192),
     ``concurrency`` sequences at once, ``quantize`` ("auto", "none" or a scheme), ``weights`` ("checkpoint" or
-    "random": calibrated schemes need the checkpoint's)."""
+    "random": calibrated schemes need the checkpoint's), and the KV pool's ``kv_cache`` settings."""
 
     context: int | None = None
     concurrency: int = 32
     quantize: str = "auto"
     weights: str = "checkpoint"
     dtype: str = "auto"
+    memory_fraction: float = 0.9  # kv_cache.memory_fraction
+    cpu_bytes: int = 1 << 30  # kv_cache.cpu_bytes
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,8 @@ def plan(shape: ModelShape, device: DeviceProfile, request: PlanRequest = PlanRe
 
     def use(tp: int, quantization: Quantization, ctx: int, batch: int) -> MemoryUse:
         return memory_use(shape, device, dtype_bytes=dtype_bytes, quantization=quantization, kv_dtype_bytes=kv_bytes, max_seq_len=ctx,
-                          max_batch_size=batch, max_num_tokens=token_budget, tensor_parallel=tp)
+                          max_batch_size=batch, max_num_tokens=token_budget, tensor_parallel=tp,
+                          memory_fraction=request.memory_fraction, cpu_bytes=request.cpu_bytes)
 
     sizes = [tp for tp in (1, 2, 4, 8) if tp <= device.count]
     schemes = scheme_candidates(device, request)

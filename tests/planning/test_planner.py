@@ -167,6 +167,21 @@ def test_quantize_auto_on_a_cpu_is_none_and_on_meta_asks_for_a_scheme(llama_dir)
         deployment_settings(str(llama_dir), set_arguments=["device=meta", "weights=random", "quantize.default=auto"])
 
 
+def test_the_auto_switches_take_the_planners_values(llama_dir):
+    from autodeploy.api import deployment_settings
+    from autodeploy.planning.check import model_shape
+
+    arguments = ["device=cpu", "auto.batch=true", "auto.token_budget=true", "auto.concurrency=4", "kv_cache.cpu_bytes=1000000"]
+    settings, factory = deployment_settings(str(llama_dir), set_arguments=arguments)
+    expected = plan(model_shape(factory), PROFILES["cpu"], PlanRequest(context=settings.max_seq_len, concurrency=4, quantize="none",
+                                                                       weights="checkpoint", dtype="float32", cpu_bytes=1_000_000))
+    engine = autodeploy(str(llama_dir), set_arguments=arguments).engine
+    assert settings.max_batch_size == expected.value("max_batch_size") != 32
+    assert settings.scheduler.max_num_tokens == expected.value("scheduler.max_num_tokens")
+    assert engine.scheduler.max_num_seqs == settings.max_batch_size
+    assert engine.pool.num_blocks * engine.pool.block_size >= settings.max_batch_size * settings.max_seq_len // 2  # half full
+
+
 def test_the_packaged_coverage_table_is_the_sweeps():
     root = Path(__file__).parents[2]
     sys.path.insert(0, str(root / "scripts"))
