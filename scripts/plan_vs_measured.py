@@ -24,7 +24,7 @@ from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
 from autodeploy.planning import PlanRequest, SpeedModel, current_profile, plan, profile
 from autodeploy.planning.check import model_shape
-from autodeploy.planning.estimate import Quantization, fit_speed_model, memory_use
+from autodeploy.planning.estimate import Quantization, fit_speed_model, memory_use, save_calibration
 
 SWEEP = [  # (max_batch_size, scheduler.max_num_tokens, quantize.default)
     (128, 2048, "none"), (256, 2048, "none"), (256, 8192, "none"), (128, 2048, "fp8"), (256, 2048, "fp8"), (256, 8192, "fp8"),
@@ -67,6 +67,8 @@ def predict(args, shape, device) -> None:
         print(f"{scheme:<10}{batch:>6}{predicted:>17,.1f}{measured:>10,.1f}{error:>+8.1%}{peak_predicted / 2**30:>15.1f}{peak_text}")
     fits = {scheme: fit_speed_model(p).__dict__ for scheme, p in points.items() if p}
     print("fitted:", json.dumps(fits, indent=1))
+    if "none" in points:  # the device's model from now on (the schemes' relative efficiencies: SCHEME_EFFICIENCY)
+        print("saved to", save_calibration(device.name, fit_speed_model(points["none"])))
     (args.out / "predict.json").write_text(json.dumps({"device": device.name, "rows": rows, "fitted": fits}, indent=1))
 
 

@@ -648,6 +648,7 @@ def _plan(args) -> None:
     from autodeploy.models.source import resolve_model_source
     from autodeploy.planning import PROFILES, PlanRequest, plan, profile
     from autodeploy.planning.check import model_shape
+    from autodeploy.planning.estimate import calibrated
 
     if args.list_devices:
         for name, known in PROFILES.items():
@@ -659,7 +660,7 @@ def _plan(args) -> None:
         raise ConfigError(f"--context and --concurrency must be ≥ 1; got {args.context} and {args.concurrency}")
     factory = ModelFactory.from_source(resolve_model_source(args.model, "random"))
     request = PlanRequest(context=args.context, concurrency=args.concurrency, quantize=args.quantize, weights=args.weights)
-    result = plan(model_shape(factory), device, request, model=args.model or "autodeploy-demo")
+    result = plan(model_shape(factory), device, request, calibrated(device.base_name), model=args.model or "autodeploy-demo")
     print(result.explain())
     print("\n# settings (autodeploy run|serve MODEL --config FILE):")
     print(result.to_yaml(), end="")

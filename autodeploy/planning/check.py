@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from autodeploy.errors import AutoDeployError
-from autodeploy.planning.estimate import ModelShape
+from autodeploy.planning.estimate import ModelShape, calibrated
 from autodeploy.planning.planner import Plan, PlanRequest, plan
 
 SUMMARY_DEVICES = ("h200", "h100", "8xh200", "orin-agx-64gb", "orin-agx-32gb", "orin-nx-16gb", "orin-nano-8gb")
@@ -106,7 +106,8 @@ def check_model(model: str, devices: tuple[str, ...] = SUMMARY_DEVICES, trust_re
         deploys, verdict = True, f"not swept ({entry.get('detail', 'no tiny model')}): the build's verification decides"
     report = CheckReport(model, model_type, architecture, kind, deploys, verdict, shape, _checkpoint_bytes(source.directory))
     if deploys:
-        report.plans = {name: plan(shape, profile(name), PlanRequest(concurrency=32), model=model) for name in devices}
+        report.plans = {name: plan(shape, profile(name), PlanRequest(concurrency=32), calibrated(profile(name).base_name),
+                                   model=model) for name in devices}
     return report
 
 

@@ -36,6 +36,11 @@ class DeviceProfile:
         return self.compute_capability >= (8, 9)
 
     @property
+    def base_name(self) -> str:
+        """The profile's name without its device count (``h200`` of ``8xh200``)."""
+        return self.name.split("x", 1)[1] if self.count > 1 else self.name
+
+    @property
     def usable_bytes(self) -> int:
         return self.memory_bytes - self.reserved_bytes
 

@@ -13,12 +13,17 @@ what one token's KV cache costs. From it:
   of the two at the device's rates scaled by measured efficiencies, plus a per-step and a per-sequence overhead
   (sampling, scheduling, attention's launch) and, under tensor parallelism, two all-reduces a layer (an assumed 10 µs
   each over NVLink; not yet measured here, only single-GPU machines are lent). The defaults are fitted to H200 figures (Llama-3-8B shape, bf16: 243
-  tok/s at batch 1, ~6,000 at 32); ``scripts/plan_vs_measured.py`` checks them and fits new ones on the device.
+  tok/s at batch 1, ~6,000 at 32); ``scripts/plan_vs_measured.py`` checks them on the device and saves a fitted model
+  for its profile (``save_calibration``), which ``calibrated(profile)`` returns to the planner from then on.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -221,6 +226,32 @@ class SpeedModel:
 
     def decode_tokens_per_s(self, shape: ModelShape, device: DeviceProfile, batch: int, context: int, **kwargs) -> float:
         return batch / self.decode_step_s(shape, device, batch, context, **kwargs)
+
+
+def calibration_file() -> Path:
+    """``$XDG_CACHE_HOME/autodeploy/speed_models.json`` (or ``~/.cache/…``): fitted speed models by device profile."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autodeploy" / "speed_models.json"
+
+
+def calibrated(device: str) -> SpeedModel:
+    """The speed model fitted on ``device`` (``save_calibration``), else the defaults."""
+    try:
+        fields = json.loads(calibration_file().read_text()).get(device)
+    except (OSError, ValueError):
+        return SpeedModel()
+    return SpeedModel(**fields) if isinstance(fields, dict) else SpeedModel()
+
+
+def save_calibration(device: str, model: SpeedModel) -> Path:
+    path = calibration_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        models = json.loads(path.read_text())
+    except (OSError, ValueError):
+        models = {}
+    models[device] = dataclasses.asdict(model)
+    path.write_text(json.dumps(models, indent=1))
+    return path
 
 
 def fit_speed_model(points: list[tuple[int, float, float]], base: SpeedModel = SpeedModel()) -> SpeedModel:

@@ -106,6 +106,17 @@ def test_fitting_the_speed_model_to_measurements_recovers_them():
             truth.decode_step_s(SHAPE, device, batch, 256, dtype_bytes=2), rel=1e-2)
 
 
+def test_a_saved_calibration_is_the_devices_model_from_then_on(tmp_path, monkeypatch):
+    from autodeploy.planning.estimate import calibrated, save_calibration
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert calibrated("h200") == SpeedModel()
+    fitted = SpeedModel(bandwidth_efficiency=0.9, sequence_overhead_s=5e-5, source="fitted")
+    save_calibration("h200", fitted)
+    assert calibrated("h200") == fitted and calibrated("h100") == SpeedModel()
+    assert profile("8xh200").base_name == "h200"
+
+
 def test_profiles():
     assert profile("8xh200").count == 8 and profile("8xh200").usable_bytes == PROFILES["h200"].usable_bytes
     assert not profile("orin-nano-8gb").fp8 and profile("h100").fp8
