@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill worker's URL (static; repeat)")
     router.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker's URL (static; repeat)")
     router.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS", help="a request's deadline at a worker")
+    router.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="a stream that sends nothing for this long counts its worker as hung, and resumes on another")
 
     batch = commands.add_parser("batch", help="run a file of requests in the OpenAI Batch API's format through a model, "
                                                "resumably (docs/batch.md)")
@@ -496,7 +498,7 @@ def _router(args) -> None:
         raise ConfigError(f"autodeploy router needs the serve and disagg extras ({error.name} is missing): "
                           f"pip install 'autodeploy[serve,disagg]'") from None
     options = RouterOptions(prefill=args.prefill, decode=args.decode, etcd=args.etcd, namespace=args.namespace,
-                            timeout_s=args.request_timeout)
+                            timeout_s=args.request_timeout, stall_timeout_s=args.stall_timeout)
     app = build_router_app(options)
     run_server(app, host=args.host, port=args.port, log_level="debug" if args.debug else "info",
                sock=_bound_socket(args.host, args.port))

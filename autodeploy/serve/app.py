@@ -480,7 +480,7 @@ class _Server(_ModelServer):
         queued = await asyncio.to_thread(self.make_requests, prompts, SamplingParams(max_tokens=1, temperature=0))
         self.admission.enter(queued, place)
         try:
-            finals = await asyncio.gather(*(self.async_llm.generate(engine_request) for engine_request in queued))
+            finals = await self._finals(queued)
         finally:
             self.admission.leave(queued)
         if any(o.finish_reason == "abort" for o in finals):

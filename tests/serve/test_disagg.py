@@ -399,7 +399,8 @@ def test_killed_workers_and_router(saved, tmp_path):
     """Two prefill and two decode worker processes behind a router process. A decode worker is killed (SIGKILL, by its
     PID) while it streams, then a prefill worker: every request completes once, each exactly as one server answers it.
     The decode worker started again on its port rejoins. The router killed mid-stream leaves nothing held in the
-    workers, and a new router on its port serves at once."""
+    workers, and a new router on its port serves at once; a decode worker stopped (SIGSTOP: hung) has its streams
+    resumed elsewhere after the router's stall timeout."""
     bodies = [{"prompt": f"{PROMPT} #{i}", "max_tokens": 120, "temperature": 0.0 if i % 2 else 0.9, "seed": i, "ignore_eos": True}
               for i in range(12)]
     with contextlib.ExitStack() as stack:
@@ -410,7 +411,7 @@ def test_killed_workers_and_router(saved, tmp_path):
                    for name in ("prefill1", "prefill2", "decode1", "decode2")}
         urls = {name: url for name, (_, url) in workers.items()}
         router_arguments = ["router", "--prefill", urls["prefill1"], "--prefill", urls["prefill2"],
-                            "--decode", urls["decode1"], "--decode", urls["decode2"]]
+                            "--decode", urls["decode1"], "--decode", urls["decode2"], "--stall-timeout", "3"]
         router_process, router = stack.enter_context(_process(router_arguments, tmp_path / "router.log"))
         _until(lambda: httpx.get(f"{router}/health").json()["workers"] == {"prefill": 2, "decode": 2})
         results: dict[int, object] = {}
@@ -455,3 +456,22 @@ def test_killed_workers_and_router(saved, tmp_path):
         router_port = int(router.rsplit(":", 1)[1])
         stack.enter_context(_process(router_arguments, tmp_path / "router-again.log", router_port))
         assert _streamed(router, "/v1/completions", bodies[1]) == expected[1]
+
+        failovers = _failovers(router)
+        os.kill(workers["decode2"][0].pid, signal.SIGSTOP)  # hung, not dead: its streams stall
+        try:
+            hung = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+            for i, thread in enumerate(hung):
+                results.pop(i, None)
+                thread.start()
+            for thread in hung:
+                thread.join(timeout=120)
+        finally:
+            os.kill(workers["decode2"][0].pid, signal.SIGCONT)
+        assert all(results.get(i) == expected[i] for i in range(4)), {i: results.get(i) for i in range(4)}
+        assert _failovers(router) > failovers  # some went to the hung worker first
+
+
+def _failovers(router: str) -> float:
+    lines = httpx.get(f"{router}/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith('autodeploy_router_failovers_total{phase="decode"}'))

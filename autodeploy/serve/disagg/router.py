@@ -15,7 +15,8 @@ sequences, each counting what the router sent it since its last report; a reques
 went before (its KV may be cached there) unless that worker is busier than the least busy by more than
 ``affinity_slack``.
 
-Failures: a worker that refuses a connection, breaks one, or answers 5xx is marked down (and skipped until it is
+Failures: a worker that refuses a connection, breaks one, answers 5xx, or lets a stream stall (``stall_timeout_s``
+without a byte: hung) is marked down (and skipped until it is
 seen alive again), and the request goes to another: a prefill on another prefill worker (or, with none left, the
 decode worker computes the prompt), an answer not yet begun on another decode worker. A stream a decode worker
 broke after it began is *resumed* on another (``x-autodeploy-resume``: the tokens streamed so far, sampled at the
@@ -54,7 +55,9 @@ class RouterOptions:
     """``prefill`` / ``decode``: static worker URLs (with no ``etcd``). ``etcd``: the registry's endpoint.
     ``poll_s``: how often static workers' loads are read. ``down_s``: how long a worker that failed is skipped
     before it is tried again (it is back at once when the registry or a poll sees it alive). ``attempts``: workers
-    tried per phase. ``timeout_s``: a request's deadline at a worker; ``connect_timeout_s``: a connection's."""
+    tried per phase. ``timeout_s``: a request's deadline at a worker; ``connect_timeout_s``: a connection's;
+    ``stall_timeout_s``: how long a stream may go without a byte before its worker counts as hung (the stream resumes
+    on another)."""
 
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
@@ -65,6 +68,7 @@ class RouterOptions:
     attempts: int = 3
     timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    stall_timeout_s: float = 120.0
     affinity_slack: float = 1.5
 
 
@@ -323,7 +327,9 @@ class Router:
             if worker is None:
                 break
             tried.add(worker.url)
-            request = self._client.build_request("POST", f"{worker.url}{path}", content=body, headers={**headers, **extra})
+            timeout = httpx.Timeout(self.options.timeout_s, connect=self.options.connect_timeout_s, read=self.options.stall_timeout_s)
+            request = self._client.build_request("POST", f"{worker.url}{path}", content=body, headers={**headers, **extra},
+                                                 timeout=timeout)
             try:
                 response = await self._client.send(request, stream=True)
             except httpx.HTTPError as error:
