@@ -145,6 +145,25 @@ def test_check_reads_configs_of_every_decoder_family_without_weights(tmp_path):
     assert not disagreements
 
 
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "t5", "bart", "llava", "gemma3"])
+def test_check_reads_the_other_families(tmp_path, kind):
+    """An encoder, two encoder–decoders and two vision-language models, each exact in the coverage sweep: check says
+    they deploy, what kind they are, and sizes them — from config.json alone."""
+    from tests.tiny_encoders import tiny_encoder_config
+    from tests.tiny_seq2seq_models import KINDS
+    from tests.tiny_vision_models import tiny_gemma3_config, tiny_llava_config
+
+    configs = {"bert": lambda: tiny_encoder_config("bert"), "xlm-roberta": lambda: tiny_encoder_config("xlm-roberta"),
+               "t5": lambda: KINDS["t5"][0](**KINDS["t5"][2]), "bart": lambda: KINDS["bart"][0](**KINDS["bart"][2]),
+               "llava": lambda: tiny_llava_config("clip"), "gemma3": tiny_gemma3_config}
+    configs[kind]().save_pretrained(tmp_path)
+    report = check_model(str(tmp_path), devices=("h100",))
+    expected = {"bert": "encoder", "xlm-roberta": "encoder", "t5": "encoder-decoder", "bart": "encoder-decoder",
+                "llava": "vision-language", "gemma3": "vision-language"}[kind]
+    assert report.deploys and report.kind == expected and "exact" in report.verdict, report.text()
+    assert report.shape.parameters > 0 and report.plans["h100"].fits
+
+
 def test_the_checkpoint_index_and_a_refusal(tmp_path, llama_dir):
     report = check_model(str(llama_dir), devices=("cpu",))
     assert report.deploys and report.kind == "decoder" and "exact" in report.verdict
