@@ -712,6 +712,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`autodeploy plan … | head`): nothing more to say to it
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # the interpreter's flush at exit would raise again
+        return 0
     return code or 0
 
 
