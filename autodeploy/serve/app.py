@@ -435,6 +435,9 @@ class _Server(_ModelServer):
             tokens, _ = resume_requests(headers[RESUME_HEADER], await asyncio.to_thread(self.make_requests, prompts, params))
             prompts = [_extended(prompts[0], tokens)]
         if headers.get(PHASE_HEADER) == "prefill":
+            if self.disagg.kv_address is None:
+                raise APIError(400, "a decode worker serves no prefill phase (it has no KV transfer service); send the request "
+                                    "to a prefill worker")
             return await self._prefill(prompts, place)
         holders = []
         if KV_HEADER in headers:

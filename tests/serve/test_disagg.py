@@ -151,6 +151,12 @@ def test_worker_headers_on_a_plain_server_and_a_prefill_worker(cluster):
     assert prefill.status_code == 400 and "decode worker" in prefill.text
     garbled = httpx.post(f"{cluster['decode'][0]}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={KV_HEADER: "{"})
     assert garbled.status_code == 400 and KV_HEADER in garbled.text
+    bad_keys = json.dumps([{"source": "x:1", "transfer_id": "t", "keys": ["not hex"], "fingerprint": "f"}])
+    assert httpx.post(f"{cluster['decode'][0]}/v1/completions", json={"model": "tiny", "prompt": "x"},
+                      headers={KV_HEADER: bad_keys}).status_code == 400
+    decoding = httpx.post(f"{cluster['decode'][0]}/v1/completions", json={"model": "tiny", "prompt": "x"},
+                          headers={"x-autodeploy-disagg": "prefill"})
+    assert decoding.status_code == 400 and "prefill worker" in decoding.text
 
 
 def test_the_pool_balances_by_load_keeps_prefixes_together_and_skips_the_down():

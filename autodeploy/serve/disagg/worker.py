@@ -29,8 +29,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from autodeploy.errors import ConfigError, InvalidRequestError
+from autodeploy.errors import ConfigError, InvalidRequestError, TransferError
 from autodeploy.frontend.llm import LLM
 from autodeploy.runtime.request import Request as EngineRequest
 
@@ -126,7 +127,8 @@ class DisaggWorker:
         if self.role in ("prefill", "both"):
             service = transfer.KVTransferService(self.handoff, self.fingerprint)
             self._transfer_server, port = transfer.start_transfer_server(service, options.kv_host, options.kv_port)
-            self.kv_address = f"{options.kv_host}:{port}"
+            # what decode workers dial: the advertised URL's host (a worker listening on 0.0.0.0 is reached at that)
+            self.kv_address = f"{urlsplit(options.url).hostname or options.kv_host}:{port}"
         self._reaper = threading.Thread(target=self._expire_holds, name="kv-hold-reaper", daemon=True)
         self._reaper.start()
         self._registration = None
@@ -162,16 +164,16 @@ class DisaggWorker:
         """Pull each prompt's blocks named by the ``x-autodeploy-kv`` header; returns the holders to ``release`` once the
         requests are done. A failed pull leaves the prompt to be computed here (``transfer.receive``)."""
         transfers = _parse_transfers(header, num_prompts)
+        for transfer in transfers:  # all checked before any block is taken
+            if transfer["fingerprint"] != self.fingerprint:
+                raise TransferError(f"the prefill worker serves model/KV layout {transfer['fingerprint']}, this decode worker "
+                                    f"{self.fingerprint}: pair workers started from the same model and settings")
         holders = []
         for transfer in transfers:
-            if transfer["fingerprint"] != self.fingerprint:
-                raise self._transfer.TransferError(f"the prefill worker serves model/KV layout {transfer['fingerprint']}, this decode worker "
-                                    f"{self.fingerprint}: pair workers started from the same model and settings")
             holder = uuid.uuid4().hex
-            keys = [bytes.fromhex(key) for key in transfer["keys"]]
-            received = self._transfer.receive(self.handoff, holder, transfer["source"], transfer["transfer_id"], keys, self.fingerprint,
-                                         self.options.transfer_timeout_s, self.options.transfer_retries,
-                                         same_node=_local(transfer["source"]))
+            received = self._transfer.receive(self.handoff, holder, transfer["source"], transfer["transfer_id"], transfer["keys"],
+                                              self.fingerprint, self.options.transfer_timeout_s, self.options.transfer_retries,
+                                              same_node=_local(transfer["source"]))
             holders.append(holder)
             self.transfers["received_blocks"] += received.written
             self.transfers["cached_blocks"] += received.cached
@@ -223,12 +225,17 @@ def resume_requests(header: str, requests: Sequence[EngineRequest]) -> tuple[lis
 
 
 def _parse_transfers(header: str, num_prompts: int) -> list[dict]:
+    """The header's transfers, their keys as bytes (``InvalidRequestError`` for anything else)."""
     transfers = _json(header, KV_HEADER)
     fields = ("source", "transfer_id", "keys", "fingerprint")
+    problem = f"{KV_HEADER} must list one transfer per prompt ({num_prompts}), each with {', '.join(fields)} (keys: hex strings)"
     if (not isinstance(transfers, list) or len(transfers) != num_prompts
-            or not all(isinstance(t, Mapping) and all(f in t for f in fields) for t in transfers)):
-        raise InvalidRequestError(f"{KV_HEADER} must list one transfer per prompt ({num_prompts}), each with {', '.join(fields)}")
-    return transfers
+            or not all(isinstance(t, Mapping) and all(f in t for f in fields) and isinstance(t["keys"], list) for t in transfers)):
+        raise InvalidRequestError(problem)
+    try:
+        return [{**transfer, "keys": [bytes.fromhex(key) for key in transfer["keys"]]} for transfer in transfers]
+    except (TypeError, ValueError):
+        raise InvalidRequestError(problem) from None
 
 
 def _json(header: str, name: str):
