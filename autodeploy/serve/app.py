@@ -137,7 +137,7 @@ def build_app(llm: LLM, options: ServerOptions) -> FastAPI:
     async def models() -> dict:
         return server.model_list()
 
-    @app.get("/disagg/load", dependencies=authorized)
+    @app.get("/disagg/load")  # open, as /metrics: a router polls it without the clients' key
     async def disagg_load() -> dict:  # what a router balances by (serve/disagg/router.py)
         if server.disagg is None:
             return {"role": "both", "load": engine.load()}
