@@ -67,6 +67,7 @@ class KVHandoff:
         self._lock = lock
         self._holds: dict[str, float] = {}  # holder id → when it expires (time.monotonic)
         self._unwritten: dict[str, dict[int, int]] = {}  # an adopting holder's new blocks: index → block id
+        self._writing: set[str] = set()  # holders whose blocks are being written (outside the lock): never expired
 
     # ---- the prefill side ----------------------------------------------------------------------
     def hold(self, holder: str, token_ids: Sequence[int], content_spans: Sequence[tuple[int, int, str]] = (),
@@ -82,7 +83,9 @@ class KVHandoff:
 
     def payloads(self, holder: str, skip: set[bytes] = frozenset()) -> Iterator[tuple[int, bytes]]:
         """``(index, payload)`` of each held block whose key is not in ``skip`` (blocks the receiver has), in order.
-        Read in one gather per cache; a holder that was released (or expired) yields nothing more."""
+        The engine's lock is held only to launch the gather (one row of bytes a block, every cache's part side by side):
+        the copy to the host waits outside it, so the engine's steps go on meanwhile (a step launched later runs after
+        the gather on the device, whatever happens to the hold)."""
         with self._lock:
             if holder not in self._holds:
                 raise KeyError(holder)
@@ -92,8 +95,8 @@ class KVHandoff:
             if not wanted:
                 return
             ids = torch.tensor([table[i] for i in wanted], device=next(iter(self.caches.values())).device)
-            # one row of bytes per block, every cache's part side by side: one copy to the host for all of them
-            rows = torch.cat([_bytes_view(self.caches[name]).index_select(0, ids) for name in self._names], dim=1).cpu()
+            gathered = torch.cat([_bytes_view(self.caches[name]).index_select(0, ids) for name in self._names], dim=1)
+        rows = gathered.cpu()  # one copy to the host for all of them
         for row, index in zip(rows.numpy(), wanted):
             yield index, row.tobytes()
 
@@ -109,14 +112,15 @@ class KVHandoff:
             self._unwritten.pop(holder, None)
             if self._holds.pop(holder, None) is None:
                 return False
-            self.pool.free(_key(holder))
+            if holder not in self._writing:  # else the writer frees the blocks once it is done with them
+                self.pool.free(_key(holder))
             return True
 
     def expire(self, now: float | None = None) -> list[str]:
         """Release the holds past their time; returns their ids."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            late = [holder for holder, deadline in self._holds.items() if deadline <= now]
+            late = [holder for holder, deadline in self._holds.items() if deadline <= now and holder not in self._writing]
             for holder in late:
                 self.release(holder)
             return late
@@ -145,7 +149,9 @@ class KVHandoff:
     def write(self, holder: str, keys: Sequence[bytes], payloads: Mapping[int, bytes]) -> int:
         """Write ``payloads`` (index → one block's bytes, checked by the caller) into ``holder``'s new blocks and put the
         leading run of blocks that are complete in the prefix cache; returns how many blocks that run has. A block
-        with no payload (lost, or failed its check) ends the run: the request computes it and everything after it."""
+        with no payload (lost, or failed its check) ends the run: the request computes it and everything after it. The
+        engine's lock is not held while the bytes travel to the device: the new blocks are the holder's alone until they
+        are published, and a release (or expiry) meanwhile leaves them to this call, which frees them when done."""
         with self._lock:
             new = self._unwritten.pop(holder, {})
             complete = 0
@@ -155,8 +161,19 @@ class KVHandoff:
             for _, payload in writes:
                 if len(payload) != self.layout.block_bytes:
                     raise ValueError(f"a KV payload has {len(payload)} bytes; a block of this layout has {self.layout.block_bytes}")
+            self._writing.add(holder)
+        try:
             if writes:
                 self._write_blocks(writes)
+        finally:
+            with self._lock:
+                self._writing.discard(holder)
+                released = holder not in self._holds
+                if released:  # released while written (release left the blocks to this): they go back only now
+                    self.pool.free(_key(holder))
+        if released:
+            return 0
+        with self._lock:
             self.pool.publish_adopted(_key(holder), keys, complete)
             return complete
 

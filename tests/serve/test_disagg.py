@@ -220,6 +220,28 @@ def test_handoff_moves_exactly_the_blocks_the_receiver_lacks(saved):
     assert sender.handoff.expire() == ["late"] and sender.handoff.held == 0
 
 
+@pytest.mark.timeout(120)
+def test_a_hold_released_while_its_blocks_are_written(saved, monkeypatch):
+    """The receiver writes outside the engine's lock: a release (or expiry) meanwhile leaves the blocks to the writer,
+    which frees them when done and publishes nothing — no other sequence gets a block still being written."""
+    sender, receiver = autodeploy(str(saved)).engine, autodeploy(str(saved)).engine
+    prompt = list(range(3, 3 + 2 * sender.pool.block_size + 3))
+    keys = _held_prompt(sender, prompt)
+    payloads = dict(sender.handoff.payloads("t"))
+    free = receiver.pool.num_free_blocks
+    new = receiver.handoff.adopt("r", keys)
+    write = receiver.handoff._write_blocks
+
+    def released_meanwhile(writes):
+        assert receiver.handoff.release("r") and receiver.handoff.expire(now=float("inf")) == []
+        assert receiver.pool.num_free_blocks == free - len(new)  # still the writer's
+        write(writes)
+
+    monkeypatch.setattr(receiver.handoff, "_write_blocks", released_meanwhile)
+    assert receiver.handoff.write("r", keys, payloads) == 0
+    assert receiver.pool.num_free_blocks == free and receiver.pool.cached_keys(keys) == set()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_handoff_on_the_gpu(llama_dir, monkeypatch, dtype):
