@@ -187,6 +187,8 @@ class KVHandoff:
             cache = _bytes_view(self.caches[name])
             cache.index_copy_(0, ids, rows[:, offset: offset + cache.shape[1]])
             offset += cache.shape[1]
+        if device.type == "cuda":  # written before it is published: a step on any stream may read the blocks after that
+            torch.cuda.current_stream(device).synchronize()
 
 
 def _key(holder: str) -> Hashable:
