@@ -71,7 +71,7 @@ PROFILES: dict[str, DeviceProfile] = {
 
 def profile(name: str) -> DeviceProfile:
     """A profile by name; ``N x NAME`` (``8xh200``) for N devices of one machine."""
-    count, _, base = name.rpartition("x") if "x" in name and name.split("x", 1)[0].isdigit() else ("1", "", name)
+    count, _, base = name.partition("x") if name.split("x", 1)[0].isdigit() and "x" in name else ("1", "", name)
     if base not in PROFILES:
         raise ConfigError(f"unknown device profile {name!r}; known: {', '.join(PROFILES)} (and NxNAME for N of them, e.g. 8xh200)")
     return PROFILES[base].with_count(int(count))

@@ -119,6 +119,7 @@ def test_a_saved_calibration_is_the_devices_model_from_then_on(tmp_path, monkeyp
 
 def test_profiles():
     assert profile("8xh200").count == 8 and profile("8xh200").usable_bytes == PROFILES["h200"].usable_bytes
+    assert profile("2xorin-nx-16gb").base_name == "orin-nx-16gb" and profile("orin-nx-16gb").count == 1
     assert not profile("orin-nano-8gb").fp8 and profile("h100").fp8
     with pytest.raises(ConfigError, match="known: h200"):
         profile("tpu-v5")
