@@ -439,7 +439,7 @@ def test_killed_workers_and_router(saved, tmp_path):
                    for name in ("prefill1", "prefill2", "decode1", "decode2")}
         urls = {name: url for name, (_, url) in workers.items()}
         router_arguments = ["router", "--prefill", urls["prefill1"], "--prefill", urls["prefill2"],
-                            "--decode", urls["decode1"], "--decode", urls["decode2"], "--stall-timeout", "3"]
+                            "--decode", urls["decode1"], "--decode", urls["decode2"], "--stall-timeout", "5"]
         router_process, router = stack.enter_context(_process(router_arguments, tmp_path / "router.log"))
         _until(lambda: httpx.get(f"{router}/health").json()["workers"] == {"prefill": 2, "decode": 2})
         results: dict[int, object] = {}
