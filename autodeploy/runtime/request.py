@@ -96,7 +96,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy of the tokens generated so far (``num_output_tokens`` counts them without copying)."""
         return self.token_ids[len(self.request.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.request.prompt_token_ids)
 
     def append(self, token: int, tokenizer) -> None:
         """Add a sampled token and decide whether this sample is finished."""
@@ -106,7 +111,7 @@ class Sequence:
             self.finish_reason = "stop"
         elif token in self.request.stop_token_ids:
             self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= params.max_tokens:
+        elif self.num_output_tokens >= params.max_tokens:
             self.finish_reason = "length"
 
     def _cut_at_stop_string(self, tokenizer) -> bool:

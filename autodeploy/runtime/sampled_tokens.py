@@ -58,15 +58,16 @@ def plan_sampling(chunks: list[ScheduledChunk], vocab_size: int) -> SamplingPlan
             row += 1
             continue
         if chunk.draft:  # each row sampled as that position would be without speculation
-            output = sequence.output_token_ids
             penalized = has_penalty(request.params)  # only penalties read the output: copy it only for them
+            output = sequence.output_token_ids if penalized else []
+            generated = sequence.num_output_tokens
             parents = chunk.draft_parents
             depths = range(len(chunk.draft) + 1) if parents is None else [0, *tree_depths(parents)]
             for i, depth in enumerate(depths):
                 bitmask = chunk.draft_bitmasks[i] if chunk.draft_bitmasks is not None else None
                 before = (chunk.draft[:i] if parents is None else [chunk.draft[n] for n in tree_path(parents, i - 1)]) \
                     if penalized else []
-                plan.rows.append(SamplingRow(request.params, request.seed, len(output) + depth, request.prompt_token_ids,
+                plan.rows.append(SamplingRow(request.params, request.seed, generated + depth, request.prompt_token_ids,
                                              output + before if penalized else output,
                                              sample_index=sequence.index, token_bitmask=bitmask))
                 plan.row_logits.append(row + i)
@@ -76,7 +77,10 @@ def plan_sampling(chunks: list[ScheduledChunk], vocab_size: int) -> SamplingPlan
             plan.overlappable = False
             row += len(chunk.draft) + 1
             continue
-        forking = request.params.n > 1 and len(request.sequences) == 1 and not sequence.output_token_ids
+        generated = sequence.num_output_tokens
+        forking = request.params.n > 1 and len(request.sequences) == 1 and not generated
+        # Only penalties read the output: it is copied for them alone (a copy a row and step grows with the output).
+        output = sequence.output_token_ids if has_penalty(request.params) else []
         for index in range(request.params.n if forking else 1):
             index = index if forking else sequence.index
             # A constrained sequence never has a token in flight (its steps do not run ahead), so its
@@ -84,8 +88,8 @@ def plan_sampling(chunks: list[ScheduledChunk], vocab_size: int) -> SamplingPlan
             bitmask = next_token_bitmask(sequence.grammar, vocab_size) if sequence.grammar is not None else None
             plan.rows.append(
                 SamplingRow(
-                    request.params, request.seed, len(sequence.output_token_ids) + sequence.num_pending,
-                    request.prompt_token_ids, sequence.output_token_ids, sample_index=index, token_bitmask=bitmask,
+                    request.params, request.seed, generated + sequence.num_pending,
+                    request.prompt_token_ids, output, sample_index=index, token_bitmask=bitmask,
                 )
             )
             plan.row_logits.append(row)

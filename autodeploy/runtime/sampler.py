@@ -34,7 +34,7 @@ class SamplingRow:
     seed: int  # the request's resolved seed (the engine draws one for unseeded requests)
     step: int  # tokens this sample generated so far: the RNG counter
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # what penalties count; a row without a penalty may carry [] (plan_sampling does)
     sample_index: int = 0  # which of the request's n samples this is
     # A grammar's allowed next tokens (runtime/structured_output.py): packed int32, bit t % 32 of word
     # t // 32 set when token t may come; None: every token may.
