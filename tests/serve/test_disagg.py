@@ -165,8 +165,12 @@ def test_the_pool_balances_by_load_keeps_prefixes_together_and_skips_the_down():
     pool.update("p2", "prefill", "fp", {"queued_prompt_tokens": 100})
     pool.update("d1", "decode", "fp", {"kv_usage": 0.5, "running": 3})
     pool.update("d2", "decode", "fp", {"kv_usage": 0.1, "running": 1})
+    pool.settle_fingerprint(["another", "fp", "fp"])  # the most common; already settled by the first update, unchanged
     pool.update("x", "decode", "another", {})
-    assert "x" in pool.refused and pool.counts() == {"prefill": 2, "decode": 2}
+    assert "x" in pool.refused and pool.fingerprint == "fp"
+    fresh = WorkerPool()
+    fresh.settle_fingerprint(["another", "fp", None, "fp"])
+    assert fresh.fingerprint == "fp" and pool.counts() == {"prefill": 2, "decode": 2}
     assert pool.choose("prefill", "a", set(), cost=500).url == "p2"  # 100 waiting tokens against 900
     assert pool.choose("prefill", "b", set(), cost=500).url == "p2"  # 600 now, still less than 900
     assert pool.choose("prefill", "c", set(), cost=500).url == "p1"  # 1,100 against 900
@@ -331,8 +335,8 @@ def test_a_worker_of_another_model_is_refused(saved, tiny_checkpoint, tmp_path):
 
         prefill, decode, other = serve(saved, "prefill"), serve(saved, "decode"), serve(other_dir, "decode")
         router = stack.enter_context(serving_in_thread(build_router_app(RouterOptions(prefill=[prefill], decode=[decode, other]))))
-        health = httpx.get(f"{router}/health").json()
-        assert health["workers"] == {"prefill": 1, "decode": 1} and other in health["refused"]
+        _until(lambda: httpx.get(f"{router}/health").json()["workers"] == {"prefill": 1, "decode": 1})  # polled each second
+        assert other in httpx.get(f"{router}/health").json()["refused"]
         transfers = httpx.post(f"{prefill}/v1/completions", json={"model": "tiny", "prompt": PROMPT},
                                headers={"x-autodeploy-disagg": "prefill"}).json()["kv_transfer"]
         refused = httpx.post(f"{other}/v1/completions", json={"model": "tiny", "prompt": PROMPT},

@@ -8,7 +8,8 @@ templates, tools, logprobs, usage), so the router answers exactly what one ``ser
 
 Workers come from etcd (``registry.py``: each registers its role, URL, fingerprint and load under a lease) or from
 static ``--prefill`` / ``--decode`` URLs, whose ``/disagg/load`` the router polls. All of a router's workers serve
-one model: the first fingerprint seen wins, and a worker with another is refused (logged, listed by ``/health``).
+one model: the one most of the workers it first sees serve (ties: the first listed), and a worker with another is
+refused (logged, listed by ``/health``).
 
 Choosing: a prefill worker by its waiting prompt tokens, a decode worker by its KV pool's use and running
 sequences, each counting what the router sent it since its last report; a request goes where its prompt's prefix
@@ -113,6 +114,14 @@ class WorkerPool:
             worker = self._workers.setdefault(url, _Worker(url, role))
             worker.role, worker.fingerprint, worker.load, worker.sent, worker.down_until = role, fingerprint, load, 0, 0.0
 
+    def settle_fingerprint(self, fingerprints: list[str | None]) -> None:
+        """Before any worker is taken: the model the router serves is the one most of ``fingerprints`` serve (ties: the
+        first listed), so a stray worker of another model is the one refused, whoever answers first."""
+        with self._lock:
+            known = [f for f in fingerprints if f is not None]
+            if self.fingerprint is None and known:
+                self.fingerprint = max(dict.fromkeys(known), key=known.count)
+
     def keep_only(self, urls: set[str]) -> None:
         """Forget the workers not in ``urls`` (they left the registry)."""
         with self._lock:
@@ -213,6 +222,7 @@ class Router:
 
     def _registered(self, infos) -> None:
         self.pool.keep_only({info.url for info in infos})
+        self.pool.settle_fingerprint([info.fingerprint for info in infos])
         for info in infos:
             self.pool.update(info.url, info.role, info.fingerprint, info.load)
 
@@ -222,22 +232,27 @@ class Router:
             await self._poll_once()
 
     async def _poll_once(self) -> None:
+        """Every static worker's load, read at once, then applied in the order the workers were given (so which
+        fingerprint the router takes does not depend on who answered first)."""
         urls = [(url, "prefill") for url in self.options.prefill] + [(url, "decode") for url in self.options.decode]
-        await asyncio.gather(*(self._read_load(url, role) for url, role in urls))
+        answers = await asyncio.gather(*(self._read_load(url) for url, _ in urls))
+        self.pool.settle_fingerprint([info.get("fingerprint") for info in answers if info is not None])
+        for (url, role), info in zip(urls, answers):
+            if info is None:
+                if any(w.url == url for w in self.pool.live()):
+                    self.pool.down(url, self.options.poll_s)
+            elif info.get("role") not in (role, "both"):
+                self.pool.refused[url] = f"given as a {role} worker, it serves role {info.get('role')!r}"
+            else:
+                self.pool.update(url, role, info.get("fingerprint"), info.get("load", {}))
 
-    async def _read_load(self, url: str, role: str) -> None:
+    async def _read_load(self, url: str) -> dict | None:
         try:
             response = await self._client.get(f"{url}/disagg/load", timeout=self.options.connect_timeout_s)
             response.raise_for_status()
-            info = response.json()
+            return response.json()
         except (httpx.HTTPError, ValueError):
-            if any(w.url == url for w in self.pool.live()):
-                self.pool.down(url, self.options.poll_s)
-            return
-        if info.get("role") not in (role, "both"):
-            self.pool.refused[url] = f"given as a {role} worker, it serves role {info.get('role')!r}"
-            return
-        self.pool.update(url, role, info.get("fingerprint"), info.get("load", {}))
+            return None
 
     # ---- requests ------------------------------------------------------------------------------
     async def route(self, request: Request, path: str) -> Response:
