@@ -106,8 +106,9 @@ def check_model(model: str, devices: tuple[str, ...] = SUMMARY_DEVICES, trust_re
         deploys, verdict = True, f"not swept ({entry.get('detail', 'no tiny model')}): the build's verification decides"
     report = CheckReport(model, model_type, architecture, kind, deploys, verdict, shape, _checkpoint_bytes(source.directory))
     if deploys:
-        report.plans = {name: plan(shape, profile(name), PlanRequest(concurrency=32), calibrated(profile(name).base_name),
-                                   model=model) for name in devices}
+        for name in devices:
+            device = profile(name)
+            report.plans[name] = plan(shape, device, PlanRequest(concurrency=32), calibrated(device.base_name), model=model)
     return report
 
 

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 from autodeploy.planning.devices import DeviceProfile
 from autodeploy.planning.estimate import ModelShape, Quantization, memory_use
-from autodeploy.planning.planner import choose_dtype
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
+from autodeploy.planning.planner import DTYPE_BYTES, choose_dtype
 
 def explain_settings(settings, raw, shape: ModelShape, device: DeviceProfile, how_found: str) -> list[str]:
     """Lines explaining ``settings`` (resolved) against ``raw`` (as given, ``auto`` and unset values left), for ``shape``
     on ``device``."""
     quantize = settings.quantize
     quantization = Quantization(quantize.default, quantize.experts, quantize.embedding)
-    dtype_bytes = _DTYPE_BYTES[settings.dtype]
+    dtype_bytes = DTYPE_BYTES[settings.dtype]
     kv_bytes = 1 if quantize.kv_cache == "fp8" else dtype_bytes
     tp = max(settings.distributed.tensor_parallel, 1)
     memory = memory_use(shape, device, dtype_bytes=dtype_bytes, quantization=quantization, kv_dtype_bytes=kv_bytes,

@@ -30,7 +30,7 @@ from autodeploy.planning.estimate import MemoryUse, ModelShape, Quantization, Sp
 
 MAX_BATCH = 256
 TOKEN_BUDGETS = (8192, 4096, 2048, 1024, 512, 256)
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def choose_dtype(shape: ModelShape, device: DeviceProfile, requested: str = "aut
         return requested, "as given"
     if device.name == "cpu":
         return "float32", "CPUs run bf16/fp16 matmuls slowly, and float32 is the correctness oracle's"
-    checkpoint = shape.config_dtype if shape.config_dtype in _DTYPE_BYTES else "bfloat16"
+    checkpoint = shape.config_dtype if shape.config_dtype in DTYPE_BYTES else "bfloat16"
     if checkpoint == "bfloat16" and device.compute_capability < (8, 0):
         major, minor = device.compute_capability
         return "float16", f"the checkpoint is bfloat16, which compute capability {major}.{minor} has no tensor cores for"
@@ -141,7 +141,7 @@ def plan(shape: ModelShape, device: DeviceProfile, request: PlanRequest = PlanRe
          model: str = "model") -> Plan:
     """The settings for ``shape`` on ``device`` (see the module docstring)."""
     dtype, dtype_reason = choose_dtype(shape, device, request.dtype)
-    dtype_bytes = _DTYPE_BYTES[dtype]
+    dtype_bytes = DTYPE_BYTES[dtype]
     model_max = shape.max_position_embeddings or 2048
     context = min(request.context or min(model_max, 8192), model_max)
     concurrency = max(1, request.concurrency)

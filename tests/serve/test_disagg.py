@@ -30,7 +30,7 @@ from autodeploy.serve.disagg.worker import KV_HEADER, WorkerOptions, check_role
 from autodeploy.serve.server import serving_in_thread
 from autodeploy.runtime.sampling_params import SamplingParams
 from autodeploy.serve.disagg.registry import RegistryError
-from tests.etcd_server import EtcdServer, etcd_or_skip
+from tests.etcd_server import EtcdServer, etcd_or_skip, free_ports
 from tests.serve.test_openai_server import CHAT_TEMPLATE
 
 PROMPT = "def fibonacci(n): return fibonacci(n - 1) + fibonacci(n - 2) if n > 1 else n  # the classic, slow and exact"
@@ -379,7 +379,7 @@ def test_workers_found_in_etcd_through_its_restart(saved, tmp_path, cluster):
 
 def test_a_router_without_etcd_says_how_to_start_it():
     with pytest.raises(RegistryError, match="Start etcd"):
-        build_router_app(RouterOptions(etcd=f"http://127.0.0.1:{_free_port()}"))
+        build_router_app(RouterOptions(etcd=f"http://127.0.0.1:{free_ports(1)[0]}"))
     with pytest.raises(ConfigError, match="--etcd URL"):
         build_router_app(RouterOptions())
 
@@ -392,16 +392,10 @@ def _until(condition, timeout_s: float = 30.0, why=lambda: "") -> None:
 
 
 # ---- worker processes killed by PID ------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _process(arguments: list[str], log: Path, port: int | None = None, ready: str = "/health"):
     """``autodeploy ARGUMENTS --port PORT`` as a process, once ``ready`` answers 200; yields it and its URL."""
-    port = port or _free_port()
+    port = port or free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     with open(log, "ab") as out:
         process = subprocess.Popen([sys.executable, "-m", "autodeploy", *arguments, "--port", str(port)], stdout=out,
