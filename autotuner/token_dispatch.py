@@ -39,12 +39,12 @@ def token_dispatch(op_name: str, table: dict[int, Backend], position: tuple[int,
     # bisect, so torch.compile traces it (one guard per run boundary) instead of breaking the graph.
     run_ends = [(last, by_name[name]) for _, last, name in runs]
 
-    def dispatch(*args):
+    def dispatch(*args, **kwargs):  # keyword arguments as the node has them (a packed attention's seq_start)
         tokens = args[argument].shape[dim]
         for last, op in run_ends[:-1]:
             if tokens <= last:
-                return op(*args)
-        return run_ends[-1][1](*args)
+                return op(*args, **kwargs)
+        return run_ends[-1][1](*args, **kwargs)
 
     # The name graphs and profiles show, e.g. rms_norm_by_tokens__1_16_triton__32_2048_torch.
     dispatch.__name__ = dispatch.__qualname__ = f"{op_name}_by_tokens__" + "__".join(f"{a}_{b}_{n}" for a, b, n in runs)

@@ -47,6 +47,7 @@ from .registry import (
     op_by_target,
     register_backend,
     register_op,
+    register_tuning_input,
 )
 
 __all__ = [
@@ -59,4 +60,5 @@ __all__ = [
     "op_by_target",
     "register_backend",
     "register_op",
+    "register_tuning_input",
 ]

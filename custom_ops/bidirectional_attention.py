@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .attention import check_bias
 from .compute_dtype import compute_dtype
-from .registry import register_backend, register_op
+from .registry import register_backend, register_op, register_tuning_input
 
 SEQ_START_DTYPES = (torch.int32, torch.int64)
 FLASH_MAX_HEAD_DIM = 256  # flash attention's largest head dim
@@ -118,6 +118,22 @@ bidirectional_attention = register_op(
     example_inputs=(torch.ones(1, 3, 4, 8, dtype=torch.bfloat16), torch.ones(1, 3, 2, 8, dtype=torch.bfloat16),
                     torch.ones(1, 3, 2, 6, dtype=torch.bfloat16), 8**-0.5),
 )
+
+
+# The autotuner times packed attention on texts of this many tokens (the last one shorter): representative of what
+# embedding jobs send, and the contest it decides — an S² block-diagonal mask against per-text flash blocks — has the
+# same winner for shorter texts (the mask's cost does not shrink with them; the varlen kernel's does).
+TUNING_TEXT_TOKENS = 128
+
+
+def tuning_seq_start(num_tokens: int, device: torch.device) -> torch.Tensor:
+    """``seq_start`` for a tuning problem of ``num_tokens`` packed tokens: texts of ``TUNING_TEXT_TOKENS``."""
+    starts = list(range(0, num_tokens, TUNING_TEXT_TOKENS)) + [num_tokens]
+    return torch.tensor(starts if len(starts) > 1 else [0, num_tokens], dtype=torch.int32, device=device)
+
+
+register_tuning_input("bidirectional_attention", "seq_start", tuning_seq_start)
+register_tuning_input("attention", "seq_start", tuning_seq_start)
 
 
 def bidirectional_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

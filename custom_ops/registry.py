@@ -102,6 +102,9 @@ class CanonicalOp:
     doc: str
     backends: list[Backend] = field(default_factory=list)
     reference_capturable: bool = True  # see Backend.capturable
+    # Integer arguments the autotuner may synthesize, by name: ``make(num_tokens, device)`` → a valid value for a
+    # problem of that many tokens (``register_tuning_input``). An op with integer inputs and none of these is not tuned.
+    tuning_inputs: dict[str, Callable[[int, torch.device], torch.Tensor]] = field(default_factory=dict)
 
 
 _REGISTRY: dict[str, CanonicalOp] = {}
@@ -226,6 +229,19 @@ def register_backend(
     overload = getattr(getattr(torch.ops, NAMESPACE), qualified).default
     record.backends.append(Backend(backend_name, fn, overload, supports, capturable, opt_in))
     return overload
+
+
+def register_tuning_input(op_name: str, argument: str, make: Callable[[int, torch.device], torch.Tensor]) -> None:
+    """Let the autotuner time ``op_name``'s nodes that take the integer tensor ``argument`` (sequence metadata, which
+    random numbers would make invalid): ``make(num_tokens, device)`` returns a representative valid value for a
+    problem of ``num_tokens`` tokens. Raises :class:`OpRegistrationError` for an unknown op or argument."""
+    if op_name not in _REGISTRY:
+        raise OpRegistrationError(f"unknown canonical op {op_name!r}; registered ops: {', '.join(sorted(_REGISTRY))}.")
+    record = _REGISTRY[op_name]
+    names = [a.name for a in record.op._schema.arguments]
+    if argument not in names:
+        raise OpRegistrationError(f"op {op_name!r} has no argument {argument!r}; its arguments: {', '.join(names)}.")
+    record.tuning_inputs[argument] = make
 
 
 def candidates(op_name: str) -> list[Backend]:

@@ -222,6 +222,28 @@ def test_the_server_serves_a_real_embedder_and_reranker_through_their_clients(tm
     assert [r["relevance_score"] for r in results] == pytest.approx([scores[i] for i in ranked], abs=1e-6)
 
 
+def test_the_autotuner_times_packed_attention_with_its_seq_start(tmp_path):
+    # The packed node's seq_start is a keyword argument and an integer tensor: the tuner must pass a valid one (texts of
+    # TUNING_TEXT_TOKENS), not drop it (it once timed unpacked attention, and the varlen kernel, given None, was excluded).
+    from autodeploy.custom_ops import op_by_target
+    from autodeploy.custom_ops.bidirectional_attention import TUNING_TEXT_TOKENS
+    from autodeploy.transforms.select_kernels import _Problem, _signature, _TokenShapes
+
+    write_tiny_encoder(tmp_path)
+    gm = autodeploy(str(tmp_path), device="cpu", dtype="float32").embedder.graph
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and (found := op_by_target(n.target)) is not None
+                and found[0].name == "bidirectional_attention")
+    problem = _Problem(node, gm, _TokenShapes(gm), torch.device("cpu"))
+    assert problem.tunable() is None
+    q, k, v, scale, bias, seq_start = problem.make_inputs(300)
+    assert q.shape[1] == 300 and bias is None
+    assert seq_start.dtype == torch.int32 and seq_start.tolist() == [0, TUNING_TEXT_TOKENS, 2 * TUNING_TEXT_TOKENS, 300]
+    packed = torch.ops.autodeploy.bidirectional_attention(q, k, v, scale, None, seq_start)
+    first = torch.ops.autodeploy.bidirectional_attention(q[:, :128], k[:, :128], v[:, :128], scale)
+    torch.testing.assert_close(packed[:, :128], first)  # the problem timed is the packed one: texts kept apart
+    assert any("tensor" in str(a) and "int32" in str(a) for a in _signature(node, gm, _TokenShapes(gm)))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_packed_texts_in_bfloat16_take_the_varlen_kernel_and_match_hugging_face(tmp_path):
     model = write_tiny_encoder(tmp_path).to("cuda", torch.bfloat16)
@@ -231,7 +253,8 @@ def test_gpu_packed_texts_in_bfloat16_take_the_varlen_kernel_and_match_hugging_f
     for pooling, pick in (("mean", lambda r: r.float().mean(0)), ("cls", lambda r: r[0].float())):
         want = torch.stack([pick(r) for r in rows]).cpu()
         torch.testing.assert_close(llm.embed(TEXTS * 8, pooling=pooling, normalize=False).vectors[:4], want, atol=0.05, rtol=0.05)
-    assert chosen and "→ bidirectional_attention_varlen" in chosen[0], chosen
+    # The autotuner times packed texts (seq_start given): the varlen kernel wins, at least at the larger token buckets
+    assert chosen and "varlen" in chosen[0], chosen
 
 
 CODE = ["def fibonacci(n):", "import os\nprint(os.path.join('a', 'b'))", "for i in range(10):\n    print(i * i)", "x"]

@@ -206,23 +206,32 @@ def _attribute(gm: GraphModule, target: str) -> Any:
 
 
 class _Problem:
-    """One node as the autotuner sees it: real weights, random activations at any token count."""
+    """One node as the autotuner sees it: real weights, random activations at any token count, and the integer inputs
+    its op knows how to synthesize (``register_tuning_input``: a packed attention's ``seq_start``). Keyword arguments
+    count like positional ones (a packed attention's ``seq_start`` is one): a problem timed without them would be
+    another problem."""
 
     def __init__(self, node: fx.Node, gm: GraphModule, shapes: _TokenShapes, device: torch.device):
         self.node, self.gm, self.shapes, self.device = node, gm, shapes, device
+        self.args = _positional(node)
+        found = op_by_target(node.target)
+        synthesizers = found[0].tuning_inputs if found is not None else {}
+        names = [a.name for a in node.target._schema.arguments] if hasattr(node.target, "_schema") else []
+        self.synthesized = {i: synthesizers[name] for i, name in enumerate(names[: len(self.args)]) if name in synthesizers}
 
     def tunable(self) -> str | None:
         """Why this node cannot be timed on synthetic inputs, or ``None``."""
-        for leaf in _nodes(self.node.args):
-            value = _attribute(self.gm, leaf.target) if leaf.op == "get_attr" else leaf.meta.get("val")
-            if isinstance(value, torch.Tensor):
-                if value.device.type == "meta" and leaf.op == "get_attr":
-                    return "weights are on the meta device"
-                # Weights are the graph's own (packed int4, int8, fp8 included); only activations are synthesized.
-                if leaf.op != "get_attr" and not value.dtype.is_floating_point:
-                    return "integer inputs (indices, sequence metadata) are not synthesized"
-            elif value is None:
-                return "an input has no recorded value"
+        for index, arg in enumerate(self.args):
+            for leaf in _nodes(arg):
+                value = _attribute(self.gm, leaf.target) if leaf.op == "get_attr" else leaf.meta.get("val")
+                if isinstance(value, torch.Tensor):
+                    if value.device.type == "meta" and leaf.op == "get_attr":
+                        return "weights are on the meta device"
+                    # Weights are the graph's own (packed int4, int8, fp8 included); only activations are synthesized.
+                    if leaf.op != "get_attr" and not value.dtype.is_floating_point and index not in self.synthesized:
+                        return "integer inputs (indices, sequence metadata) are not synthesized"
+                elif value is None:
+                    return "an input has no recorded value"
         return None
 
     def make_inputs(self, num_tokens: int) -> list[Any]:
@@ -239,7 +248,8 @@ class _Problem:
                 return torch.randn(shape, device=self.device).to(value.dtype)
             return torch.randn(shape, dtype=value.dtype, device=self.device)
 
-        return [fx.node.map_aggregate(a, build) for a in self.node.args]
+        return [self.synthesized[index](num_tokens, self.device) if index in self.synthesized else fx.node.map_aggregate(arg, build)
+                for index, arg in enumerate(self.args)]
 
     def token_position(self) -> tuple[int, int] | None:
         """(argument index, dim) of the first tensor argument whose shape holds the token count."""
@@ -418,4 +428,4 @@ def _signature(node: fx.Node, gm: GraphModule, shapes: _TokenShapes) -> list[Any
             return [describe(a) for a in arg]
         return repr(arg)
 
-    return [describe(a) for a in node.args]
+    return [describe(a) for a in _positional(node)]
