@@ -131,8 +131,10 @@ def pytest_sessionstart(session):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """A worker's launches (xdist's hook, on the controller)."""
-    _worker_launches.extend(json.loads(node.workeroutput.get("hopper_launches", "[]")))
+    """A worker's launches (xdist's hook, on the controller). A worker that crashed (a fatal error in a kernel) has no
+    output: its tests are reported failed by xdist, and this hook must not turn that into an INTERNALERROR."""
+    output = getattr(node, "workeroutput", None) or {}
+    _worker_launches.extend(json.loads(output.get("hopper_launches", "[]")))
 
 
 def pytest_sessionfinish(session, exitstatus):
