@@ -1,9 +1,11 @@
 """Issue 47's figures on the GPU: the planner's predictions against measurements, and its choice against a sweep.
 
-``predict``: for each scheme, ``autodeploy bench`` measures decode tok/s at batch 1, 32 and 256 (128 in / 128 out) and
-the peak device memory on the Llama-3-8B shape with random weights; the speed and memory models predict the same
-points; the table gives both and the error (target: within 15%), and a speed model fitted to the measurements
-(``fit_speed_model``) is printed for the defaults. ``sweep``: output tok/s at 256 concurrent requests under hand-picked
+``predict``: for each scheme, ``autodeploy bench`` measures decode tok/s at batch 1, 8, 32, 64, 128 and 256 (128 in /
+128 out) and the peak device memory on the Llama-3-8B shape with random weights; the memory model and the speed model
+the planner uses on this device (``calibrated``: its shipped fit, else the defaults) predict the same points (target:
+within 15%). A model refitted on batch 1, 32 and 256 alone (``fit_scheme_speed``) then predicts the held-out batches 8,
+64 and 128; it is saved as this device's calibration and written to ``$OUT/speed_models.json`` (to ship in
+``autodeploy/assets/``). ``sweep``: output tok/s at 256 concurrent requests under hand-picked
 settings and under the plan's (``autodeploy plan``), the best against the plan's (target: the plan within 10%).
 
     python3 scripts/plan_vs_measured.py --stage predict,sweep --out /tmp/o     # ~8 min on an H200
@@ -24,7 +26,9 @@ from autodeploy.models.factory import ModelFactory
 from autodeploy.models.source import resolve_model_source
 from autodeploy.planning import PlanRequest, SpeedModel, current_profile, plan, profile
 from autodeploy.planning.check import model_shape
-from autodeploy.planning.estimate import Quantization, fit_speed_model, memory_use, save_calibration
+from autodeploy.planning.estimate import Quantization, calibrated, fit_scheme_speed, memory_use, save_calibration, step_cost
+
+CONTEXT = 192  # a decode step's mean context: 128 prompt tokens and half of 128 outputs
 
 SWEEP = [  # (max_batch_size, scheduler.max_num_tokens, quantize.default)
     (128, 2048, "none"), (256, 2048, "none"), (256, 8192, "none"), (128, 2048, "fp8"), (256, 2048, "fp8"), (256, 8192, "fp8"),
@@ -42,8 +46,9 @@ def _bench(model: str, out: Path, sets: list[str], workload: list[str], timeout:
 
 
 def predict(args, shape, device) -> None:
-    speed = SpeedModel()
-    rows, points = [], {}
+    speed = calibrated(device.base_name)  # what the planner uses on this device: its shipped fit, else the defaults
+    fit_batches = {int(b) for b in args.fit_batches.split(",")}
+    rows, measured_steps = [], {}
     for scheme in args.schemes.split(","):
         quantization = Quantization.of(scheme)
         result = _bench(args.model, args.out / f"predict_{scheme}.json", [f"quantize.default={scheme}", *args.set],
@@ -53,23 +58,36 @@ def predict(args, shape, device) -> None:
             metrics = run["metrics"]
             tpot = metrics["tpot_s"]["p50"]
             measured = 1 / tpot * batch if tpot else metrics["output_tokens_per_s"]
-            predicted_step = speed.decode_step_s(shape, device, batch, 192, dtype_bytes=2, quantization=quantization)
             peak = metrics.get("peak_device_memory_bytes")
             memory = memory_use(shape, device, dtype_bytes=2, quantization=quantization, kv_dtype_bytes=2, max_seq_len=8192,
                                 max_batch_size=32, max_num_tokens=2048)
             predicted_peak = memory.weights + memory.activations + memory.graphs + memory.workspace + memory.kv_budget
-            rows.append((scheme, batch, batch / predicted_step, measured, predicted_peak, peak))
-            points.setdefault(scheme, []).append((batch, predicted_step, batch / measured))
-    print(f"{'scheme':<10}{'batch':>6}{'predicted tok/s':>17}{'measured':>10}{'error':>8}{'peak pred GiB':>15}{'measured':>10}")
-    for scheme, batch, predicted, measured, peak_predicted, peak in rows:
-        error = predicted / measured - 1
-        peak_text = f"{peak / 2**30:10.1f}" if peak else "         -"
-        print(f"{scheme:<10}{batch:>6}{predicted:>17,.1f}{measured:>10,.1f}{error:>+8.1%}{peak_predicted / 2**30:>15.1f}{peak_text}")
-    fits = {scheme: fit_speed_model(p).__dict__ for scheme, p in points.items() if p}
-    print("fitted:", json.dumps(fits, indent=1))
-    if "none" in points:  # the device's model from now on (the schemes' relative efficiencies: SCHEME_EFFICIENCY)
-        print("saved to", save_calibration(device.name, fit_speed_model(points["none"])))
-    (args.out / "predict.json").write_text(json.dumps({"device": device.name, "rows": rows, "fitted": fits}, indent=1))
+            rows.append({"scheme": scheme, "batch": batch, "measured": measured, "peak": peak, "peak_predicted": predicted_peak,
+                         "predicted": speed.decode_tokens_per_s(shape, device, batch, CONTEXT, dtype_bytes=2, quantization=quantization)})
+            measured_steps.setdefault(scheme, []).append((batch, batch / measured))
+    # Fitted on the fit batches only: the other batches are predictions it never saw (held out).
+    fitted = {scheme: fit_scheme_speed([(b, step_cost(shape, device, b, CONTEXT, dtype_bytes=2, quantization=Quantization.of(scheme)), m)
+                                        for b, m in points if b in fit_batches], speed.scheme(scheme), speed.step_overhead_s)
+              for scheme, points in measured_steps.items() if len([b for b, _ in points if b in fit_batches]) >= 3}
+    refit = SpeedModel(fitted, speed.step_overhead_s, speed.allreduce_s,
+                       f"fitted on {device.description} (scripts/plan_vs_measured.py; Llama-3-8B shape, batch "
+                       f"{', '.join(map(str, sorted(fit_batches)))}, 128 in / 128 out)")
+    print(f"speed model used: {speed.source}")
+    print(f"{'scheme':<10}{'batch':>6}{'measured':>10}{'predicted':>11}{'error':>8}{'refit':>10}{'error':>8}{'':>11}"
+          f"{'peak pred GiB':>15}{'measured':>10}")
+    for row in rows:
+        quantization = Quantization.of(row["scheme"])
+        row["refit"] = refit.decode_tokens_per_s(shape, device, row["batch"], CONTEXT, dtype_bytes=2, quantization=quantization) \
+            if row["scheme"] in fitted else None
+        held = "fit point" if row["batch"] in fit_batches else "held out"
+        refit_text = f"{row['refit']:>10,.1f}{row['refit'] / row['measured'] - 1:>+8.1%}" if row["refit"] else f"{'-':>10}{'':>8}"
+        peak_text = f"{row['peak'] / 2**30:10.1f}" if row["peak"] else "         -"
+        print(f"{row['scheme']:<10}{row['batch']:>6}{row['measured']:>10,.1f}{row['predicted']:>11,.1f}"
+              f"{row['predicted'] / row['measured'] - 1:>+8.1%}{refit_text}{held:>11}{row['peak_predicted'] / 2**30:>15.1f}{peak_text}")
+    if fitted:  # the device's model from now on, and the file to ship for its profile (autodeploy/assets/speed_models.json)
+        print("saved to", save_calibration(device.base_name, refit))
+        print("to ship:", save_calibration(device.base_name, refit, args.out / "speed_models.json"))
+    (args.out / "predict.json").write_text(json.dumps({"device": device.name, "rows": rows, "fitted": refit.to_json()}, indent=1))
 
 
 def sweep(args, shape, device) -> None:
@@ -98,7 +116,8 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--stage", default="predict,sweep")
     parser.add_argument("--schemes", default="none,fp8,int4_wo")
-    parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--fit-batches", default="1,32,256", help="the batches the refit sees; the others are held out")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--device-profile", default=None, help="default: the GPU this process sees")
     parser.add_argument("--out", type=Path, default=Path("out"))

@@ -10,11 +10,13 @@ what one token's KV cache costs. From it:
   ``max_batch_size`` full sequences), so the numbers are the ones the engine then allocates.
 - **speed** (``SpeedModel.decode_step_s``): a decode step reads every weight it uses once (a MoE layer: the experts
   its batch routes to) and each sequence's KV cache, and computes 2 FLOPs a parameter a token; it takes the longer
-  of the two at the device's rates scaled by measured efficiencies, plus a per-step and a per-sequence overhead
-  (sampling, scheduling, attention's launch) and, under tensor parallelism, two all-reduces a layer (an assumed 10 µs
-  each over NVLink; not yet measured here, only single-GPU machines are lent). The defaults are fitted to H200 figures (Llama-3-8B shape, bf16: 243
-  tok/s at batch 1, ~6,000 at 32); ``scripts/plan_vs_measured.py`` checks them on the device and saves a fitted model
-  for its profile (``save_calibration``), which ``calibrated(profile)`` returns to the planner from then on.
+  of the two at the device's rates scaled by the scheme's measured shares (``SchemeSpeed``: an int4 weight-only GEMM
+  reaches a far smaller share of the matmul rate than bf16's, so int4 loses to fp8 at large batches), plus a per-step
+  and a per-sequence cost and, under tensor parallelism, two all-reduces a layer (an assumed 10 µs each over NVLink;
+  not yet measured here, only single-GPU machines are lent). ``scripts/plan_vs_measured.py`` measures decode steps on
+  the device, fits a model for its profile (``fit_scheme_speed``) and saves it (``save_calibration``);
+  ``calibrated(profile)`` returns this machine's fit, else the one shipped for the profile
+  (``autodeploy/assets/speed_models.json``), else the defaults.
 """
 
 from __future__ import annotations
@@ -193,39 +195,95 @@ def memory_use(shape: ModelShape, device: DeviceProfile, *, dtype_bytes: int, qu
     return MemoryUse(device.usable_bytes, weights, activations, graphs, workspace, budget, per_block, int(blocks), block_size)
 
 
-# The share of the device's bandwidth a decode step's weight reads reach, by projection scheme. bf16 fitted to the H200's
-# 243 tok/s (Llama-3-8B shape, batch 1), fp8 to its 348 (dynamic activation scales cost a pass a layer); the integer
-# schemes are guesses until scripts/plan_vs_measured.py measures them.
-SCHEME_EFFICIENCY = {"none": 0.85, "fp8": 0.66, "int8_wo": 0.6, "int4_wo": 0.5, "int4_awq": 0.5, "int4_gptq": 0.5, "smoothquant": 0.6}
+@dataclass(frozen=True)
+class SchemeSpeed:
+    """How fast one projection scheme's decode step runs on a device, as shares of its datasheet rates: the weight and
+    KV reads reach ``bandwidth_efficiency`` of its bandwidth; the matmuls, where they bound the step (large batches),
+    ``compute_efficiency`` of its matmul rate (an int4 weight-only GEMM dequantizes in its inner loop: far below bf16's);
+    each sequence adds ``sequence_overhead_s`` (attention over its pages, sampling, its rows of the small ops)."""
+
+    bandwidth_efficiency: float
+    compute_efficiency: float
+    sequence_overhead_s: float
+
+
+# For a device without a calibration. Bandwidth shares of bf16 and fp8 fitted to the H200 figures on record (Llama-3-8B
+# shape, batch 1: 243 and 348 tok/s; fp8's dynamic activation scales cost a pass a layer); int4_wo's, the compute shares
+# and the per-sequence costs fitted on an H100 (scripts/plan_vs_measured.py, 2026-12-08: batch 1, 32, 256); int8_wo and
+# smoothquant are guesses between, the calibrated int4 schemes int4_wo's (the same kernels).
+DEFAULT_SCHEME_SPEEDS = {
+    "none": SchemeSpeed(0.85, 0.39, 1.3e-5),
+    "fp8": SchemeSpeed(0.66, 0.2, 1.2e-5),
+    "int8_wo": SchemeSpeed(0.6, 0.2, 2.0e-5),
+    "smoothquant": SchemeSpeed(0.6, 0.2, 2.0e-5),
+    "int4_wo": SchemeSpeed(0.5, 0.2, 3.1e-5),
+    "int4_awq": SchemeSpeed(0.5, 0.2, 3.1e-5),
+    "int4_gptq": SchemeSpeed(0.5, 0.2, 3.1e-5),
+}
+SAME_KERNELS = {"int4_awq": "int4_wo", "int4_gptq": "int4_wo"}  # served by int4_wo's kernels: its calibration holds
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one decode step moves and computes: ``bytes`` read (weights it uses, every sequence's KV cache), ``flops``
+    of its matmuls, at the device's ``bandwidth`` and matmul ``rate`` (FP8's for fp8 projections)."""
+
+    bytes: float
+    flops: float
+    bandwidth: float
+    rate: float
+
+
+def step_cost(shape: ModelShape, device: DeviceProfile, batch: int, context: int, *, dtype_bytes: int,
+              quantization: Quantization = Quantization(), kv_dtype_bytes: int = 2, tensor_parallel: int = 1) -> StepCost:
+    active = shape.active_parameters(batch)
+    share = active / shape.parameters if shape.parameters else 1.0
+    weights = weight_bytes(shape, dtype_bytes, quantization, tensor_parallel) * share
+    kv = batch * context * shape.kv_bytes_per_token(kv_dtype_bytes) / tensor_parallel
+    rate = device.fp8_flops if quantization.default == "fp8" and device.fp8_flops else device.bf16_flops
+    flops = 2 * (active - shape.embedding) * batch / tensor_parallel
+    return StepCost(weights + kv, flops, device.bandwidth, rate)
 
 
 @dataclass(frozen=True)
 class SpeedModel:
-    """Decode step time on a device (see the module docstring); efficiencies and overheads are fitted by a run.
-    ``bandwidth_efficiency`` scales ``SCHEME_EFFICIENCY`` (1.0: as the table says; a fit sets it per device)."""
+    """Decode step time on a device (see the module docstring): a ``SchemeSpeed`` a projection scheme (``schemes``; one
+    not named there takes that of the scheme whose kernels serve it, else ``DEFAULT_SCHEME_SPEEDS``'), a per-step
+    overhead, and the all-reduce of a step's rows."""
 
-    bandwidth_efficiency: float = 1.0
-    compute_efficiency: float = 0.55
+    schemes: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_SCHEME_SPEEDS))
     step_overhead_s: float = 1.0e-4
-    sequence_overhead_s: float = 3.5e-5
     allreduce_s: float = 1.0e-5  # one all-reduce of a decode step's rows over NVLink (two a layer under tensor parallelism)
-    source: str = "defaults fitted to H200 figures (Llama-3-8B shape: bf16 243 tok/s at 1, ~6,000 at 32; fp8 348 at 1)"
+    source: str = "defaults (bandwidth shares fitted to H200 figures, compute shares and per-sequence costs to an H100's)"
+
+    def scheme(self, name: str) -> SchemeSpeed:
+        """This model's speed for scheme ``name`` (or for the scheme whose kernels serve it), else the default's."""
+        found = self.schemes.get(name) or self.schemes.get(SAME_KERNELS.get(name, name))
+        return found or DEFAULT_SCHEME_SPEEDS.get(name) or DEFAULT_SCHEME_SPEEDS["int8_wo"]
 
     def decode_step_s(self, shape: ModelShape, device: DeviceProfile, batch: int, context: int, *, dtype_bytes: int,
                       quantization: Quantization = Quantization(), kv_dtype_bytes: int = 2, tensor_parallel: int = 1) -> float:
-        active = shape.active_parameters(batch)
-        share = active / shape.parameters if shape.parameters else 1.0
-        weights = weight_bytes(shape, dtype_bytes, quantization, tensor_parallel) * share
-        kv = batch * context * shape.kv_bytes_per_token(kv_dtype_bytes) / tensor_parallel
-        efficiency = SCHEME_EFFICIENCY.get(quantization.default, 0.6) * self.bandwidth_efficiency
-        memory_s = (weights + kv) / (device.bandwidth * min(1.0, efficiency))
-        rate = device.fp8_flops if quantization.default == "fp8" and device.fp8_flops else device.bf16_flops
-        compute_s = 2 * (active - shape.embedding) * batch / tensor_parallel / (rate * self.compute_efficiency)
+        cost = step_cost(shape, device, batch, context, dtype_bytes=dtype_bytes, quantization=quantization,
+                         kv_dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel)
+        speed = self.scheme(quantization.default)
+        memory_s = cost.bytes / (cost.bandwidth * min(1.0, speed.bandwidth_efficiency))
+        compute_s = cost.flops / (cost.rate * speed.compute_efficiency)
         communication_s = 2 * shape.num_layers * self.allreduce_s if tensor_parallel > 1 else 0.0
-        return max(memory_s, compute_s) + communication_s + self.step_overhead_s + self.sequence_overhead_s * batch
+        return max(memory_s, compute_s) + communication_s + self.step_overhead_s + speed.sequence_overhead_s * batch
 
     def decode_tokens_per_s(self, shape: ModelShape, device: DeviceProfile, batch: int, context: int, **kwargs) -> float:
         return batch / self.decode_step_s(shape, device, batch, context, **kwargs)
+
+    def to_json(self) -> dict:
+        return {"schemes": {name: dataclasses.asdict(speed) for name, speed in self.schemes.items()},
+                "step_overhead_s": self.step_overhead_s, "allreduce_s": self.allreduce_s, "source": self.source}
+
+    @classmethod
+    def from_json(cls, fields: dict) -> SpeedModel:
+        if not isinstance(fields.get("schemes"), dict):
+            raise ValueError("a speed model without per-scheme speeds (an older calibration's layout)")
+        schemes = {name: SchemeSpeed(**value) for name, value in fields.get("schemes", {}).items()}
+        return cls(schemes, fields.get("step_overhead_s", 1.0e-4), fields.get("allreduce_s", 1.0e-5), fields.get("source", "calibrated"))
 
 
 def calibration_file() -> Path:
@@ -233,40 +291,55 @@ def calibration_file() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autodeploy" / "speed_models.json"
 
 
+SHIPPED_CALIBRATIONS = Path(__file__).resolve().parents[1] / "assets" / "speed_models.json"
+
+
 def calibrated(device: str) -> SpeedModel:
-    """The speed model fitted on ``device`` (``save_calibration``), else the defaults."""
-    try:
-        fields = json.loads(calibration_file().read_text()).get(device)
-    except (OSError, ValueError):
-        return SpeedModel()
-    return SpeedModel(**fields) if isinstance(fields, dict) else SpeedModel()
+    """The speed model fitted on ``device``: this machine's (``save_calibration``), else the one shipped for that profile
+    (``autodeploy/assets/speed_models.json``, measured by ``scripts/plan_vs_measured.py``), else the defaults."""
+    for path in (calibration_file(), SHIPPED_CALIBRATIONS):
+        try:
+            fields = json.loads(path.read_text()).get(device)
+        except (OSError, ValueError):
+            continue
+        if isinstance(fields, dict):
+            try:
+                return SpeedModel.from_json(fields)
+            except (TypeError, ValueError):  # an older file's layout: the defaults rather than a crash
+                continue
+    return SpeedModel()
 
 
-def save_calibration(device: str, model: SpeedModel) -> Path:
-    path = calibration_file()
+def save_calibration(device: str, model: SpeedModel, path: Path | None = None) -> Path:
+    path = path or calibration_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         models = json.loads(path.read_text())
     except (OSError, ValueError):
         models = {}
-    models[device] = dataclasses.asdict(model)
-    path.write_text(json.dumps(models, indent=1))
+    models[device] = model.to_json()
+    path.write_text(json.dumps(models, indent=1) + "\n")
     return path
 
 
-def fit_speed_model(points: list[tuple[int, float, float]], base: SpeedModel = SpeedModel()) -> SpeedModel:
-    """``base`` refitted to measured decode steps ``(batch, step seconds base predicts, measured seconds)`` of one scheme:
-    the bandwidth scale from the smallest batch (memory-bound: the step less its overheads), the per-sequence overhead
-    from the largest (what is left of it after the memory part at the fitted scale and the per-step overhead)."""
-    points = sorted(points)
-    batch, predicted, measured = points[0]
-    overhead = base.step_overhead_s + base.sequence_overhead_s * batch
-    scale = base.bandwidth_efficiency * (predicted - overhead) / max(measured - overhead, 1e-9)
+def fit_scheme_speed(costs: list[tuple[int, StepCost, float]], base: SchemeSpeed, step_overhead_s: float) -> SchemeSpeed:
+    """``base`` refitted to measured decode steps ``(batch, its StepCost, measured seconds)`` of one scheme, in three
+    steps: the bandwidth share from the smallest batch (memory-bound), the per-sequence cost from the next (still
+    memory-bound: what is left after the reads), the compute share from the largest where the step outlasts its reads
+    (what is left after the per-sequence costs). With fewer batches the later steps keep ``base``'s values."""
+    costs = sorted(costs, key=lambda entry: entry[0])
+    first_batch, first, first_measured = costs[0]
     sequence = base.sequence_overhead_s
-    if len(points) > 1:
-        batch, predicted, measured = points[-1]
-        memory = (predicted - base.step_overhead_s - base.sequence_overhead_s * batch) * base.bandwidth_efficiency / scale
-        sequence = max(0.0, (measured - memory - base.step_overhead_s) / batch)
-    return SpeedModel(bandwidth_efficiency=round(scale, 4), compute_efficiency=base.compute_efficiency,
-                      step_overhead_s=base.step_overhead_s, sequence_overhead_s=sequence, allreduce_s=base.allreduce_s,
-                      source=f"fitted to {len(points)} measured decode steps")
+    for _ in range(20):  # the two depend on each other a little (the small batch's per-sequence cost): a fixed point
+        bandwidth = first.bytes / first.bandwidth / max(first_measured - step_overhead_s - sequence * first_batch, 1e-9)
+        if len(costs) == 1:
+            break
+        batch, cost, measured = costs[1] if len(costs) > 2 else costs[-1]
+        sequence = max(0.0, (measured - cost.bytes / (cost.bandwidth * bandwidth) - step_overhead_s) / batch)
+    compute = base.compute_efficiency
+    if len(costs) > 2:
+        batch, cost, measured = costs[-1]
+        left = measured - step_overhead_s - sequence * batch
+        if left > 1.05 * cost.bytes / (cost.bandwidth * bandwidth):  # compute-bound: the matmuls' share of the rate
+            compute = cost.flops / (cost.rate * left)
+    return SchemeSpeed(round(min(bandwidth, 1.0), 4), round(compute, 4), float(f"{sequence:.3g}"))

@@ -15,7 +15,8 @@ from autodeploy.errors import ConfigError
 from autodeploy.planning import PlanRequest, plan, profile
 from autodeploy.planning.check import check_model, coverage_table
 from autodeploy.planning.devices import PROFILES, DeviceProfile
-from autodeploy.planning.estimate import ModelShape, Quantization, SpeedModel, fit_speed_model, memory_use, weight_bytes
+from autodeploy.planning.estimate import (ModelShape, Quantization, SchemeSpeed, SpeedModel, calibrated, fit_scheme_speed, memory_use,
+                                         save_calibration, step_cost, weight_bytes)
 from autodeploy.planning.explain import explain_settings, kv_pool_blocks
 from tests.sweep_models import tiny_config
 
@@ -59,9 +60,11 @@ def test_the_planner_prefers_fp8_then_quantizes_as_memory_demands():
     assert roomy.value("quantize.default") == "fp8" and roomy.fits and roomy.value("distributed.tensor_parallel") == 1
     no_fp8 = plan(SHAPE, _device(140, fp8=False), PlanRequest(concurrency=8))
     assert no_fp8.value("quantize.default") == "none"
-    tight = plan(SHAPE, _device(24, fp8=False), PlanRequest(concurrency=15))  # int8 weights leave room for 13 sequences, int4 for 16
+    # At half the context (4,096 tokens) int8 weights leave room for 27 sequences, int4 for 33
+    assert plan(SHAPE, _device(24, fp8=False), PlanRequest(concurrency=27)).value("quantize.default") == "int8_wo"
+    tight = plan(SHAPE, _device(24, fp8=False), PlanRequest(concurrency=28))
     assert tight.value("quantize.default") == "int4_awq" and "memory demands it" in tight.explain()
-    random = plan(SHAPE, _device(24, fp8=False), PlanRequest(concurrency=15, weights="random"))
+    random = plan(SHAPE, _device(24, fp8=False), PlanRequest(concurrency=28, weights="random"))
     assert random.value("quantize.default") == "int4_wo"  # AWQ calibrates on the checkpoint's weights
     edge = plan(SHAPE, _device(5.5, fp8=False, bandwidth=68e9), PlanRequest(concurrency=1))
     assert edge.value("quantize.embedding") == "int8" and edge.fits and edge.value("max_seq_len") < 8192
@@ -74,8 +77,8 @@ def test_tensor_parallelism_is_the_smallest_that_holds_the_concurrency():
     one = plan(SHAPE, _device(80, count=8), PlanRequest(concurrency=8))
     assert one.value("distributed.tensor_parallel") == 1
     many = plan(SHAPE, _device(80, count=8), PlanRequest(concurrency=128, quantize="none"))
-    assert many.value("distributed.tensor_parallel") == 2  # one 80 GiB device holds ~116 such sequences, two ~250
-    assert "do not fit" in plan(SHAPE, _device(80, count=1), PlanRequest(concurrency=128, quantize="none")).explain()
+    assert many.value("distributed.tensor_parallel") == 2  # one 80 GiB device holds 115 sequences of 4,096 tokens, two 256
+    assert "do not fit; the pool holds 115" in plan(SHAPE, _device(80, count=1), PlanRequest(concurrency=128, quantize="none")).explain()
 
 
 def test_moe_experts_follow_the_scheme_and_are_read_by_what_the_batch_routes_to():
@@ -96,24 +99,46 @@ def test_the_speed_model_reads_the_h200_figures_it_was_fitted_to():
 
 
 def test_fitting_the_speed_model_to_measurements_recovers_them():
+    # Steps at batch 1 (memory-bound), 32 (still memory-bound) and 256 (compute-bound) made by a known model: the fit
+    # recovers its bandwidth share, per-sequence cost and compute share, and so the steps at batches it never saw.
     device, base = profile("h100"), SpeedModel()
-    truth = dataclasses.replace(base, bandwidth_efficiency=0.8, sequence_overhead_s=6e-5)
-    points = [(batch, base.decode_step_s(SHAPE, device, batch, 256, dtype_bytes=2),
-               truth.decode_step_s(SHAPE, device, batch, 256, dtype_bytes=2)) for batch in (1, 32)]
-    fitted = fit_speed_model(points, base)
-    for batch in (1, 8, 32):
-        assert fitted.decode_step_s(SHAPE, device, batch, 256, dtype_bytes=2) == pytest.approx(
-            truth.decode_step_s(SHAPE, device, batch, 256, dtype_bytes=2), rel=1e-2)
+    truth = SchemeSpeed(bandwidth_efficiency=0.8, compute_efficiency=0.3, sequence_overhead_s=3e-5)
+    made = SpeedModel({"none": truth})
+    bf16 = Quantization()
+
+    def step(model, batch):
+        return model.decode_step_s(SHAPE, device, batch, 256, dtype_bytes=2, quantization=bf16)
+
+    costs = [(batch, step_cost(SHAPE, device, batch, 256, dtype_bytes=2, quantization=bf16), step(made, batch)) for batch in (1, 32, 256)]
+    fitted = fit_scheme_speed(costs, base.scheme("none"), base.step_overhead_s)
+    assert fitted.bandwidth_efficiency == pytest.approx(0.8, rel=1e-3) and fitted.compute_efficiency == pytest.approx(0.3, rel=1e-3)
+    model = SpeedModel({"none": fitted})
+    for batch in (8, 64, 128, 512):
+        assert step(model, batch) == pytest.approx(step(made, batch), rel=1e-3)
+
+
+def test_int4_weights_lose_to_fp8_at_large_batches_and_the_plan_keeps_fp8_where_it_fits():
+    # Measured on an H100 (Llama-3-8B shape, 2026-12-08): int4_wo 315 tok/s at batch 1 against fp8's 289, but 9,201 at
+    # 256 against 19,706; a planner that asked for every sequence's whole context chose int4 there and got 0.43x.
+    h100, speed = profile("h100"), calibrated("h100")
+    def rate(scheme, batch):
+        return speed.decode_tokens_per_s(SHAPE, h100, batch, 192, dtype_bytes=2, quantization=Quantization.of(scheme))
+    assert rate("int4_wo", 1) > rate("fp8", 1) and rate("int4_wo", 256) < 0.6 * rate("fp8", 256)
+    chosen = plan(SHAPE, h100, PlanRequest(context=2048, concurrency=256, weights="random"), speed)
+    assert chosen.value("quantize.default") == "fp8" and chosen.value("max_batch_size") == 256
 
 
 def test_a_saved_calibration_is_the_devices_model_from_then_on(tmp_path, monkeypatch):
-    from autodeploy.planning.estimate import calibrated, save_calibration
-
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert calibrated("h200") == SpeedModel()
-    fitted = SpeedModel(bandwidth_efficiency=0.9, sequence_overhead_s=5e-5, source="fitted")
+    assert calibrated("h200") == SpeedModel()  # none shipped: the defaults
+    shipped = calibrated("h100")
+    assert "H100" in shipped.source and shipped.scheme("int4_awq") == shipped.scheme("int4_wo")  # the same kernels
+    fitted = SpeedModel({"none": SchemeSpeed(0.9, 0.4, 5e-5)}, source="fitted")
     save_calibration("h200", fitted)
-    assert calibrated("h200") == fitted and calibrated("h100") == SpeedModel()
+    assert calibrated("h200") == fitted and calibrated("h100") == shipped
+    assert calibrated("h200").scheme("fp8") == SpeedModel().scheme("fp8")  # a scheme it did not measure: the default
+    (tmp_path / "autodeploy" / "speed_models.json").write_text(json.dumps({"h200": {"bandwidth_efficiency": 0.9}}))
+    assert calibrated("h200") == SpeedModel()  # an older file's layout: the defaults, not a crash
     assert profile("8xh200").base_name == "h200"
 
 
