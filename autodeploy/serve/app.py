@@ -526,7 +526,10 @@ class _Server(_ModelServer):
                         index = prompt_index * params.n + completion.index
                         if completion.finish_reason == "abort":
                             raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-                        if index not in started or completion.new_text or completion.finish_reason is not None or annotate:
+                        # A chunk per step that made tokens, even with no new text (a model without a tokenizer, bytes
+                        # of a character still arriving): clients see progress, and inter-token latency is measurable.
+                        if index not in started or completion.new_text or completion.new_token_ids \
+                                or completion.finish_reason is not None or annotate:
                             delta = writer.delta(index, completion, prompt_index, first=index not in started)
                             if annotate:
                                 delta = delta or {"index": index, "autodeploy_only": True}

@@ -430,3 +430,21 @@ def test_serve_command_line(capsys, tmp_path):
     assert "--chat-template: cannot read" in capsys.readouterr().err
     assert main(["serve", "--stream-interval", "0"]) == 1
     assert "--stream-interval must be ≥ 1" in capsys.readouterr().err
+
+
+def test_a_model_without_a_tokenizer_streams_every_steps_tokens(tmp_path):
+    """No tokenizer: no text, but each step that made tokens is still a chunk, with those tokens' log-probabilities
+    (progress a client sees, latency a benchmark measures; chunks without text were once held back, their tokens'
+    log-probabilities lost, and a benchmark saw the first token, then the other 127 at the end)."""
+    from autodeploy import autodeploy
+
+    tiny_hf_model("llama").save_pretrained(tmp_path)  # weights and config only
+    llm = autodeploy(str(tmp_path), device="cpu")
+    with serving(llm) as base:
+        body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True, "temperature": 0, "stream": True,
+                "logprobs": 0}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            events = [json.loads(line[5:]) for line in response.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+    choices = [event["choices"][0] for event in events if event.get("choices")]
+    assert all(choice["text"] == "" for choice in choices) and choices[-1]["finish_reason"] == "length"
+    assert sum(len(choice["logprobs"]["token_logprobs"]) for choice in choices) == 6
