@@ -44,17 +44,17 @@ if [[ $STAGE == *build* && ! -d $MODEL_DIR ]]; then
   echo "build rc=$? $((SECONDS - t0))s"
 fi
 if [[ ,$STAGE, == *,agg,* ]]; then
-  python3 -m autodeploy serve "$MODEL_DIR" --served-model-name m --port 8100 > "$OUT/agg_server.log" 2>&1 &
+  python3 -m autodeploy -v serve "$MODEL_DIR" --served-model-name m --port 8100 > "$OUT/agg_server.log" 2>&1 &
   wait_ready http://127.0.0.1:8100 360 && echo "agg server ready $((SECONDS - t0))s" && bench http://127.0.0.1:8100 agg
   stop_all; echo "agg done $((SECONDS - t0))s"
 fi
 if [[ ,$STAGE, == *,disagg,* ]]; then
   # The prefill worker first, taking a third of what its weights leave for its KV pool; the decode worker then takes
   # most of the rest (each process holds its own copy of the weights).
-  python3 -m autodeploy serve "$MODEL_DIR" --served-model-name m --role prefill --port 8101 \
+  python3 -m autodeploy -v serve "$MODEL_DIR" --served-model-name m --role prefill --port 8101 \
     --set kv_cache.memory_fraction=${PREFILL_FRACTION:-0.3} > "$OUT/prefill.log" 2>&1 &
   wait_ready http://127.0.0.1:8101 360; echo "prefill worker ready $((SECONDS - t0))s"
-  python3 -m autodeploy serve "$MODEL_DIR" --served-model-name m --role decode --port 8102 \
+  python3 -m autodeploy -v serve "$MODEL_DIR" --served-model-name m --role decode --port 8102 \
     --set kv_cache.memory_fraction=${DECODE_FRACTION:-0.85} > "$OUT/decode.log" 2>&1 &
   wait_ready http://127.0.0.1:8102 360; echo "decode worker ready $((SECONDS - t0))s"
   python3 -m autodeploy router --port 8100 --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8102 > "$OUT/router.log" 2>&1 &

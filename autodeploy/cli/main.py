@@ -41,6 +41,8 @@ def _add_global_flags(parser: argparse.ArgumentParser, version_line: str, top_le
     # Only the top level has a default: a subcommand's default would overwrite a --debug given before it.
     parser.add_argument("--debug", action="store_true", default=False if top_level else argparse.SUPPRESS,
                         help="show tracebacks and debug logs")
+    parser.add_argument("--verbose", "-v", action="store_true", default=False if top_level else argparse.SUPPRESS,
+                        help="show info logs: where a build's or a server's start-up time went, what each stage did")
     parser.add_argument("--version", action="version", version=version_line, help="print the versions and exit")
 
 
@@ -700,7 +702,8 @@ def _tune(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _with_speculative_flags(args)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     handlers = {"run": _run, "serve": _serve, "router": _router, "check": _check, "models": _models, "plan": _plan, "batch": _batch, "build": _build, "triton-repo": _triton_repo, "quantize": _quantize, "config": _config_show, "inspect": _inspect, "tune": _tune,
                 "bench": _bench}
     try:

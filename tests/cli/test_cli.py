@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from autodeploy import CompletionOutput, RequestOutput, SamplingParams
 from autodeploy.cli.completions import print_stream
-from autodeploy.cli.main import main
+from autodeploy.cli.main import build_parser, main
 from autodeploy.config import load_settings, transform_configs
 from autodeploy.errors import ConfigError, ModelNotFoundError
 from autodeploy.runtime.outputs import RequestMetrics
@@ -255,6 +255,13 @@ def test_stream_prints_the_live_sample_as_it_comes_and_a_later_one_from_what_it_
 def test_debug_is_accepted_before_or_after_the_subcommand(hf_offline, argv, error):
     with pytest.raises(error):
         main(argv)
+
+
+@pytest.mark.parametrize("argv", [["-v", "config", "show"], ["config", "show", "--verbose"], ["config", "-v", "show"]])
+def test_verbose_is_accepted_before_or_after_the_subcommand(argv):
+    parsed = build_parser().parse_args(argv)
+    assert parsed.verbose and not parsed.debug
+    assert not build_parser().parse_args(["config", "show"]).verbose
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["run", "--version"], ["config", "show", "--version"], ["bench", "--version"]])
