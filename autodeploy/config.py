@@ -132,6 +132,9 @@ class CompileSettings:
     backend: str = "cuda_graph"
     batch_sizes: Optional[List[int]] = None
     prefill_token_sizes: Optional[List[int]] = None  # cuda_graph: piecewise prefill graphs; [] turns them off
+    # cuda_graph: an encoder–decoder's encoder pass captured for the first N shapes (requests × input length) it runs,
+    # replayed after; 0: eager (runtime/encoder_pass.py). Opt-in until the device measures it (notes/encoder_decoder.md).
+    encoder_graphs: int = 0
 
 
 @dataclass
@@ -425,6 +428,9 @@ def _check_choices(settings: DictConfig) -> None:
     sizes = settings.compile.batch_sizes
     if sizes is not None and (not sizes or any(size < 1 for size in sizes)):
         raise ConfigError(f"compile.batch_sizes must list batch sizes ≥ 1 (or be null for the default), got {list(sizes)}")
+    encoder_graphs = settings.compile.encoder_graphs
+    if isinstance(encoder_graphs, bool) or not isinstance(encoder_graphs, int) or encoder_graphs < 0:
+        raise ConfigError(f"compile.encoder_graphs must be a count ≥ 0 of encoder shapes to capture (0: eager), got {encoder_graphs!r}")
     token_sizes = settings.compile.prefill_token_sizes
     if token_sizes is not None and any(size < 1 for size in token_sizes):
         raise ConfigError(f"compile.prefill_token_sizes must list token counts ≥ 1 ([] for none, null for the default), got {list(token_sizes)}")

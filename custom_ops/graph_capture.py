@@ -63,8 +63,11 @@ class CaptureTimes:
 class GraphCapture:
     """Captures into one memory pool on ``device``, each capture after an eager run on a side stream."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, capture_error_mode: str = "global"):
+        """``capture_error_mode``: ``torch.cuda.graph``'s — "thread_local" for captures made while other threads may
+        call CUDA (mid-serving), which "global" would make fail."""
         self.device = device
+        self.capture_error_mode = capture_error_mode
         torch.cuda.synchronize(device)
         self._reserved_before = torch.cuda.memory_reserved(device)
         self.pool = torch.cuda.graph_pool_handle()
@@ -85,7 +88,7 @@ class GraphCapture:
         ran = time.perf_counter()
         current.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with capture_graph(graph, pool=self.pool):
+        with capture_graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
             outputs = function(*arguments)
         upload(graph, current)
         self.times.add(launched - start, ran - launched, time.perf_counter() - ran, warm_up)
@@ -106,9 +109,9 @@ class GraphCapture:
 
 
 @contextlib.contextmanager
-def capture_graph(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
+def capture_graph(graph: torch.cuda.CUDAGraph, pool=None, capture_error_mode: str = "global") -> Iterator[None]:
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
             yield
     except BaseException:
         restore_random_generators()

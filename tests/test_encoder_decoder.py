@@ -322,6 +322,68 @@ def test_an_encoder_pass_counts_against_the_steps_token_budget(tmp_path):
         llm.generate([list(range(41))], params)
 
 
+class _ReplayingCapture:
+    """GraphCapture's stand-in on the CPU: ``capture`` runs the function once on its static arguments; a replay runs it
+    again on whatever they hold now and writes the results into the captured outputs, as a CUDA graph's replay does."""
+
+    def __init__(self, device, capture_error_mode="global"):
+        self.mode, self.captured = capture_error_mode, []
+
+    def capture(self, function, arguments):
+        outputs = function(*arguments)
+        self.captured.append(tuple(arguments[0].shape))
+
+        class Graph:
+            def replay(self):
+                for static, fresh in zip(outputs, function(*arguments)):
+                    static.copy_(fresh)
+
+        return Graph(), outputs
+
+
+def test_captured_encoder_shapes_replay_on_refilled_inputs_and_the_rest_run_eagerly(tmp_path, monkeypatch, caplog):
+    """compile.encoder_graphs: 2 — the first two shapes ``[R, S]`` are captured and replayed (a later batch of the same
+    shape reads its own ids from the refilled static input, not the captured batch's), the third runs eagerly, a shape
+    whose capture fails runs eagerly with a warning and is not tried again; the output is HF's throughout."""
+    import autodeploy.runtime.encoder_pass as encoder_pass
+
+    model = lively("bart", seed=9)
+    model.save_pretrained(tmp_path)
+    llm = autodeploy(str(tmp_path), device="cpu", dtype="float32", verify={"enabled": False}, compile={"encoder_graphs": 2})
+    encoder = llm.engine.encoder
+    assert encoder.max_graphs == 0  # the CPU runs eagerly; the GPU's path, with a stand-in capture:
+    monkeypatch.setattr(encoder_pass, "GraphCapture", _ReplayingCapture)
+    encoder.max_graphs = 2
+    calls = []
+    graph = encoder.graph
+    encoder.graph = lambda ids: (calls.append(tuple(ids.shape)), graph(ids))[1]
+
+    def generate(prompts):
+        outputs = llm.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_generate_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+    generate([[5, 6, 7, 8, 9], [11, 12, 13, 14, 15], [100, 200, 300]])  # shapes (2, 5) and (1, 3): both captured
+    assert sorted(encoder.captured) == [(1, 3), (2, 5)] and encoder._capture.mode == "thread_local"
+    calls.clear()
+    generate([[40, 41, 42, 43, 44], [60, 61, 62, 63, 64], [7, 8, 9]])  # replays, on these ids
+    assert sorted(calls) == [(1, 3), (2, 5)]  # one run a replay (the stand-in's), no capture, no eager run besides
+    generate([list(range(20, 29))])  # a third shape: past the two, eager
+    assert (1, 9) in encoder.eager_shapes and len(encoder.captured) == 2
+
+    def refuse(self, function, arguments):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    encoder.captured.clear(), encoder.eager_shapes.clear()
+    monkeypatch.setattr(_ReplayingCapture, "capture", refuse)
+    with caplog.at_level("WARNING", logger="autodeploy.runtime.encoder_pass"):
+        generate([[5, 6, 7, 8]])
+        generate([[9, 10, 11, 12]])
+    assert encoder.eager_shapes == {(1, 4)} and not encoder.captured
+    assert sum("its CUDA graph capture failed" in r.message for r in caplog.records) == 1
+    with pytest.raises(Exception, match="compile.encoder_graphs must be a count"):
+        autodeploy(str(tmp_path), device="cpu", verify={"enabled": False}, compile={"encoder_graphs": -1})
+
+
 def test_pipeline_and_expert_parallelism_and_speculation_are_refused_by_name_before_anything_is_built(tmp_path):
     """Tensor parallelism is served, T5's included (tests/distributed/test_encoder_decoder_tensor_parallel.py); pipeline
     stages are not cut for an encoder–decoder, and BART has no experts to place."""

@@ -171,8 +171,9 @@ class ModelRunner:
             warmed_up.append(True)
 
         if self.cross_specs and self.encoder is None:  # before sizing: what it takes is not the pool's
+            graphed = settings.compile.backend in ("cuda_graph", "torch_compile_cuda_graph")
             self.encoder = EncoderPass(self.graphs[ENCODER], self.cross_specs, settings.max_batch_size, self.max_seq_len,
-                                       self.block_size, self.device)
+                                       self.block_size, self.device, settings.compile.encoder_graphs if graphed else 0)
         num_blocks = plan_num_blocks(self.kv_specs, settings.kv_cache, settings.max_batch_size, self.max_seq_len,
                                      self.device, warm_up, graph_tokens=graph_tokens)
         num_blocks = _agreed_num_blocks(num_blocks, self.device, Layout.requested(settings.distributed).world_size)
