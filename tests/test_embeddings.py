@@ -243,6 +243,16 @@ def test_the_autotuner_times_packed_attention_with_its_seq_start(tmp_path):
     torch.testing.assert_close(packed[:, :128], first)  # the problem timed is the packed one: texts kept apart
     assert any("tensor" in str(a) and "int32" in str(a) for a in _signature(node, gm, _TokenShapes(gm)))
 
+    class Unpacked(torch.nn.Module):  # a vision tower's attention: seq_start left None stays None
+        def forward(self, q, k, v):
+            return torch.ops.autodeploy.bidirectional_attention(q, k, v, 0.5, None, None)
+
+    plain = torch.fx.symbolic_trace(Unpacked())
+    for placeholder in plain.graph.find_nodes(op="placeholder"):
+        placeholder.meta["val"] = torch.empty(1, 4, 2, 8)
+    (call,) = plain.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.bidirectional_attention.default)
+    assert _Problem(call, plain, _TokenShapes(plain), torch.device("cpu")).make_inputs(4)[4:] == [None, None]
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_packed_texts_in_bfloat16_take_the_varlen_kernel_and_match_hugging_face(tmp_path):

@@ -217,7 +217,9 @@ class _Problem:
         found = op_by_target(node.target)
         synthesizers = found[0].tuning_inputs if found is not None else {}
         names = [a.name for a in node.target._schema.arguments] if hasattr(node.target, "_schema") else []
-        self.synthesized = {i: synthesizers[name] for i, name in enumerate(names[: len(self.args)]) if name in synthesizers}
+        # Only where the node passes a tensor: an argument left None (unpacked attention) stays None.
+        self.synthesized = {i: synthesizers[name] for i, name in enumerate(names[: len(self.args)])
+                            if name in synthesizers and isinstance(self.args[i], fx.Node)}
 
     def tunable(self) -> str | None:
         """Why this node cannot be timed on synthetic inputs, or ``None``."""
