@@ -8,7 +8,9 @@ within 15%). A model refitted on batch 1, 32 and 256 alone (``fit_scheme_speed``
 ``autodeploy/assets/``). ``sweep``: output tok/s at 256 concurrent requests under hand-picked
 settings and under the plan's (``autodeploy plan``), the best against the plan's (target: the plan within 10%).
 
-    python3 scripts/plan_vs_measured.py --stage predict,sweep --out /tmp/o     # ~8 min on an H200
+    python3 scripts/plan_vs_measured.py --stage predict --out /tmp/o   # ~6 min on an H100 (three builds, 18 points)
+    python3 scripts/plan_vs_measured.py --stage sweep --out /tmp/o     # ~5 min: seven builds at 256 concurrent
+    (both stages took 544 s in one call with three batches a scheme on the H100, 2026-12-08: two calls now)
     python3 scripts/plan_vs_measured.py --stage predict --schemes none --batches 1,8 --model /tmp/tiny --device-profile cpu
 """
 
