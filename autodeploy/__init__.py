@@ -19,7 +19,7 @@ from autodeploy import errors
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from autodeploy.api import autodeploy, deployment_settings
-    from autodeploy.custom_ops import register_backend, register_op
+    from autodeploy.custom_ops import register_backend, register_op, register_tuning_input
     from autodeploy.export import register_export_patch
     from autodeploy.patterns import register_pattern
     from autodeploy.runtime.draft_trees import DraftTree
@@ -52,6 +52,7 @@ _MODULE_OF: dict[str, str] = {
     "register_op": "autodeploy.custom_ops",
     "register_pattern": "autodeploy.patterns",
     "register_transform": "autodeploy.transforms",
+    "register_tuning_input": "autodeploy.custom_ops",
 }
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "register_op",
     "register_pattern",
     "register_transform",
+    "register_tuning_input",
 ]
 
 
