@@ -234,7 +234,11 @@ def register_backend(
 def register_tuning_input(op_name: str, argument: str, make: Callable[[int, torch.device], torch.Tensor]) -> None:
     """Let the autotuner time ``op_name``'s nodes that take the integer tensor ``argument`` (sequence metadata, which
     random numbers would make invalid): ``make(num_tokens, device)`` returns a representative valid value for a
-    problem of ``num_tokens`` tokens. Raises :class:`OpRegistrationError` for an unknown op or argument."""
+    problem of ``num_tokens`` tokens. Raises :class:`OpRegistrationError` for an unknown op or argument.
+
+    >>> register_tuning_input("attention", "seq_start",  # one text of all the tokens  # doctest: +SKIP
+    ...                       lambda tokens, device: torch.tensor([0, tokens], dtype=torch.int32, device=device))
+    """
     if op_name not in _REGISTRY:
         raise OpRegistrationError(f"unknown canonical op {op_name!r}; registered ops: {', '.join(sorted(_REGISTRY))}.")
     record = _REGISTRY[op_name]
