@@ -1,6 +1,6 @@
 """The scheduler under a closed-loop mixed-length workload, on a modelled clock (issue 48): where TTFT goes, and its floor.
 
-The real ``Scheduler`` and ``KVBlockPool`` plan every step; a step takes the longer of its weight and KV reads and its
+The real ``Scheduler`` and ``KVBlockPool`` plan every step; a step of ``--model``'s shape (its config only) takes the longer of its weight and KV reads and its
 matmuls at the device profile's rates (``autodeploy.planning``: bandwidth share from the speed model; prefill GEMMs at
 ``--prefill-efficiency`` of the bf16 rate, 0.77 being the 761 TFLOP/s measured for a 4,096-token prefill on the H200),
 plus the speed model's per-step and per-sequence costs. ``autodeploy bench --workload concurrency`` admits its first
@@ -17,14 +17,13 @@ import argparse
 import random
 from types import SimpleNamespace
 
+from autodeploy.models.factory import ModelFactory
+from autodeploy.models.source import resolve_model_source
 from autodeploy.planning import profile
+from autodeploy.planning.check import model_shape
 from autodeploy.planning.estimate import ModelShape, calibrated
 from autodeploy.runtime.block_pool import KVBlockPool
 from autodeploy.runtime.scheduler import Scheduler
-
-# The Llama-3-8B shape: projections and the head (what a token's matmuls read), 128 KiB of bf16 KV a token.
-LLAMA_3_8B = ModelShape("llama", projections=6_979_321_856, experts=0, embedding=525_336_576, head=525_336_576, other=266_240,
-                        num_layers=32, hidden_size=4096, vocab_size=128_256, kv_bytes_per_token_bf16=131_072)
 
 
 class _Sequence:
@@ -44,18 +43,18 @@ class _Sequence:
         return len(self.token_ids) - self.num_computed
 
 
-def step_seconds(plan, device, speed, prefill_efficiency: float) -> float:
+def step_seconds(plan, shape: ModelShape, device, speed, prefill_efficiency: float) -> float:
     scheme = speed.scheme("none")
     tokens = sum(chunk.length for chunk in plan.chunks)
     decodes = sum(chunk.length == 1 for chunk in plan.chunks)
     context = sum(chunk.start + chunk.length for chunk in plan.chunks)
-    reads = (2 * LLAMA_3_8B.parameters + context * LLAMA_3_8B.kv_bytes_per_token(2)) / (device.bandwidth * scheme.bandwidth_efficiency)
+    reads = (2 * shape.parameters + context * shape.kv_bytes_per_token(2)) / (device.bandwidth * scheme.bandwidth_efficiency)
     efficiency = scheme.compute_efficiency if tokens == decodes else prefill_efficiency
-    matmuls = 2 * (LLAMA_3_8B.parameters - LLAMA_3_8B.embedding) * tokens / (device.bf16_flops * efficiency)
+    matmuls = 2 * (shape.parameters - shape.embedding) * tokens / (device.bf16_flops * efficiency)
     return max(reads, matmuls) + speed.step_overhead_s + scheme.sequence_overhead_s * decodes
 
 
-def simulate(args, budget: int) -> dict:
+def simulate(args, shape: ModelShape, budget: int) -> dict:
     device, speed = profile(args.device), calibrated(profile(args.device).base_name)
     rng = random.Random(args.seed)
     low, high = map(int, args.input.split(":"))
@@ -75,7 +74,7 @@ def simulate(args, budget: int) -> dict:
         admit(in_burst=True)
     while scheduler.has_work():
         plan = scheduler.schedule()
-        now += step_seconds(plan, device, speed, args.prefill_efficiency)
+        now += step_seconds(plan, shape, device, speed, args.prefill_efficiency)
         for chunk in plan.chunks:
             sequence = chunk.sequence
             sequence.num_computed += chunk.length
@@ -92,7 +91,7 @@ def simulate(args, budget: int) -> dict:
             if issued < args.requests:
                 admit(in_burst=False)
     burst_tokens = sum(prompt for prompt, _ in work[: args.concurrency])
-    floor = 2 * (LLAMA_3_8B.parameters - LLAMA_3_8B.embedding) * burst_tokens / (device.bf16_flops * args.prefill_efficiency)
+    floor = 2 * (shape.parameters - shape.embedding) * burst_tokens / (device.bf16_flops * args.prefill_efficiency)
 
     def p(values, q):
         values = sorted(values)
@@ -106,6 +105,7 @@ def simulate(args, budget: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3-8b", help="a config (shipped name, folder or hub id): its shape only")
     parser.add_argument("--device", default="h200")
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=128)
@@ -117,8 +117,9 @@ def main() -> None:
     parser.add_argument("--prefill-efficiency", type=float, default=0.77)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    shape = model_shape(ModelFactory.from_source(resolve_model_source(args.model, "random")))
     for budget in map(int, args.budgets.split(",")):
-        r = simulate(args, budget)
+        r = simulate(args, shape, budget)
         print(f"max_num_tokens {budget:>5}: {r['tok/s']:,.0f} output tok/s; TTFT p50 {r['ttft p50'] * 1e3:,.0f} ms, p99 "
               f"{r['ttft p99'] * 1e3:,.0f} ms (admitted after the burst: p99 {r['later p99'] * 1e3:,.0f} ms); "
               f"preemptions {r['preemptions']}")

@@ -8,10 +8,9 @@ it. Its rules, in order:
 2. **quantization × tensor parallelism**: the first scheme, at the smallest tensor-parallel size, whose KV pool holds
    ``concurrency`` sequences at half the context each (a model goes over more devices before its weights lose bits).
    Half, as for ``max_batch_size`` (and one whole sequence at least): a paged pool holds tokens, not sequences, and
-   sequences are half full on average;
-   asking every one for the whole context made the planner give up FP8 for int4 on an H100 at 256 × 2,048 tokens,
-   which decoded 0.43× as fast at that batch (int4's dequantizing GEMMs are compute-bound there). ``quantize="auto"`` tries the fastest that keeps accuracy
-   first — FP8 where the GPU has FP8 tensor cores (compute capability ≥ 8.9), else none — then int8 weights, then
+   sequences are half full on average; asking every one for the whole context made the planner give up FP8 for int4
+   on an H100 at 256 × 2,048 tokens, which decoded 0.43× as fast at that batch (int4's dequantizing GEMMs are
+   compute-bound there). ``quantize="auto"`` tries the fastest that keeps accuracy first — FP8 where the GPU has FP8 tensor cores (compute capability ≥ 8.9), else none — then int8 weights, then
    INT4-AWQ (``int4_wo`` with random weights: AWQ calibrates on the checkpoint's). When nothing holds that many, the
    plan takes what holds the most, and when not even one sequence fits, a shorter context.
 3. **max_batch_size**: the sequences the pool holds at half the context each (sequences are half full on average),
@@ -162,7 +161,7 @@ def plan(shape: ModelShape, device: DeviceProfile, request: PlanRequest = PlanRe
     # Schemes outermost: a model goes over more devices before its weights lose bits (FP8 on two GPUs before INT4 on one).
     tried: list[tuple[int, Quantization, MemoryUse]] = [(tp, scheme, use(tp, scheme, context, concurrency))
                                                         for scheme in schemes for tp in sizes]
-    demand = max(context, concurrency * max(1, context // 2))  # tokens: half full on average, one whole at least (rule 2)
+    demand = max(context, concurrency * _half(context))  # tokens: half full on average, one whole at least (rule 2)
     holding = [(tp, scheme, m) for tp, scheme, m in tried if m.kv_tokens >= demand]
     notes = []
     if holding:
@@ -176,18 +175,18 @@ def plan(shape: ModelShape, device: DeviceProfile, request: PlanRequest = PlanRe
                 context = fitting[0]
             memory = use(tp, scheme, context, 1)
         else:
-            notes.append(f"{concurrency} sequences of {context // 2:,} tokens (half the context) do not fit; the pool holds "
-                         f"{memory.kv_tokens // max(1, context // 2)} of them")
+            notes.append(f"{concurrency} sequences of {_half(context):,} tokens (half the context) do not fit; the pool holds "
+                         f"{memory.kv_tokens // _half(context)} of them")
     faster = schemes[: schemes.index(scheme)]
     token_budget = _token_budget(shape, device, dtype_bytes, memory.weights, tp)
-    batch = max(1, min(MAX_BATCH, memory.kv_tokens // max(1, context // 2)))
+    batch = max(1, min(MAX_BATCH, memory.kv_tokens // _half(context)))
     memory = use(tp, scheme, context, batch)
-    batch = max(1, min(MAX_BATCH, memory.kv_tokens // max(1, context // 2)))
+    batch = max(1, min(MAX_BATCH, memory.kv_tokens // _half(context)))
     fits = memory.kv_tokens >= context and memory.num_blocks > 0
     if not fits:
         notes.append(f"the weights alone take {memory.weights / 2**30:.2f} GiB of {memory.usable / 2**30:.2f} GiB usable: a smaller "
                      f"model, or more devices" + (" (tensor parallelism)" if device.count == 1 else ""))
-    reason = _scheme_reason(scheme, device, request, memory.kv_tokens // max(1, context // 2), concurrency, faster)
+    reason = _scheme_reason(scheme, device, request, memory.kv_tokens // _half(context), concurrency, faster)
     choices = [
         Choice("dtype", dtype, dtype_reason),
         Choice("quantize.default", scheme.default, reason),
@@ -196,7 +195,7 @@ def plan(shape: ModelShape, device: DeviceProfile, request: PlanRequest = PlanRe
         *([Choice("quantize.embedding", "int8", "see quantize.default")] if scheme.embedding == "int8" else []),
         Choice("distributed.tensor_parallel", tp,
                "one device holds it" if tp == 1 else f"the smallest of {sizes} whose KV pool holds {concurrency} sequences of "
-                                                     f"{context // 2:,} tokens (half the context) with {scheme.default} weights"),
+                                                     f"{_half(context):,} tokens (half the context) with {scheme.default} weights"),
         Choice("max_seq_len", context, "as asked" if request.context and context == request.context else
                f"the model's maximum ({model_max:,})" if context == model_max else
                "cut to fit (see the notes)" if context < min(model_max, 8192) else
@@ -213,6 +212,11 @@ def plan(shape: ModelShape, device: DeviceProfile, request: PlanRequest = PlanRe
                                                      kv_dtype_bytes=kv_bytes, tensor_parallel=tp)
         notes.append(f"speed model: {speed.source}")
     return Plan(model, device, choices, memory, fits, rates, notes)
+
+
+def _half(context: int) -> int:
+    """A sequence's expected length: half the context (sequences are half full on average; rules 2 and 3)."""
+    return max(1, context // 2)
 
 
 def _token_budget(shape: ModelShape, device: DeviceProfile, dtype_bytes: int, weights: int, tensor_parallel: int) -> int:

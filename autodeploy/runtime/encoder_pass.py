@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,11 +37,13 @@ from autodeploy.runtime.kv_cache import allocate_kv_caches
 logger = logging.getLogger(__name__)
 
 
+@dataclass
 class _Captured:
     """One captured shape: the static input the replays read, the graph, and the outputs they overwrite."""
 
-    def __init__(self, ids: torch.Tensor, graph, outputs: tuple[torch.Tensor, torch.Tensor]):
-        self.ids, self.graph, self.outputs = ids, graph, outputs
+    ids: torch.Tensor
+    graph: torch.cuda.CUDAGraph
+    outputs: tuple[torch.Tensor, torch.Tensor]
 
 
 class EncoderPass:
@@ -94,7 +97,7 @@ class EncoderPass:
         shape = tuple(ids.shape)
         captured = self.captured.get(shape)
         if captured is None and self.max_graphs and shape not in self.eager_shapes:
-            captured = self._capture_shape(ids) if len(self.captured) < self.max_graphs else None
+            captured = self._capture_shape(shape, ids) if len(self.captured) < self.max_graphs else None
             if captured is None:
                 self.eager_shapes.add(shape)
         if captured is None:
@@ -103,19 +106,19 @@ class EncoderPass:
         captured.graph.replay()
         return captured.outputs
 
-    def _capture_shape(self, ids: torch.Tensor) -> _Captured | None:
+    def _capture_shape(self, shape: tuple[int, int], ids: torch.Tensor) -> _Captured | None:
         static = ids.clone()
         try:
             if self._capture is None:  # mid-serving: other threads' CUDA calls must not fail for this capture
                 self._capture = GraphCapture(self.device, capture_error_mode="thread_local")
             graph, outputs = self._capture.capture(self.graph, [static])
         except Exception as error:  # a kernel that syncs with the host, or memory the capture could not get
-            logger.warning("the encoder pass of shape %s runs eagerly: its CUDA graph capture failed (%s: %s)", tuple(ids.shape),
+            logger.warning("the encoder pass of shape %s runs eagerly: its CUDA graph capture failed (%s: %s)", shape,
                            type(error).__name__, error)
             return None
-        self.captured[tuple(ids.shape)] = _Captured(static, graph, tuple(outputs))
-        logger.info("captured the encoder pass for %d × %d tokens (%d of %d shapes)", *ids.shape, len(self.captured), self.max_graphs)
-        return self.captured[tuple(ids.shape)]
+        captured = self.captured[shape] = _Captured(static, graph, tuple(outputs))
+        logger.info("captured the encoder pass for %d × %d tokens (%d of %d shapes)", *shape, len(self.captured), self.max_graphs)
+        return captured
 
     def release(self, request) -> None:
         """Give ``request``'s cross blocks back (finished, aborted or preempted)."""
